@@ -1,0 +1,76 @@
+// fp8moe: the one executable. Subcommands are added as they become real.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "app/exit_codes.h"
+#include "app/train.h"
+#include "io/build_info.h"
+#include "io/config.h"
+#include "kernels/backend_info.h"
+#include "kernels/check.h"
+#include "parallel/mpi_session.h"
+
+namespace {
+
+std::string version_text() {
+  std::string s = "fp8moe " FP8MOE_VERSION ", C++20, built with GCC " __VERSION__;
+#ifdef FP8MOE_HAVE_CUDA
+  s += ", CUDA backend for sm_" FP8MOE_CUDA_ARCHS;
+#else
+  s += ", CPU backend only";
+#endif
+  s += "\n  MPI:        " + fp8moe::mpi_library_version() + "\n  NCCL:       " + fp8moe::nccl_version() + "\n";
+  s += fp8moe::io_build_info();
+  s += fp8moe::kernels_build_info();
+  if (!s.empty() && s.back() == '\n') s.pop_back();
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace fp8moe;
+  CLI::App app{"fp8moe: trains Mixture-of-Experts transformers (DeepSeek-V3 family) in FP8 mixed precision\n"
+               "with tensor, pipeline, expert and data parallelism. Launch with mpirun or srun."};
+  app.set_version_flag("--version", version_text, "Print the version and the libraries in use, then exit");
+  app.require_subcommand(1);
+  app.footer(
+      "Exit status: 0 success; 1 internal error (the job is aborted with MPI_Abort); 2 bad command line,\n"
+      "config, file or world size (reported once by rank 0, every rank exits 2, nothing runs).\n"
+      "As root, Open MPI needs OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; more ranks\n"
+      "than cores needs mpirun --oversubscribe.");
+
+  TrainOptions train;
+  CLI::App* train_cmd = app.add_subcommand(
+      "train", "Validate CONFIG, build the process grid and print it (training itself is not implemented yet)");
+  train_cmd->add_option("config", train.config_path, "YAML config file (see `fp8moe defaults`)")->required();
+  train_cmd->add_option("--set", train.overrides, "Override one key: --set train.lr=1e-4 (repeatable)")
+      ->type_name("KEY=VALUE")
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  train_cmd->add_flag("--dry-run", train.dry_run,
+                      "Validate, build the grid, print the effective config and the layout, exit 0");
+
+  CLI::App* defaults_cmd = app.add_subcommand(
+      "defaults", "Print every config key with its default value, what it accepts and what it means");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? kExitOk : kExitUsage;
+  }
+
+  try {
+    if (*train_cmd) return run_train(train, &argc, &argv);
+    if (*defaults_cmd) {
+      std::fputs(config_reference().c_str(), stdout);
+      return kExitOk;
+    }
+  } catch (const std::exception& e) {
+    fatal_error(__FILE__, __LINE__, std::string("unexpected exception: ") + e.what());
+  }
+  return kExitFailure;
+}

@@ -1,0 +1,66 @@
+#include "app/train.h"
+
+#include <cstdio>
+
+#include "app/exit_codes.h"
+#include "io/config.h"
+#include "parallel/grid.h"
+#include "parallel/mpi_session.h"
+
+namespace fp8moe {
+namespace {
+void report_error(const std::string& message) {
+  std::fprintf(stderr, "fp8moe: error: %s\n", message.c_str());
+  std::fflush(stderr);
+}
+}  // namespace
+
+int run_train(const TrainOptions& options, int* argc, char*** argv) {
+  MpiSession mpi(argc, argv);
+  const bool root = mpi.rank() == 0;
+
+  // Rank 0 reads the file and broadcasts it: one reader, and every rank validates the same text,
+  // so every rank reaches the same verdict and exits the same way; only rank 0 speaks.
+  std::string text, error;
+  if (root) {
+    try {
+      text = read_config_file(options.config_path);
+    } catch (const ConfigError& e) {
+      error = e.what();
+    }
+  }
+  broadcast_string(MPI_COMM_WORLD, error, 0);
+  if (!error.empty()) {
+    if (root) report_error(error);
+    return kExitUsage;
+  }
+  broadcast_string(MPI_COMM_WORLD, text, 0);
+
+  Config config;
+  try {
+    config = load_config(ConfigSource{options.config_path, text, options.overrides}, mpi.size());
+  } catch (const ConfigError& e) {
+    error = e.what();
+  }
+  if (any_rank(MPI_COMM_WORLD, !error.empty())) {
+    if (root) report_error(error.empty() ? "the config was rejected on another rank" : error);
+    return kExitUsage;
+  }
+
+  ProcessGrid grid(MPI_COMM_WORLD, config.parallel.tensor, config.parallel.pipeline, config.parallel.expert);
+  const std::string table = grid.layout_table();  // collective
+  if (root) {
+    std::printf("fp8moe %s: %s on %d rank%s\n\neffective config:\n%s\n%s\n", FP8MOE_VERSION,
+                options.config_path.c_str(), mpi.size(), mpi.size() == 1 ? "" : "s",
+                config_to_yaml(config).c_str(), table.c_str());
+    if (options.dry_run)
+      std::printf("dry run: the config is valid and the process grid is built; nothing was trained.\n");
+    else
+      std::printf("training is not implemented yet: this build validates the config and builds the "
+                  "process grid, then stops. Nothing was trained.\n");
+    std::fflush(stdout);
+  }
+  return kExitOk;
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,681 @@
+#include "io/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <type_traits>
+
+namespace fp8moe {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Messages
+// ---------------------------------------------------------------------------------------------
+
+[[noreturn]] void fail(const std::string& where, const std::string& key, const std::string& got,
+                       const std::string& expected) {
+  throw ConfigError(where + ": " + key + ": got " + got + ", expected " + expected);
+}
+
+std::string location(const std::string& file, const YAML::Mark& mark) {
+  if (mark.is_null()) return file;
+  return file + ":" + std::to_string(mark.line + 1) + ":" + std::to_string(mark.column + 1);
+}
+
+// How a node is shown after "got".
+std::string describe(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null: return "nothing (an empty value)";
+    case YAML::NodeType::Map: return "a mapping";
+    case YAML::NodeType::Sequence: return "a list";
+    case YAML::NodeType::Scalar: return "'" + node.Scalar() + "'";
+    default: return "an undefined value";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar parsing (strict: "12abc" is not 12, "1.5" is not an integer, "yes" is not a bool)
+// ---------------------------------------------------------------------------------------------
+
+const std::string& scalar_or_fail(const YAML::Node& node, const std::string& where, const std::string& key,
+                                  const std::string& expected) {
+  if (!node.IsScalar()) fail(where, key, describe(node), expected);
+  return node.Scalar();
+}
+
+template <class T>
+bool parse_number(std::string_view s, T* out) {
+  if (!s.empty() && s.front() == '+') s.remove_prefix(1);
+  if (s.empty()) return false;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  if (ec != std::errc() || end != s.data() + s.size()) return false;
+  if constexpr (std::is_floating_point_v<T>) return std::isfinite(*out);
+  return true;
+}
+
+std::string format_double(double v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form
+  std::string s(buf, end);
+  // Keep it a float to YAML readers ("3" -> "3.0"), so the effective config shows the type.
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The schema
+// ---------------------------------------------------------------------------------------------
+
+struct Field {
+  std::string path;      // "model.moe.top_k"
+  std::string expected;  // "an integer in [1, 256]"
+  std::string doc;
+  std::function<void(Config&, const YAML::Node&, const std::string& where)> parse;
+  std::function<YAML::Node(const Config&)> show;
+};
+
+// REF(model.d_model) -> accessor usable on Config& and const Config&.
+#define REF(member) [](auto& c) -> auto& { return c.member; }
+
+template <class Ref>
+using FieldType = std::remove_cvref_t<decltype(std::declval<Ref>()(std::declval<Config&>()))>;
+
+constexpr int64_t kNoMax = std::numeric_limits<int64_t>::max();
+
+template <class Ref>
+Field integer(std::string path, Ref ref, int64_t lo, int64_t hi, std::string doc) {
+  using T = FieldType<Ref>;
+  hi = std::min<int64_t>(hi, std::numeric_limits<T>::max());
+  std::string expected = hi == std::numeric_limits<T>::max()
+                             ? "an integer >= " + std::to_string(lo)
+                             : "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  Field f{path, expected, std::move(doc), {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    const std::string& s = scalar_or_fail(n, where, path, expected);
+    int64_t v = 0;
+    if (!parse_number(s, &v) || v < lo || v > hi) fail(where, path, describe(n), expected);
+    ref(c) = static_cast<T>(v);
+  };
+  f.show = [=](const Config& c) { return YAML::Node(std::to_string(ref(c))); };
+  return f;
+}
+
+enum class Bound { closed, open };
+
+template <class Ref>
+Field real(std::string path, Ref ref, double lo, Bound lo_b, double hi, Bound hi_b, std::string doc) {
+  std::string expected;
+  const bool has_hi = std::isfinite(hi);
+  if (!has_hi)
+    expected = std::string("a number ") + (lo_b == Bound::open ? "> " : ">= ") + format_double(lo);
+  else
+    expected = std::string("a number in ") + (lo_b == Bound::open ? "(" : "[") + format_double(lo) + ", " +
+               format_double(hi) + (hi_b == Bound::open ? ")" : "]");
+  Field f{path, expected, std::move(doc), {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    const std::string& s = scalar_or_fail(n, where, path, expected);
+    double v = 0;
+    const bool ok = parse_number(s, &v) && (lo_b == Bound::open ? v > lo : v >= lo) &&
+                    (!has_hi || (hi_b == Bound::open ? v < hi : v <= hi));
+    if (!ok) fail(where, path, describe(n), expected);
+    ref(c) = v;
+  };
+  f.show = [=](const Config& c) { return YAML::Node(format_double(ref(c))); };
+  return f;
+}
+
+template <class Ref>
+Field boolean(std::string path, Ref ref, std::string doc) {
+  const std::string expected = "true or false";
+  Field f{path, expected, std::move(doc), {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    const std::string& s = scalar_or_fail(n, where, path, expected);
+    if (s == "true" || s == "True" || s == "TRUE") ref(c) = true;
+    else if (s == "false" || s == "False" || s == "FALSE") ref(c) = false;
+    else fail(where, path, describe(n), expected);
+  };
+  f.show = [=](const Config& c) { return YAML::Node(ref(c) ? "true" : "false"); };
+  return f;
+}
+
+template <class Ref>
+Field text(std::string path, Ref ref, bool may_be_empty, std::string doc) {
+  const std::string expected = may_be_empty ? "a string" : "a non-empty string";
+  Field f{path, expected, std::move(doc), {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    if (n.IsNull() && may_be_empty) {
+      ref(c).clear();
+      return;
+    }
+    const std::string& s = scalar_or_fail(n, where, path, expected);
+    if (s.empty() && !may_be_empty) fail(where, path, "''", expected);
+    ref(c) = s;
+  };
+  f.show = [=](const Config& c) { return YAML::Node(ref(c)); };
+  return f;
+}
+
+template <class E>
+std::string one_of() {
+  std::string s = "one of ";
+  for (size_t i = 0; i < std::size(EnumNames<E>::names); ++i)
+    s += (i ? ", " : "") + std::string(EnumNames<E>::names[i]);
+  return s;
+}
+
+template <class Ref>
+Field choice(std::string path, Ref ref, std::string doc) {
+  using E = FieldType<Ref>;
+  const std::string expected = one_of<E>();
+  Field f{path, expected, std::move(doc), {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    const std::string& s = scalar_or_fail(n, where, path, expected);
+    const auto& names = EnumNames<E>::names;
+    auto it = std::find(std::begin(names), std::end(names), s);
+    if (it == std::end(names)) fail(where, path, describe(n), expected);
+    ref(c) = static_cast<E>(it - std::begin(names));
+  };
+  f.show = [=](const Config& c) { return YAML::Node(std::string(to_string(ref(c)))); };
+  return f;
+}
+
+// train.loss_scale: none | dynamic | a positive number (static scale).
+Field loss_scale_field() {
+  const std::string path = "train.loss_scale", expected = "none, dynamic, or a number > 0 (a static scale)";
+  Field f{path, expected,
+          "Loss scaling: none (the default with per-tensor FP8 scaling), dynamic (grow/back off on "
+          "overflow), or a fixed number.",
+          {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    const std::string& s = scalar_or_fail(n, where, path, expected);
+    double v = 0;
+    if (s == "none") c.train.loss_scale = {LossScaleMode::none, 1.0};
+    else if (s == "dynamic") c.train.loss_scale = {LossScaleMode::dynamic, 1.0};
+    else if (parse_number(s, &v) && v > 0) c.train.loss_scale = {LossScaleMode::fixed, v};
+    else fail(where, path, describe(n), expected);
+  };
+  f.show = [](const Config& c) {
+    switch (c.train.loss_scale.mode) {
+      case LossScaleMode::none: return YAML::Node("none");
+      case LossScaleMode::dynamic: return YAML::Node("dynamic");
+      default: return YAML::Node(format_double(c.train.loss_scale.value));
+    }
+  };
+  return f;
+}
+
+// fp8.layers: a list drawn from attention, mlp, experts, shared_experts.
+constexpr std::pair<std::string_view, bool Fp8Layers::*> kFp8LayerNames[] = {
+    {"attention", &Fp8Layers::attention},
+    {"mlp", &Fp8Layers::mlp},
+    {"experts", &Fp8Layers::experts},
+    {"shared_experts", &Fp8Layers::shared_experts},
+};
+
+Field fp8_layers_field() {
+  const std::string path = "fp8.layers",
+                    expected = "a list drawn from attention, mlp, experts, shared_experts (each at most once)";
+  Field f{path, expected,
+          "Layer classes whose linear GEMMs run in FP8 when fp8.recipe is not off; the others stay "
+          "in high precision.",
+          {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    if (!n.IsSequence()) fail(where, path, describe(n), expected);
+    Fp8Layers layers{false, false, false, false};
+    for (size_t i = 0; i < n.size(); ++i) {
+      const YAML::Node item = n[i];
+      const std::string item_path = path + "[" + std::to_string(i) + "]";
+      auto* it = std::find_if(std::begin(kFp8LayerNames), std::end(kFp8LayerNames), [&](const auto& e) {
+        return item.IsScalar() && e.first == item.Scalar();
+      });
+      if (it == std::end(kFp8LayerNames)) fail(where, item_path, describe(item), expected);
+      if (layers.*(it->second)) fail(where, item_path, describe(item) + " a second time", expected);
+      layers.*(it->second) = true;
+    }
+    c.fp8.layers = layers;
+  };
+  f.show = [](const Config& c) {
+    YAML::Node list(YAML::NodeType::Sequence);
+    for (const auto& [name, member] : kFp8LayerNames)
+      if (c.fp8.layers.*member) list.push_back(std::string(name));
+    return list;
+  };
+  return f;
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = [] {
+    using B = Bound;
+    std::vector<Field> v;
+    // model
+    v.push_back(integer("model.vocab_size", REF(model.vocab_size), 2, 1 << 24, "Vocabulary size (256 = bytes)."));
+    v.push_back(integer("model.d_model", REF(model.d_model), 1, 1 << 20, "Hidden size."));
+    v.push_back(integer("model.n_layers", REF(model.n_layers), 1, 4096, "Transformer blocks."));
+    v.push_back(integer("model.n_heads", REF(model.n_heads), 1, 4096, "Attention (query) heads."));
+    v.push_back(integer("model.n_kv_heads", REF(model.n_kv_heads), 1, 4096,
+                        "Key/value heads (grouped-query attention); divides n_heads."));
+    v.push_back(integer("model.head_dim", REF(model.head_dim), 2, 4096, "Size of one head; even (RoPE)."));
+    v.push_back(real("model.rope_theta", REF(model.rope_theta), 0, B::open, kInf, B::open, "RoPE base."));
+    v.push_back(real("model.norm_eps", REF(model.norm_eps), 0, B::open, 1, B::open, "RMSNorm epsilon."));
+    v.push_back(integer("model.first_dense_layers", REF(model.first_dense_layers), 0, 4096,
+                        "The first this many blocks use a dense SwiGLU MLP, the rest an MoE."));
+    v.push_back(integer("model.d_ff_dense", REF(model.d_ff_dense), 1, 1 << 22, "Width of the dense MLPs."));
+    v.push_back(real("model.init_std", REF(model.init_std), 0, B::open, 1, B::closed,
+                     "Standard deviation of the initial weights (DeepSeek-V3: 0.006)."));
+    v.push_back(integer("model.moe.n_experts", REF(model.moe.n_experts), 1, 1 << 16, "Routed experts per MoE layer."));
+    v.push_back(integer("model.moe.top_k", REF(model.moe.top_k), 1, 1 << 16, "Routed experts chosen per token."));
+    v.push_back(integer("model.moe.n_shared_experts", REF(model.moe.n_shared_experts), 0, 64,
+                        "Always-active shared experts."));
+    v.push_back(integer("model.moe.d_expert", REF(model.moe.d_expert), 1, 1 << 22,
+                        "Width of each routed and shared expert."));
+    v.push_back(choice("model.moe.gating", REF(model.moe.gating),
+                       "softmax: top-k of softmax scores; sigmoid (DeepSeek-V3): top-k of sigmoid "
+                       "scores normalised over the chosen k."));
+    v.push_back(real("model.moe.aux_loss_coef", REF(model.moe.aux_loss_coef), 0, B::closed, kInf, B::open,
+                     "Coefficient of the auxiliary balance loss; 0 = off."));
+    v.push_back(real("model.moe.bias_update_rate", REF(model.moe.bias_update_rate), 0, B::closed, kInf,
+                     B::open, "Aux-loss-free balancing: per-step change of the expert bias; 0 = off."));
+    v.push_back(real("model.moe.capacity_factor", REF(model.moe.capacity_factor), 0, B::closed, kInf,
+                     B::open, "Expert capacity as a multiple of the balanced load; 0 = never drop tokens."));
+    // parallel
+    v.push_back(integer("parallel.tensor", REF(parallel.tensor), 1, 1 << 16, "Tensor-parallel size."));
+    v.push_back(integer("parallel.pipeline", REF(parallel.pipeline), 1, 1 << 16, "Pipeline stages."));
+    v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,
+                        "Expert-parallel size; divides the data-parallel size (world / (tensor x pipeline))."));
+    v.push_back(integer("parallel.micro_batches", REF(parallel.micro_batches), 1, 1 << 16,
+                        "Micro-batches per step on each data-parallel rank (gradient accumulation, 1F1B)."));
+    // train
+    v.push_back(integer("train.seed", REF(train.seed), 0, kNoMax, "Seed of initialisation and data order."));
+    v.push_back(integer("train.steps", REF(train.steps), 1, kNoMax, "Optimizer steps."));
+    v.push_back(integer("train.global_batch", REF(train.global_batch), 1, 1 << 24,
+                        "Sequences per step over all data-parallel ranks."));
+    v.push_back(integer("train.seq_len", REF(train.seq_len), 1, 1 << 20, "Tokens per sequence."));
+    v.push_back(real("train.lr", REF(train.lr), 0, B::open, kInf, B::open, "Peak learning rate."));
+    v.push_back(real("train.min_lr", REF(train.min_lr), 0, B::closed, kInf, B::open,
+                     "Learning rate at the end of the decay; <= train.lr."));
+    v.push_back(integer("train.warmup_steps", REF(train.warmup_steps), 0, kNoMax, "Linear warm-up steps."));
+    v.push_back(choice("train.schedule", REF(train.schedule), "Decay after warm-up."));
+    v.push_back(real("train.weight_decay", REF(train.weight_decay), 0, B::closed, kInf, B::open,
+                     "Decoupled (AdamW) weight decay; not applied to norms and biases."));
+    v.push_back(real("train.beta1", REF(train.beta1), 0, B::closed, 1, B::open, "Adam beta1."));
+    v.push_back(real("train.beta2", REF(train.beta2), 0, B::closed, 1, B::open, "Adam beta2."));
+    v.push_back(real("train.eps", REF(train.eps), 0, B::open, 1, B::open, "Adam epsilon."));
+    v.push_back(real("train.grad_clip", REF(train.grad_clip), 0, B::closed, kInf, B::open,
+                     "Global gradient-norm clip; 0 = off."));
+    v.push_back(choice("train.moments_dtype", REF(train.moments_dtype),
+                       "Storage of the Adam moments (bf16 as DeepSeek-V3)."));
+    v.push_back(loss_scale_field());
+    v.push_back(choice("train.recompute", REF(train.recompute),
+                       "Recompute in backward instead of saving: nothing, the MoE blocks, or every block."));
+    // fp8
+    v.push_back(choice("fp8.recipe", REF(fp8.recipe),
+                       "off: FP32 GEMMs; delayed / current: per-tensor scales from an amax history / "
+                       "this step's amax; blockwise (DeepSeek-V3): 1 x tile activation and gradient "
+                       "tiles, tile x tile weight blocks."));
+    v.push_back(choice("fp8.format", REF(fp8.format),
+                       "e4m3 everywhere, or hybrid: E4M3 forward, E5M2 gradients (not with blockwise)."));
+    v.push_back(integer("fp8.amax_history_len", REF(fp8.amax_history_len), 1, 1 << 20,
+                        "Delayed scaling: length of the amax history."));
+    v.push_back(choice("fp8.amax_compute", REF(fp8.amax_compute),
+                       "Delayed scaling: the amax used is the history's max or its most recent entry."));
+    v.push_back(integer("fp8.margin", REF(fp8.margin), 0, 64, "Scale = fp8_max / amax / 2^margin."));
+    v.push_back(integer("fp8.tile", REF(fp8.tile), 1, 4096,
+                        "Blockwise tile size T (DeepSeek-V3 and cuBLASLt: 128)."));
+    v.push_back(boolean("fp8.power_of_two_scales", REF(fp8.power_of_two_scales),
+                        "Round scales down to powers of two (exact rescaling)."));
+    v.push_back(fp8_layers_field());
+    // data
+    v.push_back(text("data.path", REF(data.path), true,
+                     "Prefix of a token file made by `fp8moe prepare-data` (needed once training lands)."));
+    // eval
+    v.push_back(integer("eval.every", REF(eval.every), 0, kNoMax, "Evaluate every this many steps; 0 = never."));
+    v.push_back(integer("eval.batches", REF(eval.batches), 1, 1 << 20, "Validation batches per evaluation."));
+    // checkpoint
+    v.push_back(text("checkpoint.dir", REF(checkpoint.dir), false, "Directory of the checkpoints."));
+    v.push_back(integer("checkpoint.every", REF(checkpoint.every), 0, kNoMax,
+                        "Save every this many steps; 0 = only at the end."));
+    v.push_back(integer("checkpoint.keep_last", REF(checkpoint.keep_last), 1, 1 << 20,
+                        "Committed checkpoints kept; older ones are deleted after a newer one commits."));
+    v.push_back(text("checkpoint.resume", REF(checkpoint.resume), false,
+                     "auto: resume from <dir>/latest if present; none: start fresh; or a checkpoint path."));
+    // log
+    v.push_back(integer("log.every", REF(log.every), 1, kNoMax, "Print metrics every this many steps."));
+    v.push_back(text("log.jsonl", REF(log.jsonl), true, "Path of the JSONL metrics file; empty = none."));
+    return v;
+  }();
+  return fields;
+}
+
+#undef REF
+
+const Field* find_field(const std::string& path) {
+  for (const Field& f : schema())
+    if (f.path == path) return &f;
+  return nullptr;
+}
+
+// Sections are the proper prefixes of field paths: "model", "model.moe", "parallel", ...
+bool is_section(const std::string& path) {
+  for (const Field& f : schema())
+    if (f.path.size() > path.size() && f.path.compare(0, path.size(), path) == 0 && f.path[path.size()] == '.')
+      return true;
+  return false;
+}
+
+std::string leaf(const std::string& path) {
+  const size_t dot = path.rfind('.');
+  return dot == std::string::npos ? path : path.substr(dot + 1);
+}
+
+std::string parent(const std::string& path) {
+  const size_t dot = path.rfind('.');
+  return dot == std::string::npos ? std::string() : path.substr(0, dot);
+}
+
+// Every key and section path, the candidates of a suggestion.
+std::vector<std::string> all_paths() {
+  std::vector<std::string> out;
+  for (const Field& f : schema()) {
+    for (std::string p = f.path; !p.empty(); p = parent(p))
+      if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+  }
+  return out;
+}
+
+std::string suggestion(const std::string& unknown) {
+  // 1) The same key name under another section ("model.top_k" -> "model.moe.top_k").
+  for (const std::string& p : all_paths())
+    if (leaf(p) == leaf(unknown) && p != unknown) return p;
+  // 2) The closest path by edit distance, if it is close enough to be a typo.
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const std::string& p : all_paths()) {
+    const size_t d = edit_distance(unknown, p);
+    if (d < best_d) best_d = d, best = p;
+  }
+  const size_t limit = std::max<size_t>(2, leaf(unknown).size() / 3);
+  return best_d <= limit ? best : std::string();
+}
+
+[[noreturn]] void fail_unknown(const std::string& where, const std::string& path) {
+  std::string msg = where + ": " + path + ": unknown key";
+  const std::string hint = suggestion(path);
+  if (!hint.empty()) {
+    msg += "; did you mean " + hint + "?";
+  } else {
+    std::string keys;
+    const std::string sec = parent(path);
+    for (const std::string& p : all_paths())
+      if (parent(p) == sec) keys += (keys.empty() ? "" : ", ") + leaf(p);
+    msg += "; expected one of: " + keys;
+  }
+  throw ConfigError(msg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading
+// ---------------------------------------------------------------------------------------------
+
+struct Loader {
+  const ConfigSource& src;
+  std::map<std::string, std::string> set_arg;  // key path -> the --set argument that set it
+  std::map<std::string, std::string> where;    // key path -> where its value came from
+
+  // Where a rule about `path` should point: the value's location, its --set argument, or the file.
+  std::string where_of(const std::string& path) const {
+    auto it = where.find(path);
+    return it != where.end() ? it->second : src.file + " (default value)";
+  }
+
+  void apply_override(YAML::Node& root, const std::string& arg) {
+    const size_t eq = arg.find('=');
+    const std::string where_arg = "--set " + arg;
+    if (eq == std::string::npos || eq == 0)
+      throw ConfigError(where_arg + ": expected key.path=value (for example --set train.lr=1e-4)");
+    const std::string path = arg.substr(0, eq), value = arg.substr(eq + 1);
+    if (!find_field(path)) {
+      if (is_section(path))
+        throw ConfigError(where_arg + ": " + path + ": is a section; set one of its keys (" + path + ".KEY=value)");
+      fail_unknown(where_arg, path);
+    }
+    YAML::Node parsed;
+    try {
+      parsed = YAML::Load(value);
+    } catch (const YAML::Exception& e) {
+      fail(where_arg, path, "'" + value + "'", "a YAML value (" + e.msg + ")");
+    }
+    // Walk down, creating sections; a section that exists must be a mapping.
+    std::vector<std::string> parts;
+    std::stringstream ss(path);
+    for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
+    std::vector<YAML::Node> chain{root};
+    std::string prefix;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      prefix += (i ? "." : "") + parts[i];
+      YAML::Node next = chain.back()[parts[i]];
+      if (next.IsDefined() && !next.IsNull() && !next.IsMap())
+        fail(location(src.file, next.Mark()), prefix, describe(next), "a mapping of keys");
+      chain.push_back(next);
+    }
+    chain.back()[parts.back()] = parsed;
+    set_arg[path] = where_arg;
+  }
+
+  void walk(const YAML::Node& node, const std::string& prefix, const std::string& node_where, Config& cfg) {
+    if (node.IsNull()) return;  // "model:" with nothing under it: all defaults
+    if (!node.IsMap())
+      fail(node_where, prefix.empty() ? "(top level)" : prefix, describe(node), "a mapping of keys");
+    std::map<std::string, std::string> seen;  // key -> location, to reject duplicates
+    for (const auto& kv : node) {
+      const std::string key_where = location(src.file, kv.first.Mark());
+      if (!kv.first.IsScalar()) fail(key_where, prefix.empty() ? "(top level)" : prefix, "a non-text key", "key names");
+      const std::string key = kv.first.Scalar();
+      const std::string path = prefix.empty() ? key : prefix + "." + key;
+      if (auto [it, fresh] = seen.emplace(key, key_where); !fresh)
+        throw ConfigError(key_where + ": " + path + ": duplicate key (first given at " + it->second + ")");
+      auto arg = set_arg.find(path);
+      const std::string value_where =
+          arg != set_arg.end() ? arg->second : location(src.file, kv.second.Mark());
+      if (const Field* f = find_field(path)) {
+        f->parse(cfg, kv.second, value_where);
+        where[path] = value_where;
+      } else if (is_section(path)) {
+        walk(kv.second, path, value_where, cfg);
+      } else {
+        fail_unknown(key_where, path);
+      }
+    }
+  }
+};
+
+std::string show_value(const Field& f, const Config& c) {
+  YAML::Emitter e;
+  e << YAML::Flow << f.show(c);
+  return e.c_str();
+}
+
+// Rules between keys, and those that need the number of ranks (world_size > 0).
+void check_rules(const Config& c, const Loader& L, int world_size) {
+  auto rule = [&](bool ok, const std::string& key, const std::string& expected) {
+    if (!ok) {
+      std::string got = show_value(*find_field(key), c);
+      if (L.where.find(key) == L.where.end()) got += " (the default)";
+      fail(L.where_of(key), key, got, expected);
+    }
+  };
+  auto n = [](auto v) { return std::to_string(v); };
+  const ModelConfig& m = c.model;
+  const ParallelConfig& p = c.parallel;
+
+  rule(m.n_kv_heads <= m.n_heads && m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+       "a divisor of model.n_heads = " + n(m.n_heads) + " (grouped-query attention)");
+  rule(m.head_dim % 2 == 0, "model.head_dim", "an even number (RoPE rotates pairs of channels)");
+  rule(m.first_dense_layers <= m.n_layers, "model.first_dense_layers",
+       "at most model.n_layers = " + n(m.n_layers));
+  rule(m.moe.top_k <= m.moe.n_experts, "model.moe.top_k", "at most model.moe.n_experts = " + n(m.moe.n_experts));
+  rule(c.train.min_lr <= c.train.lr, "train.min_lr", "at most train.lr = " + format_double(c.train.lr));
+  rule(!(c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.format == Fp8Format::hybrid), "fp8.format",
+       "e4m3 with fp8.recipe blockwise (DeepSeek-V3 block scaling is E4M3 only)");
+
+  // Tensor parallelism splits heads, the vocabulary (embedding and head) and MLP/expert widths.
+  const std::string tp = " (parallel.tensor = " + n(p.tensor) + ")";
+  rule(m.n_heads % p.tensor == 0, "parallel.tensor",
+       "a divisor of model.n_heads = " + n(m.n_heads) + " (heads are split over tensor-parallel ranks)");
+  rule(m.n_kv_heads % p.tensor == 0, "parallel.tensor",
+       "a divisor of model.n_kv_heads = " + n(m.n_kv_heads) + " (kv heads are split over tensor-parallel ranks)");
+  rule(m.vocab_size % p.tensor == 0, "parallel.tensor",
+       "a divisor of model.vocab_size = " + n(m.vocab_size) + " (vocabulary-parallel embedding and head)");
+  rule(m.d_ff_dense % p.tensor == 0, "parallel.tensor",
+       "a divisor of model.d_ff_dense = " + n(m.d_ff_dense) + " (dense MLP columns are split)");
+  rule(m.moe.d_expert % p.tensor == 0, "parallel.tensor",
+       "a divisor of model.moe.d_expert = " + n(m.moe.d_expert) + " (expert columns are split)");
+  rule(m.moe.n_experts % p.expert == 0, "parallel.expert",
+       "a divisor of model.moe.n_experts = " + n(m.moe.n_experts) + " (each expert rank owns whole experts)");
+  rule(p.pipeline <= m.n_layers, "parallel.pipeline",
+       "at most model.n_layers = " + n(m.n_layers) + " (every stage needs a layer)");
+
+  // Blockwise FP8: a weight block or activation tile may not straddle a tensor-parallel shard.
+  if (c.fp8.recipe == Fp8Recipe::blockwise && p.tensor > 1) {
+    const std::pair<const char*, int64_t> widths[] = {
+        {"model.n_heads x model.head_dim", int64_t(m.n_heads) * m.head_dim},
+        {"model.n_kv_heads x model.head_dim", int64_t(m.n_kv_heads) * m.head_dim},
+        {"model.d_ff_dense", m.d_ff_dense},
+        {"model.moe.d_expert", m.moe.d_expert},
+    };
+    for (const auto& [name, width] : widths) {
+      const int64_t shard = width / p.tensor;
+      rule(shard % c.fp8.tile == 0, "fp8.tile",
+           "a divisor of every tensor-parallel shard width, but " + std::string(name) + " / parallel.tensor = " +
+               n(width) + " / " + n(p.tensor) + " = " + n(shard) + " (blocks may not straddle shards)");
+    }
+  }
+
+  if (world_size <= 0) return;
+  const std::string world = "the world size " + n(world_size);
+  rule(world_size % p.tensor == 0, "parallel.tensor", "a divisor of " + world);
+  rule(world_size % (p.tensor * p.pipeline) == 0, "parallel.pipeline",
+       "a value with parallel.tensor x parallel.pipeline = " + n(p.tensor) + " x " + n(p.pipeline) +
+           " dividing " + world);
+  const int data = world_size / (p.tensor * p.pipeline);
+  rule(data % p.expert == 0, "parallel.expert",
+       "a divisor of the data-parallel size " + n(data) + " = world " + n(world_size) + " / (tensor " +
+           n(p.tensor) + " x pipeline " + n(p.pipeline) + ")");
+  rule(c.train.global_batch % (int64_t(data) * p.micro_batches) == 0, "train.global_batch",
+       "a multiple of data-parallel size x parallel.micro_batches = " + n(data) + " x " + n(p.micro_batches) +
+           " = " + n(int64_t(data) * p.micro_batches));
+}
+
+}  // namespace
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string read_config_file(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status))
+    throw ConfigError(path + ": cannot read the config file: it does not exist");
+  if (!std::filesystem::is_regular_file(status))
+    throw ConfigError(path + ": cannot read the config file: it is not a regular file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in.is_open()) throw ConfigError(path + ": cannot read the config file: " + std::strerror(errno));
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (in.bad()) throw ConfigError(path + ": cannot read the config file: read error");
+  return s.str();
+}
+
+Config load_config(const ConfigSource& source, int world_size) {
+  Loader L{source, {}, {}};
+  YAML::Node root;
+  try {
+    root = YAML::Load(source.text);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(location(source.file, e.mark) + ": YAML syntax error: " + e.msg);
+  }
+  if (!root.IsNull() && !root.IsMap()) fail(location(source.file, root.Mark()), "(top level)", describe(root), "a mapping of keys");
+  if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  for (const std::string& arg : source.overrides) L.apply_override(root, arg);
+
+  Config cfg;
+  L.walk(root, "", source.file, cfg);
+  check_rules(cfg, L, world_size);
+  return cfg;
+}
+
+std::string config_to_yaml(const Config& config) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  std::vector<std::string> open;  // the sections we are inside, outermost first
+  for (const Field& f : schema()) {
+    std::vector<std::string> want;
+    for (std::string p = parent(f.path); !p.empty(); p = parent(p)) want.insert(want.begin(), leaf(p));
+    size_t common = 0;
+    while (common < open.size() && common < want.size() && open[common] == want[common]) ++common;
+    for (size_t i = open.size(); i > common; --i) out << YAML::EndMap;
+    open.resize(common);
+    for (size_t i = common; i < want.size(); ++i) {
+      out << YAML::Key << want[i] << YAML::Value << YAML::BeginMap;
+      open.push_back(want[i]);
+    }
+    out << YAML::Key << leaf(f.path) << YAML::Value << YAML::Flow << f.show(config);
+  }
+  for (size_t i = 0; i < open.size(); ++i) out << YAML::EndMap;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::string config_reference() {
+  const Config defaults;
+  std::string out =
+      "# fp8moe configuration reference: every key with its default value, what it accepts and what\n"
+      "# it means. Generated by `fp8moe defaults`; a config file only needs the keys it changes.\n";
+  std::string section;
+  for (const Field& f : schema()) {
+    const std::string sec = parent(f.path);
+    if (sec != section) {
+      // Open each section level that differs from the previous field's.
+      std::string common;
+      for (std::string p = sec; !p.empty(); p = parent(p))
+        if (section == p || section.rfind(p + ".", 0) == 0) { common = p; break; }
+      std::vector<std::string> opens;
+      for (std::string p = sec; p != common; p = parent(p)) opens.insert(opens.begin(), p);
+      for (const std::string& p : opens) {
+        const size_t depth = std::count(p.begin(), p.end(), '.');
+        out += (depth == 0 ? "\n" : "") + std::string(2 * depth, ' ') + leaf(p) + ":\n";
+      }
+      section = sec;
+    }
+    const size_t depth = std::count(f.path.begin(), f.path.end(), '.');
+    std::string line = std::string(2 * depth, ' ') + leaf(f.path) + ": " + show_value(f, defaults);
+    if (line.size() < 40) line.resize(40, ' ');
+    out += line + "  # " + f.expected + ". " + f.doc + "\n";
+  }
+  return out;
+}
+
+}  // namespace fp8moe

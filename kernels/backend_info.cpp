@@ -1,0 +1,51 @@
+#include "kernels/backend_info.h"
+
+#include <omp.h>
+
+#include <string>
+
+#ifdef FP8MOE_HAVE_CUDA
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#endif
+
+extern "C" char* openblas_get_config(void);  // OpenBLAS (BLA_VENDOR=OpenBLAS in CMake)
+
+namespace fp8moe {
+
+int cuda_device_count(std::string* why) {
+#ifdef FP8MOE_HAVE_CUDA
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    if (why) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
+    return 0;
+  }
+  if (n == 0 && why) *why = "cudaGetDeviceCount returned 0 devices";
+  return n;
+#else
+  if (why) *why = "this build has no CUDA backend (FP8MOE_CUDA=OFF or no nvcc at configure time)";
+  return 0;
+#endif
+}
+
+std::string kernels_build_info() {
+  std::string s;
+  s += "  BLAS:       OpenBLAS (" + std::string(openblas_get_config()) + ")\n";
+  s += "  OpenMP:     " + std::to_string(_OPENMP) + ", max threads " + std::to_string(omp_get_max_threads()) + "\n";
+#ifdef FP8MOE_HAVE_CUDA
+  int rt = 0;
+  cudaRuntimeGetVersion(&rt);
+  const size_t lt = cublasLtGetVersion();
+  s += "  CUDA:       runtime " + std::to_string(rt / 1000) + "." + std::to_string(rt % 1000 / 10) +
+       ", cuBLASLt " + std::to_string(lt) + "\n";
+  std::string why;
+  const int n = cuda_device_count(&why);
+  s += "  GPUs:       " + (n > 0 ? std::to_string(n) + " visible" : "none visible (" + why + ")") + "\n";
+#else
+  s += "  CUDA:       not built (CPU backend only)\n";
+#endif
+  return s;
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,33 @@
+// SwiGLU, the gated activation of every dense and expert MLP:  y = silu(a) * b,  silu(a) = a * sigmoid(a).
+// a is the gate projection (x W1^T), b the up projection (x W3^T); y goes into W2.
+//
+// The per-element math is written once here (FP8MOE_HD) and shared by kernels/cpu and kernels/cuda.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/hd.h"
+
+namespace fp8moe {
+
+FP8MOE_HD inline float sigmoidf_(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// y = a * sigmoid(a) * b
+FP8MOE_HD inline float swiglu_forward_elem(float a, float b) { return a * sigmoidf_(a) * b; }
+
+// Given dy = dL/dy:  dL/da = dy * b * sigmoid(a) * (1 + a * (1 - sigmoid(a))),  dL/db = dy * silu(a).
+FP8MOE_HD inline void swiglu_backward_elem(float a, float b, float dy, float* da, float* db) {
+  const float s = sigmoidf_(a);
+  *da = dy * b * s * (1.0f + a * (1.0f - s));
+  *db = dy * a * s;
+}
+
+namespace cpu {
+// a, b, y: (n)
+void swiglu_forward(const float* a, const float* b, float* y, int64_t n);
+// a, b, dy, da, db: (n)
+void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n);
+}  // namespace cpu
+
+}  // namespace fp8moe

@@ -1,0 +1,164 @@
+// The typed configuration of a run. io/config fills it from YAML (and documents every key with its
+// default); the rest of the program reads only these structs. Defaults below are the defaults of
+// the YAML keys of the same name (`fp8moe defaults` prints them all).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <cstddef>
+#include <string_view>
+
+namespace fp8moe {
+
+enum class Gating { softmax, sigmoid };
+enum class Schedule { cosine, linear, constant };
+enum class MomentsDtype { fp32, bf16 };
+enum class Recompute { none, moe, full };
+enum class Fp8Recipe { off, delayed, current, blockwise };
+enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
+enum class AmaxCompute { max, most_recent };
+enum class LossScaleMode { none, dynamic, fixed };
+
+struct MoeConfig {
+  int n_experts = 8;
+  int top_k = 2;
+  int n_shared_experts = 1;
+  int d_expert = 256;  // width of each routed (and each shared) expert's SwiGLU
+  Gating gating = Gating::sigmoid;
+  double aux_loss_coef = 0.0;        // switch-style balance loss; 0 = off
+  double bias_update_rate = 0.001;   // aux-loss-free balancing step (DeepSeek-V3 gamma); 0 = off
+  double capacity_factor = 0.0;      // 0 = no token dropping
+  bool operator==(const MoeConfig&) const = default;
+};
+
+struct ModelConfig {
+  int vocab_size = 256;
+  int d_model = 256;
+  int n_layers = 4;
+  int n_heads = 8;
+  int n_kv_heads = 8;
+  int head_dim = 32;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-6;
+  int first_dense_layers = 1;
+  int d_ff_dense = 1024;
+  double init_std = 0.02;
+  MoeConfig moe;
+  bool operator==(const ModelConfig&) const = default;
+};
+
+struct ParallelConfig {
+  int tensor = 1;
+  int pipeline = 1;
+  int expert = 1;
+  int micro_batches = 1;
+  bool operator==(const ParallelConfig&) const = default;
+};
+
+struct LossScale {
+  LossScaleMode mode = LossScaleMode::none;
+  double value = 1.0;  // for `fixed`
+  bool operator==(const LossScale&) const = default;
+};
+
+struct TrainConfig {
+  int64_t seed = 1234;
+  int64_t steps = 1000;
+  int global_batch = 8;  // sequences per optimizer step, over all data-parallel ranks
+  int seq_len = 256;
+  double lr = 3e-4;
+  double min_lr = 3e-5;
+  int64_t warmup_steps = 100;
+  Schedule schedule = Schedule::cosine;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // 0 = off
+  MomentsDtype moments_dtype = MomentsDtype::fp32;
+  LossScale loss_scale;
+  Recompute recompute = Recompute::none;
+  bool operator==(const TrainConfig&) const = default;
+};
+
+// Which layer classes run their GEMMs in FP8 (when fp8.recipe != off).
+struct Fp8Layers {
+  bool attention = true;       // q, k, v, o projections
+  bool mlp = true;             // dense SwiGLU MLPs
+  bool experts = true;         // routed experts
+  bool shared_experts = true;  // shared experts
+  bool operator==(const Fp8Layers&) const = default;
+};
+
+struct Fp8Config {
+  Fp8Recipe recipe = Fp8Recipe::blockwise;
+  Fp8Format format = Fp8Format::e4m3;
+  int amax_history_len = 1024;
+  AmaxCompute amax_compute = AmaxCompute::max;
+  int margin = 0;
+  int tile = 128;  // blockwise: 1 x tile activation/gradient tiles, tile x tile weight blocks
+  bool power_of_two_scales = true;
+  Fp8Layers layers;
+  bool operator==(const Fp8Config&) const = default;
+};
+
+struct DataConfig {
+  std::string path;  // prefix of a prepared token file
+  bool operator==(const DataConfig&) const = default;
+};
+
+struct EvalConfig {
+  int64_t every = 100;  // 0 = never
+  int batches = 8;
+  bool operator==(const EvalConfig&) const = default;
+};
+
+struct CheckpointConfig {
+  std::string dir = "checkpoints";
+  int64_t every = 0;   // 0 = only at the end of training
+  int keep_last = 3;
+  std::string resume = "auto";  // auto | none | path of a checkpoint
+  bool operator==(const CheckpointConfig&) const = default;
+};
+
+struct LogConfig {
+  int64_t every = 1;
+  std::string jsonl;  // metrics file; empty = none
+  bool operator==(const LogConfig&) const = default;
+};
+
+struct Config {
+  ModelConfig model;
+  ParallelConfig parallel;
+  TrainConfig train;
+  Fp8Config fp8;
+  DataConfig data;
+  EvalConfig eval;
+  CheckpointConfig checkpoint;
+  LogConfig log;
+  bool operator==(const Config&) const = default;
+};
+
+// Names of enum values as they are written in YAML, indexed by the enum's value.
+template <class E>
+struct EnumNames;
+#define FP8MOE_ENUM_NAMES(E, ...)                                  \
+  template <>                                                      \
+  struct EnumNames<E> {                                            \
+    static constexpr std::string_view names[] = {__VA_ARGS__};     \
+  }
+FP8MOE_ENUM_NAMES(Gating, "softmax", "sigmoid");
+FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
+FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
+FP8MOE_ENUM_NAMES(Recompute, "none", "moe", "full");
+FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
+FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");
+FP8MOE_ENUM_NAMES(AmaxCompute, "max", "most_recent");
+#undef FP8MOE_ENUM_NAMES
+
+template <class E>
+constexpr std::string_view to_string(E v) {
+  return EnumNames<E>::names[static_cast<size_t>(v)];
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,114 @@
+#include "parallel/grid.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "kernels/check.h"
+
+namespace fp8moe {
+
+std::string grid_layout_problem(int world, int tensor, int pipeline, int expert) {
+  if (world < 1 || tensor < 1 || pipeline < 1 || expert < 1) return "all sizes must be >= 1";
+  if (world % (tensor * pipeline) != 0)
+    return "world size " + std::to_string(world) + " is not a multiple of tensor x pipeline = " +
+           std::to_string(tensor * pipeline);
+  const int data = world / (tensor * pipeline);
+  if (data % expert != 0)
+    return "expert size " + std::to_string(expert) + " does not divide the data-parallel size " +
+           std::to_string(data);
+  return {};
+}
+
+GridDims make_grid_dims(int world, int tensor, int pipeline, int expert) {
+  const std::string problem = grid_layout_problem(world, tensor, pipeline, expert);
+  FP8MOE_ASSERT(problem.empty(), "invalid grid layout: ", problem);
+  GridDims d;
+  d.world = world;
+  d.tensor = tensor;
+  d.pipeline = pipeline;
+  d.data = world / (tensor * pipeline);
+  d.expert = expert;
+  d.expert_data = d.data / expert;
+  return d;
+}
+
+GridCoord grid_coord_of(const GridDims& d, int rank) {
+  FP8MOE_ASSERT(rank >= 0 && rank < d.world, "rank ", rank, " outside world ", d.world);
+  GridCoord c;
+  c.tensor = rank % d.tensor;
+  int rest = rank / d.tensor;
+  c.expert = rest % d.expert;
+  rest /= d.expert;
+  c.expert_data = rest % d.expert_data;
+  c.pipeline = rest / d.expert_data;
+  c.data = c.expert + d.expert * c.expert_data;
+  return c;
+}
+
+int grid_rank_of(const GridDims& d, const GridCoord& c) {
+  return c.tensor + d.tensor * (c.expert + d.expert * (c.expert_data + d.expert_data * c.pipeline));
+}
+
+namespace {
+// Ranks sharing `color` form one group, ordered by `key` (the coordinate that varies inside it).
+MPI_Comm split(MPI_Comm world, int color, int key) {
+  MPI_Comm out = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_split(world, color, key, &out));
+  return out;
+}
+}  // namespace
+
+ProcessGrid::ProcessGrid(MPI_Comm world, int tensor, int pipeline, int expert) : world_(world) {
+  int size = 0;
+  MPI_CHECK(MPI_Comm_rank(world, &rank_));
+  MPI_CHECK(MPI_Comm_size(world, &size));
+  dims_ = make_grid_dims(size, tensor, pipeline, expert);
+  coord_ = grid_coord_of(dims_, rank_);
+  const GridDims& d = dims_;
+  const GridCoord& c = coord_;
+  // Each color is a unique index of the coordinates the group holds fixed.
+  tensor_ = split(world, c.data + d.data * c.pipeline, c.tensor);
+  pipeline_ = split(world, c.tensor + d.tensor * c.data, c.pipeline);
+  data_ = split(world, c.tensor + d.tensor * c.pipeline, c.data);
+  expert_ = split(world, c.tensor + d.tensor * (c.expert_data + d.expert_data * c.pipeline), c.expert);
+  expert_data_ = split(world, c.tensor + d.tensor * (c.expert + d.expert * c.pipeline), c.expert_data);
+}
+
+ProcessGrid::~ProcessGrid() {
+  for (MPI_Comm* comm : {&tensor_, &pipeline_, &data_, &expert_, &expert_data_})
+    if (*comm != MPI_COMM_NULL) MPI_Comm_free(comm);
+}
+
+std::string ProcessGrid::layout_table() const {
+  constexpr int kHost = 64;
+  char host[kHost] = {};
+  gethostname(host, kHost - 1);
+  std::vector<char> hosts(rank_ == 0 ? static_cast<size_t>(dims_.world) * kHost : 0);
+  MPI_CHECK(MPI_Gather(host, kHost, MPI_CHAR, hosts.data(), kHost, MPI_CHAR, 0, world_));
+  if (rank_ != 0) return {};
+
+  const GridDims& d = dims_;
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "process grid: world %d = tensor %d x pipeline %d x data %d; data %d = expert %d x "
+                "expert-data %d; rank order tp-ep-dp-pp (tensor fastest)\n",
+                d.world, d.tensor, d.pipeline, d.data, d.data, d.expert, d.expert_data);
+  out += line;
+  out += "   rank  host                  tp   pp   dp   ep  edp\n";
+  // NOTE: a full table of thousands of ranks helps nobody; the coordinates follow from the
+  // formula in grid.h, so show the first 64 rows only.
+  constexpr int kMaxRows = 64;
+  for (int r = 0; r < d.world && r < kMaxRows; ++r) {
+    const GridCoord c = grid_coord_of(d, r);
+    std::snprintf(line, sizeof line, "  %5d  %-20.20s %4d %4d %4d %4d %4d\n", r, &hosts[size_t(r) * kHost],
+                  c.tensor, c.pipeline, c.data, c.expert, c.expert_data);
+    out += line;
+  }
+  if (d.world > kMaxRows) out += "  ... (" + std::to_string(d.world - kMaxRows) + " more ranks)\n";
+  return out;
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,76 @@
+// The process grid: world = tensor x pipeline x data, with expert parallelism carved out of data
+// (data = expert x expert_data). Rank order "tp-ep-dp-pp": tensor fastest, then expert within
+// data, then the rest of data, then pipeline, so that neighbouring ranks (one node's fast links)
+// form the tensor groups first:
+//
+//   rank = tp + T * (ep + E * (edp + D_e * pp))       data index dp = ep + E * edp
+//
+// Gradients of dense parameters are summed over `data`, of expert parameters over `expert_data`;
+// MoE dispatch/combine runs over `expert`.
+#pragma once
+
+#include <mpi.h>
+
+#include <string>
+
+namespace fp8moe {
+
+struct GridDims {
+  int world = 1;
+  int tensor = 1;       // T
+  int pipeline = 1;     // P
+  int data = 1;         // D = world / (T * P)
+  int expert = 1;       // E, divides D
+  int expert_data = 1;  // D_e = D / E
+};
+
+struct GridCoord {
+  int tensor = 0;       // in [0, T)
+  int pipeline = 0;     // in [0, P)
+  int data = 0;         // in [0, D)   = expert + E * expert_data
+  int expert = 0;       // in [0, E)
+  int expert_data = 0;  // in [0, D_e)
+  bool operator==(const GridCoord&) const = default;
+};
+
+// Empty when (tensor, pipeline, expert) is a valid layout of `world` ranks, else why not.
+std::string grid_layout_problem(int world, int tensor, int pipeline, int expert);
+
+// Dims of a valid layout (asserts validity: user input is checked by io/config first).
+GridDims make_grid_dims(int world, int tensor, int pipeline, int expert);
+GridCoord grid_coord_of(const GridDims& d, int rank);
+int grid_rank_of(const GridDims& d, const GridCoord& c);
+
+// One rank's place in the grid and its communicators. Passed explicitly, never a global.
+// Construction and layout_table() are collective over `world`.
+class ProcessGrid {
+ public:
+  ProcessGrid(MPI_Comm world, int tensor, int pipeline, int expert);
+  ~ProcessGrid();
+  ProcessGrid(const ProcessGrid&) = delete;
+  ProcessGrid& operator=(const ProcessGrid&) = delete;
+
+  const GridDims& dims() const { return dims_; }
+  const GridCoord& coord() const { return coord_; }
+  int rank() const { return rank_; }
+
+  MPI_Comm world() const { return world_; }
+  MPI_Comm tensor() const { return tensor_; }            // size T: same (dp, pp)
+  MPI_Comm pipeline() const { return pipeline_; }        // size P: same (tp, dp)
+  MPI_Comm data() const { return data_; }                // size D: same (tp, pp)
+  MPI_Comm expert() const { return expert_; }            // size E: same (tp, edp, pp)
+  MPI_Comm expert_data() const { return expert_data_; }  // size D_e: same (tp, ep, pp)
+
+  // Collective: gathers host names; rank 0 gets a compact table of the layout, others "".
+  std::string layout_table() const;
+
+ private:
+  GridDims dims_;
+  GridCoord coord_;
+  int rank_ = 0;
+  MPI_Comm world_ = MPI_COMM_NULL;
+  MPI_Comm tensor_ = MPI_COMM_NULL, pipeline_ = MPI_COMM_NULL, data_ = MPI_COMM_NULL;
+  MPI_Comm expert_ = MPI_COMM_NULL, expert_data_ = MPI_COMM_NULL;
+};
+
+}  // namespace fp8moe

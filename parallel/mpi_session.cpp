@@ -1,0 +1,64 @@
+#include "parallel/mpi_session.h"
+
+#include <cstring>
+
+#include "kernels/check.h"
+
+#ifdef FP8MOE_HAVE_CUDA
+#include <nccl.h>
+#endif
+
+namespace fp8moe {
+
+MpiSession::MpiSession(int* argc, char*** argv) {
+  int provided = 0;
+  // NOTE: FUNNELED is enough: only the main thread calls MPI; OpenMP threads compute.
+  if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+    fatal_error(__FILE__, __LINE__, "MPI_Init_thread failed");
+  MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
+  set_fatal_context(rank_, [](int code) { MPI_Abort(MPI_COMM_WORLD, code); });
+  FP8MOE_ASSERT(provided >= MPI_THREAD_FUNNELED, "MPI provides thread level ", provided, " < FUNNELED");
+}
+
+MpiSession::~MpiSession() {
+  set_fatal_context(rank_, nullptr);
+  MPI_Finalize();
+}
+
+void broadcast_string(MPI_Comm comm, std::string& text, int root) {
+  long long n = static_cast<long long>(text.size());
+  MPI_CHECK(MPI_Bcast(&n, 1, MPI_LONG_LONG, root, comm));
+  text.resize(static_cast<size_t>(n));
+  if (n > 0) MPI_CHECK(MPI_Bcast(text.data(), static_cast<int>(n), MPI_CHAR, root, comm));
+}
+
+bool any_rank(MPI_Comm comm, bool flag) {
+  int local = flag ? 1 : 0, global = 0;
+  MPI_CHECK(MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MAX, comm));
+  return global != 0;
+}
+
+std::string mpi_library_version() {
+  char buf[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(buf, &len);
+  std::string s(buf, static_cast<size_t>(len));
+  s.resize(std::strlen(s.c_str()));  // Open MPI counts the terminating NUL in len
+  if (auto nl = s.find_first_of("\r\n"); nl != std::string::npos) s.resize(nl);
+  return s;
+}
+
+std::string nccl_version() {
+#ifdef FP8MOE_HAVE_CUDA
+  int v = 0;
+  NCCL_CHECK(ncclGetVersion(&v));
+  // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+#else
+  return "not built";
+#endif
+}
+
+}  // namespace fp8moe
