@@ -64,8 +64,12 @@ bool parse_number(std::string_view s, T* out) {
 }
 
 std::string format_double(double v) {
+  // Shortest text that reads back to the same double; plain decimals where they stay short
+  // ("0.0003", not "3e-04"), exponents for very small or large magnitudes.
   char buf[64];
-  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form
+  const double mag = std::abs(v);
+  const auto format = (v == 0 || (mag >= 1e-4 && mag < 1e15)) ? std::chars_format::fixed : std::chars_format::scientific;
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v, format);
   std::string s(buf, end);
   // Keep it a float to YAML readers ("3" -> "3.0"), so the effective config shows the type.
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";

@@ -1,0 +1,262 @@
+// The fp8moe executable as users meet it: --help, --version, `train --dry-run`, `defaults`, and
+// more than fifty bad configs, each of which must give exit status 2 and exactly one message that
+// names the key path (and, where the value came from the file, file:line:column).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/test_util.h"
+
+namespace fp8moe::test {
+namespace {
+
+// ---- the command line ------------------------------------------------------------------------
+
+TEST(Cli, HelpListsTheCommandsAndExitStatuses) {
+  const RunResult r = run({exe(), "--help"});
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("train"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("defaults"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Exit status"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("OMPI_ALLOW_RUN_AS_ROOT=1"), std::string::npos) << r.out;
+}
+
+TEST(Cli, TrainHelpShowsSetAndDryRun) {
+  const RunResult r = run({exe(), "train", "--help"});
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("--set"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--dry-run"), std::string::npos) << r.out;
+}
+
+TEST(Cli, VersionNamesTheLibraries) {
+  const RunResult r = run({exe(), "--version"});
+  EXPECT_EQ(r.status, 0) << r.all();
+  for (const char* want : {"fp8moe 0.", "MPI:", "Open MPI", "HDF5:", "parallel", "yaml-cpp:", "OpenBLAS", "NCCL:"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+}
+
+TEST(Cli, UsageErrorsExitTwo) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {exe()},                                   // no subcommand
+           {exe(), "fly"},                            // unknown subcommand
+           {exe(), "train"},                          // missing CONFIG
+           {exe(), "train", "x.yaml", "--bogus"},     // unknown option
+           {exe(), "train", "x.yaml", "--set"},       // --set without a value
+       }) {
+    const RunResult r = run(args);
+    EXPECT_EQ(r.status, 2) << args.back() << "\n" << r.all();
+    EXPECT_FALSE(r.err.empty()) << args.back();
+  }
+}
+
+TEST(Cli, MissingAndUnreadableConfigFiles) {
+  TempDir tmp;
+  RunResult r = run({exe(), "train", tmp.path + "/nope.yaml", "--dry-run"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find(tmp.path + "/nope.yaml: cannot read the config file: it does not exist"), std::string::npos) << r.err;
+  r = run({exe(), "train", tmp.path, "--dry-run"});  // a directory
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("not a regular file"), std::string::npos) << r.err;
+}
+
+TEST(Cli, DryRunPrintsEffectiveConfigAndGrid) {
+  // tiny.yaml asks for 8 ranks; --set brings it to the single rank of this run.
+  const RunResult r = run({exe(), "train", source_dir() + "/configs/tiny.yaml", "--dry-run", "--set",
+                           "parallel.tensor=1", "--set", "parallel.pipeline=1", "--set", "parallel.expert=1",
+                           "--set", "train.lr=5e-4", "--set", "fp8.layers=[experts]"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  EXPECT_NE(r.out.find("effective config:"), std::string::npos);
+  EXPECT_NE(r.out.find("  lr: 0.0005\n"), std::string::npos) << r.out;        // the override
+  EXPECT_NE(r.out.find("  d_expert: 256\n"), std::string::npos) << r.out;     // from the file
+  EXPECT_NE(r.out.find("  keep_last: 3\n"), std::string::npos) << r.out;      // a default
+  EXPECT_NE(r.out.find("  layers: [experts]\n"), std::string::npos) << r.out; // a list override
+  EXPECT_NE(r.out.find("process grid: world 1 = tensor 1 x pipeline 1 x data 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dry run: the config is valid"), std::string::npos) << r.out;
+}
+
+TEST(Cli, TrainWithoutDryRunSaysTrainingIsNotImplemented) {
+  const RunResult r = run({exe(), "train", source_dir() + "/configs/tiny.yaml", "--set", "parallel.tensor=1",
+                           "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"});
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("training is not implemented yet"), std::string::npos) << r.out;
+}
+
+TEST(Cli, DefaultsOutputIsAValidConfigOfTheDefaults) {
+  const RunResult d = run({exe(), "defaults"});
+  ASSERT_EQ(d.status, 0) << d.all();
+  TempDir tmp;
+  const std::string path = tmp.write("defaults.yaml", d.out);
+  const RunResult r = run({exe(), "train", path, "--dry-run"});
+  EXPECT_EQ(r.status, 0) << r.all();
+}
+
+TEST(Cli, EightRankDryRunOfTinyPrintsTheGrid) {
+  const RunResult r = run({mpiexec(), "-n", "8", "--oversubscribe", exe(), "train", source_dir() + "/configs/tiny.yaml",
+                           "--dry-run"},
+                          240);
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("process grid: world 8 = tensor 2 x pipeline 2 x data 2; data 2 = expert 2 x expert-data 1"),
+            std::string::npos)
+      << r.out;
+  // Only rank 0 prints.
+  EXPECT_EQ(count(r.out, "effective config:"), 1u) << r.out;
+  // Rank 7 = tp 1, pp 1, dp 1, ep 1, edp 0 in the tp-ep-dp-pp order.
+  EXPECT_NE(r.out.find("      7  "), std::string::npos) << r.out;
+}
+
+// ---- bad configs -----------------------------------------------------------------------------
+
+struct BadConfig {
+  const char* name;
+  const char* yaml;                // the whole config file (every other key has its default)
+  const char* key;                 // the key path the message must name
+  const char* where;               // "line:col" where the file gives it, "" when not applicable
+  const char* also;                // another substring the message must contain ("" = none)
+  std::vector<std::string> sets{};  // --set arguments
+  int ranks = 1;                   // > 1: run under mpirun -n ranks
+};
+
+void PrintTo(const BadConfig& c, std::ostream* os) { *os << c.name; }
+
+const BadConfig kBadConfigs[] = {
+    // unknown keys and structure
+    {"unknown_section", "modle:\n  d_model: 64\n", "modle", "1:1", "did you mean model?"},
+    {"unknown_key", "model:\n  d_modle: 64\n", "model.d_modle", "2:3", "did you mean model.d_model?"},
+    {"key_in_wrong_section", "model:\n  top_k: 2\n", "model.top_k", "2:3", "did you mean model.moe.top_k?"},
+    {"unknown_nested_key", "model:\n  moe:\n    n_expert: 8\n", "model.moe.n_expert", "3:5", "did you mean model.moe.n_experts?"},
+    {"unknown_far_from_all", "train:\n  zzzzzzzzzz: 1\n", "train.zzzzzzzzzz", "2:3", "expected one of: seed, steps"},
+    {"misspelt_train", "trian:\n  lr: 0.1\n", "trian", "1:1", "did you mean train?"},
+    {"section_is_scalar", "model: 5\n", "model", "1:8", "expected a mapping of keys"},
+    {"top_level_is_list", "- a\n- b\n", "(top level)", "1:1", "expected a mapping of keys"},
+    {"nested_section_is_scalar", "model:\n  moe: 3\n", "model.moe", "2:8", "expected a mapping of keys"},
+    {"duplicate_key", "model:\n  d_model: 64\n  d_model: 128\n", "model.d_model", "3:3", "duplicate key (first given at"},
+    {"value_is_list", "train:\n  lr: [1, 2]\n", "train.lr", "2:7", "got a list"},
+    {"value_is_mapping", "data:\n  path: {a: 1}\n", "data.path", "2:9", "got a mapping"},
+    // YAML syntax
+    {"unclosed_flow_list", "model:\n  d_model: [64\n", "YAML syntax error", "", ""},
+    {"tab_indentation", "model:\n\td_model: 64\n", "YAML syntax error", "", ""},
+    // types and ranges: model
+    {"int_not_a_number", "model:\n  d_model: abc\n", "model.d_model", "2:12", "expected an integer in [1, 1048576]"},
+    {"int_is_fractional", "model:\n  d_model: 64.5\n", "model.d_model", "2:12", "got '64.5'"},
+    {"int_is_empty", "model:\n  d_model:\n", "model.d_model", "", "got nothing"},
+    {"int_in_exponent_form", "model:\n  d_ff_dense: 1e3\n", "model.d_ff_dense", "2:15", "expected an integer"},
+    {"int_with_trailing_text", "model:\n  n_heads: 8x\n", "model.n_heads", "2:12", "got '8x'"},
+    {"n_layers_zero", "model:\n  n_layers: 0\n", "model.n_layers", "2:13", "expected an integer in [1, 4096]"},
+    {"n_heads_negative", "model:\n  n_heads: -8\n", "model.n_heads", "2:12", "got '-8'"},
+    {"vocab_too_small", "model:\n  vocab_size: 1\n", "model.vocab_size", "2:15", "expected an integer in [2,"},
+    {"rope_theta_zero", "model:\n  rope_theta: 0\n", "model.rope_theta", "2:15", "expected a number > 0.0"},
+    {"norm_eps_too_big", "model:\n  norm_eps: 1.5\n", "model.norm_eps", "2:13", "expected a number in (0.0, 1.0)"},
+    {"init_std_negative", "model:\n  init_std: -0.1\n", "model.init_std", "2:13", ""},
+    {"top_k_zero", "model:\n  moe:\n    top_k: 0\n", "model.moe.top_k", "3:12", ""},
+    {"gating_unknown", "model:\n  moe:\n    gating: relu\n", "model.moe.gating", "3:13", "expected one of softmax, sigmoid"},
+    {"aux_loss_negative", "model:\n  moe:\n    aux_loss_coef: -1\n", "model.moe.aux_loss_coef", "3:20", "expected a number >= 0.0"},
+    {"capacity_nan", "model:\n  moe:\n    capacity_factor: .nan\n", "model.moe.capacity_factor", "3:22", "got '.nan'"},
+    {"shared_experts_too_many", "model:\n  moe:\n    n_shared_experts: 100\n", "model.moe.n_shared_experts", "3:23", "[0, 64]"},
+    // parallel
+    {"tensor_zero", "parallel:\n  tensor: 0\n", "parallel.tensor", "2:11", "expected an integer in [1,"},
+    {"micro_batches_word", "parallel:\n  micro_batches: two\n", "parallel.micro_batches", "2:18", "got 'two'"},
+    // train
+    {"steps_zero", "train:\n  steps: 0\n", "train.steps", "2:10", "expected an integer >= 1"},
+    {"lr_zero", "train:\n  lr: 0\n", "train.lr", "2:7", "expected a number > 0.0"},
+    {"beta1_one", "train:\n  beta1: 1.0\n", "train.beta1", "2:10", "expected a number in [0.0, 1.0)"},
+    {"beta2_negative", "train:\n  beta2: -0.1\n", "train.beta2", "2:10", ""},
+    {"eps_zero", "train:\n  eps: 0\n", "train.eps", "2:8", ""},
+    {"schedule_unknown", "train:\n  schedule: exponential\n", "train.schedule", "2:13", "expected one of cosine, linear, constant"},
+    {"moments_fp16", "train:\n  moments_dtype: fp16\n", "train.moments_dtype", "2:18", "expected one of fp32, bf16"},
+    {"loss_scale_negative", "train:\n  loss_scale: -5\n", "train.loss_scale", "2:15", "none, dynamic, or a number > 0"},
+    {"loss_scale_word", "train:\n  loss_scale: auto\n", "train.loss_scale", "2:15", "got 'auto'"},
+    {"recompute_all", "train:\n  recompute: all\n", "train.recompute", "2:14", "expected one of none, moe, full"},
+    {"seed_negative", "train:\n  seed: -1\n", "train.seed", "2:9", "expected an integer >= 0"},
+    {"global_batch_overflow", "train:\n  global_batch: 99999999999\n", "train.global_batch", "2:17", "got '99999999999'"},
+    {"grad_clip_inf", "train:\n  grad_clip: .inf\n", "train.grad_clip", "2:14", ""},
+    // fp8
+    {"format_e5m2", "fp8:\n  format: e5m2\n", "fp8.format", "2:11", "expected one of e4m3, hybrid"},
+    {"recipe_misspelt", "fp8:\n  recipe: blockwize\n", "fp8.recipe", "2:11", "expected one of off, delayed, current, blockwise"},
+    {"amax_compute_mean", "fp8:\n  amax_compute: mean\n", "fp8.amax_compute", "2:17", ""},
+    {"margin_negative", "fp8:\n  margin: -1\n", "fp8.margin", "2:11", ""},
+    {"tile_zero", "fp8:\n  tile: 0\n", "fp8.tile", "2:9", "expected an integer in [1, 4096]"},
+    {"pow2_yes", "fp8:\n  power_of_two_scales: yes\n", "fp8.power_of_two_scales", "2:24", "expected true or false"},
+    {"layers_not_a_list", "fp8:\n  layers: attention\n", "fp8.layers", "2:11", "expected a list drawn from"},
+    {"layers_unknown_item", "fp8:\n  layers: [attention, router]\n", "fp8.layers[1]", "2:11", "got 'router'"},
+    {"layers_repeated_item", "fp8:\n  layers: [mlp, mlp]\n", "fp8.layers[1]", "2:11", "a second time"},
+    // data, eval, checkpoint, log
+    {"checkpoint_dir_empty", "checkpoint:\n  dir: ''\n", "checkpoint.dir", "2:8", "expected a non-empty string"},
+    {"keep_last_zero", "checkpoint:\n  keep_last: 0\n", "checkpoint.keep_last", "2:14", ""},
+    {"resume_empty", "checkpoint:\n  resume:\n", "checkpoint.resume", "", "expected a non-empty string"},
+    {"log_every_zero", "log:\n  every: 0\n", "log.every", "2:10", ""},
+    {"eval_batches_zero", "eval:\n  batches: 0\n", "eval.batches", "2:12", ""},
+    // rules between keys
+    {"kv_heads_not_divisor", "model:\n  n_kv_heads: 3\n", "model.n_kv_heads", "2:15", "a divisor of model.n_heads = 8"},
+    {"kv_heads_more_than_heads", "model:\n  n_heads: 4\n  n_kv_heads: 8\n", "model.n_kv_heads", "3:15", "a divisor of model.n_heads = 4"},
+    {"head_dim_odd", "model:\n  head_dim: 33\n", "model.head_dim", "2:13", "an even number"},
+    {"dense_layers_beyond_depth", "model:\n  first_dense_layers: 5\n", "model.first_dense_layers", "2:23", "at most model.n_layers = 4"},
+    {"top_k_above_experts", "model:\n  moe:\n    top_k: 9\n", "model.moe.top_k", "3:12", "at most model.moe.n_experts = 8"},
+    {"min_lr_above_lr", "train:\n  min_lr: 1.0\n", "train.min_lr", "2:11", "at most train.lr = 0.0003"},
+    {"hybrid_with_blockwise", "fp8:\n  format: hybrid\n", "fp8.format", "2:11", "e4m3 with fp8.recipe blockwise"},
+    {"default_value_breaks_rule", "model:\n  n_heads: 6\n", "model.n_kv_heads", "", "(the default)"},
+    {"tensor_not_dividing_heads", "parallel:\n  tensor: 3\n", "parallel.tensor", "2:11", "a divisor of model.n_heads = 8"},
+    {"tensor_not_dividing_vocab", "model:\n  vocab_size: 255\nparallel:\n  tensor: 2\n", "parallel.tensor", "4:11", "a divisor of model.vocab_size = 255"},
+    {"tensor_not_dividing_d_expert", "model:\n  moe:\n    d_expert: 100\nparallel:\n  tensor: 8\n", "parallel.tensor", "5:11", "a divisor of model.moe.d_expert = 100"},
+    {"expert_not_dividing_experts", "parallel:\n  expert: 3\n", "parallel.expert", "2:11", "a divisor of model.moe.n_experts = 8"},
+    {"pipeline_deeper_than_model", "parallel:\n  pipeline: 5\n", "parallel.pipeline", "2:13", "at most model.n_layers = 4"},
+    {"tile_straddles_tp_shard", "model:\n  n_kv_heads: 4\nparallel:\n  tensor: 2\nfp8:\n  tile: 128\n", "fp8.tile", "6:9",
+     "model.n_kv_heads x model.head_dim / parallel.tensor = 128 / 2 = 64"},
+    // world size (this run has 1 rank)
+    {"tensor_exceeds_world", "parallel:\n  tensor: 2\n", "parallel.tensor", "2:11", "a divisor of the world size 1"},
+    {"pipeline_exceeds_world", "parallel:\n  pipeline: 2\n", "parallel.pipeline", "2:13", "dividing the world size 1"},
+    {"expert_exceeds_data", "parallel:\n  expert: 2\n", "parallel.expert", "2:11", "a divisor of the data-parallel size 1"},
+    {"global_batch_vs_micro_batches", "parallel:\n  micro_batches: 3\n", "train.global_batch", "", "a multiple of data-parallel size x parallel.micro_batches = 1 x 3 = 3"},
+    // --set
+    {"set_bad_type", "", "model.d_model", "", "--set model.d_model=abc: model.d_model: got 'abc'", {"model.d_model=abc"}},
+    {"set_unknown_key", "", "model.d_modle", "", "--set model.d_modle=64: model.d_modle: unknown key; did you mean model.d_model?", {"model.d_modle=64"}},
+    {"set_section", "", "model", "", "is a section", {"model=5"}},
+    {"set_without_equals", "", "--set model.d_model", "", "expected key.path=value", {"model.d_model"}},
+    {"set_bad_yaml", "", "model.n_layers", "", "a YAML value", {"model.n_layers=[1"}},
+    {"set_into_scalar_section", "model: 5\n", "model", "1:8", "expected a mapping of keys", {"model.d_model=64"}},
+    {"set_breaks_rule_of_file", "model:\n  n_heads: 8\n", "model.n_kv_heads", "", "--set model.n_kv_heads=3", {"model.n_kv_heads=3"}},
+    // several ranks: still one message, every rank exits 2
+    {"np4_unknown_key", "model:\n  d_modle: 64\n", "model.d_modle", "2:3", "did you mean model.d_model?", {}, 4},
+    {"np4_pipeline_vs_world", "parallel:\n  tensor: 2\n  pipeline: 4\n", "parallel.pipeline", "3:13", "parallel.tensor x parallel.pipeline = 2 x 4 dividing the world size 4", {}, 4},
+    {"np4_expert_vs_data", "parallel:\n  tensor: 2\n  expert: 4\n", "parallel.expert", "3:11", "a divisor of the data-parallel size 2 = world 4 / (tensor 2 x pipeline 1)", {}, 4},
+    {"np4_global_batch", "train:\n  global_batch: 6\n", "train.global_batch", "2:17", "a multiple of data-parallel size x parallel.micro_batches = 4 x 1 = 4", {}, 4},
+    {"np2_tile_vs_shard", "model:\n  d_ff_dense: 640\nparallel:\n  tensor: 2\n", "fp8.tile", "", "model.d_ff_dense / parallel.tensor = 640 / 2 = 320", {}, 2},
+};
+
+class BadConfigTest : public testing::TestWithParam<BadConfig> {};
+
+TEST_P(BadConfigTest, ExitsTwoWithOneMessageNamingTheKey) {
+  const BadConfig& c = GetParam();
+  TempDir tmp;
+  const std::string file = tmp.write("case.yaml", c.yaml);
+  std::vector<std::string> argv;
+  if (c.ranks > 1) argv = {mpiexec(), "-n", std::to_string(c.ranks), "--oversubscribe"};
+  argv.insert(argv.end(), {exe(), "train", file, "--dry-run"});
+  for (const std::string& s : c.sets) argv.insert(argv.end(), {"--set", s});
+  const RunResult r = run(argv, c.ranks > 1 ? 240 : 60);
+
+  ASSERT_FALSE(r.timed_out) << r.all();
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_EQ(count(r.err, "fp8moe: error: "), 1u) << r.err;  // one message, from rank 0 only
+  EXPECT_EQ(r.out.find("effective config"), std::string::npos) << "ran after a bad config:\n" << r.out;
+  EXPECT_EQ(r.err.find("fatal"), std::string::npos) << r.err;  // no abort, no stack trace
+  const std::string key = c.key;
+  EXPECT_NE(r.err.find(key.find(' ') == std::string::npos ? " " + key + ": " : key), std::string::npos)
+      << "key " << key << " not named:\n" << r.err;
+  if (*c.where) {
+    const std::string at = file + ":" + c.where + ": " + key + ": ";
+    EXPECT_NE(r.err.find(at), std::string::npos) << "expected '" << at << "' in:\n" << r.err;
+  }
+  if (*c.also) {
+    EXPECT_NE(r.err.find(c.also), std::string::npos) << "expected '" << c.also << "' in:\n" << r.err;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, BadConfigTest, testing::ValuesIn(kBadConfigs),
+                         [](const testing::TestParamInfo<BadConfig>& i) { return std::string(i.param.name); });
+
+TEST(BadConfigTable, HasAtLeastFiftyCases) { EXPECT_GE(std::size(kBadConfigs), 50u); }
+
+}  // namespace
+}  // namespace fp8moe::test
