@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Idempotent set-up on Debian 12: installs the Debian packages the build and the tests need (only
+# those missing), then configures and builds build/ in Release (CUDA code too when nvcc exists).
+# Safe to run again: a second run installs nothing and rebuilds only what changed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+packages=(
+  build-essential cmake ninja-build ccache pkg-config git    # toolchain
+  libopenmpi-dev openmpi-bin                                  # MPI
+  libhdf5-openmpi-dev hdf5-tools                              # parallel HDF5 (checkpoints)
+  libyaml-cpp-dev libcli11-dev                                # config, command line
+  libopenblas-dev                                             # BLAS for the CPU backend
+  libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks
+)
+# (No PyPI packages are needed yet; the reference-model tests will add theirs here.)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  echo "setup: installing ${#missing[@]} Debian packages: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all ${#packages[@]} Debian packages are installed"
+fi
+
+# The CUDA toolkit is not a Debian package here; use it where it is installed.
+if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+if command -v nvcc >/dev/null || [[ -n ${CUDACXX:-} ]]; then
+  echo "setup: nvcc found: the CUDA backend is compiled too (sm_90a)"
+else
+  echo "setup: no nvcc: building the CPU backend only"
+fi
+
+echo "setup: configuring build/ (cmake --preset release)"
+cmake --preset release >/dev/null
+echo "setup: building build/ (cmake --build --preset release)"
+cmake --build --preset release
+echo "setup: done: build/fp8moe"
