@@ -37,3 +37,29 @@ TEST(Check, PassingAssertDoesNothing) {
 
 }  // namespace
 }  // namespace fp8moe
+
+#ifdef FP8MOE_HAVE_CUDA
+// The library checks decode errors with the libraries' own tables, which need no GPU.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+namespace fp8moe {
+namespace {
+
+TEST(CheckDeathTest, CudaErrorIsDecoded) {
+  EXPECT_DEATH(CUDA_CHECK(cudaErrorMemoryAllocation),
+               "cudaErrorMemoryAllocation: CUDA error cudaErrorMemoryAllocation: out of memory");
+}
+
+TEST(CheckDeathTest, CublasErrorIsDecoded) {
+  EXPECT_DEATH(CUBLAS_CHECK(CUBLAS_STATUS_NOT_SUPPORTED), "cuBLAS error CUBLAS_STATUS_NOT_SUPPORTED");
+}
+
+TEST(CheckDeathTest, NcclErrorIsDecoded) {
+  EXPECT_DEATH(NCCL_CHECK(ncclInvalidArgument), "NCCL error invalid argument");
+}
+
+}  // namespace
+}  // namespace fp8moe
+#endif

@@ -1,5 +1,6 @@
 // Every CUDA op against its CPU twin on fresh random inputs. Needs a visible GPU; without one every
 // test reports SKIPPED with the reason (it never passes). Needs no MPI, HDF5 or yaml-cpp.
+#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -67,6 +68,13 @@ TEST_F(CudaOps, SwigluMatchesCpu) {
     expect_ulp_close(dda.download(), da, "da");
     expect_ulp_close(ddb.download(), db, "db");
   }
+}
+
+TEST_F(CudaOps, CublasLtHandleCanBeCreated) {
+  cublasLtHandle_t handle = nullptr;
+  CUBLAS_CHECK(cublasLtCreate(&handle));
+  EXPECT_NE(handle, nullptr);
+  CUBLAS_CHECK(cublasLtDestroy(handle));
 }
 
 }  // namespace
