@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 
@@ -14,6 +15,14 @@
 #include "parallel/mpi_session.h"
 
 namespace {
+
+// Before MPI starts, the launcher's environment says which rank this process is: only rank 0
+// prints command-line help and errors (every rank still exits with the same status).
+int launcher_rank() {
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"})
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  return 0;
+}
 
 std::string version_text() {
   std::string s = "fp8moe " FP8MOE_VERSION ", C++20, built with GCC " __VERSION__;
@@ -60,13 +69,14 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? kExitOk : kExitUsage;
+    const int status = launcher_rank() == 0 ? app.exit(e) : e.get_exit_code();
+    return status == 0 ? kExitOk : kExitUsage;
   }
 
   try {
     if (*train_cmd) return run_train(train, &argc, &argv);
     if (*defaults_cmd) {
-      std::fputs(config_reference().c_str(), stdout);
+      if (launcher_rank() == 0) std::fputs(config_reference().c_str(), stdout);
       return kExitOk;
     }
   } catch (const std::exception& e) {

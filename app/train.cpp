@@ -1,22 +1,23 @@
 #include "app/train.h"
 
 #include <cstdio>
+#include <exception>
 
 #include "app/exit_codes.h"
 #include "io/config.h"
+#include "kernels/check.h"
 #include "parallel/grid.h"
 #include "parallel/mpi_session.h"
 
 namespace fp8moe {
 namespace {
+
 void report_error(const std::string& message) {
   std::fprintf(stderr, "fp8moe: error: %s\n", message.c_str());
   std::fflush(stderr);
 }
-}  // namespace
 
-int run_train(const TrainOptions& options, int* argc, char*** argv) {
-  MpiSession mpi(argc, argv);
+int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const bool root = mpi.rank() == 0;
 
   // Rank 0 reads the file and broadcasts it: one reader, and every rank validates the same text,
@@ -61,6 +62,18 @@ int run_train(const TrainOptions& options, int* argc, char*** argv) {
     std::fflush(stdout);
   }
   return kExitOk;
+}
+
+}  // namespace
+
+int run_train(const TrainOptions& options, int* argc, char*** argv) {
+  MpiSession mpi(argc, argv);
+  try {
+    return train_on_ranks(options, mpi);
+  } catch (const std::exception& e) {
+    // Still inside the MPI session: the abort hook ends every rank (exit status 1).
+    fatal_error(__FILE__, __LINE__, std::string("unexpected exception: ") + e.what());
+  }
 }
 
 }  // namespace fp8moe

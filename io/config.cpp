@@ -47,9 +47,12 @@ std::string describe(const YAML::Node& node) {
 // Scalar parsing (strict: "12abc" is not 12, "1.5" is not an integer, "yes" is not a bool)
 // ---------------------------------------------------------------------------------------------
 
+// A plain scalar for numbers and booleans: a quoted "256" is a string in YAML, and accepting it
+// would hide a mistake; strings and choices may be quoted.
 const std::string& scalar_or_fail(const YAML::Node& node, const std::string& where, const std::string& key,
-                                  const std::string& expected) {
+                                  const std::string& expected, bool allow_quoted = false) {
   if (!node.IsScalar()) fail(where, key, describe(node), expected);
+  if (!allow_quoted && node.Tag() == "!") fail(where, key, "the quoted string " + describe(node), expected);
   return node.Scalar();
 }
 
@@ -161,7 +164,7 @@ Field text(std::string path, Ref ref, bool may_be_empty, std::string doc) {
       ref(c).clear();
       return;
     }
-    const std::string& s = scalar_or_fail(n, where, path, expected);
+    const std::string& s = scalar_or_fail(n, where, path, expected, /*allow_quoted=*/true);
     if (s.empty() && !may_be_empty) fail(where, path, "''", expected);
     ref(c) = s;
   };
@@ -183,7 +186,7 @@ Field choice(std::string path, Ref ref, std::string doc) {
   const std::string expected = one_of<E>();
   Field f{path, expected, std::move(doc), {}, {}};
   f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
-    const std::string& s = scalar_or_fail(n, where, path, expected);
+    const std::string& s = scalar_or_fail(n, where, path, expected, /*allow_quoted=*/true);
     const auto& names = EnumNames<E>::names;
     auto it = std::find(std::begin(names), std::end(names), s);
     if (it == std::end(names)) fail(where, path, describe(n), expected);
@@ -487,6 +490,8 @@ struct Loader {
       if (!kv.first.IsScalar()) fail(key_where, prefix.empty() ? "(top level)" : prefix, "a non-text key", "key names");
       const std::string key = kv.first.Scalar();
       const std::string path = prefix.empty() ? key : prefix + "." + key;
+      if (key.find('.') != std::string::npos)
+        throw ConfigError(key_where + ": " + path + ": a key may not contain '.'; nest it under its section instead");
       if (auto [it, fresh] = seen.emplace(key, key_where); !fresh)
         throw ConfigError(key_where + ": " + path + ": duplicate key (first given at " + it->second + ")");
       auto arg = set_arg.find(path);
@@ -605,6 +610,9 @@ std::string read_config_file(const std::string& path) {
     throw ConfigError(path + ": cannot read the config file: it does not exist");
   if (!std::filesystem::is_regular_file(status))
     throw ConfigError(path + ": cannot read the config file: it is not a regular file");
+  constexpr uintmax_t kMaxBytes = 16u << 20;
+  if (std::filesystem::file_size(path, ec) > kMaxBytes)
+    throw ConfigError(path + ": cannot read the config file: larger than 16 MiB, which no config is");
   std::ifstream in(path, std::ios::binary);
   if (!in.is_open()) throw ConfigError(path + ": cannot read the config file: " + std::strerror(errno));
   std::ostringstream s;
@@ -617,7 +625,11 @@ Config load_config(const ConfigSource& source, int world_size) {
   Loader L{source, {}, {}};
   YAML::Node root;
   try {
-    root = YAML::Load(source.text);
+    const std::vector<YAML::Node> docs = YAML::LoadAll(source.text);
+    if (docs.size() > 1)
+      throw ConfigError(location(source.file, docs[1].Mark()) + ": a config file holds one YAML document; found " +
+                        std::to_string(docs.size()));
+    if (!docs.empty()) root = docs[0];
   } catch (const YAML::ParserException& e) {
     throw ConfigError(location(source.file, e.mark) + ": YAML syntax error: " + e.msg);
   }

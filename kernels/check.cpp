@@ -28,6 +28,6 @@ void fatal_error(const char* file, int line, const std::string& what) {
     std::fprintf(stderr, "fp8moe: fatal: on %s: %s:%d: %s\n", host, file, line, what.c_str());
   std::fflush(stderr);
   if (AbortHook hook = g_abort.load()) hook(1);
-  std::abort();
+  std::_Exit(1);  // before MPI is up (or after it is down): exit status 1, as documented
 }
 }  // namespace fp8moe

@@ -2,8 +2,9 @@
 // MPI_CHECK, H5_CHECK.
 //
 // Every check prints "fp8moe: fatal: rank R on HOST: file:line: <what failed>: <decoded error>"
-// and then ends the whole job: once parallel/ has started MPI it installs an abort hook that calls
-// MPI_Abort (so no rank is left blocked in a collective); before that, std::abort().
+// and then ends the whole job with exit status 1: once parallel/ has started MPI it installs an
+// abort hook that calls MPI_Abort (so no rank is left blocked in a collective); before that (or
+// after MPI_Finalize) the process exits with _Exit(1).
 //
 // NOTE: this header lives in kernels/ (the bottom of the dependency graph) so that every folder
 // can use it, and it includes no library headers itself. Each macro decodes its error with the

@@ -1,6 +1,7 @@
 #include "parallel/mpi_session.h"
 
 #include <cstring>
+#include <exception>
 
 #include "kernels/check.h"
 
@@ -23,6 +24,9 @@ MpiSession::MpiSession(int* argc, char*** argv) {
 }
 
 MpiSession::~MpiSession() {
+  // NOTE: leaving by an exception means this rank may not reach the collectives the others are
+  // in; MPI_Finalize would then wait for them forever. End the whole job instead.
+  if (std::uncaught_exceptions() > 0) fatal_error(__FILE__, __LINE__, "exception unwinding through MPI shutdown");
   set_fatal_context(rank_, nullptr);
   MPI_Finalize();
 }
@@ -31,6 +35,7 @@ void broadcast_string(MPI_Comm comm, std::string& text, int root) {
   long long n = static_cast<long long>(text.size());
   MPI_CHECK(MPI_Bcast(&n, 1, MPI_LONG_LONG, root, comm));
   text.resize(static_cast<size_t>(n));
+  FP8MOE_ASSERT(n <= (1LL << 30), "broadcast_string of ", n, " bytes: larger than this helper supports");
   if (n > 0) MPI_CHECK(MPI_Bcast(text.data(), static_cast<int>(n), MPI_CHAR, root, comm));
 }
 

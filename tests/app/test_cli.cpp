@@ -3,6 +3,8 @@
 // names the key path (and, where the value came from the file, file:line:column).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -102,8 +104,24 @@ TEST(Cli, EightRankDryRunOfTinyPrintsTheGrid) {
       << r.out;
   // Only rank 0 prints.
   EXPECT_EQ(count(r.out, "effective config:"), 1u) << r.out;
-  // Rank 7 = tp 1, pp 1, dp 1, ep 1, edp 0 in the tp-ep-dp-pp order.
-  EXPECT_NE(r.out.find("      7  "), std::string::npos) << r.out;
+  // Each row ends with tp pp dp ep edp; in the tp-ep-dp-pp order rank r has tp = r % 2,
+  // ep = dp = (r / 2) % 2, pp = r / 4, edp = 0.
+  for (int rank = 0; rank < 8; ++rank) {
+    const std::string head = "  " + std::string(4 - (rank >= 10), ' ') + std::to_string(rank) + "  ";
+    const size_t at = r.out.find("\n" + head);
+    ASSERT_NE(at, std::string::npos) << "no row for rank " << rank << "\n" << r.out;
+    const std::string row = r.out.substr(at + 1, r.out.find('\n', at + 1) - at - 1);
+    char tail[64];
+    std::snprintf(tail, sizeof tail, " %4d %4d %4d %4d %4d", rank % 2, rank / 4, (rank / 2) % 2, (rank / 2) % 2, 0);
+    EXPECT_TRUE(row.size() >= strlen(tail) && row.compare(row.size() - strlen(tail), std::string::npos, tail) == 0)
+        << "rank " << rank << " row '" << row << "', expected it to end with '" << tail << "'";
+  }
+}
+
+TEST(Cli, CommandLineErrorsPrintOnceUnderMpirun) {
+  const RunResult r = run({mpiexec(), "-n", "3", "--oversubscribe", exe(), "train"}, 120);
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_EQ(count(r.all(), "config is required"), 1u) << r.all();
 }
 
 // ---- bad configs -----------------------------------------------------------------------------
@@ -134,6 +152,10 @@ const BadConfig kBadConfigs[] = {
     {"duplicate_key", "model:\n  d_model: 64\n  d_model: 128\n", "model.d_model", "3:3", "duplicate key (first given at"},
     {"value_is_list", "train:\n  lr: [1, 2]\n", "train.lr", "2:7", "got a list"},
     {"value_is_mapping", "data:\n  path: {a: 1}\n", "data.path", "2:9", "got a mapping"},
+    {"dotted_key", "model:\n  d_model: 128\nmodel.d_model: 64\n", "model.d_model", "3:1", "may not contain '.'"},
+    {"quoted_integer", "model:\n  d_model: \"256\"\n", "model.d_model", "2:12", "got the quoted string '256'"},
+    {"quoted_bool", "fp8:\n  power_of_two_scales: 'true'\n", "fp8.power_of_two_scales", "2:24", "quoted string"},
+    {"two_documents", "model:\n  d_model: 64\n---\nmodel:\n  d_model: 32\n", "one YAML document", "", "found 2"},
     // YAML syntax
     {"unclosed_flow_list", "model:\n  d_model: [64\n", "YAML syntax error", "", ""},
     {"tab_indentation", "model:\n\td_model: 64\n", "YAML syntax error", "", ""},
@@ -197,6 +219,8 @@ const BadConfig kBadConfigs[] = {
     {"hybrid_with_blockwise", "fp8:\n  format: hybrid\n", "fp8.format", "2:11", "e4m3 with fp8.recipe blockwise"},
     {"default_value_breaks_rule", "model:\n  n_heads: 6\n", "model.n_kv_heads", "", "(the default)"},
     {"tensor_not_dividing_heads", "parallel:\n  tensor: 3\n", "parallel.tensor", "2:11", "a divisor of model.n_heads = 8"},
+    {"tensor_not_dividing_kv_heads", "model:\n  n_heads: 8\n  n_kv_heads: 2\nparallel:\n  tensor: 4\n", "parallel.tensor", "5:11", "a divisor of model.n_kv_heads = 2"},
+    {"tensor_not_dividing_d_ff", "model:\n  d_ff_dense: 1001\nparallel:\n  tensor: 2\n", "parallel.tensor", "4:11", "a divisor of model.d_ff_dense = 1001"},
     {"tensor_not_dividing_vocab", "model:\n  vocab_size: 255\nparallel:\n  tensor: 2\n", "parallel.tensor", "4:11", "a divisor of model.vocab_size = 255"},
     {"tensor_not_dividing_d_expert", "model:\n  moe:\n    d_expert: 100\nparallel:\n  tensor: 8\n", "parallel.tensor", "5:11", "a divisor of model.moe.d_expert = 100"},
     {"expert_not_dividing_experts", "parallel:\n  expert: 3\n", "parallel.expert", "2:11", "a divisor of model.moe.n_experts = 8"},

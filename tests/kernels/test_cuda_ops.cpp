@@ -42,11 +42,13 @@ struct DeviceBuffer {
 };
 
 // NOTE: the same source (kernels/swiglu.h) runs on both sides, but the device expf differs from
-// glibc's by up to 2 ulp, so results agree to a few ulp, not bitwise.
-void expect_ulp_close(const std::vector<float>& gpu, const std::vector<float>& cpu, const char* what) {
+// glibc's by up to 2 ulp and nvcc fuses multiply-adds (1 + a * (1 - s) cancels near a = -1.28),
+// so results agree to rounding relative to the size of the terms (`scale`), not bitwise.
+void expect_close(const std::vector<float>& gpu, const std::vector<float>& cpu, const std::vector<float>& scale,
+                  const char* what) {
   ASSERT_EQ(gpu.size(), cpu.size());
   for (size_t i = 0; i < gpu.size(); ++i)
-    ASSERT_LE(std::abs(gpu[i] - cpu[i]), 4e-6f * (std::abs(cpu[i]) + 1e-3f)) << what << " element " << i;
+    ASSERT_LE(std::abs(gpu[i] - cpu[i]), 1e-5f * (std::abs(cpu[i]) + scale[i])) << what << " element " << i;
 }
 
 TEST_F(CudaOps, SwigluMatchesCpu) {
@@ -64,9 +66,13 @@ TEST_F(CudaOps, SwigluMatchesCpu) {
     cuda::swiglu_forward(da_.ptr, db_.ptr, dyv.ptr, n, nullptr);
     cuda::swiglu_backward(da_.ptr, db_.ptr, ddy.ptr, dda.ptr, ddb.ptr, n, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
-    expect_ulp_close(dyv.download(), y, "y");
-    expect_ulp_close(dda.download(), da, "da");
-    expect_ulp_close(ddb.download(), db, "db");
+    // Term sizes as in tests/kernels/test_swiglu.cpp: |a b|, |dy b| (1 + |a|), |dy a|.
+    std::vector<float> sy(n), sda(n), sdb(n);
+    for (int64_t i = 0; i < n; ++i)
+      sy[i] = std::abs(a[i] * b[i]), sda[i] = std::abs(dy[i] * b[i]) * (1 + std::abs(a[i])), sdb[i] = std::abs(dy[i] * a[i]);
+    expect_close(dyv.download(), y, sy, "y");
+    expect_close(dda.download(), da, sda, "da");
+    expect_close(ddb.download(), db, sdb, "db");
   }
 }
 
