@@ -1,0 +1,242 @@
+#include "kernels/gemm_fp8.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <vector>
+
+#include "kernels/check.h"
+
+namespace fp8moe {
+
+const char* to_string(GemmPath p) {
+  switch (p) {
+    case GemmPath::automatic: return "automatic";
+    case GemmPath::dequant_bf16: return "dequant_bf16";
+    case GemmPath::dequant_fp32: return "dequant_fp32";
+    default: return "block_scaled";
+  }
+}
+
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // BLAS rejects lda = 0; the product is empty: C = beta C
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(M), int(N),
+              int(K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
+}
+
+namespace {
+
+constexpr int kMinExp = -100, kMaxExp = 100;  // scale_inv range that keeps dequantized values normal
+
+// Exponent k of a power-of-two float, or a value outside [kMinExp, kMaxExp] when it is not one.
+int pow2_exponent(float s) {
+  const uint32_t u = float_bits(s);
+  if ((u & 0x807FFFFFu) != 0) return kMaxExp + 1;  // negative, or a mantissa: not 2^k
+  return int(u >> 23) - 127;
+}
+
+// (rows, cols) of op(X) and where K lies in storage.
+struct Operand {
+  const QuantTensor& q;
+  bool trans;
+  bool k_along_cols;  // storage dimension that is the reduction dimension
+};
+
+void check_tiling(const Operand& op, const char* name) {
+  const Tiling t = op.q.tiling;
+  const bool ok = t == Tiling::per_tensor || t == Tiling::blocks_TxT ||
+                  (t == Tiling::rows_1xT && op.k_along_cols) || (t == Tiling::cols_Tx1 && !op.k_along_cols);
+  FP8MOE_ASSERT(ok, "gemm_fp8: operand ", name, " has ", to_string(t), " tiles across the reduction dimension (",
+                op.k_along_cols ? "K is its columns" : "K is its rows", "); quantize it with the other tiling");
+  FP8MOE_ASSERT(op.q.data.size() == size_t(op.q.rows * op.q.cols), "gemm_fp8: operand ", name, " has ",
+                op.q.data.size(), " bytes for shape ", op.q.rows, " x ", op.q.cols);
+}
+
+// Dequantize to FP32 (exact for power-of-two scales).
+void dequant_fp32(const QuantTensor& q, std::vector<float>& out) {
+  out.resize(size_t(q.rows * q.cols));
+  dequantize(q, out.data());
+}
+
+// Dequantize to BF16 bits: BF16 of an FP8 value is its FP32 bits >> 16 (<= 3 mantissa bits), and
+// times 2^k only its exponent field changes (values stay normal by the range check).
+void dequant_bf16(const QuantTensor& q, std::vector<uint16_t>& out) {
+  out.resize(size_t(q.rows * q.cols));
+  uint16_t table[256];
+  const float* f = fp8_decode_table(q.dtype);
+  for (int b = 0; b < 256; ++b) table[b] = uint16_t(float_bits(f[b]) >> 16);
+  const int64_t cols = q.cols;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q.rows; ++r) {
+    const uint8_t* src = &q.data[size_t(r * cols)];
+    uint16_t* dst = &out[size_t(r * cols)];
+    // Scales change every `step` columns along a row (all of them for per_tensor / Tx1 is per column).
+    const int64_t step = q.tiling == Tiling::cols_Tx1 ? 1 : (q.tiling == Tiling::per_tensor ? cols : q.tile);
+    for (int64_t c0 = 0; c0 < cols; c0 += step) {
+      const int64_t c1 = std::min(cols, c0 + step);
+      const uint16_t add = uint16_t(pow2_exponent(q.scale_inv[q.scale_index(r, c0)]) * 128);
+      for (int64_t c = c0; c < c1; ++c) {
+        const uint16_t t = table[src[c]];
+        const uint16_t e = t & 0x7F80u;
+        dst[c] = (e == 0 || e == 0x7F80u) ? t : uint16_t(t + add);  // zeros and NaN stay as they are
+      }
+    }
+  }
+}
+
+struct Dnnl {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+};
+Dnnl& dnnl_ctx() {
+  static Dnnl ctx;
+  return ctx;
+}
+
+// C (M,N) = alpha op(A) op(B) + beta C with BF16 operands stored as given (strides express the
+// transposes) and FP32 accumulation and output. Returns oneDNN's implementation name.
+std::string bf16_matmul(const uint16_t* A, bool trans_a, const uint16_t* B, bool trans_b, int64_t M, int64_t N,
+                        int64_t K, float alpha, float beta, float* C, int64_t ldc) {
+  using dnnl::memory;
+  Dnnl& ctx = dnnl_ctx();
+  const memory::desc a_md({M, K}, memory::data_type::bf16, trans_a ? memory::dims{1, M} : memory::dims{K, 1});
+  const memory::desc b_md({K, N}, memory::data_type::bf16, trans_b ? memory::dims{1, K} : memory::dims{N, 1});
+  const memory::desc c_md({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.0f) {
+    dnnl::post_ops po;
+    po.append_sum(beta);
+    attr.set_post_ops(po);
+  }
+  // NOTE: oneDNN caches primitives by descriptor, so re-creating one per call costs microseconds.
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, ctx.engine);
+  memory a(a_md, ctx.engine, const_cast<uint16_t*>(A)), b(b_md, ctx.engine, const_cast<uint16_t*>(B)),
+      c(c_md, ctx.engine, C);
+  dnnl::matmul(pd).execute(ctx.stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+  ctx.stream.wait();
+  return pd.impl_info_str();
+}
+
+// Scale of operand X at reduction index k (a multiple of the block) and output index i.
+float scale_at(const Operand& op, int64_t k, int64_t i) {
+  const int64_t r = op.k_along_cols ? i : k, c = op.k_along_cols ? k : i;
+  return op.q.scale_inv[size_t(op.q.scale_index(r, c))];
+}
+
+void block_scaled(const Operand& a, const Operand& b, int64_t M, int64_t N, int64_t K, float alpha, float beta,
+                  float* C, int64_t ldc) {
+  const int ta = a.q.tiling == Tiling::per_tensor ? 0 : a.q.tile;
+  const int tb = b.q.tiling == Tiling::per_tensor ? 0 : b.q.tile;
+  FP8MOE_ASSERT(ta == 0 || tb == 0 || ta == tb, "gemm_fp8 block_scaled: tiles of A (", ta, ") and B (", tb,
+                ") must be equal so that their K blocks line up");
+  const int64_t T = ta ? ta : (tb ? tb : std::max<int64_t>(K, 1));
+
+  thread_local std::vector<float> araw, braw, part;
+  const float* fa = fp8_decode_table(a.q.dtype);
+  const float* fb = fp8_decode_table(b.q.dtype);
+  araw.resize(a.q.data.size());
+  braw.resize(b.q.data.size());
+  for (size_t i = 0; i < araw.size(); ++i) araw[i] = fa[a.q.data[i]];
+  for (size_t i = 0; i < braw.size(); ++i) braw[i] = fb[b.q.data[i]];
+  part.resize(size_t(M * N));
+
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
+  std::vector<float> sa(static_cast<size_t>(M)), sb(static_cast<size_t>(N));
+  const int64_t lda = a.q.cols, ldb = b.q.cols;
+  for (int64_t k0 = 0; k0 < K; k0 += T) {
+    const int64_t kt = std::min(T, K - k0);
+    // Raw FP8 values of this K block: products exact, sums in FP32.
+    const float* ap = a.k_along_cols ? araw.data() + k0 : araw.data() + k0 * lda;
+    const float* bp = b.k_along_cols ? braw.data() + k0 : braw.data() + k0 * ldb;
+    sgemm(a.trans, b.trans, M, N, kt, 1.0f, ap, lda, bp, ldb, 0.0f, part.data(), N);
+    for (int64_t m = 0; m < M; ++m) sa[m] = alpha * scale_at(a, k0, m);
+    for (int64_t n = 0; n < N; ++n) sb[n] = scale_at(b, k0, n);
+    // NOTE: plain pointers, not the thread_local vectors: OpenMP workers have their own (empty) ones.
+    const float *P = part.data(), *SA = sa.data(), *SB = sb.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) C[m * ldc + n] += (SA[m] * SB[n]) * P[m * N + n];
+  }
+}
+
+}  // namespace
+
+bool has_exact_pow2_scales(const QuantTensor& q) {
+  return std::all_of(q.scale_inv.begin(), q.scale_inv.end(), [](float s) {
+    const int k = pow2_exponent(s);
+    return k >= kMinExp && k <= kMaxExp;
+  });
+}
+
+bool cpu_has_bf16_gemm() {
+  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+  return isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
+}
+
+std::string cpu_isa_name() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
+    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core: return "avx512_core";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
+    case dnnl::cpu_isa::avx2: return "avx2";
+    default: return "older than avx2";
+  }
+}
+
+void gemm_fp8(const QuantTensor& A, bool trans_a, const QuantTensor& B, bool trans_b, float alpha, float beta,
+              float* C, int64_t ldc, GemmPath path, GemmInfo* info) {
+  const int64_t M = trans_a ? A.cols : A.rows, K = trans_a ? A.rows : A.cols;
+  const int64_t N = trans_b ? B.rows : B.cols, Kb = trans_b ? B.cols : B.rows;
+  FP8MOE_ASSERT(K == Kb, "gemm_fp8: op(A) is ", M, " x ", K, " but op(B) is ", Kb, " x ", N);
+  FP8MOE_ASSERT(ldc >= N, "gemm_fp8: ldc ", ldc, " < N ", N);
+  const Operand a{A, trans_a, !trans_a}, b{B, trans_b, trans_b};
+  check_tiling(a, "A");
+  check_tiling(b, "B");
+
+  const bool exact_pow2 = has_exact_pow2_scales(A) && has_exact_pow2_scales(B);
+  if (path == GemmPath::automatic)
+    path = !exact_pow2 ? GemmPath::block_scaled : cpu_has_bf16_gemm() ? GemmPath::dequant_bf16 : GemmPath::dequant_fp32;
+  FP8MOE_ASSERT(exact_pow2 || path == GemmPath::block_scaled, "gemm_fp8: path ", to_string(path),
+                " needs power-of-two scales in [2^-100, 2^100]");
+  if (info) info->path = path;
+  if (M == 0 || N == 0) return;  // an expert with no tokens
+  if (K == 0) {
+    sgemm(false, false, M, N, 0, alpha, nullptr, 1, nullptr, 1, beta, C, ldc);
+    return;
+  }
+
+  switch (path) {
+    case GemmPath::dequant_bf16: {
+      thread_local std::vector<uint16_t> a16, b16;
+      dequant_bf16(A, a16);
+      dequant_bf16(B, b16);
+      const std::string impl = bf16_matmul(a16.data(), trans_a, b16.data(), trans_b, M, N, K, alpha, beta, C, ldc);
+      if (info) info->impl = "oneDNN " + impl;
+      break;
+    }
+    case GemmPath::dequant_fp32: {
+      thread_local std::vector<float> a32, b32;
+      dequant_fp32(A, a32);
+      dequant_fp32(B, b32);
+      sgemm(trans_a, trans_b, M, N, K, alpha, a32.data(), A.cols, b32.data(), B.cols, beta, C, ldc);
+      if (info) info->impl = "OpenBLAS sgemm";
+      break;
+    }
+    default:
+      block_scaled(a, b, M, N, K, alpha, beta, C, ldc);
+      if (info) info->impl = "OpenBLAS sgemm per K block";
+  }
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,200 @@
+// CPU quantization: OpenMP loops over the FP8MOE_HD element functions of kernels/fp8.h.
+#include "kernels/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/check.h"
+
+namespace fp8moe {
+
+const char* to_string(Tiling t) {
+  switch (t) {
+    case Tiling::per_tensor: return "per_tensor";
+    case Tiling::rows_1xT: return "1xT";
+    case Tiling::cols_Tx1: return "Tx1";
+    default: return "TxT";
+  }
+}
+
+int64_t QuantTensor::scale_rows() const {
+  switch (tiling) {
+    case Tiling::per_tensor: return 1;
+    case Tiling::rows_1xT: return rows;
+    default: return (rows + tile - 1) / tile;
+  }
+}
+
+int64_t QuantTensor::scale_cols() const {
+  switch (tiling) {
+    case Tiling::per_tensor: return 1;
+    case Tiling::cols_Tx1: return cols;
+    default: return (cols + tile - 1) / tile;
+  }
+}
+
+namespace {
+// max of |x| as FP32 bit patterns, serially. NOTE: for non-negative floats integer order is value
+// order, and NaN patterns sort above infinity, so a NaN anywhere gives NaN (as on the GPU).
+uint32_t abs_bits_max(const float* x, int64_t n) {
+  uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, float_bits(x[i]) & 0x7FFFFFFFu);
+  return m;
+}
+}  // namespace
+
+float amax(const float* x, int64_t n) {
+  uint32_t m = 0;
+#pragma omp parallel for reduction(max : m) schedule(static)
+  for (int64_t c0 = 0; c0 < n; c0 += (1 << 14)) m = std::max(m, abs_bits_max(x + c0, std::min<int64_t>(1 << 14, n - c0)));
+  return bits_float(m);
+}
+
+namespace {
+
+void prepare(QuantTensor* out, int64_t rows, int64_t cols, Fp8Dtype dtype, Tiling tiling, int tile) {
+  FP8MOE_ASSERT(rows >= 0 && cols >= 0, "negative shape ", rows, " x ", cols);
+  FP8MOE_ASSERT(tiling == Tiling::per_tensor || tile >= 1, "tile ", tile);
+  out->rows = rows;
+  out->cols = cols;
+  out->dtype = dtype;
+  out->tiling = tiling;
+  out->tile = tiling == Tiling::per_tensor ? 1 : tile;
+  out->data.resize(static_cast<size_t>(rows * cols));
+  out->scale_inv.assign(static_cast<size_t>(out->scale_rows() * out->scale_cols()), 1.0f);
+  out->saturated = 0;
+  out->underflowed = 0;
+}
+
+// q[i] = fp8(x[i] * scale[i * kScaleStride]) for i in [0, n): kScaleStride 0 is one scale for the
+// span, 1 a scale per element. Counts saturated (clamped) and underflowed (non-zero -> 0) elements.
+template <Fp8Dtype F, int kScaleStride>
+void encode_span(const float* x, uint8_t* q, int64_t n, const float* scale, int64_t* saturated, int64_t* underflowed) {
+  int64_t sat = 0, under = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] * scale[i * kScaleStride];
+    const uint8_t b = fp8_encode<F, true>(v);
+    q[i] = b;
+    // Saturated: beyond the value that still rounds to max finite (E4M3: > 464, the tie at 464
+    // rounds down to even 448; E5M2: >= 61440, whose tie rounds up to infinity).
+    sat += F == Fp8Dtype::e4m3 ? std::abs(v) > 464.0f : std::abs(v) >= 61440.0f;
+    under += (v != 0.0f) & ((b & 0x7F) == 0);
+  }
+  *saturated += sat;
+  *underflowed += under;
+}
+
+template <int kScaleStride>
+void encode(Fp8Dtype f, const float* x, uint8_t* q, int64_t n, const float* scale, int64_t* sat, int64_t* under) {
+  if (f == Fp8Dtype::e4m3)
+    encode_span<Fp8Dtype::e4m3, kScaleStride>(x, q, n, scale, sat, under);
+  else
+    encode_span<Fp8Dtype::e5m2, kScaleStride>(x, q, n, scale, sat, under);
+}
+
+}  // namespace
+
+void quantize_with_scale(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, float scale, QuantTensor* out) {
+  prepare(out, rows, cols, dtype, Tiling::per_tensor, 1);
+  out->scale_inv[0] = 1.0f / scale;
+  const int64_t n = rows * cols;
+  constexpr int64_t kChunk = 1 << 14;
+  int64_t sat = 0, under = 0;
+#pragma omp parallel for reduction(+ : sat, under) schedule(static)
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk)
+    encode<0>(dtype, x + c0, out->data.data() + c0, std::min(kChunk, n - c0), &scale, &sat, &under);
+  out->saturated = sat;
+  out->underflowed = under;
+}
+
+float quantize_current(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, const ScaleOptions& opt,
+                       const AmaxReduce& reduce, QuantTensor* out) {
+  float a = amax(x, rows * cols);
+  if (reduce) reduce(&a, 1);
+  quantize_with_scale(x, rows, cols, dtype, compute_scale(a, fp8_max(dtype), opt.margin, opt.power_of_two), out);
+  return a;
+}
+
+void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, int tile, Fp8Dtype dtype,
+                    const ScaleOptions& opt, QuantTensor* out) {
+  FP8MOE_ASSERT(tiling != Tiling::per_tensor, "quantize_tiled needs a tiling");
+  prepare(out, rows, cols, dtype, tiling, tile);
+  const int64_t sr = out->scale_rows(), sc = out->scale_cols();
+  // Tile (i, j) of the scale grid covers rows [r0, r1) x cols [c0, c1).
+  const int64_t tile_h = tiling == Tiling::rows_1xT ? 1 : tile;
+  const int64_t tile_w = tiling == Tiling::cols_Tx1 ? 1 : tile;
+  const float fmax = fp8_max(dtype);
+  int64_t sat = 0, under = 0;
+  if (tiling == Tiling::cols_Tx1) {
+    // Column tiles: walk each band of T rows once, keeping one amax per column (cache friendly).
+#pragma omp parallel for reduction(+ : sat, under) schedule(static)
+    for (int64_t i = 0; i < sr; ++i) {
+      const int64_t r0 = i * tile, r1 = std::min(rows, r0 + tile);
+      std::vector<uint32_t> m(static_cast<size_t>(cols), 0u);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < cols; ++c) m[c] = std::max(m[c], float_bits(x[r * cols + c]) & 0x7FFFFFFFu);
+      std::vector<float> scale(static_cast<size_t>(cols));
+      for (int64_t c = 0; c < cols; ++c) {
+        scale[c] = compute_scale(bits_float(m[c]), fmax, opt.margin, opt.power_of_two);
+        out->scale_inv[i * cols + c] = 1.0f / scale[c];
+      }
+      for (int64_t r = r0; r < r1; ++r)
+        encode<1>(dtype, &x[r * cols], &out->data[r * cols], cols, scale.data(), &sat, &under);
+    }
+  } else {
+#pragma omp parallel for collapse(2) reduction(+ : sat, under) schedule(static)
+    for (int64_t i = 0; i < sr; ++i)
+      for (int64_t j = 0; j < sc; ++j) {
+        const int64_t r0 = i * tile_h, r1 = std::min(rows, r0 + tile_h);
+        const int64_t c0 = j * tile_w, c1 = std::min(cols, c0 + tile_w);
+        uint32_t m = 0;
+        for (int64_t r = r0; r < r1; ++r) m = std::max(m, abs_bits_max(&x[r * cols + c0], c1 - c0));
+        const float a = bits_float(m);
+        const float scale = compute_scale(a, fmax, opt.margin, opt.power_of_two);
+        out->scale_inv[i * sc + j] = 1.0f / scale;
+        for (int64_t r = r0; r < r1; ++r)
+          encode<0>(dtype, &x[r * cols + c0], &out->data[r * cols + c0], c1 - c0, &scale, &sat, &under);
+      }
+  }
+  out->saturated = sat;
+  out->underflowed = under;
+}
+
+DelayedScaling make_delayed_scaling(int history_len) {
+  FP8MOE_ASSERT(history_len >= 1, "amax history length ", history_len);
+  DelayedScaling s;
+  s.history.assign(static_cast<size_t>(history_len), 0.0f);
+  return s;
+}
+
+float delayed_amax(const DelayedScaling& state, DelayedScaling::Compute compute) {
+  if (state.steps == 0) return 0.0f;
+  const size_t len = state.history.size();
+  if (compute == DelayedScaling::Compute::most_recent) return state.history[(state.steps - 1) % len];
+  float m = 0.0f;
+  for (float v : state.history) m = float_bits(v) > float_bits(m) ? v : m;  // NaN-propagating, as amax()
+  return m;
+}
+
+float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, DelayedScaling& state,
+                       DelayedScaling::Compute compute, const ScaleOptions& opt, const AmaxReduce& reduce,
+                       QuantTensor* out) {
+  FP8MOE_ASSERT(!state.history.empty(), "delayed scaling state not initialised");
+  quantize_with_scale(x, rows, cols, dtype, state.scale, out);
+  float a = amax(x, rows * cols);
+  if (reduce) reduce(&a, 1);
+  state.history[state.steps % state.history.size()] = a;
+  ++state.steps;
+  state.scale = compute_scale(delayed_amax(state, compute), fp8_max(dtype), opt.margin, opt.power_of_two);
+  return a;
+}
+
+void dequantize(const QuantTensor& q, float* out) {
+  const float* table = fp8_decode_table(q.dtype);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t c = 0; c < q.cols; ++c) out[r * q.cols + c] = table[q.data[r * q.cols + c]] * q.scale_inv[q.scale_index(r, c)];
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,113 @@
+// FP8 quantization: scales, the three recipes (current, delayed, blockwise) and QuantTensor.
+//
+// Convention (Transformer Engine's): q = fp8(x * scale), x ~= decode(q) * scale_inv,
+// scale_inv = 1 / scale. Scales are FP32; with power_of_two scales, scale_inv is exact and the
+// dequantized values are exact in FP32 and in BF16 (the CPU GEMM's fast path relies on that).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "kernels/fp8.h"
+#include "kernels/hd.h"
+
+namespace fp8moe {
+
+// How the scales of a tensor of shape (rows, cols) are laid out.
+enum class Tiling : uint8_t {
+  per_tensor,  // one scale
+  rows_1xT,    // one scale per row per T consecutive columns (activations, gradients; K = cols)
+  cols_Tx1,    // one scale per column per T consecutive rows (their transposed use; K = rows)
+  blocks_TxT,  // one scale per T x T block (weights)
+};
+const char* to_string(Tiling t);
+
+// An FP8 tensor: row-major bytes plus FP32 dequantization scales.
+//   x[r][c] ~= decode(data[r * cols + c]) * scale_inv[scale_index(r, c)]
+// scale_inv layout, row-major, with R = ceil(rows / T), C = ceil(cols / T) (edge tiles are partial):
+//   per_tensor (1)   rows_1xT (rows, C)   cols_Tx1 (R, cols)   blocks_TxT (R, C)
+struct QuantTensor {
+  int64_t rows = 0, cols = 0;
+  Fp8Dtype dtype = Fp8Dtype::e4m3;
+  Tiling tiling = Tiling::per_tensor;
+  int tile = 1;                  // T (1 for per_tensor)
+  std::vector<uint8_t> data;     // (rows, cols)
+  std::vector<float> scale_inv;  // see above
+  int64_t saturated = 0;         // elements whose |x * scale| overflowed the format (clamped to max)
+  int64_t underflowed = 0;       // non-zero elements that became +-0
+
+  int64_t scale_rows() const;
+  int64_t scale_cols() const;
+  int64_t scale_index(int64_t r, int64_t c) const {
+    switch (tiling) {
+      case Tiling::per_tensor: return 0;
+      case Tiling::rows_1xT: return r * scale_cols() + c / tile;
+      case Tiling::cols_Tx1: return (r / tile) * cols + c;
+      default: return (r / tile) * scale_cols() + c / tile;
+    }
+  }
+  float dequant(int64_t r, int64_t c) const {
+    return fp8_decode(data[r * cols + c], dtype) * scale_inv[scale_index(r, c)];
+  }
+};
+
+// scale = fmax / amax / 2^margin, optionally rounded down to a power of two (so that amax * scale
+// still fits). amax == 0 or non-finite gives 1 (nothing to scale; a non-finite amax is the
+// caller's to report); a scale that would overflow FP32 is clamped to FLT_MAX.
+FP8MOE_HD inline float compute_scale(float amax, float fmax, int margin, bool power_of_two) {
+  if (!(amax > 0.0f) || !(amax <= 3.402823466e38f)) return 1.0f;
+  float s = fmax / amax;
+  if (s > 3.402823466e38f) s = 3.402823466e38f;
+  if (margin > 0) s *= bits_float(uint32_t(127 - (margin < 126 ? margin : 126)) << 23);  // exact 2^-margin
+  if (power_of_two) s = bits_float(float_bits(s) & 0xFF800000u);  // 2^floor(log2(s)), s normal
+  return s;
+}
+
+// max |x|; NaN if any element is NaN (FP32 bit order: NaN > inf > finite), 0 for n == 0.
+float amax(const float* x, int64_t n);
+
+// In-place element-wise max of `n` amax values over a group of ranks (e.g. the tensor-parallel
+// group), supplied by the caller so that kernels/ stays free of MPI. Empty: no reduction.
+using AmaxReduce = std::function<void(float* amax, int64_t n)>;
+
+struct ScaleOptions {
+  int margin = 0;
+  bool power_of_two = true;
+};
+
+// Per-tensor quantization with a given scale (scale_inv = 1 / scale).
+void quantize_with_scale(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, float scale, QuantTensor* out);
+
+// Current scaling: scale from this tensor's amax (reduced over `reduce` first). Returns the amax.
+float quantize_current(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, const ScaleOptions& opt,
+                       const AmaxReduce& reduce, QuantTensor* out);
+
+// Blockwise (DeepSeek-V3): one scale per tile of the given tiling, from the tile's own amax.
+// tiling != per_tensor. No reduction: a tile never straddles ranks (checked by the config).
+void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, int tile, Fp8Dtype dtype,
+                    const ScaleOptions& opt, QuantTensor* out);
+
+// Delayed scaling (Transformer Engine's DelayedScaling) for one tensor: quantize with the scale
+// derived from the amax history of earlier steps; then this step's amax (reduced) enters the
+// history and the scale for the next step is recomputed from it. This is checkpointed state.
+struct DelayedScaling {
+  enum class Compute { max, most_recent };
+  std::vector<float> history;  // (history_len) amax ring buffer, zeros at start
+  int64_t steps = 0;           // amax values recorded so far; the newest is history[(steps-1) % len]
+  float scale = 1.0f;          // the scale the next quantization uses
+  bool operator==(const DelayedScaling&) const = default;
+};
+DelayedScaling make_delayed_scaling(int history_len);
+// Returns this step's (reduced) amax.
+float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, DelayedScaling& state,
+                       DelayedScaling::Compute compute, const ScaleOptions& opt, const AmaxReduce& reduce,
+                       QuantTensor* out);
+// The amax the next scale is computed from (the history's max, or its newest entry).
+float delayed_amax(const DelayedScaling& state, DelayedScaling::Compute compute);
+
+// Dequantization (exact: every FP8 value times an FP32 scale is an FP32 product of <= 4+24 bits,
+// exact unless it under/overflows FP32).
+void dequantize(const QuantTensor& q, float* out);  // out: (rows, cols)
+
+}  // namespace fp8moe

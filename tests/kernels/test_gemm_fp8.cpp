@@ -1,0 +1,350 @@
+// The CPU FP8 GEMM:
+//  - exact equality with an independent naive FP64 loop over the dequantized values, on inputs
+//    built so that FP8 quantization is lossless and every FP32 partial sum is exact (so summation
+//    order cannot matter): any misapplied scale, transpose or tile changes the exact answer;
+//  - similarity 1 - 2 sum(xy) / (sum(x^2) + sum(y^2)) < 1e-3 against an FP64 product of the
+//    unquantized inputs, for the three GEMMs of a linear layer, each recipe and each path;
+//  - non-power-of-two scales (block_scaled path) against the per-block definition in FP64;
+//  - outlier channels: blockwise error at least 10x below per-tensor error;
+//  - empty M / N / K, one-row inputs, K not a multiple of the tile, alpha / beta accumulation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "kernels/gemm_fp8.h"
+
+namespace fp8moe {
+namespace {
+
+using Matrix = std::vector<float>;
+
+Matrix normal_matrix(int64_t rows, int64_t cols, uint64_t seed, float stddev = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, stddev);
+  Matrix m(static_cast<size_t>(rows * cols));
+  for (float& v : m) v = d(rng);
+  return m;
+}
+
+// FP64 C = op(A) op(B) with A, B given as functions of (row, col) of op().
+template <class FA, class FB>
+std::vector<double> reference(int64_t M, int64_t N, int64_t K, FA a, FB b) {
+  std::vector<double> c(static_cast<size_t>(M * N), 0.0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(a(m, k)) * double(b(k, n));
+      c[m * N + n] = s;
+    }
+  return c;
+}
+
+double similarity_error(const Matrix& got, const std::vector<double>& want) {
+  double xy = 0, xx = 0, yy = 0;
+  for (size_t i = 0; i < got.size(); ++i) xy += got[i] * want[i], xx += double(got[i]) * got[i], yy += want[i] * want[i];
+  return 1.0 - 2.0 * xy / (xx + yy);
+}
+
+double relative_error(const Matrix& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) num += (got[i] - want[i]) * (got[i] - want[i]), den += want[i] * want[i];
+  return std::sqrt(num / den);
+}
+
+// The three GEMMs of a linear layer y = x W^T, x (M, K), W (N, K), dy (M, N).
+enum class Form { forward, dgrad, wgrad };
+const char* name(Form f) { return f == Form::forward ? "forward" : f == Form::dgrad ? "dgrad" : "wgrad"; }
+
+struct Problem {
+  int64_t M, N, K;  // of the layer: x (M, K), W (N, K)
+};
+
+// Quantized operands and the GEMM of one form, with blockwise (tile > 0) or per-tensor scaling.
+struct FormRun {
+  QuantTensor A, B;
+  bool ta = false, tb = false;
+  int64_t rows = 0, cols = 0;  // of C
+};
+
+FormRun setup(Form f, const Problem& p, const Matrix& x, const Matrix& w, const Matrix& dy, int tile, bool pow2,
+              Fp8Dtype grad_dtype = Fp8Dtype::e4m3) {
+  FormRun r;
+  const ScaleOptions opt{0, pow2};
+  auto quant = [&](const Matrix& m, int64_t rows, int64_t cols, Tiling t, Fp8Dtype dt, QuantTensor* q) {
+    if (tile == 0)
+      quantize_current(m.data(), rows, cols, dt, opt, {}, q);
+    else
+      quantize_tiled(m.data(), rows, cols, t, tile, dt, opt, q);
+  };
+  switch (f) {
+    case Form::forward:  // y (M,N) = x . W^T
+      quant(x, p.M, p.K, Tiling::rows_1xT, Fp8Dtype::e4m3, &r.A);
+      quant(w, p.N, p.K, Tiling::blocks_TxT, Fp8Dtype::e4m3, &r.B);
+      r.tb = true, r.rows = p.M, r.cols = p.N;
+      break;
+    case Form::dgrad:  // dx (M,K) = dy . W
+      quant(dy, p.M, p.N, Tiling::rows_1xT, grad_dtype, &r.A);
+      quant(w, p.N, p.K, Tiling::blocks_TxT, Fp8Dtype::e4m3, &r.B);
+      r.rows = p.M, r.cols = p.K;
+      break;
+    case Form::wgrad:  // dW (N,K) = dy^T . x
+      quant(dy, p.M, p.N, Tiling::cols_Tx1, grad_dtype, &r.A);
+      quant(x, p.M, p.K, Tiling::cols_Tx1, Fp8Dtype::e4m3, &r.B);
+      r.ta = true, r.rows = p.N, r.cols = p.K;
+      break;
+  }
+  return r;
+}
+
+// FP64 product of the unquantized inputs for a form.
+std::vector<double> exact_product(Form f, const Problem& p, const Matrix& x, const Matrix& w, const Matrix& dy) {
+  switch (f) {
+    case Form::forward:
+      return reference(p.M, p.N, p.K, [&](int64_t m, int64_t k) { return x[m * p.K + k]; },
+                       [&](int64_t k, int64_t n) { return w[n * p.K + k]; });
+    case Form::dgrad:
+      return reference(p.M, p.K, p.N, [&](int64_t m, int64_t n) { return dy[m * p.N + n]; },
+                       [&](int64_t n, int64_t k) { return w[n * p.K + k]; });
+    default:
+      return reference(p.N, p.K, p.M, [&](int64_t n, int64_t m) { return dy[m * p.N + n]; },
+                       [&](int64_t m, int64_t k) { return x[m * p.K + k]; });
+  }
+}
+
+// FP64 product of the DEQUANTIZED operands, by a naive loop over QuantTensor::dequant.
+std::vector<double> dequantized_product(const FormRun& r) {
+  const int64_t K = r.ta ? r.A.rows : r.A.cols;
+  return reference(
+      r.rows, r.cols, K, [&](int64_t m, int64_t k) { return r.ta ? r.A.dequant(k, m) : r.A.dequant(m, k); },
+      [&](int64_t k, int64_t n) { return r.tb ? r.B.dequant(n, k) : r.B.dequant(k, n); });
+}
+
+std::vector<GemmPath> exact_paths() { return {GemmPath::dequant_bf16, GemmPath::dequant_fp32, GemmPath::block_scaled}; }
+
+// Values that FP8 E4M3 holds exactly at any power-of-two scale: v * 2^j with v an E4M3 value of
+// exponent 0..2 (1 <= |v| <= 7.5, steps of 1/8) and j in {0, 1} varying by region, so tiles get
+// different scales. Products are multiples of 2^-6 below 225: a dot product of K <= 300 of them
+// stays below 2^17, so all FP32 partial sums are exact (23 bits) in any order.
+Matrix representable_matrix(int64_t rows, int64_t cols, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Matrix m(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int e = int(rng() % 3), mant = int(rng() % 8), sign = (rng() & 1) ? -1 : 1;
+      const int j = int(((r / 7) + (c / 5)) % 2);
+      m[r * cols + c] = float(sign * std::ldexp(1.0 + mant / 8.0, e + j));
+    }
+  return m;
+}
+
+struct ExactCase {
+  Problem p;
+  int tile;  // 0: per-tensor
+};
+
+class GemmExact : public testing::TestWithParam<ExactCase> {};
+
+TEST_P(GemmExact, EqualsNaiveLoopOverDequantizedValues) {
+  const ExactCase ec = GetParam();
+  const Problem& p = ec.p;
+  const Matrix x = representable_matrix(p.M, p.K, 1), w = representable_matrix(p.N, p.K, 2),
+               dy = representable_matrix(p.M, p.N, 3);
+  for (Form f : {Form::forward, Form::dgrad, Form::wgrad}) {
+    const FormRun r = setup(f, p, x, w, dy, ec.tile, true);
+    const std::vector<double> want = dequantized_product(r);
+    // Quantization was lossless, so the dequantized product is the product of the inputs.
+    EXPECT_EQ(want, exact_product(f, p, x, w, dy)) << name(f);
+    for (GemmPath path : exact_paths())
+      for (auto [alpha, beta] : {std::pair{1.0f, 0.0f}, std::pair{0.5f, 1.0f}, std::pair{2.0f, 0.25f}}) {
+        SCOPED_TRACE(testing::Message() << name(f) << " " << to_string(path) << " alpha " << alpha << " beta " << beta);
+        // C starts with exact values (multiples of 1/4) so that beta * C + alpha * AB is exact too.
+        Matrix c(static_cast<size_t>(r.rows * r.cols));
+        for (size_t i = 0; i < c.size(); ++i) c[i] = float(int(i % 17) - 8) * 0.25f;
+        const Matrix c0 = c;
+        GemmInfo info;
+        gemm_fp8(r.A, r.ta, r.B, r.tb, alpha, beta, c.data(), r.cols, path, &info);
+        EXPECT_EQ(info.path, path);
+        for (size_t i = 0; i < c.size(); ++i)
+          ASSERT_EQ(c[i], float(alpha * want[i] + double(beta) * c0[i])) << "element " << i;
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmExact,
+                         testing::Values(ExactCase{{64, 96, 256}, 128},  // K a multiple of the tile
+                                         ExactCase{{50, 70, 300}, 128},  // partial edge tiles everywhere
+                                         ExactCase{{33, 40, 100}, 32},
+                                         ExactCase{{1, 64, 128}, 128},   // one token
+                                         ExactCase{{16, 1, 200}, 64},    // one output column
+                                         ExactCase{{40, 24, 1}, 128},    // K = 1
+                                         ExactCase{{64, 96, 256}, 0},    // per-tensor
+                                         ExactCase{{37, 50, 130}, 0}),
+                         [](const auto& i) {
+                           char buf[64];
+                           std::snprintf(buf, sizeof buf, "M%lld_N%lld_K%lld_T%d", (long long)i.param.p.M,
+                                         (long long)i.param.p.N, (long long)i.param.p.K, i.param.tile);
+                           return std::string(buf);
+                         });
+
+struct SimilarityCase {
+  Problem p;
+  int tile;
+  Fp8Dtype grad_dtype;
+  double bound;
+};
+
+class GemmSimilarity : public testing::TestWithParam<SimilarityCase> {};
+
+TEST_P(GemmSimilarity, CloseToFp64ProductOfUnquantizedInputs) {
+  const SimilarityCase sc = GetParam();
+  const Problem& p = sc.p;
+  const Matrix x = normal_matrix(p.M, p.K, 7), w = normal_matrix(p.N, p.K, 8, 0.02f), dy = normal_matrix(p.M, p.N, 9, 1e-3f);
+  for (Form f : {Form::forward, Form::dgrad, Form::wgrad}) {
+    const std::vector<double> want = exact_product(f, p, x, w, dy);
+    const FormRun r = setup(f, p, x, w, dy, sc.tile, true, sc.grad_dtype);
+    for (GemmPath path : {GemmPath::automatic, GemmPath::dequant_fp32, GemmPath::block_scaled}) {
+      Matrix c(static_cast<size_t>(r.rows * r.cols), NAN);  // beta = 0 must ignore what C held
+      gemm_fp8(r.A, r.ta, r.B, r.tb, 1.0f, 0.0f, c.data(), r.cols, path);
+      const double err = similarity_error(c, want);
+      EXPECT_LT(err, sc.bound) << name(f) << " " << to_string(path);
+      RecordProperty(std::string(name(f)) + "_" + to_string(path), std::to_string(err));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmSimilarity,
+    testing::Values(SimilarityCase{{256, 256, 512}, 128, Fp8Dtype::e4m3, 1e-3},
+                    SimilarityCase{{200, 136, 300}, 128, Fp8Dtype::e4m3, 1e-3},
+                    SimilarityCase{{128, 64, 256}, 32, Fp8Dtype::e4m3, 1e-3},
+                    SimilarityCase{{256, 256, 512}, 0, Fp8Dtype::e4m3, 1e-3},
+                    // hybrid: E5M2 gradients carry 2 mantissa bits, so about 4x the error of E4M3
+                    SimilarityCase{{256, 256, 512}, 0, Fp8Dtype::e5m2, 4e-3}),
+    [](const auto& i) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "M%lld_K%lld_T%d_%s", (long long)i.param.p.M, (long long)i.param.p.K, i.param.tile,
+                    to_string(i.param.grad_dtype));
+      return std::string(buf);
+    });
+
+TEST(GemmFp8, NonPowerOfTwoScalesUseBlockScaledPath) {
+  const Problem p{70, 90, 260};
+  const Matrix x = normal_matrix(p.M, p.K, 21), w = normal_matrix(p.N, p.K, 22), dy = normal_matrix(p.M, p.N, 23);
+  for (int tile : {0, 64}) {
+    for (Form f : {Form::forward, Form::dgrad, Form::wgrad}) {
+      const FormRun r = setup(f, p, x, w, dy, tile, /*pow2=*/false);
+      EXPECT_FALSE(has_exact_pow2_scales(r.A) && has_exact_pow2_scales(r.B));
+      Matrix c(static_cast<size_t>(r.rows * r.cols));
+      GemmInfo info;
+      gemm_fp8(r.A, r.ta, r.B, r.tb, 1.0f, 0.0f, c.data(), r.cols, GemmPath::automatic, &info);
+      EXPECT_EQ(info.path, GemmPath::block_scaled);
+      // The definition in FP64: sum over k of dequant(a) * dequant(b), with dequant in FP64.
+      const int64_t K = r.ta ? r.A.rows : r.A.cols;
+      auto dq = [](const QuantTensor& q, int64_t i, int64_t j) {
+        return double(fp8_decode(q.data[i * q.cols + j], q.dtype)) * double(q.scale_inv[q.scale_index(i, j)]);
+      };
+      const std::vector<double> want = reference(
+          r.rows, r.cols, K, [&](int64_t m, int64_t k) { return r.ta ? dq(r.A, k, m) : dq(r.A, m, k); },
+          [&](int64_t k, int64_t n) { return r.tb ? dq(r.B, n, k) : dq(r.B, k, n); });
+      EXPECT_LT(relative_error(c, want), 1e-6) << name(f) << " tile " << tile;
+      EXPECT_LT(similarity_error(c, exact_product(f, p, x, w, dy)), 1e-3) << name(f) << " tile " << tile;
+    }
+  }
+}
+
+// Weight gradient dW (N, K) = dy^T x with three outlier channels (columns of x) `factor` times
+// larger than the rest. Returns the relative error over the OTHER channels of dW, per-tensor and
+// blockwise (Tx1 tiles: each channel of x gets its own scale per 128 tokens).
+std::pair<double, double> outlier_errors(float factor) {
+  const int64_t M = 512, N = 128, K = 512;
+  Matrix x = normal_matrix(M, K, 31);
+  const Matrix dy = normal_matrix(M, N, 33);
+  const int64_t outliers[] = {5, 6, 7};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k : outliers) x[m * K + k] *= factor;
+  double err[2] = {0, 0};
+  for (int tile : {0, 128}) {
+    QuantTensor qx, qd;
+    if (tile == 0) {
+      quantize_current(x.data(), M, K, Fp8Dtype::e4m3, {}, {}, &qx);
+      quantize_current(dy.data(), M, N, Fp8Dtype::e4m3, {}, {}, &qd);
+    } else {
+      quantize_tiled(x.data(), M, K, Tiling::cols_Tx1, tile, Fp8Dtype::e4m3, {}, &qx);
+      quantize_tiled(dy.data(), M, N, Tiling::cols_Tx1, tile, Fp8Dtype::e4m3, {}, &qd);
+    }
+    Matrix c(static_cast<size_t>(N * K));
+    gemm_fp8(qd, true, qx, false, 1.0f, 0.0f, c.data(), K);
+    double num = 0, den = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        if (k >= 5 && k <= 7) continue;
+        double want = 0;
+        for (int64_t m = 0; m < M; ++m) want += double(dy[m * N + n]) * x[m * K + k];
+        num += (c[n * K + k] - want) * (c[n * K + k] - want), den += want * want;
+      }
+    err[tile ? 1 : 0] = std::sqrt(num / den);
+  }
+  std::printf("outliers %gx: relative error of the other channels: per-tensor %.3e, blockwise %.3e, ratio %.1f\n",
+              factor, err[0], err[1], err[0] / err[1]);
+  return {err[0], err[1]};
+}
+
+TEST(GemmFp8, OutlierChannelsBlockwiseBeatsPerTensor) {
+  // NOTE: with power-of-two scales, scaling is exact and E4M3's relative precision is the same
+  // across its normal range (2^-6 .. 448, ~15 binades). Outliers 100x larger move the other
+  // channels down ~7 binades, still normal: per-tensor loses nothing, and the two recipes agree.
+  const auto [pt100, bw100] = outlier_errors(100.0f);
+  EXPECT_NEAR(pt100 / bw100, 1.0, 0.05);
+  // Outliers 2^17 larger push the other channels below E4M3's normal range, where per-tensor
+  // scaling flushes them to a few subnormal steps; blockwise tiles keep them at full precision.
+  const auto [pt, bw] = outlier_errors(131072.0f);
+  RecordProperty("per_tensor_error", std::to_string(pt));
+  RecordProperty("blockwise_error", std::to_string(bw));
+  EXPECT_GE(pt / bw, 10.0) << "per-tensor " << pt << " blockwise " << bw;
+  EXPECT_NEAR(bw, bw100, 1e-9) << "blockwise does not see the outliers at all";
+}
+
+TEST(GemmFp8, EmptyDimensions) {
+  const Matrix x = normal_matrix(8, 64, 41);
+  QuantTensor a, b, empty;
+  quantize_tiled(x.data(), 8, 64, Tiling::rows_1xT, 32, Fp8Dtype::e4m3, {}, &a);
+  quantize_tiled(x.data(), 8, 64, Tiling::blocks_TxT, 32, Fp8Dtype::e4m3, {}, &b);
+  quantize_tiled(nullptr, 0, 64, Tiling::rows_1xT, 32, Fp8Dtype::e4m3, {}, &empty);
+  for (GemmPath path : exact_paths()) {
+    Matrix c(64, 5.0f);
+    gemm_fp8(empty, false, b, true, 1.0f, 0.0f, c.data(), 8, path);  // M = 0: an expert with no tokens
+    for (float v : c) EXPECT_EQ(v, 5.0f);
+    gemm_fp8(a, false, empty, true, 1.0f, 0.0f, c.data(), 1, path);  // N = 0
+    for (float v : c) EXPECT_EQ(v, 5.0f);
+    QuantTensor ka, kb;  // K = 0: C = beta C
+    quantize_current(nullptr, 4, 0, Fp8Dtype::e4m3, {}, {}, &ka);
+    quantize_current(nullptr, 0, 6, Fp8Dtype::e4m3, {}, {}, &kb);
+    Matrix k0(24, 2.0f);
+    gemm_fp8(ka, false, kb, false, 1.0f, 0.5f, k0.data(), 6, path);
+    for (float v : k0) EXPECT_EQ(v, 1.0f);
+  }
+}
+
+TEST(GemmFp8DeathTest, TilesAcrossTheReductionAreRejected) {
+  const Matrix x = normal_matrix(64, 64, 51);
+  QuantTensor rows, cols;
+  quantize_tiled(x.data(), 64, 64, Tiling::rows_1xT, 32, Fp8Dtype::e4m3, {}, &rows);
+  quantize_tiled(x.data(), 64, 64, Tiling::cols_Tx1, 32, Fp8Dtype::e4m3, {}, &cols);
+  Matrix c(64 * 64);
+  // wgrad needs Tx1 tiles (K = rows); 1xT tiles there would scale across tokens.
+  EXPECT_DEATH(gemm_fp8(rows, true, cols, false, 1.0f, 0.0f, c.data(), 64), "tiles across the reduction dimension");
+}
+
+TEST(GemmFp8DeathTest, DequantPathsRefuseNonPowerOfTwoScales) {
+  const Matrix x = normal_matrix(32, 32, 52);
+  QuantTensor a;
+  quantize_current(x.data(), 32, 32, Fp8Dtype::e4m3, {0, false}, {}, &a);
+  Matrix c(32 * 32);
+  EXPECT_DEATH(gemm_fp8(a, false, a, true, 1.0f, 0.0f, c.data(), 32, GemmPath::dequant_bf16), "needs power-of-two scales");
+}
+
+}  // namespace
+}  // namespace fp8moe

@@ -1,0 +1,282 @@
+// Quantization recipes: scales against their formula (computed here with log2/floor, not the
+// bit trick of compute_scale), round-trip error within the format's half-ulp, saturation and
+// underflow counts, zero / all-equal / NaN tensors, tile layouts with partial edge tiles, the
+// delayed-scaling history, and the amax reduction hook.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/quantize.h"
+
+namespace fp8moe {
+namespace {
+
+std::vector<float> normal_vector(int64_t n, uint64_t seed, float stddev = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, stddev);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+int mant_bits(Fp8Dtype f) { return f == Fp8Dtype::e4m3 ? 3 : 2; }
+double min_normal(Fp8Dtype f) { return f == Fp8Dtype::e4m3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14); }
+double min_subnormal(Fp8Dtype f) { return f == Fp8Dtype::e4m3 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -16); }
+
+// The reference scale: fmax / amax / 2^margin, rounded down to a power of two if asked.
+double reference_scale(double amax, Fp8Dtype f, int margin, bool pow2) {
+  if (!(amax > 0) || !std::isfinite(amax)) return 1.0;
+  double s = fp8_max(f) / amax / std::ldexp(1.0, margin);
+  if (s > FLT_MAX) s = FLT_MAX;
+  if (pow2) s = std::ldexp(1.0, int(std::floor(std::log2(s))));
+  return float(s);
+}
+
+// |decode(q) - x * scale| within half an FP8 ulp of x * scale (or of the subnormal spacing).
+void expect_within_half_ulp(const QuantTensor& q, const std::vector<float>& x) {
+  for (int64_t r = 0; r < q.rows; ++r)
+    for (int64_t c = 0; c < q.cols; ++c) {
+      const double scale = 1.0 / q.scale_inv[q.scale_index(r, c)];
+      const double y = double(x[r * q.cols + c]) * scale;  // what was encoded
+      const double got = fp8_decode(q.data[r * q.cols + c], q.dtype);
+      const double ay = std::abs(y);
+      const double half_ulp = ay >= min_normal(q.dtype) ? std::ldexp(1.0, int(std::floor(std::log2(ay))) - mant_bits(q.dtype) - 1)
+                                                        : min_subnormal(q.dtype) / 2;
+      // NOTE: y is x * scale in FP64; the encoder saw its FP32 rounding, which moves it by at
+      // most 2^-24 |y|: allow that on top of the half ulp.
+      ASSERT_LE(std::abs(got - y), half_ulp + ay * 0x1p-24) << "(" << r << ", " << c << ") x = " << x[r * q.cols + c];
+    }
+}
+
+TEST(ComputeScale, MatchesTheFormula) {
+  for (Fp8Dtype f : {Fp8Dtype::e4m3, Fp8Dtype::e5m2})
+    for (double amax : {448.0, 1.0, 3.0, 1e-3, 1e-20, 57344.0, 1e30, 0.7})
+      for (int margin : {0, 1, 3})
+        for (bool pow2 : {false, true})
+          EXPECT_EQ(compute_scale(float(amax), fp8_max(f), margin, pow2), float(reference_scale(float(amax), f, margin, pow2)))
+              << to_string(f) << " amax " << amax << " margin " << margin << " pow2 " << pow2;
+}
+
+TEST(ComputeScale, EdgeAmaxValues) {
+  EXPECT_EQ(compute_scale(0.0f, 448.0f, 0, true), 1.0f);
+  EXPECT_EQ(compute_scale(NAN, 448.0f, 0, true), 1.0f);
+  EXPECT_EQ(compute_scale(INFINITY, 448.0f, 0, false), 1.0f);
+  EXPECT_EQ(compute_scale(1e-40f, 448.0f, 0, false), FLT_MAX);             // would overflow
+  EXPECT_EQ(compute_scale(1e-40f, 448.0f, 0, true), std::ldexp(1.0f, 127));  // largest power of two
+}
+
+TEST(Amax, AbsoluteMaxAndNaN) {
+  std::vector<float> x = normal_vector(100001, 3);
+  x[777] = -9.5f;
+  EXPECT_EQ(amax(x.data(), int64_t(x.size())), 9.5f);
+  EXPECT_EQ(amax(x.data(), 0), 0.0f);
+  x[5] = NAN;
+  EXPECT_TRUE(std::isnan(amax(x.data(), int64_t(x.size()))));
+}
+
+struct RecipeCase {
+  const char* name;
+  Tiling tiling;
+  int tile;
+  Fp8Dtype dtype;
+  bool pow2;
+};
+
+class QuantizeRoundTrip : public testing::TestWithParam<RecipeCase> {};
+
+TEST_P(QuantizeRoundTrip, ErrorWithinHalfUlpAndScalesFromTileAmax) {
+  const RecipeCase rc = GetParam();
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {1, 300}, {37, 129}, {130, 64}, {256, 256}}) {
+    SCOPED_TRACE(testing::Message() << rows << " x " << cols);
+    // Rows of very different magnitudes, so per-tile scales differ.
+    std::vector<float> x = normal_vector(rows * cols, 100 + rows * 7 + cols);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) x[r * cols + c] *= std::ldexp(1.0f, int((r * 5 + c / 17) % 20) - 10);
+    QuantTensor q;
+    const ScaleOptions opt{0, rc.pow2};
+    if (rc.tiling == Tiling::per_tensor)
+      quantize_current(x.data(), rows, cols, rc.dtype, opt, {}, &q);
+    else
+      quantize_tiled(x.data(), rows, cols, rc.tiling, rc.tile, rc.dtype, opt, &q);
+    ASSERT_EQ(q.rows, rows);
+    ASSERT_EQ(q.cols, cols);
+    EXPECT_EQ(q.saturated, 0);  // current / blockwise scaling never saturates
+    // Each scale from its own tile's amax, found here by a plain loop over the tile.
+    std::vector<double> tile_amax(q.scale_inv.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        double& m = tile_amax[q.scale_index(r, c)];
+        m = std::max(m, double(std::abs(x[r * cols + c])));
+      }
+    const int64_t expect_scales = rc.tiling == Tiling::per_tensor ? 1
+                                  : rc.tiling == Tiling::rows_1xT ? rows * ((cols + rc.tile - 1) / rc.tile)
+                                  : rc.tiling == Tiling::cols_Tx1 ? ((rows + rc.tile - 1) / rc.tile) * cols
+                                                                  : ((rows + rc.tile - 1) / rc.tile) * ((cols + rc.tile - 1) / rc.tile);
+    ASSERT_EQ(int64_t(q.scale_inv.size()), expect_scales);
+    for (size_t i = 0; i < tile_amax.size(); ++i)
+      ASSERT_EQ(q.scale_inv[i], float(1.0 / float(reference_scale(tile_amax[i], rc.dtype, 0, rc.pow2)))) << "scale " << i;
+    expect_within_half_ulp(q, x);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, QuantizeRoundTrip,
+    testing::Values(RecipeCase{"per_tensor_e4m3", Tiling::per_tensor, 1, Fp8Dtype::e4m3, true},
+                    RecipeCase{"per_tensor_e4m3_any_scale", Tiling::per_tensor, 1, Fp8Dtype::e4m3, false},
+                    RecipeCase{"per_tensor_e5m2", Tiling::per_tensor, 1, Fp8Dtype::e5m2, true},
+                    RecipeCase{"rows_1x128", Tiling::rows_1xT, 128, Fp8Dtype::e4m3, true},
+                    RecipeCase{"rows_1x32_any_scale", Tiling::rows_1xT, 32, Fp8Dtype::e4m3, false},
+                    RecipeCase{"cols_128x1", Tiling::cols_Tx1, 128, Fp8Dtype::e4m3, true},
+                    RecipeCase{"cols_32x1_e5m2", Tiling::cols_Tx1, 32, Fp8Dtype::e5m2, true},
+                    RecipeCase{"blocks_128", Tiling::blocks_TxT, 128, Fp8Dtype::e4m3, true},
+                    RecipeCase{"blocks_48_any_scale", Tiling::blocks_TxT, 48, Fp8Dtype::e4m3, false}),
+    [](const auto& i) { return std::string(i.param.name); });
+
+TEST(Quantize, TxOneTilingIsTheTransposeOfOneByT) {
+  const int64_t rows = 200, cols = 77;
+  const std::vector<float> x = normal_vector(rows * cols, 9);
+  std::vector<float> xt(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) xt[c * rows + r] = x[r * cols + c];
+  QuantTensor a, b;
+  quantize_tiled(x.data(), rows, cols, Tiling::cols_Tx1, 64, Fp8Dtype::e4m3, {}, &a);
+  quantize_tiled(xt.data(), cols, rows, Tiling::rows_1xT, 64, Fp8Dtype::e4m3, {}, &b);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      ASSERT_EQ(a.data[r * cols + c], b.data[c * rows + r]);
+      ASSERT_EQ(a.scale_inv[a.scale_index(r, c)], b.scale_inv[b.scale_index(c, r)]);
+    }
+}
+
+TEST(Quantize, ZeroTensorGivesZerosAndScaleOne) {
+  const std::vector<float> x(64 * 40, 0.0f);
+  for (Tiling t : {Tiling::per_tensor, Tiling::rows_1xT, Tiling::cols_Tx1, Tiling::blocks_TxT}) {
+    QuantTensor q;
+    if (t == Tiling::per_tensor)
+      quantize_current(x.data(), 64, 40, Fp8Dtype::e4m3, {}, {}, &q);
+    else
+      quantize_tiled(x.data(), 64, 40, t, 16, Fp8Dtype::e4m3, {}, &q);
+    for (uint8_t b : q.data) ASSERT_EQ(b, 0);
+    for (float s : q.scale_inv) ASSERT_EQ(s, 1.0f);
+    EXPECT_EQ(q.underflowed, 0);
+  }
+}
+
+TEST(Quantize, AllEqualTensor) {
+  for (float v : {1.1f, -3.0e-5f, 1000.0f}) {
+    const std::vector<float> x(50 * 30, v);
+    for (bool pow2 : {false, true}) {
+      QuantTensor q;
+      quantize_current(x.data(), 50, 30, Fp8Dtype::e4m3, {0, pow2}, {}, &q);
+      for (uint8_t b : q.data) ASSERT_EQ(b, q.data[0]);
+      std::vector<float> back(x.size());
+      dequantize(q, back.data());
+      // amax * scale lands in (224, 448]: E4M3 keeps it within a relative half ulp of 2^-4.
+      EXPECT_NEAR(back[0], v, std::abs(v) * 0.0625) << v << " pow2 " << pow2;
+      if (!pow2) {
+        EXPECT_NEAR(back[0], v, std::abs(v) * 1e-6) << "amax maps exactly to 448";
+      }
+    }
+  }
+}
+
+TEST(Quantize, SaturationAndUnderflowAreCounted) {
+  // A stale (delayed) scale: 2 * 448 / 100 maps values above 50 beyond 448.
+  std::vector<float> x = normal_vector(10000, 11, 30.0f);
+  x[10] = 1e-9f;  // far below the smallest subnormal after scaling
+  const float scale = 448.0f / 50.0f;
+  int64_t want_sat = 0, want_under = 0;
+  for (float v : x) {
+    want_sat += std::abs(double(v) * scale) > 464.0;  // beyond max + half ulp: clamped, not rounded
+    want_under += v != 0 && std::abs(double(v) * scale) < std::ldexp(1.0, -10);  // below half the min subnormal
+  }
+  QuantTensor q;
+  quantize_with_scale(x.data(), 100, 100, Fp8Dtype::e4m3, scale, &q);
+  ASSERT_GT(want_sat, 0);
+  EXPECT_EQ(q.saturated, want_sat);
+  EXPECT_GE(q.underflowed, want_under);
+  EXPECT_GE(want_under, 1);
+  for (size_t i = 0; i < x.size(); ++i)
+    if (std::abs(x[i] * scale) > 448.0f) {
+      ASSERT_EQ(q.data[i] & 0x7F, 0x7E) << "saturates to max finite";
+    }
+}
+
+TEST(Quantize, NaNInputGivesNaNByteAndScaleOne) {
+  std::vector<float> x = normal_vector(256, 12);
+  x[3] = NAN;
+  QuantTensor q;
+  const float a = quantize_current(x.data(), 16, 16, Fp8Dtype::e4m3, {}, {}, &q);
+  EXPECT_TRUE(std::isnan(a));
+  EXPECT_EQ(q.scale_inv[0], 1.0f);
+  EXPECT_EQ(q.data[3], 0x7F);
+}
+
+TEST(Quantize, AmaxReductionIsApplied) {
+  const std::vector<float> x = normal_vector(1000, 13);
+  const float local = amax(x.data(), 1000);
+  int calls = 0;
+  QuantTensor q;
+  const AmaxReduce reduce = [&](float* v, int64_t n) {
+    ++calls;
+    ASSERT_EQ(n, 1);
+    *v = 100.0f;  // as if another tensor-parallel rank had seen 100
+  };
+  const float used = quantize_current(x.data(), 10, 100, Fp8Dtype::e4m3, {}, reduce, &q);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(used, 100.0f);
+  EXPECT_LT(local, 100.0f);
+  EXPECT_EQ(q.scale_inv[0], 1.0f / float(reference_scale(100.0, Fp8Dtype::e4m3, 0, true)));
+}
+
+TEST(Quantize, EmptyTensor) {
+  QuantTensor q;
+  quantize_tiled(nullptr, 0, 256, Tiling::rows_1xT, 128, Fp8Dtype::e4m3, {}, &q);
+  EXPECT_TRUE(q.data.empty());
+  EXPECT_TRUE(q.scale_inv.empty());
+  quantize_current(nullptr, 0, 64, Fp8Dtype::e4m3, {}, {}, &q);
+  EXPECT_TRUE(q.data.empty());
+}
+
+TEST(DelayedScaling, HistoryWindowMaxAndMostRecent) {
+  // Step amaxes and the history each step sees, checked against a plain model of the window.
+  const std::vector<float> step_amax = {2.0f, 50.0f, 3.0f, 4.0f, 1.0f, 0.5f, 7.0f};
+  for (auto compute : {DelayedScaling::Compute::max, DelayedScaling::Compute::most_recent})
+    for (int margin : {0, 2}) {
+      DelayedScaling st = make_delayed_scaling(3);
+      EXPECT_EQ(st.scale, 1.0f);  // no history yet
+      for (size_t s = 0; s < step_amax.size(); ++s) {
+        std::vector<float> x = normal_vector(64, 20 + s);
+        for (float& v : x) v = std::clamp(v, -1.0f, 1.0f) * step_amax[s] * 0.5f;
+        x[s] = step_amax[s];
+        const float scale_used = st.scale;
+        QuantTensor q;
+        const float a = quantize_delayed(x.data(), 8, 8, Fp8Dtype::e4m3, st, compute, {margin, true}, {}, &q);
+        EXPECT_EQ(a, step_amax[s]);
+        EXPECT_EQ(q.scale_inv[0], 1.0f / scale_used) << "quantized with the scale of earlier steps";
+        double window = 0;  // the last 3 amaxes, or the newest
+        for (size_t j = (s >= 2 ? s - 2 : 0); j <= s; ++j) window = std::max(window, double(step_amax[j]));
+        const double want_amax = compute == DelayedScaling::Compute::max ? window : step_amax[s];
+        EXPECT_EQ(delayed_amax(st, compute), float(want_amax)) << "step " << s;
+        EXPECT_EQ(st.scale, float(reference_scale(want_amax, Fp8Dtype::e4m3, margin, true))) << "step " << s;
+      }
+      EXPECT_EQ(st.steps, int64_t(step_amax.size()));
+    }
+}
+
+TEST(DelayedScaling, StaleScaleSaturatesAndIsCounted) {
+  DelayedScaling st = make_delayed_scaling(4);
+  std::vector<float> small(100, 0.01f), big(100, 5.0f);
+  QuantTensor q;
+  quantize_delayed(small.data(), 10, 10, Fp8Dtype::e4m3, st, DelayedScaling::Compute::max, {}, {}, &q);
+  quantize_delayed(big.data(), 10, 10, Fp8Dtype::e4m3, st, DelayedScaling::Compute::max, {}, {}, &q);
+  EXPECT_EQ(q.saturated, 100);  // the scale came from amax 0.01
+  for (uint8_t b : q.data) EXPECT_EQ(b, 0x7E);
+}
+
+}  // namespace
+}  // namespace fp8moe
