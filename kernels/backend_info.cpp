@@ -1,5 +1,7 @@
 #include "kernels/backend_info.h"
 
+#include "kernels/gemm_fp8.h"
+
 #include <omp.h>
 
 #include <string>
@@ -9,7 +11,8 @@
 #include <cuda_runtime_api.h>
 #endif
 
-extern "C" char* openblas_get_config(void);  // OpenBLAS (BLA_VENDOR=OpenBLAS in CMake)
+extern "C" char* openblas_get_config(void);   // OpenBLAS (BLA_VENDOR=OpenBLAS in CMake)
+extern "C" int openblas_get_parallel(void);    // 0 sequential, 1 pthreads, 2 OpenMP
 
 namespace fp8moe {
 
@@ -31,7 +34,10 @@ int cuda_device_count(std::string* why) {
 
 std::string kernels_build_info() {
   std::string s;
-  s += "  BLAS:       OpenBLAS (" + std::string(openblas_get_config()) + ")\n";
+  const int par = openblas_get_parallel();
+  s += "  BLAS:       OpenBLAS (" + std::string(openblas_get_config()) + "), " +
+       (par == 2 ? "OpenMP" : par == 1 ? "pthreads" : "sequential") + " threading\n";
+  s += "  oneDNN:     BF16 GEMM ISA " + cpu_isa_name() + (cpu_has_bf16_gemm() ? " (BF16 in hardware)" : " (no BF16 hardware)") + "\n";
   s += "  OpenMP:     " + std::to_string(_OPENMP) + ", max threads " + std::to_string(omp_get_max_threads()) + "\n";
 #ifdef FP8MOE_HAVE_CUDA
   int rt = 0;

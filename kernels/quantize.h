@@ -50,6 +50,12 @@ struct QuantTensor {
   float dequant(int64_t r, int64_t c) const {
     return fp8_decode(data[r * cols + c], dtype) * scale_inv[scale_index(r, c)];
   }
+  // Calls fn(c0, c1, scale_inv) for the runs of row r that share one scale, left to right.
+  template <class Fn>
+  void for_each_scale_run(int64_t r, Fn&& fn) const {
+    const int64_t run = tiling == Tiling::cols_Tx1 ? 1 : tiling == Tiling::per_tensor ? cols : tile;
+    for (int64_t c0 = 0; c0 < cols; c0 += run) fn(c0, c0 + run < cols ? c0 + run : cols, scale_inv[scale_index(r, c0)]);
+  }
 };
 
 // scale = fmax / amax / 2^margin, optionally rounded down to a power of two (so that amax * scale
@@ -106,8 +112,8 @@ float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtyp
 // The amax the next scale is computed from (the history's max, or its newest entry).
 float delayed_amax(const DelayedScaling& state, DelayedScaling::Compute compute);
 
-// Dequantization (exact: every FP8 value times an FP32 scale is an FP32 product of <= 4+24 bits,
-// exact unless it under/overflows FP32).
+// Dequantization to FP32: decode(q) * scale_inv, one FP32 rounding (none for power-of-two scales,
+// where the result is exact unless it leaves FP32's normal range).
 void dequantize(const QuantTensor& q, float* out);  // out: (rows, cols)
 
 }  // namespace fp8moe

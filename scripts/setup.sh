@@ -10,7 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin                                  # MPI
   libhdf5-openmpi-dev hdf5-tools                              # parallel HDF5 (checkpoints)
   libyaml-cpp-dev libcli11-dev                                # config, command line
-  libopenblas-dev libdnnl-dev                                 # BLAS and oneDNN (BF16 GEMM) for the CPU backend
+  libopenblas-dev libopenblas-openmp-dev libdnnl-dev          # BLAS (OpenMP build) and oneDNN for the CPU backend
   libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks
 )
 # (No PyPI packages are needed yet; the reference-model tests will add theirs here.)

@@ -77,17 +77,16 @@ void dequant_bf16(const QuantTensor& q, std::vector<uint16_t>& out) {
   for (int64_t r = 0; r < q.rows; ++r) {
     const uint8_t* src = &q.data[size_t(r * cols)];
     uint16_t* dst = &out[size_t(r * cols)];
-    // Scales change every `step` columns along a row (all of them for per_tensor / Tx1 is per column).
-    const int64_t step = q.tiling == Tiling::cols_Tx1 ? 1 : (q.tiling == Tiling::per_tensor ? cols : q.tile);
-    for (int64_t c0 = 0; c0 < cols; c0 += step) {
-      const int64_t c1 = std::min(cols, c0 + step);
-      const uint16_t add = uint16_t(pow2_exponent(q.scale_inv[q.scale_index(r, c0)]) * 128);
+    q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
+      const uint16_t add = uint16_t(pow2_exponent(s) * 128);
       for (int64_t c = c0; c < c1; ++c) {
         const uint16_t t = table[src[c]];
         const uint16_t e = t & 0x7F80u;
-        dst[c] = (e == 0 || e == 0x7F80u) ? t : uint16_t(t + add);  // zeros and NaN stay as they are
+        // Zeros and NaN keep their bits; everything else moves by k binades (branch-free select).
+        const uint16_t keep = uint16_t(-uint16_t(e == 0 || e == 0x7F80u));
+        dst[c] = uint16_t(t + (add & ~keep));
       }
-    }
+    });
   }
 }
 

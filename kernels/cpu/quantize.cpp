@@ -193,8 +193,13 @@ float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtyp
 void dequantize(const QuantTensor& q, float* out) {
   const float* table = fp8_decode_table(q.dtype);
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < q.rows; ++r)
-    for (int64_t c = 0; c < q.cols; ++c) out[r * q.cols + c] = table[q.data[r * q.cols + c]] * q.scale_inv[q.scale_index(r, c)];
+  for (int64_t r = 0; r < q.rows; ++r) {
+    const uint8_t* src = &q.data[size_t(r * q.cols)];
+    float* dst = &out[r * q.cols];
+    q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
+      for (int64_t c = c0; c < c1; ++c) dst[c] = table[src[c]] * s;
+    });
+  }
 }
 
 }  // namespace fp8moe
