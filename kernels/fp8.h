@@ -59,43 +59,42 @@ FP8MOE_HD inline float bits_float(uint32_t u) {
   return x;
 }
 
-// FP32 -> FP8 byte, round to nearest even.
+// FP32 -> FP8 byte, round to nearest even. Branch-free (both the normal and the subnormal result
+// are computed and one is selected), so that CPU loops over it vectorize.
 template <Fp8Dtype F, bool kSaturate>
 FP8MOE_HD inline uint8_t fp8_encode(float x) {
   using T = Fp8Traits<F>;
   constexpr int kDrop = 23 - T::kMantBits;                    // mantissa bits rounded away
   constexpr uint32_t kExpShift = uint32_t(127 - T::kBias);    // FP32 -> FP8 exponent bias change
   constexpr uint32_t kMinNormalBits = (kExpShift + 1) << 23;  // 2^(1 - bias) as FP32 bits
+  constexpr uint32_t kSubShift = 150u + 1u - T::kBias - T::kMantBits;
   const uint32_t u = float_bits(x);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return 0x7F;  // NaN (canonical, positive)
-  uint32_t code;
-  if (a >= kMinNormalBits) {
-    // Normal in FP8 (or overflow): round the mantissa to kMantBits, carries move into the exponent.
-    // Infinity and huge values land above kMaxCode and are caught below.
-    const uint32_t r = a + ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1u);
-    const uint32_t shifted = r >> kDrop;  // (FP32 exponent << mant) | mantissa
-    code = shifted - (kExpShift << T::kMantBits);
-    if (a >= 0x7F800000u || shifted >= ((kExpShift << T::kMantBits) + T::kMaxCode + 1))
-      return static_cast<uint8_t>(sign | (kSaturate ? T::kMaxCode : T::kOverflowCode));
-  } else {
-    // Subnormal in FP8: code = round_even(|x| / min_subnormal), 0 .. 2^mant (the last is min normal).
-    const uint32_t exp = a >> 23;
-    const uint32_t mant = (a & 0x7FFFFFu) | (exp ? 0x800000u : 0u);
-    // |x| = mant * 2^(e - 150) with e = max(exp, 1); code = mant * 2^(e - 150) / 2^(1 - bias - mant_bits)
-    const uint32_t e = exp ? exp : 1u;
-    const uint32_t shift = (150u + 1u - T::kBias - T::kMantBits) - e;  // >= kDrop + 1 here
-    if (shift >= 32) {
-      code = 0;
-    } else {
-      const uint32_t q = mant >> shift;
-      const uint32_t rem = mant & ((1u << shift) - 1u);
-      const uint32_t half = 1u << (shift - 1);
-      code = q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
-    }
-  }
-  return static_cast<uint8_t>(sign | code);
+
+  // Normal in FP8 (or overflow): round the mantissa to kMantBits; carries move into the exponent.
+  const uint32_t r = a + ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1u);
+  const uint32_t shifted = r >> kDrop;  // (FP32 exponent << mant) | mantissa
+  const uint32_t normal = shifted - (kExpShift << T::kMantBits);
+
+  // Subnormal in FP8: code = round_even(|x| / min_subnormal) in 0 .. 2^mant (the top one is the
+  // min normal). |x| = mant * 2^(e - 150), e = max(exp, 1), so code = mant >> (kSubShift - e).
+  const uint32_t exp = a >> 23;
+  const uint32_t mant = (a & 0x7FFFFFu) | (exp ? 0x800000u : 0u);
+  const uint32_t e = exp ? exp : 1u;
+  uint32_t shift = kSubShift - e;               // >= kDrop + 1 for subnormal inputs
+  shift = shift > 31u || e > kSubShift ? 31u : shift;  // (normal inputs: value unused)
+  shift = shift < 1u ? 1u : shift;
+  const uint32_t q = mant >> shift;
+  const uint32_t rem = mant & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  const uint32_t sub = q + ((rem > half) | ((rem == half) & q & 1u));
+
+  uint32_t code = a >= kMinNormalBits ? normal : sub;
+  const bool overflow = a >= 0x7F800000u || shifted >= ((kExpShift << T::kMantBits) + T::kMaxCode + 1);
+  code = overflow ? (kSaturate ? T::kMaxCode : T::kOverflowCode) : code;
+  code |= sign;
+  return static_cast<uint8_t>(a > 0x7F800000u ? 0x7Fu : code);  // NaN: canonical, positive
 }
 
 // FP8 byte -> FP32, exact.

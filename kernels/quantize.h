@@ -61,11 +61,21 @@ struct QuantTensor {
 // scale = fmax / amax / 2^margin, optionally rounded down to a power of two (so that amax * scale
 // still fits). amax == 0 or non-finite gives 1 (nothing to scale; a non-finite amax is the
 // caller's to report); a scale that would overflow FP32 is clamped to FLT_MAX.
+// IEEE round-to-nearest division on both sides (nvcc would otherwise follow -prec-div).
+FP8MOE_HD inline float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 FP8MOE_HD inline float compute_scale(float amax, float fmax, int margin, bool power_of_two) {
   if (!(amax > 0.0f) || !(amax <= 3.402823466e38f)) return 1.0f;
-  float s = fmax / amax;
+  float s = div_rn(fmax, amax);
   if (s > 3.402823466e38f) s = 3.402823466e38f;
   if (margin > 0) s *= bits_float(uint32_t(127 - (margin < 126 ? margin : 126)) << 23);  // exact 2^-margin
+  if (s < 1.17549435e-38f) s = 1.17549435e-38f;  // a huge amax with a margin: stay a normal float, never 0
   if (power_of_two) s = bits_float(float_bits(s) & 0xFF800000u);  // 2^floor(log2(s)), s normal
   return s;
 }
@@ -96,7 +106,8 @@ void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, i
 
 // Delayed scaling (Transformer Engine's DelayedScaling) for one tensor: quantize with the scale
 // derived from the amax history of earlier steps; then this step's amax (reduced) enters the
-// history and the scale for the next step is recomputed from it. This is checkpointed state.
+// history and the scale for the next step is recomputed from it (kept as it was when the
+// history's amax is 0 or not finite). This is checkpointed state.
 struct DelayedScaling {
   enum class Compute { max, most_recent };
   std::vector<float> history;  // (history_len) amax ring buffer, zeros at start

@@ -27,6 +27,9 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
       for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
     return;
   }
+  constexpr int64_t kIntMax = 2147483647;
+  FP8MOE_ASSERT(M <= kIntMax && N <= kIntMax && K <= kIntMax && lda <= kIntMax && ldb <= kIntMax && ldc <= kIntMax,
+                "sgemm: dimensions beyond the 32-bit BLAS interface: ", M, " x ", N, " x ", K);
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(M), int(N),
               int(K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
 }
@@ -57,6 +60,8 @@ void check_tiling(const Operand& op, const char* name) {
                 op.k_along_cols ? "K is its columns" : "K is its rows", "); quantize it with the other tiling");
   FP8MOE_ASSERT(op.q.data.size() == size_t(op.q.rows * op.q.cols), "gemm_fp8: operand ", name, " has ",
                 op.q.data.size(), " bytes for shape ", op.q.rows, " x ", op.q.cols);
+  FP8MOE_ASSERT(op.q.scale_inv.size() == size_t(op.q.scale_rows() * op.q.scale_cols()), "gemm_fp8: operand ", name,
+                " has ", op.q.scale_inv.size(), " scales, its tiling needs ", op.q.scale_rows() * op.q.scale_cols());
 }
 
 // Dequantize to FP32 (exact for power-of-two scales).
@@ -177,8 +182,10 @@ bool has_exact_pow2_scales(const QuantTensor& q) {
 }
 
 bool cpu_has_bf16_gemm() {
-  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
-  return isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
+  // oneDNN's ISA values are bit sets in which each ISA contains the ones it extends.
+  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+  return (isa & bf16) == bf16;
 }
 
 std::string cpu_isa_name() {

@@ -70,8 +70,10 @@ void prepare(QuantTensor* out, int64_t rows, int64_t cols, Fp8Dtype dtype, Tilin
 // q[i] = fp8(x[i] * scale[i * kScaleStride]) for i in [0, n): kScaleStride 0 is one scale for the
 // span, 1 a scale per element. Counts saturated (clamped) and underflowed (non-zero -> 0) elements.
 template <Fp8Dtype F, int kScaleStride>
-void encode_span(const float* x, uint8_t* q, int64_t n, const float* scale, int64_t* saturated, int64_t* underflowed) {
+[[gnu::always_inline]] inline void encode_span(const float* x, uint8_t* q, int64_t n, const float* scale,
+                                               int64_t* saturated, int64_t* underflowed) {
   int64_t sat = 0, under = 0;
+#pragma omp simd reduction(+ : sat, under)
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i] * scale[i * kScaleStride];
     const uint8_t b = fp8_encode<F, true>(v);
@@ -85,19 +87,37 @@ void encode_span(const float* x, uint8_t* q, int64_t n, const float* scale, int6
   *underflowed += under;
 }
 
+// NOTE: the build targets baseline x86-64 (SSE2), where the encoder's per-lane shifts do not
+// vectorize; these entry points are also compiled for AVX2 and AVX-512 and picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FP8MOE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FP8MOE_SIMD_CLONES
+#endif
+
+#define FP8MOE_ENCODE_ENTRY(NAME, F, STRIDE)                                                              \
+  FP8MOE_SIMD_CLONES void NAME(const float* x, uint8_t* q, int64_t n, const float* s, int64_t* sat, int64_t* under) { \
+    encode_span<F, STRIDE>(x, q, n, s, sat, under);                                                       \
+  }
+FP8MOE_ENCODE_ENTRY(encode_e4m3_one_scale, Fp8Dtype::e4m3, 0)
+FP8MOE_ENCODE_ENTRY(encode_e4m3_per_element, Fp8Dtype::e4m3, 1)
+FP8MOE_ENCODE_ENTRY(encode_e5m2_one_scale, Fp8Dtype::e5m2, 0)
+FP8MOE_ENCODE_ENTRY(encode_e5m2_per_element, Fp8Dtype::e5m2, 1)
+#undef FP8MOE_ENCODE_ENTRY
+
 template <int kScaleStride>
 void encode(Fp8Dtype f, const float* x, uint8_t* q, int64_t n, const float* scale, int64_t* sat, int64_t* under) {
   if (f == Fp8Dtype::e4m3)
-    encode_span<Fp8Dtype::e4m3, kScaleStride>(x, q, n, scale, sat, under);
+    (kScaleStride ? encode_e4m3_per_element : encode_e4m3_one_scale)(x, q, n, scale, sat, under);
   else
-    encode_span<Fp8Dtype::e5m2, kScaleStride>(x, q, n, scale, sat, under);
+    (kScaleStride ? encode_e5m2_per_element : encode_e5m2_one_scale)(x, q, n, scale, sat, under);
 }
 
 }  // namespace
 
 void quantize_with_scale(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, float scale, QuantTensor* out) {
   prepare(out, rows, cols, dtype, Tiling::per_tensor, 1);
-  out->scale_inv[0] = 1.0f / scale;
+  out->scale_inv[0] = div_rn(1.0f, scale);
   const int64_t n = rows * cols;
   constexpr int64_t kChunk = 1 << 14;
   int64_t sat = 0, under = 0;
@@ -137,7 +157,7 @@ void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, i
       std::vector<float> scale(static_cast<size_t>(cols));
       for (int64_t c = 0; c < cols; ++c) {
         scale[c] = compute_scale(bits_float(m[c]), fmax, opt.margin, opt.power_of_two);
-        out->scale_inv[i * cols + c] = 1.0f / scale[c];
+        out->scale_inv[i * cols + c] = div_rn(1.0f, scale[c]);
       }
       for (int64_t r = r0; r < r1; ++r)
         encode<1>(dtype, &x[r * cols], &out->data[r * cols], cols, scale.data(), &sat, &under);
@@ -152,7 +172,7 @@ void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, i
         for (int64_t r = r0; r < r1; ++r) m = std::max(m, abs_bits_max(&x[r * cols + c0], c1 - c0));
         const float a = bits_float(m);
         const float scale = compute_scale(a, fmax, opt.margin, opt.power_of_two);
-        out->scale_inv[i * sc + j] = 1.0f / scale;
+        out->scale_inv[i * sc + j] = div_rn(1.0f, scale);
         for (int64_t r = r0; r < r1; ++r)
           encode<0>(dtype, &x[r * cols + c0], &out->data[r * cols + c0], c1 - c0, &scale, &sat, &under);
       }
@@ -186,7 +206,10 @@ float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtyp
   if (reduce) reduce(&a, 1);
   state.history[state.steps % state.history.size()] = a;
   ++state.steps;
-  state.scale = compute_scale(delayed_amax(state, compute), fp8_max(dtype), opt.margin, opt.power_of_two);
+  // NOTE: as Transformer Engine, keep the previous scale when the amax is 0 (an expert that got no
+  // tokens) or not finite (a NaN / inf step, which the optimizer skips and reports).
+  const float h = delayed_amax(state, compute);
+  if (h > 0.0f && h <= 3.402823466e38f) state.scale = compute_scale(h, fp8_max(dtype), opt.margin, opt.power_of_two);
   return a;
 }
 

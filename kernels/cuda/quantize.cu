@@ -59,7 +59,7 @@ __global__ void quantize_scale_kernel(const float* __restrict__ x, int64_t n, Fp
   unsigned long long sat = 0, under = 0;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     encode_dispatch(f, x[i] * s, &q[i], &sat, &under);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / s;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = div_rn(1.0f, s);
   if (counts && (sat | under)) {
     atomicAdd(&counts[0], sat);
     atomicAdd(&counts[1], under);
@@ -79,7 +79,7 @@ __global__ void quantize_tiled_kernel(const float* __restrict__ x, int64_t rows,
     m = max(m, float_bits(x[(r0 + i / w) * cols + c0 + i % w]) & 0x7FFFFFFFu);
   m = block_max(m);
   const float s = compute_scale(bits_float(m), fp8_max(f), margin, pow2);
-  if (threadIdx.x == 0) scale_inv[tile_index] = 1.0f / s;
+  if (threadIdx.x == 0) scale_inv[tile_index] = div_rn(1.0f, s);
   unsigned long long sat = 0, under = 0;
   for (int64_t i = threadIdx.x; i < h * w; i += blockDim.x) {
     const int64_t idx = (r0 + i / w) * cols + c0 + i % w;
@@ -91,6 +91,25 @@ __global__ void quantize_tiled_kernel(const float* __restrict__ x, int64_t rows,
   }
 }
 
+__global__ void scale_from_amax_kernel(const float* amax, float fmax, int margin, bool pow2, float* scale) {
+  *scale = compute_scale(*amax, fmax, margin, pow2);
+}
+
+// One thread: record this step's amax and update the scale, as quantize_delayed on the CPU.
+__global__ void delayed_update_kernel(float* history, int64_t len, int64_t step, const float* amax, bool most_recent,
+                                      float fmax, int margin, bool pow2, float* scale) {
+  history[step % len] = *amax;
+  const int64_t filled = step + 1 < len ? step + 1 : len;
+  uint32_t m = 0;
+  if (most_recent) {
+    m = float_bits(history[step % len]);
+  } else {
+    for (int64_t i = 0; i < filled; ++i) m = max(m, float_bits(history[i]));
+  }
+  const float h = bits_float(m);
+  if (h > 0.0f && h <= 3.402823466e38f) *scale = compute_scale(h, fmax, margin, pow2);
+}
+
 __global__ void convert_hw_kernel(const float* __restrict__ x, int64_t n, __nv_fp8_interpretation_t interp,
                                   __nv_saturation_t sat, uint8_t* __restrict__ q) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -100,6 +119,7 @@ __global__ void convert_hw_kernel(const float* __restrict__ x, int64_t n, __nv_f
 }  // namespace
 
 void amax(const float* x, int64_t n, float* amax_out, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(amax_out, 0, sizeof(float), stream));
   if (n == 0) return;
   amax_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, reinterpret_cast<uint32_t*>(amax_out));
   CUDA_CHECK(cudaGetLastError());
@@ -122,6 +142,20 @@ void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, i
   FP8MOE_ASSERT(sr * sc < (int64_t(1) << 31), "too many tiles for one launch: ", sr * sc);
   quantize_tiled_kernel<<<unsigned(sr * sc), kThreads, 0, stream>>>(x, rows, cols, tile_h, tile_w, sc, dtype, opt.margin,
                                                                     opt.power_of_two, q, scale_inv, counts);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale, cudaStream_t stream) {
+  scale_from_amax_kernel<<<1, 1, 0, stream>>>(amax, fp8_max(dtype), opt.margin, opt.power_of_two, scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void delayed_update(float* history, int64_t history_len, int64_t step, const float* amax,
+                    DelayedScaling::Compute compute, Fp8Dtype dtype, const ScaleOptions& opt, float* scale,
+                    cudaStream_t stream) {
+  delayed_update_kernel<<<1, 1, 0, stream>>>(history, history_len, step, amax,
+                                             compute == DelayedScaling::Compute::most_recent, fp8_max(dtype),
+                                             opt.margin, opt.power_of_two, scale);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -11,8 +11,18 @@
 
 namespace fp8moe::cuda {
 
-// *amax = max |x| (NaN if any x is NaN), x: (n). *amax must hold 0 on entry (or a running max).
+// *amax_out = max |x| (NaN if any x is NaN; 0 for n == 0), x: (n).
 void amax(const float* x, int64_t n, float* amax_out, cudaStream_t stream);
+
+// Current scaling on the device: *scale = compute_scale(*amax, ...), no copy to the host.
+void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale, cudaStream_t stream);
+
+// Delayed scaling on the device, as quantize_delayed after its quantization: writes *amax into
+// history[step % len] (step = amax values recorded before this one) and updates *scale from the
+// history's max or newest entry, keeping it when that amax is 0 or not finite.
+void delayed_update(float* history, int64_t history_len, int64_t step, const float* amax,
+                    DelayedScaling::Compute compute, Fp8Dtype dtype, const ScaleOptions& opt, float* scale,
+                    cudaStream_t stream);
 
 // q = fp8(x * *scale), x, q: (n); *scale_inv_out = 1 / *scale. counts (optional, 2 entries,
 // accumulated): saturated, underflowed.

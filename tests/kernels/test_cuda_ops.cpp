@@ -130,19 +130,61 @@ TEST_F(CudaOps, AmaxAndPerTensorQuantizeMatchCpuBitwise) {
 }
 
 TEST_F(CudaOps, TiledQuantizeMatchesCpuBitwise) {
-  for (Tiling t : {Tiling::rows_1xT, Tiling::cols_Tx1, Tiling::blocks_TxT})
-    for (int tile : {128, 32})
-      for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 300}, {257, 130}, {1024, 512}}) {
-        SCOPED_TRACE(testing::Message() << to_string(t) << " T" << tile << " " << rows << "x" << cols);
-        const std::vector<float> x = scaled_normal(rows, cols, 7 + rows + tile);
-        QuantTensor cpu;
-        quantize_tiled(x.data(), rows, cols, t, tile, Fp8Dtype::e4m3, {}, &cpu);
-        Device<float> dx(x.size(), x.data()), dsi(cpu.scale_inv.size());
-        Device<uint8_t> dq(x.size());
-        cuda::quantize_tiled(dx.ptr, rows, cols, t, tile, Fp8Dtype::e4m3, {}, dq.ptr, dsi.ptr, nullptr, nullptr);
-        EXPECT_EQ(dq.get(), cpu.data);
-        EXPECT_EQ(dsi.get(), cpu.scale_inv);
+  struct Variant {
+    Fp8Dtype dtype;
+    ScaleOptions opt;
+  };
+  for (Variant v : {Variant{Fp8Dtype::e4m3, {0, true}}, Variant{Fp8Dtype::e5m2, {0, true}},
+                    Variant{Fp8Dtype::e4m3, {0, false}}, Variant{Fp8Dtype::e4m3, {3, true}}})
+    for (Tiling t : {Tiling::rows_1xT, Tiling::cols_Tx1, Tiling::blocks_TxT})
+      for (int tile : {128, 32})
+        for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 300}, {257, 130}, {1024, 512}}) {
+          SCOPED_TRACE(testing::Message() << to_string(v.dtype) << " pow2 " << v.opt.power_of_two << " margin "
+                                          << v.opt.margin << " " << to_string(t) << " T" << tile << " " << rows << "x" << cols);
+          std::vector<float> x = scaled_normal(rows, cols, 7 + rows + tile);
+          // An all-zero first tile, a NaN, and a denormal-only region (amax near FLT_MIN: the clamp).
+          for (int64_t c = 0; c < std::min<int64_t>(cols, tile); ++c) x[c] = 0.0f;
+          if (rows * cols > 400) x[400] = NAN;
+          if (rows > 40) {
+            for (int64_t c = 0; c < cols; ++c) x[40 * cols + c] = 1e-39f * float(c % 3);
+          }
+          QuantTensor cpu;
+          quantize_tiled(x.data(), rows, cols, t, tile, v.dtype, v.opt, &cpu);
+          Device<float> dx(x.size(), x.data()), dsi(cpu.scale_inv.size());
+          Device<uint8_t> dq(x.size());
+          Device<unsigned long long> dcounts(2);
+          cuda::quantize_tiled(dx.ptr, rows, cols, t, tile, v.dtype, v.opt, dq.ptr, dsi.ptr, dcounts.ptr, nullptr);
+          EXPECT_EQ(dq.get(), cpu.data);
+          const std::vector<float> gpu_si = dsi.get();
+          ASSERT_EQ(gpu_si.size(), cpu.scale_inv.size());
+          for (size_t i = 0; i < gpu_si.size(); ++i) ASSERT_EQ(float_bits(gpu_si[i]), float_bits(cpu.scale_inv[i])) << i;
+          const auto counts = dcounts.get();
+          EXPECT_EQ(int64_t(counts[0]), cpu.saturated);
+          EXPECT_EQ(int64_t(counts[1]), cpu.underflowed);
+        }
+}
+
+TEST_F(CudaOps, DeviceScalesMatchCpu) {
+  // Current scaling and the delayed-scaling history, computed on the device, against the CPU.
+  const std::vector<float> steps = {2.0f, 0.0f, 50.0f, NAN, 3.0f, 1e-30f, 7.0f};
+  for (auto compute : {DelayedScaling::Compute::max, DelayedScaling::Compute::most_recent})
+    for (Fp8Dtype f : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
+      const ScaleOptions opt{1, true};
+      DelayedScaling cpu = make_delayed_scaling(3);
+      Device<float> history(3), damax(1), dscale(1, &cpu.scale);
+      for (size_t s = 0; s < steps.size(); ++s) {
+        std::vector<float> x(16, steps[s] * 0.5f);
+        x[3] = steps[s];
+        QuantTensor q;
+        quantize_delayed(x.data(), 4, 4, f, cpu, compute, opt, {}, &q);
+        CUDA_CHECK(cudaMemcpy(damax.ptr, &steps[s], sizeof(float), cudaMemcpyHostToDevice));
+        cuda::delayed_update(history.ptr, 3, int64_t(s), damax.ptr, compute, f, opt, dscale.ptr, nullptr);
+        EXPECT_EQ(float_bits(dscale.get()[0]), float_bits(cpu.scale)) << "step " << s;
+        Device<float> current(1);
+        cuda::scale_from_amax(damax.ptr, f, opt, current.ptr, nullptr);
+        EXPECT_EQ(float_bits(current.get()[0]), float_bits(compute_scale(steps[s], fp8_max(f), 1, true))) << "step " << s;
       }
+    }
 }
 
 TEST_F(CudaOps, HardwareConversionMatchesEncoder) {

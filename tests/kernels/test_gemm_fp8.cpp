@@ -124,17 +124,19 @@ std::vector<double> dequantized_product(const FormRun& r) {
 
 std::vector<GemmPath> exact_paths() { return {GemmPath::dequant_bf16, GemmPath::dequant_fp32, GemmPath::block_scaled}; }
 
-// Values that FP8 E4M3 holds exactly at any power-of-two scale: v * 2^j with v an E4M3 value of
-// exponent 0..2 (1 <= |v| <= 7.5, steps of 1/8) and j in {0, 1} varying by region, so tiles get
-// different scales. Products are multiples of 2^-6 below 225: a dot product of K <= 300 of them
-// stays below 2^17, so all FP32 partial sums are exact (23 bits) in any order.
-Matrix representable_matrix(int64_t rows, int64_t cols, uint64_t seed) {
+// Values that FP8 E4M3 holds exactly at any power-of-two scale: v * 2^j with v in
+// {1, 1.25, 1.5, 1.75} x 2^{0,1} and j = 0..3 constant over each T x T region (every tile and
+// block a different power of two, so a scale applied to the wrong tile changes the result).
+// Products are multiples of 2^-4 below 784: a dot product of K <= 300 stays below 2^18, so every
+// FP32 partial sum is exact (22 bits) in any order, also after alpha and beta.
+Matrix representable_matrix(int64_t rows, int64_t cols, int tile, uint64_t seed) {
   std::mt19937_64 rng(seed);
+  const int64_t t = tile > 0 ? tile : 5;
   Matrix m(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
-      const int e = int(rng() % 3), mant = int(rng() % 8), sign = (rng() & 1) ? -1 : 1;
-      const int j = int(((r / 7) + (c / 5)) % 2);
+      const int e = int(rng() % 2), mant = 2 * int(rng() % 4), sign = (rng() & 1) ? -1 : 1;
+      const int j = int(((r / t) + 2 * (c / t) + seed) % 4);
       m[r * cols + c] = float(sign * std::ldexp(1.0 + mant / 8.0, e + j));
     }
   return m;
@@ -150,26 +152,33 @@ class GemmExact : public testing::TestWithParam<ExactCase> {};
 TEST_P(GemmExact, EqualsNaiveLoopOverDequantizedValues) {
   const ExactCase ec = GetParam();
   const Problem& p = ec.p;
-  const Matrix x = representable_matrix(p.M, p.K, 1), w = representable_matrix(p.N, p.K, 2),
-               dy = representable_matrix(p.M, p.N, 3);
+  const Matrix x = representable_matrix(p.M, p.K, ec.tile, 1), w = representable_matrix(p.N, p.K, ec.tile, 2),
+               dy = representable_matrix(p.M, p.N, ec.tile, 3);
   for (Form f : {Form::forward, Form::dgrad, Form::wgrad}) {
     const FormRun r = setup(f, p, x, w, dy, ec.tile, true);
     const std::vector<double> want = dequantized_product(r);
     // Quantization was lossless, so the dequantized product is the product of the inputs.
     EXPECT_EQ(want, exact_product(f, p, x, w, dy)) << name(f);
     for (GemmPath path : exact_paths())
-      for (auto [alpha, beta] : {std::pair{1.0f, 0.0f}, std::pair{0.5f, 1.0f}, std::pair{2.0f, 0.25f}}) {
-        SCOPED_TRACE(testing::Message() << name(f) << " " << to_string(path) << " alpha " << alpha << " beta " << beta);
-        // C starts with exact values (multiples of 1/4) so that beta * C + alpha * AB is exact too.
-        Matrix c(static_cast<size_t>(r.rows * r.cols));
-        for (size_t i = 0; i < c.size(); ++i) c[i] = float(int(i % 17) - 8) * 0.25f;
-        const Matrix c0 = c;
-        GemmInfo info;
-        gemm_fp8(r.A, r.ta, r.B, r.tb, alpha, beta, c.data(), r.cols, path, &info);
-        EXPECT_EQ(info.path, path);
-        for (size_t i = 0; i < c.size(); ++i)
-          ASSERT_EQ(c[i], float(alpha * want[i] + double(beta) * c0[i])) << "element " << i;
-      }
+      for (auto [alpha, beta] : {std::pair{1.0f, 0.0f}, std::pair{0.5f, 1.0f}, std::pair{2.0f, 0.25f}})
+        for (int64_t pad : {0, 8}) {  // ldc = N + pad: writing into a slice of a wider matrix
+          SCOPED_TRACE(testing::Message() << name(f) << " " << to_string(path) << " alpha " << alpha << " beta "
+                                          << beta << " ldc pad " << pad);
+          // C starts with exact values (multiples of 1/4) so that beta * C + alpha * AB is exact too.
+          const int64_t ldc = r.cols + pad;
+          Matrix c(static_cast<size_t>(r.rows * ldc));
+          for (size_t i = 0; i < c.size(); ++i) c[i] = float(int(i % 17) - 8) * 0.25f;
+          const Matrix c0 = c;
+          GemmInfo info;
+          gemm_fp8(r.A, r.ta, r.B, r.tb, alpha, beta, c.data(), ldc, path, &info);
+          EXPECT_EQ(info.path, path);
+          for (int64_t i = 0; i < r.rows; ++i)
+            for (int64_t j = 0; j < ldc; ++j) {
+              const size_t at = size_t(i * ldc + j);
+              const float expect = j < r.cols ? float(alpha * want[i * r.cols + j] + double(beta) * c0[at]) : c0[at];
+              ASSERT_EQ(c[at], expect) << "(" << i << ", " << j << ")" << (j >= r.cols ? " padding was written" : "");
+            }
+        }
   }
 }
 

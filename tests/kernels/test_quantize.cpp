@@ -67,6 +67,10 @@ TEST(ComputeScale, EdgeAmaxValues) {
   EXPECT_EQ(compute_scale(INFINITY, 448.0f, 0, false), 1.0f);
   EXPECT_EQ(compute_scale(1e-40f, 448.0f, 0, false), FLT_MAX);             // would overflow
   EXPECT_EQ(compute_scale(1e-40f, 448.0f, 0, true), std::ldexp(1.0f, 127));  // largest power of two
+  // A huge amax with a large margin would fall below FP32's normal range: clamped, never 0.
+  const float tiny = compute_scale(1e25f, 448.0f, 64, true);
+  EXPECT_GT(tiny, 0.0f);
+  EXPECT_TRUE(std::isfinite(1.0f / tiny));
 }
 
 TEST(Amax, AbsoluteMaxAndNaN) {
@@ -191,14 +195,15 @@ TEST(Quantize, SaturationAndUnderflowAreCounted) {
   const float scale = 448.0f / 50.0f;
   int64_t want_sat = 0, want_under = 0;
   for (float v : x) {
-    want_sat += std::abs(double(v) * scale) > 464.0;  // beyond max + half ulp: clamped, not rounded
-    want_under += v != 0 && std::abs(double(v) * scale) < std::ldexp(1.0, -10);  // below half the min subnormal
+    const float y = v * scale;  // what the encoder sees
+    want_sat += std::abs(y) > 464.0f;  // beyond max + half ulp: clamped, not rounded
+    want_under += v != 0 && std::abs(y) <= 0x1p-10f;  // at most half the min subnormal: rounds to 0
   }
   QuantTensor q;
   quantize_with_scale(x.data(), 100, 100, Fp8Dtype::e4m3, scale, &q);
   ASSERT_GT(want_sat, 0);
   EXPECT_EQ(q.saturated, want_sat);
-  EXPECT_GE(q.underflowed, want_under);
+  EXPECT_EQ(q.underflowed, want_under);
   EXPECT_GE(want_under, 1);
   for (size_t i = 0; i < x.size(); ++i)
     if (std::abs(x[i] * scale) > 448.0f) {
@@ -266,6 +271,30 @@ TEST(DelayedScaling, HistoryWindowMaxAndMostRecent) {
       }
       EXPECT_EQ(st.steps, int64_t(step_amax.size()));
     }
+}
+
+TEST(DelayedScaling, ZeroOrNonFiniteAmaxKeepsTheScale) {
+  for (auto compute : {DelayedScaling::Compute::max, DelayedScaling::Compute::most_recent}) {
+    DelayedScaling st = make_delayed_scaling(3);
+    std::vector<float> x(64, 3.0f), zeros(64, 0.0f), nan(64, 1.0f);
+    nan[7] = NAN;
+    QuantTensor q;
+    quantize_delayed(x.data(), 8, 8, Fp8Dtype::e5m2, st, compute, {}, {}, &q);
+    const float scale = st.scale;
+    EXPECT_EQ(scale, float(reference_scale(3.0, Fp8Dtype::e5m2, 0, true)));
+    quantize_delayed(zeros.data(), 8, 8, Fp8Dtype::e5m2, st, compute, {}, {}, &q);  // an expert with no tokens
+    if (compute == DelayedScaling::Compute::most_recent) {
+      EXPECT_EQ(st.scale, scale) << "amax 0 keeps the previous scale";
+    }
+    quantize_delayed(nan.data(), 8, 8, Fp8Dtype::e5m2, st, compute, {}, {}, &q);
+    EXPECT_EQ(st.scale, scale) << "a NaN step keeps the previous scale";
+    quantize_delayed(x.data(), 8, 8, Fp8Dtype::e5m2, st, compute, {}, {}, &q);
+    if (compute == DelayedScaling::Compute::max) {
+      EXPECT_EQ(st.scale, scale) << "the NaN is still in the window";
+    } else {
+      EXPECT_EQ(st.scale, scale);
+    }
+  }
 }
 
 TEST(DelayedScaling, StaleScaleSaturatesAndIsCounted) {
