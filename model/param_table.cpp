@@ -1,0 +1,127 @@
+#include "model/param_table.h"
+
+#include <cmath>
+
+#include "kernels/check.h"
+
+namespace fp8moe {
+
+const ParamSpec& ParamTable::at(const std::string& name) const {
+  const int64_t i = index_of(name);
+  FP8MOE_ASSERT(i >= 0, "no parameter named ", name);
+  return params[size_t(i)];
+}
+
+int64_t ParamTable::index_of(const std::string& name) const {
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].name == name) return int64_t(i);
+  return -1;
+}
+
+int64_t ParamTable::trainable_numel() const {
+  int64_t n = 0;
+  for (const ParamSpec& p : params) n += p.trainable ? p.numel() : 0;
+  return n;
+}
+
+ParamTable build_param_table(const ModelConfig& m) {
+  ParamTable t;
+  const float std = float(m.init_std);
+  // NOTE: output projections (o, w2) start smaller, std / sqrt(2 n_layers), so that the residual
+  // stream's variance does not grow with depth (GPT-2, Megatron's scaled init).
+  const float out_std = float(m.init_std / std::sqrt(2.0 * m.n_layers));
+  auto add = [&](ParamSpec p) { t.params.push_back(std::move(p)); };
+  auto norm = [&](const std::string& name, int layer) {
+    add({name, 1, m.d_model, TpSplit::none, layer, -1, LinearClass::none, true, false, InitKind::ones, 0.0f});
+  };
+  auto linear = [&](const std::string& name, int64_t out, int64_t in, TpSplit tp, int layer, int expert,
+                    LinearClass cls, float s) {
+    add({name, out, in, tp, layer, expert, cls, true, true, InitKind::normal, s});
+  };
+
+  const int64_t q_dim = int64_t(m.n_heads) * m.head_dim, kv_dim = int64_t(m.n_kv_heads) * m.head_dim;
+  add({"embed.weight", m.vocab_size, m.d_model, TpSplit::rows, -1, -1, LinearClass::none, true, true, InitKind::normal, std});
+  for (int l = 0; l < m.n_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    norm(p + "attn_norm.weight", l);
+    linear(p + "attn.wq", q_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
+    linear(p + "attn.wk", kv_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
+    linear(p + "attn.wv", kv_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
+    linear(p + "attn.wo", m.d_model, q_dim, TpSplit::cols, l, -1, LinearClass::attention, out_std);
+    norm(p + "ffn_norm.weight", l);
+    if (l < m.first_dense_layers) {
+      linear(p + "mlp.w1", m.d_ff_dense, m.d_model, TpSplit::rows, l, -1, LinearClass::mlp, std);
+      linear(p + "mlp.w3", m.d_ff_dense, m.d_model, TpSplit::rows, l, -1, LinearClass::mlp, std);
+      linear(p + "mlp.w2", m.d_model, m.d_ff_dense, TpSplit::cols, l, -1, LinearClass::mlp, out_std);
+      continue;
+    }
+    const MoeConfig& e = m.moe;
+    // The router stays FP32 and replicated; its bias steers expert choice only (not trained).
+    add({p + "moe.router", e.n_experts, m.d_model, TpSplit::none, l, -1, LinearClass::none, true, true, InitKind::normal, std});
+    add({p + "moe.router_bias", 1, e.n_experts, TpSplit::none, l, -1, LinearClass::none, false, false, InitKind::zeros, 0.0f});
+    if (e.n_shared_experts > 0) {
+      // The shared experts as one SwiGLU of width n_shared x d_expert (the same function as a sum
+      // of n_shared separate ones).
+      const int64_t w = int64_t(e.n_shared_experts) * e.d_expert;
+      linear(p + "moe.shared.w1", w, m.d_model, TpSplit::rows, l, -1, LinearClass::shared_experts, std);
+      linear(p + "moe.shared.w3", w, m.d_model, TpSplit::rows, l, -1, LinearClass::shared_experts, std);
+      linear(p + "moe.shared.w2", m.d_model, w, TpSplit::cols, l, -1, LinearClass::shared_experts, out_std);
+    }
+    for (int x = 0; x < e.n_experts; ++x) {
+      const std::string q = p + "moe.experts." + std::to_string(x) + ".";
+      linear(q + "w1", e.d_expert, m.d_model, TpSplit::rows, l, x, LinearClass::experts, std);
+      linear(q + "w3", e.d_expert, m.d_model, TpSplit::rows, l, x, LinearClass::experts, std);
+      linear(q + "w2", m.d_model, e.d_expert, TpSplit::cols, l, x, LinearClass::experts, out_std);
+    }
+  }
+  norm("final_norm.weight", m.n_layers);
+  add({"head.weight", m.vocab_size, m.d_model, TpSplit::rows, m.n_layers, -1, LinearClass::none, true, true, InitKind::normal, std});
+  return t;
+}
+
+namespace {
+constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+inline void mulhilo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
+  const uint64_t p = uint64_t(a) * b;
+  *hi = uint32_t(p >> 32);
+  *lo = uint32_t(p);
+}
+}  // namespace
+
+Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) k0 += kW0, k1 += kW1;
+    uint32_t hi0, lo0, hi1, lo1;
+    mulhilo(kM0, c0, &hi0, &lo0);
+    mulhilo(kM1, c2, &hi1, &lo1);
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
+    c0 = n0, c1 = n1, c2 = n2, c3 = n3;
+  }
+  return {{c0, c1, c2, c3}};
+}
+
+uint64_t name_hash(const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char ch : name) h = (h ^ ch) * 0x100000001b3ull;
+  return h;
+}
+
+void init_param_slice(const ParamSpec& p, uint64_t seed, int64_t begin, int64_t end, float* out) {
+  FP8MOE_ASSERT(0 <= begin && begin <= end && end <= p.numel(), "init slice [", begin, ", ", end, ") of ", p.name);
+  if (p.init != InitKind::normal) {
+    for (int64_t i = begin; i < end; ++i) out[i - begin] = p.init == InitKind::ones ? 1.0f : 0.0f;
+    return;
+  }
+  const uint64_t key = seed ^ name_hash(p.name);
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = begin; i < end; ++i) {
+    // One counter per element: its global index. Box-Muller on two of the four outputs.
+    const Philox4x32 r = philox4x32_10(uint32_t(i), uint32_t(uint64_t(i) >> 32), 0x243F6A88u, 0x85A308D3u,
+                                       uint32_t(key), uint32_t(key >> 32));
+    const double u1 = (double(r.v[0]) + 0.5) * 0x1p-32, u2 = (double(r.v[1]) + 0.5) * 0x1p-32;
+    out[i - begin] = float(p.init_std * std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2));
+  }
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,65 @@
+// The ParamTable: every parameter of the model declared once, with its GLOBAL shape and how it is
+// sharded (DESIGN.md). Initialization, gradient-sync groups, the global norm, the optimizer's
+// shards, checkpoints and resharding all derive from this table and nothing else.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace fp8moe {
+
+// How tensor parallelism splits a parameter.
+enum class TpSplit {
+  none,    // replicated over the tensor-parallel group (norms, router)
+  rows,    // dim 0 split: column-parallel linear W (out, in) (q, k, v, w1, w3), vocabulary rows
+  cols,    // dim 1 split: row-parallel linear W (out, in) (o, w2)
+};
+
+// Which FP8 layer class a linear weight belongs to (fp8.layers), or none (not an FP8 GEMM).
+enum class LinearClass { none, attention, mlp, experts, shared_experts };
+
+enum class InitKind { normal, ones, zeros };
+
+struct ParamSpec {
+  std::string name;     // "layers.3.moe.experts.17.w1"
+  int64_t rows = 1;     // global shape (rows, cols); vectors have rows = 1
+  int64_t cols = 1;
+  TpSplit tp = TpSplit::none;
+  int layer = -1;       // block index; -1 embedding (first stage), n_layers final norm and head (last)
+  int expert = -1;      // global routed-expert index (expert parallelism places whole experts)
+  LinearClass linear = LinearClass::none;
+  bool trainable = true;     // false: state updated by a rule, not by the optimizer (router bias)
+  bool weight_decay = true;  // AdamW decay: not for norms, biases, the router bias
+  InitKind init = InitKind::normal;
+  float init_std = 0.0f;
+  int64_t numel() const { return rows * cols; }
+};
+
+struct ParamTable {
+  std::vector<ParamSpec> params;
+  const ParamSpec& at(const std::string& name) const;  // asserts the name exists
+  int64_t index_of(const std::string& name) const;     // -1 when absent
+  int64_t trainable_numel() const;
+};
+
+// The table of a model config. Order: embedding, blocks in order, final norm, head.
+ParamTable build_param_table(const ModelConfig& m);
+
+// Deterministic initial values of elements [begin, end) of a parameter's flat (row-major) global
+// tensor: a function of (seed, name, global element index) through a counter-based RNG
+// (Philox-4x32-10), so any shard is generated alone and equals the same slice of a 1-rank run.
+void init_param_slice(const ParamSpec& p, uint64_t seed, int64_t begin, int64_t end, float* out);
+
+// Philox-4x32-10 (Salmon et al., SC'11): four 32-bit outputs for a 128-bit counter and 64-bit key.
+struct Philox4x32 {
+  uint32_t v[4];
+};
+Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1);
+
+// 64-bit FNV-1a of a name (the per-parameter key of the RNG).
+uint64_t name_hash(const std::string& name);
+
+}  // namespace fp8moe

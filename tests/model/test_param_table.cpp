@@ -1,0 +1,126 @@
+// The ParamTable of a model config and the deterministic initialisation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include "model/param_table.h"
+
+namespace fp8moe {
+namespace {
+
+TEST(Philox, KnownAnswers) {
+  // Random123's known-answer vectors for philox4x32-10.
+  Philox4x32 r = philox4x32_10(0, 0, 0, 0, 0, 0);
+  EXPECT_EQ(r.v[0], 0x6627e8d5u);
+  EXPECT_EQ(r.v[1], 0xe169c58du);
+  EXPECT_EQ(r.v[2], 0xbc57ac4cu);
+  EXPECT_EQ(r.v[3], 0x9b00dbd8u);
+  r = philox4x32_10(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+  EXPECT_EQ(r.v[0], 0x408f276du);
+  EXPECT_EQ(r.v[1], 0x41c83b0eu);
+  EXPECT_EQ(r.v[2], 0xa20bc7c6u);
+  EXPECT_EQ(r.v[3], 0x6d5451fdu);
+  r = philox4x32_10(0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u, 0xa4093822u, 0x299f31d0u);
+  EXPECT_EQ(r.v[0], 0xd16cfe09u);
+  EXPECT_EQ(r.v[1], 0x94fdccebu);
+  EXPECT_EQ(r.v[2], 0x5001e420u);
+  EXPECT_EQ(r.v[3], 0x24126ea1u);
+}
+
+ModelConfig tiny() {  // configs/tiny.yaml's model
+  ModelConfig m;
+  m.vocab_size = 256, m.d_model = 256, m.n_layers = 4, m.n_heads = 8, m.n_kv_heads = 8, m.head_dim = 32;
+  m.first_dense_layers = 1, m.d_ff_dense = 1024;
+  m.moe.n_experts = 8, m.moe.top_k = 2, m.moe.n_shared_experts = 1, m.moe.d_expert = 256;
+  return m;
+}
+
+TEST(ParamTable, TinyModelHasTheExpectedParameterCount) {
+  const ModelConfig m = tiny();
+  const ParamTable t = build_param_table(m);
+  // Counted by hand: embedding and head V x D; per block 2 norms and q, k, v, o; the dense block
+  // 3 D x F; each MoE block a router E x D, one shared and E routed SwiGLU experts (3 D x d_expert).
+  const int64_t V = 256, D = 256, L = 4, F = 1024, E = 8, De = 256, kv = 8 * 32, q = 8 * 32;
+  const int64_t attention = L * (D * q + 2 * D * kv + q * D);
+  const int64_t norms = L * 2 * D + D;
+  const int64_t dense = 3 * D * F;
+  const int64_t moe = (L - 1) * (E * D + (1 + E) * 3 * D * De);
+  EXPECT_EQ(t.trainable_numel(), 2 * V * D + attention + norms + dense + moe);
+  EXPECT_EQ(t.trainable_numel(), 7282944);  // ~7.3M, as the issue says
+}
+
+TEST(ParamTable, ShardingAndOptimizerFlags) {
+  const ParamTable t = build_param_table(tiny());
+  std::set<std::string> names;
+  for (const ParamSpec& p : t.params) {
+    EXPECT_TRUE(names.insert(p.name).second) << "duplicate " << p.name;
+    const bool is_norm = p.name.find("norm") != std::string::npos;
+    if (is_norm) {
+      EXPECT_FALSE(p.weight_decay) << p.name;
+      EXPECT_EQ(p.init, InitKind::ones);
+    }
+    auto ends = [&](const char* s) { return p.name.size() >= strlen(s) && p.name.compare(p.name.size() - strlen(s), strlen(s), s) == 0; };
+    if (ends("wq") || ends("wk") || ends("wv") || ends("w1") || ends("w3")) {
+      EXPECT_EQ(p.tp, TpSplit::rows) << p.name;
+    }
+    if (ends("wo") || ends("w2")) {
+      EXPECT_EQ(p.tp, TpSplit::cols) << p.name;
+    }
+    if (p.name.find(".experts.") != std::string::npos) {
+      EXPECT_GE(p.expert, 0);
+      EXPECT_EQ(p.linear, LinearClass::experts);
+    } else {
+      EXPECT_EQ(p.expert, -1) << p.name;
+    }
+  }
+  EXPECT_FALSE(t.at("layers.1.moe.router_bias").trainable);
+  EXPECT_FALSE(t.at("layers.1.moe.router_bias").weight_decay);
+  EXPECT_EQ(t.at("layers.1.moe.router").linear, LinearClass::none);  // the router stays FP32
+  EXPECT_EQ(t.at("embed.weight").layer, -1);
+  EXPECT_EQ(t.at("head.weight").layer, 4);
+  EXPECT_EQ(t.at("layers.3.moe.experts.7.w2").rows, 256);
+  EXPECT_EQ(t.index_of("layers.0.moe.router"), -1);  // layer 0 is dense
+}
+
+TEST(Init, ShardsEqualTheSameSliceOfTheWhole) {
+  const ParamTable t = build_param_table(tiny());
+  const ParamSpec& p = t.at("layers.2.moe.experts.3.w1");
+  std::vector<float> whole(size_t(p.numel())), part(1000);
+  init_param_slice(p, 1234, 0, p.numel(), whole.data());
+  init_param_slice(p, 1234, 5000, 6000, part.data());
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ(part[i], whole[5000 + i]);
+  // Another seed or another name gives other values.
+  std::vector<float> other(1000);
+  init_param_slice(p, 1235, 5000, 6000, other.data());
+  EXPECT_NE(other, part);
+  init_param_slice(t.at("layers.2.moe.experts.4.w1"), 1234, 5000, 6000, other.data());
+  EXPECT_NE(other, part);
+}
+
+TEST(Init, NormalStatisticsAndKinds) {
+  ModelConfig m = tiny();
+  m.init_std = 0.02;
+  const ParamTable t = build_param_table(m);
+  for (const char* name : {"embed.weight", "layers.0.attn.wo"}) {
+    const ParamSpec& p = t.at(name);
+    std::vector<float> v(size_t(p.numel()));
+    init_param_slice(p, 7, 0, p.numel(), v.data());
+    double mean = 0, sq = 0;
+    for (float x : v) mean += x, sq += double(x) * x;
+    mean /= v.size();
+    const double stddev = std::sqrt(sq / v.size() - mean * mean);
+    const double want = std::string(name) == "embed.weight" ? 0.02 : 0.02 / std::sqrt(8.0);  // wo: std / sqrt(2 L)
+    EXPECT_NEAR(stddev, want, want * 0.01) << name;                                         // 65536 samples
+    EXPECT_NEAR(mean, 0.0, want * 0.02) << name;
+  }
+  std::vector<float> ones(256), zeros(8, 5.0f);
+  init_param_slice(t.at("final_norm.weight"), 7, 0, 256, ones.data());
+  for (float x : ones) EXPECT_EQ(x, 1.0f);
+  init_param_slice(t.at("layers.1.moe.router_bias"), 7, 0, 8, zeros.data());
+  for (float x : zeros) EXPECT_EQ(x, 0.0f);
+}
+
+}  // namespace
+}  // namespace fp8moe
