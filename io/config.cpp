@@ -281,6 +281,8 @@ const std::vector<Field>& schema() {
     v.push_back(integer("model.d_ff_dense", REF(model.d_ff_dense), 1, 1 << 22, "Width of the dense MLPs."));
     v.push_back(real("model.init_std", REF(model.init_std), 0, B::open, 1, B::closed,
                      "Standard deviation of the initial weights (DeepSeek-V3: 0.006)."));
+    v.push_back(integer("model.pad_id", REF(model.pad_id), -1, 1 << 24,
+                        "Targets equal to this token id are ignored by the loss; -1 = none."));
     v.push_back(integer("model.moe.n_experts", REF(model.moe.n_experts), 1, 1 << 16, "Routed experts per MoE layer."));
     v.push_back(integer("model.moe.top_k", REF(model.moe.top_k), 1, 1 << 16, "Routed experts chosen per token."));
     v.push_back(integer("model.moe.n_shared_experts", REF(model.moe.n_shared_experts), 0, 64,
@@ -533,6 +535,7 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
   rule(m.head_dim % 2 == 0, "model.head_dim", "an even number (RoPE rotates pairs of channels)");
   rule(m.first_dense_layers <= m.n_layers, "model.first_dense_layers",
        "at most model.n_layers = " + n(m.n_layers));
+  rule(m.pad_id < m.vocab_size, "model.pad_id", "-1 or a token id below model.vocab_size = " + n(m.vocab_size));
   rule(m.moe.top_k <= m.moe.n_experts, "model.moe.top_k", "at most model.moe.n_experts = " + n(m.moe.n_experts));
   rule(c.train.min_lr <= c.train.lr, "train.min_lr", "at most train.lr = " + format_double(c.train.lr));
   rule(!(c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.format == Fp8Format::hybrid), "fp8.format",

@@ -113,6 +113,7 @@ struct DelayedScaling {
   std::vector<float> history;  // (history_len) amax ring buffer, zeros at start
   int64_t steps = 0;           // amax values recorded so far; the newest is history[(steps-1) % len]
   float scale = 1.0f;          // the scale the next quantization uses
+  float last_used = 1.0f;      // the scale the last quantization used (recomputation reuses it)
   bool operator==(const DelayedScaling&) const = default;
 };
 DelayedScaling make_delayed_scaling(int history_len);

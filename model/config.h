@@ -43,6 +43,7 @@ struct ModelConfig {
   int first_dense_layers = 1;
   int d_ff_dense = 1024;
   double init_std = 0.02;
+  int pad_id = -1;  // targets equal to it are not counted by the loss; -1 = none
   MoeConfig moe;
   bool operator==(const ModelConfig&) const = default;
 };

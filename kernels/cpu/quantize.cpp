@@ -201,6 +201,7 @@ float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtyp
                        DelayedScaling::Compute compute, const ScaleOptions& opt, const AmaxReduce& reduce,
                        QuantTensor* out) {
   FP8MOE_ASSERT(!state.history.empty(), "delayed scaling state not initialised");
+  state.last_used = state.scale;
   quantize_with_scale(x, rows, cols, dtype, state.scale, out);
   float a = amax(x, rows * cols);
   if (reduce) reduce(&a, 1);

@@ -1,0 +1,34 @@
+// SwiGLU feed-forward: y = (silu(x W1^T) * (x W3^T)) W2^T, three linear layers (FP8 per recipe).
+// Used by the dense MLP, the shared experts and every routed expert.
+//   x (M, D), W1, W3 (F, D), W2 (D, F), y (M, D)
+#pragma once
+
+#include <vector>
+
+#include "model/linear.h"
+
+namespace fp8moe {
+
+struct FfnWeights {
+  const float *w1, *w3, *w2;
+};
+struct FfnGrads {
+  float *w1, *w3, *w2;  // accumulated
+};
+// Per-linear FP8 contexts (their delayed-scaling states differ).
+struct FfnFp8 {
+  LinearFp8 w1, w3, w2;
+};
+
+struct FfnSaved {
+  LinearSaved l1, l3, l2;
+  std::vector<float> h1, h3;  // (M, F) pre-activation gate and up projections
+};
+
+void ffn_forward(const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8, float* y,
+                 FfnSaved* saved);
+// dx (M, D) written (may be nullptr); weight gradients accumulated.
+void ffn_backward(const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
+                  const FfnGrads& g);
+
+}  // namespace fp8moe

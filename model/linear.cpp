@@ -1,0 +1,82 @@
+#include "model/linear.h"
+
+#include <cstring>
+
+#include "kernels/check.h"
+
+namespace fp8moe {
+namespace {
+
+Fp8Dtype grad_dtype(const Fp8Config& c) { return c.format == Fp8Format::hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3; }
+ScaleOptions scale_options(const Fp8Config& c) { return {c.margin, c.power_of_two_scales}; }
+
+// One scale for the whole tensor, by the current or the delayed recipe.
+void quantize_per_tensor(const float* x, int64_t rows, int64_t cols, Fp8Dtype dt, const LinearFp8& f, DelayedScaling* st,
+                         QuantTensor* out) {
+  const Fp8Config& c = *f.cfg;
+  if (c.recipe == Fp8Recipe::delayed) {
+    FP8MOE_ASSERT(st, "delayed scaling needs the layer's LinearScaling state");
+    if (st->history.empty()) *st = make_delayed_scaling(c.amax_history_len);
+    const auto compute = c.amax_compute == AmaxCompute::max ? DelayedScaling::Compute::max
+                                                            : DelayedScaling::Compute::most_recent;
+    if (f.record)
+      quantize_delayed(x, rows, cols, dt, *st, compute, scale_options(c), f.reduce, out);
+    else
+      quantize_with_scale(x, rows, cols, dt, st->last_used, out);  // recomputation: the forward's scale, no step
+  } else {
+    quantize_current(x, rows, cols, dt, scale_options(c), f.reduce, out);
+  }
+}
+
+}  // namespace
+
+void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8, float* y,
+                    LinearSaved* saved) {
+  LinearSaved local;
+  LinearSaved& s = saved ? *saved : local;
+  s.M = M, s.K = K, s.N = N;
+  s.x.assign(x, x + M * K);
+  if (!fp8.enabled()) {
+    sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
+    return;
+  }
+  const Fp8Config& c = *fp8.cfg;
+  if (c.recipe == Fp8Recipe::blockwise) {
+    quantize_tiled(x, M, K, Tiling::rows_1xT, c.tile, Fp8Dtype::e4m3, scale_options(c), &s.xq);
+    quantize_tiled(W, N, K, Tiling::blocks_TxT, c.tile, Fp8Dtype::e4m3, scale_options(c), &s.wq);
+  } else {
+    quantize_per_tensor(x, M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, &s.xq);
+    quantize_per_tensor(W, N, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->w : nullptr, &s.wq);
+  }
+  gemm_fp8(s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
+}
+
+void linear_backward(const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx, float* dW) {
+  const int64_t M = s.M, K = s.K, N = s.N;
+  if (!fp8.enabled()) {
+    if (dx) sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, 0.0f, dx, K);
+    sgemm(true, false, N, K, M, 1.0f, dy, N, s.x.data(), K, 1.0f, dW, K);
+    return;
+  }
+  const Fp8Config& c = *fp8.cfg;
+  if (c.recipe == Fp8Recipe::blockwise) {
+    const ScaleOptions opt = scale_options(c);
+    if (dx) {
+      QuantTensor dyq;
+      quantize_tiled(dy, M, N, Tiling::rows_1xT, c.tile, Fp8Dtype::e4m3, opt, &dyq);
+      gemm_fp8(dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
+    }
+    // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32.
+    QuantTensor dyt, xt;
+    quantize_tiled(dy, M, N, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &dyt);
+    quantize_tiled(s.x.data(), M, K, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &xt);
+    gemm_fp8(dyt, true, xt, false, 1.0f, 1.0f, dW, K);
+    return;
+  }
+  QuantTensor dyq;
+  quantize_per_tensor(dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, &dyq);
+  if (dx) gemm_fp8(dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
+  gemm_fp8(dyq, true, s.xq, false, 1.0f, 1.0f, dW, K);
+}
+
+}  // namespace fp8moe

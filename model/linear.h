@@ -1,0 +1,48 @@
+// A linear layer y = x W^T with its three GEMMs (forward, input gradient, weight gradient) in FP8
+// through the configured recipe, or in FP32 when FP8 is off for it.
+//   x (M, K), W (N, K), y (M, N)
+//   forward  y  = x W^T           x: 1xT tiles (or per-tensor), W: TxT blocks (or per-tensor)
+//   dgrad    dx = dy W            dy: 1xT tiles (E5M2 per-tensor with format hybrid)
+//   wgrad    dW += dy^T x         dy, x: Tx1 tiles, quantized again from FP32 (never transposed FP8)
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernels/gemm_fp8.h"
+#include "model/config.h"
+
+namespace fp8moe {
+
+// Delayed-scaling histories of one linear layer (checkpointed state).
+struct LinearScaling {
+  DelayedScaling x, w, dy;
+};
+
+// What the FP8 GEMMs of one call need beyond the operands.
+struct LinearFp8 {
+  const Fp8Config* cfg = nullptr;  // nullptr or recipe off: FP32 GEMMs
+  LinearScaling* state = nullptr;  // delayed scaling only
+  AmaxReduce reduce;               // per-tensor amax over the tensor-parallel group (empty: local)
+  bool record = true;              // false when recomputing: quantize, but do not advance histories
+  bool enabled() const { return cfg && cfg->recipe != Fp8Recipe::off; }
+};
+
+// What forward keeps for backward: the input (FP32) and the quantized weight of this step.
+struct LinearSaved {
+  std::vector<float> x;  // (M, K)
+  QuantTensor wq;        // the weight as the forward GEMM used it (FP8 paths)
+  QuantTensor xq;        // the input as the forward GEMM used it (FP8 paths)
+  int64_t M = 0, K = 0, N = 0;
+};
+
+// y (M, N) written. `saved` may be nullptr (no backward).
+void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8, float* y,
+                    LinearSaved* saved);
+
+// dx (M, K) written (may be nullptr), dW (N, K) accumulated.
+void linear_backward(const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8, float* dx,
+                     float* dW);
+
+}  // namespace fp8moe

@@ -1,0 +1,214 @@
+#include "model/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "kernels/check.h"
+#include "kernels/gemm_fp8.h"
+
+namespace fp8moe {
+
+Routing route(const float* z, const float* bias, int64_t N, int64_t E, const MoeConfig& cfg, std::vector<float>* prob) {
+  const int64_t k = cfg.top_k;
+  FP8MOE_ASSERT(k >= 1 && k <= E, "top_k ", k, " of ", E, " experts");
+  Routing r;
+  r.N = N, r.E = E, r.k = k;
+  r.expert.assign(size_t(N * k), -1);
+  r.gate.assign(size_t(N * k), 0.0f);
+  r.kept.assign(size_t(N * k), 1);
+  prob->resize(size_t(N * E));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* zr = z + n * E;
+    float* p = prob->data() + n * E;
+    if (cfg.gating == Gating::sigmoid) {
+      for (int64_t e = 0; e < E; ++e) p[e] = 1.0f / (1.0f + std::exp(-zr[e]));
+    } else {
+      const float m = *std::max_element(zr, zr + E);
+      double sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(double(zr[e]) - m);
+      for (int64_t e = 0; e < E; ++e) p[e] = float(std::exp(double(zr[e]) - m) / sum);
+    }
+    // Top-k by score + bias; ties go to the lower expert index (a stable, deterministic order).
+    std::vector<int32_t> order(static_cast<size_t>(E));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] + bias[a] > p[b] + bias[b]; });
+    double chosen = 0;
+    for (int64_t j = 0; j < k; ++j) chosen += p[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      r.expert[n * k + j] = order[j];
+      r.gate[n * k + j] = cfg.gating == Gating::sigmoid ? float(p[order[j]] / chosen) : p[order[j]];
+    }
+  }
+  // Capacity: assignments beyond it, in token order, are dropped.
+  const int64_t cap = cfg.capacity_factor > 0 ? int64_t(std::ceil(cfg.capacity_factor * double(N * k) / double(E)))
+                                              : N * k;
+  r.load.assign(size_t(E), 0);
+  for (int64_t i = 0; i < N * k; ++i) {
+    const int32_t e = r.expert[i];
+    if (r.load[e] >= cap) {
+      r.kept[i] = 0, r.gate[i] = 0.0f, ++r.dropped;
+      continue;
+    }
+    ++r.load[e];
+  }
+  // Permutation: rows grouped by expert, token order inside a group.
+  r.offsets.assign(size_t(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) r.offsets[e + 1] = r.offsets[e] + r.load[e];
+  r.row_token.assign(size_t(r.offsets[E]), 0);
+  r.row_slot.assign(size_t(r.offsets[E]), 0);
+  std::vector<int64_t> fill(r.offsets.begin(), r.offsets.end() - 1);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = r.expert[n * k + j];
+      if (!r.kept[n * k + j]) continue;
+      r.row_token[fill[e]] = n;
+      r.row_slot[fill[e]] = int32_t(j);
+      ++fill[e];
+    }
+  return r;
+}
+
+namespace {
+bool has_shared(const MoeWeights& w) { return w.shared.w1 != nullptr; }
+
+// P_e normalisation for the aux loss: softmax probabilities as they are; sigmoid scores over their sum.
+void normalised_scores(const std::vector<float>& prob, int64_t N, int64_t E, Gating g, std::vector<double>* out) {
+  out->assign(size_t(N * E), 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += prob[n * E + e];
+    for (int64_t e = 0; e < E; ++e) (*out)[n * E + e] = g == Gating::softmax ? prob[n * E + e] : prob[n * E + e] / sum;
+  }
+}
+}  // namespace
+
+double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const MoeFp8& fp8,
+                   float* out, MoeSaved* saved) {
+  MoeSaved local;
+  MoeSaved& s = saved ? *saved : local;
+  const int64_t E = cfg.n_experts, F = cfg.d_expert;
+  s.x.assign(x, x + N * D);
+  s.z.resize(size_t(N * E));
+  sgemm(false, true, N, E, D, 1.0f, x, D, w.router, D, 0.0f, s.z.data(), E);  // FP32 router
+  s.routing = route(s.z.data(), w.router_bias, N, E, cfg, &s.prob);
+  const Routing& r = s.routing;
+
+  // Shared experts see every token.
+  if (has_shared(w))
+    ffn_forward(x, N, D, int64_t(cfg.n_shared_experts) * F, w.shared, fp8.shared, out, &s.shared);
+  else
+    std::fill(out, out + N * D, 0.0f);
+
+  // Routed experts: gather (permute), FFN, scatter with gates (unpermute).
+  s.experts.resize(static_cast<size_t>(E));
+  s.expert_out.resize(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = r.offsets[e], rows = r.offsets[e + 1] - r0;
+    std::vector<float> xe(size_t(rows * D));
+    for (int64_t i = 0; i < rows; ++i) std::copy_n(x + r.row_token[r0 + i] * D, D, &xe[i * D]);
+    s.expert_out[e].resize(size_t(rows * D));
+    ffn_forward(xe.data(), rows, D, F, w.experts[e], fp8.experts[e], s.expert_out[e].data(), &s.experts[e]);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t n = r.row_token[r0 + i];
+      const float g = r.gate[n * r.k + r.row_slot[r0 + i]];
+      for (int64_t d = 0; d < D; ++d) out[n * D + d] += g * s.expert_out[e][i * D + d];
+    }
+  }
+
+  s.aux_loss = 0;
+  if (cfg.aux_loss_coef > 0 && N > 0) {
+    std::vector<double> pn;
+    normalised_scores(s.prob, N, E, cfg.gating, &pn);
+    for (int64_t e = 0; e < E; ++e) {
+      double pe = 0;
+      for (int64_t n = 0; n < N; ++n) pe += pn[n * E + e];
+      const double fe = double(r.load[e]) / double(N * r.k);
+      s.aux_loss += cfg.aux_loss_coef * double(E) * fe * pe / double(N);
+    }
+  }
+  return s.aux_loss;
+}
+
+void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
+                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g) {
+  const Routing& r = s.routing;
+  const int64_t N = r.N, E = r.E, k = r.k;
+  if (has_shared(w))
+    ffn_backward(s.shared, w.shared, dout, fp8.shared, dx, g.shared);
+  else
+    std::fill(dx, dx + N * D, 0.0f);
+
+  std::vector<double> dgate(size_t(N * k), 0.0);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = r.offsets[e], rows = r.offsets[e + 1] - r0;
+    std::vector<float> dye(size_t(rows * D)), dxe(size_t(rows * D));
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t n = r.row_token[r0 + i];
+      const int64_t slot = n * k + r.row_slot[r0 + i];
+      double dg = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dye[i * D + d] = r.gate[slot] * dout[n * D + d];
+        dg += double(dout[n * D + d]) * s.expert_out[e][i * D + d];
+      }
+      dgate[slot] = dg;
+    }
+    ffn_backward(s.experts[e], w.experts[e], dye.data(), fp8.experts[e], dxe.data(), g.experts[e]);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t n = r.row_token[r0 + i];
+      for (int64_t d = 0; d < D; ++d) dx[n * D + d] += dxe[i * D + d];
+    }
+  }
+
+  // Gates -> router logits.
+  std::vector<float> dz(size_t(N * E), 0.0f);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* p = &s.prob[n * E];
+    std::vector<double> dp(size_t(E), 0.0);
+    const int32_t* chosen = &r.expert[n * k];  // dropped slots have dgate 0 but stay in the normalisation
+    if (cfg.gating == Gating::sigmoid) {
+      // g_i = s_i / S, S = sum of the chosen s:  ds_c = (dg_c - sum_j dg_j g_j) / S.
+      double S = 0, gsum = 0;
+      for (int64_t j = 0; j < k; ++j) S += p[chosen[j]];
+      for (int64_t j = 0; j < k; ++j) gsum += dgate[n * k + j] * (p[chosen[j]] / S);
+      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += (dgate[n * k + j] - gsum) / S;
+    } else {
+      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += dgate[n * k + j];
+    }
+    if (cfg.aux_loss_coef > 0) {
+      // d aux / d Pnorm_{n,e} = coef * E * f_e / N, through the normalisation to p.
+      std::vector<double> dpn(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e)
+        dpn[e] = aux_grad_scale * cfg.aux_loss_coef * double(E) * (double(r.load[e]) / double(N * k)) / double(N);
+      if (cfg.gating == Gating::softmax) {
+        for (int64_t e = 0; e < E; ++e) dp[e] += dpn[e];
+      } else {
+        double S = 0, dot = 0;
+        for (int64_t e = 0; e < E; ++e) S += p[e];
+        for (int64_t e = 0; e < E; ++e) dot += dpn[e] * p[e];
+        for (int64_t e = 0; e < E; ++e) dp[e] += (dpn[e] - dot / S) / S;
+      }
+    }
+    if (cfg.gating == Gating::sigmoid) {
+      for (int64_t e = 0; e < E; ++e) dz[n * E + e] = float(dp[e] * p[e] * (1.0 - p[e]));
+    } else {
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += dp[e] * p[e];
+      for (int64_t e = 0; e < E; ++e) dz[n * E + e] = float(p[e] * (dp[e] - dot));
+    }
+  }
+  // Router: dWr += dz^T x, dx += dz Wr.
+  sgemm(true, false, E, D, N, 1.0f, dz.data(), E, s.x.data(), D, 1.0f, g.router, D);
+  sgemm(false, false, N, D, E, 1.0f, dz.data(), E, w.router, D, 1.0f, dx, D);
+}
+
+void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate) {
+  if (load.empty()) return;
+  const double mean = double(std::accumulate(load.begin(), load.end(), int64_t(0))) / double(load.size());
+  for (size_t e = 0; e < load.size(); ++e) {
+    const double diff = mean - double(load[e]);
+    bias[e] += float(rate * ((diff > 0) - (diff < 0)));
+  }
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,73 @@
+// The MoE feed-forward of a block (DeepSeek-V3 style), on one rank:
+//   router   z = x Wr^T (FP32), scores s = sigmoid(z) (or p = softmax(z));
+//   choose   top-k experts by score + bias (the bias steers the choice only; ties -> lower index);
+//   gates    sigmoid: s_i / sum of the chosen s; softmax: p_i (top-k of softmax, not renormalised);
+//   dispatch tokens grouped per expert in token order (permute); optional capacity drops the
+//            assignments beyond ceil(capacity_factor * N * k / E) per expert, in token order;
+//   experts  SwiGLU FFNs (FP8 per recipe); combine: out[n] = sum over its slots of gate * expert
+//            output (unpermute), plus the shared experts' FFN of x;
+//   aux loss coef * E * sum_e f_e P_e (switch style), f_e the fraction of assignments to e (no
+//            gradient) and P_e the mean over tokens of the normalised score of e.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/ffn.h"
+
+namespace fp8moe {
+
+struct MoeWeights {
+  const float* router;       // (E, D)
+  const float* router_bias;  // (E)
+  FfnWeights shared;         // width n_shared x d_expert; w1 == nullptr when there are none
+  std::vector<FfnWeights> experts;  // (E)
+};
+struct MoeGrads {
+  float* router;  // (E, D), accumulated
+  FfnGrads shared;
+  std::vector<FfnGrads> experts;
+};
+struct MoeFp8 {
+  FfnFp8 shared;
+  std::vector<FfnFp8> experts;
+};
+
+// The routing of one forward pass (what the permute/unpermute and the tests see).
+struct Routing {
+  int64_t N = 0, E = 0, k = 0;
+  std::vector<int32_t> expert;       // (N, k) chosen experts
+  std::vector<float> gate;           // (N, k) their gates (0 where the assignment was dropped)
+  std::vector<uint8_t> kept;         // (N, k) 0 where capacity dropped the assignment
+  std::vector<int64_t> offsets;      // (E + 1) start of each expert's rows in the permuted order
+  std::vector<int64_t> row_token;    // (rows) token of each permuted row
+  std::vector<int32_t> row_slot;     // (rows) slot of each permuted row
+  std::vector<int64_t> load;         // (E) tokens each expert received
+  int64_t dropped = 0;
+};
+
+struct MoeSaved {
+  std::vector<float> x;       // (N, D)
+  std::vector<float> z;       // (N, E) router logits
+  std::vector<float> prob;    // (N, E) sigmoid or softmax of z
+  Routing routing;
+  std::vector<std::vector<float>> expert_out;  // per expert (rows_e, D)
+  std::vector<FfnSaved> experts;
+  FfnSaved shared;
+  double aux_loss = 0;
+};
+
+// Top-k routing of router logits z (N, E) with the selection bias (E). Pure: tested directly.
+Routing route(const float* z, const float* bias, int64_t N, int64_t E, const MoeConfig& cfg, std::vector<float>* prob);
+
+// out (N, D) written. Returns the auxiliary loss (0 when aux_loss_coef is 0).
+double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const MoeFp8& fp8,
+                   float* out, MoeSaved* saved);
+// dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
+void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
+                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g);
+
+// Aux-loss-free balancing after a step: bias_e += rate * sign(mean load - load_e).
+void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate);
+
+}  // namespace fp8moe

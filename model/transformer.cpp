@@ -1,0 +1,220 @@
+#include "model/transformer.h"
+
+#include <algorithm>
+
+#include "kernels/check.h"
+#include "kernels/ops.h"
+
+namespace fp8moe {
+
+struct Transformer::BlockSaved {
+  std::vector<float> x;            // (N, D) block input
+  std::vector<float> h1, rstd1;    // attention norm output (N, D), (N)
+  std::vector<float> q, k, v;      // after RoPE: (N, H*hd), (N, KVH*hd)
+  std::vector<float> attn, lse;    // (N, H*hd), (B, H, T)
+  LinearSaved lq, lk, lv, lo;
+  std::vector<float> x_mid;        // (N, D) after the attention residual
+  std::vector<float> h2, rstd2;    // FFN norm output, (N)
+  FfnSaved dense;
+  MoeSaved moe;
+  int64_t B = 0, T = 0;
+  bool kept = false;               // false: recomputed in backward
+};
+
+Transformer::Transformer(const Config& cfg) : cfg_(cfg), table_(build_param_table(cfg.model)) {
+  for (size_t i = 0; i < table_.params.size(); ++i) {
+    const ParamSpec& p = table_.params[i];
+    index_[p.name] = int64_t(i);
+    params_.emplace_back(size_t(p.numel()));
+    grads_.emplace_back(size_t(p.numel()), 0.0f);
+    init_param_slice(p, uint64_t(cfg.train.seed), 0, p.numel(), params_.back().data());
+  }
+}
+
+void Transformer::zero_grads() {
+  for (auto& g : grads_) std::fill(g.begin(), g.end(), 0.0f);
+}
+
+LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool record) {
+  const Fp8Layers& on = cfg_.fp8.layers;
+  const bool enabled = (cls == LinearClass::attention && on.attention) || (cls == LinearClass::mlp && on.mlp) ||
+                       (cls == LinearClass::experts && on.experts) || (cls == LinearClass::shared_experts && on.shared_experts);
+  LinearFp8 f;
+  if (enabled && cfg_.fp8.recipe != Fp8Recipe::off) {
+    f.cfg = &cfg_.fp8;
+    f.state = &scaling_[weight];
+  }
+  f.record = record;
+  return f;
+}
+
+FfnWeights Transformer::ffn_weights(const std::string& prefix) const {
+  return {P(prefix + "w1"), P(prefix + "w3"), P(prefix + "w2")};
+}
+FfnGrads Transformer::ffn_grads(const std::string& prefix) { return {G(prefix + "w1"), G(prefix + "w3"), G(prefix + "w2")}; }
+FfnFp8 Transformer::ffn_fp8(const std::string& prefix, LinearClass cls, bool record) {
+  return {fp8_for(prefix + "w1", cls, record), fp8_for(prefix + "w3", cls, record), fp8_for(prefix + "w2", cls, record)};
+}
+
+MoeWeights Transformer::moe_weights(int layer) const {
+  const std::string p = "layers." + std::to_string(layer) + ".moe.";
+  MoeWeights w;
+  w.router = P(p + "router");
+  w.router_bias = P(p + "router_bias");
+  w.shared = cfg_.model.moe.n_shared_experts > 0 ? ffn_weights(p + "shared.") : FfnWeights{nullptr, nullptr, nullptr};
+  for (int e = 0; e < cfg_.model.moe.n_experts; ++e) w.experts.push_back(ffn_weights(p + "experts." + std::to_string(e) + "."));
+  return w;
+}
+
+bool Transformer::recomputed(int layer) const {
+  switch (cfg_.train.recompute) {
+    case Recompute::full: return true;
+    case Recompute::moe: return layer >= cfg_.model.first_dense_layers;
+    default: return false;
+  }
+}
+
+void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record) {
+  const ModelConfig& m = cfg_.model;
+  const int64_t N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
+  const std::string p = "layers." + std::to_string(l) + ".";
+  s->B = B, s->T = T;
+  s->x.assign(x, x + N * D);
+  s->h1.resize(size_t(N * D));
+  s->rstd1.resize(static_cast<size_t>(N));
+  cpu::rmsnorm_forward(x, P(p + "attn_norm.weight"), N, D, float(m.norm_eps), s->h1.data(), s->rstd1.data());
+  s->q.resize(size_t(N * H * hd));
+  s->k.resize(size_t(N * KVH * hd));
+  s->v.resize(size_t(N * KVH * hd));
+  linear_forward(s->h1.data(), N, D, P(p + "attn.wq"), H * hd, fp8_for(p + "attn.wq", LinearClass::attention, record), s->q.data(), &s->lq);
+  linear_forward(s->h1.data(), N, D, P(p + "attn.wk"), KVH * hd, fp8_for(p + "attn.wk", LinearClass::attention, record), s->k.data(), &s->lk);
+  linear_forward(s->h1.data(), N, D, P(p + "attn.wv"), KVH * hd, fp8_for(p + "attn.wv", LinearClass::attention, record), s->v.data(), &s->lv);
+  cpu::rope(s->q.data(), B, T, H, hd, m.rope_theta, false);
+  cpu::rope(s->k.data(), B, T, KVH, hd, m.rope_theta, false);
+  s->attn.resize(size_t(N * H * hd));
+  s->lse.resize(size_t(B * H * T));
+  cpu::attention_forward(s->q.data(), s->k.data(), s->v.data(), B, T, H, KVH, hd, s->attn.data(), s->lse.data());
+  std::vector<float> o(size_t(N * D));
+  linear_forward(s->attn.data(), N, H * hd, P(p + "attn.wo"), D, fp8_for(p + "attn.wo", LinearClass::attention, record), o.data(), &s->lo);
+  s->x_mid.resize(size_t(N * D));
+  for (int64_t i = 0; i < N * D; ++i) s->x_mid[i] = x[i] + o[i];
+
+  s->h2.resize(size_t(N * D));
+  s->rstd2.resize(static_cast<size_t>(N));
+  cpu::rmsnorm_forward(s->x_mid.data(), P(p + "ffn_norm.weight"), N, D, float(m.norm_eps), s->h2.data(), s->rstd2.data());
+  std::vector<float> f(size_t(N * D));
+  if (l < m.first_dense_layers) {
+    ffn_forward(s->h2.data(), N, D, m.d_ff_dense, ffn_weights(p + "mlp."), ffn_fp8(p + "mlp.", LinearClass::mlp, record),
+                f.data(), &s->dense);
+  } else {
+    MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, record), {}};
+    for (int e = 0; e < m.moe.n_experts; ++e)
+      fp8.experts.push_back(ffn_fp8(p + "moe.experts." + std::to_string(e) + ".", LinearClass::experts, record));
+    moe_forward(s->h2.data(), N, D, m.moe, moe_weights(l), fp8, f.data(), &s->moe);
+  }
+  for (int64_t i = 0; i < N * D; ++i) out[i] = s->x_mid[i] + f[i];
+}
+
+void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx) {
+  const ModelConfig& m = cfg_.model;
+  const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
+  const std::string p = "layers." + std::to_string(l) + ".";
+  // FFN branch: x_out = x_mid + FFN(RMSNorm(x_mid)).
+  std::vector<float> dh2(size_t(N * D)), dx_mid(size_t(N * D));
+  if (l < m.first_dense_layers) {
+    ffn_backward(s.dense, ffn_weights(p + "mlp."), dout, ffn_fp8(p + "mlp.", LinearClass::mlp, true), dh2.data(),
+                 ffn_grads(p + "mlp."));
+  } else {
+    MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, true), {}};
+    MoeGrads g{G(p + "moe.router"), m.moe.n_shared_experts > 0 ? ffn_grads(p + "moe.shared.") : FfnGrads{}, {}};
+    for (int e = 0; e < m.moe.n_experts; ++e) {
+      const std::string q = p + "moe.experts." + std::to_string(e) + ".";
+      fp8.experts.push_back(ffn_fp8(q, LinearClass::experts, true));
+      g.experts.push_back(ffn_grads(q));
+    }
+    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, 1.0f, fp8, dh2.data(), g);
+  }
+  cpu::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
+                        G(p + "ffn_norm.weight"));
+  for (int64_t i = 0; i < N * D; ++i) dx_mid[i] += dout[i];
+
+  // Attention branch: x_mid = x + Wo(Attention(RoPE(Wq h1), RoPE(Wk h1), Wv h1)), h1 = RMSNorm(x).
+  std::vector<float> da(size_t(N * H * hd)), dq(size_t(N * H * hd)), dk(size_t(N * KVH * hd)), dv(size_t(N * KVH * hd));
+  linear_backward(s.lo, P(p + "attn.wo"), dx_mid.data(), fp8_for(p + "attn.wo", LinearClass::attention, true), da.data(),
+                  G(p + "attn.wo"));
+  cpu::attention_backward(s.q.data(), s.k.data(), s.v.data(), s.attn.data(), s.lse.data(), da.data(), B, T, H, KVH, hd,
+                          dq.data(), dk.data(), dv.data());
+  cpu::rope(dq.data(), B, T, H, hd, m.rope_theta, true);
+  cpu::rope(dk.data(), B, T, KVH, hd, m.rope_theta, true);
+  std::vector<float> dh1(size_t(N * D)), part(size_t(N * D));
+  linear_backward(s.lq, P(p + "attn.wq"), dq.data(), fp8_for(p + "attn.wq", LinearClass::attention, true), dh1.data(), G(p + "attn.wq"));
+  linear_backward(s.lk, P(p + "attn.wk"), dk.data(), fp8_for(p + "attn.wk", LinearClass::attention, true), part.data(), G(p + "attn.wk"));
+  for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
+  linear_backward(s.lv, P(p + "attn.wv"), dv.data(), fp8_for(p + "attn.wv", LinearClass::attention, true), part.data(), G(p + "attn.wv"));
+  for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
+  cpu::rmsnorm_backward(s.x.data(), P(p + "attn_norm.weight"), s.rstd1.data(), dh1.data(), N, D, dx, G(p + "attn_norm.weight"));
+  for (int64_t i = 0; i < N * D; ++i) dx[i] += dx_mid[i];
+}
+
+StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward) {
+  const ModelConfig& m = cfg_.model;
+  const int64_t N = B * T, D = m.d_model, V = m.vocab_size, L = m.n_layers;
+  for (int64_t i = 0; i < N; ++i)
+    FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside the vocabulary of ", V);
+  StepResult result;
+
+  std::vector<std::vector<float>> xs(size_t(L + 1), std::vector<float>(size_t(N * D)));
+  cpu::embedding_forward(P("embed.weight"), tokens, N, D, xs[0].data());
+  std::vector<BlockSaved> saved(static_cast<size_t>(L));
+  size_t saved_floats = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    block_forward(int(l), xs[l].data(), B, T, xs[l + 1].data(), &saved[l], true);
+    saved[l].kept = !recomputed(int(l));
+    if (l >= m.first_dense_layers) {
+      result.aux += saved[l].moe.aux_loss;
+      result.expert_load.push_back(saved[l].moe.routing.load);
+      result.dropped += saved[l].moe.routing.dropped;
+    }
+    if (!saved[l].kept) {  // keep only the block input; the rest is recomputed in backward
+      const int64_t keepB = saved[l].B, keepT = saved[l].T;
+      saved[l] = BlockSaved{};
+      saved[l].B = keepB, saved[l].T = keepT;
+    } else {
+      const BlockSaved& s = saved[l];
+      saved_floats += s.x.size() + s.h1.size() + s.q.size() + s.k.size() + s.v.size() + s.attn.size() + s.lse.size() +
+                      s.x_mid.size() + s.h2.size() + s.lq.x.size() + s.lk.x.size() + s.lv.x.size() + s.lo.x.size();
+    }
+  }
+  saved_bytes_per_token_ = N > 0 && L > 0 ? double(saved_floats) * 4.0 / double(N) / double(L) : 0.0;
+
+  std::vector<float> hf(size_t(N * D)), rstd(static_cast<size_t>(N)), logits(size_t(N * V));
+  cpu::rmsnorm_forward(xs[L].data(), P("final_norm.weight"), N, D, float(m.norm_eps), hf.data(), rstd.data());
+  sgemm(false, true, N, V, D, 1.0f, hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
+  int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
+  std::vector<float> dlogits(backward ? size_t(N * V) : 0);
+  const float scale = count > 0 ? 1.0f / float(count) : 0.0f;  // d mean / d logits
+  const double ce_sum = cpu::cross_entropy(logits.data(), targets, N, V, m.pad_id, scale,
+                                           backward ? dlogits.data() : nullptr, &count);
+  result.tokens = count;
+  result.ce = count > 0 ? ce_sum / double(count) : 0.0;
+  result.loss = result.ce + result.aux;
+  if (!backward) return result;
+
+  std::vector<float> dh(size_t(N * D)), dx(size_t(N * D)), dnext(size_t(N * D));
+  sgemm(true, false, V, D, N, 1.0f, dlogits.data(), V, hf.data(), D, 1.0f, G("head.weight"), D);
+  sgemm(false, false, N, D, V, 1.0f, dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
+  cpu::rmsnorm_backward(xs[L].data(), P("final_norm.weight"), rstd.data(), dh.data(), N, D, dx.data(), G("final_norm.weight"));
+  for (int64_t l = L - 1; l >= 0; --l) {
+    if (!saved[l].kept) {  // recompute with the forward's scales, without advancing any history
+      std::vector<float> scratch(size_t(N * D));
+      block_forward(int(l), xs[l].data(), B, T, scratch.data(), &saved[l], false);
+    }
+    block_backward(int(l), saved[l], dx.data(), dnext.data());
+    saved[l] = BlockSaved{};
+    std::swap(dx, dnext);
+  }
+  cpu::embedding_backward(dx.data(), tokens, N, D, G("embed.weight"));
+  return result;
+}
+
+}  // namespace fp8moe

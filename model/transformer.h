@@ -1,0 +1,67 @@
+// The whole MoE transformer on one rank, forward and backward:
+//   embedding | L x [x += Attention(RMSNorm(x)); x += FFN(RMSNorm(x))] | RMSNorm, head, cross-entropy
+// FFN is a dense SwiGLU MLP in the first `first_dense_layers` blocks and an MoE after them. Every
+// linear layer's GEMMs run in FP8 per fp8.recipe and fp8.layers; embedding, router, norms,
+// attention core, head and loss stay FP32. Tokens are (B, T) row-major, N = B * T.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/moe.h"
+#include "model/param_table.h"
+
+namespace fp8moe {
+
+struct StepResult {
+  double loss = 0;     // cross-entropy mean over counted tokens + auxiliary losses
+  double ce = 0;       // the cross-entropy part
+  double aux = 0;      // the auxiliary balance losses, summed over MoE layers
+  int64_t tokens = 0;  // targets counted (not pad_id)
+  std::vector<std::vector<int64_t>> expert_load;  // per MoE layer, tokens per expert
+  int64_t dropped = 0;                            // assignments dropped by capacity
+  int64_t fp8_saturated = 0;                      // not yet collected (0)
+};
+
+class Transformer {
+ public:
+  // Parameters initialised from (train.seed, name, element index).
+  explicit Transformer(const Config& cfg);
+
+  const ParamTable& table() const { return table_; }
+  std::vector<float>& param(const std::string& name) { return params_[size_t(table_.index_of(name))]; }
+  std::vector<float>& grad(const std::string& name) { return grads_[size_t(table_.index_of(name))]; }
+  std::vector<std::vector<float>>& params() { return params_; }
+  std::vector<std::vector<float>>& grads() { return grads_; }
+  void zero_grads();
+
+  // Loss of a batch; with `backward`, adds d loss / d parameter into the gradients.
+  // targets equal to model.pad_id are not counted.
+  StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward);
+
+  // Bytes of activations saved for backward per token per block, as of the last forward.
+  double saved_bytes_per_token_per_layer() const { return saved_bytes_per_token_; }
+
+ private:
+  struct BlockSaved;
+  const float* P(const std::string& name) const { return params_[size_t(index_.at(name))].data(); }
+  float* G(const std::string& name) { return grads_[size_t(index_.at(name))].data(); }
+  LinearFp8 fp8_for(const std::string& weight, LinearClass cls, bool record);
+  FfnWeights ffn_weights(const std::string& prefix) const;
+  FfnGrads ffn_grads(const std::string& prefix);
+  FfnFp8 ffn_fp8(const std::string& prefix, LinearClass cls, bool record);
+  MoeWeights moe_weights(int layer) const;
+  bool recomputed(int layer) const;
+  void block_forward(int layer, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record);
+  void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx);
+
+  Config cfg_;
+  ParamTable table_;
+  std::map<std::string, int64_t> index_;
+  std::vector<std::vector<float>> params_, grads_;
+  std::map<std::string, LinearScaling> scaling_;  // delayed-scaling state per linear weight
+  double saved_bytes_per_token_ = 0;
+};
+
+}  // namespace fp8moe
