@@ -173,6 +173,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
     if (l >= m.first_dense_layers) {
       result.aux += saved[l].moe.aux_loss;
       result.expert_load.push_back(saved[l].moe.routing.load);
+      result.routing.push_back(saved[l].moe.routing.expert);
       result.dropped += saved[l].moe.routing.dropped;
     }
     if (!saved[l].kept) {  // keep only the block input; the rest is recomputed in backward

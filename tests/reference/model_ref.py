@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Independent reference of fp8moe's MoE transformer, in JAX (FP64), with autograd.
+
+Usage: model_ref.py DIR
+DIR holds what the C++ test wrote: config.json (model shape, recipe, routing), tokens.bin and
+targets.bin (int32, B*T), and one float32 file per parameter, param.<name>.bin. This script
+computes the loss and the gradient of every trainable parameter with jax.grad and writes
+loss.txt and grad.<name>.bin (float32). It shares no code with fp8moe.
+
+FP8: with recipe "blockwise" every linear layer quantize-dequantizes its operands exactly as the
+FP8 contract says (1 x T tiles for activations and gradients along K, T x T blocks for weights,
+power-of-two scales fmax / amax, E4M3 through ml_dtypes' float8_e4m3fn, a second, independent
+rounding oracle), in a custom VJP: forward x W^T, dgrad dy W, wgrad dy^T x with dy and x
+re-quantized in T x 1 tiles. The expert choice (top-k) is taken from the C++ run's routing
+(routing.bin) so that a near-tie cannot pick different experts in FP32 and FP64.
+"""
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+FP8_MAX = 448.0
+
+
+def tile_quant_dequant(x, tile, axis):
+    """Quantize-dequantize a 2-D array in 1 x T tiles along `axis` (numpy, FP64 in and out)."""
+    x = np.asarray(x, dtype=np.float64)
+    if axis == 0:
+        return tile_quant_dequant(x.T, tile, 1).T
+    rows, cols = x.shape
+    out = np.empty_like(x)
+    for c0 in range(0, cols, tile):
+        blk = x[:, c0:c0 + tile]
+        amax = np.max(np.abs(blk), axis=1, keepdims=True)
+        out[:, c0:c0 + tile] = _qdq(blk, amax)
+    return out
+
+
+def block_quant_dequant(w, tile):
+    w = np.asarray(w, dtype=np.float64)
+    out = np.empty_like(w)
+    for r0 in range(0, w.shape[0], tile):
+        for c0 in range(0, w.shape[1], tile):
+            blk = w[r0:r0 + tile, c0:c0 + tile]
+            out[r0:r0 + tile, c0:c0 + tile] = _qdq(blk, np.max(np.abs(blk)))
+    return out
+
+
+def _qdq(x, amax):
+    amax = np.asarray(amax, dtype=np.float64)
+    safe = np.where(amax > 0, amax, 1.0)
+    # Scale computed in FP32 as the contract says, then floored to a power of two.
+    scale = np.where(amax > 0, np.float32(FP8_MAX) / safe.astype(np.float32), np.float32(1.0)).astype(np.float64)
+    scale = np.exp2(np.floor(np.log2(scale)))
+    q = (x * scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float64) / scale
+
+
+def make_linear(recipe, tile):
+    """y = x W^T with the recipe's quantization in all three GEMMs."""
+    if recipe == "off":
+        return lambda x, w: x @ w.T
+
+    @jax.custom_vjp
+    def linear(x, w):
+        return _fwd(x, w)[0]
+
+    def _fwd(x, w):
+        xq = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 1), jax.ShapeDtypeStruct(x.shape, jnp.float64), x)
+        wq = jax.pure_callback(lambda a: block_quant_dequant(a, tile), jax.ShapeDtypeStruct(w.shape, jnp.float64), w)
+        return xq @ wq.T, (x, wq)
+
+    def _bwd(res, dy):
+        x, wq = res
+        dyq = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 1), jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
+        dyt = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 0), jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
+        xt = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 0), jax.ShapeDtypeStruct(x.shape, jnp.float64), x)
+        return dyq @ wq, dyt.T @ xt
+
+    linear.defvjp(_fwd, _bwd)
+    return linear
+
+
+def rmsnorm(x, w, eps):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x, theta):
+    # x: (B, T, heads, hd); halves rotated against each other
+    T, hd = x.shape[1], x.shape[-1]
+    half = hd // 2
+    inv = theta ** (-2.0 * np.arange(half) / hd)
+    ang = np.arange(T)[:, None] * inv[None, :]
+    cos, sin = jnp.asarray(np.cos(ang))[None, :, None, :], jnp.asarray(np.sin(ang))[None, :, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def attention(q, k, v):
+    # q: (B, T, H, hd); k, v: (B, T, KVH, hd)
+    B, T, H, hd = q.shape
+    group = H // k.shape[2]
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(hd)
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    s = jnp.where(mask[None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhij,bjhd->bihd", p, v)
+
+
+def swiglu_ffn(x, w1, w3, w2, lin):
+    return lin(jax.nn.silu(lin(x, w1)) * lin(x, w3), w2)
+
+
+def main(d):
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    m = cfg["model"]
+    B, T = cfg["B"], cfg["T"]
+    N, D, E, k = B * T, m["d_model"], m["n_experts"], m["top_k"]
+    names = cfg["params"]
+    shapes = {n: tuple(s) for n, s in zip(names, cfg["shapes"])}
+    params = {n: jnp.asarray(np.fromfile(os.path.join(d, "param." + n + ".bin"), dtype=np.float32)
+                             .astype(np.float64).reshape(shapes[n])) for n in names}
+    tokens = np.fromfile(os.path.join(d, "tokens.bin"), dtype=np.int32)
+    targets = np.fromfile(os.path.join(d, "targets.bin"), dtype=np.int32)
+    routing = np.fromfile(os.path.join(d, "routing.bin"), dtype=np.int32).reshape(-1, N, k)
+    trainable = cfg["trainable"]
+    lin = make_linear(cfg["recipe"], cfg["tile"])
+    lin_for = lambda cls: lin if cls in cfg["fp8_layers"] else (lambda x, w: x @ w.T)
+
+    def loss_fn(p):
+        H, KVH, hd = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+        x = p["embed.weight"][tokens]
+        moe_i = 0
+        aux = 0.0
+        for l in range(m["n_layers"]):
+            pre = f"layers.{l}."
+            h = rmsnorm(x, p[pre + "attn_norm.weight"][0], m["norm_eps"])
+            la = lin_for("attention")
+            q = la(h, p[pre + "attn.wq"]).reshape(B, T, H, hd)
+            kk = la(h, p[pre + "attn.wk"]).reshape(B, T, KVH, hd)
+            v = la(h, p[pre + "attn.wv"]).reshape(B, T, KVH, hd)
+            a = attention(rope(q, m["rope_theta"]), rope(kk, m["rope_theta"]), v).reshape(N, H * hd)
+            x = x + la(a, p[pre + "attn.wo"])
+            h = rmsnorm(x, p[pre + "ffn_norm.weight"][0], m["norm_eps"])
+            if l < m["first_dense_layers"]:
+                f = swiglu_ffn(h, p[pre + "mlp.w1"], p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"))
+            else:
+                z = h @ p[pre + "moe.router"].T
+                prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
+                chosen = routing[moe_i]                      # (N, k) from the C++ run
+                sel = jnp.take_along_axis(prob, chosen, axis=1)
+                gates = sel / jnp.sum(sel, axis=1, keepdims=True) if m["gating"] == "sigmoid" else sel
+                f = jnp.zeros_like(h)
+                if m["n_shared_experts"] > 0:
+                    f = f + swiglu_ffn(h, p[pre + "moe.shared.w1"], p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
+                                       lin_for("shared_experts"))
+                for e in range(E):
+                    rows, slots = np.nonzero(chosen == e)
+                    if len(rows) == 0:
+                        continue
+                    q_ = f"{pre}moe.experts.{e}."
+                    ye = swiglu_ffn(h[rows], p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_for("experts"))
+                    f = f.at[rows].add(gates[rows, slots][:, None] * ye)
+                if m["aux_loss_coef"] > 0:
+                    counts = np.bincount(chosen.reshape(-1), minlength=E)
+                    fe = counts / (N * k)
+                    pn = prob if m["gating"] == "softmax" else prob / jnp.sum(prob, axis=1, keepdims=True)
+                    aux = aux + m["aux_loss_coef"] * E * jnp.sum(fe * jnp.mean(pn, axis=0))
+                moe_i += 1
+            x = x + f
+        h = rmsnorm(x, p["final_norm.weight"][0], m["norm_eps"])
+        logits = h @ p["head.weight"].T
+        keep = targets != m["pad_id"]
+        lse = jax.scipy.special.logsumexp(logits, axis=-1)
+        nll = lse - logits[np.arange(N), np.where(keep, targets, 0)]
+        return jnp.sum(jnp.where(keep, nll, 0.0)) / np.sum(keep) + aux
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    with open(os.path.join(d, "loss.txt"), "w") as f:
+        f.write(repr(float(loss)) + "\n")
+    for n in names:
+        if trainable[names.index(n)]:
+            np.asarray(grads[n], dtype=np.float32).tofile(os.path.join(d, "grad." + n + ".bin"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
