@@ -12,8 +12,9 @@ packages=(
   libyaml-cpp-dev libcli11-dev                                # config, command line
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev          # BLAS (OpenMP build) and oneDNN for the CPU backend
   libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks
+  python3 python3-venv                                        # the JAX reference of the model tests
 )
-# (No PyPI packages are needed yet; the reference-model tests will add theirs here.)
+pypi=("jax[cpu]" numpy ml_dtypes)                               # in build/venv, not the system Python
 
 missing=()
 for p in "${packages[@]}"; do
@@ -46,8 +47,20 @@ else
   echo "setup: no nvcc: building the CPU backend only"
 fi
 
+# The reference model (tests/reference/model_ref.py) runs JAX from a virtual environment.
+venv=build/venv
+if ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes" 2>/dev/null; then
+  echo "setup: installing ${pypi[*]} from PyPI into $venv"
+  mkdir -p build
+  python3 -m venv "$venv"
+  "$venv/bin/python3" -m pip install --quiet --upgrade pip
+  "$venv/bin/python3" -m pip install --quiet "${pypi[@]}"
+else
+  echo "setup: $venv has jax, numpy and ml_dtypes"
+fi
+
 echo "setup: configuring build/ (cmake --preset release)"
-cmake --preset release >/dev/null
+cmake --preset release -DFP8MOE_PYTHON="$PWD/$venv/bin/python3" >/dev/null
 echo "setup: building build/ (cmake --build --preset release)"
 cmake --build --preset release
 echo "setup: done: build/fp8moe"

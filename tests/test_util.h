@@ -21,6 +21,7 @@ RunResult run(const std::vector<std::string>& argv, double timeout_s = 120);
 inline std::string exe() { return FP8MOE_EXE; }
 inline std::string mpiexec() { return FP8MOE_MPIEXEC; }
 inline std::string source_dir() { return FP8MOE_SOURCE_DIR; }
+inline std::string python() { return FP8MOE_PYTHON; }
 
 // A fresh temporary directory (removed by the caller's TempDir).
 struct TempDir {

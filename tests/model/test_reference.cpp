@@ -88,7 +88,7 @@ Comparison compare_with_reference(const Config& cfg) {
   for (const auto& layer : r.routing) routing.insert(routing.end(), layer.begin(), layer.end());
   write(dir.path + "/routing.bin", routing);
 
-  const test::RunResult py = test::run({"python3", test::source_dir() + "/tests/reference/model_ref.py", dir.path}, 600);
+  const test::RunResult py = test::run({test::python(), test::source_dir() + "/tests/reference/model_ref.py", dir.path}, 600);
   EXPECT_EQ(py.status, 0) << py.all();
   Comparison c;
   c.loss = r.loss;
