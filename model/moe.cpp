@@ -69,6 +69,22 @@ Routing route(const float* z, const float* bias, int64_t N, int64_t E, const Moe
   return r;
 }
 
+void permute(const Routing& r, const float* x, int64_t D, float* rows) {
+  const int64_t R = r.offsets.back();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) std::copy_n(x + r.row_token[i] * D, D, rows + i * D);
+}
+
+void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out) {
+  // Serial over rows: a token's k rows add into the same output row (deterministic order).
+  const int64_t R = r.offsets.back();
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t n = r.row_token[i];
+    const float g = r.gate[n * r.k + r.row_slot[i]];
+    for (int64_t d = 0; d < D; ++d) out[n * D + d] += g * rows[i * D + d];
+  }
+}
+
 namespace {
 bool has_shared(const MoeWeights& w) { return w.shared.w1 != nullptr; }
 
@@ -100,21 +116,17 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
   else
     std::fill(out, out + N * D, 0.0f);
 
-  // Routed experts: gather (permute), FFN, scatter with gates (unpermute).
+  // Routed experts: permute, one FFN per expert on its rows (possibly none), unpermute with gates.
+  const int64_t R = r.offsets[E];
+  std::vector<float> xr(static_cast<size_t>(R * D));
+  permute(r, x, D, xr.data());
   s.experts.resize(static_cast<size_t>(E));
-  s.expert_out.resize(static_cast<size_t>(E));
+  s.expert_out.assign(static_cast<size_t>(R * D), 0.0f);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = r.offsets[e], rows = r.offsets[e + 1] - r0;
-    std::vector<float> xe(size_t(rows * D));
-    for (int64_t i = 0; i < rows; ++i) std::copy_n(x + r.row_token[r0 + i] * D, D, &xe[i * D]);
-    s.expert_out[e].resize(size_t(rows * D));
-    ffn_forward(xe.data(), rows, D, F, w.experts[e], fp8.experts[e], s.expert_out[e].data(), &s.experts[e]);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t n = r.row_token[r0 + i];
-      const float g = r.gate[n * r.k + r.row_slot[r0 + i]];
-      for (int64_t d = 0; d < D; ++d) out[n * D + d] += g * s.expert_out[e][i * D + d];
-    }
+    ffn_forward(xr.data() + r0 * D, rows, D, F, w.experts[e], fp8.experts[e], s.expert_out.data() + r0 * D, &s.experts[e]);
   }
+  unpermute_add(r, s.expert_out.data(), D, out);
 
   s.aux_loss = 0;
   if (cfg.aux_loss_coef > 0 && N > 0) {
@@ -149,7 +161,7 @@ void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeW
       double dg = 0;
       for (int64_t d = 0; d < D; ++d) {
         dye[i * D + d] = r.gate[slot] * dout[n * D + d];
-        dg += double(dout[n * D + d]) * s.expert_out[e][i * D + d];
+        dg += double(dout[n * D + d]) * s.expert_out[(r0 + i) * D + d];
       }
       dgate[slot] = dg;
     }

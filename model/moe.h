@@ -51,7 +51,7 @@ struct MoeSaved {
   std::vector<float> z;       // (N, E) router logits
   std::vector<float> prob;    // (N, E) sigmoid or softmax of z
   Routing routing;
-  std::vector<std::vector<float>> expert_out;  // per expert (rows_e, D)
+  std::vector<float> expert_out;  // (rows, D) in permuted order: expert e's rows at offsets[e]
   std::vector<FfnSaved> experts;
   FfnSaved shared;
   double aux_loss = 0;
@@ -59,6 +59,11 @@ struct MoeSaved {
 
 // Top-k routing of router logits z (N, E) with the selection bias (E). Pure: tested directly.
 Routing route(const float* z, const float* bias, int64_t N, int64_t E, const MoeConfig& cfg, std::vector<float>* prob);
+
+// Permute: rows (R, D), R = offsets[E], row i = x[row_token[i]] (grouped by expert, token order).
+void permute(const Routing& r, const float* x, int64_t D, float* rows);
+// Unpermute: out[row_token[i]] += gate of (token, row_slot[i]) * rows[i], for every row i.
+void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out);
 
 // out (N, D) written. Returns the auxiliary loss (0 when aux_loss_coef is 0).
 double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const MoeFp8& fp8,

@@ -1,0 +1,220 @@
+// Routing, permutation and MoE behaviour with exactly predictable inputs; block recomputation; a
+// plain-SGD smoke test; finite differences through the whole model.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "model/transformer.h"
+
+namespace fp8moe {
+namespace {
+
+MoeConfig moe_config(int E, int k, Gating g) {
+  MoeConfig c;
+  c.n_experts = E, c.top_k = k, c.gating = g, c.n_shared_experts = 0, c.d_expert = 4;
+  return c;
+}
+
+TEST(Router, TopKTiesGoToTheLowerIndexAndGatesNormalise) {
+  // Logits with a tie between experts 1 and 3, and 0 and 2.
+  const std::vector<float> z = {0.5f, 2.0f, 0.5f, 2.0f};
+  const std::vector<float> bias(4, 0.0f);
+  std::vector<float> prob;
+  const Routing r = route(z.data(), bias.data(), 1, 4, moe_config(4, 3, Gating::sigmoid), &prob);
+  EXPECT_EQ(r.expert, (std::vector<int32_t>{1, 3, 0}));
+  const double s2 = 1 / (1 + std::exp(-2.0)), s05 = 1 / (1 + std::exp(-0.5));
+  EXPECT_NEAR(r.gate[0], s2 / (2 * s2 + s05), 1e-6);
+  EXPECT_NEAR(r.gate[2], s05 / (2 * s2 + s05), 1e-6);
+  EXPECT_NEAR(r.gate[0] + r.gate[1] + r.gate[2], 1.0, 1e-6);
+  // Softmax gating: gates are the top-k probabilities themselves.
+  const Routing rs = route(z.data(), bias.data(), 1, 4, moe_config(4, 2, Gating::softmax), &prob);
+  const double zsum = 2 * std::exp(0.5) + 2 * std::exp(2.0);
+  EXPECT_NEAR(rs.gate[0], std::exp(2.0) / zsum, 1e-6);
+}
+
+TEST(Router, BiasSteersTheChoiceButNotTheGates) {
+  const std::vector<float> z = {1.0f, 0.0f, -1.0f};
+  std::vector<float> prob;
+  const std::vector<float> bias = {0.0f, 0.0f, 10.0f};  // expert 2 chosen despite the lowest score
+  const Routing r = route(z.data(), bias.data(), 1, 3, moe_config(3, 1, Gating::sigmoid), &prob);
+  EXPECT_EQ(r.expert[0], 2);
+  EXPECT_FLOAT_EQ(r.gate[0], 1.0f);  // normalised over the single chosen score, bias not included
+  const Routing rs = route(z.data(), bias.data(), 1, 3, moe_config(3, 1, Gating::softmax), &prob);
+  EXPECT_NEAR(rs.gate[0], std::exp(-1.0) / (std::exp(1.0) + 1 + std::exp(-1.0)), 1e-6);
+}
+
+TEST(Router, AllTokensToOneExpertAndZeroTokenExperts) {
+  const int64_t N = 5, E = 4;
+  std::vector<float> z(N * E, 0.0f), bias(E, 0.0f), prob;
+  for (int64_t n = 0; n < N; ++n) z[n * E + 2] = 3.0f;
+  const Routing r = route(z.data(), bias.data(), N, E, moe_config(E, 1, Gating::sigmoid), &prob);
+  EXPECT_EQ(r.load, (std::vector<int64_t>{0, 0, 5, 0}));
+  EXPECT_EQ(r.offsets, (std::vector<int64_t>{0, 0, 0, 5, 5}));
+  EXPECT_EQ(r.row_token, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+}
+
+TEST(Router, CapacityDropsInTokenOrderAndCounts) {
+  const int64_t N = 6, E = 2;
+  std::vector<float> z(N * E, 0.0f), bias(E, 0.0f), prob;
+  for (int64_t n = 0; n < N; ++n) z[n * E] = 1.0f;  // everyone prefers expert 0
+  MoeConfig c = moe_config(E, 1, Gating::sigmoid);
+  c.capacity_factor = 1.0;  // capacity ceil(6 * 1 / 2) = 3
+  const Routing r = route(z.data(), bias.data(), N, E, c, &prob);
+  EXPECT_EQ(r.load[0], 3);
+  EXPECT_EQ(r.dropped, 3);
+  EXPECT_EQ(r.kept, (std::vector<uint8_t>{1, 1, 1, 0, 0, 0}));
+  EXPECT_EQ(r.gate[4], 0.0f);
+}
+
+TEST(Router, BiasUpdateMovesTowardsBalance) {
+  std::vector<float> bias = {0.0f, 0.0f, 0.0f, 0.0f};
+  update_router_bias(bias.data(), {10, 2, 4, 4}, 0.001);  // mean 5
+  EXPECT_FLOAT_EQ(bias[0], -0.001f);  // overloaded: less attractive
+  EXPECT_FLOAT_EQ(bias[1], 0.001f);   // underloaded: more attractive
+  EXPECT_FLOAT_EQ(bias[2], 0.001f);
+}
+
+TEST(Moe, PermuteCarriesSelfDescribingRowsAndIdentityCombineIsXTimesSumOfGates) {
+  // Row n of x is (token id n, 1000 + n, n * n): every permuted row must be its token's row, in
+  // its expert's group; identity experts then combine to x * (sum of the token's gates).
+  const int64_t N = 9, E = 4, D = 3;
+  std::mt19937 rng(3);
+  std::vector<float> z(N * E), bias(E, 0.0f), prob, x(N * D);
+  for (float& v : z) v = float(rng() % 100) / 50.0f;
+  z[0 * E + 3] = 50.0f, z[1 * E + 3] = 50.0f;  // expert 3 popular, and...
+  for (int64_t n = 0; n < N; ++n) z[n * E + 1] = -50.0f;  // ...expert 1 gets no tokens at all
+  for (int64_t n = 0; n < N; ++n) x[n * D] = float(n), x[n * D + 1] = 1000.0f + float(n), x[n * D + 2] = float(n * n);
+  const Routing r = route(z.data(), bias.data(), N, E, moe_config(E, 2, Gating::sigmoid), &prob);
+  EXPECT_EQ(r.load[1], 0);
+  std::vector<float> rows(size_t(r.offsets[E] * D));
+  permute(r, x.data(), D, rows.data());
+  ASSERT_EQ(r.offsets[E], N * 2);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = r.offsets[e]; i < r.offsets[e + 1]; ++i) {
+      const int64_t n = int64_t(rows[i * D]);
+      EXPECT_EQ(n, r.row_token[i]);
+      EXPECT_EQ(rows[i * D + 1], 1000.0f + float(n));
+      EXPECT_EQ(rows[i * D + 2], float(n * n));
+      EXPECT_EQ(r.expert[n * 2 + r.row_slot[i]], e) << "row " << i << " is in expert " << e << "'s group";
+      if (i > r.offsets[e]) {
+        EXPECT_LT(r.row_token[i - 1], n) << "token order inside a group";
+      }
+    }
+  std::vector<float> out(N * D, 0.0f);
+  unpermute_add(r, rows.data(), D, out.data());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t d = 0; d < D; ++d)
+      EXPECT_FLOAT_EQ(out[n * D + d], x[n * D + d] * (r.gate[n * 2] + r.gate[n * 2 + 1])) << n << "," << d;
+}
+
+Config model_config(Fp8Recipe recipe) {
+  Config c;
+  ModelConfig& m = c.model;
+  m.vocab_size = 40, m.d_model = 32, m.n_layers = 3, m.n_heads = 4, m.n_kv_heads = 2, m.head_dim = 8;
+  m.first_dense_layers = 1, m.d_ff_dense = 48, m.init_std = 0.1;
+  m.moe.n_experts = 4, m.moe.top_k = 2, m.moe.n_shared_experts = 1, m.moe.d_expert = 16;
+  c.fp8.recipe = recipe, c.fp8.tile = 16, c.fp8.amax_history_len = 4;
+  c.train.seed = 11;
+  return c;
+}
+
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+Batch batch(int64_t N, unsigned seed, int V) {
+  std::mt19937 rng(seed);
+  Batch b{std::vector<int32_t>(N), std::vector<int32_t>(N)};
+  for (int64_t i = 0; i < N; ++i) b.tokens[i] = int32_t(rng() % V), b.targets[i] = int32_t((b.tokens[i] * 7 + 3) % V);
+  return b;
+}
+
+TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
+  for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::delayed, Fp8Recipe::blockwise}) {
+    std::vector<std::vector<float>> reference;
+    for (Recompute rc : {Recompute::none, Recompute::moe, Recompute::full}) {
+      Config c = model_config(recipe);
+      c.train.recompute = rc;
+      Transformer model(c);
+      const Batch b = batch(16, 1, 40);
+      for (int step = 0; step < 2; ++step) {  // two steps: delayed scaling has history by the second
+        model.zero_grads();
+        model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
+      }
+      if (rc == Recompute::none)
+        reference = model.grads();
+      else
+        EXPECT_EQ(model.grads(), reference) << to_string(recipe) << " recompute " << to_string(rc);
+    }
+  }
+}
+
+TEST(Model, SgdOnAFixedBatchLowersTheLoss) {
+  for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::current, Fp8Recipe::blockwise}) {
+    Transformer model(model_config(recipe));
+    const Batch b = batch(32, 2, 40);
+    double first = 0, last = 0;
+    for (int step = 0; step < 30; ++step) {
+      model.zero_grads();
+      const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 4, 8, true);
+      if (step == 0) first = r.loss;
+      last = r.loss;
+      for (size_t i = 0; i < model.params().size(); ++i) {
+        if (!model.table().params[i].trainable) continue;
+        for (size_t j = 0; j < model.params()[i].size(); ++j) model.params()[i][j] -= 0.5f * model.grads()[i][j];
+      }
+    }
+    EXPECT_LT(last, first * 0.8) << to_string(recipe) << ": " << first << " -> " << last;
+  }
+}
+
+TEST(Model, FiniteDifferencesForEveryParameterKind) {
+  // Central differences of the FP32 loss: h = 1e-2 keeps the FP32 rounding of the loss (~1e-7)
+  // well below the difference; the bound covers the O(h^2) truncation and that rounding.
+  // NOTE: top-k routing makes the loss piecewise smooth: a perturbation that changes any token's
+  // choice of experts jumps the loss, so such a difference is retried with a smaller step.
+  Config c = model_config(Fp8Recipe::off);
+  Transformer model(c);
+  const Batch b = batch(16, 3, 40);
+  model.zero_grads();
+  const StepResult base = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
+  const std::vector<std::vector<float>> grads = model.grads();
+  int checked = 0;
+  for (size_t i = 0; i < model.table().params.size(); ++i) {
+    const ParamSpec& p = model.table().params[i];
+    if (!p.trainable) continue;
+    // The element with the largest gradient of each tensor (the most informative one).
+    const size_t j = size_t(std::max_element(grads[i].begin(), grads[i].end(),
+                                             [](float a, float b) { return std::abs(a) < std::abs(b); }) - grads[i].begin());
+    float& w = model.params()[i][j];
+    const float keep = w;
+    bool done = false;
+    for (float h : {1e-2f, 2e-3f, 5e-4f}) {
+      w = keep + h;
+      const StepResult up = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, false);
+      w = keep - h;
+      const StepResult down = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, false);
+      w = keep;
+      if (up.routing != base.routing || down.routing != base.routing) continue;  // a routing flip
+      const double numeric = (up.loss - down.loss) / (2.0 * double(h));
+      EXPECT_NEAR(grads[i][j], numeric, 2e-2 * std::abs(numeric) + 2e-4 * (1e-2 / h)) << p.name << "[" << j << "] h " << h;
+      done = true;
+      break;
+    }
+    checked += done;
+  }
+  EXPECT_GE(checked, 30) << "too many elements whose perturbation changed the routing";
+}
+
+TEST(Model, ExpertLoadIsReported) {
+  Transformer model(model_config(Fp8Recipe::off));
+  const Batch b = batch(16, 4, 40);
+  const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, false);
+  ASSERT_EQ(r.expert_load.size(), 2u);  // two MoE blocks
+  for (const auto& load : r.expert_load) EXPECT_EQ(std::accumulate(load.begin(), load.end(), int64_t(0)), 16 * 2);
+  EXPECT_GT(model.saved_bytes_per_token_per_layer(), 0.0);
+}
+
+}  // namespace
+}  // namespace fp8moe
