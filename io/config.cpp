@@ -344,6 +344,10 @@ const std::vector<Field>& schema() {
                         "Blockwise tile size T (DeepSeek-V3 and cuBLASLt: 128)."));
     v.push_back(boolean("fp8.power_of_two_scales", REF(fp8.power_of_two_scales),
                         "Round scales down to powers of two (exact rescaling)."));
+    v.push_back(boolean("fp8.cache_activations", REF(fp8.cache_activations),
+                        "Keep the inputs of FP8 linear layers for backward as FP8 (with their scales) instead of "
+                        "FP32: less activation memory; blockwise weight gradients then re-tile the cached 1 x T "
+                        "values to T x 1."));
     v.push_back(fp8_layers_field());
     // data
     v.push_back(text("data.path", REF(data.path), true,

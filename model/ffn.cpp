@@ -12,9 +12,10 @@ void ffn_forward(const float* x, int64_t M, int64_t D, int64_t F, const FfnWeigh
   s.h3.resize(size_t(M * F));
   linear_forward(x, M, D, w.w1, F, fp8.w1, s.h1.data(), &s.l1);
   linear_forward(x, M, D, w.w3, F, fp8.w3, s.h3.data(), &s.l3);
-  std::vector<float> a(size_t(M * F));
-  cpu::swiglu_forward(s.h1.data(), s.h3.data(), a.data(), M * F);
-  linear_forward(a.data(), M, F, w.w2, D, fp8.w2, y, &s.l2);
+  s.a.resize(size_t(M * F));
+  cpu::swiglu_forward(s.h1.data(), s.h3.data(), s.a.data(), M * F);
+  linear_forward(s.a.data(), M, F, w.w2, D, fp8.w2, y, &s.l2);
+  if (!s.l2.needs_fp32_input()) s.a = std::vector<float>();  // kept in FP8 by the W2 layer
 }
 
 void ffn_backward(const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,

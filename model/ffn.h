@@ -21,8 +21,13 @@ struct FfnFp8 {
 };
 
 struct FfnSaved {
-  LinearSaved l1, l3, l2;
+  LinearSaved l1, l3, l2;     // l1, l3 read the caller's x: it must outlive backward (unless cached)
   std::vector<float> h1, h3;  // (M, F) pre-activation gate and up projections
+  std::vector<float> a;       // (M, F) swiglu output, the input of W2 (freed when cached in FP8)
+  int64_t bytes() const {
+    return int64_t((h1.size() + h3.size() + a.size()) * sizeof(float)) + l1.fp8_activation_bytes() +
+           l3.fp8_activation_bytes() + l2.fp8_activation_bytes();
+  }
 };
 
 void ffn_forward(const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8, float* y,

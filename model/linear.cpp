@@ -35,7 +35,7 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
   LinearSaved local;
   LinearSaved& s = saved ? *saved : local;
   s.M = M, s.K = K, s.N = N;
-  s.x.assign(x, x + M * K);
+  s.x = x;
   if (!fp8.enabled()) {
     sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
     return;
@@ -49,13 +49,14 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
     quantize_per_tensor(W, N, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->w : nullptr, &s.wq);
   }
   gemm_fp8(s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
+  if (c.cache_activations) s.x = nullptr;  // backward works from the FP8 copy
 }
 
 void linear_backward(const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx, float* dW) {
   const int64_t M = s.M, K = s.K, N = s.N;
   if (!fp8.enabled()) {
     if (dx) sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, 0.0f, dx, K);
-    sgemm(true, false, N, K, M, 1.0f, dy, N, s.x.data(), K, 1.0f, dW, K);
+    sgemm(true, false, N, K, M, 1.0f, dy, N, s.x, K, 1.0f, dW, K);
     return;
   }
   const Fp8Config& c = *fp8.cfg;
@@ -66,10 +67,18 @@ void linear_backward(const LinearSaved& s, const float* W, const float* dy, cons
       quantize_tiled(dy, M, N, Tiling::rows_1xT, c.tile, Fp8Dtype::e4m3, opt, &dyq);
       gemm_fp8(dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
     }
-    // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32.
+    // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32 (x from its
+    // FP8 cache when the FP32 input was not kept: 1 x T values re-tiled, as DeepSeek-V3 does).
     QuantTensor dyt, xt;
     quantize_tiled(dy, M, N, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &dyt);
-    quantize_tiled(s.x.data(), M, K, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &xt);
+    std::vector<float> x_from_cache;
+    const float* x = s.x;
+    if (!x && M * K > 0) {
+      x_from_cache.resize(static_cast<size_t>(M * K));
+      dequantize(s.xq, x_from_cache.data());
+      x = x_from_cache.data();
+    }
+    quantize_tiled(x, M, K, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &xt);
     gemm_fp8(dyt, true, xt, false, 1.0f, 1.0f, dW, K);
     return;
   }

@@ -29,15 +29,21 @@ struct LinearFp8 {
   bool enabled() const { return cfg && cfg->recipe != Fp8Recipe::off; }
 };
 
-// What forward keeps for backward: the input (FP32) and the quantized weight of this step.
+// What forward keeps for backward: the input and the quantized weight of this step.
 struct LinearSaved {
-  std::vector<float> x;  // (M, K)
-  QuantTensor wq;        // the weight as the forward GEMM used it (FP8 paths)
-  QuantTensor xq;        // the input as the forward GEMM used it (FP8 paths)
+  // (M, K) the FP32 input, NOT owned: the caller keeps it alive until backward (the layers share
+  // their inputs: q, k and v read one normed x). nullptr when fp8.cache_activations keeps only xq.
+  const float* x = nullptr;
+  QuantTensor wq;  // the weight as the forward GEMM used it (FP8 paths)
+  QuantTensor xq;  // the input as the forward GEMM used it (FP8 paths)
   int64_t M = 0, K = 0, N = 0;
+  bool needs_fp32_input() const { return x != nullptr; }
+  // Bytes this layer holds of its own: the FP8 input and its scales (the weight is not an activation).
+  int64_t fp8_activation_bytes() const { return int64_t(xq.data.size() + xq.scale_inv.size() * sizeof(float)); }
 };
 
-// y (M, N) written. `saved` may be nullptr (no backward).
+// y (M, N) written. `saved` may be nullptr (no backward); x must outlive it unless the input is
+// cached in FP8 (saved->x == nullptr afterwards).
 void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8, float* y,
                     LinearSaved* saved);
 

@@ -104,7 +104,7 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
   MoeSaved local;
   MoeSaved& s = saved ? *saved : local;
   const int64_t E = cfg.n_experts, F = cfg.d_expert;
-  s.x.assign(x, x + N * D);
+  s.x = x;
   s.z.resize(size_t(N * E));
   sgemm(false, true, N, E, D, 1.0f, x, D, w.router, D, 0.0f, s.z.data(), E);  // FP32 router
   s.routing = route(s.z.data(), w.router_bias, N, E, cfg, &s.prob);
@@ -118,7 +118,8 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
 
   // Routed experts: permute, one FFN per expert on its rows (possibly none), unpermute with gates.
   const int64_t R = r.offsets[E];
-  std::vector<float> xr(static_cast<size_t>(R * D));
+  std::vector<float>& xr = s.xr;
+  xr.resize(static_cast<size_t>(R * D));
   permute(r, x, D, xr.data());
   s.experts.resize(static_cast<size_t>(E));
   s.expert_out.assign(static_cast<size_t>(R * D), 0.0f);
@@ -127,6 +128,10 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
     ffn_forward(xr.data() + r0 * D, rows, D, F, w.experts[e], fp8.experts[e], s.expert_out.data() + r0 * D, &s.experts[e]);
   }
   unpermute_add(r, s.expert_out.data(), D, out);
+  const bool inputs_cached = std::none_of(s.experts.begin(), s.experts.end(), [](const FfnSaved& e) {
+    return e.l1.needs_fp32_input() || e.l3.needs_fp32_input();
+  });
+  if (inputs_cached) s.xr = std::vector<float>();  // the experts keep their inputs in FP8
 
   s.aux_loss = 0;
   if (cfg.aux_loss_coef > 0 && N > 0) {
@@ -210,7 +215,7 @@ void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeW
     }
   }
   // Router: dWr += dz^T x, dx += dz Wr.
-  sgemm(true, false, E, D, N, 1.0f, dz.data(), E, s.x.data(), D, 1.0f, g.router, D);
+  sgemm(true, false, E, D, N, 1.0f, dz.data(), E, s.x, D, 1.0f, g.router, D);
   sgemm(false, false, N, D, E, 1.0f, dz.data(), E, w.router, D, 1.0f, dx, D);
 }
 

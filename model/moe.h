@@ -47,7 +47,8 @@ struct Routing {
 };
 
 struct MoeSaved {
-  std::vector<float> x;       // (N, D)
+  const float* x = nullptr;   // (N, D) the caller's input (the FP32 router's weight gradient needs it)
+  std::vector<float> xr;      // (R, D) permuted inputs of the experts (freed when cached in FP8)
   std::vector<float> z;       // (N, E) router logits
   std::vector<float> prob;    // (N, E) sigmoid or softmax of z
   Routing routing;
@@ -55,6 +56,11 @@ struct MoeSaved {
   std::vector<FfnSaved> experts;
   FfnSaved shared;
   double aux_loss = 0;
+  int64_t bytes() const {
+    int64_t b = int64_t((xr.size() + z.size() + prob.size() + expert_out.size()) * sizeof(float)) + shared.bytes();
+    for (const FfnSaved& e : experts) b += e.bytes();
+    return b;
+  }
 };
 
 // Top-k routing of router logits z (N, E) with the selection bias (E). Pure: tested directly.

@@ -8,7 +8,7 @@
 namespace fp8moe {
 
 struct Transformer::BlockSaved {
-  std::vector<float> x;            // (N, D) block input
+  const float* x = nullptr;        // (N, D) block input, held by forward_backward
   std::vector<float> h1, rstd1;    // attention norm output (N, D), (N)
   std::vector<float> q, k, v;      // after RoPE: (N, H*hd), (N, KVH*hd)
   std::vector<float> attn, lse;    // (N, H*hd), (B, H, T)
@@ -19,6 +19,14 @@ struct Transformer::BlockSaved {
   MoeSaved moe;
   int64_t B = 0, T = 0;
   bool kept = false;               // false: recomputed in backward
+
+  // Activation bytes held for backward, the block input included.
+  int64_t bytes(int64_t D) const {
+    const size_t floats = h1.size() + rstd1.size() + q.size() + k.size() + v.size() + attn.size() + lse.size() +
+                          x_mid.size() + h2.size() + rstd2.size();
+    return int64_t(floats * sizeof(float)) + B * T * D * int64_t(sizeof(float)) + lq.fp8_activation_bytes() +
+           lk.fp8_activation_bytes() + lv.fp8_activation_bytes() + lo.fp8_activation_bytes() + dense.bytes() + moe.bytes();
+  }
 };
 
 Transformer::Transformer(const Config& cfg) : cfg_(cfg), table_(build_param_table(cfg.model)) {
@@ -79,7 +87,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   const int64_t N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
   s->B = B, s->T = T;
-  s->x.assign(x, x + N * D);
+  s->x = x;
   s->h1.resize(size_t(N * D));
   s->rstd1.resize(static_cast<size_t>(N));
   cpu::rmsnorm_forward(x, P(p + "attn_norm.weight"), N, D, float(m.norm_eps), s->h1.data(), s->rstd1.data());
@@ -89,6 +97,8 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   linear_forward(s->h1.data(), N, D, P(p + "attn.wq"), H * hd, fp8_for(p + "attn.wq", LinearClass::attention, record), s->q.data(), &s->lq);
   linear_forward(s->h1.data(), N, D, P(p + "attn.wk"), KVH * hd, fp8_for(p + "attn.wk", LinearClass::attention, record), s->k.data(), &s->lk);
   linear_forward(s->h1.data(), N, D, P(p + "attn.wv"), KVH * hd, fp8_for(p + "attn.wv", LinearClass::attention, record), s->v.data(), &s->lv);
+  if (!s->lq.needs_fp32_input() && !s->lk.needs_fp32_input() && !s->lv.needs_fp32_input())
+    s->h1 = std::vector<float>();  // q, k, v keep their input in FP8
   cpu::rope(s->q.data(), B, T, H, hd, m.rope_theta, false);
   cpu::rope(s->k.data(), B, T, KVH, hd, m.rope_theta, false);
   s->attn.resize(size_t(N * H * hd));
@@ -106,6 +116,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   if (l < m.first_dense_layers) {
     ffn_forward(s->h2.data(), N, D, m.d_ff_dense, ffn_weights(p + "mlp."), ffn_fp8(p + "mlp.", LinearClass::mlp, record),
                 f.data(), &s->dense);
+    if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2 = std::vector<float>();
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, record), {}};
     for (int e = 0; e < m.moe.n_experts; ++e)
@@ -152,7 +163,7 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
   linear_backward(s.lv, P(p + "attn.wv"), dv.data(), fp8_for(p + "attn.wv", LinearClass::attention, true), part.data(), G(p + "attn.wv"));
   for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
-  cpu::rmsnorm_backward(s.x.data(), P(p + "attn_norm.weight"), s.rstd1.data(), dh1.data(), N, D, dx, G(p + "attn_norm.weight"));
+  cpu::rmsnorm_backward(s.x, P(p + "attn_norm.weight"), s.rstd1.data(), dh1.data(), N, D, dx, G(p + "attn_norm.weight"));
   for (int64_t i = 0; i < N * D; ++i) dx[i] += dx_mid[i];
 }
 
@@ -166,7 +177,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   std::vector<std::vector<float>> xs(size_t(L + 1), std::vector<float>(size_t(N * D)));
   cpu::embedding_forward(P("embed.weight"), tokens, N, D, xs[0].data());
   std::vector<BlockSaved> saved(static_cast<size_t>(L));
-  size_t saved_floats = 0;
+  int64_t saved_bytes = 0;
   for (int64_t l = 0; l < L; ++l) {
     block_forward(int(l), xs[l].data(), B, T, xs[l + 1].data(), &saved[l], true);
     saved[l].kept = !recomputed(int(l));
@@ -181,12 +192,10 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
       saved[l] = BlockSaved{};
       saved[l].B = keepB, saved[l].T = keepT;
     } else {
-      const BlockSaved& s = saved[l];
-      saved_floats += s.x.size() + s.h1.size() + s.q.size() + s.k.size() + s.v.size() + s.attn.size() + s.lse.size() +
-                      s.x_mid.size() + s.h2.size() + s.lq.x.size() + s.lk.x.size() + s.lv.x.size() + s.lo.x.size();
+      saved_bytes += saved[l].bytes(D);
     }
   }
-  saved_bytes_per_token_ = N > 0 && L > 0 ? double(saved_floats) * 4.0 / double(N) / double(L) : 0.0;
+  saved_bytes_per_token_ = N > 0 && L > 0 ? double(saved_bytes) / double(N) / double(L) : 0.0;
 
   std::vector<float> hf(size_t(N * D)), rstd(static_cast<size_t>(N)), logits(size_t(N * V));
   cpu::rmsnorm_forward(xs[L].data(), P("final_norm.weight"), N, D, float(m.norm_eps), hf.data(), rstd.data());

@@ -150,6 +150,49 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
   }
 }
 
+TEST(Model, Fp8CachedActivationsChangeNothingForPerTensorRecipes) {
+  // Per-tensor wgrad uses the forward's FP8 input anyway: caching it must give the same bits.
+  for (Fp8Recipe recipe : {Fp8Recipe::current, Fp8Recipe::delayed}) {
+    std::vector<std::vector<float>> reference;
+    for (bool cache : {false, true}) {
+      Config c = model_config(recipe);
+      c.fp8.cache_activations = cache;
+      Transformer model(c);
+      const Batch b = batch(16, 5, 40);
+      for (int step = 0; step < 2; ++step) {
+        model.zero_grads();
+        model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
+      }
+      if (!cache)
+        reference = model.grads();
+      else
+        EXPECT_EQ(model.grads(), reference) << to_string(recipe);
+    }
+  }
+}
+
+TEST(Model, SavedActivationBytesOfTinyFp32AndFp8) {
+  // configs/tiny.yaml's model, one 256-token sequence, forward only.
+  Config c = model_config(Fp8Recipe::blockwise);
+  ModelConfig& m = c.model;
+  m.vocab_size = 256, m.d_model = 256, m.n_layers = 4, m.n_heads = 8, m.n_kv_heads = 8, m.head_dim = 32;
+  m.first_dense_layers = 1, m.d_ff_dense = 1024, m.moe.n_experts = 8, m.moe.top_k = 2, m.moe.d_expert = 256;
+  c.fp8.tile = 128;
+  double bytes[2];
+  for (bool cache : {false, true}) {
+    c.fp8.cache_activations = cache;
+    Transformer model(c);
+    const Batch b = batch(256, 6, 256);
+    model.forward_backward(b.tokens.data(), b.targets.data(), 1, 256, false);
+    bytes[cache] = model.saved_bytes_per_token_per_layer();
+  }
+  std::printf("tiny.yaml saved activations per token per layer: FP32 inputs %.0f bytes, FP8-cached inputs %.0f bytes (%.2fx)\n",
+              bytes[0], bytes[1], bytes[1] / bytes[0]);
+  RecordProperty("fp32_bytes", std::to_string(bytes[0]));
+  RecordProperty("fp8_bytes", std::to_string(bytes[1]));
+  EXPECT_LT(bytes[1], 0.8 * bytes[0]);
+}
+
 TEST(Model, SgdOnAFixedBatchLowersTheLoss) {
   for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::current, Fp8Recipe::blockwise}) {
     Transformer model(model_config(recipe));

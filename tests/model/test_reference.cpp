@@ -74,6 +74,7 @@ Comparison compare_with_reference(const Config& cfg) {
   const ModelConfig& m = cfg.model;
   std::ofstream(dir.path + "/config.json")
       << "{\"B\":" << B << ",\"T\":" << T << ",\"recipe\":\"" << to_string(cfg.fp8.recipe) << "\",\"tile\":" << cfg.fp8.tile
+      << ",\"cache_activations\":" << (cfg.fp8.cache_activations ? "true" : "false")
       << ",\"fp8_layers\":[\"attention\",\"mlp\",\"experts\",\"shared_experts\"]"
       << ",\"params\":" << names << "],\"shapes\":" << shapes << "],\"trainable\":" << trainable << "]"
       << ",\"model\":{\"d_model\":" << m.d_model << ",\"n_layers\":" << m.n_layers << ",\"n_heads\":" << m.n_heads
@@ -124,9 +125,13 @@ TEST(ModelReference, BlockwiseFp8MatchesJaxWithTheSameQuantization) {
   // other way: rare (about 1 in 2^20 elements) and each such flip moves one operand element by
   // one FP8 step. The bound below allows a handful of flips among the ~10^5 quantized elements;
   // a wrong tile, scale or transpose gives errors of order 1.
-  const Comparison c = compare_with_reference(small_config(Fp8Recipe::blockwise, Gating::sigmoid));
-  EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss));
-  EXPECT_LE(c.worst, 1e-2) << c.worst_name;
+  for (bool cache : {false, true}) {  // cache: inputs kept in FP8, wgrad re-tiles them 1xT -> Tx1
+    Config cfg = small_config(Fp8Recipe::blockwise, Gating::sigmoid);
+    cfg.fp8.cache_activations = cache;
+    const Comparison c = compare_with_reference(cfg);
+    EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << "cache " << cache;
+    EXPECT_LE(c.worst, 1e-2) << c.worst_name << " cache " << cache;
+  }
 }
 
 }  // namespace

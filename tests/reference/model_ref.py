@@ -62,7 +62,7 @@ def _qdq(x, amax):
     return q.astype(np.float64) / scale
 
 
-def make_linear(recipe, tile):
+def make_linear(recipe, tile, cache=False):
     """y = x W^T with the recipe's quantization in all three GEMMs."""
     if recipe == "off":
         return lambda x, w: x @ w.T
@@ -80,7 +80,10 @@ def make_linear(recipe, tile):
         x, wq = res
         dyq = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 1), jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
         dyt = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 0), jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
-        xt = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 0), jax.ShapeDtypeStruct(x.shape, jnp.float64), x)
+        # With FP8-cached activations the weight gradient re-tiles the cached 1 x T values.
+        retile = (lambda a: tile_quant_dequant(tile_quant_dequant(a, tile, 1), tile, 0)) if cache else \
+                 (lambda a: tile_quant_dequant(a, tile, 0))
+        xt = jax.pure_callback(retile, jax.ShapeDtypeStruct(x.shape, jnp.float64), x)
         return dyq @ wq, dyt.T @ xt
 
     linear.defvjp(_fwd, _bwd)
@@ -132,7 +135,7 @@ def main(d):
     targets = np.fromfile(os.path.join(d, "targets.bin"), dtype=np.int32)
     routing = np.fromfile(os.path.join(d, "routing.bin"), dtype=np.int32).reshape(-1, N, k)
     trainable = cfg["trainable"]
-    lin = make_linear(cfg["recipe"], cfg["tile"])
+    lin = make_linear(cfg["recipe"], cfg["tile"], cfg.get("cache_activations", False))
     lin_for = lambda cls: lin if cls in cfg["fp8_layers"] else (lambda x, w: x @ w.T)
 
     def loss_fn(p):
