@@ -75,6 +75,7 @@ Comparison compare_with_reference(const Config& cfg) {
   std::ofstream(dir.path + "/config.json")
       << "{\"B\":" << B << ",\"T\":" << T << ",\"recipe\":\"" << to_string(cfg.fp8.recipe) << "\",\"tile\":" << cfg.fp8.tile
       << ",\"cache_activations\":" << (cfg.fp8.cache_activations ? "true" : "false")
+      << ",\"format\":\"" << to_string(cfg.fp8.format) << "\""
       << ",\"fp8_layers\":[\"attention\",\"mlp\",\"experts\",\"shared_experts\"]"
       << ",\"params\":" << names << "],\"shapes\":" << shapes << "],\"trainable\":" << trainable << "]"
       << ",\"model\":{\"d_model\":" << m.d_model << ",\"n_layers\":" << m.n_layers << ",\"n_heads\":" << m.n_heads
@@ -131,6 +132,18 @@ TEST(ModelReference, BlockwiseFp8MatchesJaxWithTheSameQuantization) {
     const Comparison c = compare_with_reference(cfg);
     EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << "cache " << cache;
     EXPECT_LE(c.worst, 1e-2) << c.worst_name << " cache " << cache;
+  }
+}
+
+TEST(ModelReference, CurrentScalingFp8MatchesJax) {
+  // Per-tensor current scaling, E4M3 everywhere and hybrid (E5M2 gradients through ml_dtypes'
+  // float8_e5m2). Same reasoning and bound as the blockwise test.
+  for (Fp8Format format : {Fp8Format::e4m3, Fp8Format::hybrid}) {
+    Config cfg = small_config(Fp8Recipe::current, Gating::softmax);
+    cfg.fp8.format = format;
+    const Comparison c = compare_with_reference(cfg);
+    EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << to_string(format);
+    EXPECT_LE(c.worst, 1e-2) << c.worst_name << " " << to_string(format);
   }
 }
 

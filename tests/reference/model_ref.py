@@ -52,20 +52,28 @@ def block_quant_dequant(w, tile):
     return out
 
 
-def _qdq(x, amax):
+def _qdq(x, amax, dtype=ml_dtypes.float8_e4m3fn):
+    fmax = float(ml_dtypes.finfo(dtype).max)
     amax = np.asarray(amax, dtype=np.float64)
     safe = np.where(amax > 0, amax, 1.0)
     # Scale computed in FP32 as the contract says, then floored to a power of two.
-    scale = np.where(amax > 0, np.float32(FP8_MAX) / safe.astype(np.float32), np.float32(1.0)).astype(np.float64)
+    scale = np.where(amax > 0, np.float32(fmax) / safe.astype(np.float32), np.float32(1.0)).astype(np.float64)
     scale = np.exp2(np.floor(np.log2(scale)))
-    q = (x * scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    q = (x * scale).astype(np.float32).astype(dtype)
     return q.astype(np.float64) / scale
 
 
-def make_linear(recipe, tile, cache=False):
+def tensor_quant_dequant(x, dtype=ml_dtypes.float8_e4m3fn):
+    x = np.asarray(x, dtype=np.float64)
+    return _qdq(x, np.max(np.abs(x)), dtype)
+
+
+def make_linear(recipe, tile, cache=False, hybrid=False):
     """y = x W^T with the recipe's quantization in all three GEMMs."""
     if recipe == "off":
         return lambda x, w: x @ w.T
+    if recipe == "current":
+        return make_per_tensor_linear(ml_dtypes.float8_e5m2 if hybrid else ml_dtypes.float8_e4m3fn)
 
     @jax.custom_vjp
     def linear(x, w):
@@ -85,6 +93,28 @@ def make_linear(recipe, tile, cache=False):
                  (lambda a: tile_quant_dequant(a, tile, 0))
         xt = jax.pure_callback(retile, jax.ShapeDtypeStruct(x.shape, jnp.float64), x)
         return dyq @ wq, dyt.T @ xt
+
+    linear.defvjp(_fwd, _bwd)
+    return linear
+
+
+def make_per_tensor_linear(grad_dtype):
+    """Current scaling: one scale per tensor from its amax; gradients in grad_dtype (E5M2: hybrid)."""
+    f64 = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float64)
+
+    @jax.custom_vjp
+    def linear(x, w):
+        return _fwd(x, w)[0]
+
+    def _fwd(x, w):
+        xq = jax.pure_callback(tensor_quant_dequant, f64(x), x)
+        wq = jax.pure_callback(tensor_quant_dequant, f64(w), w)
+        return xq @ wq.T, (xq, wq)
+
+    def _bwd(res, dy):
+        xq, wq = res
+        dyq = jax.pure_callback(lambda a: tensor_quant_dequant(a, grad_dtype), f64(dy), dy)
+        return dyq @ wq, dyq.T @ xq
 
     linear.defvjp(_fwd, _bwd)
     return linear
@@ -135,7 +165,7 @@ def main(d):
     targets = np.fromfile(os.path.join(d, "targets.bin"), dtype=np.int32)
     routing = np.fromfile(os.path.join(d, "routing.bin"), dtype=np.int32).reshape(-1, N, k)
     trainable = cfg["trainable"]
-    lin = make_linear(cfg["recipe"], cfg["tile"], cfg.get("cache_activations", False))
+    lin = make_linear(cfg["recipe"], cfg["tile"], cfg.get("cache_activations", False), cfg.get("format") == "hybrid")
     lin_for = lambda cls: lin if cls in cfg["fp8_layers"] else (lambda x, w: x @ w.T)
 
     def loss_fn(p):
