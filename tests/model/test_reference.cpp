@@ -95,6 +95,9 @@ Comparison compare_with_reference(const Config& cfg) {
   Comparison c;
   c.loss = r.loss;
   std::ifstream(dir.path + "/loss.txt") >> c.ref_loss;
+  int routing_mismatches = -1;
+  std::ifstream(dir.path + "/routing_check.txt") >> routing_mismatches;
+  EXPECT_EQ(routing_mismatches, 0) << "tokens the reference's own top-k routes elsewhere (outside near-ties)";
   for (size_t i = 0; i < t.params.size(); ++i) {
     if (!t.params[i].trainable) continue;
     const std::vector<float> ref = read_floats(dir.path + "/grad." + t.params[i].name + ".bin");

@@ -12,7 +12,10 @@ FP8 contract says (1 x T tiles for activations and gradients along K, T x T bloc
 power-of-two scales fmax / amax, E4M3 through ml_dtypes' float8_e4m3fn, a second, independent
 rounding oracle), in a custom VJP: forward x W^T, dgrad dy W, wgrad dy^T x with dy and x
 re-quantized in T x 1 tiles. The expert choice (top-k) is taken from the C++ run's routing
-(routing.bin) so that a near-tie cannot pick different experts in FP32 and FP64.
+(routing.bin) so that a near-tie cannot pick different experts in FP32 and FP64; the reference
+also makes its own top-k choice (score + bias, ties to the lower index) and writes to
+routing_check.txt how many tokens it would route differently where the choice is not a near-tie
+(gap between the k-th and the next key above 1e-6): the C++ test requires 0.
 """
 import json
 import os
@@ -173,6 +176,7 @@ def main(d):
         x = p["embed.weight"][tokens]
         moe_i = 0
         aux = 0.0
+        keys = []  # selection keys (score + bias) of each MoE layer, checked after
         for l in range(m["n_layers"]):
             pre = f"layers.{l}."
             h = rmsnorm(x, p[pre + "attn_norm.weight"][0], m["norm_eps"])
@@ -188,6 +192,7 @@ def main(d):
             else:
                 z = h @ p[pre + "moe.router"].T
                 prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
+                keys.append(prob + p[pre + "moe.router_bias"][0])
                 chosen = routing[moe_i]                      # (N, k) from the C++ run
                 sel = jnp.take_along_axis(prob, chosen, axis=1)
                 gates = sel / jnp.sum(sel, axis=1, keepdims=True) if m["gating"] == "sigmoid" else sel
@@ -214,9 +219,20 @@ def main(d):
         keep = targets != m["pad_id"]
         lse = jax.scipy.special.logsumexp(logits, axis=-1)
         nll = lse - logits[np.arange(N), np.where(keep, targets, 0)]
-        return jnp.sum(jnp.where(keep, nll, 0.0)) / np.sum(keep) + aux
+        return jnp.sum(jnp.where(keep, nll, 0.0)) / np.sum(keep) + aux, keys
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    (loss, keys), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    # Our own top-k against the C++ choice, outside near-ties.
+    mismatches = 0
+    for i, key in enumerate(keys):
+        key = np.asarray(key)
+        order = np.argsort(-key, axis=1, kind="stable")  # stable: ties to the lower index
+        for n in range(N):
+            if sorted(order[n, :k]) != sorted(routing[i][n]):
+                gap = key[n, order[n, k - 1]] - key[n, order[n, k]] if k < E else np.inf
+                mismatches += int(gap > 1e-6)
+    with open(os.path.join(d, "routing_check.txt"), "w") as f:
+        f.write(f"{mismatches}\n")
     with open(os.path.join(d, "loss.txt"), "w") as f:
         f.write(repr(float(loss)) + "\n")
     for n in names:
