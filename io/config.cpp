@@ -345,9 +345,9 @@ const std::vector<Field>& schema() {
     v.push_back(boolean("fp8.power_of_two_scales", REF(fp8.power_of_two_scales),
                         "Round scales down to powers of two (exact rescaling)."));
     v.push_back(boolean("fp8.cache_activations", REF(fp8.cache_activations),
-                        "Keep the inputs of FP8 linear layers for backward as FP8 (with their scales) instead of "
-                        "FP32: less activation memory; blockwise weight gradients then re-tile the cached 1 x T "
-                        "values to T x 1."));
+                        "Blockwise: keep the inputs of FP8 linear layers for backward as FP8 (with their scales) "
+                        "instead of FP32, re-tiling the cached 1 x T values to T x 1 for the weight gradient "
+                        "(per-tensor recipes always keep them in FP8)."));
     v.push_back(fp8_layers_field());
     // data
     v.push_back(text("data.path", REF(data.path), true,

@@ -21,6 +21,11 @@ struct FfnFp8 {
 };
 
 struct FfnSaved {
+  FfnSaved() = default;
+  FfnSaved(const FfnSaved&) = delete;  // l2 points into a: a copy would point into the original
+  FfnSaved& operator=(const FfnSaved&) = delete;
+  FfnSaved(FfnSaved&&) = default;  // a moved vector keeps its buffer
+  FfnSaved& operator=(FfnSaved&&) = default;
   LinearSaved l1, l3, l2;     // l1, l3 read the caller's x: it must outlive backward (unless cached)
   std::vector<float> h1, h3;  // (M, F) pre-activation gate and up projections
   std::vector<float> a;       // (M, F) swiglu output, the input of W2 (freed when cached in FP8)

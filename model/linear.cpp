@@ -49,7 +49,12 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
     quantize_per_tensor(W, N, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->w : nullptr, &s.wq);
   }
   gemm_fp8(s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
-  if (c.cache_activations) s.x = nullptr;  // backward works from the FP8 copy
+  // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
+  // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
+  if (c.recipe != Fp8Recipe::blockwise || c.cache_activations)
+    s.x = nullptr;
+  else
+    s.xq = QuantTensor{};
 }
 
 void linear_backward(const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx, float* dW) {

@@ -32,7 +32,8 @@ struct LinearFp8 {
 // What forward keeps for backward: the input and the quantized weight of this step.
 struct LinearSaved {
   // (M, K) the FP32 input, NOT owned: the caller keeps it alive until backward (the layers share
-  // their inputs: q, k and v read one normed x). nullptr when fp8.cache_activations keeps only xq.
+  // their inputs: q, k and v read one normed x). nullptr when backward reads only xq: per-tensor
+  // recipes always, blockwise with fp8.cache_activations.
   const float* x = nullptr;
   QuantTensor wq;  // the weight as the forward GEMM used it (FP8 paths)
   QuantTensor xq;  // the input as the forward GEMM used it (FP8 paths)

@@ -6,8 +6,9 @@
 //            assignments beyond ceil(capacity_factor * N * k / E) per expert, in token order;
 //   experts  SwiGLU FFNs (FP8 per recipe); combine: out[n] = sum over its slots of gate * expert
 //            output (unpermute), plus the shared experts' FFN of x;
-//   aux loss coef * E * sum_e f_e P_e (switch style), f_e the fraction of assignments to e (no
-//            gradient) and P_e the mean over tokens of the normalised score of e.
+//   aux loss coef * E * sum_e f_e P_e (switch style), f_e the fraction of the N * k assignments
+//            that expert e received after capacity drops (no gradient), P_e the mean over tokens
+//            of the normalised score of e.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +48,11 @@ struct Routing {
 };
 
 struct MoeSaved {
+  MoeSaved() = default;
+  MoeSaved(const MoeSaved&) = delete;  // the experts point into xr
+  MoeSaved& operator=(const MoeSaved&) = delete;
+  MoeSaved(MoeSaved&&) = default;
+  MoeSaved& operator=(MoeSaved&&) = default;
   const float* x = nullptr;   // (N, D) the caller's input (the FP32 router's weight gradient needs it)
   std::vector<float> xr;      // (R, D) permuted inputs of the experts (freed when cached in FP8)
   std::vector<float> z;       // (N, E) router logits

@@ -8,6 +8,11 @@
 namespace fp8moe {
 
 struct Transformer::BlockSaved {
+  BlockSaved() = default;
+  BlockSaved(const BlockSaved&) = delete;  // the linears point into h1, attn, h2
+  BlockSaved& operator=(const BlockSaved&) = delete;
+  BlockSaved(BlockSaved&&) = default;
+  BlockSaved& operator=(BlockSaved&&) = default;
   const float* x = nullptr;        // (N, D) block input, held by forward_backward
   std::vector<float> h1, rstd1;    // attention norm output (N, D), (N)
   std::vector<float> q, k, v;      // after RoPE: (N, H*hd), (N, KVH*hd)
@@ -167,6 +172,14 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   for (int64_t i = 0; i < N * D; ++i) dx[i] += dx_mid[i];
 }
 
+void Transformer::update_router_biases(const StepResult& result) {
+  const ModelConfig& m = cfg_.model;
+  FP8MOE_ASSERT(int64_t(result.expert_load.size()) == m.n_layers - m.first_dense_layers, "expert loads of ",
+                result.expert_load.size(), " MoE layers");
+  for (int l = m.first_dense_layers; l < m.n_layers; ++l)
+    update_router_bias(param("layers." + std::to_string(l) + ".moe.router_bias").data(), result.expert_load[size_t(l - m.first_dense_layers)], m.moe.bias_update_rate);
+}
+
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward) {
   const ModelConfig& m = cfg_.model;
   const int64_t N = B * T, D = m.d_model, V = m.vocab_size, L = m.n_layers;
@@ -191,6 +204,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
       const int64_t keepB = saved[l].B, keepT = saved[l].T;
       saved[l] = BlockSaved{};
       saved[l].B = keepB, saved[l].T = keepT;
+      saved_bytes += N * D * int64_t(sizeof(float));
     } else {
       saved_bytes += saved[l].bytes(D);
     }

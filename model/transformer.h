@@ -41,6 +41,10 @@ class Transformer {
   // targets equal to model.pad_id are not counted.
   StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward);
 
+  // Aux-loss-free balancing after an optimizer step: each MoE layer's router bias moves by
+  // model.moe.bias_update_rate towards balance, from the load of the step (result.expert_load).
+  void update_router_biases(const StepResult& result);
+
   // Bytes of activations saved for backward per token per block, as of the last forward.
   double saved_bytes_per_token_per_layer() const { return saved_bytes_per_token_; }
 

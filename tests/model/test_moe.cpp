@@ -150,47 +150,102 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
   }
 }
 
-TEST(Model, Fp8CachedActivationsChangeNothingForPerTensorRecipes) {
-  // Per-tensor wgrad uses the forward's FP8 input anyway: caching it must give the same bits.
-  for (Fp8Recipe recipe : {Fp8Recipe::current, Fp8Recipe::delayed}) {
-    std::vector<std::vector<float>> reference;
-    for (bool cache : {false, true}) {
-      Config c = model_config(recipe);
-      c.fp8.cache_activations = cache;
-      Transformer model(c);
-      const Batch b = batch(16, 5, 40);
-      for (int step = 0; step < 2; ++step) {
-        model.zero_grads();
-        model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
-      }
-      if (!cache)
-        reference = model.grads();
-      else
-        EXPECT_EQ(model.grads(), reference) << to_string(recipe);
-    }
-  }
-}
-
-TEST(Model, SavedActivationBytesOfTinyFp32AndFp8) {
-  // configs/tiny.yaml's model, one 256-token sequence, forward only.
-  Config c = model_config(Fp8Recipe::blockwise);
+TEST(Model, SavedActivationBytesOfTiny) {
+  // configs/tiny.yaml's model, one 256-token sequence, forward only: what the blocks hold for
+  // backward with FP32 linears, blockwise FP8 keeping FP32 inputs, blockwise FP8 with cached FP8
+  // inputs, and per-tensor FP8 (whose weight gradients use the FP8 inputs anyway).
+  Config c = model_config(Fp8Recipe::off);
   ModelConfig& m = c.model;
   m.vocab_size = 256, m.d_model = 256, m.n_layers = 4, m.n_heads = 8, m.n_kv_heads = 8, m.head_dim = 32;
   m.first_dense_layers = 1, m.d_ff_dense = 1024, m.moe.n_experts = 8, m.moe.top_k = 2, m.moe.d_expert = 256;
   c.fp8.tile = 128;
-  double bytes[2];
-  for (bool cache : {false, true}) {
+  auto measure = [&](Fp8Recipe recipe, bool cache) {
+    c.fp8.recipe = recipe;
     c.fp8.cache_activations = cache;
     Transformer model(c);
     const Batch b = batch(256, 6, 256);
     model.forward_backward(b.tokens.data(), b.targets.data(), 1, 256, false);
-    bytes[cache] = model.saved_bytes_per_token_per_layer();
+    return model.saved_bytes_per_token_per_layer();
+  };
+  const double off = measure(Fp8Recipe::off, false), block = measure(Fp8Recipe::blockwise, false),
+               cached = measure(Fp8Recipe::blockwise, true), current = measure(Fp8Recipe::current, false);
+  std::printf("tiny.yaml saved activations per token per block: FP32 %.0f B, blockwise %.0f B, blockwise cached "
+              "%.0f B (%.2fx), current %.0f B\n", off, block, cached, cached / off, current);
+  RecordProperty("fp32_bytes", std::to_string(off));
+  RecordProperty("fp8_cached_bytes", std::to_string(cached));
+  EXPECT_EQ(block, off) << "blockwise without caching keeps exactly the FP32 inputs";
+  EXPECT_LT(cached, off);
+  EXPECT_LT(current, off);
+}
+
+TEST(Model, RouterBiasesMoveTowardsBalanceAfterAStep) {
+  Config c = model_config(Fp8Recipe::off);
+  c.model.moe.bias_update_rate = 0.01;
+  Transformer model(c);
+  const Batch b = batch(32, 7, 40);
+  const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 4, 8, false);
+  model.update_router_biases(r);
+  for (size_t layer = 0; layer < r.expert_load.size(); ++layer) {
+    const auto& load = r.expert_load[layer];
+    const std::vector<float>& bias = model.param("layers." + std::to_string(layer + 1) + ".moe.router_bias");
+    const double mean = 32.0 * 2 / 4;
+    for (size_t e = 0; e < load.size(); ++e)
+      EXPECT_FLOAT_EQ(bias[e], load[e] > mean ? -0.01f : load[e] < mean ? 0.01f : 0.0f) << layer << " " << e;
   }
-  std::printf("tiny.yaml saved activations per token per layer: FP32 inputs %.0f bytes, FP8-cached inputs %.0f bytes (%.2fx)\n",
-              bytes[0], bytes[1], bytes[1] / bytes[0]);
-  RecordProperty("fp32_bytes", std::to_string(bytes[0]));
-  RecordProperty("fp8_bytes", std::to_string(bytes[1]));
-  EXPECT_LT(bytes[1], 0.8 * bytes[0]);
+}
+
+TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
+  // One MoE layer alone, FP32 experts: d/dx and d/dWr of sum(r * out) + aux against central
+  // differences, with a selection bias, the aux loss on and capacity drops, both gatings.
+  const int64_t N = 12, D = 8, E = 4;
+  for (Gating gating : {Gating::sigmoid, Gating::softmax}) {
+    MoeConfig cfg = moe_config(E, 2, gating);
+    cfg.aux_loss_coef = 0.3, cfg.capacity_factor = 0.6, cfg.n_shared_experts = 1;
+    std::mt19937 rng(9);
+    std::normal_distribution<float> nd(0.0f, 0.5f);
+    auto rnd = [&](size_t n) { std::vector<float> v(n); for (float& x : v) x = nd(rng); return v; };
+    std::vector<float> x = rnd(N * D), router = rnd(E * D), bias = {0.0f, 0.1f, 0.0f, 0.05f}, r = rnd(N * D);
+    std::vector<std::vector<float>> ew;
+    for (int i = 0; i < 3 * (E + 1); ++i) ew.push_back(rnd(size_t(D * 4)));
+    MoeWeights w{router.data(), bias.data(), {ew[0].data(), ew[1].data(), ew[2].data()}, {}};
+    for (int e = 0; e < E; ++e) w.experts.push_back({ew[3 + 3 * e].data(), ew[4 + 3 * e].data(), ew[5 + 3 * e].data()});
+    MoeFp8 fp8{{}, std::vector<FfnFp8>(E)};
+    auto objective = [&](MoeSaved* s) {
+      std::vector<float> out(N * D);
+      const double aux = moe_forward(x.data(), N, D, cfg, w, fp8, out.data(), s);
+      double f = aux;
+      for (int64_t i = 0; i < N * D; ++i) f += double(r[i]) * out[i];
+      return f;
+    };
+    MoeSaved s;
+    objective(&s);
+    ASSERT_GT(s.routing.dropped, 0) << "the test needs capacity drops";
+    std::vector<float> dx(N * D), drouter(E * D, 0.0f);
+    std::vector<std::vector<float>> eg(ew.size());
+    for (size_t i = 0; i < ew.size(); ++i) eg[i].assign(ew[i].size(), 0.0f);
+    MoeGrads g{drouter.data(), {eg[0].data(), eg[1].data(), eg[2].data()}, {}};
+    for (int e = 0; e < E; ++e) g.experts.push_back({eg[3 + 3 * e].data(), eg[4 + 3 * e].data(), eg[5 + 3 * e].data()});
+    moe_backward(s, D, cfg, w, r.data(), 1.0f, fp8, dx.data(), g);
+    int checked = 0;
+    for (auto [vec, grad] : {std::pair{&x, &dx}, std::pair{&router, &drouter}})
+      for (size_t i = 0; i < vec->size(); ++i) {
+        float& v = (*vec)[i];
+        const float keep = v, h = 1e-3f;
+        MoeSaved up_s, down_s;
+        v = keep + h;
+        const double up = objective(&up_s);
+        v = keep - h;
+        const double down = objective(&down_s);
+        v = keep;
+        if (up_s.routing.expert != s.routing.expert || down_s.routing.expert != s.routing.expert ||
+            up_s.routing.kept != s.routing.kept)
+          continue;  // the perturbation changed the routing: the function is not smooth there
+        const double numeric = (up - down) / (2.0 * h);
+        EXPECT_NEAR((*grad)[i], numeric, 1e-2 * std::abs(numeric) + 1e-3) << to_string(gating) << " element " << i;
+        ++checked;
+      }
+    EXPECT_GE(checked, int(0.8 * (N * D + E * D))) << to_string(gating);
+  }
 }
 
 TEST(Model, SgdOnAFixedBatchLowersTheLoss) {
@@ -233,7 +288,7 @@ TEST(Model, FiniteDifferencesForEveryParameterKind) {
     float& w = model.params()[i][j];
     const float keep = w;
     bool done = false;
-    for (float h : {1e-2f, 2e-3f, 5e-4f}) {
+    for (float h : {1e-2f, 2e-3f, 5e-4f, 1e-4f}) {
       w = keep + h;
       const StepResult up = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, false);
       w = keep - h;
@@ -241,13 +296,14 @@ TEST(Model, FiniteDifferencesForEveryParameterKind) {
       w = keep;
       if (up.routing != base.routing || down.routing != base.routing) continue;  // a routing flip
       const double numeric = (up.loss - down.loss) / (2.0 * double(h));
-      EXPECT_NEAR(grads[i][j], numeric, 2e-2 * std::abs(numeric) + 2e-4 * (1e-2 / h)) << p.name << "[" << j << "] h " << h;
+      EXPECT_NEAR(grads[i][j], numeric, 2e-2 * std::abs(numeric) + 5e-4) << p.name << "[" << j << "] h " << h;
       done = true;
       break;
     }
+    EXPECT_TRUE(done) << p.name << ": every step changed the routing";
     checked += done;
   }
-  EXPECT_GE(checked, 30) << "too many elements whose perturbation changed the routing";
+  EXPECT_GT(checked, 50);
 }
 
 TEST(Model, ExpertLoadIsReported) {
