@@ -28,19 +28,21 @@ class CudaOps : public testing::Test {
   }
 };
 
-// A device copy of a host vector, freed at scope exit.
-struct DeviceBuffer {
-  explicit DeviceBuffer(const std::vector<float>& host) : n(host.size()) {
-    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(float)));
-    if (n) CUDA_CHECK(cudaMemcpy(ptr, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+// Device memory for n elements of T, freed at scope exit.
+template <class T>
+struct Device {
+  explicit Device(size_t n, const T* init = nullptr) : n(n) {
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)));
+    if (init && n) CUDA_CHECK(cudaMemcpy(ptr, init, n * sizeof(T), cudaMemcpyHostToDevice));
+    if (!init) CUDA_CHECK(cudaMemset(ptr, 0, std::max<size_t>(n, 1) * sizeof(T)));
   }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  std::vector<float> download() const {
-    std::vector<float> h(n);
-    if (n) CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(float), cudaMemcpyDeviceToHost));
+  ~Device() { cudaFree(ptr); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    if (n) CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
-  float* ptr = nullptr;
+  T* ptr = nullptr;
   size_t n;
 };
 
@@ -65,7 +67,8 @@ TEST_F(CudaOps, SwigluMatchesCpu) {
     cpu::swiglu_forward(a.data(), b.data(), y.data(), n);
     cpu::swiglu_backward(a.data(), b.data(), dy.data(), da.data(), db.data(), n);
 
-    DeviceBuffer da_(a), db_(b), ddy(dy), dyv(y), dda(da), ddb(db);
+    Device<float> da_(a.size(), a.data()), db_(b.size(), b.data()), ddy(dy.size(), dy.data()), dyv(y.size()),
+        dda(da.size()), ddb(db.size());
     cuda::swiglu_forward(da_.ptr, db_.ptr, dyv.ptr, n, nullptr);
     cuda::swiglu_backward(da_.ptr, db_.ptr, ddy.ptr, dda.ptr, ddb.ptr, n, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -73,29 +76,11 @@ TEST_F(CudaOps, SwigluMatchesCpu) {
     std::vector<float> sy(n), sda(n), sdb(n);
     for (int64_t i = 0; i < n; ++i)
       sy[i] = std::abs(a[i] * b[i]), sda[i] = std::abs(dy[i] * b[i]) * (1 + std::abs(a[i])), sdb[i] = std::abs(dy[i] * a[i]);
-    expect_close(dyv.download(), y, sy, "y");
-    expect_close(dda.download(), da, sda, "da");
-    expect_close(ddb.download(), db, sdb, "db");
+    expect_close(dyv.get(), y, sy, "y");
+    expect_close(dda.get(), da, sda, "da");
+    expect_close(ddb.get(), db, sdb, "db");
   }
 }
-
-// Device memory for n elements of T, freed at scope exit.
-template <class T>
-struct Device {
-  explicit Device(size_t n, const T* init = nullptr) : n(n) {
-    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)));
-    if (init && n) CUDA_CHECK(cudaMemcpy(ptr, init, n * sizeof(T), cudaMemcpyHostToDevice));
-    if (!init) CUDA_CHECK(cudaMemset(ptr, 0, std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  ~Device() { cudaFree(ptr); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    if (n) CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  T* ptr = nullptr;
-  size_t n;
-};
 
 std::vector<float> scaled_normal(int64_t rows, int64_t cols, uint64_t seed) {
   std::mt19937_64 rng(seed);
