@@ -91,7 +91,9 @@ void BM_Fp8Gemm(benchmark::State& state) {
     benchmark::DoNotOptimize(in.y.data());
   }
   set_flops(state, in);
-  state.SetLabel(std::string(to_string(path)) + ": " + info.impl);
+  std::string label = to_string(path);
+  label.append(": ").append(info.impl);
+  state.SetLabel(label);
 }
 
 // (M, N, K): a square GEMM, and the skinny shapes of small MoE layers.
@@ -146,7 +148,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
     size_t pos = name.find('/');
     for (int i = 0; i < fields && pos != std::string::npos; ++i) {
       const size_t next = name.find('/', pos + 1);
-      out += (i ? "," : "") + name.substr(pos + 1, next - pos - 1);
+      if (i) out += ',';
+      out.append(name, pos + 1, next - pos - 1);
       pos = next;
     }
     return out;

@@ -127,6 +127,15 @@ FP8MOE_HD inline float fp8_max(Fp8Dtype f) {
   return f == Fp8Dtype::e4m3 ? Fp8Traits<Fp8Dtype::e4m3>::kMax : Fp8Traits<Fp8Dtype::e5m2>::kMax;
 }
 
+// FP32 -> BF16 bits, round to nearest even; NaN stays a (quiet) NaN. BF16 -> FP32 is exact.
+FP8MOE_HD inline uint16_t bf16_encode(float x) {
+  uint32_t u = float_bits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+FP8MOE_HD inline float bf16_decode(uint16_t b) { return bits_float(uint32_t(b) << 16); }
+
 // BF16 (raw bits) -> FP8: a BF16 value is exactly the FP32 value with the low 16 bits zero.
 FP8MOE_HD inline uint8_t fp8_encode_bf16(uint16_t bf16, Fp8Dtype f, bool saturate) {
   return fp8_encode(bits_float(uint32_t(bf16) << 16), f, saturate);

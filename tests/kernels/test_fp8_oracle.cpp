@@ -97,6 +97,23 @@ INSTANTIATE_TEST_SUITE_P(Modes, Fp8Oracle,
                            return std::string(to_string(i.param.format)) + (i.param.saturate ? "_sat" : "_nosat");
                          });
 
+TEST(Bf16, EncodeMatchesCudaOn2To24PatternsAndDecodeIsExact) {
+  // The optimizer's BF16 moments: fp8moe's rounding against cuda_bf16.h's __float2bfloat16_rn.
+  std::mt19937 rng(7);
+  for (int64_t i = 0; i < (int64_t(1) << 24); ++i) {
+    const float x = bits_float(i < 16 ? uint32_t(i) << 28 : rng());
+    const __nv_bfloat16 ref = __float2bfloat16_rn(x);
+    const uint16_t ref_bits = static_cast<__nv_bfloat16_raw>(ref).x;
+    const uint16_t got = bf16_encode(x);
+    if (std::isnan(x)) {
+      ASSERT_TRUE(std::isnan(bf16_decode(got)));
+      continue;
+    }
+    ASSERT_EQ(got, ref_bits) << "x bits 0x" << std::hex << float_bits(x);
+    ASSERT_EQ(float_bits(bf16_decode(got)), uint32_t(ref_bits) << 16);
+  }
+}
+
 TEST(Fp8Decode, EveryByteMatchesCudaViaHalf) {
   for (Fp8Dtype f : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
     const float* table = fp8_decode_table(f);

@@ -1,0 +1,100 @@
+#include "model/optimizer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/check.h"
+
+namespace fp8moe {
+
+double learning_rate(const TrainConfig& t, int64_t step) {
+  if (t.warmup_steps > 0 && step < t.warmup_steps) return t.lr * double(step + 1) / double(t.warmup_steps);
+  if (t.schedule == Schedule::constant) return t.lr;
+  const int64_t decay_steps = t.steps - t.warmup_steps;
+  if (decay_steps <= 1) return t.lr;
+  const double progress = std::min(1.0, double(step - t.warmup_steps) / double(decay_steps - 1));
+  if (t.schedule == Schedule::linear) return t.lr - (t.lr - t.min_lr) * progress;
+  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+AdamW::AdamW(const ParamTable& table, const TrainConfig& cfg) : table_(table), cfg_(cfg) {
+  const bool bf16 = cfg.moments_dtype == MomentsDtype::bf16;
+  for (const ParamSpec& p : table.params) {
+    const size_t n = p.trainable ? size_t(p.numel()) : 0;
+    m_.emplace_back(bf16 ? 0 : n, 0.0f);
+    v_.emplace_back(bf16 ? 0 : n, 0.0f);
+    m16_.emplace_back(bf16 ? n : 0, uint16_t(0));
+    v16_.emplace_back(bf16 ? n : 0, uint16_t(0));
+  }
+}
+
+std::vector<float> AdamW::first_moment(size_t i) const {
+  if (cfg_.moments_dtype == MomentsDtype::fp32) return m_[i];
+  std::vector<float> out(m16_[i].size());
+  for (size_t j = 0; j < out.size(); ++j) out[j] = bf16_decode(m16_[i][j]);
+  return out;
+}
+
+std::vector<float> AdamW::second_moment(size_t i) const {
+  if (cfg_.moments_dtype == MomentsDtype::fp32) return v_[i];
+  std::vector<float> out(v16_[i].size());
+  for (size_t j = 0; j < out.size(); ++j) out[j] = bf16_decode(v16_[i][j]);
+  return out;
+}
+
+OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step) {
+  FP8MOE_ASSERT(params.size() == table_.params.size() && grads.size() == params.size(), "AdamW: ", params.size(),
+                " parameters, ", grads.size(), " gradients, table of ", table_.params.size());
+  OptimizerStats st;
+  st.lr = learning_rate(cfg_, step);
+  // The global norm counts every element once (in double, a fixed order).
+  double sq = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!table_.params[i].trainable) continue;
+    double s = 0;
+#pragma omp parallel for reduction(+ : s) schedule(static)
+    for (size_t j = 0; j < grads[i].size(); ++j) s += double(grads[i][j]) * grads[i][j];
+    sq += s;
+  }
+  st.grad_norm = std::sqrt(sq);
+  if (!std::isfinite(st.grad_norm)) {  // a NaN or inf anywhere: skip the step, touch nothing
+    st.skipped = true;
+    ++skipped_;
+    return st;
+  }
+  // As torch.nn.utils.clip_grad_norm_: scale by clip / (norm + 1e-6) when the norm exceeds clip.
+  const float clip = cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip ? float(cfg_.grad_clip / (st.grad_norm + 1e-6)) : 1.0f;
+
+  ++updates_;
+  const double b1 = cfg_.beta1, b2 = cfg_.beta2;
+  const float bc1 = float(1.0 - std::pow(b1, double(updates_))), bc2 = float(1.0 - std::pow(b2, double(updates_)));
+  const float lr = float(st.lr), eps = float(cfg_.eps), fb1 = float(b1), fb2 = float(b2);
+  const bool bf16 = cfg_.moments_dtype == MomentsDtype::bf16;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& p = table_.params[i];
+    if (!p.trainable) continue;
+    const float decay = p.weight_decay ? float(1.0 - st.lr * cfg_.weight_decay) : 1.0f;  // decoupled
+    float* w = params[i].data();
+    float* g = grads[i].data();
+    const int64_t n = int64_t(params[i].size());
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; ++j) {
+      g[j] *= clip;
+      float m = bf16 ? bf16_decode(m16_[i][j]) : m_[i][j];
+      float v = bf16 ? bf16_decode(v16_[i][j]) : v_[i][j];
+      m = fb1 * m + (1.0f - fb1) * g[j];
+      v = fb2 * v + (1.0f - fb2) * g[j] * g[j];
+      w[j] = w[j] * decay - lr * (m / bc1) / (std::sqrt(v / bc2) + eps);
+      if (bf16) {
+        m16_[i][j] = bf16_encode(m);
+        v16_[i][j] = bf16_encode(v);
+      } else {
+        m_[i][j] = m;
+        v_[i][j] = v;
+      }
+    }
+  }
+  return st;
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,51 @@
+// AdamW on FP32 master weights, with FP32 (or BF16, as DeepSeek-V3) moments, global-norm
+// clipping, the learning-rate schedule and skipping of non-finite steps.
+//
+// NOTE: the optimizer lives in model/ (DESIGN.md): it is driven by the ParamTable (which
+// parameters train, which decay) and nothing in it knows about MPI or files; ZeRO-1 sharding will
+// hand it a slice of each parameter, which this interface (flat tensors per parameter) allows.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/fp8.h"  // bf16_encode / bf16_decode
+#include "model/config.h"
+#include "model/param_table.h"
+
+namespace fp8moe {
+
+// Learning rate of optimizer step `step` (0-based): linear warm-up to train.lr over warmup_steps
+// (step s uses lr * (s + 1) / warmup_steps), then cosine or linear decay to min_lr at the last
+// step, or constant. A pure function of the step: resuming needs no state.
+double learning_rate(const TrainConfig& t, int64_t step);
+
+struct OptimizerStats {
+  double grad_norm = 0;   // global L2 norm of the gradients before clipping
+  double lr = 0;
+  bool skipped = false;   // non-finite gradients: nothing was updated
+};
+
+class AdamW {
+ public:
+  AdamW(const ParamTable& table, const TrainConfig& cfg);
+
+  // One update of the trainable parameters from their gradients (gradients are clipped in place).
+  // `step` is the schedule's step; bias correction counts the updates actually applied.
+  OptimizerStats step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step);
+
+  int64_t updates() const { return updates_; }
+  int64_t skipped() const { return skipped_; }
+  // The moments of parameter i as FP32 (decoded from BF16 when stored so).
+  std::vector<float> first_moment(size_t i) const;
+  std::vector<float> second_moment(size_t i) const;
+
+ private:
+  const ParamTable& table_;
+  TrainConfig cfg_;
+  std::vector<std::vector<float>> m_, v_;          // fp32 moments
+  std::vector<std::vector<uint16_t>> m16_, v16_;   // bf16 moments
+  int64_t updates_ = 0, skipped_ = 0;
+};
+
+}  // namespace fp8moe
