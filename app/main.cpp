@@ -10,6 +10,7 @@
 #include "app/train.h"
 #include "io/build_info.h"
 #include "io/config.h"
+#include "io/token_data.h"
 #include "kernels/backend_info.h"
 #include "kernels/check.h"
 #include "parallel/mpi_session.h"
@@ -63,6 +64,18 @@ int main(int argc, char** argv) {
   train_cmd->add_flag("--dry-run", train.dry_run,
                       "Validate, build the grid, print the effective config and the layout, exit 0");
 
+  std::vector<std::string> prep_inputs;
+  std::string prep_output, prep_split;
+  double prep_val = 0.05;
+  uint64_t prep_seed = 1234;
+  CLI::App* prep_cmd = app.add_subcommand(
+      "prepare-data", "Tokenize text files byte by byte into PREFIX.train.tok and PREFIX.val.tok");
+  prep_cmd->add_option("--input", prep_inputs, "Input files (each a document unless --split-on)")->required();
+  prep_cmd->add_option("--output", prep_output, "Output prefix")->required();
+  prep_cmd->add_option("--val-fraction", prep_val, "Fraction of documents held out for validation (default 0.05)");
+  prep_cmd->add_option("--split-on", prep_split, "Split inputs into documents at lines equal to this (fortunes: %)");
+  prep_cmd->add_option("--seed", prep_seed, "Seed of the train/validation assignment (default 1234)");
+
   CLI::App* defaults_cmd = app.add_subcommand(
       "defaults", "Print every config key with its default value, what it accepts and what it means");
 
@@ -75,6 +88,18 @@ int main(int argc, char** argv) {
 
   try {
     if (*train_cmd) return run_train(train, &argc, &argv);
+    if (*prep_cmd) {
+      try {
+        const PrepareReport r = prepare_data(prep_inputs, prep_output, prep_val, prep_split, prep_seed);
+        std::printf("prepare-data: %s.train.tok: %lld documents, %lld tokens; %s.val.tok: %lld documents, %lld tokens\n",
+                    prep_output.c_str(), (long long)r.train_docs, (long long)r.train_tokens, prep_output.c_str(),
+                    (long long)r.val_docs, (long long)r.val_tokens);
+        return kExitOk;
+      } catch (const DataError& e) {
+        std::fprintf(stderr, "fp8moe: error: %s\n", e.what());
+        return kExitUsage;
+      }
+    }
     if (*defaults_cmd) {
       if (launcher_rank() == 0) std::fputs(config_reference().c_str(), stdout);
       return kExitOk;

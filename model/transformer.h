@@ -22,7 +22,6 @@ struct StepResult {
   std::vector<std::vector<int64_t>> expert_load;  // per MoE layer, tokens per expert
   std::vector<std::vector<int32_t>> routing;      // per MoE layer, (N, top_k) chosen experts
   int64_t dropped = 0;                            // assignments dropped by capacity
-  int64_t fp8_saturated = 0;                      // not yet collected (0)
 };
 
 class Transformer {

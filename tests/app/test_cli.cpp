@@ -124,6 +124,24 @@ TEST(Cli, CommandLineErrorsPrintOnceUnderMpirun) {
   EXPECT_EQ(count(r.all(), "config is required"), 1u) << r.all();
 }
 
+TEST(Cli, PrepareData) {
+  TempDir tmp;
+  const std::string in = tmp.write("fortunes", "A fortune.\n%\nAnother one.\n%\n");
+  RunResult r = run({exe(), "prepare-data", "--input", in, "--output", tmp.path + "/f", "--split-on", "%",
+                     "--val-fraction", "0"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  // "A fortune.\n" (11 bytes), "Another one.\n" (13), the empty tail, and 3 document ends
+  EXPECT_NE(r.out.find("f.train.tok: 3 documents, 27 tokens"), std::string::npos) << r.out;
+  r = run({exe(), "prepare-data", "--input", tmp.path + "/missing", "--output", tmp.path + "/g"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("fp8moe: error: " + tmp.path + "/missing: cannot read the input"), std::string::npos) << r.err;
+  r = run({exe(), "prepare-data", "--input", tmp.write("empty", ""), "--output", tmp.path + "/h"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("holds no text"), std::string::npos) << r.err;
+  r = run({exe(), "prepare-data", "--input", in, "--output", tmp.path + "/i", "--val-fraction", "1.5"});
+  EXPECT_EQ(r.status, 2) << r.all();
+}
+
 // ---- bad configs -----------------------------------------------------------------------------
 
 struct BadConfig {

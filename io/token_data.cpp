@@ -1,0 +1,172 @@
+#include "io/token_data.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "model/param_table.h"  // philox4x32_10
+
+namespace fp8moe {
+namespace {
+
+constexpr char kMagic[8] = {'F', 'P', '8', 'M', 'O', 'E', 'T', 'K'};
+constexpr uint32_t kVersion = 1;
+constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(path + ": cannot read the input: " + std::strerror(errno));
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (in.bad()) throw DataError(path + ": read error");
+  return s.str();
+}
+
+// Documents of one input: the whole file, or the pieces between lines equal to split_line.
+std::vector<std::string> documents(const std::string& text, const std::string& split_line) {
+  std::vector<std::string> docs;
+  if (split_line.empty()) {
+    docs.push_back(text);
+    return docs;
+  }
+  std::string cur;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t nl = text.find('\n', pos);
+    const size_t end = nl == std::string::npos ? text.size() : nl + 1;
+    std::string_view line(text.data() + pos, (nl == std::string::npos ? text.size() : nl) - pos);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line == split_line) {
+      docs.push_back(std::move(cur));
+      cur.clear();
+    } else {
+      cur.append(text, pos, end - pos);
+    }
+    pos = end;
+  }
+  docs.push_back(std::move(cur));
+  return docs;
+}
+
+struct Split {
+  std::vector<uint16_t> tokens;
+  std::vector<uint64_t> starts{0};
+};
+
+void write_split(const std::string& path, const Split& s) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw DataError(path + ": cannot write: " + std::strerror(errno));
+  const uint32_t version = kVersion, width = 2;
+  const uint64_t count = s.tokens.size(), docs = s.starts.size() - 1;
+  out.write(kMagic, 8);
+  out.write(reinterpret_cast<const char*>(&version), 4);
+  out.write(reinterpret_cast<const char*>(&width), 4);
+  out.write(reinterpret_cast<const char*>(&count), 8);
+  out.write(reinterpret_cast<const char*>(&docs), 8);
+  out.write(reinterpret_cast<const char*>(s.tokens.data()), std::streamsize(count * 2));
+  out.write(reinterpret_cast<const char*>(s.starts.data()), std::streamsize(s.starts.size() * 8));
+  if (!out.flush()) throw DataError(path + ": write failed: " + std::strerror(errno));
+}
+
+double uniform(uint64_t seed, uint64_t a, uint64_t b) {
+  const Philox4x32 r = philox4x32_10(uint32_t(a), uint32_t(a >> 32), uint32_t(b), uint32_t(b >> 32), uint32_t(seed),
+                                     uint32_t(seed >> 32));
+  return (double(r.v[0]) + double(uint64_t(r.v[1]) << 32)) * 0x1p-64;
+}
+
+}  // namespace
+
+PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::string& prefix, double val_fraction,
+                           const std::string& split_line, uint64_t seed) {
+  if (inputs.empty()) throw DataError("prepare-data: no input files");
+  if (!(val_fraction >= 0.0 && val_fraction < 1.0))
+    throw DataError("prepare-data: --val-fraction " + std::to_string(val_fraction) + ": expected a number in [0, 1)");
+  Split train, val;
+  PrepareReport rep;
+  uint64_t doc_number = 0;
+  for (const std::string& path : inputs) {
+    for (const std::string& doc : documents(read_file(path), split_line)) {
+      Split& s = uniform(seed ^ 0x76616c69646174ull, doc_number++, 0) < val_fraction ? val : train;
+      for (unsigned char c : doc)
+        if (c != 0) s.tokens.push_back(c);  // token 0 is reserved for the document end
+      s.tokens.push_back(0);
+      s.starts.push_back(s.tokens.size());
+      (&s == &val ? rep.val_docs : rep.train_docs) += 1;
+    }
+  }
+  rep.train_tokens = int64_t(train.tokens.size()), rep.val_tokens = int64_t(val.tokens.size());
+  if (rep.train_tokens - rep.train_docs <= 0)
+    throw DataError("prepare-data: the input holds no text (" + std::to_string(inputs.size()) + " file(s))");
+  write_split(prefix + ".train.tok", train);
+  write_split(prefix + ".val.tok", val);
+  return rep;
+}
+
+TokenFile::TokenFile(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw DataError(path + ": cannot open the token file: " + std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || st.st_size < off_t(kHeaderBytes)) {
+    ::close(fd);
+    throw DataError(path + ": not a token file: " + std::to_string(st.st_size) + " bytes, shorter than its header");
+  }
+  map_bytes_ = size_t(st.st_size);
+  map_ = mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    throw DataError(path + ": cannot map the token file: " + std::strerror(errno));
+  }
+  const char* p = static_cast<const char*>(map_);
+  uint32_t version = 0, width = 0;
+  uint64_t count = 0, docs = 0;
+  std::memcpy(&version, p + 8, 4);
+  std::memcpy(&width, p + 12, 4);
+  std::memcpy(&count, p + 16, 8);
+  std::memcpy(&docs, p + 24, 8);
+  auto fail = [&](const std::string& why) {
+    munmap(map_, map_bytes_);
+    map_ = nullptr;
+    throw DataError(path + ": " + why);
+  };
+  if (std::memcmp(p, kMagic, 8) != 0) fail("not a token file (bad magic; make one with `fp8moe prepare-data`)");
+  if (version != kVersion) fail("token file version " + std::to_string(version) + ", this build reads " + std::to_string(kVersion));
+  if (width != 2) fail("tokens of " + std::to_string(width) + " bytes, expected 2");
+  const uint64_t want = kHeaderBytes + count * 2 + (docs + 1) * 8;
+  if (count > (uint64_t(1) << 40) || docs > count || want != map_bytes_)
+    fail("size " + std::to_string(map_bytes_) + " bytes does not match its header (" + std::to_string(count) +
+         " tokens, " + std::to_string(docs) + " documents: " + std::to_string(want) + " bytes); truncated or corrupt?");
+  count_ = int64_t(count), docs_ = int64_t(docs);
+  tokens_ = reinterpret_cast<const uint16_t*>(p + kHeaderBytes);
+  doc_start_ = p + kHeaderBytes + count * 2;
+  if (doc_start(0) != 0 || doc_start(docs_) != count_) fail("document index does not cover the tokens; corrupt?");
+}
+
+int64_t TokenFile::doc_start(int64_t d) const {
+  uint64_t v = 0;
+  std::memcpy(&v, doc_start_ + d * 8, 8);
+  return int64_t(v);
+}
+
+TokenFile::~TokenFile() {
+  if (map_) munmap(map_, map_bytes_);
+}
+
+void TokenFile::sample(uint64_t seed, int64_t step, int64_t position, int64_t T, int32_t* tokens, int32_t* targets) const {
+  if (count_ < T + 1)
+    throw DataError(path_ + ": " + std::to_string(count_) + " tokens, fewer than one sequence of " + std::to_string(T + 1));
+  const uint64_t span = uint64_t(count_ - T);  // valid starts: [0, count - T - 1]
+  const uint64_t start = uint64_t(uniform(seed, uint64_t(step), uint64_t(position)) * double(span)) % span;
+  for (int64_t t = 0; t < T; ++t) {
+    tokens[t] = tokens_[start + t];
+    targets[t] = tokens_[start + t + 1];
+  }
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,107 @@
+// Token files: tokenisation and document index, the train/validation split, deterministic
+// sampling, and the errors for bad inputs and bad files.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "io/token_data.h"
+#include "tests/test_util.h"
+
+using namespace std::string_literals;
+
+namespace fp8moe {
+namespace {
+
+TEST(TokenData, BytesBecomeTokensAndDocumentsEndWithZero) {
+  test::TempDir dir;
+  const std::string a = dir.write("a.txt", "ab\n%\ncd\n%\n\n%\ne\0f"s), b = dir.write("b.txt", "xyz");
+  const PrepareReport r = prepare_data({a, b}, dir.path + "/d", 0.0, "%", 1);
+  EXPECT_EQ(r.train_docs, 5);  // "ab\n", "cd\n", "\n", "e\0f" (NUL dropped), "xyz"
+  EXPECT_EQ(r.val_docs, 0);
+  TokenFile f(dir.path + "/d.train.tok");
+  const std::vector<uint16_t> want = {'a', 'b', '\n', 0, 'c', 'd', '\n', 0, '\n', 0, 'e', 'f', 0, 'x', 'y', 'z', 0};
+  ASSERT_EQ(f.size(), int64_t(want.size()));
+  EXPECT_EQ(std::vector<uint16_t>(f.tokens(), f.tokens() + f.size()), want);
+  EXPECT_EQ(f.docs(), 5);
+  EXPECT_EQ(f.doc_start(1), 4);
+  EXPECT_EQ(f.doc_start(5), 17);
+  TokenFile v(dir.path + "/d.val.tok");
+  EXPECT_EQ(v.size(), 0);
+}
+
+TEST(TokenData, ValidationSplitIsByDocumentDeterministicAndDisjoint) {
+  test::TempDir dir;
+  std::string text;
+  for (int d = 0; d < 400; ++d) text += "doc" + std::to_string(d) + "\n%\n";
+  const std::string in = dir.write("in.txt", text);
+  const PrepareReport r = prepare_data({in}, dir.path + "/s", 0.2, "%", 7);
+  EXPECT_EQ(r.train_docs + r.val_docs, 401);  // 400 and the empty tail
+  EXPECT_NEAR(double(r.val_docs) / 401.0, 0.2, 0.06);
+  auto docs_of = [](const TokenFile& f) {
+    std::set<std::string> s;
+    for (int64_t d = 0; d < f.docs(); ++d) s.insert(std::string(f.tokens() + f.doc_start(d), f.tokens() + f.doc_start(d + 1) - 1));
+    return s;
+  };
+  const std::set<std::string> train = docs_of(TokenFile(dir.path + "/s.train.tok")), val = docs_of(TokenFile(dir.path + "/s.val.tok"));
+  for (const std::string& d : val) EXPECT_EQ(train.count(d), 0u) << d;
+  // Same seed, same split; another seed, another split.
+  prepare_data({in}, dir.path + "/t", 0.2, "%", 7);
+  EXPECT_EQ(docs_of(TokenFile(dir.path + "/t.val.tok")), val);
+  prepare_data({in}, dir.path + "/u", 0.2, "%", 8);
+  EXPECT_NE(docs_of(TokenFile(dir.path + "/u.val.tok")), val);
+}
+
+TEST(TokenData, SamplesAreAFunctionOfSeedStepAndPosition) {
+  test::TempDir dir;
+  std::string text;
+  for (int i = 0; i < 5000; ++i) text += char('a' + i % 26);
+  prepare_data({dir.write("in.txt", text)}, dir.path + "/p", 0.0, "", 3);
+  TokenFile f(dir.path + "/p.train.tok");
+  const int64_t T = 16;
+  std::vector<int32_t> x1(T), y1(T), x2(T), y2(T);
+  f.sample(42, 5, 3, T, x1.data(), y1.data());
+  f.sample(42, 5, 3, T, x2.data(), y2.data());
+  EXPECT_EQ(x1, x2);
+  for (int64_t t = 0; t + 1 < T; ++t) EXPECT_EQ(y1[t], x1[t + 1]);  // targets are the next tokens
+  std::set<std::vector<int32_t>> distinct;
+  for (int64_t pos = 0; pos < 50; ++pos) {
+    f.sample(42, 5, pos, T, x2.data(), y2.data());
+    distinct.insert(x2);
+  }
+  EXPECT_GT(distinct.size(), 20u);  // positions (data-parallel ranks, micro-batches) read different data
+  f.sample(42, 6, 3, T, x2.data(), y2.data());
+  EXPECT_NE(x1, x2);
+}
+
+TEST(TokenData, BadInputsAndFilesAreClearErrors) {
+  test::TempDir dir;
+  EXPECT_THROW(prepare_data({}, dir.path + "/x", 0.1, "", 1), DataError);
+  EXPECT_THROW(prepare_data({dir.path + "/missing.txt"}, dir.path + "/x", 0.1, "", 1), DataError);
+  EXPECT_THROW(prepare_data({dir.write("empty.txt", "")}, dir.path + "/x", 0.1, "", 1), DataError);
+  EXPECT_THROW(prepare_data({dir.write("t.txt", "abc")}, dir.path + "/x", 1.5, "", 1), DataError);
+  prepare_data({dir.write("ok.txt", "hello world")}, dir.path + "/ok", 0.0, "", 1);
+  const std::string good = dir.path + "/ok.train.tok";
+  auto expect_error = [](const std::string& path, const std::string& what) {
+    try {
+      TokenFile f(path);
+      ADD_FAILURE() << "no error for " << path;
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  };
+  expect_error(dir.path + "/none.tok", "cannot open");
+  std::filesystem::copy_file(good, dir.path + "/trunc.tok");
+  std::filesystem::resize_file(dir.path + "/trunc.tok", std::filesystem::file_size(good) - 3);
+  expect_error(dir.path + "/trunc.tok", "does not match its header");
+  expect_error(dir.write("magic.tok", std::string(64, 'x')), "bad magic");
+  expect_error(dir.write("short.tok", "FP8"), "shorter than its header");
+  TokenFile f(good);
+  std::vector<int32_t> x(100), y(100);
+  EXPECT_THROW(f.sample(1, 0, 0, 100, x.data(), y.data()), DataError);  // 12 tokens < 101
+}
+
+}  // namespace
+}  // namespace fp8moe
