@@ -77,15 +77,17 @@ TEST(Router, BiasUpdateMovesTowardsBalance) {
 }
 
 TEST(Moe, PermuteCarriesSelfDescribingRowsAndIdentityCombineIsXTimesSumOfGates) {
-  // Row n of x is (token id n, 1000 + n, n * n): every permuted row must be its token's row, in
-  // its expert's group; identity experts then combine to x * (sum of the token's gates).
+  // Row n of x is (2^n, -2^(n+1), 2^-n): it names its token, and being powers of two, g * x is
+  // exact and g0 x + g1 x = (g0 + g1) x exactly. Every permuted row must be its token's row, in
+  // its expert's group; identity experts then combine to exactly x * (sum of the token's gates).
   const int64_t N = 9, E = 4, D = 3;
   std::mt19937 rng(3);
   std::vector<float> z(N * E), bias(E, 0.0f), prob, x(N * D);
   for (float& v : z) v = float(rng() % 100) / 50.0f;
-  z[0 * E + 3] = 50.0f, z[1 * E + 3] = 50.0f;  // expert 3 popular, and...
+  z[0 * E + 3] = 50.0f, z[1 * E + 3] = 50.0f;              // expert 3 popular, and...
   for (int64_t n = 0; n < N; ++n) z[n * E + 1] = -50.0f;  // ...expert 1 gets no tokens at all
-  for (int64_t n = 0; n < N; ++n) x[n * D] = float(n), x[n * D + 1] = 1000.0f + float(n), x[n * D + 2] = float(n * n);
+  for (int64_t n = 0; n < N; ++n)
+    x[n * D] = std::ldexp(1.0f, int(n)), x[n * D + 1] = -std::ldexp(1.0f, int(n) + 1), x[n * D + 2] = std::ldexp(1.0f, -int(n));
   const Routing r = route(z.data(), bias.data(), N, E, moe_config(E, 2, Gating::sigmoid), &prob);
   EXPECT_EQ(r.load[1], 0);
   std::vector<float> rows(size_t(r.offsets[E] * D));
@@ -93,10 +95,10 @@ TEST(Moe, PermuteCarriesSelfDescribingRowsAndIdentityCombineIsXTimesSumOfGates) 
   ASSERT_EQ(r.offsets[E], N * 2);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t i = r.offsets[e]; i < r.offsets[e + 1]; ++i) {
-      const int64_t n = int64_t(rows[i * D]);
+      const int64_t n = int64_t(std::log2(rows[i * D]));  // the row says which token it is
       EXPECT_EQ(n, r.row_token[i]);
-      EXPECT_EQ(rows[i * D + 1], 1000.0f + float(n));
-      EXPECT_EQ(rows[i * D + 2], float(n * n));
+      EXPECT_EQ(rows[i * D + 1], -std::ldexp(1.0f, int(n) + 1));
+      EXPECT_EQ(rows[i * D + 2], std::ldexp(1.0f, -int(n)));
       EXPECT_EQ(r.expert[n * 2 + r.row_slot[i]], e) << "row " << i << " is in expert " << e << "'s group";
       if (i > r.offsets[e]) {
         EXPECT_LT(r.row_token[i - 1], n) << "token order inside a group";
@@ -104,9 +106,11 @@ TEST(Moe, PermuteCarriesSelfDescribingRowsAndIdentityCombineIsXTimesSumOfGates) 
     }
   std::vector<float> out(N * D, 0.0f);
   unpermute_add(r, rows.data(), D, out.data());
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t d = 0; d < D; ++d)
-      EXPECT_FLOAT_EQ(out[n * D + d], x[n * D + d] * (r.gate[n * 2] + r.gate[n * 2 + 1])) << n << "," << d;
+  for (int64_t n = 0; n < N; ++n) {
+    const float gsum = r.gate[n * 2] + r.gate[n * 2 + 1];
+    EXPECT_NEAR(gsum, 1.0f, 1e-6f);
+    for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[n * D + d], x[n * D + d] * gsum) << n << "," << d;
+  }
 }
 
 Config model_config(Fp8Recipe recipe) {
