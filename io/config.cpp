@@ -542,6 +542,12 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
   rule(m.pad_id < m.vocab_size, "model.pad_id", "-1 or a token id below model.vocab_size = " + n(m.vocab_size));
   rule(m.moe.top_k <= m.moe.n_experts, "model.moe.top_k", "at most model.moe.n_experts = " + n(m.moe.n_experts));
   rule(c.train.min_lr <= c.train.lr, "train.min_lr", "at most train.lr = " + format_double(c.train.lr));
+  rule(c.train.warmup_steps < c.train.steps, "train.warmup_steps",
+       "fewer than train.steps = " + n(c.train.steps) + " (the schedule must reach its decay)");
+  // NOTE: a BF16 moment holds 8 significant bits: multiplying by beta2 changes it only when
+  // 1 - beta2 is at least half a BF16 step (2^-9 relative); 0.999 would freeze v.
+  rule(c.train.moments_dtype != MomentsDtype::bf16 || c.train.beta2 <= 0.996, "train.beta2",
+       "at most 0.996 with train.moments_dtype bf16 (a BF16 second moment cannot decay by a smaller factor)");
   rule(!(c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.format == Fp8Format::hybrid), "fp8.format",
        "e4m3 with fp8.recipe blockwise (DeepSeek-V3 block scaling is E4M3 only)");
 

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -20,12 +22,17 @@ constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;
 
 std::string read_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw DataError(path + ": cannot read the input: " +
+                    (std::filesystem::exists(path, ec) ? "not a regular file" : "no such file"));
+  const uintmax_t size = std::filesystem::file_size(path, ec);
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(path + ": cannot read the input: " + std::strerror(errno));
-  std::ostringstream s;
-  s << in.rdbuf();
-  if (in.bad()) throw DataError(path + ": read error");
-  return s.str();
+  if (!in || ec) throw DataError(path + ": cannot read the input: " + std::strerror(errno));
+  std::string text(size, '\0');
+  if (size > 0 && !in.read(text.data(), std::streamsize(size)))
+    throw DataError(path + ": read error after " + std::to_string(in.gcount()) + " of " + std::to_string(size) + " bytes");
+  return text;
 }
 
 // Documents of one input: the whole file, or the pieces between lines equal to split_line.
@@ -59,9 +66,11 @@ struct Split {
   std::vector<uint64_t> starts{0};
 };
 
+// Written to PATH.tmp and renamed: a reader that has PATH mapped keeps its (old) file.
 void write_split(const std::string& path, const Split& s) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw DataError(path + ": cannot write: " + std::strerror(errno));
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (!out) throw DataError(tmp + ": cannot write: " + std::strerror(errno));
   const uint32_t version = kVersion, width = 2;
   const uint64_t count = s.tokens.size(), docs = s.starts.size() - 1;
   out.write(kMagic, 8);
@@ -71,7 +80,9 @@ void write_split(const std::string& path, const Split& s) {
   out.write(reinterpret_cast<const char*>(&docs), 8);
   out.write(reinterpret_cast<const char*>(s.tokens.data()), std::streamsize(count * 2));
   out.write(reinterpret_cast<const char*>(s.starts.data()), std::streamsize(s.starts.size() * 8));
-  if (!out.flush()) throw DataError(path + ": write failed: " + std::strerror(errno));
+  out.close();
+  if (!out) throw DataError(tmp + ": write failed: " + std::strerror(errno));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw DataError(path + ": cannot rename " + tmp + ": " + std::strerror(errno));
 }
 
 double uniform(uint64_t seed, uint64_t a, uint64_t b) {
@@ -101,8 +112,13 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
     }
   }
   rep.train_tokens = int64_t(train.tokens.size()), rep.val_tokens = int64_t(val.tokens.size());
+  std::string names;
+  for (const std::string& p : inputs) names += (names.empty() ? "" : ", ") + p;
+  if (rep.train_tokens + rep.val_tokens - rep.train_docs - rep.val_docs <= 0)
+    throw DataError("prepare-data: " + names + ": the input holds no text");
   if (rep.train_tokens - rep.train_docs <= 0)
-    throw DataError("prepare-data: the input holds no text (" + std::to_string(inputs.size()) + " file(s))");
+    throw DataError("prepare-data: " + names + ": every document went to validation (--val-fraction " +
+                    std::to_string(val_fraction) + "); nothing to train on");
   write_split(prefix + ".train.tok", train);
   write_split(prefix + ".val.tok", val);
   return rep;
@@ -145,10 +161,21 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   count_ = int64_t(count), docs_ = int64_t(docs);
   tokens_ = reinterpret_cast<const uint16_t*>(p + kHeaderBytes);
   doc_start_ = p + kHeaderBytes + count * 2;
+  // One pass over the index and the tokens: documents in order, each ending with token 0, and
+  // every token a byte (so no id reaches past a 256-entry embedding).
   if (doc_start(0) != 0 || doc_start(docs_) != count_) fail("document index does not cover the tokens; corrupt?");
+  for (int64_t d = 0; d < docs_; ++d) {
+    const int64_t a = doc_start(d), b = doc_start(d + 1);
+    if (b <= a || b > count_ || tokens_[b - 1] != 0)
+      fail("document " + std::to_string(d) + " spans [" + std::to_string(a) + ", " + std::to_string(b) +
+           "), not a run of tokens ending with 0; corrupt?");
+  }
+  for (int64_t i = 0; i < count_; ++i)
+    if (tokens_[i] > 255) fail("token " + std::to_string(tokens_[i]) + " at " + std::to_string(i) + " is not a byte; corrupt?");
 }
 
 int64_t TokenFile::doc_start(int64_t d) const {
+  if (d < 0 || d > docs_) throw DataError(path_ + ": document " + std::to_string(d) + " of " + std::to_string(docs_));
   uint64_t v = 0;
   std::memcpy(&v, doc_start_ + d * 8, 8);
   return int64_t(v);

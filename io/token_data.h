@@ -25,7 +25,8 @@ struct PrepareReport {
 // Reads the inputs (each file one document, or split at lines equal to `split_line` when it is
 // not empty, as the fortune files' "%"), assigns each document to validation with probability
 // val_fraction (a deterministic function of seed and document number), and writes
-// PREFIX.train.tok and PREFIX.val.tok. DataError on unreadable or empty input.
+// PREFIX.train.tok and PREFIX.val.tok (each through a temporary file and a rename). DataError on
+// unreadable or empty input, or when no document is left for training.
 PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::string& prefix, double val_fraction,
                            const std::string& split_line, uint64_t seed);
 

@@ -1,5 +1,6 @@
 #include "model/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -8,18 +9,19 @@
 namespace fp8moe {
 
 double learning_rate(const TrainConfig& t, int64_t step) {
+  FP8MOE_ASSERT(step >= 0, "learning_rate of step ", step);
   if (t.warmup_steps > 0 && step < t.warmup_steps) return t.lr * double(step + 1) / double(t.warmup_steps);
   if (t.schedule == Schedule::constant) return t.lr;
   const int64_t decay_steps = t.steps - t.warmup_steps;
-  if (decay_steps <= 1) return t.lr;
-  const double progress = std::min(1.0, double(step - t.warmup_steps) / double(decay_steps - 1));
+  const double progress =
+      decay_steps <= 1 ? 1.0 : std::min(1.0, double(step - t.warmup_steps) / double(decay_steps - 1));
   if (t.schedule == Schedule::linear) return t.lr - (t.lr - t.min_lr) * progress;
   return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-AdamW::AdamW(const ParamTable& table, const TrainConfig& cfg) : table_(table), cfg_(cfg) {
+AdamW::AdamW(ParamTable table, const TrainConfig& cfg) : table_(std::move(table)), cfg_(cfg) {
   const bool bf16 = cfg.moments_dtype == MomentsDtype::bf16;
-  for (const ParamSpec& p : table.params) {
+  for (const ParamSpec& p : table_.params) {
     const size_t n = p.trainable ? size_t(p.numel()) : 0;
     m_.emplace_back(bf16 ? 0 : n, 0.0f);
     v_.emplace_back(bf16 ? 0 : n, 0.0f);
@@ -47,14 +49,22 @@ OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<
                 " parameters, ", grads.size(), " gradients, table of ", table_.params.size());
   OptimizerStats st;
   st.lr = learning_rate(cfg_, step);
-  // The global norm counts every element once (in double, a fixed order).
+  // The global norm counts every element once, in double, in a fixed order whatever the thread
+  // count: partial sums of fixed chunks, added serially.
+  constexpr int64_t kChunk = 1 << 14;
   double sq = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (!table_.params[i].trainable) continue;
-    double s = 0;
-#pragma omp parallel for reduction(+ : s) schedule(static)
-    for (size_t j = 0; j < grads[i].size(); ++j) s += double(grads[i][j]) * grads[i][j];
-    sq += s;
+    const ParamSpec& p = table_.params[i];
+    FP8MOE_ASSERT(int64_t(params[i].size()) == p.numel() && int64_t(grads[i].size()) == p.numel(), "AdamW: ", p.name,
+                  " has ", params[i].size(), " values and ", grads[i].size(), " gradients, expected ", p.numel());
+    if (!p.trainable) continue;
+    const int64_t n = p.numel(), chunks = (n + kChunk - 1) / kChunk;
+    std::vector<double> part(static_cast<size_t>(chunks), 0.0);
+    const float* g = grads[i].data();
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) part[c] += double(g[j]) * g[j];
+    for (double x : part) sq += x;
   }
   st.grad_norm = std::sqrt(sq);
   if (!std::isfinite(st.grad_norm)) {  // a NaN or inf anywhere: skip the step, touch nothing

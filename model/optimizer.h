@@ -16,8 +16,9 @@
 namespace fp8moe {
 
 // Learning rate of optimizer step `step` (0-based): linear warm-up to train.lr over warmup_steps
-// (step s uses lr * (s + 1) / warmup_steps), then cosine or linear decay to min_lr at the last
-// step, or constant. A pure function of the step: resuming needs no state.
+// (step s uses lr * (s + 1) / warmup_steps), then cosine or linear decay from lr at step
+// warmup_steps to min_lr at the last step (min_lr after it; a single decay step is min_lr), or
+// constant. A pure function of the step: resuming needs no state.
 double learning_rate(const TrainConfig& t, int64_t step);
 
 struct OptimizerStats {
@@ -28,7 +29,7 @@ struct OptimizerStats {
 
 class AdamW {
  public:
-  AdamW(const ParamTable& table, const TrainConfig& cfg);
+  AdamW(ParamTable table, const TrainConfig& cfg);
 
   // One update of the trainable parameters from their gradients (gradients are clipped in place).
   // `step` is the schedule's step; bias correction counts the updates actually applied.
@@ -41,7 +42,7 @@ class AdamW {
   std::vector<float> second_moment(size_t i) const;
 
  private:
-  const ParamTable& table_;
+  ParamTable table_;
   TrainConfig cfg_;
   std::vector<std::vector<float>> m_, v_;          // fp32 moments
   std::vector<std::vector<uint16_t>> m16_, v16_;   // bf16 moments

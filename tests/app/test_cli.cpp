@@ -140,6 +140,7 @@ TEST(Cli, PrepareData) {
   EXPECT_NE(r.err.find("holds no text"), std::string::npos) << r.err;
   r = run({exe(), "prepare-data", "--input", in, "--output", tmp.path + "/i", "--val-fraction", "1.5"});
   EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("--val-fraction"), std::string::npos) << r.err;
 }
 
 // ---- bad configs -----------------------------------------------------------------------------
@@ -234,6 +235,8 @@ const BadConfig kBadConfigs[] = {
     {"dense_layers_beyond_depth", "model:\n  first_dense_layers: 5\n", "model.first_dense_layers", "2:23", "at most model.n_layers = 4"},
     {"top_k_above_experts", "model:\n  moe:\n    top_k: 9\n", "model.moe.top_k", "3:12", "at most model.moe.n_experts = 8"},
     {"min_lr_above_lr", "train:\n  min_lr: 1.0\n", "train.min_lr", "2:11", "at most train.lr = 0.0003"},
+    {"warmup_not_below_steps", "train:\n  steps: 10\n  warmup_steps: 10\n", "train.warmup_steps", "3:17", "fewer than train.steps = 10"},
+    {"bf16_moments_with_slow_beta2", "train:\n  moments_dtype: bf16\n  beta2: 0.999\n", "train.beta2", "3:10", "at most 0.996 with train.moments_dtype bf16"},
     {"hybrid_with_blockwise", "fp8:\n  format: hybrid\n", "fp8.format", "2:11", "e4m3 with fp8.recipe blockwise"},
     {"default_value_breaks_rule", "model:\n  n_heads: 6\n", "model.n_kv_heads", "", "(the default)"},
     {"tensor_not_dividing_heads", "parallel:\n  tensor: 3\n", "parallel.tensor", "2:11", "a divisor of model.n_heads = 8"},

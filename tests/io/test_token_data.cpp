@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 
 #include "io/token_data.h"
@@ -55,8 +56,8 @@ TEST(TokenData, ValidationSplitIsByDocumentDeterministicAndDisjoint) {
 
 TEST(TokenData, SamplesAreAFunctionOfSeedStepAndPosition) {
   test::TempDir dir;
-  std::string text;
-  for (int i = 0; i < 5000; ++i) text += char('a' + i % 26);
+  std::string text;  // no period: every start offset gives a different sequence
+  for (uint32_t i = 0; i < 5000; ++i) text += char(1 + (i * 2654435761u >> 13) % 255);
   prepare_data({dir.write("in.txt", text)}, dir.path + "/p", 0.0, "", 3);
   TokenFile f(dir.path + "/p.train.tok");
   const int64_t T = 16;
@@ -98,6 +99,34 @@ TEST(TokenData, BadInputsAndFilesAreClearErrors) {
   expect_error(dir.path + "/trunc.tok", "does not match its header");
   expect_error(dir.write("magic.tok", std::string(64, 'x')), "bad magic");
   expect_error(dir.write("short.tok", "FP8"), "shorter than its header");
+  // Header fields and the index, each corrupted alone (offsets: version 8, docs 24, tokens 32).
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto patched = [&](const std::string& name, size_t at, const std::string& with) {
+    std::string b = bytes;
+    b.replace(at, with.size(), with);
+    return dir.write(name, b);
+  };
+  expect_error(patched("version.tok", 8, std::string("\x02\0\0\0", 4)), "version 2");
+  expect_error(patched("docs.tok", 24, std::string("\x50\0\0\0\0\0\0\0", 8)), "does not match its header");
+  expect_error(patched("token.tok", 32, std::string("\x00\x01", 2)), "is not a byte");
+  expect_error(patched("end.tok", 32 + 2 * 11, std::string("\x41\x00", 2)), "ending with 0");
+  // Inputs: a directory, and everything held out.
+  try {
+    prepare_data({dir.path}, dir.path + "/x", 0.1, "", 1);
+    ADD_FAILURE() << "a directory was accepted as input";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
+  }
+  try {
+    prepare_data({dir.write("one.txt", "only one document")}, dir.path + "/x", 0.999, "", 3);
+    ADD_FAILURE() << "no error with nothing to train on";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("every document went to validation"), std::string::npos) << e.what();
+  }
   TokenFile f(good);
   std::vector<int32_t> x(100), y(100);
   EXPECT_THROW(f.sample(1, 0, 0, 100, x.data(), y.data()), DataError);  // 12 tokens < 101

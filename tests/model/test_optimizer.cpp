@@ -123,6 +123,22 @@ TEST(AdamW, NonFiniteGradientsSkipTheStepAndTouchNothing) {
   EXPECT_EQ(opt.second_moment(1), v_before);
   bad[3][2] = INFINITY;
   EXPECT_TRUE(opt.step(params, bad, 1).skipped);
+  // The next good step is update number 2 for bias correction (not schedule step + 1 = 3).
+  const TrainConfig cfg = train_config();
+  auto good = random_like(table, 7, 0.001f);  // below the clip
+  const auto m1 = opt.first_moment(1), v1 = opt.second_moment(1);
+  std::vector<float> want(params[1].size());
+  const double lr = learning_rate(cfg, 2);
+  for (size_t j = 0; j < want.size(); ++j) {
+    const double g = good[1][j];
+    const double m = cfg.beta1 * m1[j] + (1 - cfg.beta1) * g, v = cfg.beta2 * v1[j] + (1 - cfg.beta2) * g * g;
+    const double mh = m / (1 - cfg.beta1 * cfg.beta1), vh = v / (1 - cfg.beta2 * cfg.beta2);
+    const double decay = table.params[1].weight_decay ? 1 - lr * cfg.weight_decay : 1.0;
+    want[j] = float(params[1][j] * decay - lr * mh / (std::sqrt(vh) + cfg.eps));
+  }
+  ASSERT_TRUE(table.params[1].trainable) << table.params[1].name;
+  EXPECT_FALSE(opt.step(params, good, 2).skipped);
+  for (size_t j = 0; j < want.size(); ++j) ASSERT_NEAR(params[1][j], want[j], 1e-6) << j;
 }
 
 TEST(Schedule, ValuesAtTheBoundaries) {
@@ -141,6 +157,10 @@ TEST(Schedule, ValuesAtTheBoundaries) {
   EXPECT_DOUBLE_EQ(learning_rate(t, 7), 1e-2);
   t.warmup_steps = 0;
   EXPECT_DOUBLE_EQ(learning_rate(t, 0), 1e-2);
+  // One decay step (warmup = steps - 1): warm up to the peak, then the last step is min_lr.
+  t.schedule = Schedule::cosine, t.steps = 5, t.warmup_steps = 4;
+  EXPECT_DOUBLE_EQ(learning_rate(t, 3), 1e-2);
+  EXPECT_DOUBLE_EQ(learning_rate(t, 4), 1e-3);
 }
 
 }  // namespace
