@@ -55,14 +55,14 @@ int main(int argc, char** argv) {
 
   TrainOptions train;
   CLI::App* train_cmd = app.add_subcommand(
-      "train", "Validate CONFIG, build the process grid and print it (training itself is not implemented yet)");
+      "train", "Validate CONFIG, build the process grid, print both, then train (one rank only in this build)");
   train_cmd->add_option("config", train.config_path, "YAML config file (see `fp8moe defaults`)")->required();
   train_cmd->add_option("--set", train.overrides, "Override one key: --set train.lr=1e-4 (repeatable)")
       ->type_name("KEY=VALUE")
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   train_cmd->add_flag("--dry-run", train.dry_run,
-                      "Validate, build the grid, print the effective config and the layout, exit 0");
+                      "Validate, build the grid, print the effective config and the layout, exit 0 without training");
 
   std::vector<std::string> prep_inputs;
   std::string prep_output, prep_split;

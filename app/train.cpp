@@ -4,6 +4,7 @@
 #include <exception>
 
 #include "app/exit_codes.h"
+#include "app/train_loop.h"
 #include "io/config.h"
 #include "kernels/check.h"
 #include "parallel/grid.h"
@@ -54,14 +55,19 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     std::printf("fp8moe %s: %s on %d rank%s\n\neffective config:\n%s\n%s\n", FP8MOE_VERSION,
                 options.config_path.c_str(), mpi.size(), mpi.size() == 1 ? "" : "s",
                 config_to_yaml(config).c_str(), table.c_str());
-    if (options.dry_run)
-      std::printf("dry run: the config is valid and the process grid is built; nothing was trained.\n");
-    else
-      std::printf("training is not implemented yet: this build validates the config and builds the "
-                  "process grid, then stops. Nothing was trained.\n");
+    if (options.dry_run) std::printf("dry run: the config is valid and the process grid is built; nothing was trained.\n");
     std::fflush(stdout);
   }
-  return kExitOk;
+  if (options.dry_run) return kExitOk;
+  const ParallelConfig& p = config.parallel;
+  if (mpi.size() > 1 || p.tensor * p.pipeline * p.expert > 1) {
+    if (root)
+      report_error("training runs on one rank in this build; parallel training arrives with the parallelism "
+                   "issue. Use --dry-run to check this layout, or run one rank with --set parallel.tensor=1 "
+                   "--set parallel.pipeline=1 --set parallel.expert=1");
+    return kExitUsage;
+  }
+  return train_one_rank(config, mpi.size());
 }
 
 }  // namespace

@@ -119,6 +119,10 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
   if (rep.train_tokens - rep.train_docs <= 0)
     throw DataError("prepare-data: " + names + ": every document went to validation (--val-fraction " +
                     std::to_string(val_fraction) + "); nothing to train on");
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::path(prefix).parent_path();
+  if (!dir.empty() && !std::filesystem::create_directories(dir, ec) && ec)
+    throw DataError(dir.string() + ": cannot create the output directory: " + ec.message());
   write_split(prefix + ".train.tok", train);
   write_split(prefix + ".val.tok", val);
   return rep;

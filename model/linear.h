@@ -26,6 +26,7 @@ struct LinearFp8 {
   LinearScaling* state = nullptr;  // delayed scaling only
   AmaxReduce reduce;               // per-tensor amax over the tensor-parallel group (empty: local)
   bool record = true;              // false when recomputing: quantize, but do not advance histories
+  int64_t* saturated = nullptr;    // when set, counts elements clamped to the FP8 maximum
   bool enabled() const { return cfg && cfg->recipe != Fp8Recipe::off; }
 };
 

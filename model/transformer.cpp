@@ -56,6 +56,7 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
   if (enabled && cfg_.fp8.recipe != Fp8Recipe::off) {
     f.cfg = &cfg_.fp8;
     f.state = &scaling_[weight];
+    f.saturated = &saturated_;
   }
   f.record = record;
   return f;
@@ -186,6 +187,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   for (int64_t i = 0; i < N; ++i)
     FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside the vocabulary of ", V);
   StepResult result;
+  saturated_ = 0;
 
   std::vector<std::vector<float>> xs(size_t(L + 1), std::vector<float>(size_t(N * D)));
   cpu::embedding_forward(P("embed.weight"), tokens, N, D, xs[0].data());
@@ -222,7 +224,10 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   result.tokens = count;
   result.ce = count > 0 ? ce_sum / double(count) : 0.0;
   result.loss = result.ce + result.aux;
-  if (!backward) return result;
+  if (!backward) {
+    result.fp8_saturated = saturated_;
+    return result;
+  }
 
   std::vector<float> dh(size_t(N * D)), dx(size_t(N * D)), dnext(size_t(N * D));
   sgemm(true, false, V, D, N, 1.0f, dlogits.data(), V, hf.data(), D, 1.0f, G("head.weight"), D);
@@ -238,6 +243,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
     std::swap(dx, dnext);
   }
   cpu::embedding_backward(dx.data(), tokens, N, D, G("embed.weight"));
+  result.fp8_saturated = saturated_;
   return result;
 }
 

@@ -21,6 +21,7 @@ struct StepResult {
   int64_t tokens = 0;  // targets counted (not pad_id)
   std::vector<std::vector<int64_t>> expert_load;  // per MoE layer, tokens per expert
   std::vector<std::vector<int32_t>> routing;      // per MoE layer, (N, top_k) chosen experts
+  int64_t fp8_saturated = 0;                      // elements clamped to the FP8 maximum (all GEMMs)
   int64_t dropped = 0;                            // assignments dropped by capacity
 };
 
@@ -66,6 +67,7 @@ class Transformer {
   std::vector<std::vector<float>> params_, grads_;
   std::map<std::string, LinearScaling> scaling_;  // delayed-scaling state per linear weight
   double saved_bytes_per_token_ = 0;
+  int64_t saturated_ = 0;  // FP8 saturation count of the current forward_backward
 };
 
 }  // namespace fp8moe
