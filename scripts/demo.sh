@@ -1,10 +1,25 @@
 #!/usr/bin/env bash
-# Set-up + the main job: fp8moe on configs/tiny.yaml over 8 MPI ranks (tensor 2 x pipeline 2 x
-# data 2, expert 2). For now it validates the config, builds the process grid and prints both;
-# training itself arrives with the later issues.
+# Set-up + the main job:
+#  1. the 8-rank layout of configs/tiny.yaml (tensor 2 x pipeline 2 x data 2, expert 2), validated
+#     and printed by `fp8moe train --dry-run` under mpirun (parallel training arrives later);
+#  2. the fortunes corpus (Debian's `fortunes` package) tokenised once into data/fortunes.*;
+#  3. configs/tiny.yaml trained on one rank, with a metrics line per 10 steps and logs/tiny.jsonl.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh
 source scripts/mpi-env.sh
-echo "demo: mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml"
-mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml
+
+echo "demo: mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml --dry-run"
+mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml --dry-run
+
+if [[ ! -f data/fortunes.train.tok ]]; then
+  inputs=()
+  for f in /usr/share/games/fortunes/*; do
+    [[ -f $f && $f != *.dat && $f != *.u8 ]] && inputs+=("$f")
+  done
+  echo "demo: build/fp8moe prepare-data (${#inputs[@]} fortune files) --output data/fortunes --split-on %"
+  build/fp8moe prepare-data --input "${inputs[@]}" --output data/fortunes --split-on % --val-fraction 0.05
+fi
+
+echo "demo: build/fp8moe train configs/tiny.yaml on one rank"
+build/fp8moe train configs/tiny.yaml --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=1

@@ -13,6 +13,7 @@ packages=(
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev          # BLAS (OpenMP build) and oneDNN for the CPU backend
   libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks
   python3 python3-venv                                        # the JAX reference of the model tests
+  fortunes                                                    # the demo's corpus (/usr/share/games/fortunes)
 )
 pypi=("jax[cpu]" numpy ml_dtypes)                               # in build/venv, not the system Python
 
