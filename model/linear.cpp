@@ -21,8 +21,8 @@ void quantize_per_tensor(const float* x, int64_t rows, int64_t cols, Fp8Dtype dt
                                                             : DelayedScaling::Compute::most_recent;
     if (f.record)
       quantize_delayed(x, rows, cols, dt, *st, compute, scale_options(c), f.reduce, out);
-    else
-      quantize_with_scale(x, rows, cols, dt, st->last_used, out);  // recomputation: the forward's scale, no step
+    else  // recomputation: the forward's scale; evaluation: the current one; no history step either way
+      quantize_with_scale(x, rows, cols, dt, f.reuse_last_scale ? st->last_used : st->scale, out);
   } else {
     quantize_current(x, rows, cols, dt, scale_options(c), f.reduce, out);
   }
@@ -48,7 +48,7 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
     quantize_per_tensor(x, M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, &s.xq);
     quantize_per_tensor(W, N, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->w : nullptr, &s.wq);
   }
-  if (fp8.saturated && fp8.record) *fp8.saturated += s.xq.saturated + s.wq.saturated;
+  if (fp8.saturated && !fp8.reuse_last_scale) *fp8.saturated += s.xq.saturated + s.wq.saturated;
   gemm_fp8(s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
   // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
   // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.

@@ -25,7 +25,9 @@ struct LinearFp8 {
   const Fp8Config* cfg = nullptr;  // nullptr or recipe off: FP32 GEMMs
   LinearScaling* state = nullptr;  // delayed scaling only
   AmaxReduce reduce;               // per-tensor amax over the tensor-parallel group (empty: local)
-  bool record = true;              // false when recomputing: quantize, but do not advance histories
+  bool record = true;              // false: quantize, but do not advance delayed-scaling histories
+  bool reuse_last_scale = false;   // with record false: the scale the last recorded pass used
+                                   // (recomputation), not the one the next pass will use (evaluation)
   int64_t* saturated = nullptr;    // when set, counts elements clamped to the FP8 maximum
   bool enabled() const { return cfg && cfg->recipe != Fp8Recipe::off; }
 };

@@ -59,6 +59,7 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
     f.saturated = &saturated_;
   }
   f.record = record;
+  f.reuse_last_scale = !record && recompute_;
   return f;
 }
 
@@ -194,7 +195,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   std::vector<BlockSaved> saved(static_cast<size_t>(L));
   int64_t saved_bytes = 0;
   for (int64_t l = 0; l < L; ++l) {
-    block_forward(int(l), xs[l].data(), B, T, xs[l + 1].data(), &saved[l], true);
+    block_forward(int(l), xs[l].data(), B, T, xs[l + 1].data(), &saved[l], /*record=*/backward);
     saved[l].kept = !recomputed(int(l));
     if (l >= m.first_dense_layers) {
       result.aux += saved[l].moe.aux_loss;
@@ -236,7 +237,9 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   for (int64_t l = L - 1; l >= 0; --l) {
     if (!saved[l].kept) {  // recompute with the forward's scales, without advancing any history
       std::vector<float> scratch(size_t(N * D));
+      recompute_ = true;
       block_forward(int(l), xs[l].data(), B, T, scratch.data(), &saved[l], false);
+      recompute_ = false;
     }
     block_backward(int(l), saved[l], dx.data(), dnext.data());
     saved[l] = BlockSaved{};

@@ -52,6 +52,8 @@ class Transformer {
   struct BlockSaved;
   const float* P(const std::string& name) const { return params_[size_t(index_.at(name))].data(); }
   float* G(const std::string& name) { return grads_[size_t(index_.at(name))].data(); }
+  // record: a training forward (advances delayed-scaling histories); otherwise a recomputation
+  // (recompute_ true: the forward's scales) or an evaluation (the current scales).
   LinearFp8 fp8_for(const std::string& weight, LinearClass cls, bool record);
   FfnWeights ffn_weights(const std::string& prefix) const;
   FfnGrads ffn_grads(const std::string& prefix);
@@ -68,6 +70,7 @@ class Transformer {
   std::map<std::string, LinearScaling> scaling_;  // delayed-scaling state per linear weight
   double saved_bytes_per_token_ = 0;
   int64_t saturated_ = 0;  // FP8 saturation count of the current forward_backward
+  bool recompute_ = false; // inside a recomputation (see fp8_for)
 };
 
 }  // namespace fp8moe

@@ -252,6 +252,25 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
   }
 }
 
+TEST(Model, EvaluationDoesNotChangeTraining) {
+  // A forward without backward (evaluation) must leave the delayed-scaling histories alone: the
+  // gradients of a training step are the same with or without an evaluation before it.
+  std::vector<std::vector<float>> reference;
+  for (bool eval_first : {false, true}) {
+    Transformer model(model_config(Fp8Recipe::delayed));
+    const Batch b = batch(16, 8, 40), other = batch(16, 9, 40);
+    model.zero_grads();
+    model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);  // histories have one step
+    if (eval_first) model.forward_backward(other.tokens.data(), other.targets.data(), 2, 8, false);
+    model.zero_grads();
+    model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
+    if (!eval_first)
+      reference = model.grads();
+    else
+      EXPECT_EQ(model.grads(), reference);
+  }
+}
+
 TEST(Model, SgdOnAFixedBatchLowersTheLoss) {
   for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::current, Fp8Recipe::blockwise}) {
     Transformer model(model_config(recipe));
