@@ -7,6 +7,7 @@
 #include <string>
 
 #include "app/exit_codes.h"
+#include "app/generate.h"
 #include "app/train.h"
 #include "io/build_info.h"
 #include "io/config.h"
@@ -76,6 +77,16 @@ int main(int argc, char** argv) {
   prep_cmd->add_option("--split-on", prep_split, "Split inputs into documents at lines equal to this (fortunes: %)");
   prep_cmd->add_option("--seed", prep_seed, "Seed of the train/validation assignment (default 1234)");
 
+  GenerateOptions gen;
+  CLI::App* gen_cmd = app.add_subcommand("generate", "Sample text from the weights a training run wrote");
+  gen_cmd->add_option("--checkpoint", gen.checkpoint, "Checkpoint directory (its final.weights) or a weights file")
+      ->required();
+  gen_cmd->add_option("--prompt", gen.prompt, "Text to continue")->required();
+  gen_cmd->add_option("--tokens", gen.tokens, "Bytes to generate at most (default 200; stops at a document end)");
+  gen_cmd->add_option("--temperature", gen.temperature, "Sampling temperature; 0 = greedy (default 0.8)");
+  gen_cmd->add_option("--top-k", gen.top_k, "Sample among the k most likely bytes; 0 = all (default 40)");
+  gen_cmd->add_option("--seed", gen.seed, "Sampling seed (default 1)");
+
   CLI::App* defaults_cmd = app.add_subcommand(
       "defaults", "Print every config key with its default value, what it accepts and what it means");
 
@@ -100,6 +111,7 @@ int main(int argc, char** argv) {
         return kExitUsage;
       }
     }
+    if (*gen_cmd) return launcher_rank() == 0 ? run_generate(gen) : kExitOk;
     if (*defaults_cmd) {
       if (launcher_rank() == 0) std::fputs(config_reference().c_str(), stdout);
       return kExitOk;

@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "app/exit_codes.h"
+#include "io/config.h"
 #include "io/token_data.h"
+#include "io/weights.h"
 #include "kernels/gemm_fp8.h"
 #include "model/optimizer.h"
 #include "model/transformer.h"
@@ -118,7 +120,8 @@ int train_one_rank(const Config& cfg, int world_size) {
               "MFU against the measured FP32 SGEMM peak of %.0f GFLOP/s\n",
               (long long)model.table().trainable_numel(), (long long)cfg.train.steps, cfg.train.global_batch,
               (long long)T, (long long)p.micro_batches, std::string(to_string(cfg.fp8.recipe)).c_str(), peak * 1e-9);
-  if (cfg.checkpoint.every > 0) std::printf("note: checkpoints are not written yet in this build\n");
+  if (cfg.checkpoint.every > 0)
+    std::printf("note: periodic checkpoints are not written yet in this build; the final weights are\n");
 
   std::vector<int32_t> tokens(size_t(mbs * T)), targets(size_t(mbs * T));
   auto validation_loss = [&]() {
@@ -197,6 +200,17 @@ int train_one_rank(const Config& cfg, int world_size) {
   if (jsonl) std::fclose(jsonl);
   std::printf("done: %lld steps in %.1f s; final validation loss %s\n", (long long)cfg.train.steps,
               std::chrono::duration<double>(Clock::now() - t_start).count(), json_number(last_val).c_str());
+  // The weights for `fp8moe generate` (a plain file until the HDF5 checkpoints land).
+  std::error_code ec;
+  std::filesystem::create_directories(cfg.checkpoint.dir, ec);
+  const std::string weights = cfg.checkpoint.dir + "/final.weights";
+  try {
+    save_weights(weights, config_to_yaml(cfg), model.table(), model.params());
+  } catch (const WeightsError& e) {
+    return refuse(std::string("checkpoint.dir: ") + e.what());
+  }
+  std::printf("weights written to %s (fp8moe generate --checkpoint %s --prompt ...)\n", weights.c_str(),
+              cfg.checkpoint.dir.c_str());
   return kExitOk;
 }
 

@@ -174,6 +174,24 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   for (int64_t i = 0; i < N * D; ++i) dx[i] += dx_mid[i];
 }
 
+std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) {
+  const ModelConfig& m = cfg_.model;
+  const int64_t D = m.d_model, V = m.vocab_size;
+  for (int64_t i = 0; i < T; ++i)
+    FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside the vocabulary of ", V);
+  std::vector<float> x(size_t(T * D)), y(size_t(T * D));
+  cpu::embedding_forward(P("embed.weight"), tokens, T, D, x.data());
+  for (int l = 0; l < m.n_layers; ++l) {
+    BlockSaved s;
+    block_forward(l, x.data(), 1, T, y.data(), &s, /*record=*/false);
+    std::swap(x, y);
+  }
+  std::vector<float> h(static_cast<size_t>(D)), rstd(1), logits(static_cast<size_t>(V));
+  cpu::rmsnorm_forward(x.data() + (T - 1) * D, P("final_norm.weight"), 1, D, float(m.norm_eps), h.data(), rstd.data());
+  sgemm(false, true, 1, V, D, 1.0f, h.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);
+  return logits;
+}
+
 void Transformer::update_router_biases(const StepResult& result) {
   const ModelConfig& m = cfg_.model;
   FP8MOE_ASSERT(int64_t(result.expert_load.size()) == m.n_layers - m.first_dense_layers, "expert loads of ",

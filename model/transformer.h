@@ -41,6 +41,10 @@ class Transformer {
   // targets equal to model.pad_id are not counted.
   StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward);
 
+  // Logits (V) of the token after tokens[0..T) (one sequence), for generation. FP8 histories are
+  // not advanced.
+  std::vector<float> next_token_logits(const int32_t* tokens, int64_t T);
+
   // Aux-loss-free balancing after an optimizer step: each MoE layer's router bias moves by
   // model.moe.bias_update_rate towards balance, from the load of the step (result.expert_load).
   void update_router_biases(const StepResult& result);

@@ -103,7 +103,8 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
                                     "fp8: {recipe: blockwise, tile: 32}\n"
                                     "eval: {every: 10, batches: 2}\n"
                                     "log: {every: 1, jsonl: " + tmp.path + "/logs/m.jsonl}\n"
-                                    "data: {path: " + tmp.path + "/data/lic}\n");
+                                    "data: {path: " + tmp.path + "/data/lic}\n"
+                                    "checkpoint: {dir: " + tmp.path + "/ckpt}\n");
   r = run({exe(), "train", cfg}, 600);
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_NE(r.out.find("step    30/30"), std::string::npos) << r.out;
@@ -126,6 +127,17 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   r = run({python(), check, tmp.path + "/logs/m.jsonl"});
   EXPECT_EQ(r.status, 0) << r.all();
   std::printf("%s", r.out.c_str());
+  // The weights the run wrote: greedy generation is deterministic and continues the prompt.
+  r = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU", "--tokens", "24",
+           "--temperature", "0"}, 300);
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_EQ(r.out.rfind("The GNU", 0), 0u) << r.out;
+  const RunResult again = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU",
+                               "--tokens", "24", "--temperature", "0"}, 300);
+  EXPECT_EQ(again.out, r.out);
+  r = run({exe(), "generate", "--checkpoint", tmp.path + "/nothing", "--prompt", "x"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("cannot open the weights file"), std::string::npos) << r.err;
 }
 
 TEST(Cli, DefaultsOutputIsAValidConfigOfTheDefaults) {

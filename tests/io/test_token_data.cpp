@@ -76,6 +76,16 @@ TEST(TokenData, SamplesAreAFunctionOfSeedStepAndPosition) {
   EXPECT_NE(x1, x2);
 }
 
+TEST(TokenData, PrintableUtf8KeepsValidTextAndEscapesTheRest) {
+  EXPECT_EQ(printable_utf8("plain\ttext\n"), "plain\ttext\n");
+  EXPECT_EQ(printable_utf8("caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80"), "caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80");
+  EXPECT_EQ(printable_utf8("a\xFF" "b"), "a\\xFF" "b");            // not UTF-8 at all
+  EXPECT_EQ(printable_utf8("\xC3"), "\\xC3");                      // truncated sequence
+  EXPECT_EQ(printable_utf8("\xC0\xAF"), "\\xC0\\xAF");            // overlong '/'
+  EXPECT_EQ(printable_utf8("\xED\xA0\x80"), "\\xED\\xA0\\x80");  // a surrogate
+  EXPECT_EQ(printable_utf8("\x1B[2J\r"), "\\x1B[2J\\x0D");          // terminal control bytes
+}
+
 TEST(TokenData, BadInputsAndFilesAreClearErrors) {
   test::TempDir dir;
   EXPECT_THROW(prepare_data({}, dir.path + "/x", 0.1, "", 1), DataError);

@@ -1,0 +1,22 @@
+// `fp8moe generate --checkpoint DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]`
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace fp8moe {
+
+struct GenerateOptions {
+  std::string checkpoint;  // a directory holding final.weights, or the weights file itself
+  std::string prompt;
+  int tokens = 200;
+  double temperature = 0.8;
+  int top_k = 40;
+  uint64_t seed = 1;
+};
+
+// Prints the prompt and a sample continuation (bytes that are not valid UTF-8 shown as \xNN).
+// Returns the exit status.
+int run_generate(const GenerateOptions& options);
+
+}  // namespace fp8moe
