@@ -164,7 +164,8 @@ int train_one_rank(const Config& cfg, int world_size) {
     if (!st.skipped && !load.empty()) model.update_router_biases(summed);
 
     const bool last = step + 1 == cfg.train.steps;
-    if (eval_on && ((step + 1) % cfg.eval.every == 0 || last)) last_val = validation_loss();
+    const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || last);
+    if (evaluated) last_val = validation_loss();
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     if ((step + 1) % cfg.log.every != 0 && !last) continue;
 
@@ -190,7 +191,8 @@ int train_one_rank(const Config& cfg, int world_size) {
                    "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
                    "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"expert_load_imbalance\":%s,"
                    "\"fp8_saturated\":%lld,\"skipped_steps\":%lld}\n",
-                   (long long)step + 1, json_number(loss).c_str(), json_number(last_val).c_str(), json_number(st.lr).c_str(),
+                   (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
+                   json_number(st.lr).c_str(),
                    json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(), json_number(step_s).c_str(),
                    json_number(mfu).c_str(), (long long)peak_rss_bytes(), json_number(imbalance).c_str(),
                    (long long)saturated, (long long)opt.skipped());

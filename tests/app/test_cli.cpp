@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -127,6 +128,13 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   r = run({python(), check, tmp.path + "/logs/m.jsonl"});
   EXPECT_EQ(r.status, 0) << r.all();
   std::printf("%s", r.out.c_str());
+  // The loss curve of the run as a PNG.
+  r = run({source_dir() + "/scripts/plot-metrics", tmp.path + "/logs/m.jsonl", tmp.path + "/loss.png"}, 120);
+  EXPECT_EQ(r.status, 0) << r.all();
+  std::ifstream png(tmp.path + "/loss.png", std::ios::binary);
+  char magic[8] = {};
+  png.read(magic, 8);
+  EXPECT_EQ(std::string(magic, 8), std::string("\x89PNG\r\n\x1a\n", 8));
   // The weights the run wrote: greedy generation is deterministic and continues the prompt.
   r = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU", "--tokens", "24",
            "--temperature", "0"}, 300);
