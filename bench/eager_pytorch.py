@@ -75,7 +75,7 @@ class Model(torch.nn.Module):
                 if rows.numel() == 0:
                     continue
                 w = self.experts[3 * (m * E + e): 3 * (m * E + e) + 3]
-                out = out.index_add(0, rows, gate[rows, slot, None] * self.ffn(flat[rows], *w))
+                out = out.index_add(0, rows, (gate[rows, slot, None] * self.ffn(flat[rows], *w)).to(out.dtype))
             x = x + out.view(b, t, D)
         return F.linear(rmsnorm(x, self.norms[2 * L]), self.head)
 
