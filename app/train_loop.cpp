@@ -128,8 +128,8 @@ int train_one_rank(const Config& cfg, int world_size) {
     double sum = 0;
     int64_t n = 0;
     for (int b = 0; b < cfg.eval.batches; ++b) {
-      for (int64_t i = 0; i < mbs; ++i)  // fixed sequences: their own seed, "step" b, positions 0..mbs-1
-        val_data->sample(uint64_t(cfg.train.seed) ^ 0x76616cull, b, i, T, &tokens[i * T], &targets[i * T]);
+      for (int64_t i = 0; i < mbs; ++i)  // fixed sequences: their own seed, samples 0 .. batches * mbs - 1
+        val_data->sample(uint64_t(cfg.train.seed) ^ 0x76616cull, b * mbs + i, T, &tokens[i * T], &targets[i * T]);
       const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, false);
       sum += r.ce * double(r.tokens), n += r.tokens;
     }
@@ -146,7 +146,8 @@ int train_one_rank(const Config& cfg, int world_size) {
     std::vector<std::vector<int64_t>> load;
     for (int mb = 0; mb < p.micro_batches; ++mb) {
       for (int64_t i = 0; i < mbs; ++i)
-        train_data->sample(uint64_t(cfg.train.seed), step, mb * mbs + i, T, &tokens[i * T], &targets[i * T]);
+        train_data->sample(uint64_t(cfg.train.seed), step * cfg.train.global_batch + mb * mbs + i, T, &tokens[i * T],
+                           &targets[i * T]);
       const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, true);
       loss += r.loss / p.micro_batches;
       saturated += r.fp8_saturated;

@@ -189,11 +189,37 @@ TokenFile::~TokenFile() {
   if (map_) munmap(map_, map_bytes_);
 }
 
-void TokenFile::sample(uint64_t seed, int64_t step, int64_t position, int64_t T, int32_t* tokens, int32_t* targets) const {
+namespace {
+// A seeded bijection of [0, n): a 4-round Feistel network on the next even number of bits, with
+// cycle walking back into [0, n).
+uint64_t permute_index(uint64_t i, uint64_t n, uint64_t seed, uint64_t epoch) {
+  if (n <= 1) return 0;
+  int bits = 64 - __builtin_clzll(n - 1);
+  bits += bits & 1;
+  const int half = bits / 2;
+  const uint64_t mask = (uint64_t(1) << half) - 1;
+  uint64_t x = i;
+  do {
+    uint64_t l = x >> half, r = x & mask;
+    for (uint32_t round = 0; round < 4; ++round) {
+      const Philox4x32 f = philox4x32_10(uint32_t(r), uint32_t(r >> 32), round, uint32_t(epoch), uint32_t(seed),
+                                         uint32_t(seed >> 32) ^ uint32_t(epoch >> 32));
+      const uint64_t nl = r;
+      r = l ^ ((uint64_t(f.v[0]) | uint64_t(f.v[1]) << 32) & mask);
+      l = nl;
+    }
+    x = (l << half) | r;
+  } while (x >= n);
+  return x;
+}
+}  // namespace
+
+void TokenFile::sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) const {
   if (count_ < T + 1)
     throw DataError(path_ + ": " + std::to_string(count_) + " tokens, fewer than one sequence of " + std::to_string(T + 1));
-  const uint64_t span = uint64_t(count_ - T);  // valid starts: [0, count - T - 1]
-  const uint64_t start = uint64_t(uniform(seed, uint64_t(step), uint64_t(position)) * double(span)) % span;
+  const uint64_t W = uint64_t(windows(T));
+  const uint64_t window = permute_index(uint64_t(index) % W, W, seed, uint64_t(index) / W);
+  const uint64_t start = window * uint64_t(T);
   for (int64_t t = 0; t < T; ++t) {
     tokens[t] = tokens_[start + t];
     targets[t] = tokens_[start + t + 1];

@@ -44,10 +44,13 @@ class TokenFile {
   int64_t doc_start(int64_t d) const;  // d in [0, docs()]
   const std::string& path() const { return path_; }
 
-  // Sequence number `position` of step `step`: T + 1 consecutive tokens from an offset drawn by
-  // Philox from (seed, step, position); tokens = the first T, targets = the last T. Every rank,
-  // micro-batch and layout computes the same sequence for the same (step, position).
-  void sample(uint64_t seed, int64_t step, int64_t position, int64_t T, int32_t* tokens, int32_t* targets) const;
+  // Sample number `index` (step * global_batch + position in the batch): the file is cut into
+  // W = (size - 1) / T windows of T + 1 tokens (neighbours share one token), and epoch
+  // index / W visits them in a seeded random order (a bijection: no window twice in an epoch, so
+  // no two positions of a step, whichever rank or micro-batch reads them, overlap).
+  // tokens = the window's first T, targets = its last T. A pure function of (seed, index).
+  void sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) const;
+  int64_t windows(int64_t T) const { return count_ > T ? (count_ - 1) / T : 0; }
 
  private:
   std::string path_;

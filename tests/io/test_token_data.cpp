@@ -4,7 +4,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <iterator>
+#include <random>
 #include <set>
 
 #include "io/token_data.h"
@@ -54,26 +56,40 @@ TEST(TokenData, ValidationSplitIsByDocumentDeterministicAndDisjoint) {
   EXPECT_NE(docs_of(TokenFile(dir.path + "/u.val.tok")), val);
 }
 
-TEST(TokenData, SamplesAreAFunctionOfSeedStepAndPosition) {
+TEST(TokenData, SamplesAreDisjointWindowsVisitedOncePerEpoch) {
   test::TempDir dir;
-  std::string text;  // no period: every start offset gives a different sequence
-  for (uint32_t i = 0; i < 5000; ++i) text += char(1 + (i * 2654435761u >> 13) % 255);
+  std::string text;  // random bytes: every 16-byte window is unique (checked below by search)
+  std::mt19937 rng(11);
+  for (uint32_t i = 0; i < 5000; ++i) text += char(1 + rng() % 255);
   prepare_data({dir.write("in.txt", text)}, dir.path + "/p", 0.0, "", 3);
   TokenFile f(dir.path + "/p.train.tok");
-  const int64_t T = 16;
-  std::vector<int32_t> x1(T), y1(T), x2(T), y2(T);
-  f.sample(42, 5, 3, T, x1.data(), y1.data());
-  f.sample(42, 5, 3, T, x2.data(), y2.data());
-  EXPECT_EQ(x1, x2);
-  for (int64_t t = 0; t + 1 < T; ++t) EXPECT_EQ(y1[t], x1[t + 1]);  // targets are the next tokens
-  std::set<std::vector<int32_t>> distinct;
-  for (int64_t pos = 0; pos < 50; ++pos) {
-    f.sample(42, 5, pos, T, x2.data(), y2.data());
-    distinct.insert(x2);
+  const int64_t T = 16, W = f.windows(T);  // 5001 tokens: 312 windows
+  ASSERT_EQ(W, (5001 - 1) / 16);
+  std::vector<int32_t> x(T), y(T), x2(T), y2(T);
+  f.sample(42, 77, T, x.data(), y.data());
+  f.sample(42, 77, T, x2.data(), y2.data());
+  EXPECT_EQ(x, x2);  // a pure function of (seed, index)
+  // One epoch: every window exactly once, so no two samples (positions, ranks) share input tokens.
+  std::set<int64_t> starts;
+  for (int64_t i = 0; i < W; ++i) {
+    f.sample(42, i, T, x.data(), y.data());
+    const int64_t start = std::search(f.tokens(), f.tokens() + f.size(), x.begin(), x.end(),
+                                      [](uint16_t a, int32_t b) { return a == b; }) - f.tokens();
+    ASSERT_EQ(start % T, 0) << "sample " << i << " is not a window";
+    EXPECT_TRUE(starts.insert(start).second) << "window at " << start << " read twice in one epoch";
+    for (int64_t t = 0; t + 1 < T; ++t) ASSERT_EQ(y[t], x[t + 1]);  // targets are the next tokens
+    ASSERT_EQ(y[T - 1], f.tokens()[start + T]);
   }
-  EXPECT_GT(distinct.size(), 20u);  // positions (data-parallel ranks, micro-batches) read different data
-  f.sample(42, 6, 3, T, x2.data(), y2.data());
-  EXPECT_NE(x1, x2);
+  EXPECT_EQ(int64_t(starts.size()), W);
+  // The next epoch is another order; another seed too.
+  std::vector<int64_t> e0, e1, s2;
+  for (int64_t i = 0; i < 20; ++i) {
+    f.sample(42, i, T, x.data(), y.data()), e0.push_back(x[0]);
+    f.sample(42, W + i, T, x.data(), y.data()), e1.push_back(x[0]);
+    f.sample(43, i, T, x.data(), y.data()), s2.push_back(x[0]);
+  }
+  EXPECT_NE(e0, e1);
+  EXPECT_NE(e0, s2);
 }
 
 TEST(TokenData, PrintableUtf8KeepsValidTextAndEscapesTheRest) {
@@ -139,7 +155,7 @@ TEST(TokenData, BadInputsAndFilesAreClearErrors) {
   }
   TokenFile f(good);
   std::vector<int32_t> x(100), y(100);
-  EXPECT_THROW(f.sample(1, 0, 0, 100, x.data(), y.data()), DataError);  // 12 tokens < 101
+  EXPECT_THROW(f.sample(1, 0, 100, x.data(), y.data()), DataError);  // 12 tokens < 101
 }
 
 }  // namespace
