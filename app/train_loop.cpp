@@ -85,8 +85,6 @@ int train_one_rank(const Config& cfg, int world_size) {
                   std::to_string(p.expert) + "); parallel training arrives with the parallelism issue. Use "
                   "--dry-run to check a layout, or --set parallel.tensor=1 --set parallel.pipeline=1 "
                   "--set parallel.expert=1 on one rank");
-  if (cfg.train.loss_scale.mode != LossScaleMode::none)
-    return refuse("train.loss_scale: only none is implemented in this build");
   if (cfg.data.path.empty()) return refuse("data.path: empty; prepare a data set with `fp8moe prepare-data`");
   if (cfg.model.vocab_size < 256) return refuse("model.vocab_size: the byte-level data needs at least 256");
 
@@ -114,6 +112,7 @@ int train_one_rank(const Config& cfg, int world_size) {
 
   Transformer model(cfg);
   AdamW opt(model.table(), cfg.train);
+  LossScaler scaler(cfg.train);
   const double peak = measured_sgemm_flops();
   const double flops_per_token = model_flops_per_token(cfg.model, T);
   std::printf("training %lld parameters for %lld steps of %d x %lld tokens (%lld micro-batches), recipe %s; "
@@ -142,24 +141,28 @@ int train_one_rank(const Config& cfg, int world_size) {
     const auto t0 = Clock::now();
     model.zero_grads();
     double loss = 0;
-    int64_t saturated = 0;
+    int64_t saturated = 0, underflowed = 0;
     std::vector<std::vector<int64_t>> load;
     for (int mb = 0; mb < p.micro_batches; ++mb) {
       for (int64_t i = 0; i < mbs; ++i)
         train_data->sample(uint64_t(cfg.train.seed), step * cfg.train.global_batch + mb * mbs + i, T, &tokens[i * T],
                            &targets[i * T]);
-      const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, true);
+      const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, true, scaler.scale());
       loss += r.loss / p.micro_batches;
-      saturated += r.fp8_saturated;
+      saturated += r.fp8_saturated, underflowed += r.fp8_underflowed;
       if (load.empty()) load = r.expert_load;
       else
         for (size_t l = 0; l < load.size(); ++l)
           for (size_t e = 0; e < load[l].size(); ++e) load[l][e] += r.expert_load[l][e];
     }
-    if (p.micro_batches > 1)  // each micro-batch's gradient is of its mean loss: average them
+    // Each micro-batch's gradient is of its (scaled) mean loss: average them and divide the scale out.
+    const float unscale = 1.0f / (float(p.micro_batches) * scaler.scale());
+    if (unscale != 1.0f)
       for (auto& g : model.grads())
-        for (float& x : g) x /= float(p.micro_batches);
+        for (float& x : g) x *= unscale;
+    const float used_scale = scaler.scale();
     const OptimizerStats st = opt.step(model.params(), model.grads(), step);
+    scaler.update(!st.skipped);
     StepResult summed;
     summed.expert_load = load;
     if (!st.skipped && !load.empty()) model.update_router_biases(summed);
@@ -182,21 +185,21 @@ int train_one_rank(const Config& cfg, int world_size) {
     char val[32] = "  -   ";
     if (!std::isnan(last_val)) std::snprintf(val, sizeof val, "%.4f", last_val);
     std::printf("step %5lld/%lld  loss %.4f  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
-                "mem %.0f MB  load %.2f  sat %lld  skipped %lld  eta %.0f s\n",
+                "mem %.0f MB  load %.2f  sat %lld  under %lld  skipped %lld  eta %.0f s\n",
                 (long long)step + 1, (long long)cfg.train.steps, loss, val, st.lr, st.grad_norm,
                 tokens_per_s, step_s, mfu, double(peak_rss_bytes()) / 1e6, imbalance, (long long)saturated,
-                (long long)opt.skipped(), eta);
+                (long long)underflowed, (long long)opt.skipped(), eta);
     std::fflush(stdout);
     if (jsonl) {
       std::fprintf(jsonl,
                    "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
                    "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"expert_load_imbalance\":%s,"
-                   "\"fp8_saturated\":%lld,\"skipped_steps\":%lld}\n",
+                   "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s}\n",
                    (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
                    json_number(st.lr).c_str(),
                    json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(), json_number(step_s).c_str(),
                    json_number(mfu).c_str(), (long long)peak_rss_bytes(), json_number(imbalance).c_str(),
-                   (long long)saturated, (long long)opt.skipped());
+                   (long long)saturated, (long long)underflowed, (long long)opt.skipped(), json_number(used_scale).c_str());
       std::fflush(jsonl);
     }
   }

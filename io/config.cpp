@@ -326,6 +326,14 @@ const std::vector<Field>& schema() {
     v.push_back(choice("train.moments_dtype", REF(train.moments_dtype),
                        "Storage of the Adam moments (bf16 as DeepSeek-V3)."));
     v.push_back(loss_scale_field());
+    v.push_back(real("train.loss_scale_initial", REF(train.loss_scale_initial), 0, B::open, 1e30, B::closed,
+                     "Dynamic loss scaling: the first scale."));
+    v.push_back(integer("train.loss_scale_growth_interval", REF(train.loss_scale_growth_interval), 1, kNoMax,
+                        "Dynamic loss scaling: finite steps in a row before the scale grows."));
+    v.push_back(real("train.loss_scale_growth", REF(train.loss_scale_growth), 1, B::open, 1e6, B::closed,
+                     "Dynamic loss scaling: growth factor."));
+    v.push_back(real("train.loss_scale_backoff", REF(train.loss_scale_backoff), 0, B::open, 1, B::open,
+                     "Dynamic loss scaling: factor after a step with non-finite gradients (which is skipped)."));
     v.push_back(choice("train.recompute", REF(train.recompute),
                        "Recompute in backward instead of saving: nothing, the MoE blocks, or every block."));
     // fp8

@@ -78,6 +78,10 @@ struct TrainConfig {
   double grad_clip = 1.0;  // 0 = off
   MomentsDtype moments_dtype = MomentsDtype::fp32;
   LossScale loss_scale;
+  double loss_scale_initial = 65536.0;       // dynamic: the first scale
+  int64_t loss_scale_growth_interval = 1000;  // dynamic: finite steps in a row before growing
+  double loss_scale_growth = 2.0;            // dynamic: factor after growth_interval finite steps
+  double loss_scale_backoff = 0.5;           // dynamic: factor after a non-finite step
   Recompute recompute = Recompute::none;
   bool operator==(const TrainConfig&) const = default;
 };

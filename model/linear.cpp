@@ -49,6 +49,7 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
     quantize_per_tensor(W, N, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->w : nullptr, &s.wq);
   }
   if (fp8.saturated && !fp8.reuse_last_scale) *fp8.saturated += s.xq.saturated + s.wq.saturated;
+  if (fp8.underflowed && !fp8.reuse_last_scale) *fp8.underflowed += s.xq.underflowed + s.wq.underflowed;
   gemm_fp8(s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
   // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
   // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
@@ -72,6 +73,7 @@ void linear_backward(const LinearSaved& s, const float* W, const float* dy, cons
       QuantTensor dyq;
       quantize_tiled(dy, M, N, Tiling::rows_1xT, c.tile, Fp8Dtype::e4m3, opt, &dyq);
       if (fp8.saturated) *fp8.saturated += dyq.saturated;
+      if (fp8.underflowed) *fp8.underflowed += dyq.underflowed;
       gemm_fp8(dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
     }
     // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32 (x from its
@@ -92,6 +94,7 @@ void linear_backward(const LinearSaved& s, const float* W, const float* dy, cons
   QuantTensor dyq;
   quantize_per_tensor(dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, &dyq);
   if (fp8.saturated) *fp8.saturated += dyq.saturated;
+  if (fp8.underflowed) *fp8.underflowed += dyq.underflowed;
   if (dx) gemm_fp8(dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
   gemm_fp8(dyq, true, s.xq, false, 1.0f, 1.0f, dW, K);
 }

@@ -29,6 +29,7 @@ struct LinearFp8 {
   bool reuse_last_scale = false;   // with record false: the scale the last recorded pass used
                                    // (recomputation), not the one the next pass will use (evaluation)
   int64_t* saturated = nullptr;    // when set, counts elements clamped to the FP8 maximum
+  int64_t* underflowed = nullptr;  // when set, counts non-zero elements that became 0 in FP8
   bool enabled() const { return cfg && cfg->recipe != Fp8Recipe::off; }
 };
 

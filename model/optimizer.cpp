@@ -19,6 +19,23 @@ double learning_rate(const TrainConfig& t, int64_t step) {
   return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
+LossScaler::LossScaler(const TrainConfig& t) : cfg_(t) {
+  scale_ = t.loss_scale.mode == LossScaleMode::fixed     ? float(t.loss_scale.value)
+           : t.loss_scale.mode == LossScaleMode::dynamic ? float(t.loss_scale_initial)
+                                                         : 1.0f;
+}
+
+void LossScaler::update(bool finite) {
+  if (cfg_.loss_scale.mode != LossScaleMode::dynamic) return;
+  if (!finite) {
+    scale_ = std::max(float(scale_ * cfg_.loss_scale_backoff), 1.17549435e-38f);
+    good_steps_ = 0;
+  } else if (++good_steps_ >= cfg_.loss_scale_growth_interval) {
+    scale_ = std::min(float(scale_ * cfg_.loss_scale_growth), 3.0e38f);
+    good_steps_ = 0;
+  }
+}
+
 AdamW::AdamW(ParamTable table, const TrainConfig& cfg) : table_(std::move(table)), cfg_(cfg) {
   const bool bf16 = cfg.moments_dtype == MomentsDtype::bf16;
   for (const ParamSpec& p : table_.params) {

@@ -27,6 +27,22 @@ struct OptimizerStats {
   bool skipped = false;   // non-finite gradients: nothing was updated
 };
 
+// Loss scaling (train.loss_scale): none -> 1; a number -> that scale; dynamic -> starts at
+// loss_scale_initial, multiplies by loss_scale_backoff after a step with non-finite gradients and
+// by loss_scale_growth after loss_scale_growth_interval finite steps in a row. The loss gradient
+// is multiplied by scale() and the gradients divided by it before the optimizer.
+class LossScaler {
+ public:
+  explicit LossScaler(const TrainConfig& t);
+  float scale() const { return scale_; }
+  void update(bool finite);  // after every step
+
+ private:
+  TrainConfig cfg_;
+  float scale_ = 1.0f;
+  int64_t good_steps_ = 0;
+};
+
 class AdamW {
  public:
   AdamW(ParamTable table, const TrainConfig& cfg);

@@ -57,6 +57,7 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
     f.cfg = &cfg_.fp8;
     f.state = &scaling_[weight];
     f.saturated = &saturated_;
+    f.underflowed = &underflowed_;
   }
   f.record = record;
   f.reuse_last_scale = !record && recompute_;
@@ -133,7 +134,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   for (int64_t i = 0; i < N * D; ++i) out[i] = s->x_mid[i] + f[i];
 }
 
-void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx) {
+void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx, float loss_scale) {
   const ModelConfig& m = cfg_.model;
   const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
@@ -150,7 +151,7 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
       fp8.experts.push_back(ffn_fp8(q, LinearClass::experts, true));
       g.experts.push_back(ffn_grads(q));
     }
-    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, 1.0f, fp8, dh2.data(), g);
+    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, loss_scale, fp8, dh2.data(), g);
   }
   cpu::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
                         G(p + "ffn_norm.weight"));
@@ -200,13 +201,14 @@ void Transformer::update_router_biases(const StepResult& result) {
     update_router_bias(param("layers." + std::to_string(l) + ".moe.router_bias").data(), result.expert_load[size_t(l - m.first_dense_layers)], m.moe.bias_update_rate);
 }
 
-StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward) {
+StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
+                                         float loss_scale) {
   const ModelConfig& m = cfg_.model;
   const int64_t N = B * T, D = m.d_model, V = m.vocab_size, L = m.n_layers;
   for (int64_t i = 0; i < N; ++i)
     FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside the vocabulary of ", V);
   StepResult result;
-  saturated_ = 0;
+  saturated_ = 0, underflowed_ = 0;
 
   std::vector<std::vector<float>> xs(size_t(L + 1), std::vector<float>(size_t(N * D)));
   cpu::embedding_forward(P("embed.weight"), tokens, N, D, xs[0].data());
@@ -237,14 +239,14 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   sgemm(false, true, N, V, D, 1.0f, hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
   int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
   std::vector<float> dlogits(backward ? size_t(N * V) : 0);
-  const float scale = count > 0 ? 1.0f / float(count) : 0.0f;  // d mean / d logits
+  const float scale = count > 0 ? loss_scale / float(count) : 0.0f;  // d (scaled mean) / d logits
   const double ce_sum = cpu::cross_entropy(logits.data(), targets, N, V, m.pad_id, scale,
                                            backward ? dlogits.data() : nullptr, &count);
   result.tokens = count;
   result.ce = count > 0 ? ce_sum / double(count) : 0.0;
   result.loss = result.ce + result.aux;
   if (!backward) {
-    result.fp8_saturated = saturated_;
+    result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
     return result;
   }
 
@@ -259,12 +261,12 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
       block_forward(int(l), xs[l].data(), B, T, scratch.data(), &saved[l], false);
       recompute_ = false;
     }
-    block_backward(int(l), saved[l], dx.data(), dnext.data());
+    block_backward(int(l), saved[l], dx.data(), dnext.data(), loss_scale);
     saved[l] = BlockSaved{};
     std::swap(dx, dnext);
   }
   cpu::embedding_backward(dx.data(), tokens, N, D, G("embed.weight"));
-  result.fp8_saturated = saturated_;
+  result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
   return result;
 }
 

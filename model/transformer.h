@@ -22,6 +22,7 @@ struct StepResult {
   std::vector<std::vector<int64_t>> expert_load;  // per MoE layer, tokens per expert
   std::vector<std::vector<int32_t>> routing;      // per MoE layer, (N, top_k) chosen experts
   int64_t fp8_saturated = 0;                      // elements clamped to the FP8 maximum (all GEMMs)
+  int64_t fp8_underflowed = 0;                    // non-zero elements that became 0 in FP8
   int64_t dropped = 0;                            // assignments dropped by capacity
 };
 
@@ -39,7 +40,9 @@ class Transformer {
 
   // Loss of a batch; with `backward`, adds d loss / d parameter into the gradients.
   // targets equal to model.pad_id are not counted.
-  StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward);
+  // loss_scale multiplies every gradient (loss scaling; the caller divides it out).
+  StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
+                              float loss_scale = 1.0f);
 
   // Logits (V) of the token after tokens[0..T) (one sequence), for generation. FP8 histories are
   // not advanced.
@@ -65,7 +68,7 @@ class Transformer {
   MoeWeights moe_weights(int layer) const;
   bool recomputed(int layer) const;
   void block_forward(int layer, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record);
-  void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx);
+  void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx, float loss_scale);
 
   Config cfg_;
   ParamTable table_;
@@ -73,7 +76,7 @@ class Transformer {
   std::vector<std::vector<float>> params_, grads_;
   std::map<std::string, LinearScaling> scaling_;  // delayed-scaling state per linear weight
   double saved_bytes_per_token_ = 0;
-  int64_t saturated_ = 0;  // FP8 saturation count of the current forward_backward
+  int64_t saturated_ = 0, underflowed_ = 0;  // FP8 counts of the current forward_backward
   bool recompute_ = false; // inside a recomputation (see fp8_for)
 };
 

@@ -114,7 +114,7 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
       "import json, sys\n"
       "rows = [json.loads(l) for l in open(sys.argv[1])]\n"
       "need = ['step','loss','val_loss','lr','grad_norm','tokens_per_s','step_time_s','mfu','peak_mem_bytes',\n"
-      "        'expert_load_imbalance','fp8_saturated','skipped_steps']\n"
+      "        'expert_load_imbalance','fp8_saturated','fp8_underflowed','skipped_steps','loss_scale']\n"
       "assert len(rows) == 30, len(rows)\n"
       "for r in rows:\n"
       "    missing = [k for k in need if k not in r]\n"
@@ -128,6 +128,16 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   r = run({python(), check, tmp.path + "/logs/m.jsonl"});
   EXPECT_EQ(r.status, 0) << r.all();
   std::printf("%s", r.out.c_str());
+  // Dynamic loss scaling trains too, and reports its scale.
+  r = run({exe(), "train", cfg, "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", "train.loss_scale=dynamic",
+           "--set", "log.jsonl=" + tmp.path + "/logs/dyn.jsonl", "--set", "eval.every=0"}, 300);
+  ASSERT_EQ(r.status, 0) << r.all();
+  {
+    std::ifstream dyn(tmp.path + "/logs/dyn.jsonl");
+    std::string line;
+    std::getline(dyn, line);
+    EXPECT_NE(line.find("\"loss_scale\":65536"), std::string::npos) << line;
+  }
   // The loss curve of the run as a PNG.
   r = run({source_dir() + "/scripts/plot-metrics", tmp.path + "/logs/m.jsonl", tmp.path + "/loss.png"}, 120);
   EXPECT_EQ(r.status, 0) << r.all();

@@ -271,6 +271,24 @@ TEST(Model, EvaluationDoesNotChangeTraining) {
   }
 }
 
+TEST(Model, LossScalingScalesEveryGradientExactly) {
+  // A power-of-two loss scale multiplies every gradient exactly, also through the FP8 GEMMs
+  // (their power-of-two scales follow the amax), and with the aux loss on.
+  for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::blockwise, Fp8Recipe::current}) {
+    Config c = model_config(recipe);
+    c.model.moe.aux_loss_coef = 0.01;
+    const Batch b = batch(16, 10, 40);
+    Transformer plain(c), scaled(c);
+    plain.zero_grads();
+    scaled.zero_grads();
+    plain.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true, 1.0f);
+    scaled.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true, 1024.0f);
+    for (size_t i = 0; i < plain.grads().size(); ++i)
+      for (size_t j = 0; j < plain.grads()[i].size(); ++j)
+        ASSERT_EQ(scaled.grads()[i][j], 1024.0f * plain.grads()[i][j]) << to_string(recipe) << " " << plain.table().params[i].name;
+  }
+}
+
 TEST(Model, SgdOnAFixedBatchLowersTheLoss) {
   for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::current, Fp8Recipe::blockwise}) {
     Transformer model(model_config(recipe));

@@ -141,6 +141,30 @@ TEST(AdamW, NonFiniteGradientsSkipTheStepAndTouchNothing) {
   for (size_t j = 0; j < want.size(); ++j) ASSERT_NEAR(params[1][j], want[j], 1e-6) << j;
 }
 
+TEST(LossScaler, NoneFixedAndDynamic) {
+  TrainConfig t = train_config();
+  EXPECT_EQ(LossScaler(t).scale(), 1.0f);  // none
+  t.loss_scale = {LossScaleMode::fixed, 1024.0};
+  LossScaler fixed(t);
+  fixed.update(false);
+  EXPECT_EQ(fixed.scale(), 1024.0f);  // a fixed scale never moves
+  t.loss_scale = {LossScaleMode::dynamic, 1.0};
+  t.loss_scale_initial = 65536, t.loss_scale_growth_interval = 3, t.loss_scale_growth = 2, t.loss_scale_backoff = 0.5;
+  LossScaler d(t);
+  EXPECT_EQ(d.scale(), 65536.0f);
+  d.update(true), d.update(true);
+  EXPECT_EQ(d.scale(), 65536.0f);
+  d.update(true);  // third finite step in a row: grow
+  EXPECT_EQ(d.scale(), 131072.0f);
+  d.update(true), d.update(true);
+  d.update(false);  // overflow: back off, and the run of finite steps starts again
+  EXPECT_EQ(d.scale(), 65536.0f);
+  d.update(true), d.update(true);
+  EXPECT_EQ(d.scale(), 65536.0f);
+  d.update(true);
+  EXPECT_EQ(d.scale(), 131072.0f);
+}
+
 TEST(Schedule, ValuesAtTheBoundaries) {
   TrainConfig t = train_config();  // lr 1e-2, min 1e-3, warmup 2, 10 steps
   EXPECT_DOUBLE_EQ(learning_rate(t, 0), 0.5e-2);
