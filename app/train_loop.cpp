@@ -167,10 +167,11 @@ int train_one_rank(const Config& cfg, int world_size) {
     summed.expert_load = load;
     if (!st.skipped && !load.empty()) model.update_router_biases(summed);
 
+    // The step's time (and so tokens/s and MFU) excludes the evaluation that may follow it.
+    const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     const bool last = step + 1 == cfg.train.steps;
     const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || last);
     if (evaluated) last_val = validation_loss();
-    const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     if ((step + 1) % cfg.log.every != 0 && !last) continue;
 
     double imbalance = NAN;  // max over MoE layers of max load / mean load
