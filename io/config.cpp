@@ -1,14 +1,12 @@
 #include "io/config.h"
 
+#include "io/read_file.h"
+
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <charconv>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -625,21 +623,7 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 }
 
 std::string read_config_file(const std::string& path) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (ec || !std::filesystem::exists(status))
-    throw ConfigError(path + ": cannot read the config file: it does not exist");
-  if (!std::filesystem::is_regular_file(status))
-    throw ConfigError(path + ": cannot read the config file: it is not a regular file");
-  constexpr uintmax_t kMaxBytes = 16u << 20;
-  if (std::filesystem::file_size(path, ec) > kMaxBytes)
-    throw ConfigError(path + ": cannot read the config file: larger than 16 MiB, which no config is");
-  std::ifstream in(path, std::ios::binary);
-  if (!in.is_open()) throw ConfigError(path + ": cannot read the config file: " + std::strerror(errno));
-  std::ostringstream s;
-  s << in.rdbuf();
-  if (in.bad()) throw ConfigError(path + ": cannot read the config file: read error");
-  return s.str();
+  return read_whole_file<ConfigError>(path, "config file", uintmax_t(16) << 20);  // no config is 16 MiB
 }
 
 Config load_config(const ConfigSource& source, int world_size) {

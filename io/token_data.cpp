@@ -10,8 +10,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
+#include "io/read_file.h"
 #include "model/param_table.h"  // philox4x32_10
 
 namespace fp8moe {
@@ -20,20 +20,6 @@ namespace {
 constexpr char kMagic[8] = {'F', 'P', '8', 'M', 'O', 'E', 'T', 'K'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;
-
-std::string read_file(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec))
-    throw DataError(path + ": cannot read the input: " +
-                    (std::filesystem::exists(path, ec) ? "not a regular file" : "no such file"));
-  const uintmax_t size = std::filesystem::file_size(path, ec);
-  std::ifstream in(path, std::ios::binary);
-  if (!in || ec) throw DataError(path + ": cannot read the input: " + std::strerror(errno));
-  std::string text(size, '\0');
-  if (size > 0 && !in.read(text.data(), std::streamsize(size)))
-    throw DataError(path + ": read error after " + std::to_string(in.gcount()) + " of " + std::to_string(size) + " bytes");
-  return text;
-}
 
 // Documents of one input: the whole file, or the pieces between lines equal to split_line.
 std::vector<std::string> documents(const std::string& text, const std::string& split_line) {
@@ -102,7 +88,7 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
   PrepareReport rep;
   uint64_t doc_number = 0;
   for (const std::string& path : inputs) {
-    for (const std::string& doc : documents(read_file(path), split_line)) {
+    for (const std::string& doc : documents(read_whole_file<DataError>(path, "input"), split_line)) {
       Split& s = uniform(seed ^ 0x76616c69646174ull, doc_number++, 0) < val_fraction ? val : train;
       for (unsigned char c : doc)
         if (c != 0) s.tokens.push_back(c);  // token 0 is reserved for the document end
