@@ -1,8 +1,18 @@
 // Exit statuses of fp8moe (documented in the README and in --help).
 #pragma once
 
+#include <cstdio>
+#include <string>
+
 namespace fp8moe {
 constexpr int kExitOk = 0;
 constexpr int kExitFailure = 1;  // an internal error (fatal check, MPI_Abort)
 constexpr int kExitUsage = 2;    // bad command line, config, file or world size: nothing was run
+
+// Prints "fp8moe: error: MESSAGE" on stderr; returns kExitUsage.
+inline int usage_error(const std::string& message) {
+  std::fprintf(stderr, "fp8moe: error: %s\n", message.c_str());
+  std::fflush(stderr);
+  return kExitUsage;
+}
 }  // namespace fp8moe

@@ -15,13 +15,9 @@
 namespace fp8moe {
 
 int run_generate(const GenerateOptions& o) {
-  auto fail = [](const std::string& why) {
-    std::fprintf(stderr, "fp8moe: error: %s\n", why.c_str());
-    return kExitUsage;
-  };
-  if (o.tokens < 0) return fail("--tokens: expected a number >= 0");
-  if (!(o.temperature >= 0)) return fail("--temperature: expected a number >= 0 (0 = greedy)");
-  if (o.top_k < 0) return fail("--top-k: expected a number >= 0 (0 = all)");
+  if (o.tokens < 0) return usage_error("--tokens: expected a number >= 0");
+  if (!(o.temperature >= 0)) return usage_error("--temperature: expected a number >= 0 (0 = greedy)");
+  if (o.top_k < 0) return usage_error("--top-k: expected a number >= 0 (0 = all)");
   std::string path = o.checkpoint;
   if (std::filesystem::is_directory(path)) path += "/final.weights";
   Weights w;
@@ -30,16 +26,16 @@ int run_generate(const GenerateOptions& o) {
     w = load_weights(path);
     cfg = load_config(ConfigSource{path + " (stored config)", w.config_yaml, {}}, 0);
   } catch (const std::exception& e) {
-    return fail(e.what());
+    return usage_error(e.what());
   }
   Transformer model(cfg);
   if (w.params.size() != model.table().params.size())
-    return fail(path + ": " + std::to_string(w.params.size()) + " parameters, the stored config's model has " +
+    return usage_error(path + ": " + std::to_string(w.params.size()) + " parameters, the stored config's model has " +
                 std::to_string(model.table().params.size()));
   for (auto& [name, values] : w.params) {
     const int64_t i = model.table().index_of(name);
     if (i < 0 || int64_t(values.size()) != model.table().params[size_t(i)].numel())
-      return fail(path + ": parameter " + name + " does not fit the stored config's model");
+      return usage_error(path + ": parameter " + name + " does not fit the stored config's model");
     model.params()[size_t(i)] = std::move(values);
   }
 

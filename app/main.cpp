@@ -107,8 +107,7 @@ int main(int argc, char** argv) {
                     (long long)r.val_docs, (long long)r.val_tokens);
         return kExitOk;
       } catch (const DataError& e) {
-        std::fprintf(stderr, "fp8moe: error: %s\n", e.what());
-        return kExitUsage;
+        return usage_error(e.what());
       }
     }
     if (*gen_cmd) return launcher_rank() == 0 ? run_generate(gen) : kExitOk;

@@ -13,11 +13,6 @@
 namespace fp8moe {
 namespace {
 
-void report_error(const std::string& message) {
-  std::fprintf(stderr, "fp8moe: error: %s\n", message.c_str());
-  std::fflush(stderr);
-}
-
 int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const bool root = mpi.rank() == 0;
 
@@ -33,7 +28,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   }
   broadcast_string(MPI_COMM_WORLD, error, 0);
   if (!error.empty()) {
-    if (root) report_error(error);
+    if (root) usage_error(error);
     return kExitUsage;
   }
   broadcast_string(MPI_COMM_WORLD, text, 0);
@@ -45,7 +40,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     error = e.what();
   }
   if (any_rank(MPI_COMM_WORLD, !error.empty())) {
-    if (root) report_error(error.empty() ? "the config was rejected on another rank" : error);
+    if (root) usage_error(error.empty() ? "the config was rejected on another rank" : error);
     return kExitUsage;
   }
 
@@ -62,12 +57,12 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const ParallelConfig& p = config.parallel;
   if (mpi.size() > 1 || p.tensor * p.pipeline * p.expert > 1) {
     if (root)
-      report_error("training runs on one rank in this build; parallel training arrives with the parallelism "
+      usage_error("training runs on one rank in this build; parallel training arrives with the parallelism "
                    "issue. Use --dry-run to check this layout, or run one rank with --set parallel.tensor=1 "
                    "--set parallel.pipeline=1 --set parallel.expert=1");
     return kExitUsage;
   }
-  return train_one_rank(config, mpi.size());
+  return train_one_rank(config);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "app/exit_codes.h"
+#include "kernels/check.h"
 #include "io/config.h"
 #include "io/token_data.h"
 #include "io/weights.h"
@@ -25,11 +26,6 @@ namespace fp8moe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int refuse(const std::string& why) {
-  std::fprintf(stderr, "fp8moe: error: %s\n", why.c_str());
-  return kExitUsage;
-}
 
 // FP32 GEMM throughput of this machine, measured once (the MFU denominator).
 double measured_sgemm_flops() {
@@ -77,26 +73,21 @@ std::string json_number(double v) {
 
 }  // namespace
 
-int train_one_rank(const Config& cfg, int world_size) {
+int train_one_rank(const Config& cfg) {
   const ParallelConfig& p = cfg.parallel;
-  if (world_size != 1 || p.tensor != 1 || p.pipeline != 1 || p.expert != 1)
-    return refuse("training runs on one rank in this build (world " + std::to_string(world_size) + ", tensor " +
-                  std::to_string(p.tensor) + ", pipeline " + std::to_string(p.pipeline) + ", expert " +
-                  std::to_string(p.expert) + "); parallel training arrives with the parallelism issue. Use "
-                  "--dry-run to check a layout, or --set parallel.tensor=1 --set parallel.pipeline=1 "
-                  "--set parallel.expert=1 on one rank");
-  if (cfg.data.path.empty()) return refuse("data.path: empty; prepare a data set with `fp8moe prepare-data`");
-  if (cfg.model.vocab_size < 256) return refuse("model.vocab_size: the byte-level data needs at least 256");
+  FP8MOE_ASSERT(p.tensor * p.pipeline * p.expert == 1, "train_one_rank with a parallel layout (refused by the caller)");
+  if (cfg.data.path.empty()) return usage_error("data.path: empty; prepare a data set with `fp8moe prepare-data`");
+  if (cfg.model.vocab_size < 256) return usage_error("model.vocab_size: the byte-level data needs at least 256");
 
   std::unique_ptr<TokenFile> train_data, val_data;
   try {
     train_data = std::make_unique<TokenFile>(cfg.data.path + ".train.tok");
     val_data = std::make_unique<TokenFile>(cfg.data.path + ".val.tok");
   } catch (const DataError& e) {
-    return refuse(std::string("data.path: ") + e.what());
+    return usage_error(std::string("data.path: ") + e.what());
   }
   const int64_t T = cfg.train.seq_len, mbs = cfg.train.global_batch / p.micro_batches;
-  if (train_data->size() < T + 1) return refuse(train_data->path() + ": fewer tokens than one sequence");
+  if (train_data->size() < T + 1) return usage_error(train_data->path() + ": fewer tokens than one sequence");
   const bool eval_on = cfg.eval.every > 0 && val_data->size() >= T + 1;
   if (cfg.eval.every > 0 && !eval_on)
     std::printf("note: %s has fewer than %lld tokens: no validation loss\n", val_data->path().c_str(), (long long)T + 1);
@@ -107,7 +98,7 @@ int train_one_rank(const Config& cfg, int world_size) {
     const auto parent = std::filesystem::path(cfg.log.jsonl).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent, ec);
     jsonl = std::fopen(cfg.log.jsonl.c_str(), "w");
-    if (!jsonl) return refuse("log.jsonl: cannot write " + cfg.log.jsonl);
+    if (!jsonl) return usage_error("log.jsonl: cannot write " + cfg.log.jsonl);
   }
 
   Transformer model(cfg);
@@ -163,9 +154,7 @@ int train_one_rank(const Config& cfg, int world_size) {
     const float used_scale = scaler.scale();
     const OptimizerStats st = opt.step(model.params(), model.grads(), step);
     scaler.update(!st.skipped);
-    StepResult summed;
-    summed.expert_load = load;
-    if (!st.skipped && !load.empty()) model.update_router_biases(summed);
+    if (!st.skipped && !load.empty()) model.update_router_biases(load);
 
     // The step's time (and so tokens/s and MFU) excludes the evaluation that may follow it.
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -214,7 +203,7 @@ int train_one_rank(const Config& cfg, int world_size) {
   try {
     save_weights(weights, config_to_yaml(cfg), model.table(), model.params());
   } catch (const WeightsError& e) {
-    return refuse(std::string("checkpoint.dir: ") + e.what());
+    return usage_error(std::string("checkpoint.dir: ") + e.what());
   }
   std::printf("weights written to %s (fp8moe generate --checkpoint %s --prompt ...)\n", weights.c_str(),
               cfg.checkpoint.dir.c_str());

@@ -6,8 +6,8 @@
 
 namespace fp8moe {
 
-// Returns the process exit status (2 with a message on stderr for what this build cannot do yet
-// or bad data files).
-int train_one_rank(const Config& cfg, int world_size);
+// Called with a one-rank layout (the caller refuses others). Returns the process exit status
+// (2 with a message on stderr for bad data files or paths).
+int train_one_rank(const Config& cfg);
 
 }  // namespace fp8moe

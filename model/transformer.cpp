@@ -193,12 +193,12 @@ std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t
   return logits;
 }
 
-void Transformer::update_router_biases(const StepResult& result) {
+void Transformer::update_router_biases(const std::vector<std::vector<int64_t>>& expert_load) {
   const ModelConfig& m = cfg_.model;
-  FP8MOE_ASSERT(int64_t(result.expert_load.size()) == m.n_layers - m.first_dense_layers, "expert loads of ",
-                result.expert_load.size(), " MoE layers");
+  FP8MOE_ASSERT(int64_t(expert_load.size()) == m.n_layers - m.first_dense_layers, "expert loads of ",
+                expert_load.size(), " MoE layers");
   for (int l = m.first_dense_layers; l < m.n_layers; ++l)
-    update_router_bias(param("layers." + std::to_string(l) + ".moe.router_bias").data(), result.expert_load[size_t(l - m.first_dense_layers)], m.moe.bias_update_rate);
+    update_router_bias(param("layers." + std::to_string(l) + ".moe.router_bias").data(), expert_load[size_t(l - m.first_dense_layers)], m.moe.bias_update_rate);
 }
 
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,

@@ -49,8 +49,9 @@ class Transformer {
   std::vector<float> next_token_logits(const int32_t* tokens, int64_t T);
 
   // Aux-loss-free balancing after an optimizer step: each MoE layer's router bias moves by
-  // model.moe.bias_update_rate towards balance, from the load of the step (result.expert_load).
-  void update_router_biases(const StepResult& result);
+  // model.moe.bias_update_rate towards balance, from the step's load per MoE layer and expert
+  // (StepResult::expert_load, summed over micro-batches).
+  void update_router_biases(const std::vector<std::vector<int64_t>>& expert_load);
 
   // Bytes of activations saved for backward per token per block, as of the last forward.
   double saved_bytes_per_token_per_layer() const { return saved_bytes_per_token_; }

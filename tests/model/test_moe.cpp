@@ -188,7 +188,7 @@ TEST(Model, RouterBiasesMoveTowardsBalanceAfterAStep) {
   Transformer model(c);
   const Batch b = batch(32, 7, 40);
   const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 4, 8, false);
-  model.update_router_biases(r);
+  model.update_router_biases(r.expert_load);
   for (size_t layer = 0; layer < r.expert_load.size(); ++layer) {
     const auto& load = r.expert_load[layer];
     const std::vector<float>& bias = model.param("layers." + std::to_string(layer + 1) + ".moe.router_bias");
