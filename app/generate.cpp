@@ -9,7 +9,7 @@
 #include "app/exit_codes.h"
 #include "io/config.h"
 #include "io/token_data.h"
-#include "io/weights.h"
+#include "io/checkpoint.h"
 #include "model/transformer.h"
 
 namespace fp8moe {
@@ -18,26 +18,15 @@ int run_generate(const GenerateOptions& o) {
   if (o.tokens < 0) return usage_error("--tokens: expected a number >= 0");
   if (!(o.temperature >= 0)) return usage_error("--temperature: expected a number >= 0 (0 = greedy)");
   if (o.top_k < 0) return usage_error("--top-k: expected a number >= 0 (0 = all)");
-  std::string path = o.checkpoint;
-  if (std::filesystem::is_directory(path)) path += "/final.weights";
-  Weights w;
+  std::vector<std::vector<float>> params;
   Config cfg;
   try {
-    w = load_weights(path);
-    cfg = load_config(ConfigSource{path + " (stored config)", w.config_yaml, {}}, 0);
-  } catch (const std::exception& e) {
-    return usage_error(e.what());
+    cfg = load_checkpoint_weights(o.checkpoint, &params);
+  } catch (const CheckpointError& e) {
+    return usage_error(std::string("--checkpoint: ") + e.what());
   }
   Transformer model(cfg);
-  if (w.params.size() != model.table().params.size())
-    return usage_error(path + ": " + std::to_string(w.params.size()) + " parameters, the stored config's model has " +
-                std::to_string(model.table().params.size()));
-  for (auto& [name, values] : w.params) {
-    const int64_t i = model.table().index_of(name);
-    if (i < 0 || int64_t(values.size()) != model.table().params[size_t(i)].numel())
-      return usage_error(path + ": parameter " + name + " does not fit the stored config's model");
-    model.params()[size_t(i)] = std::move(values);
-  }
+  model.params() = std::move(params);
 
   // A new document starts after token 0; the prompt's bytes follow (NUL bytes dropped).
   std::vector<int32_t> ctx = {0};

@@ -7,7 +7,7 @@
 namespace fp8moe {
 
 struct GenerateOptions {
-  std::string checkpoint;  // a directory holding final.weights, or the weights file itself
+  std::string checkpoint;  // a checkpoint.dir (its latest) or a step directory
   std::string prompt;
   int tokens = 200;
   double temperature = 0.8;

@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 
+#include "app/ckpt.h"
 #include "app/exit_codes.h"
 #include "app/generate.h"
 #include "app/train.h"
@@ -56,7 +57,7 @@ int main(int argc, char** argv) {
 
   TrainOptions train;
   CLI::App* train_cmd = app.add_subcommand(
-      "train", "Validate CONFIG, build the process grid, print both, then train (one rank only in this build)");
+      "train", "Validate CONFIG, build the process grid, print both, then train (data parallel only in this build)");
   train_cmd->add_option("config", train.config_path, "YAML config file (see `fp8moe defaults`)")->required();
   train_cmd->add_option("--set", train.overrides, "Override one key: --set train.lr=1e-4 (repeatable)")
       ->type_name("KEY=VALUE")
@@ -79,13 +80,25 @@ int main(int argc, char** argv) {
 
   GenerateOptions gen;
   CLI::App* gen_cmd = app.add_subcommand("generate", "Sample text from the weights a training run wrote");
-  gen_cmd->add_option("--checkpoint", gen.checkpoint, "Checkpoint directory (its final.weights) or a weights file")
+  gen_cmd->add_option("--checkpoint", gen.checkpoint, "A checkpoint.dir (the checkpoint its `latest` names) or one step_<N> directory")
       ->required();
   gen_cmd->add_option("--prompt", gen.prompt, "Text to continue")->required();
   gen_cmd->add_option("--tokens", gen.tokens, "Bytes to generate at most (default 200; stops at a document end)");
   gen_cmd->add_option("--temperature", gen.temperature, "Sampling temperature; 0 = greedy (default 0.8)");
   gen_cmd->add_option("--top-k", gen.top_k, "Sample among the k most likely bytes; 0 = all (default 40)");
   gen_cmd->add_option("--seed", gen.seed, "Sampling seed (default 1)");
+
+  std::string ckpt_dir;
+  CLI::App* ckpt_cmd = app.add_subcommand("ckpt", "Examine a checkpoint (no MPI launch needed)");
+  ckpt_cmd->require_subcommand(1);
+  CLI::App* inspect_cmd = ckpt_cmd->add_subcommand(
+      "inspect", "Step, tokens, config summary and every dataset (global shape, size, checksum status); exit 0 if valid, else 1");
+  inspect_cmd->add_option("dir", ckpt_dir, "A step_<N> directory, or a checkpoint.dir (the one its `latest` names)")
+      ->required();
+  CLI::App* verify_cmd = ckpt_cmd->add_subcommand(
+      "verify", "Recompute every checksum and check every dataset against the stored config; exit 0 if valid, else 1");
+  verify_cmd->add_option("dir", ckpt_dir, "A step_<N> directory, or a checkpoint.dir (the one its `latest` names)")
+      ->required();
 
   CLI::App* defaults_cmd = app.add_subcommand(
       "defaults", "Print every config key with its default value, what it accepts and what it means");
@@ -111,6 +124,8 @@ int main(int argc, char** argv) {
       }
     }
     if (*gen_cmd) return launcher_rank() == 0 ? run_generate(gen) : kExitOk;
+    if (*inspect_cmd) return run_ckpt_inspect(ckpt_dir);
+    if (*verify_cmd) return run_ckpt_verify(ckpt_dir);
     if (*defaults_cmd) {
       if (launcher_rank() == 0) std::fputs(config_reference().c_str(), stdout);
       return kExitOk;

@@ -1,6 +1,10 @@
 #include "app/train.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 
 #include "app/exit_codes.h"
@@ -12,6 +16,19 @@
 
 namespace fp8moe {
 namespace {
+
+// Ranks sharing a node share its cores: unless OMP_NUM_THREADS says otherwise, each rank gets
+// cores / (ranks on the node), at least 1 (more threads than cores makes OpenMP's spinning
+// threads crawl). Collective over MPI_COMM_WORLD.
+int set_threads_per_rank() {
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int local = 1;
+  MPI_CHECK(MPI_Comm_size(node, &local));
+  MPI_CHECK(MPI_Comm_free(&node));
+  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(std::max(1, omp_get_num_procs() / local));
+  return omp_get_max_threads();
+}
 
 int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const bool root = mpi.rank() == 0;
@@ -46,23 +63,26 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
 
   ProcessGrid grid(MPI_COMM_WORLD, config.parallel.tensor, config.parallel.pipeline, config.parallel.expert);
   const std::string table = grid.layout_table();  // collective
+  const int threads = set_threads_per_rank();      // collective
   if (root) {
     std::printf("fp8moe %s: %s on %d rank%s\n\neffective config:\n%s\n%s\n", FP8MOE_VERSION,
                 options.config_path.c_str(), mpi.size(), mpi.size() == 1 ? "" : "s",
                 config_to_yaml(config).c_str(), table.c_str());
+    std::printf("OpenMP threads per rank: %d%s\n", threads,
+                std::getenv("OMP_NUM_THREADS") ? " (OMP_NUM_THREADS)" : " (the node's cores / its ranks)");
     if (options.dry_run) std::printf("dry run: the config is valid and the process grid is built; nothing was trained.\n");
     std::fflush(stdout);
   }
   if (options.dry_run) return kExitOk;
   const ParallelConfig& p = config.parallel;
-  if (mpi.size() > 1 || p.tensor * p.pipeline * p.expert > 1) {
+  if (p.tensor * p.pipeline * p.expert > 1) {
     if (root)
-      usage_error("training runs on one rank in this build; parallel training arrives with the parallelism "
-                   "issue. Use --dry-run to check this layout, or run one rank with --set parallel.tensor=1 "
-                   "--set parallel.pipeline=1 --set parallel.expert=1");
+      usage_error("this build trains with data parallelism only (every rank holds the whole model); tensor, "
+                  "pipeline and expert parallelism arrive with the parallelism issue. Use --dry-run to check this "
+                  "layout, or train with --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=1");
     return kExitUsage;
   }
-  return train_one_rank(config);
+  return train(config, grid);
 }
 
 }  // namespace

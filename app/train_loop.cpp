@@ -17,10 +17,13 @@
 #include "kernels/check.h"
 #include "io/config.h"
 #include "io/token_data.h"
-#include "io/weights.h"
+#include "io/checkpoint.h"
 #include "kernels/gemm_fp8.h"
 #include "model/optimizer.h"
 #include "model/transformer.h"
+#include "parallel/communicator.h"
+#include "parallel/grid.h"
+#include "parallel/mpi_session.h"
 
 namespace fp8moe {
 namespace {
@@ -73,81 +76,150 @@ std::string json_number(double v) {
 
 }  // namespace
 
-int train_one_rank(const Config& cfg) {
+int train(const Config& cfg, const ProcessGrid& grid) {
   const ParallelConfig& p = cfg.parallel;
-  FP8MOE_ASSERT(p.tensor * p.pipeline * p.expert == 1, "train_one_rank with a parallel layout (refused by the caller)");
-  if (cfg.data.path.empty()) return usage_error("data.path: empty; prepare a data set with `fp8moe prepare-data`");
-  if (cfg.model.vocab_size < 256) return usage_error("model.vocab_size: the byte-level data needs at least 256");
+  FP8MOE_ASSERT(p.tensor * p.pipeline * p.expert == 1, "train with tensor, pipeline or expert parallelism (refused by the caller)");
+  MpiCommunicator world(grid.world());
+  MpiCommunicator dp(grid.data());  // every rank holds the whole model: all ranks are data-parallel replicas
+  const bool root = world.rank() == 0;
+  // Bad input is found on every rank alike (the same files, the same config): every rank returns
+  // the same status, only rank 0 speaks.
+  auto fail = [&](const std::string& message) { return root ? usage_error(message) : kExitUsage; };
+  if (cfg.data.path.empty()) return fail("data.path: empty; prepare a data set with `fp8moe prepare-data`");
+  if (cfg.model.vocab_size < 256) return fail("model.vocab_size: the byte-level data needs at least 256");
 
   std::unique_ptr<TokenFile> train_data, val_data;
   try {
     train_data = std::make_unique<TokenFile>(cfg.data.path + ".train.tok");
     val_data = std::make_unique<TokenFile>(cfg.data.path + ".val.tok");
   } catch (const DataError& e) {
-    return usage_error(std::string("data.path: ") + e.what());
+    return fail(std::string("data.path: ") + e.what());
   }
-  const int64_t T = cfg.train.seq_len, mbs = cfg.train.global_batch / p.micro_batches;
-  if (train_data->size() < T + 1) return usage_error(train_data->path() + ": fewer tokens than one sequence");
+  // Each step's global batch is micro_batches micro-batches; the data-parallel replicas split each
+  // micro-batch: replica r computes its sequences [r * mbs, (r + 1) * mbs). Sample positions are
+  // global, so the step sees the same sequences on any number of replicas.
+  const int64_t T = cfg.train.seq_len, R = dp.size(), mbs = cfg.train.global_batch / (p.micro_batches * R);
+  if (train_data->size() < T + 1) return fail(train_data->path() + ": fewer tokens than one sequence");
   const bool eval_on = cfg.eval.every > 0 && val_data->size() >= T + 1;
-  if (cfg.eval.every > 0 && !eval_on)
+  if (cfg.eval.every > 0 && !eval_on && root)
     std::printf("note: %s has fewer than %lld tokens: no validation loss\n", val_data->path().c_str(), (long long)T + 1);
 
   std::FILE* jsonl = nullptr;
-  if (!cfg.log.jsonl.empty()) {
+  std::string jsonl_error;
+  if (root && !cfg.log.jsonl.empty()) {
     std::error_code ec;
     const auto parent = std::filesystem::path(cfg.log.jsonl).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    jsonl = std::fopen(cfg.log.jsonl.c_str(), "w");
-    if (!jsonl) return usage_error("log.jsonl: cannot write " + cfg.log.jsonl);
+    jsonl = std::fopen(cfg.log.jsonl.c_str(), "a");
+    if (!jsonl) jsonl_error = "log.jsonl: cannot write " + cfg.log.jsonl;
   }
+  if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
   Transformer model(cfg);
+  model.set_amax_group(&dp);
   AdamW opt(model.table(), cfg.train);
   LossScaler scaler(cfg.train);
-  const double peak = measured_sgemm_flops();
+  TrainProgress progress;
+  const GridDims& gd = grid.dims();
+  const TrainerState state{&cfg, &model, &opt, &scaler, &progress,
+                           "tensor " + std::to_string(gd.tensor) + " x pipeline " + std::to_string(gd.pipeline) +
+                               " x expert " + std::to_string(gd.expert) + " x data " + std::to_string(gd.data) + " (" +
+                               std::to_string(gd.world) + std::string(gd.world == 1 ? " rank)" : " ranks)")};
+  std::string resumed;
+  try {
+    resumed = resume_from_checkpoint(grid.world(), state);
+  } catch (const CheckpointError& e) {
+    if (jsonl) std::fclose(jsonl);
+    return fail(std::string("checkpoint.resume: ") + e.what());
+  }
+  const int64_t first_step = progress.step;
+  if (jsonl && resumed.empty()) jsonl = std::freopen(cfg.log.jsonl.c_str(), "w", jsonl);  // a fresh run: a fresh log
+  if (root && !resumed.empty())
+    std::printf("resumed from %s: step %lld, %lld tokens consumed\n", resumed.c_str(), (long long)progress.step,
+                (long long)progress.tokens);
+  if (first_step >= cfg.train.steps) {
+    if (root) std::printf("nothing to train: the checkpoint is at step %lld, train.steps is %lld\n",
+                          (long long)first_step, (long long)cfg.train.steps);
+    if (jsonl) std::fclose(jsonl);
+    return kExitOk;
+  }
+  const double peak = measured_sgemm_flops() * double(world.size());
   const double flops_per_token = model_flops_per_token(cfg.model, T);
-  std::printf("training %lld parameters for %lld steps of %d x %lld tokens (%lld micro-batches), recipe %s; "
-              "MFU against the measured FP32 SGEMM peak of %.0f GFLOP/s\n",
-              (long long)model.table().trainable_numel(), (long long)cfg.train.steps, cfg.train.global_batch,
-              (long long)T, (long long)p.micro_batches, std::string(to_string(cfg.fp8.recipe)).c_str(), peak * 1e-9);
-  if (cfg.checkpoint.every > 0)
-    std::printf("note: periodic checkpoints are not written yet in this build; the final weights are\n");
+  if (root)
+    std::printf("training %lld parameters for steps %lld..%lld of %d x %lld tokens on %d data-parallel rank%s "
+                "(%lld micro-batches of %lld sequences each), recipe %s; MFU against the measured FP32 SGEMM peak of "
+                "%.0f GFLOP/s\n",
+                (long long)model.table().trainable_numel(), (long long)first_step + 1, (long long)cfg.train.steps,
+                cfg.train.global_batch, (long long)T, int(R), R == 1 ? "" : "s", (long long)p.micro_batches,
+                (long long)mbs, std::string(to_string(cfg.fp8.recipe)).c_str(), peak * 1e-9);
+
+  auto checkpoint = [&]() -> bool {
+    try {
+      const std::string dir = save_checkpoint(grid.world(), state);
+      if (root) std::printf("checkpoint %s committed\n", dir.c_str());
+      std::fflush(stdout);
+      return true;
+    } catch (const CheckpointError& e) {
+      if (root) std::fprintf(stderr, "fp8moe: error: checkpoint save failed: %s (the previous checkpoint is intact)\n", e.what());
+      return false;
+    }
+  };
 
   std::vector<int32_t> tokens(size_t(mbs * T)), targets(size_t(mbs * T));
   auto validation_loss = [&]() {
-    double sum = 0;
-    int64_t n = 0;
+    double sums[2] = {0, 0};  // sum of CE over tokens, tokens
     for (int b = 0; b < cfg.eval.batches; ++b) {
-      for (int64_t i = 0; i < mbs; ++i)  // fixed sequences: their own seed, samples 0 .. batches * mbs - 1
-        val_data->sample(uint64_t(cfg.train.seed) ^ 0x76616cull, b * mbs + i, T, &tokens[i * T], &targets[i * T]);
+      for (int64_t i = 0; i < mbs; ++i)  // fixed sequences: their own seed, the same set on any layout
+        val_data->sample(uint64_t(cfg.train.seed) ^ 0x76616cull, (b * R + dp.rank()) * mbs + i, T, &tokens[i * T],
+                         &targets[i * T]);
       const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, false);
-      sum += r.ce * double(r.tokens), n += r.tokens;
+      sums[0] += r.ce * double(r.tokens), sums[1] += double(r.tokens);
     }
-    return n > 0 ? sum / double(n) : NAN;
+    dp.allreduce_sum(sums, 2);
+    return sums[1] > 0 ? sums[0] / sums[1] : NAN;
   };
 
+  std::vector<float> flat;  // the gradients, one buffer: one allreduce per step
   const auto t_start = Clock::now();
-  double last_val = NAN;
-  for (int64_t step = 0; step < cfg.train.steps; ++step) {
+  int64_t steps_run = 0;
+  for (int64_t step = first_step; step < cfg.train.steps; ++step) {
     const auto t0 = Clock::now();
     model.zero_grads();
-    double loss = 0;
-    int64_t saturated = 0, underflowed = 0;
+    double counts[3] = {0, 0, 0};  // loss, saturated, underflowed
     std::vector<std::vector<int64_t>> load;
     for (int mb = 0; mb < p.micro_batches; ++mb) {
       for (int64_t i = 0; i < mbs; ++i)
-        train_data->sample(uint64_t(cfg.train.seed), step * cfg.train.global_batch + mb * mbs + i, T, &tokens[i * T],
-                           &targets[i * T]);
+        train_data->sample(uint64_t(cfg.train.seed), progress.samples + (mb * R + dp.rank()) * mbs + i, T,
+                           &tokens[i * T], &targets[i * T]);
       const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, true, scaler.scale());
-      loss += r.loss / p.micro_batches;
-      saturated += r.fp8_saturated, underflowed += r.fp8_underflowed;
+      counts[0] += r.loss / double(p.micro_batches * R);
+      counts[1] += double(r.fp8_saturated), counts[2] += double(r.fp8_underflowed);
       if (load.empty()) load = r.expert_load;
       else
         for (size_t l = 0; l < load.size(); ++l)
           for (size_t e = 0; e < load[l].size(); ++e) load[l][e] += r.expert_load[l][e];
     }
-    // Each micro-batch's gradient is of its (scaled) mean loss: average them and divide the scale out.
-    const float unscale = 1.0f / (float(p.micro_batches) * scaler.scale());
+    // Each micro-batch's gradient is of its replica's (scaled) mean loss: sum over the replicas,
+    // average over micro-batches and replicas, divide the scale out.
+    const float unscale = 1.0f / (float(p.micro_batches * R) * scaler.scale());
+    if (R > 1) {
+      size_t n = 0;
+      for (const auto& g : model.grads()) n += g.size();
+      flat.resize(n);
+      n = 0;
+      for (const auto& g : model.grads()) std::copy(g.begin(), g.end(), flat.begin() + std::ptrdiff_t(n)), n += g.size();
+      dp.allreduce_sum(flat.data(), int64_t(flat.size()));
+      n = 0;
+      for (auto& g : model.grads())
+        std::copy(flat.begin() + std::ptrdiff_t(n), flat.begin() + std::ptrdiff_t(n + g.size()), g.begin()), n += g.size();
+      dp.allreduce_sum(counts, 3);
+      std::vector<int64_t> lf;
+      for (const auto& l : load) lf.insert(lf.end(), l.begin(), l.end());
+      dp.allreduce_sum(lf.data(), int64_t(lf.size()));
+      size_t at = 0;
+      for (auto& l : load)
+        for (auto& x : l) x = lf[at++];
+    }
     if (unscale != 1.0f)
       for (auto& g : model.grads())
         for (float& x : g) x *= unscale;
@@ -155,58 +227,75 @@ int train_one_rank(const Config& cfg) {
     const OptimizerStats st = opt.step(model.params(), model.grads(), step);
     scaler.update(!st.skipped);
     if (!st.skipped && !load.empty()) model.update_router_biases(load);
+    progress.step = step + 1;
+    progress.samples += cfg.train.global_batch;
+    progress.tokens += int64_t(cfg.train.global_batch) * T;
+    ++steps_run;
+    const double loss = counts[0];
+    const auto saturated = int64_t(counts[1]), underflowed = int64_t(counts[2]);
 
     // The step's time (and so tokens/s and MFU) excludes the evaluation that may follow it.
-    const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    world.allreduce_max(&step_s, 1);
     const bool last = step + 1 == cfg.train.steps;
     const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || last);
-    if (evaluated) last_val = validation_loss();
-    if ((step + 1) % cfg.log.every != 0 && !last) continue;
-
-    double imbalance = NAN;  // max over MoE layers of max load / mean load
-    for (const auto& layer : load) {
-      const double mean = double(std::accumulate(layer.begin(), layer.end(), int64_t(0))) / double(layer.size());
-      if (mean > 0) imbalance = std::max(std::isnan(imbalance) ? 0.0 : imbalance, double(*std::max_element(layer.begin(), layer.end())) / mean);
+    if (evaluated) progress.last_val_loss = validation_loss();
+    const double last_val = progress.last_val_loss;
+    if ((step + 1) % cfg.log.every == 0 || last) {
+      double imbalance = NAN;  // max over MoE layers of max load / mean load
+      for (const auto& layer : load) {
+        const double mean = double(std::accumulate(layer.begin(), layer.end(), int64_t(0))) / double(layer.size());
+        if (mean > 0)
+          imbalance = std::max(std::isnan(imbalance) ? 0.0 : imbalance,
+                               double(*std::max_element(layer.begin(), layer.end())) / mean);
+      }
+      double mem = double(peak_rss_bytes());
+      world.allreduce_max(&mem, 1);
+      const double tokens_per_s = double(cfg.train.global_batch) * double(T) / step_s;
+      const double mfu = tokens_per_s * flops_per_token / peak;
+      const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+      const double eta = elapsed / double(steps_run) * double(cfg.train.steps - step - 1);
+      char val[32] = "  -   ";
+      if (!std::isnan(last_val)) std::snprintf(val, sizeof val, "%.4f", last_val);
+      if (root) {
+        // The loss also as its exact bits (%a): resumed and uninterrupted runs are compared bitwise.
+        std::printf("step %5lld/%lld  loss %.4f  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
+                    "mem %.0f MB  load %.2f  sat %lld  under %lld  skipped %lld  eta %.0f s  [%a]\n",
+                    (long long)step + 1, (long long)cfg.train.steps, loss, val, st.lr, st.grad_norm, tokens_per_s,
+                    step_s, mfu, mem / 1e6, imbalance, (long long)saturated, (long long)underflowed,
+                    (long long)opt.skipped(), eta, loss);
+        std::fflush(stdout);
+      }
+      if (jsonl) {
+        std::fprintf(jsonl,
+                     "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
+                     "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"expert_load_imbalance\":%s,"
+                     "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s}\n",
+                     (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
+                     json_number(st.lr).c_str(), json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(),
+                     json_number(step_s).c_str(), json_number(mfu).c_str(), (long long)mem,
+                     json_number(imbalance).c_str(), (long long)saturated, (long long)underflowed,
+                     (long long)opt.skipped(), json_number(used_scale).c_str());
+        std::fflush(jsonl);
+      }
     }
-    const double tokens_per_s = double(cfg.train.global_batch) * double(T) / step_s;
-    const double mfu = tokens_per_s * flops_per_token / peak;
-    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
-    const double eta = elapsed / double(step + 1) * double(cfg.train.steps - step - 1);
-    char val[32] = "  -   ";
-    if (!std::isnan(last_val)) std::snprintf(val, sizeof val, "%.4f", last_val);
-    std::printf("step %5lld/%lld  loss %.4f  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
-                "mem %.0f MB  load %.2f  sat %lld  under %lld  skipped %lld  eta %.0f s\n",
-                (long long)step + 1, (long long)cfg.train.steps, loss, val, st.lr, st.grad_norm,
-                tokens_per_s, step_s, mfu, double(peak_rss_bytes()) / 1e6, imbalance, (long long)saturated,
-                (long long)underflowed, (long long)opt.skipped(), eta);
-    std::fflush(stdout);
-    if (jsonl) {
-      std::fprintf(jsonl,
-                   "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
-                   "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"expert_load_imbalance\":%s,"
-                   "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s}\n",
-                   (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
-                   json_number(st.lr).c_str(),
-                   json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(), json_number(step_s).c_str(),
-                   json_number(mfu).c_str(), (long long)peak_rss_bytes(), json_number(imbalance).c_str(),
-                   (long long)saturated, (long long)underflowed, (long long)opt.skipped(), json_number(used_scale).c_str());
-      std::fflush(jsonl);
+    const bool periodic = cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
+    const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !last;
+    if ((periodic || last || exit_now) && !checkpoint()) {
+      if (jsonl) std::fclose(jsonl);
+      return kExitFailure;
+    }
+    if (exit_now) {
+      if (root) std::printf("exit: step %lld is a multiple of train.exit_interval\n", (long long)step + 1);
+      break;
     }
   }
   if (jsonl) std::fclose(jsonl);
-  std::printf("done: %lld steps in %.1f s; final validation loss %s\n", (long long)cfg.train.steps,
-              std::chrono::duration<double>(Clock::now() - t_start).count(), json_number(last_val).c_str());
-  // The weights for `fp8moe generate` (a plain file until the HDF5 checkpoints land).
-  std::error_code ec;
-  std::filesystem::create_directories(cfg.checkpoint.dir, ec);
-  const std::string weights = cfg.checkpoint.dir + "/final.weights";
-  try {
-    save_weights(weights, config_to_yaml(cfg), model.table(), model.params());
-  } catch (const WeightsError& e) {
-    return usage_error(std::string("checkpoint.dir: ") + e.what());
-  }
-  std::printf("weights written to %s (fp8moe generate --checkpoint %s --prompt ...)\n", weights.c_str(),
-              cfg.checkpoint.dir.c_str());
+  if (root)
+    std::printf("done: %lld steps in %.1f s; final validation loss %s; sample with: fp8moe generate --checkpoint %s "
+                "--prompt ...\n",
+                (long long)steps_run, std::chrono::duration<double>(Clock::now() - t_start).count(),
+                json_number(progress.last_val_loss).c_str(), cfg.checkpoint.dir.c_str());
   return kExitOk;
 }
 

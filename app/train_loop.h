@@ -1,13 +1,17 @@
-// The training loop on one rank: data -> micro-batches -> forward/backward -> AdamW -> router
+// The training loop: data -> micro-batches -> forward/backward -> AdamW -> router
 // bias update, with evaluation and a metrics line (stdout) plus JSONL record per logged step.
 #pragma once
 
 #include "model/config.h"
+#include "parallel/grid.h"
 
 namespace fp8moe {
 
-// Called with a one-rank layout (the caller refuses others). Returns the process exit status
-// (2 with a message on stderr for bad data files or paths).
-int train_one_rank(const Config& cfg);
+// Collective over the grid's world. Every rank holds the whole model (tensor, pipeline and expert
+// parallelism are refused by the caller); the ranks are data-parallel replicas. Resumes per
+// checkpoint.resume, saves every checkpoint.every steps and at the end. Returns the process exit
+// status, the same on every rank (2 with one message from rank 0 for bad data files, paths or
+// checkpoints; 1 when a checkpoint save failed).
+int train(const Config& cfg, const ProcessGrid& grid);
 
 }  // namespace fp8moe

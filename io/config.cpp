@@ -306,6 +306,8 @@ const std::vector<Field>& schema() {
     // train
     v.push_back(integer("train.seed", REF(train.seed), 0, kNoMax, "Seed of initialisation and data order."));
     v.push_back(integer("train.steps", REF(train.steps), 1, kNoMax, "Optimizer steps."));
+    v.push_back(integer("train.exit_interval", REF(train.exit_interval), 0, kNoMax,
+                        "Save a checkpoint and exit 0 after a step whose number is a multiple of this; 0 = off."));
     v.push_back(integer("train.global_batch", REF(train.global_batch), 1, 1 << 24,
                         "Sequences per step over all data-parallel ranks."));
     v.push_back(integer("train.seq_len", REF(train.seq_len), 1, 1 << 20, "Tokens per sequence."));

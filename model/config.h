@@ -65,6 +65,7 @@ struct LossScale {
 struct TrainConfig {
   int64_t seed = 1234;
   int64_t steps = 1000;
+  int64_t exit_interval = 0;  // save and exit after a step that is a multiple of it (Megatron's --exit-interval)
   int global_batch = 8;  // sequences per optimizer step, over all data-parallel ranks
   int seq_len = 256;
   double lr = 3e-4;

@@ -36,6 +36,8 @@ class LossScaler {
   explicit LossScaler(const TrainConfig& t);
   float scale() const { return scale_; }
   void update(bool finite);  // after every step
+  int64_t good_steps() const { return good_steps_; }
+  void restore(float scale, int64_t good_steps) { scale_ = scale, good_steps_ = good_steps; }  // from a checkpoint
 
  private:
   TrainConfig cfg_;
@@ -56,6 +58,13 @@ class AdamW {
   // The moments of parameter i as FP32 (decoded from BF16 when stored so).
   std::vector<float> first_moment(size_t i) const;
   std::vector<float> second_moment(size_t i) const;
+
+  // Checkpointing: the moments as stored (bf16_moments(): BF16 bits, else FP32), `which` 0 = first
+  // (m), 1 = second (v); empty for parameters the optimizer does not train.
+  bool bf16_moments() const { return cfg_.moments_dtype == MomentsDtype::bf16; }
+  std::vector<float>& moment_fp32(int which, size_t i) { return which == 0 ? m_[i] : v_[i]; }
+  std::vector<uint16_t>& moment_bf16(int which, size_t i) { return which == 0 ? m16_[i] : v16_[i]; }
+  void restore_counts(int64_t updates, int64_t skipped) { updates_ = updates, skipped_ = skipped; }
 
  private:
   ParamTable table_;

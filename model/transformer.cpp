@@ -58,6 +58,8 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
     f.state = &scaling_[weight];
     f.saturated = &saturated_;
     f.underflowed = &underflowed_;
+    if (cfg_.fp8.recipe == Fp8Recipe::delayed && amax_group_ && amax_group_->size() > 1 && record)
+      f.reduce = [g = amax_group_](float* amax, int64_t n) { g->allreduce_max(amax, n); };
   }
   f.record = record;
   f.reuse_last_scale = !record && recompute_;

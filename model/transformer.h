@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/moe.h"
+#include "parallel/communicator.h"
 #include "model/param_table.h"
 
 namespace fp8moe {
@@ -53,6 +54,14 @@ class Transformer {
   // (StepResult::expert_load, summed over micro-batches).
   void update_router_biases(const std::vector<std::vector<int64_t>>& expert_load);
 
+  // Delayed scaling: the group whose per-tensor amax values are reduced (max) before they enter
+  // the histories: the data-parallel replicas (and, with tensor parallelism, the tensor group), so
+  // every replica keeps the same state and it does not depend on the layout. nullptr: this rank.
+  void set_amax_group(Communicator* group) { amax_group_ = group; }
+  // The delayed-scaling state per linear weight name (checkpointed). Entries appear at the first
+  // training forward; a loaded entry (non-empty history) is used as it is.
+  std::map<std::string, LinearScaling>& fp8_scaling() { return scaling_; }
+
   // Bytes of activations saved for backward per token per block, as of the last forward.
   double saved_bytes_per_token_per_layer() const { return saved_bytes_per_token_; }
 
@@ -79,6 +88,7 @@ class Transformer {
   double saved_bytes_per_token_ = 0;
   int64_t saturated_ = 0, underflowed_ = 0;  // FP8 counts of the current forward_backward
   bool recompute_ = false; // inside a recomputation (see fp8_for)
+  Communicator* amax_group_ = nullptr;
 };
 
 }  // namespace fp8moe

@@ -15,7 +15,7 @@ packages=(
   python3 python3-venv                                        # the JAX reference of the model tests
   fortunes                                                    # the demo's corpus (/usr/share/games/fortunes)
 )
-pypi=("jax[cpu]" numpy ml_dtypes matplotlib)                    # in build/venv, not the system Python
+pypi=("jax[cpu]" numpy ml_dtypes matplotlib h5py)                  # in build/venv, not the system Python
 
 missing=()
 for p in "${packages[@]}"; do
@@ -50,14 +50,14 @@ fi
 
 # The reference model (tests/reference/model_ref.py) runs JAX from a virtual environment.
 venv=build/venv
-if ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes, matplotlib" 2>/dev/null; then
+if ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes, matplotlib, h5py" 2>/dev/null; then
   echo "setup: installing ${pypi[*]} from PyPI into $venv"
   mkdir -p build
   python3 -m venv "$venv"
   "$venv/bin/python3" -m pip install --quiet --upgrade pip
   "$venv/bin/python3" -m pip install --quiet "${pypi[@]}"
 else
-  echo "setup: $venv has jax, numpy, ml_dtypes and matplotlib"
+  echo "setup: $venv has jax, numpy, ml_dtypes, matplotlib and h5py"
 fi
 
 echo "setup: configuring build/ (cmake --preset release)"

@@ -1,0 +1,126 @@
+// Sharded HDF5 checkpoints (DESIGN.md, README "Checkpoints"): one directory
+// <checkpoint.dir>/step_<8 digits>/ holding checkpoint.h5, written by all ranks in parallel through
+// MPI-IO with collective transfers. Every dataset has its tensor's GLOBAL shape; each rank writes
+// and reads only hyperslabs (rows of the global tensor), so a checkpoint saved under one layout
+// loads under another. Commit protocol: write step_N.tmp/, close, all ranks agree, fsync, rename to
+// step_N/, fsync the directory, atomically replace <dir>/latest, then prune beyond keep_last.
+//
+// File layout (format version 1):
+//   /params/<name>        float32 (rows, cols)   every ParamTable entry (incl. the MoE router biases)
+//   /optim/m/<name>       float32 or bfloat16    AdamW first moments, trainable parameters only
+//   /optim/v/<name>       float32 or bfloat16    AdamW second moments
+//   /fp8/amax_history     float32 (n, len)       delayed scaling, one row per scaled tensor
+//   /fp8/scale            float32 (n, 2)         (scale of the next step, scale the last step used)
+//   /fp8/steps            int64 (n, 1)           amax values recorded so far
+//   /fp8 attribute `tensors`: the n tensor names, one per line ("layers.0.attn.wq.x")
+// Every dataset has a uint64 attribute `checksum`: sum over elements, modulo 2^64, of
+// splitmix64(splitmix64(i) ^ bits) with i the element's row-major GLOBAL index and bits its stored
+// bytes as an unsigned integer. The sum does not depend on who wrote which part.
+// Root attributes: format_version, step, samples, tokens, seed, loss_scale, loss_scale_good_steps,
+// adam_updates, adam_skipped, last_val_loss, config (YAML), layout, code_version, checksum_scheme.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/optimizer.h"
+#include "model/transformer.h"
+
+namespace fp8moe {
+
+constexpr int kCheckpointFormatVersion = 1;
+constexpr const char* kCheckpointFile = "checkpoint.h5";
+
+// A checkpoint that cannot be used: missing, truncated, corrupt, foreign. The message names the
+// file and, where one is at fault, the dataset.
+struct CheckpointError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A valid checkpoint of another model (differing shape keys): older checkpoints will not help.
+struct CheckpointMismatch : CheckpointError {
+  using CheckpointError::CheckpointError;
+};
+
+// The trainer's progress besides the tensors.
+struct TrainProgress {
+  int64_t step = 0;     // optimizer steps completed
+  int64_t samples = 0;  // sequences consumed: the position of the next step's data
+  int64_t tokens = 0;   // tokens consumed
+  double last_val_loss = 0.0 / 0.0;
+};
+
+// What a save writes and a load fills: the trainer's own objects.
+struct TrainerState {
+  const Config* cfg = nullptr;  // the current run's config (stored with the checkpoint)
+  Transformer* model = nullptr;
+  AdamW* opt = nullptr;
+  LossScaler* scaler = nullptr;
+  TrainProgress* progress = nullptr;
+  std::string layout;  // "tensor 1 x pipeline 1 x expert 1 x data 2" (informational)
+};
+
+// "step_00000042"
+std::string checkpoint_name(int64_t step);
+
+// Saves progress->step into cfg.checkpoint.dir with the commit protocol, then deletes committed
+// checkpoints beyond keep_last (oldest first, never the one `latest` names) and leftover *.tmp
+// directories. Collective over `comm` (every rank of the job holds the whole model in this build:
+// rank r writes rows [r R / W, (r + 1) R / W) of every dataset). Returns the committed directory.
+// Throws CheckpointError on every rank when any rank failed; the previous checkpoint is intact.
+//
+// Fault injection for tests: FP8MOE_CKPT_KILL=RANK:K makes rank RANK send itself SIGKILL at its
+// K-th save event (each dataset written; then, on rank 0, the file closed, the agreement, the
+// fsync, the rename, the directory fsync, latest.tmp written, latest renamed, each deletion).
+std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
+
+// checkpoint.resume: "none" starts fresh; "auto" loads <dir>/latest when the directory holds
+// checkpoints, and when that one is missing or unusable says so on stderr and falls back to the
+// newest older valid one; a path loads that checkpoint (a step directory, or a checkpoint.dir with
+// a `latest`). Verifies the format version, the model's shape keys (CheckpointMismatch naming each
+// differing key) and every dataset's checksum. Collective over `comm`. Returns the directory
+// loaded, or "" for a fresh start. Throws CheckpointError when nothing usable is found (auto) or
+// the named checkpoint is unusable (path).
+std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s);
+
+// ---- serial tools (no MPI needed) ----
+
+// A checkpoint directory from a user's path: a step directory, or a checkpoint.dir whose `latest`
+// names one. Throws CheckpointError.
+std::string resolve_checkpoint_dir(const std::string& path);
+
+struct DatasetReport {
+  std::string path;                // "/params/embed"
+  std::vector<int64_t> shape;
+  std::string dtype;               // float32, bfloat16, int64
+  int64_t bytes = 0;
+  uint64_t stored_checksum = 0;
+  uint64_t computed_checksum = 0;  // when checked
+  bool checked = false, ok = false;
+};
+
+struct CheckpointReport {
+  std::string file;
+  int64_t format_version = 0, step = 0, samples = 0, tokens = 0;
+  std::string config_yaml, layout, code_version;
+  std::vector<DatasetReport> datasets;
+  std::vector<std::string> problems;  // empty: valid
+};
+
+// Reads the attributes and lists every dataset; with `verify`, recomputes every checksum and
+// checks the datasets against the stored config's ParamTable. Throws CheckpointError when the
+// file cannot be opened at all; other problems are listed in `problems`.
+CheckpointReport inspect_checkpoint(const std::string& dir, bool verify);
+
+// The stored config and parameters (FP32 masters) of a checkpoint, for generation: serial, every
+// checksum of /params verified. Throws CheckpointError.
+Config load_checkpoint_weights(const std::string& dir, std::vector<std::vector<float>>* params);
+
+// The checksum term of one element (exposed for tests).
+uint64_t checksum_term(uint64_t global_index, uint64_t bits);
+
+}  // namespace fp8moe

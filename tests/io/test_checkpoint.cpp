@@ -1,0 +1,252 @@
+// Checkpoint save/load under MPI (np 1, 2, 3): a state with predictable, distinct values in every
+// tensor is saved by all ranks (each writing its rows), then loaded by one rank alone and by all
+// ranks, and must come back bit for bit; a save by one rank alone gives the same file contents
+// and checksums as the save by all ranks (the checksum does not depend on the layout).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "io/checkpoint.h"
+#include "io/config.h"
+#include "parallel/mpi_session.h"
+
+namespace fp8moe {
+namespace {
+
+namespace fs = std::filesystem;
+
+Config small_config(const std::string& dir, bool bf16, Fp8Recipe recipe) {
+  Config c;
+  c.model.vocab_size = 256;
+  c.model.d_model = 32;
+  c.model.n_layers = 2;
+  c.model.n_heads = 2;
+  c.model.n_kv_heads = 1;
+  c.model.head_dim = 16;
+  c.model.d_ff_dense = 48;
+  c.model.moe.n_experts = 3;
+  c.model.moe.d_expert = 16;
+  c.train.steps = 10;
+  c.train.warmup_steps = 1;
+  c.train.moments_dtype = bf16 ? MomentsDtype::bf16 : MomentsDtype::fp32;
+  c.train.loss_scale.mode = LossScaleMode::dynamic;
+  c.fp8.recipe = recipe;
+  c.fp8.amax_history_len = 5;
+  c.checkpoint.dir = dir;
+  c.checkpoint.keep_last = 2;
+  return c;
+}
+
+// Every value distinct and a function of (tensor, index, salt): a misplaced row cannot go unseen.
+float value(size_t tensor, size_t i, int salt) {
+  return float(std::sin(double(tensor) * 1.37 + double(i) * 0.011 + salt)) * float(1 + salt);
+}
+
+struct Trainer {
+  Config cfg;
+  Transformer model;
+  AdamW opt;
+  LossScaler scaler;
+  TrainProgress progress;
+  explicit Trainer(const Config& c) : cfg(c), model(c), opt(model.table(), c.train), scaler(c.train) {}
+  TrainerState state() { return {&cfg, &model, &opt, &scaler, &progress, "test layout"}; }
+
+  void fill(int salt) {
+    for (size_t t = 0; t < model.params().size(); ++t) {
+      auto& p = model.params()[t];
+      for (size_t i = 0; i < p.size(); ++i) p[i] = value(t, i, salt);
+      for (int w = 0; w < 2; ++w) {
+        if (opt.bf16_moments()) {
+          auto& m = opt.moment_bf16(w, t);
+          for (size_t i = 0; i < m.size(); ++i) m[i] = bf16_encode(std::fabs(value(t, i, salt + 1 + w)));
+        } else {
+          auto& m = opt.moment_fp32(w, t);
+          for (size_t i = 0; i < m.size(); ++i) m[i] = std::fabs(value(t, i, salt + 1 + w));
+        }
+      }
+    }
+    opt.restore_counts(7 + salt, 2);
+    scaler.restore(1024.0f * float(salt + 1), 3 + salt);
+    if (cfg.fp8.recipe == Fp8Recipe::delayed) {
+      const char* names[] = {"layers.0.attn.wq", "layers.1.moe.experts.2.w2"};
+      for (int n = 0; n < 2; ++n) {
+        LinearScaling& s = model.fp8_scaling()[names[n]];
+        for (DelayedScaling* d : {&s.x, &s.w, &s.dy}) {
+          *d = make_delayed_scaling(cfg.fp8.amax_history_len);
+          for (size_t i = 0; i < d->history.size(); ++i) d->history[i] = value(size_t(n), i, salt + 5);
+          d->steps = 11 + salt, d->scale = 0.5f + float(n), d->last_used = 0.25f + float(salt);
+        }
+      }
+    }
+    progress = {12 + salt, 96 + salt, 3072 + salt, 1.5 + salt};
+  }
+
+  // Bitwise equality of everything a checkpoint holds.
+  void expect_same(Trainer& o) {
+    ASSERT_EQ(model.params().size(), o.model.params().size());
+    for (size_t t = 0; t < model.params().size(); ++t) {
+      const auto& a = model.params()[t];
+      const auto& b = o.model.params()[t];
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << model.table().params[t].name;
+      for (int w = 0; w < 2; ++w) {
+        if (opt.bf16_moments()) EXPECT_EQ(opt.moment_bf16(w, t), o.opt.moment_bf16(w, t)) << w << " " << t;
+        else EXPECT_EQ(opt.moment_fp32(w, t), o.opt.moment_fp32(w, t)) << w << " " << t;
+      }
+    }
+    EXPECT_EQ(opt.updates(), o.opt.updates());
+    EXPECT_EQ(opt.skipped(), o.opt.skipped());
+    EXPECT_EQ(scaler.scale(), o.scaler.scale());
+    EXPECT_EQ(scaler.good_steps(), o.scaler.good_steps());
+    EXPECT_EQ(progress.step, o.progress.step);
+    EXPECT_EQ(progress.samples, o.progress.samples);
+    EXPECT_EQ(progress.tokens, o.progress.tokens);
+    EXPECT_EQ(progress.last_val_loss, o.progress.last_val_loss);
+    ASSERT_EQ(model.fp8_scaling().size(), o.model.fp8_scaling().size());
+    for (auto& [name, s] : model.fp8_scaling()) {
+      const LinearScaling& t = o.model.fp8_scaling().at(name);
+      EXPECT_TRUE(s.x == t.x && s.w == t.w && s.dy == t.dy) << name;
+    }
+  }
+};
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+// A directory shared by the ranks (rank 0 names it).
+std::string shared_dir(const std::string& tag) {
+  std::string d;
+  if (world_rank() == 0) {
+    char tmpl[] = "/tmp/fp8moe-ckpt-XXXXXX";
+    d = std::string(::mkdtemp(tmpl)) + "/" + tag;
+  }
+  broadcast_string(MPI_COMM_WORLD, d, 0);
+  return d;
+}
+
+void remove_shared(const std::string& d) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) fs::remove_all(fs::path(d).parent_path());
+}
+
+class CheckpointRoundTrip : public testing::TestWithParam<std::tuple<bool, Fp8Recipe>> {};
+
+TEST_P(CheckpointRoundTrip, AllRanksSaveAndAnyLayoutLoadsBitExact) {
+  const auto [bf16, recipe] = GetParam();
+  const std::string dir = shared_dir("all");
+  const bool root = world_rank() == 0;
+  Trainer saved(small_config(dir, bf16, recipe));
+  saved.fill(1);
+  const std::string committed = save_checkpoint(MPI_COMM_WORLD, saved.state());
+  EXPECT_EQ(committed, dir + "/step_00000013");
+
+  // One rank alone loads what all ranks wrote.
+  if (root) {
+    Trainer one(saved.cfg);
+    one.fill(4);  // different values everywhere: the load must replace all of them
+    EXPECT_EQ(resume_from_checkpoint(MPI_COMM_SELF, one.state()), committed);
+    saved.expect_same(one);
+  }
+  // All ranks load it.
+  Trainer all(saved.cfg);
+  all.fill(6);
+  EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, all.state()), committed);
+  saved.expect_same(all);
+
+  // Rank 0 alone saves the same state elsewhere: the same datasets, the same bytes, the same checksums.
+  const std::string dir1 = dir + "-one";
+  if (root) {
+    Trainer one(small_config(dir1, bf16, recipe));
+    one.fill(1);
+    save_checkpoint(MPI_COMM_SELF, one.state());
+    const CheckpointReport a = inspect_checkpoint(dir, true), b = inspect_checkpoint(dir1, true);
+    EXPECT_TRUE(a.problems.empty()) << a.problems.front();
+    EXPECT_TRUE(b.problems.empty()) << b.problems.front();
+    ASSERT_EQ(a.datasets.size(), b.datasets.size());
+    for (size_t i = 0; i < a.datasets.size(); ++i) {
+      EXPECT_EQ(a.datasets[i].path, b.datasets[i].path);
+      EXPECT_EQ(a.datasets[i].stored_checksum, b.datasets[i].stored_checksum) << a.datasets[i].path;
+    }
+    std::vector<std::vector<float>> pa, pb;
+    load_checkpoint_weights(dir, &pa);
+    load_checkpoint_weights(dir1, &pb);
+    EXPECT_EQ(pa, pb);
+  }
+  remove_shared(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Moments, CheckpointRoundTrip,
+                         testing::Values(std::make_tuple(false, Fp8Recipe::blockwise),
+                                         std::make_tuple(true, Fp8Recipe::delayed),
+                                         std::make_tuple(false, Fp8Recipe::delayed)));
+
+TEST(Checkpoint, ProtocolKeepsTheNewestAndNamesLatest) {
+  const std::string dir = shared_dir("ring");
+  Trainer t(small_config(dir, false, Fp8Recipe::off));
+  for (int64_t step : {2, 4, 6, 8}) {
+    t.fill(int(step));
+    t.progress.step = step;
+    save_checkpoint(MPI_COMM_WORLD, t.state());
+  }
+  if (world_rank() == 0) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    EXPECT_EQ(names, (std::vector<std::string>{"latest", "step_00000006", "step_00000008"}));  // keep_last 2
+    EXPECT_EQ(resolve_checkpoint_dir(dir), dir + "/step_00000008");
+  }
+  // Re-saving an existing step replaces it (atomically) with the new contents.
+  t.fill(20);
+  t.progress.step = 6;
+  save_checkpoint(MPI_COMM_WORLD, t.state());
+  Trainer back(t.cfg);
+  EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, back.state()), dir + "/step_00000006");
+  t.expect_same(back);
+  remove_shared(dir);
+}
+
+TEST(Checkpoint, ModelShapeChangeIsRefusedNamingTheKeys) {
+  const std::string dir = shared_dir("shape");
+  Trainer t(small_config(dir, false, Fp8Recipe::off));
+  t.fill(0);
+  save_checkpoint(MPI_COMM_WORLD, t.state());
+  Config other = t.cfg;
+  other.model.d_model = 64;
+  other.model.moe.n_experts = 4;
+  other.train.lr = 1e-5;  // optimizer settings may change
+  Trainer o(other);
+  try {
+    resume_from_checkpoint(MPI_COMM_WORLD, o.state());
+    ADD_FAILURE() << "loaded a checkpoint of another model";
+  } catch (const CheckpointMismatch& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("model.d_model: checkpoint 32, config 64"), std::string::npos) << m;
+    EXPECT_NE(m.find("model.moe.n_experts: checkpoint 3, config 4"), std::string::npos) << m;
+    EXPECT_EQ(m.find("train.lr"), std::string::npos) << m;
+  }
+  remove_shared(dir);
+}
+
+TEST(Checkpoint, ChecksumTermIsTheDocumentedFormula) {
+  // splitmix64 (Steele, Lea, Flood 2014) of 0 is 0xe220a8397b1dcdaf: the first output of the
+  // reference generator seeded with 0.
+  auto splitmix = [](uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+  };
+  EXPECT_EQ(splitmix(0), 0xe220a8397b1dcdafull);
+  EXPECT_EQ(checksum_term(0, 0), splitmix(splitmix(0)));
+  EXPECT_EQ(checksum_term(5, 0x3f800000u), splitmix(splitmix(5) ^ 0x3f800000u));
+}
+
+}  // namespace
+}  // namespace fp8moe
