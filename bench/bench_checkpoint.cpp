@@ -1,0 +1,114 @@
+// Checkpoint save and load throughput beside `dd` on the same disk, in the same run.
+//
+//   mpirun -np R build/bench_checkpoint [DIR] [REPS]
+//
+// A model of ~96M parameters (d_model 1024, 12 routed experts of width 2048): FP32 masters and
+// FP32 Adam moments make a checkpoint of ~1.15 GB. Each repetition: save (the whole commit
+// protocol, fsync included), `dd if=/dev/zero of=... bs=64M conv=fsync` of the same size, load
+// (open, read, checksums), `dd of=/dev/null` of dd's file. Both reads come from the page cache
+// when it holds the file (the machine's memory decides; both are treated alike). Prints GB/s for
+// each and the ratios checkpoint / dd, best of REPS.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "io/checkpoint.h"
+#include "parallel/mpi_session.h"
+
+using namespace fp8moe;
+namespace fs = std::filesystem;
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double timed_system(const std::string& cmd) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (std::system(cmd.c_str()) != 0) {
+    std::fprintf(stderr, "bench_checkpoint: failed: %s\n", cmd.c_str());
+    std::exit(1);
+  }
+  return seconds_since(t0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MpiSession mpi(&argc, &argv);
+  const std::string root_dir = argc > 1 ? argv[1] : "build/bench-ckpt";
+  const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
+  const bool root = mpi.rank() == 0;
+
+  Config cfg;
+  cfg.model.vocab_size = 256;
+  cfg.model.d_model = 1024;
+  cfg.model.n_layers = 2;
+  cfg.model.first_dense_layers = 1;
+  cfg.model.n_heads = 8;
+  cfg.model.n_kv_heads = 8;
+  cfg.model.head_dim = 128;
+  cfg.model.d_ff_dense = 4096;
+  cfg.model.moe.n_experts = 12;
+  cfg.model.moe.d_expert = 2048;
+  cfg.fp8.recipe = Fp8Recipe::off;
+  cfg.checkpoint.dir = root_dir + "/ckpt";
+  cfg.checkpoint.keep_last = 1;
+  cfg.checkpoint.resume = cfg.checkpoint.dir;
+
+  Transformer model(cfg);
+  AdamW opt(model.table(), cfg.train);
+  LossScaler scaler(cfg.train);
+  TrainProgress progress;
+  for (size_t i = 0; i < model.params().size(); ++i)  // realistic, non-zero moments
+    for (int w = 0; w < 2; ++w) {
+      auto& m = opt.moment_fp32(w, i);
+      for (size_t j = 0; j < m.size(); ++j) m[j] = model.params()[i][j] * (w == 0 ? 0.1f : 1e-4f);
+    }
+  const TrainerState state{&cfg, &model, &opt, &scaler, &progress, "bench"};
+  if (root) fs::create_directories(root_dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+
+  double best_save = 1e30, best_load = 1e30, best_ddw = 1e30, best_ddr = 1e30;
+  double bytes = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    progress.step = rep + 1;
+    MPI_Barrier(MPI_COMM_WORLD);
+    auto t0 = std::chrono::steady_clock::now();
+    const std::string dir = save_checkpoint(MPI_COMM_WORLD, state);
+    MPI_Barrier(MPI_COMM_WORLD);
+    best_save = std::min(best_save, seconds_since(t0));
+    bytes = double(fs::file_size(dir + "/" + kCheckpointFile));
+    const long blocks = long(bytes / double(64 << 20)) + 1;
+    if (root)
+      best_ddw = std::min(best_ddw, timed_system("dd if=/dev/zero of=" + root_dir + "/dd.bin bs=64M count=" +
+                                                 std::to_string(blocks) + " conv=fsync status=none"));
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = std::chrono::steady_clock::now();
+    resume_from_checkpoint(MPI_COMM_WORLD, state);
+    MPI_Barrier(MPI_COMM_WORLD);
+    best_load = std::min(best_load, seconds_since(t0));
+    if (root) best_ddr = std::min(best_ddr, timed_system("dd if=" + root_dir + "/dd.bin of=/dev/null bs=64M status=none"));
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  if (root) {
+    const double dd_bytes = double(fs::file_size(root_dir + "/dd.bin"));
+    const double gs = bytes / best_save / 1e9, gl = bytes / best_load / 1e9;
+    const double dw = dd_bytes / best_ddw / 1e9, dr = dd_bytes / best_ddr / 1e9;
+    std::printf("checkpoint of %lld parameters: %.2f GB (FP32 masters + FP32 Adam moments), %d rank(s), best of %d\n",
+                (long long)model.table().trainable_numel(), bytes / 1e9, mpi.size(), reps);
+    std::printf("  %-34s %8s %8s\n", "", "GB/s", "vs dd");
+    std::printf("  %-34s %8.2f %8.2f\n", "save (commit protocol, fsync)", gs, gs / dw);
+    std::printf("  %-34s %8.2f\n", "dd write (conv=fsync)", dw);
+    std::printf("  %-34s %8.2f %8.2f\n", "load (read + every checksum)", gl, gl / dr);
+    std::printf("  %-34s %8.2f\n", "dd read", dr);
+    fs::remove_all(root_dir);
+  }
+  return 0;
+}

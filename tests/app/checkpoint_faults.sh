@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Kills a rank of a 2-rank training job during a checkpoint save, at every save event of rank 0
+# (each dataset written, the close, the agreement, fsync, rename, latest, each deletion) and of
+# rank 1 (each dataset written, the close), through FP8MOE_CKPT_KILL; then at random moments with
+# a real `kill -9` while the job saves every step. After every kill: <dir>/latest must name a
+# complete checkpoint that `fp8moe ckpt verify` accepts, and (every few kills, and always after a
+# random one) training must resume from it and reproduce the uninterrupted run's loss bit for bit.
+#
+# usage: checkpoint_faults.sh FP8MOE MPIEXEC [RANDOM_KILLS]
+set -uo pipefail
+exe=$1 mpiexec=$2 random_kills=${3:-12}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_odls_base_sigkill_timeout=0  # a killed job ends at once
+
+tmp=$(mktemp -d /tmp/fp8moe-faults-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$exe" prepare-data --output "$tmp/data/lic" --val-fraction 0.3 --seed 5 \
+  --input /usr/share/common-licenses/{GPL-3,GPL-2,LGPL-3,Apache-2.0} >/dev/null || fail "prepare-data"
+# Few datasets (2 routed experts): the sweep below kills once per save event.
+cat >"$tmp/cfg.yaml" <<EOF
+model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
+        moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}
+train: {steps: 40, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
+fp8: {recipe: delayed, amax_history_len: 4}
+eval: {every: 0}
+log: {every: 1}
+data: {path: $tmp/data/lic}
+checkpoint: {dir: $tmp/base, keep_last: 1}
+EOF
+export FP8MOE_CKPT_KILL=""  # RANK:K kills rank RANK at its K-th save event (io/checkpoint.h)
+train() { "$mpiexec" -n 2 -x FP8MOE_CKPT_KILL "$exe" train "$tmp/cfg.yaml" "$@"; }
+loss_of() { grep -o "^step *$1/[0-9]* .*\[.*\]" | sed 's/.*\[\(.*\)\]/\1/'; }
+
+# The uninterrupted reference, and a checkpoint at step 4 to start each faulty save from.
+train --set checkpoint.dir="$tmp/ref" >"$tmp/ref.txt" 2>&1 || fail "reference run: $(tail -5 "$tmp/ref.txt")"
+train --set train.exit_interval=4 >/dev/null 2>&1 || fail "base run"
+[[ $(cat "$tmp/base/latest") == step_00000004 ]] || fail "base run did not leave step 4"
+
+check_dir() {  # $1: dir, $2: what happened; prints the step latest names
+  local d=$1 name
+  name=$(cat "$d/latest" 2>/dev/null) || fail "$2: $d/latest is missing"
+  [[ $name == step_00000004 || $name == step_00000005 ]] || fail "$2: latest names '$name'"
+  "$exe" ckpt verify "$d" >"$tmp/verify.txt" 2>&1 || fail "$2: latest is not valid: $(cat "$tmp/verify.txt")"
+  echo "$name"
+}
+resume_and_compare() {  # $1: dir; trains one step from latest and compares its loss with the reference's
+  local d=$1 n want got
+  n=$((10#$(sed 's/step_//' "$d/latest") + 1))
+  train --set checkpoint.dir="$d" --set train.exit_interval=$n >"$tmp/resume.txt" 2>&1 || fail "resume from $d: $(tail -5 "$tmp/resume.txt")"
+  want=$(loss_of $n <"$tmp/ref.txt")
+  got=$(loss_of $n <"$tmp/resume.txt")
+  [[ -n $want && $want == "$got" ]] || fail "resumed loss of step $n is '$got', uninterrupted '$want'"
+}
+
+kills=0 lost=0 resumed=0 before=0 after=0
+for rank in 0 1; do
+  k=1
+  while :; do
+    rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
+    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set train.exit_interval=5 >/dev/null 2>&1
+    status=$?
+    [[ $status == 0 ]] && break  # k is past the last event of this rank's save
+    kills=$((kills + 1))
+    name=$(check_dir "$tmp/w" "rank $rank killed at save event $k") || exit 1
+    [[ $name == step_00000004 ]] && before=$((before + 1)) || after=$((after + 1))
+    if ((k % 8 == 1)); then resume_and_compare "$tmp/w"; resumed=$((resumed + 1)); fi
+    k=$((k + 1))
+  done
+  echo "rank $rank: $((k - 1)) save events, each one killed"
+  ((k > 20)) || fail "rank $rank had only $((k - 1)) save events: FP8MOE_CKPT_KILL not honoured?"
+done
+# Random real kills of a random rank while the job checkpoints every step.
+during_save=0
+for ((i = 0; i < random_kills; i++)); do
+  rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
+  "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/w" --set checkpoint.every=1 >/dev/null 2>&1 &
+  launcher=$!
+  sleep "0.$((RANDOM % 7 + 3))$((RANDOM % 10))"
+  victim=$(pgrep -f "$exe train $tmp/cfg.yaml" | grep -v "^$launcher$" | shuf -n 1)
+  [[ -n $victim ]] && kill -9 "$victim" 2>/dev/null && kills=$((kills + 1))
+  wait "$launcher"
+  compgen -G "$tmp/w/step_*.tmp" >/dev/null && during_save=$((during_save + 1))
+  name=$(cat "$tmp/w/latest" 2>/dev/null) || fail "random kill $i: latest is missing"
+  "$exe" ckpt verify "$tmp/w" >"$tmp/verify.txt" 2>&1 || fail "random kill $i: latest ($name) is not valid: $(cat "$tmp/verify.txt")"
+  if [[ $name < step_00000040 ]]; then resume_and_compare "$tmp/w"; resumed=$((resumed + 1)); fi
+done
+echo "checkpoint faults: $kills kills ($before left step 4 as latest, $after had committed step 5;" \
+  "$during_save random kills left a partial step_*.tmp), $resumed resumed bit-exact, $lost checkpoints lost"

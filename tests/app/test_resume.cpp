@@ -1,0 +1,252 @@
+// Checkpoints through the real executable: bit-exact resume (2N steps straight vs N, exit,
+// resume, N more: every printed loss compared by its exact bits), resume under another
+// data-parallel size, and damaged checkpoints (flipped bytes, truncation, a missing or garbage
+// `latest`), each detected with a message naming the file (and dataset), `auto` falling back.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "tests/test_util.h"
+
+namespace fp8moe::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Losses by step, as printed ("[%a]": the double's exact bits).
+std::map<int, std::string> losses(const std::string& out) {
+  std::map<int, std::string> m;
+  static const std::regex re(R"(^step +(\d+)/\d+ .*\[(\S+)\]$)");
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    std::smatch s;
+    if (std::regex_match(line, s, re)) m[std::stoi(s[1])] = s[2];
+  }
+  return m;
+}
+
+class Resume : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir;
+    std::vector<std::string> prep = {exe(), "prepare-data", "--output", dir_->path + "/data/lic", "--val-fraction",
+                                     "0.3", "--seed", "5", "--input"};
+    for (const char* f : {"GPL-3", "GPL-2", "LGPL-3", "Apache-2.0", "MPL-2.0"})
+      prep.push_back(std::string("/usr/share/common-licenses/") + f);
+    const RunResult r = run(prep);
+    ASSERT_EQ(r.status, 0) << r.all();
+  }
+  static void TearDownTestSuite() { delete dir_; }
+
+  // A small model with every kind of state: delayed scaling histories, BF16 moments, a dynamic
+  // loss scale that grows, router biases, validation.
+  std::string config(const std::string& name) const {
+    return dir_->write(name + ".yaml",
+                       "model: {d_model: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 16, first_dense_layers: 1,\n"
+                       "        d_ff_dense: 128, moe: {n_experts: 4, top_k: 2, n_shared_experts: 1, d_expert: 64}}\n"
+                       "train: {steps: 12, warmup_steps: 2, global_batch: 8, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4,\n"
+                       "        moments_dtype: bf16, loss_scale: dynamic, loss_scale_initial: 256,\n"
+                       "        loss_scale_growth_interval: 4}\n"
+                       "parallel: {micro_batches: 2}\n"
+                       "fp8: {recipe: delayed, amax_history_len: 8}\n"
+                       "eval: {every: 4, batches: 1}\n"
+                       "log: {every: 1}\n"
+                       "data: {path: " + dir_->path + "/data/lic}\n"
+                       "checkpoint: {dir: " + dir_->path + "/" + name + ", every: 4, keep_last: 3}\n");
+  }
+  RunResult train(int ranks, const std::string& cfg, std::vector<std::string> sets = {}) const {
+    std::vector<std::string> argv = {mpiexec(), "-n", std::to_string(ranks), exe(), "train", cfg};
+    for (auto& s : sets) argv.push_back("--set"), argv.push_back(s);
+    return run(argv, 600);
+  }
+  std::string ckpt(const std::string& name) const { return dir_->path + "/" + name; }
+  static TempDir* dir_;
+};
+TempDir* Resume::dir_ = nullptr;
+
+TEST_F(Resume, BitExactAfterExitAndRestart) {
+  for (int ranks : {1, 2}) {
+    const std::string tag = "bitexact" + std::to_string(ranks);
+    const RunResult straight = train(ranks, config(tag + "a"));
+    ASSERT_EQ(straight.status, 0) << straight.all();
+    const RunResult first = train(ranks, config(tag + "b"), {"train.exit_interval=6"});
+    ASSERT_EQ(first.status, 0) << first.all();
+    EXPECT_NE(first.out.find("exit: step 6 is a multiple of train.exit_interval"), std::string::npos) << first.out;
+    const RunResult second = train(ranks, config(tag + "b"));
+    ASSERT_EQ(second.status, 0) << second.all();
+    EXPECT_NE(second.out.find("resumed from " + ckpt(tag + "b") + "/step_00000006: step 6"), std::string::npos)
+        << second.out;
+    const auto a = losses(straight.out), b1 = losses(first.out), b2 = losses(second.out);
+    ASSERT_EQ(a.size(), 12u) << straight.out;
+    ASSERT_EQ(b1.size(), 6u) << first.out;
+    ASSERT_EQ(b2.size(), 6u) << second.out;
+    for (int s = 1; s <= 12; ++s) EXPECT_EQ(a.at(s), s <= 6 ? b1.at(s) : b2.at(s)) << "ranks " << ranks << " step " << s;
+    // The final checkpoints are the same bytes: every checksum equal.
+    const RunResult ia = run({exe(), "ckpt", "inspect", ckpt(tag + "a")}), ib = run({exe(), "ckpt", "inspect", ckpt(tag + "b")});
+    ASSERT_EQ(ia.status, 0) << ia.all();
+    ASSERT_EQ(ib.status, 0) << ib.all();
+    const std::regex rows(R"((/\S+) .* ([0-9a-f]{16}) ok)");
+    std::string ca, cb;
+    for (std::sregex_iterator it(ia.out.begin(), ia.out.end(), rows), end; it != end; ++it) ca += (*it)[1].str() + (*it)[2].str() + "\n";
+    for (std::sregex_iterator it(ib.out.begin(), ib.out.end(), rows), end; it != end; ++it) cb += (*it)[1].str() + (*it)[2].str() + "\n";
+    EXPECT_GT(ca.size(), 1000u) << ia.out;
+    EXPECT_EQ(ca, cb);
+  }
+}
+
+TEST_F(Resume, UnderAnotherDataParallelSize) {
+  // Blockwise scaling quantizes per 1 x 128 row tile and per weight block: the numbers do not
+  // depend on how the batch is split, so only the FP32 reduction order differs between sizes.
+  const auto bound = [](const std::string& x, const std::string& y) {
+    const double a = std::strtod(x.c_str(), nullptr), b = std::strtod(y.c_str(), nullptr);
+    return std::fabs(a - b) / std::fabs(a);
+  };
+  const std::vector<std::string> blockwise = {"fp8.recipe=blockwise", "fp8.tile=32"};
+  const RunResult ref = train(1, config("dpref"), blockwise);
+  ASSERT_EQ(ref.status, 0) << ref.all();
+  const auto want = losses(ref.out);
+  ASSERT_EQ(want.size(), 12u);
+  for (auto [save, load] : {std::pair{2, 1}, std::pair{1, 2}}) {
+    const std::string tag = "dp" + std::to_string(save) + "to" + std::to_string(load);
+    std::vector<std::string> sets = blockwise;
+    sets.push_back("train.exit_interval=4");
+    const RunResult a = train(save, config(tag), sets);
+    ASSERT_EQ(a.status, 0) << a.all();
+    EXPECT_NE(a.out.find("x data " + std::to_string(save)), std::string::npos);
+    const RunResult b = train(load, config(tag), blockwise);
+    ASSERT_EQ(b.status, 0) << b.all();
+    EXPECT_NE(b.out.find("resumed from " + ckpt(tag) + "/step_00000004"), std::string::npos) << b.out;
+    const auto got = losses(b.out);
+    ASSERT_EQ(got.size(), 8u) << b.out;
+    double worst = 0;
+    for (int s = 5; s <= 12; ++s) worst = std::max(worst, bound(want.at(s), got.at(s)));
+    std::printf("saved on %d rank(s), resumed on %d: max relative loss difference over steps 5-12 = %.2e\n", save,
+                load, worst);
+    EXPECT_LE(worst, 1e-5);
+  }
+}
+
+// Byte offset of a (contiguous) dataset's data in its file: h5ls -va prints it as "Address".
+long dataset_offset(const std::string& file, const std::string& dataset) {
+  const RunResult r = run({"h5ls", "-va", file + "/" + dataset});
+  std::smatch m;
+  static const std::regex re(R"(Address:\s*(\d+))");
+  if (!std::regex_search(r.out, m, re)) return -1;
+  return std::stol(m[1]);
+}
+
+TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
+  const std::string cfg = config("damage");
+  RunResult r = train(1, cfg, {"train.steps=8", "train.warmup_steps=1", "eval.every=0"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  const std::string dir = ckpt("damage"), s4 = dir + "/step_00000004", s8 = dir + "/step_00000008";
+  const std::string f8 = s8 + "/checkpoint.h5";
+  ASSERT_TRUE(fs::exists(f8));
+  fs::copy_file(f8, dir_->path + "/pristine.h5");
+  const std::vector<std::string> more = {"train.steps=9", "train.warmup_steps=1", "eval.every=0"};
+  auto restore = [&] {
+    fs::copy_file(dir_->path + "/pristine.h5", f8, fs::copy_options::overwrite_existing);
+    std::ofstream(dir + "/latest") << "step_00000008\n";
+    fs::remove_all(dir + "/step_00000009");
+  };
+
+  // 1. A flipped byte in a dataset's data.
+  const long off = dataset_offset(f8, "params/layers.1.moe.experts.2.w1");
+  ASSERT_GT(off, 0);
+  {
+    std::fstream f(f8, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(off + 100);
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(off + 100);
+    f.write(&c, 1);
+  }
+  r = run({exe(), "ckpt", "verify", dir});
+  EXPECT_EQ(r.status, 1) << r.all();
+  EXPECT_NE(r.err.find(f8 + ": dataset /params/layers.1.moe.experts.2.w1: checksum mismatch"), std::string::npos) << r.err;
+  r = train(1, cfg, more);
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.err.find("WARNING: checkpoint " + s8 + " is unusable: " + f8 +
+                       ": dataset /params/layers.1.moe.experts.2.w1: checksum mismatch"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("falling back to " + s4), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("resumed from " + s4 + ": step 4"), std::string::npos) << r.out;
+  // The same damage named explicitly: an error, no fallback.
+  restore();
+  {
+    std::fstream f(f8, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(off + 7);
+    f.put('\x7f');
+  }
+  r = train(1, cfg, {"checkpoint.resume=" + s8, "train.steps=9", "train.warmup_steps=1"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("fp8moe: error: checkpoint.resume: " + f8 + ": dataset /params/layers.1.moe.experts.2.w1: checksum mismatch"),
+            std::string::npos) << r.err;
+
+  // 2. A truncated file.
+  restore();
+  fs::resize_file(f8, fs::file_size(f8) / 2);
+  r = run({exe(), "ckpt", "verify", s8});
+  EXPECT_EQ(r.status, 1) << r.all();
+  EXPECT_NE(r.err.find(f8), std::string::npos) << r.err;
+  r = train(1, cfg, more);
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.err.find("WARNING: checkpoint " + s8 + " is unusable: " + f8), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("resumed from " + s4 + ": step 4"), std::string::npos) << r.out;
+
+  // 3. `latest` deleted: the newest valid checkpoint, loudly.
+  restore();
+  fs::remove(dir + "/latest");
+  r = train(1, cfg, more);
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.err.find("WARNING: " + dir + "/latest does not exist; falling back to the newest valid checkpoint"),
+            std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("resumed from " + s8 + ": step 8"), std::string::npos) << r.out;
+
+  // 4. `latest` holding garbage.
+  restore();
+  std::ofstream(dir + "/latest") << "\x01\x02garbage/../../etc\n";
+  r = run({exe(), "ckpt", "verify", dir});
+  EXPECT_EQ(r.status, 1) << r.all();
+  EXPECT_NE(r.err.find(dir + "/latest does not name a checkpoint directory"), std::string::npos) << r.err;
+  r = train(1, cfg, more);
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.err.find(dir + "/latest does not name a checkpoint directory"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("resumed from " + s8 + ": step 8"), std::string::npos) << r.out;
+
+  // 5. Every checkpoint unusable: an error (nothing is deleted, nothing starts afresh silently).
+  restore();
+  fs::resize_file(f8, 100);
+  fs::resize_file(s4 + "/checkpoint.h5", 100);
+  r = train(1, cfg, more);
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("no usable checkpoint in " + dir), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(s4) && fs::exists(s8));
+
+  // 6. A checkpoint of another model: the differing keys, no fallback.
+  restore();
+  r = train(1, cfg, {"model.moe.d_expert=32", "model.moe.n_experts=8", "train.steps=9", "train.warmup_steps=1"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("model.moe.n_experts: checkpoint 4, config 8"), std::string::npos) << r.err;
+}
+
+TEST_F(Resume, ReadableWithoutFp8moe) {
+  // h5py reads every dataset (BF16 moments as floats) and an independent NumPy implementation
+  // of the documented checksum matches every stored one.
+  RunResult r = train(2, config("h5py"), {"train.steps=4", "train.warmup_steps=1"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  r = run({python(), source_dir() + "/tests/io/check_checkpoint.py", ckpt("h5py") + "/step_00000004/checkpoint.h5"}, 300);
+  EXPECT_EQ(r.status, 0) << r.all();
+  std::printf("%s", r.out.c_str());
+}
+
+}  // namespace
+}  // namespace fp8moe::test

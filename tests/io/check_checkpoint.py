@@ -1,0 +1,56 @@
+"""Reads an fp8moe checkpoint with h5py alone (no fp8moe code) and recomputes every dataset's
+checksum from the documented formula (README "Checkpoints"):
+    sum mod 2^64 over elements of splitmix64(splitmix64(i) ^ bits),
+    i = row-major global index, bits = the stored element's bytes as an unsigned integer.
+BF16 datasets are also read through h5py's own conversion to float32, which must equal the
+bits shifted into a float32. Exit 0 when everything matches."""
+import sys
+
+import h5py
+import numpy as np
+
+M = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def splitmix64(x):
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def checksum(raw_bits):
+    i = np.arange(raw_bits.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        terms = splitmix64(splitmix64(i) ^ raw_bits.astype(np.uint64))
+        return int(terms.sum(dtype=np.uint64))
+
+
+def main(path):
+    f = h5py.File(path, "r")
+    for key in ("format_version", "step", "samples", "tokens", "config", "layout", "checksum_scheme"):
+        assert key in f.attrs, "missing root attribute " + key
+    names = []
+    f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    bf16 = 0
+    for n in names:
+        d = f[n]
+        ftype = d.id.get_type()
+        size = ftype.get_size()
+        raw = np.empty(d.shape, dtype={2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
+        d.id.read(h5py.h5s.ALL, h5py.h5s.ALL, raw, mtype=ftype)  # the stored bytes, unconverted
+        raw = raw.reshape(-1)
+        if size == 2:  # bfloat16: h5py's own conversion to float32 must be the bits in the top half
+            assert isinstance(ftype, h5py.h5t.TypeFloatID) and ftype.get_fields() == (15, 7, 8, 0, 7), n
+            as_float = d.astype(np.float32)[()].reshape(-1)
+            assert np.array_equal((raw.astype(np.uint32) << np.uint32(16)).view(np.float32), as_float), n
+            bf16 += 1
+        want = int(d.attrs["checksum"])
+        got = checksum(raw)
+        assert got == want, "%s: checksum %016x, stored %016x" % (n, got, want)
+    print("h5py: %d datasets (%d bfloat16), every checksum recomputed independently matches; step %d, layout %s"
+          % (len(names), bf16, f.attrs["step"], f.attrs["layout"].decode() if isinstance(f.attrs["layout"], bytes) else f.attrs["layout"]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
