@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Set-up + the main job:
 #  1. the 8-rank layout of configs/tiny.yaml (tensor 2 x pipeline 2 x data 2, expert 2), validated
-#     and printed by `fp8moe train --dry-run` under mpirun (parallel training arrives later);
+#     and printed by `fp8moe train --dry-run` under mpirun;
 #  2. the fortunes corpus (Debian's `fortunes` package) tokenised once into data/fortunes.*;
-#  3. configs/tiny.yaml trained on one rank, with a metrics line per 10 steps and logs/tiny.jsonl.
+#  3. configs/tiny.yaml trained afresh on 2 data-parallel ranks (tensor, pipeline and expert
+#     parallelism arrive later), a metrics line per 10 steps and logs/tiny.jsonl, checkpoints at
+#     steps 100 and 200 in checkpoints/tiny/, then `ckpt verify` and a sample from the last one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh
@@ -21,5 +23,8 @@ if [[ ! -f data/fortunes.train.tok ]]; then
   build/fp8moe prepare-data --input "${inputs[@]}" --output data/fortunes --split-on % --val-fraction 0.05
 fi
 
-echo "demo: build/fp8moe train configs/tiny.yaml on one rank"
-build/fp8moe train configs/tiny.yaml --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=1
+echo "demo: mpirun -np 2 build/fp8moe train configs/tiny.yaml (data parallel)"
+mpirun -np 2 build/fp8moe train configs/tiny.yaml --set parallel.tensor=1 --set parallel.pipeline=1 \
+  --set parallel.expert=1 --set checkpoint.resume=none
+build/fp8moe ckpt verify checkpoints/tiny
+build/fp8moe generate --checkpoint checkpoints/tiny --prompt "The " --tokens 120
