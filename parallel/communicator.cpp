@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <vector>
 
 #include "kernels/check.h"
 #include "parallel/mpi_session.h"
@@ -26,13 +27,78 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
   MPI_CHECK(MPI_Comm_size(comm, &size_));
 }
 
-void MpiCommunicator::allreduce_sum(float* d, int64_t n) { allreduce_chunked(comm_, d, n, MPI_FLOAT, MPI_SUM); }
-void MpiCommunicator::allreduce_sum(double* d, int64_t n) { allreduce_chunked(comm_, d, n, MPI_DOUBLE, MPI_SUM); }
-void MpiCommunicator::allreduce_sum(int64_t* d, int64_t n) { allreduce_chunked(comm_, d, n, MPI_INT64_T, MPI_SUM); }
-void MpiCommunicator::allreduce_sum(uint64_t* d, int64_t n) { allreduce_chunked(comm_, d, n, MPI_UINT64_T, MPI_SUM); }
-void MpiCommunicator::allreduce_max(float* d, int64_t n) { allreduce_chunked(comm_, d, n, MPI_FLOAT, MPI_MAX); }
-void MpiCommunicator::allreduce_max(double* d, int64_t n) { allreduce_chunked(comm_, d, n, MPI_DOUBLE, MPI_MAX); }
+// Textbook bytes that leave one rank: a ring allreduce of B bytes sends 2 (p - 1) / p x B.
+int64_t ring_allreduce_bytes(int p, int64_t bytes) { return p > 1 ? 2 * (p - 1) * bytes / p : 0; }
+
+void MpiCommunicator::allreduce_sum(float* d, int64_t n) {
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 4);
+  allreduce_chunked(comm_, d, n, MPI_FLOAT, MPI_SUM);
+}
+void MpiCommunicator::allreduce_sum(double* d, int64_t n) {
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
+  allreduce_chunked(comm_, d, n, MPI_DOUBLE, MPI_SUM);
+}
+void MpiCommunicator::allreduce_sum(int64_t* d, int64_t n) {
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
+  allreduce_chunked(comm_, d, n, MPI_INT64_T, MPI_SUM);
+}
+void MpiCommunicator::allreduce_sum(uint64_t* d, int64_t n) {
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
+  allreduce_chunked(comm_, d, n, MPI_UINT64_T, MPI_SUM);
+}
+void MpiCommunicator::allreduce_max(float* d, int64_t n) {
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 4);
+  allreduce_chunked(comm_, d, n, MPI_FLOAT, MPI_MAX);
+}
+void MpiCommunicator::allreduce_max(double* d, int64_t n) {
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
+  allreduce_chunked(comm_, d, n, MPI_DOUBLE, MPI_MAX);
+}
 void MpiCommunicator::broadcast(std::string& text, int root) { broadcast_string(comm_, text, root); }
 void MpiCommunicator::barrier() { MPI_CHECK(MPI_Barrier(comm_)); }
+
+namespace {
+int as_count(int64_t n, const char* what) {
+  FP8MOE_ASSERT(n >= 0 && n <= INT_MAX, what, ": ", n, " elements: more than one MPI call takes");
+  return int(n);
+}
+}  // namespace
+
+void MpiCommunicator::allgather(const float* in, int64_t n, float* out) {
+  bytes_sent_ += int64_t(size_ - 1) * n * 4;
+  MPI_CHECK(MPI_Allgather(in, as_count(n, "allgather"), MPI_FLOAT, out, int(n), MPI_FLOAT, comm_));
+}
+
+void MpiCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n) {
+  bytes_sent_ += int64_t(size_ - 1) * n * 4;
+  MPI_CHECK(MPI_Reduce_scatter_block(in, out, as_count(n, "reduce_scatter"), MPI_FLOAT, MPI_SUM, comm_));
+}
+
+void MpiCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
+  bytes_sent_ += int64_t(size_ - 1) * n * 8;
+  MPI_CHECK(MPI_Alltoall(send, as_count(n, "alltoall"), MPI_INT64_T, recv, int(n), MPI_INT64_T, comm_));
+}
+
+void MpiCommunicator::alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) {
+  const auto p = static_cast<size_t>(size_);
+  std::vector<int> sc(p), sd(p), rc(p), rd(p);
+  int64_t so = 0, ro = 0;
+  for (int j = 0; j < size_; ++j) {
+    sc[j] = as_count(send_counts[j], "alltoallv"), rc[j] = as_count(recv_counts[j], "alltoallv");
+    sd[j] = as_count(so, "alltoallv offset"), rd[j] = as_count(ro, "alltoallv offset");
+    so += send_counts[j], ro += recv_counts[j];
+    if (j != rank_) bytes_sent_ += send_counts[j] * 4;
+  }
+  MPI_CHECK(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_FLOAT, recv, rc.data(), rd.data(), MPI_FLOAT, comm_));
+}
+
+void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
+  bytes_sent_ += n * 4;
+  MPI_CHECK(MPI_Send(data, as_count(n, "send"), MPI_FLOAT, peer, tag, comm_));
+}
+
+void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
+  MPI_CHECK(MPI_Recv(data, as_count(n, "recv"), MPI_FLOAT, peer, tag, comm_, MPI_STATUS_IGNORE));
+}
 
 }  // namespace fp8moe

@@ -24,6 +24,27 @@ class Communicator {
   virtual void allreduce_max(double* data, int64_t n) = 0;
   virtual void broadcast(std::string& text, int root) = 0;
   virtual void barrier() = 0;
+
+  // out (size() x n) = every rank's n values, in rank order.
+  virtual void allgather(const float* in, int64_t n, float* out) = 0;
+  // out (n) = the sum over ranks of block rank() (n values) of in (size() x n).
+  virtual void reduce_scatter_sum(const float* in, float* out, int64_t n) = 0;
+  // recv (size() x n) = the n values every rank sent to this one: block j of send goes to rank j.
+  virtual void alltoall(const int64_t* send, int64_t* recv, int64_t n) = 0;
+  // Variable all-to-all of floats: send_counts[j] values (consecutive in send) go to rank j;
+  // recv_counts[j] values from rank j land consecutively in recv, in rank order.
+  virtual void alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) = 0;
+  // Point to point (the pipeline): blocking send of n values to `peer`, and the matching receive.
+  virtual void send(const float* data, int64_t n, int peer, int tag) = 0;
+  virtual void recv(float* data, int64_t n, int peer, int tag) = 0;
+
+  // Bytes this rank has handed to the network through this communicator (payload that leaves the
+  // rank: for collectives, by the algorithm's textbook count; see README "Communication").
+  int64_t bytes_sent() const { return bytes_sent_; }
+  void reset_bytes_sent() { bytes_sent_ = 0; }
+
+ protected:
+  int64_t bytes_sent_ = 0;
 };
 
 // Over an MPI communicator (not owned; it must outlive this object). Errors are fatal
@@ -42,6 +63,12 @@ class MpiCommunicator final : public Communicator {
   void allreduce_max(double* data, int64_t n) override;
   void broadcast(std::string& text, int root) override;
   void barrier() override;
+  void allgather(const float* in, int64_t n, float* out) override;
+  void reduce_scatter_sum(const float* in, float* out, int64_t n) override;
+  void alltoall(const int64_t* send, int64_t* recv, int64_t n) override;
+  void alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
+  void send(const float* data, int64_t n, int peer, int tag) override;
+  void recv(float* data, int64_t n, int peer, int tag) override;
 
  private:
   MPI_Comm comm_;

@@ -1,0 +1,49 @@
+// Expert parallelism's token exchange (DeepSeek-V3 / Megatron "alltoall" dispatcher) over the
+// expert-parallel group of P ranks: rank r owns the L = n_experts / P consecutive experts
+// [r L, (r + 1) L). A rank routes its tokens locally and permutes the chosen (token, expert) rows
+// into global expert order; dispatch sends each row to the owner of its expert, combine brings
+// the experts' outputs back in the same order. An expert that receives no row is normal.
+//
+// Backward runs the same plan the other way: the gradients of the experts' outputs go out with
+// dispatch, the gradients of their inputs come back with combine.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "parallel/communicator.h"
+
+namespace fp8moe {
+
+struct DispatchPlan {
+  int ranks = 1, local_experts = 0;
+  std::vector<int64_t> send_rows;    // (P) rows to each rank
+  std::vector<int64_t> recv_counts;  // (P x L) rows from rank j for local expert l, [j * L + l]
+  std::vector<int64_t> local_rows;   // (L) rows per local expert, over all sources
+  int64_t received = 0;              // rows this rank's experts process
+};
+
+class ExpertDispatcher {
+ public:
+  // n_experts must be a multiple of group.size() (checked by the config).
+  ExpertDispatcher(Communicator& group, int n_experts);
+  int local_experts() const { return local_; }
+  int first_expert() const { return group_.rank() * local_; }
+
+  // Collective: exchanges the row counts. counts: (n_experts) rows per GLOBAL expert on this rank.
+  DispatchPlan plan(const int64_t* counts);
+  // Collective. rows: (sum of counts, D) in global expert order. out: (plan.received, D) grouped
+  // by local expert; within an expert, the rows of rank 0 first, then rank 1, ... each in its
+  // sender's order.
+  void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, std::vector<float>* out);
+  // Collective, the reverse: rows (plan.received, D) laid out as dispatch's output; out: (sum of
+  // counts, D) in this rank's dispatch input order.
+  void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out);
+
+ private:
+  Communicator& group_;
+  int experts_ = 0, local_ = 0;
+  std::vector<float> buf_;
+};
+
+}  // namespace fp8moe

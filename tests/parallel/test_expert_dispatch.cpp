@@ -1,0 +1,138 @@
+// The expert dispatcher at ep = world (1, 2, 4, 8 ranks) with self-describing rows: every row
+// carries its source rank, token id, slot and expert, so a row that lands at the wrong rank, in the
+// wrong expert's group or out of order is seen; counts per expert are checked against an
+// independent enumeration of every rank's routing; dispatch -> identity -> combine -> gate-weighted
+// sum must give x * sum(gates) exactly (power-of-two gates).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "parallel/communicator.h"
+#include "parallel/expert_dispatch.h"
+
+namespace fp8moe {
+namespace {
+
+constexpr int kD = 6;  // row: src, token, slot, expert, two payload values
+
+// Routing of token t of rank r: top-k distinct experts, deterministic. Some ranks send nothing to
+// some experts, and expert E - 1 never receives a row (an empty expert).
+int expert_of(int r, int t, int slot, int E) {
+  const int usable = std::max(1, E - 1);
+  return (r * 7 + t * 3 + slot * (1 + t % 2)) % usable;
+}
+
+struct Routed {
+  std::vector<int> expert;  // (T, k)
+  std::vector<float> gate;  // (T, k)
+};
+
+Routed route(int r, int T, int k, int E) {
+  Routed out;
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> chosen;
+    for (int s = 0; chosen.size() < size_t(k); ++s) {
+      const int e = expert_of(r, t, s, E);
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+      if (s > 64) chosen.push_back(e);  // fewer usable experts than k: repeats are allowed
+    }
+    for (int s = 0; s < k; ++s) {
+      out.expert.push_back(chosen[size_t(s)]);
+      out.gate.push_back(s == 0 ? 0.5f : 0.25f);
+    }
+  }
+  return out;
+}
+
+float payload(int r, int t, int d) { return float(r * 1000 + t) + 0.125f * float(d); }
+
+TEST(ExpertDispatch, SelfDescribingRowsRoundTrip) {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size(), me = world.rank();
+  for (int E : {P, 2 * P, 4 * P}) {
+    for (int T : {0, 1, 13}) {
+      const int k = std::min(2, E);
+      ExpertDispatcher disp(world, E);
+      ASSERT_EQ(disp.local_experts(), E / P);
+      const Routed rt = route(me, T, k, E);
+      // Permute (token, slot) rows into global expert order, stable.
+      std::vector<int> order(static_cast<size_t>(T * k));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rt.expert[size_t(a)] < rt.expert[size_t(b)]; });
+      std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+      std::vector<float> x(static_cast<size_t>(T * kD)), rows(static_cast<size_t>(T * k * kD));
+      for (int t = 0; t < T; ++t)
+        for (int d = 0; d < kD; ++d) x[size_t(t * kD + d)] = d < 4 ? 0.0f : payload(me, t, d);
+      for (size_t i = 0; i < order.size(); ++i) {
+        const int a = order[i], t = a / k, s = a % k, e = rt.expert[size_t(a)];
+        ++counts[size_t(e)];
+        float* row = &rows[i * kD];
+        row[0] = float(me), row[1] = float(t), row[2] = float(s), row[3] = float(e);
+        row[4] = payload(me, t, 4), row[5] = payload(me, t, 5);
+      }
+      const DispatchPlan plan = disp.plan(counts.data());
+      std::vector<float> got;
+      disp.dispatch(plan, rows.data(), kD, &got);
+
+      // Every rank's routing, enumerated independently: rows per local expert, per source.
+      const int L = E / P, first = me * L;
+      std::vector<int64_t> want_local(static_cast<size_t>(L), 0);
+      std::vector<std::vector<float>> want_rows(static_cast<size_t>(L));  // expected rows per local expert, in order
+      for (int r = 0; r < P; ++r) {
+        const Routed o = route(r, T, k, E);
+        for (int l = 0; l < L; ++l)
+          for (int a = 0; a < T * k; ++a)  // stable order within (expert, source): by (t, s)
+            if (o.expert[size_t(a)] == first + l) {
+              ++want_local[size_t(l)];
+              const int t = a / k, s = a % k;
+              for (float v : {float(r), float(t), float(s), float(first + l), payload(r, t, 4), payload(r, t, 5)})
+                want_rows[size_t(l)].push_back(v);
+            }
+      }
+      EXPECT_EQ(plan.local_rows, want_local) << "E " << E << " T " << T;
+      std::vector<float> want;
+      for (const auto& w : want_rows) want.insert(want.end(), w.begin(), w.end());
+      EXPECT_EQ(got, want) << "E " << E << " T " << T;
+      if (me == P - 1 && E > 1) {
+        EXPECT_EQ(plan.local_rows[size_t(L - 1)], 0) << "expert E - 1 receives nothing";
+      }
+
+      // Identity experts, combine, gate-weighted sum: x * sum(gates).
+      std::vector<float> back(rows.size());
+      disp.combine(plan, got.data(), kD, back.data());
+      EXPECT_EQ(back, rows) << "combine must return every row to its place";
+      std::vector<float> y(static_cast<size_t>(T * kD), 0.0f);
+      for (size_t i = 0; i < order.size(); ++i) {
+        const int a = order[i], t = a / k;
+        for (int d = 4; d < kD; ++d) y[size_t(t * kD + d)] += rt.gate[size_t(a)] * back[i * kD + d];
+      }
+      for (int t = 0; t < T; ++t) {
+        float gsum = 0;
+        for (int s = 0; s < k; ++s) gsum += rt.gate[size_t(t * k + s)];
+        for (int d = 4; d < kD; ++d) EXPECT_EQ(y[size_t(t * kD + d)], x[size_t(t * kD + d)] * gsum);
+      }
+    }
+  }
+}
+
+TEST(ExpertDispatch, CollectivesCountTheirBytes) {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const int P = world.size();
+  world.reset_bytes_sent();
+  std::vector<float> v(100, 1.0f);
+  world.allreduce_sum(v.data(), 100);
+  EXPECT_EQ(world.bytes_sent(), P > 1 ? 2 * (P - 1) * 400 / P : 0);
+  EXPECT_EQ(v[0], float(P));
+  world.reset_bytes_sent();
+  std::vector<float> all(static_cast<size_t>(100 * P));
+  world.allgather(v.data(), 100, all.data());
+  EXPECT_EQ(world.bytes_sent(), int64_t(P - 1) * 400);
+  std::vector<float> part(100);
+  world.reduce_scatter_sum(all.data(), part.data(), 100);
+  EXPECT_EQ(part[0], float(P * P));
+}
+
+}  // namespace
+}  // namespace fp8moe
