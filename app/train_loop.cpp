@@ -19,6 +19,7 @@
 #include "io/token_data.h"
 #include "io/checkpoint.h"
 #include "kernels/gemm_fp8.h"
+#include "model/data_parallel.h"
 #include "model/optimizer.h"
 #include "model/transformer.h"
 #include "parallel/communicator.h"
@@ -117,7 +118,8 @@ int train(const Config& cfg, const ProcessGrid& grid) {
 
   Transformer model(cfg);
   model.set_amax_group(&dp);
-  AdamW opt(model.table(), cfg.train);
+  DataParallel sync(model.table(), dp, cfg.optim.zero == 1);
+  AdamW opt(model.table(), cfg.train, sync.owned());
   LossScaler scaler(cfg.train);
   TrainProgress progress;
   const GridDims& gd = grid.dims();
@@ -153,6 +155,15 @@ int train(const Config& cfg, const ProcessGrid& grid) {
                 cfg.train.global_batch, (long long)T, int(R), R == 1 ? "" : "s", (long long)p.micro_batches,
                 (long long)mbs, std::string(to_string(cfg.fp8.recipe)).c_str(), peak * 1e-9);
 
+  {
+    double state[2] = {double(opt.state_bytes()), double(opt.state_bytes())};  // max, sum over ranks
+    world.allreduce_max(&state[0], 1);
+    world.allreduce_sum(&state[1], 1);
+    if (root)
+      std::printf("optimizer state (Adam moments): %.1f MB per rank, %.1f MB in all (%s)\n", state[0] / 1e6,
+                  state[1] / 1e6, sync.zero() ? "optim.zero 1: sharded over the data-parallel replicas" : "full copies");
+  }
+
   auto checkpoint = [&]() -> bool {
     try {
       const std::string dir = save_checkpoint(grid.world(), state);
@@ -179,7 +190,6 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     return sums[1] > 0 ? sums[0] / sums[1] : NAN;
   };
 
-  std::vector<float> flat;  // the gradients, one buffer: one allreduce per step
   const auto t_start = Clock::now();
   int64_t steps_run = 0;
   for (int64_t step = first_step; step < cfg.train.steps; ++step) {
@@ -202,16 +212,8 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     // Each micro-batch's gradient is of its replica's (scaled) mean loss: sum over the replicas,
     // average over micro-batches and replicas, divide the scale out.
     const float unscale = 1.0f / (float(p.micro_batches * R) * scaler.scale());
+    sync.reduce_gradients(model.grads());
     if (R > 1) {
-      size_t n = 0;
-      for (const auto& g : model.grads()) n += g.size();
-      flat.resize(n);
-      n = 0;
-      for (const auto& g : model.grads()) std::copy(g.begin(), g.end(), flat.begin() + std::ptrdiff_t(n)), n += g.size();
-      dp.allreduce_sum(flat.data(), int64_t(flat.size()));
-      n = 0;
-      for (auto& g : model.grads())
-        std::copy(flat.begin() + std::ptrdiff_t(n), flat.begin() + std::ptrdiff_t(n + g.size()), g.begin()), n += g.size();
       dp.allreduce_sum(counts, 3);
       std::vector<int64_t> lf;
       for (const auto& l : load) lf.insert(lf.end(), l.begin(), l.end());
@@ -224,7 +226,8 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       for (auto& g : model.grads())
         for (float& x : g) x *= unscale;
     const float used_scale = scaler.scale();
-    const OptimizerStats st = opt.step(model.params(), model.grads(), step);
+    const OptimizerStats st = opt.step(model.params(), model.grads(), step, sync.norm_reduce());
+    if (!st.skipped) sync.gather_weights(model.params());
     scaler.update(!st.skipped);
     if (!st.skipped && !load.empty()) model.update_router_biases(load);
     progress.step = step + 1;

@@ -176,8 +176,8 @@ struct Rows {
   int64_t r0 = 0, n = 0;
 };
 Rows my_rows(int64_t rows, int rank, int size) {
-  const int64_t a = rows * rank / size, b = rows * (rank + 1) / size;
-  return {a, b - a};
+  const RowRange r = replica_rows(rows, rank, size);  // the same split as ZeRO-1's
+  return {r.begin, r.end - r.begin};
 }
 
 // ---------------------------------------------------------------- fault injection
@@ -309,12 +309,18 @@ H5Handle collective_xfer(const std::string& where) {
 struct Tensor {
   std::string path;
   Dt dt = Dt::f32;
-  int64_t rows = 1, cols = 1;
-  const void* data = nullptr;
+  int64_t rows = 1, cols = 1;  // the global shape
+  const void* data = nullptr;  // rows [row0, ...) of the global tensor, this rank's copy
+  int64_t row0 = 0;
+  Rows mine;                   // the rows this rank writes (inside what `data` holds)
+  const unsigned char* at(int64_t row) const {
+    return static_cast<const unsigned char*>(data) + size_t((row - row0) * cols) * dt_size(dt);
+  }
 };
 
 // Creates the dataset with its checksum attribute and writes this rank's rows (collective).
-void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, Rows mine, const std::string& where) {
+void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, const std::string& where) {
+  const Rows mine = t.mine;
   const std::string at = where + ": dataset " + t.path;
   const hsize_t dims[2] = {hsize_t(t.rows), hsize_t(t.cols)};
   H5Handle space(h5(H5Screate_simple(2, dims, nullptr), at, "H5Screate_simple"), H5Sclose);
@@ -333,7 +339,7 @@ void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, R
   const void* buf = &dummy;
   if (mine.n > 0 && t.cols > 0) {
     h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
-    buf = static_cast<const unsigned char*>(t.data) + size_t(mine.r0 * t.cols) * dt_size(t.dt);
+    buf = t.at(mine.r0);
   } else {
     h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
     h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
@@ -356,10 +362,10 @@ struct DatasetRead {
   }
 };
 
-// Reads a whole (rows, cols) dataset in its stored element type (no conversion: collective
-// transfers stay collective). `allowed` lists the types it may have. When it is stored as
-// dest_dt and dest is set, the data goes straight into dest (rows x cols elements).
-DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols,
+// Reads rows [part.r0, part.r0 + part.n) of a (rows, cols) dataset in its stored element type (no
+// conversion: collective transfers stay collective). `allowed` lists the types it may have. When
+// it is stored as dest_dt and dest is set, the data goes straight into dest (part.n x cols).
+DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
                          std::initializer_list<Dt> allowed, const std::string& where, Dt dest_dt, void* dest) {
   const std::string at = where + ": dataset " + path;
   if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) {
@@ -378,11 +384,19 @@ DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_
   if (!dt_of(type.get(), &r.dt) || std::find(allowed.begin(), allowed.end(), r.dt) == allowed.end())
     throw CheckpointError(at + ": unexpected element type");
   r.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
-  const size_t n = size_t(rows * cols);
+  const size_t n = size_t(part.n * cols);
+  const hsize_t start[2] = {hsize_t(part.r0), 0}, count[2] = {hsize_t(part.n), hsize_t(cols)};
+  H5Handle mem(h5(H5Screate_simple(2, part.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
+  if (n > 0) {
+    h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
+  } else {
+    h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
+    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
+  }
   void* buf = nullptr;
   if (dest && r.dt == dest_dt && n > 0) {
     r.dest = dest;
-    h5(H5Dread(ds.get(), file_type(r.dt), H5S_ALL, H5S_ALL, dxpl, dest), at, "read failed");
+    h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, dest), at, "read failed");
     return r;
   }
   switch (r.dt) {
@@ -390,7 +404,7 @@ DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_
     case Dt::bf16: r.bf16.resize(n + 1), buf = r.bf16.data(); break;
     case Dt::i64: r.i64.resize(n + 1), buf = r.i64.data(); break;
   }
-  h5(H5Dread(ds.get(), file_type(r.dt), H5S_ALL, H5S_ALL, dxpl, buf), at, "read failed");
+  h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, buf), at, "read failed");
   r.f32.resize(r.f32.empty() ? 0 : n), r.bf16.resize(r.bf16.empty() ? 0 : n), r.i64.resize(r.i64.empty() ? 0 : n);
   return r;
 }
@@ -595,16 +609,19 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   std::vector<std::string> names;
   std::vector<uint64_t> stored, partial;
   // One dataset: read, keep this rank's checksum part, agree that every rank read it.
+  // part: the rows to read (default: all); mine: the rows whose checksum terms this rank adds
+  // (default: its even share; they must lie inside part and cover the tensor once over the ranks).
   auto read = [&](const std::string& dpath, int64_t rows, int64_t cols, std::initializer_list<Dt> allowed,
-                  Dt dest_dt = Dt::f32, void* dest = nullptr) {
+                  Dt dest_dt = Dt::f32, void* dest = nullptr, Rows part = {-1, 0}, Rows mine = {-1, 0}) {
+    if (part.r0 < 0) part = {0, rows};
+    if (mine.r0 < 0) mine = comm != MPI_COMM_NULL ? my_rows(rows, rank, size) : Rows{0, rows};
     DatasetRead r;
     std::string e;
     try {
-      r = read_dataset(file.get(), xfer, dpath, rows, cols, allowed, path, dest_dt, dest);
-      const Rows mine = comm != MPI_COMM_NULL ? my_rows(rows, rank, size) : Rows{0, rows};
+      r = read_dataset(file.get(), xfer, dpath, rows, cols, part, allowed, path, dest_dt, dest);
       names.push_back(dpath);
       stored.push_back(r.stored_checksum);
-      partial.push_back(checksum_part(static_cast<const unsigned char*>(r.data()) + size_t(mine.r0 * cols) * dt_size(r.dt),
+      partial.push_back(checksum_part(static_cast<const unsigned char*>(r.data()) + size_t((mine.r0 - part.r0) * cols) * dt_size(r.dt),
                                       r.dt, mine.n * cols, mine.r0 * cols));
     } catch (const CheckpointError& x) {
       e = x.what();
@@ -628,13 +645,17 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
       for (int which = 0; which < 2; ++which) {
-        const size_t n = size_t(p.numel());
+        // The rows this rank's optimizer owns (all of them without ZeRO).
+        const RowRange o = opt.owned(i);
+        const Rows part{o.begin, o.end - o.begin};
+        const size_t n = size_t(part.n * p.cols);
         auto& m32 = opt.moment_fp32(which, i);
         auto& m16 = opt.moment_bf16(which, i);
         FP8MOE_ASSERT((bf16 ? m16.size() : m32.size()) == n, "moments of ", p.name, " not allocated");
         const DatasetRead r = read(std::string(which == 0 ? "/optim/m/" : "/optim/v/") + p.name, p.rows, p.cols,
                                    {Dt::f32, Dt::bf16}, bf16 ? Dt::bf16 : Dt::f32,
-                                   bf16 ? static_cast<void*>(m16.data()) : static_cast<void*>(m32.data()));
+                                   bf16 ? static_cast<void*>(m16.data()) : static_cast<void*>(m32.data()), part,
+                                   opt.sharded() ? part : Rows{-1, 0});
         // Stored in the other dtype than train.moments_dtype: decode exactly, encode round-to-nearest-even.
         if (bf16 && r.dt == Dt::f32)
           for (size_t j = 0; j < n; ++j) m16[j] = bf16_encode(r.f32[j]);
@@ -744,31 +765,37 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   // The datasets, in file order, and their checksums (each rank sums its rows; one allreduce).
   const ParamTable& table = s.model->table();
   std::vector<Tensor> tensors;
+  auto whole = [&](std::string path, Dt dt, int64_t rows, int64_t cols, const void* data) {
+    tensors.push_back({std::move(path), dt, rows, cols, data, 0, my_rows(rows, rank, size)});
+  };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
-    tensors.push_back({"/params/" + p.name, Dt::f32, p.rows, p.cols, s.model->params()[i].data()});
+    whole("/params/" + p.name, Dt::f32, p.rows, p.cols, s.model->params()[i].data());
   }
   for (int w = 0; w < 2; ++w)
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
       const std::string dpath = std::string(w == 0 ? "/optim/m/" : "/optim/v/") + p.name;
-      if (s.opt->bf16_moments()) tensors.push_back({dpath, Dt::bf16, p.rows, p.cols, s.opt->moment_bf16(w, i).data()});
-      else tensors.push_back({dpath, Dt::f32, p.rows, p.cols, s.opt->moment_fp32(w, i).data()});
+      const void* data = s.opt->bf16_moments() ? static_cast<const void*>(s.opt->moment_bf16(w, i).data())
+                                               : static_cast<const void*>(s.opt->moment_fp32(w, i).data());
+      const Dt dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;
+      // Sharded moments (ZeRO-1): each rank writes the rows it owns; they cover the tensor once.
+      const RowRange o = s.opt->owned(i);
+      if (s.opt->sharded()) tensors.push_back({dpath, dt, p.rows, p.cols, data, o.begin, {o.begin, o.end - o.begin}});
+      else whole(dpath, dt, p.rows, p.cols, data);
     }
   const ScalingArrays sc = pack_scaling(s.model->fp8_scaling());
   const int64_t n_sc = int64_t(sc.names.size());
   if (n_sc > 0) {
-    tensors.push_back({"/fp8/amax_history", Dt::f32, n_sc, sc.len, sc.history.data()});
-    tensors.push_back({"/fp8/scale", Dt::f32, n_sc, 2, sc.scale.data()});
-    tensors.push_back({"/fp8/steps", Dt::i64, n_sc, 1, sc.steps.data()});
+    whole("/fp8/amax_history", Dt::f32, n_sc, sc.len, sc.history.data());
+    whole("/fp8/scale", Dt::f32, n_sc, 2, sc.scale.data());
+    whole("/fp8/steps", Dt::i64, n_sc, 1, sc.steps.data());
   }
   std::vector<uint64_t> sums(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    const Rows mine = my_rows(t.rows, rank, size);
-    sums[i] = checksum_part(static_cast<const unsigned char*>(t.data) + size_t(mine.r0 * t.cols) * dt_size(t.dt), t.dt,
-                            mine.n * t.cols, mine.r0 * t.cols);
+    sums[i] = checksum_part(t.at(t.mine.r0), t.dt, t.mine.n * t.cols, t.mine.r0 * t.cols);
   }
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
 
@@ -805,7 +832,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     if (!err.empty()) throw CheckpointError(err);
     for (size_t i = 0; i < tensors.size(); ++i) {
       try {
-        write_dataset(file.get(), dxpl.get(), tensors[i], sums[i], my_rows(tensors[i].rows, rank, size), path);
+        write_dataset(file.get(), dxpl.get(), tensors[i], sums[i], path);
         if (i + 1 == tensors.size() && n_sc > 0) {
           H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), path, "cannot open group /fp8"), H5Gclose);
           write_attr(g.get(), "tensors", join_lines(sc.names), path + ": /fp8");

@@ -336,6 +336,10 @@ const std::vector<Field>& schema() {
                      "Dynamic loss scaling: factor after a step with non-finite gradients (which is skipped)."));
     v.push_back(choice("train.recompute", REF(train.recompute),
                        "Recompute in backward instead of saving: nothing, the MoE blocks, or every block."));
+    // optim
+    v.push_back(integer("optim.zero", REF(optim.zero), 0, 1,
+                        "1: shard the Adam moments over the data-parallel replicas (ZeRO-1: reduce-scatter "
+                        "gradients, update the shard, all-gather weights); 0: every replica keeps full copies."));
     // fp8
     v.push_back(choice("fp8.recipe", REF(fp8.recipe),
                        "off: FP32 GEMMs; delayed / current: per-tensor scales from an amax history / "

@@ -87,6 +87,12 @@ struct TrainConfig {
   bool operator==(const TrainConfig&) const = default;
 };
 
+// The distributed optimizer.
+struct OptimConfig {
+  int zero = 1;  // 1: Adam moments sharded over the data-parallel replicas (ZeRO-1); 0: full copies
+  bool operator==(const OptimConfig&) const = default;
+};
+
 // Which layer classes run their GEMMs in FP8 (when fp8.recipe != off).
 struct Fp8Layers {
   bool attention = true;       // q, k, v, o projections
@@ -138,6 +144,7 @@ struct Config {
   ModelConfig model;
   ParallelConfig parallel;
   TrainConfig train;
+  OptimConfig optim;
   Fp8Config fp8;
   DataConfig data;
   EvalConfig eval;

@@ -36,15 +36,34 @@ void LossScaler::update(bool finite) {
   }
 }
 
-AdamW::AdamW(ParamTable table, const TrainConfig& cfg) : table_(std::move(table)), cfg_(cfg) {
+AdamW::AdamW(ParamTable table, const TrainConfig& cfg, std::vector<RowRange> owned)
+    : table_(std::move(table)), cfg_(cfg), owned_(std::move(owned)), sharded_(!owned_.empty()) {
   const bool bf16 = cfg.moments_dtype == MomentsDtype::bf16;
-  for (const ParamSpec& p : table_.params) {
-    const size_t n = p.trainable ? size_t(p.numel()) : 0;
+  if (owned_.empty())
+    for (const ParamSpec& p : table_.params) owned_.push_back({0, p.rows});
+  FP8MOE_ASSERT(owned_.size() == table_.params.size(), "AdamW: ", owned_.size(), " row ranges for ",
+                table_.params.size(), " parameters");
+  for (size_t i = 0; i < table_.params.size(); ++i) {
+    const ParamSpec& p = table_.params[i];
+    FP8MOE_ASSERT(0 <= owned_[i].begin && owned_[i].begin <= owned_[i].end && owned_[i].end <= p.rows, "AdamW: rows [",
+                  owned_[i].begin, ", ", owned_[i].end, ") of ", p.name);
+    const size_t n = p.trainable ? size_t((owned_[i].end - owned_[i].begin) * p.cols) : 0;
     m_.emplace_back(bf16 ? 0 : n, 0.0f);
     v_.emplace_back(bf16 ? 0 : n, 0.0f);
     m16_.emplace_back(bf16 ? n : 0, uint16_t(0));
     v16_.emplace_back(bf16 ? n : 0, uint16_t(0));
   }
+}
+
+RowRange replica_rows(int64_t rows, int replica, int replicas) {
+  return {rows * replica / replicas, rows * (replica + 1) / replicas};
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t b = 0;
+  for (size_t i = 0; i < m_.size(); ++i)
+    b += int64_t((m_[i].size() + v_[i].size()) * sizeof(float) + (m16_[i].size() + v16_[i].size()) * sizeof(uint16_t));
+  return b;
 }
 
 std::vector<float> AdamW::first_moment(size_t i) const {
@@ -61,7 +80,8 @@ std::vector<float> AdamW::second_moment(size_t i) const {
   return out;
 }
 
-OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step) {
+OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step,
+                           const std::function<void(double*)>& norm_reduce) {
   FP8MOE_ASSERT(params.size() == table_.params.size() && grads.size() == params.size(), "AdamW: ", params.size(),
                 " parameters, ", grads.size(), " gradients, table of ", table_.params.size());
   OptimizerStats st;
@@ -75,14 +95,15 @@ OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<
     FP8MOE_ASSERT(int64_t(params[i].size()) == p.numel() && int64_t(grads[i].size()) == p.numel(), "AdamW: ", p.name,
                   " has ", params[i].size(), " values and ", grads[i].size(), " gradients, expected ", p.numel());
     if (!p.trainable) continue;
-    const int64_t n = p.numel(), chunks = (n + kChunk - 1) / kChunk;
+    const int64_t n = (owned_[i].end - owned_[i].begin) * p.cols, chunks = (n + kChunk - 1) / kChunk;
     std::vector<double> part(static_cast<size_t>(chunks), 0.0);
-    const float* g = grads[i].data();
+    const float* g = grads[i].data() + owned_[i].begin * p.cols;
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) part[c] += double(g[j]) * g[j];
     for (double x : part) sq += x;
   }
+  if (norm_reduce) norm_reduce(&sq);
   st.grad_norm = std::sqrt(sq);
   if (!std::isfinite(st.grad_norm)) {  // a NaN or inf anywhere: skip the step, touch nothing
     st.skipped = true;
@@ -101,9 +122,9 @@ OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<
     const ParamSpec& p = table_.params[i];
     if (!p.trainable) continue;
     const float decay = p.weight_decay ? float(1.0 - st.lr * cfg_.weight_decay) : 1.0f;  // decoupled
-    float* w = params[i].data();
-    float* g = grads[i].data();
-    const int64_t n = int64_t(params[i].size());
+    float* w = params[i].data() + owned_[i].begin * p.cols;  // the owned rows; moments index from 0
+    float* g = grads[i].data() + owned_[i].begin * p.cols;
+    const int64_t n = (owned_[i].end - owned_[i].begin) * p.cols;
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
       g[j] *= clip;

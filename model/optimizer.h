@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/fp8.h"  // bf16_encode / bf16_decode
@@ -45,22 +46,41 @@ class LossScaler {
   int64_t good_steps_ = 0;
 };
 
+// Rows [begin, end) of a parameter's (rows, cols) tensor.
+struct RowRange {
+  int64_t begin = 0, end = 0;
+  bool operator==(const RowRange&) const = default;
+};
+
+// An even split of a parameter's rows over `replicas` ranks: rows [rows r / n, rows (r + 1) / n)
+// to replica r, every row to exactly one (ZeRO-1's shards; the checkpoint writers' shares).
+RowRange replica_rows(int64_t rows, int replica, int replicas);
+
 class AdamW {
  public:
-  AdamW(ParamTable table, const TrainConfig& cfg);
+  // `owned`: per parameter, the rows this rank updates and keeps moments for (ZeRO-1: its share
+  // among the data-parallel replicas); empty: every row of every parameter.
+  AdamW(ParamTable table, const TrainConfig& cfg, std::vector<RowRange> owned = {});
 
-  // One update of the trainable parameters from their gradients (gradients are clipped in place).
-  // `step` is the schedule's step; bias correction counts the updates actually applied.
-  OptimizerStats step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step);
+  // One update of the owned rows of the trainable parameters from their gradients (clipped in
+  // place). `step` is the schedule's step; bias correction counts the updates actually applied.
+  // norm_reduce, when set, sums the squared-norm partial (of the owned rows) over the ranks that
+  // own the other rows, so that every element counts once in the global norm.
+  OptimizerStats step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step,
+                      const std::function<void(double*)>& norm_reduce = {});
+  RowRange owned(size_t i) const { return owned_[i]; }
+  bool sharded() const { return sharded_; }  // constructed with explicit row ranges
+  // Bytes of optimizer state this rank holds (the moments; the FP32 masters are the model's weights).
+  int64_t state_bytes() const;
 
   int64_t updates() const { return updates_; }
   int64_t skipped() const { return skipped_; }
-  // The moments of parameter i as FP32 (decoded from BF16 when stored so).
+  // The moments of parameter i's owned rows as FP32 (decoded from BF16 when stored so).
   std::vector<float> first_moment(size_t i) const;
   std::vector<float> second_moment(size_t i) const;
 
   // Checkpointing: the moments as stored (bf16_moments(): BF16 bits, else FP32), `which` 0 = first
-  // (m), 1 = second (v); empty for parameters the optimizer does not train.
+  // (m), 1 = second (v), of the owned rows; empty for parameters the optimizer does not train.
   bool bf16_moments() const { return cfg_.moments_dtype == MomentsDtype::bf16; }
   std::vector<float>& moment_fp32(int which, size_t i) { return which == 0 ? m_[i] : v_[i]; }
   std::vector<uint16_t>& moment_bf16(int which, size_t i) { return which == 0 ? m16_[i] : v16_[i]; }
@@ -71,6 +91,8 @@ class AdamW {
   TrainConfig cfg_;
   std::vector<std::vector<float>> m_, v_;          // fp32 moments
   std::vector<std::vector<uint16_t>> m16_, v16_;   // bf16 moments
+  std::vector<RowRange> owned_;
+  bool sharded_ = false;
   int64_t updates_ = 0, skipped_ = 0;
 };
 

@@ -74,6 +74,23 @@ void MpiCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n)
   MPI_CHECK(MPI_Reduce_scatter_block(in, out, as_count(n, "reduce_scatter"), MPI_FLOAT, MPI_SUM, comm_));
 }
 
+void MpiCommunicator::reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
+  std::vector<int> c(static_cast<size_t>(size_));
+  int64_t total = 0;
+  for (int j = 0; j < size_; ++j) c[size_t(j)] = as_count(counts[j], "reduce_scatterv"), total += counts[j];
+  as_count(total, "reduce_scatterv total");
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;  // a ring passes on every block but its own
+  MPI_CHECK(MPI_Reduce_scatter(in, out, c.data(), MPI_FLOAT, MPI_SUM, comm_));
+}
+
+void MpiCommunicator::allgatherv(const float* in, float* out, const int64_t* counts) {
+  std::vector<int> c(static_cast<size_t>(size_)), d(static_cast<size_t>(size_));
+  int64_t total = 0;
+  for (int j = 0; j < size_; ++j) c[size_t(j)] = as_count(counts[j], "allgatherv"), d[size_t(j)] = as_count(total, "allgatherv"), total += counts[j];
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
+  MPI_CHECK(MPI_Allgatherv(in, c[size_t(rank_)], MPI_FLOAT, out, c.data(), d.data(), MPI_FLOAT, comm_));
+}
+
 void MpiCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
   bytes_sent_ += int64_t(size_ - 1) * n * 8;
   MPI_CHECK(MPI_Alltoall(send, as_count(n, "alltoall"), MPI_INT64_T, recv, int(n), MPI_INT64_T, comm_));

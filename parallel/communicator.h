@@ -29,6 +29,11 @@ class Communicator {
   virtual void allgather(const float* in, int64_t n, float* out) = 0;
   // out (n) = the sum over ranks of block rank() (n values) of in (size() x n).
   virtual void reduce_scatter_sum(const float* in, float* out, int64_t n) = 0;
+  // Uneven blocks: counts[j] values of rank j's block. reduce_scatterv: out (counts[rank()]) = the
+  // sum over ranks of block rank() of in (all blocks, in rank order). allgatherv: out (all
+  // blocks) = every rank's block, in rank order; in holds this rank's counts[rank()] values.
+  virtual void reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) = 0;
+  virtual void allgatherv(const float* in, float* out, const int64_t* counts) = 0;
   // recv (size() x n) = the n values every rank sent to this one: block j of send goes to rank j.
   virtual void alltoall(const int64_t* send, int64_t* recv, int64_t n) = 0;
   // Variable all-to-all of floats: send_counts[j] values (consecutive in send) go to rank j;
@@ -65,6 +70,8 @@ class MpiCommunicator final : public Communicator {
   void barrier() override;
   void allgather(const float* in, int64_t n, float* out) override;
   void reduce_scatter_sum(const float* in, float* out, int64_t n) override;
+  void reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
+  void allgatherv(const float* in, float* out, const int64_t* counts) override;
   void alltoall(const int64_t* send, int64_t* recv, int64_t n) override;
   void alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
   void send(const float* data, int64_t n, int peer, int tag) override;
