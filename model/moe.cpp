@@ -100,7 +100,7 @@ void normalised_scores(const std::vector<float>& prob, int64_t N, int64_t E, Gat
 }  // namespace
 
 double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const MoeFp8& fp8,
-                   float* out, MoeSaved* saved) {
+                   float* out, MoeSaved* saved, ExpertDispatcher* ep) {
   MoeSaved local;
   MoeSaved& s = saved ? *saved : local;
   const int64_t E = cfg.n_experts, F = cfg.d_expert;
@@ -116,22 +116,41 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
   else
     std::fill(out, out + N * D, 0.0f);
 
-  // Routed experts: permute, one FFN per expert on its rows (possibly none), unpermute with gates.
+  // Routed experts: permute, (expert parallelism: send each row to its expert's rank,) one FFN per
+  // expert on its rows (possibly none), (bring the outputs back,) unpermute with gates.
   const int64_t R = r.offsets[E];
   std::vector<float>& xr = s.xr;
   xr.resize(static_cast<size_t>(R * D));
   permute(r, x, D, xr.data());
-  s.experts.resize(static_cast<size_t>(E));
-  s.expert_out.assign(static_cast<size_t>(R * D), 0.0f);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = r.offsets[e], rows = r.offsets[e + 1] - r0;
-    ffn_forward(xr.data() + r0 * D, rows, D, F, w.experts[e], fp8.experts[e], s.expert_out.data() + r0 * D, &s.experts[e]);
+  const float* xin = xr.data();
+  if (ep) {
+    s.plan = ep->plan(r.load.data());
+    ep->dispatch(s.plan, xr.data(), D, &s.xl);
+    xr = std::vector<float>();  // the experts read xl
+    xin = s.xl.data();
+    s.local_rows = s.plan.local_rows;
+  } else {
+    s.local_rows = r.load;
+  }
+  const int64_t L = int64_t(s.local_rows.size());
+  FP8MOE_ASSERT(int64_t(w.experts.size()) == L && int64_t(fp8.experts.size()) == L, "MoE: ", w.experts.size(),
+                " expert weights for ", L, " experts");
+  const int64_t rows_in = std::accumulate(s.local_rows.begin(), s.local_rows.end(), int64_t(0));
+  std::vector<float> y(static_cast<size_t>(rows_in * D), 0.0f);
+  s.experts.resize(static_cast<size_t>(L));
+  for (int64_t e = 0, r0 = 0; e < L; r0 += s.local_rows[e], ++e)
+    ffn_forward(xin + r0 * D, s.local_rows[e], D, F, w.experts[e], fp8.experts[e], y.data() + r0 * D, &s.experts[e]);
+  if (ep) {
+    s.expert_out.resize(static_cast<size_t>(R * D));
+    ep->combine(s.plan, y.data(), D, s.expert_out.data());
+  } else {
+    s.expert_out = std::move(y);
   }
   unpermute_add(r, s.expert_out.data(), D, out);
   const bool inputs_cached = std::none_of(s.experts.begin(), s.experts.end(), [](const FfnSaved& e) {
     return e.l1.needs_fp32_input() || e.l3.needs_fp32_input();
   });
-  if (inputs_cached) s.xr = std::vector<float>();  // the experts keep their inputs in FP8
+  if (inputs_cached) s.xr = std::vector<float>(), s.xl = std::vector<float>();  // the experts keep their inputs in FP8
 
   s.aux_loss = 0;
   if (cfg.aux_loss_coef > 0 && N > 0) {
@@ -148,7 +167,7 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
 }
 
 void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
-                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g) {
+                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep) {
   const Routing& r = s.routing;
   const int64_t N = r.N, E = r.E, k = r.k;
   if (has_shared(w))
@@ -156,25 +175,42 @@ void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeW
   else
     std::fill(dx, dx + N * D, 0.0f);
 
+  // Per permuted row: the gradient of the expert's output (gate x dout) and of the gate.
+  const int64_t R = r.offsets[E];
   std::vector<double> dgate(size_t(N * k), 0.0);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = r.offsets[e], rows = r.offsets[e + 1] - r0;
-    std::vector<float> dye(size_t(rows * D)), dxe(size_t(rows * D));
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t n = r.row_token[r0 + i];
-      const int64_t slot = n * k + r.row_slot[r0 + i];
-      double dg = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        dye[i * D + d] = r.gate[slot] * dout[n * D + d];
-        dg += double(dout[n * D + d]) * s.expert_out[(r0 + i) * D + d];
-      }
-      dgate[slot] = dg;
+  std::vector<float> dye(static_cast<size_t>(R * D));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t n = r.row_token[i];
+    const int64_t slot = n * k + r.row_slot[i];
+    double dg = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      dye[i * D + d] = r.gate[slot] * dout[n * D + d];
+      dg += double(dout[n * D + d]) * s.expert_out[i * D + d];
     }
-    ffn_backward(s.experts[e], w.experts[e], dye.data(), fp8.experts[e], dxe.data(), g.experts[e]);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t n = r.row_token[r0 + i];
-      for (int64_t d = 0; d < D; ++d) dx[n * D + d] += dxe[i * D + d];
-    }
+    dgate[slot] = dg;
+  }
+  // (Expert parallelism: to the experts' ranks and back.)
+  std::vector<float> dyl, dxe;
+  const float* dyin = dye.data();
+  if (ep) {
+    ep->dispatch(s.plan, dye.data(), D, &dyl);
+    dyin = dyl.data();
+  }
+  const int64_t L = int64_t(s.local_rows.size());
+  const int64_t rows_in = std::accumulate(s.local_rows.begin(), s.local_rows.end(), int64_t(0));
+  std::vector<float> dxl(static_cast<size_t>(rows_in * D));
+  for (int64_t e = 0, r0 = 0; e < L; r0 += s.local_rows[e], ++e)
+    ffn_backward(s.experts[e], w.experts[e], dyin + r0 * D, fp8.experts[e], dxl.data() + r0 * D, g.experts[e]);
+  if (ep) {
+    dxe.resize(static_cast<size_t>(R * D));
+    ep->combine(s.plan, dxl.data(), D, dxe.data());
+  } else {
+    dxe = std::move(dxl);
+  }
+  for (int64_t i = 0; i < R; ++i) {  // serial: a token's k rows add into one row, in a fixed order
+    const int64_t n = r.row_token[i];
+    for (int64_t d = 0; d < D; ++d) dx[n * D + d] += dxe[i * D + d];
   }
 
   // Gates -> router logits.

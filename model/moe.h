@@ -15,14 +15,17 @@
 #include <vector>
 
 #include "model/ffn.h"
+#include "parallel/expert_dispatch.h"
 
 namespace fp8moe {
 
+// Expert parallelism: with a dispatcher, `experts` (weights, gradients, FP8 contexts) lists only
+// this rank's local experts (dispatcher.local_experts(), from first_expert()); without, all E.
 struct MoeWeights {
   const float* router;       // (E, D)
   const float* router_bias;  // (E)
   FfnWeights shared;         // width n_shared x d_expert; w1 == nullptr when there are none
-  std::vector<FfnWeights> experts;  // (E)
+  std::vector<FfnWeights> experts;  // (E), or the local experts
 };
 struct MoeGrads {
   float* router;  // (E, D), accumulated
@@ -59,11 +62,14 @@ struct MoeSaved {
   std::vector<float> prob;    // (N, E) sigmoid or softmax of z
   Routing routing;
   std::vector<float> expert_out;  // (rows, D) in permuted order: expert e's rows at offsets[e]
+  DispatchPlan plan;              // expert parallelism: the exchange of this forward
+  std::vector<float> xl;          // expert parallelism: the local experts' input rows (freed when cached in FP8)
+  std::vector<int64_t> local_rows;  // rows of each local expert (all experts without a dispatcher)
   std::vector<FfnSaved> experts;
   FfnSaved shared;
   double aux_loss = 0;
   int64_t bytes() const {
-    int64_t b = int64_t((xr.size() + z.size() + prob.size() + expert_out.size()) * sizeof(float)) + shared.bytes();
+    int64_t b = int64_t((xr.size() + xl.size() + z.size() + prob.size() + expert_out.size()) * sizeof(float)) + shared.bytes();
     for (const FfnSaved& e : experts) b += e.bytes();
     return b;
   }
@@ -77,12 +83,13 @@ void permute(const Routing& r, const float* x, int64_t D, float* rows);
 // Unpermute: out[row_token[i]] += gate of (token, row_slot[i]) * rows[i], for every row i.
 void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out);
 
-// out (N, D) written. Returns the auxiliary loss (0 when aux_loss_coef is 0).
+// out (N, D) written. Returns the auxiliary loss (0 when aux_loss_coef is 0). With `ep`, the
+// routed rows go to their experts' ranks and back (collective over the expert group).
 double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const MoeFp8& fp8,
-                   float* out, MoeSaved* saved);
+                   float* out, MoeSaved* saved, ExpertDispatcher* ep = nullptr);
 // dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
 void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
-                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g);
+                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep = nullptr);
 
 // Aux-loss-free balancing after a step: bias_e += rate * sign(mean load - load_e).
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate);
