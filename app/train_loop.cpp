@@ -79,9 +79,10 @@ std::string json_number(double v) {
 
 int train(const Config& cfg, const ProcessGrid& grid) {
   const ParallelConfig& p = cfg.parallel;
-  FP8MOE_ASSERT(p.tensor * p.pipeline * p.expert == 1, "train with tensor, pipeline or expert parallelism (refused by the caller)");
+  FP8MOE_ASSERT(p.tensor * p.pipeline == 1, "train with tensor or pipeline parallelism (refused by the caller)");
   MpiCommunicator world(grid.world());
-  MpiCommunicator dp(grid.data());  // every rank holds the whole model: all ranks are data-parallel replicas
+  MpiCommunicator dp(grid.data());  // no tensor or pipeline parallelism: every rank is a data-parallel replica
+  MpiCommunicator ep(grid.expert()), edp(grid.expert_data());
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike (the same files, the same config): every rank returns
   // the same status, only rank 0 speaks.
@@ -116,9 +117,10 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
-  Transformer model(cfg);
-  model.set_amax_group(&dp);
-  DataParallel sync(model.table(), dp, cfg.optim.zero == 1);
+  Transformer model(cfg, ModelGroups{&dp, &ep, &edp});
+  std::vector<bool> held;
+  for (size_t i = 0; i < model.table().params.size(); ++i) held.push_back(model.holds(i));
+  ReplicaSync sync(model.table(), held, dp, edp, world, cfg.optim.zero == 1);
   AdamW opt(model.table(), cfg.train, sync.owned());
   LossScaler scaler(cfg.train);
   TrainProgress progress;
@@ -126,7 +128,8 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   const TrainerState state{&cfg, &model, &opt, &scaler, &progress,
                            "tensor " + std::to_string(gd.tensor) + " x pipeline " + std::to_string(gd.pipeline) +
                                " x expert " + std::to_string(gd.expert) + " x data " + std::to_string(gd.data) + " (" +
-                               std::to_string(gd.world) + std::string(gd.world == 1 ? " rank)" : " ranks)")};
+                               std::to_string(gd.world) + std::string(gd.world == 1 ? " rank)" : " ranks)"),
+                           sync.write_rows(), sync.zero() ? sync.owned() : sync.write_rows()};
   std::string resumed;
   try {
     resumed = resume_from_checkpoint(grid.world(), state);
@@ -226,7 +229,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       for (auto& g : model.grads())
         for (float& x : g) x *= unscale;
     const float used_scale = scaler.scale();
-    const OptimizerStats st = opt.step(model.params(), model.grads(), step, sync.norm_reduce());
+    const OptimizerStats st = opt.step(model.params(), model.grads(), step, sync.norm());
     if (!st.skipped) sync.gather_weights(model.params());
     scaler.update(!st.skipped);
     if (!st.skipped && !load.empty()) model.update_router_biases(load);

@@ -7,8 +7,9 @@
 
 namespace fp8moe {
 
-// Collective over the grid's world. Every rank holds the whole model (tensor, pipeline and expert
-// parallelism are refused by the caller); the ranks are data-parallel replicas. Resumes per
+// Collective over the grid's world. Tensor and pipeline parallelism are refused by the caller: the
+// ranks are data-parallel replicas, with expert parallelism carved out of them (each rank holds
+// n_experts / ep routed experts of every MoE layer and everything else whole). Resumes per
 // checkpoint.resume, saves every checkpoint.every steps and at the end. Returns the process exit
 // status, the same on every rank (2 with one message from rank 0 for bad data files, paths or
 // checkpoints; 1 when a checkpoint save failed).

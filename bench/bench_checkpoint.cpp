@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
       auto& m = opt.moment_fp32(w, i);
       for (size_t j = 0; j < m.size(); ++j) m[j] = model.params()[i][j] * (w == 0 ? 0.1f : 1e-4f);
     }
-  const TrainerState state{&cfg, &model, &opt, &scaler, &progress, "bench"};
+  const TrainerState state{&cfg, &model, &opt, &scaler, &progress, "bench", {}, {}};
   if (root) fs::create_directories(root_dir);
   MPI_Barrier(MPI_COMM_WORLD);
 

@@ -550,6 +550,8 @@ struct Staged {
   Config stored;
   std::vector<std::vector<float>>* params = nullptr;  // sized here for a weights-only load
   AdamW* opt = nullptr;                                // nullptr: no optimizer state (generation)
+  const Transformer* model = nullptr;                  // which parameters are held (nullptr: all)
+  std::vector<RowRange> write_rows, moment_rows;       // as TrainerState's (empty: the defaults)
   std::map<std::string, LinearScaling> scaling;
   bool have_scaling = false;
   std::string note;  // said by rank 0 after the load
@@ -633,10 +635,13 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
 
   auto& params = *st->params;
   params.resize(table.params.size());
+  auto rows_of = [](RowRange r) { return Rows{r.begin, r.end - r.begin}; };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
-    params[i].resize(size_t(p.numel()));
-    read("/params/" + p.name, p.rows, p.cols, {Dt::f32}, Dt::f32, params[i].data());
+    const bool held = !st->model || st->model->holds(i);
+    params[i].resize(held ? size_t(p.numel()) : 0);
+    read("/params/" + p.name, p.rows, p.cols, {Dt::f32}, Dt::f32, params[i].data(), held ? Rows{0, p.rows} : Rows{0, 0},
+         st->write_rows.empty() ? Rows{-1, 0} : rows_of(st->write_rows[i]));
   }
   if (st->opt) {
     AdamW& opt = *st->opt;
@@ -655,7 +660,9 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
         const DatasetRead r = read(std::string(which == 0 ? "/optim/m/" : "/optim/v/") + p.name, p.rows, p.cols,
                                    {Dt::f32, Dt::bf16}, bf16 ? Dt::bf16 : Dt::f32,
                                    bf16 ? static_cast<void*>(m16.data()) : static_cast<void*>(m32.data()), part,
-                                   opt.sharded() ? part : Rows{-1, 0});
+                                   !st->moment_rows.empty() ? rows_of(st->moment_rows[i])
+                                   : opt.sharded()          ? part
+                                                            : Rows{-1, 0});
         // Stored in the other dtype than train.moments_dtype: decode exactly, encode round-to-nearest-even.
         if (bf16 && r.dt == Dt::f32)
           for (size_t j = 0; j < n; ++j) m16[j] = bf16_encode(r.f32[j]);
@@ -768,9 +775,13 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   auto whole = [&](std::string path, Dt dt, int64_t rows, int64_t cols, const void* data) {
     tensors.push_back({std::move(path), dt, rows, cols, data, 0, my_rows(rows, rank, size)});
   };
+  auto rows_of = [](RowRange r) { return Rows{r.begin, r.end - r.begin}; };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
-    whole("/params/" + p.name, Dt::f32, p.rows, p.cols, s.model->params()[i].data());
+    const Rows mine = !s.model->holds(i) ? Rows{0, 0}
+                      : s.write_rows.empty() ? my_rows(p.rows, rank, size)
+                                             : rows_of(s.write_rows[i]);
+    tensors.push_back({"/params/" + p.name, Dt::f32, p.rows, p.cols, s.model->params()[i].data(), 0, mine});
   }
   for (int w = 0; w < 2; ++w)
     for (size_t i = 0; i < table.params.size(); ++i) {
@@ -780,10 +791,14 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
       const void* data = s.opt->bf16_moments() ? static_cast<const void*>(s.opt->moment_bf16(w, i).data())
                                                : static_cast<const void*>(s.opt->moment_fp32(w, i).data());
       const Dt dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;
-      // Sharded moments (ZeRO-1): each rank writes the rows it owns; they cover the tensor once.
+      // The moments hold the optimizer's owned rows; sharded (ZeRO-1), each rank writes those.
       const RowRange o = s.opt->owned(i);
-      if (s.opt->sharded()) tensors.push_back({dpath, dt, p.rows, p.cols, data, o.begin, {o.begin, o.end - o.begin}});
-      else whole(dpath, dt, p.rows, p.cols, data);
+      const Rows mine = !s.moment_write_rows.empty() ? rows_of(s.moment_write_rows[i])
+                        : s.opt->sharded()           ? rows_of(o)
+                                                     : my_rows(p.rows, rank, size);
+      FP8MOE_ASSERT(mine.n == 0 || (mine.r0 >= o.begin && mine.r0 + mine.n <= o.end), "checkpoint: ", dpath,
+                    " rows to write outside the optimizer's rows");
+      tensors.push_back({dpath, dt, p.rows, p.cols, data, o.begin, mine});
     }
   const ScalingArrays sc = pack_scaling(s.model->fp8_scaling());
   const int64_t n_sc = int64_t(sc.names.size());
@@ -958,6 +973,9 @@ std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
     Staged st;
     st.params = &s.model->params();
     st.opt = s.opt;
+    st.model = s.model;
+    st.write_rows = s.write_rows;
+    st.moment_rows = s.moment_write_rows;
     try {
       load_into(candidates[i], comm, s.cfg, &st);
     } catch (const CheckpointMismatch&) {

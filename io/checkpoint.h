@@ -62,6 +62,12 @@ struct TrainerState {
   LossScaler* scaler = nullptr;
   TrainProgress* progress = nullptr;
   std::string layout;  // "tensor 1 x pipeline 1 x expert 1 x data 2" (informational)
+  // Per parameter, the rows this rank writes to (and checks in) a checkpoint, for the parameters
+  // and for their Adam moments; over the ranks, every row exactly once. Parameters the model does
+  // not hold here (model->holds) are neither read nor written. Empty: rank r of the communicator
+  // writes replica_rows(rows, r, size) of every parameter, and of the moments too unless the
+  // optimizer is sharded (then its owned rows).
+  std::vector<RowRange> write_rows, moment_write_rows;
 };
 
 // "step_00000042"
@@ -69,8 +75,8 @@ std::string checkpoint_name(int64_t step);
 
 // Saves progress->step into cfg.checkpoint.dir with the commit protocol, then deletes committed
 // checkpoints beyond keep_last (oldest first, never the one `latest` names) and leftover *.tmp
-// directories. Collective over `comm` (every rank of the job holds the whole model in this build:
-// rank r writes rows [r R / W, (r + 1) R / W) of every dataset). Returns the committed directory.
+// directories. Collective over `comm` (every rank of the job); each rank writes its write_rows.
+// Returns the committed directory.
 // Throws CheckpointError on every rank when any rank failed; the previous checkpoint is intact.
 //
 // Fault injection for tests: FP8MOE_CKPT_KILL=RANK:K makes rank RANK send itself SIGKILL at its

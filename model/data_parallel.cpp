@@ -4,23 +4,23 @@
 
 namespace fp8moe {
 
-DataParallel::DataParallel(const ParamTable& table, Communicator& group, bool zero)
-    : table_(table), group_(group), zero_(zero && group.size() > 1) {
+DataParallel::DataParallel(const ParamTable& table, Communicator& group, bool zero, std::vector<bool> include)
+    : table_(table), group_(group), zero_(zero && group.size() > 1), include_(std::move(include)) {
+  for (size_t i = 0; i < table.params.size(); ++i) include_[i] = include_[i] && table.params[i].trainable;
   const int R = group.size();
   counts_.assign(size_t(R), 0);
   for (int r = 0; r < R; ++r)
-    for (const ParamSpec& p : table.params)
-      if (p.trainable) {
+    for (size_t i = 0; i < table.params.size(); ++i)
+      if (include_[i]) {
+        const ParamSpec& p = table.params[i];
         const RowRange o = zero_ ? replica_rows(p.rows, r, R) : RowRange{0, p.rows};
         counts_[size_t(r)] += (o.end - o.begin) * p.cols;
       }
 }
 
-std::vector<RowRange> DataParallel::owned() const {
-  std::vector<RowRange> o;
-  if (zero_)
-    for (const ParamSpec& p : table_.params) o.push_back(replica_rows(p.rows, group_.rank(), group_.size()));
-  return o;
+RowRange DataParallel::owned(size_t i) const {
+  const ParamSpec& p = table_.params[i];
+  return zero_ ? replica_rows(p.rows, group_.rank(), group_.size()) : RowRange{0, p.rows};
 }
 
 // Bucket layout with ZeRO: replica 0's rows of every trainable parameter (table order), then
@@ -41,7 +41,7 @@ void DataParallel::pack(const std::vector<std::vector<float>>& t, bool all_repli
     if (!all_replicas && r != group_.rank()) continue;
     for (size_t i = 0; i < table_.params.size(); ++i) {
       const ParamSpec& p = table_.params[i];
-      if (!p.trainable) continue;
+      if (!include_[i]) continue;
       const RowRange o = zero_ ? replica_rows(p.rows, r, R) : RowRange{0, p.rows};
       out = std::copy_n(t[i].data() + o.begin * p.cols, (o.end - o.begin) * p.cols, out);
     }
@@ -55,7 +55,7 @@ void DataParallel::unpack(std::vector<std::vector<float>>& t, bool all_replicas)
     if (!all_replicas && r != group_.rank()) continue;
     for (size_t i = 0; i < table_.params.size(); ++i) {
       const ParamSpec& p = table_.params[i];
-      if (!p.trainable) continue;
+      if (!include_[i]) continue;
       const RowRange o = zero_ ? replica_rows(p.rows, r, R) : RowRange{0, p.rows};
       const int64_t n = (o.end - o.begin) * p.cols;
       std::copy_n(in, n, t[i].data() + o.begin * p.cols);
@@ -87,9 +87,64 @@ void DataParallel::gather_weights(std::vector<std::vector<float>>& params) {
   unpack(params, true);
 }
 
-std::function<void(double*)> DataParallel::norm_reduce() {
-  if (!zero_) return {};
-  return [this](double* sq) { group_.allreduce_sum(sq, 1); };
+
+}  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+std::vector<bool> select(const ParamTable& t, const std::vector<bool>& held, bool experts) {
+  std::vector<bool> v(t.params.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = held[i] && ((t.params[i].expert >= 0) == experts);
+  return v;
+}
+}  // namespace
+
+ReplicaSync::ReplicaSync(const ParamTable& table, const std::vector<bool>& held, Communicator& data,
+                         Communicator& expert_data, Communicator& world, bool zero)
+    : table_(table),
+      held_(held),
+      world_(world),
+      dense_(table, data, zero, select(table, held, false)),
+      experts_(table, expert_data, zero, select(table, held, true)) {}
+
+std::vector<RowRange> ReplicaSync::owned() const {
+  std::vector<RowRange> o;
+  for (size_t i = 0; i < table_.params.size(); ++i)
+    o.push_back(!held_[i] ? RowRange{0, 0}
+                : dense_.includes(i) ? dense_.owned(i)
+                : experts_.includes(i) ? experts_.owned(i)
+                                       : RowRange{0, table_.params[i].rows});
+  return o;
+}
+
+std::vector<RowRange> ReplicaSync::write_rows() const {
+  std::vector<RowRange> w;
+  for (size_t i = 0; i < table_.params.size(); ++i) {
+    const ParamSpec& p = table_.params[i];
+    const Communicator& g = p.expert >= 0 ? experts_.group() : dense_.group();
+    w.push_back(held_[i] ? replica_rows(p.rows, g.rank(), g.size()) : RowRange{0, 0});
+  }
+  return w;
+}
+
+void ReplicaSync::reduce_gradients(std::vector<std::vector<float>>& grads) {
+  dense_.reduce_gradients(grads);
+  experts_.reduce_gradients(grads);
+}
+
+void ReplicaSync::gather_weights(std::vector<std::vector<float>>& params) {
+  dense_.gather_weights(params);
+  experts_.gather_weights(params);
+}
+
+AdamW::NormReduce ReplicaSync::norm() {
+  return [this](const std::vector<double>& sq) {
+    double total = 0;
+    for (size_t i = 0; i < sq.size(); ++i)
+      if (dense_.counts_in_norm(i) || experts_.counts_in_norm(i)) total += sq[i];
+    world_.allreduce_sum(&total, 1);
+    return total;
+  };
 }
 
 }  // namespace fp8moe

@@ -16,19 +16,24 @@
 
 namespace fp8moe {
 
+// Expert parallelism makes two of them: the dense parameters over the data-parallel group, this
+// rank's experts over the expert-data-parallel group (the replicas of the same experts).
 class DataParallel {
  public:
-  DataParallel(const ParamTable& table, Communicator& group, bool zero);
+  // include[i]: this object synchronises parameter i (trainable ones only).
+  DataParallel(const ParamTable& table, Communicator& group, bool zero, std::vector<bool> include);
   bool zero() const { return zero_; }
-  // AdamW's row ranges: this replica's rows with ZeRO, else empty (every row).
-  std::vector<RowRange> owned() const;
+  Communicator& group() const { return group_; }
+  bool includes(size_t i) const { return include_[i]; }
+  // The rows of parameter i this replica updates: its share with ZeRO, else every row.
+  RowRange owned(size_t i) const;
   // Sums the gradients over the replicas (zero: only this replica's rows receive the sum).
   void reduce_gradients(std::vector<std::vector<float>>& grads);
   // zero: every replica's updated rows to every replica; otherwise nothing to do.
   void gather_weights(std::vector<std::vector<float>>& params);
-  // The squared-norm reduction AdamW needs: the sum over replicas with ZeRO (each holds a disjoint
-  // part), none otherwise (each holds all of it).
-  std::function<void(double*)> norm_reduce();
+  // Whether this replica's owned rows of parameter i count in the global gradient norm: with ZeRO
+  // every replica's (they are disjoint), otherwise replica 0's only (they are all the same).
+  bool counts_in_norm(size_t i) const { return include_[i] && (zero_ || group_.rank() == 0); }
 
  private:
   void pack(const std::vector<std::vector<float>>& t, bool all_replicas);
@@ -37,8 +42,40 @@ class DataParallel {
   const ParamTable& table_;
   Communicator& group_;
   bool zero_;
+  std::vector<bool> include_;
   std::vector<int64_t> counts_;  // floats of each replica's block (ZeRO)
   std::vector<float> bucket_, mine_;
+};
+
+}  // namespace fp8moe
+
+namespace fp8moe {
+
+// The replicas of a whole model: the dense parameters are synchronised over `data` (every
+// data-parallel rank holds them), this rank's experts over `expert_data` (the ranks holding the
+// same experts; with no expert parallelism that is `data` again). Decides, from the ParamTable
+// alone, which rows of each parameter this rank updates, counts in the gradient norm and writes
+// to a checkpoint.
+class ReplicaSync {
+ public:
+  ReplicaSync(const ParamTable& table, const std::vector<bool>& held, Communicator& data, Communicator& expert_data,
+              Communicator& world, bool zero);
+  bool zero() const { return dense_.zero(); }
+  // Per parameter: the rows AdamW updates here (none where the parameter is not held).
+  std::vector<RowRange> owned() const;
+  // Per parameter: the rows this rank writes to (and checks in) a checkpoint: its share among the
+  // ranks that hold the parameter (none where it is not held); over the ranks, every row once.
+  std::vector<RowRange> write_rows() const;
+  void reduce_gradients(std::vector<std::vector<float>>& grads);
+  void gather_weights(std::vector<std::vector<float>>& params);
+  // Global squared gradient norm from each parameter's owned-row partial: every element once.
+  AdamW::NormReduce norm();
+
+ private:
+  const ParamTable& table_;
+  std::vector<bool> held_;
+  Communicator& world_;
+  DataParallel dense_, experts_;
 };
 
 }  // namespace fp8moe

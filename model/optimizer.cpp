@@ -81,7 +81,7 @@ std::vector<float> AdamW::second_moment(size_t i) const {
 }
 
 OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step,
-                           const std::function<void(double*)>& norm_reduce) {
+                           const NormReduce& global_sq) {
   FP8MOE_ASSERT(params.size() == table_.params.size() && grads.size() == params.size(), "AdamW: ", params.size(),
                 " parameters, ", grads.size(), " gradients, table of ", table_.params.size());
   OptimizerStats st;
@@ -89,11 +89,12 @@ OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<
   // The global norm counts every element once, in double, in a fixed order whatever the thread
   // count: partial sums of fixed chunks, added serially.
   constexpr int64_t kChunk = 1 << 14;
-  double sq = 0;
+  std::vector<double> sq_param(grads.size(), 0.0);
   for (size_t i = 0; i < grads.size(); ++i) {
     const ParamSpec& p = table_.params[i];
-    FP8MOE_ASSERT(int64_t(params[i].size()) == p.numel() && int64_t(grads[i].size()) == p.numel(), "AdamW: ", p.name,
-                  " has ", params[i].size(), " values and ", grads[i].size(), " gradients, expected ", p.numel());
+    const int64_t want = owned_[i].begin == owned_[i].end && params[i].empty() ? 0 : p.numel();  // not held: nothing
+    FP8MOE_ASSERT(int64_t(params[i].size()) == want && int64_t(grads[i].size()) == want, "AdamW: ", p.name, " has ",
+                  params[i].size(), " values and ", grads[i].size(), " gradients, expected ", want);
     if (!p.trainable) continue;
     const int64_t n = (owned_[i].end - owned_[i].begin) * p.cols, chunks = (n + kChunk - 1) / kChunk;
     std::vector<double> part(static_cast<size_t>(chunks), 0.0);
@@ -101,9 +102,12 @@ OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) part[c] += double(g[j]) * g[j];
-    for (double x : part) sq += x;
+    for (double x : part) sq_param[i] += x;
   }
-  if (norm_reduce) norm_reduce(&sq);
+  double sq = 0;
+  if (global_sq) sq = global_sq(sq_param);
+  else
+    for (double x : sq_param) sq += x;
   st.grad_norm = std::sqrt(sq);
   if (!std::isfinite(st.grad_norm)) {  // a NaN or inf anywhere: skip the step, touch nothing
     st.skipped = true;

@@ -64,10 +64,13 @@ class AdamW {
 
   // One update of the owned rows of the trainable parameters from their gradients (clipped in
   // place). `step` is the schedule's step; bias correction counts the updates actually applied.
-  // norm_reduce, when set, sums the squared-norm partial (of the owned rows) over the ranks that
-  // own the other rows, so that every element counts once in the global norm.
+  // A parameter this rank does not hold (expert parallelism) has empty vectors and owns no rows.
+  // global_sq, when set, turns the squared norms of each parameter's owned rows (this rank's
+  // gradients) into the global squared norm, every element counted once over the ranks; unset,
+  // their sum is the global one.
+  using NormReduce = std::function<double(const std::vector<double>& sq_per_param)>;
   OptimizerStats step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step,
-                      const std::function<void(double*)>& norm_reduce = {});
+                      const NormReduce& global_sq = {});
   RowRange owned(size_t i) const { return owned_[i]; }
   bool sharded() const { return sharded_; }  // constructed with explicit row ranges
   // Bytes of optimizer state this rank holds (the moments; the FP32 masters are the model's weights).

@@ -34,13 +34,19 @@ struct Transformer::BlockSaved {
   }
 };
 
-Transformer::Transformer(const Config& cfg) : cfg_(cfg), table_(build_param_table(cfg.model)) {
+Transformer::Transformer(const Config& cfg, ModelGroups groups)
+    : cfg_(cfg), table_(build_param_table(cfg.model)), groups_(groups) {
+  if (groups.expert && groups.expert->size() > 1)
+    dispatcher_ = std::make_unique<ExpertDispatcher>(*groups.expert, cfg.model.moe.n_experts);
+  const int first = first_expert(), last = first + local_experts();
   for (size_t i = 0; i < table_.params.size(); ++i) {
     const ParamSpec& p = table_.params[i];
     index_[p.name] = int64_t(i);
-    params_.emplace_back(size_t(p.numel()));
-    grads_.emplace_back(size_t(p.numel()), 0.0f);
-    init_param_slice(p, uint64_t(cfg.train.seed), 0, p.numel(), params_.back().data());
+    const bool held = p.expert < 0 || (p.expert >= first && p.expert < last);
+    held_.push_back(held);
+    params_.emplace_back(held ? size_t(p.numel()) : 0);
+    grads_.emplace_back(held ? size_t(p.numel()) : 0, 0.0f);
+    if (held) init_param_slice(p, uint64_t(cfg.train.seed), 0, p.numel(), params_.back().data());
   }
 }
 
@@ -58,8 +64,9 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
     f.state = &scaling_[weight];
     f.saturated = &saturated_;
     f.underflowed = &underflowed_;
-    if (cfg_.fp8.recipe == Fp8Recipe::delayed && amax_group_ && amax_group_->size() > 1 && record)
-      f.reduce = [g = amax_group_](float* amax, int64_t n) { g->allreduce_max(amax, n); };
+    Communicator* g = cls == LinearClass::experts ? groups_.expert_data : groups_.data;
+    if (cfg_.fp8.recipe == Fp8Recipe::delayed && g && g->size() > 1 && record)
+      f.reduce = [g](float* amax, int64_t n) { g->allreduce_max(amax, n); };
   }
   f.record = record;
   f.reuse_last_scale = !record && recompute_;
@@ -80,7 +87,8 @@ MoeWeights Transformer::moe_weights(int layer) const {
   w.router = P(p + "router");
   w.router_bias = P(p + "router_bias");
   w.shared = cfg_.model.moe.n_shared_experts > 0 ? ffn_weights(p + "shared.") : FfnWeights{nullptr, nullptr, nullptr};
-  for (int e = 0; e < cfg_.model.moe.n_experts; ++e) w.experts.push_back(ffn_weights(p + "experts." + std::to_string(e) + "."));
+  for (int e = first_expert(); e < first_expert() + local_experts(); ++e)
+    w.experts.push_back(ffn_weights(p + "experts." + std::to_string(e) + "."));
   return w;
 }
 
@@ -129,9 +137,9 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
     if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2 = std::vector<float>();
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, record), {}};
-    for (int e = 0; e < m.moe.n_experts; ++e)
+    for (int e = first_expert(); e < first_expert() + local_experts(); ++e)
       fp8.experts.push_back(ffn_fp8(p + "moe.experts." + std::to_string(e) + ".", LinearClass::experts, record));
-    moe_forward(s->h2.data(), N, D, m.moe, moe_weights(l), fp8, f.data(), &s->moe);
+    moe_forward(s->h2.data(), N, D, m.moe, moe_weights(l), fp8, f.data(), &s->moe, dispatcher_.get());
   }
   for (int64_t i = 0; i < N * D; ++i) out[i] = s->x_mid[i] + f[i];
 }
@@ -148,12 +156,12 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, true), {}};
     MoeGrads g{G(p + "moe.router"), m.moe.n_shared_experts > 0 ? ffn_grads(p + "moe.shared.") : FfnGrads{}, {}};
-    for (int e = 0; e < m.moe.n_experts; ++e) {
+    for (int e = first_expert(); e < first_expert() + local_experts(); ++e) {
       const std::string q = p + "moe.experts." + std::to_string(e) + ".";
       fp8.experts.push_back(ffn_fp8(q, LinearClass::experts, true));
       g.experts.push_back(ffn_grads(q));
     }
-    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, loss_scale, fp8, dh2.data(), g);
+    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, loss_scale, fp8, dh2.data(), g, dispatcher_.get());
   }
   cpu::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
                         G(p + "ffn_norm.weight"));

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,10 +28,23 @@ struct StepResult {
   int64_t dropped = 0;                            // assignments dropped by capacity
 };
 
+// The communicators the model computes over (none: one rank holds everything). Not owned.
+struct ModelGroups {
+  // The data-parallel replicas of the dense parameters: delayed scaling reduces every amax (max)
+  // over them, so that every replica keeps the same state and it does not depend on the layout.
+  Communicator* data = nullptr;
+  // Expert parallelism: the ranks that exchange tokens; rank r holds the routed experts
+  // [r E / ep, (r + 1) E / ep) of every MoE layer.
+  Communicator* expert = nullptr;
+  // The replicas of this rank's experts (their amax reduction; their gradients are summed there).
+  Communicator* expert_data = nullptr;
+};
+
 class Transformer {
  public:
-  // Parameters initialised from (train.seed, name, element index).
-  explicit Transformer(const Config& cfg);
+  // Parameters initialised from (train.seed, name, element index); with expert parallelism only
+  // the local experts are held (the others' parameter and gradient vectors are empty).
+  explicit Transformer(const Config& cfg, ModelGroups groups = {});
 
   const ParamTable& table() const { return table_; }
   std::vector<float>& param(const std::string& name) { return params_[size_t(table_.index_of(name))]; }
@@ -54,10 +68,10 @@ class Transformer {
   // (StepResult::expert_load, summed over micro-batches).
   void update_router_biases(const std::vector<std::vector<int64_t>>& expert_load);
 
-  // Delayed scaling: the group whose per-tensor amax values are reduced (max) before they enter
-  // the histories: the data-parallel replicas (and, with tensor parallelism, the tensor group), so
-  // every replica keeps the same state and it does not depend on the layout. nullptr: this rank.
-  void set_amax_group(Communicator* group) { amax_group_ = group; }
+  // Whether this rank holds parameter i (expert parallelism: its experts only).
+  bool holds(size_t i) const { return held_[i]; }
+  int local_experts() const { return dispatcher_ ? dispatcher_->local_experts() : cfg_.model.moe.n_experts; }
+  int first_expert() const { return dispatcher_ ? dispatcher_->first_expert() : 0; }
   // The delayed-scaling state per linear weight name (checkpointed). Entries appear at the first
   // training forward; a loaded entry (non-empty history) is used as it is.
   std::map<std::string, LinearScaling>& fp8_scaling() { return scaling_; }
@@ -88,7 +102,9 @@ class Transformer {
   double saved_bytes_per_token_ = 0;
   int64_t saturated_ = 0, underflowed_ = 0;  // FP8 counts of the current forward_backward
   bool recompute_ = false; // inside a recomputation (see fp8_for)
-  Communicator* amax_group_ = nullptr;
+  ModelGroups groups_;
+  std::unique_ptr<ExpertDispatcher> dispatcher_;  // expert parallelism (ep > 1)
+  std::vector<bool> held_;
 };
 
 }  // namespace fp8moe

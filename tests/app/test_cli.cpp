@@ -83,7 +83,7 @@ TEST(Cli, ModelParallelTrainingIsRefusedClearly) {
   const RunResult r = run({mpiexec(), "-n", "2", "--oversubscribe", exe(), "train", source_dir() + "/configs/tiny.yaml",
                            "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"}, 240);
   EXPECT_EQ(r.status, 2) << r.all();
-  EXPECT_EQ(count(r.err, "fp8moe: error: this build trains with data parallelism only"), 1u) << r.err;
+  EXPECT_EQ(count(r.err, "fp8moe: error: this build trains with data and expert parallelism only"), 1u) << r.err;
 }
 
 TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {

@@ -54,7 +54,7 @@ struct Trainer {
   TrainProgress progress;
   explicit Trainer(const Config& c, std::vector<RowRange> owned = {})
       : cfg(c), model(c), opt(model.table(), c.train, std::move(owned)), scaler(c.train) {}
-  TrainerState state() { return {&cfg, &model, &opt, &scaler, &progress, "test layout"}; }
+  TrainerState state() { return {&cfg, &model, &opt, &scaler, &progress, "test layout", {}, {}}; }
 
   void fill(int salt) {
     for (size_t t = 0; t < model.params().size(); ++t) {

@@ -1,0 +1,136 @@
+// Layout invariance: init and data are functions of global indices, so the loss at every step is
+// the same on every layout up to FP32 reduction order. 20 steps of a small MoE model (tiny.yaml's
+// divisibility: 8 experts, tiles of 32) on every layout this build trains — data parallel and
+// expert parallel, with and without ZeRO-1 — each step's loss compared with the 1-rank run's.
+// recipe off: <= 1e-5 relative (the issue's bound). blockwise: quantization itself does not depend
+// on the layout here (1 x 32 row tiles; 32 x 32 weight blocks; the wgrad's 32 x 1 token tiles align
+// with the 32-token sequences for dense layers), but FP8 rounding is discontinuous: once an FP32
+// summation-order difference (~1e-9) moves a value across an E4M3 rounding boundary, that element
+// moves by up to 1/16 and the runs separate at FP8 noise level; across the replicas' token split an
+// expert's 32 x 1 wgrad tiles also differ. Measured: up to ~3e-3 within 20 steps; asserted <= 1e-2.
+// Then a checkpoint written on 4 ranks (ep 2, ZeRO-1) at step 10 resumes on 1 rank and on 2
+// ranks (ep 2, no ZeRO) and continues to step 20 within the same bounds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "tests/test_util.h"
+
+namespace fp8moe::test {
+namespace {
+
+std::map<int, double> losses(const std::string& out) {
+  std::map<int, double> m;
+  static const std::regex re(R"(^step +(\d+)/\d+ .*\[(\S+)\]$)");
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    std::smatch s;
+    if (std::regex_match(line, s, re)) m[std::stoi(s[1])] = std::strtod(s[2].str().c_str(), nullptr);
+  }
+  return m;
+}
+
+struct Layout {
+  const char* name;
+  int ranks;
+  std::vector<std::string> sets;
+};
+
+class Layouts : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir;
+    std::vector<std::string> prep = {exe(), "prepare-data", "--output", dir_->path + "/data/lic", "--val-fraction",
+                                     "0.2", "--seed", "3", "--input"};
+    for (const char* f : {"GPL-3", "GPL-2", "LGPL-3", "Apache-2.0"}) prep.push_back(std::string("/usr/share/common-licenses/") + f);
+    ASSERT_EQ(run(prep).status, 0);
+    cfg_ = new std::string(dir_->write(
+        "small.yaml",
+        "model: {d_model: 64, n_layers: 3, n_heads: 4, n_kv_heads: 2, head_dim: 16, first_dense_layers: 1,\n"
+        "        d_ff_dense: 128, moe: {n_experts: 8, top_k: 2, n_shared_experts: 1, d_expert: 64}}\n"
+        "train: {steps: 20, warmup_steps: 2, global_batch: 8, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}\n"
+        "parallel: {micro_batches: 2}\n"
+        "fp8: {tile: 32}\n"
+        "eval: {every: 0}\n"
+        "log: {every: 1}\n"
+        "data: {path: " + dir_->path + "/data/lic}\n"
+        "checkpoint: {dir: " + dir_->path + "/ckpt, resume: none}\n"));
+  }
+  static void TearDownTestSuite() {
+    delete cfg_;
+    delete dir_;
+  }
+  static std::map<int, double> train(int ranks, std::vector<std::string> sets) {
+    std::vector<std::string> argv = {mpiexec(), "-n", std::to_string(ranks), exe(), "train", *cfg_};
+    for (auto& s : sets) argv.push_back("--set"), argv.push_back(s);
+    const RunResult r = run(argv, 600);
+    EXPECT_EQ(r.status, 0) << r.all();
+    return losses(r.out);
+  }
+  static double worst(const std::map<int, double>& ref, const std::map<int, double>& got, int from = 1) {
+    double w = 0;
+    for (const auto& [step, loss] : ref)
+      if (step >= from) w = std::max(w, got.count(step) ? std::fabs(got.at(step) - loss) / std::fabs(loss) : 1.0);
+    return w;
+  }
+  static TempDir* dir_;
+  static std::string* cfg_;
+};
+TempDir* Layouts::dir_ = nullptr;
+std::string* Layouts::cfg_ = nullptr;
+
+const std::vector<Layout> kLayouts = {
+    {"dp2", 2, {}},
+    {"dp2 zero0", 2, {"optim.zero=0"}},
+    {"ep2 (dp2)", 2, {"parallel.expert=2"}},
+    {"dp4", 4, {}},
+    {"ep4 (dp4)", 4, {"parallel.expert=4"}},
+    {"ep2 x edp2 (dp4)", 4, {"parallel.expert=2"}},
+    {"ep2 x edp2 zero0", 4, {"parallel.expert=2", "optim.zero=0"}},
+};
+
+TEST_F(Layouts, SameLossOnEveryLayout) {
+  for (const char* recipe : {"off", "blockwise"}) {
+    const std::string r = std::string("fp8.recipe=") + recipe;
+    const auto ref = train(1, {r});
+    ASSERT_EQ(ref.size(), 20u);
+    const double bound = std::string(recipe) == "off" ? 1e-5 : 1e-2;
+    std::printf("recipe %-9s  layout               ranks  max relative loss difference from 1 rank (20 steps)\n", recipe);
+    for (const Layout& l : kLayouts) {
+      auto sets = l.sets;
+      sets.push_back(r);
+      const double w = worst(ref, train(l.ranks, sets));
+      std::printf("                   %-20s %5d  %.2e\n", l.name, l.ranks, w);
+      EXPECT_LE(w, bound) << recipe << " " << l.name;
+    }
+  }
+}
+
+TEST_F(Layouts, ResumeUnderOtherLayouts) {
+  for (const char* recipe : {"off", "blockwise"}) {
+    const std::string r = std::string("fp8.recipe=") + recipe;
+    const double bound = std::string(recipe) == "off" ? 1e-5 : 1e-2;
+    const auto ref = train(1, {r});
+    const std::string dir = dir_->path + "/resume-" + recipe;
+    train(4, {r, "parallel.expert=2", "train.exit_interval=10", "checkpoint.dir=" + dir});
+    for (const Layout& l : {Layout{"1 rank", 1, {}}, Layout{"ep2 (dp2) zero0", 2, {"parallel.expert=2", "optim.zero=0"}}}) {
+      auto sets = l.sets;
+      for (const std::string& s : {r, "checkpoint.dir=" + dir + "-" + std::to_string(l.ranks),
+                                   "checkpoint.resume=" + dir + "/step_00000010"})
+        sets.push_back(s);
+      const auto got = train(l.ranks, sets);
+      ASSERT_EQ(got.size(), 10u) << l.name;
+      const double w = worst(ref, got, 11);
+      std::printf("recipe %-9s saved at step 10 on ep2 x edp2 (4 ranks), resumed on %-16s: steps 11-20 within %.2e "
+                  "of the uninterrupted 1-rank run\n", recipe, l.name, w);
+      EXPECT_LE(w, bound) << recipe << " " << l.name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp8moe::test
