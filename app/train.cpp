@@ -75,11 +75,10 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   }
   if (options.dry_run) return kExitOk;
   const ParallelConfig& p = config.parallel;
-  if (p.tensor * p.pipeline > 1) {
+  if (p.pipeline > 1) {
     if (root)
-      usage_error("this build trains with data and expert parallelism only; tensor and pipeline parallelism "
-                  "arrive with the parallelism issue. Use --dry-run to check this layout, or train with "
-                  "--set parallel.tensor=1 --set parallel.pipeline=1");
+      usage_error("this build trains with tensor, expert and data parallelism; pipeline parallelism arrives "
+                  "later. Use --dry-run to check this layout, or train with --set parallel.pipeline=1");
     return kExitUsage;
   }
   return train(config, grid);

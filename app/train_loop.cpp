@@ -79,10 +79,10 @@ std::string json_number(double v) {
 
 int train(const Config& cfg, const ProcessGrid& grid) {
   const ParallelConfig& p = cfg.parallel;
-  FP8MOE_ASSERT(p.tensor * p.pipeline == 1, "train with tensor or pipeline parallelism (refused by the caller)");
+  FP8MOE_ASSERT(p.pipeline == 1, "train with pipeline parallelism (refused by the caller)");
   MpiCommunicator world(grid.world());
   MpiCommunicator dp(grid.data());  // no tensor or pipeline parallelism: every rank is a data-parallel replica
-  MpiCommunicator ep(grid.expert()), edp(grid.expert_data());
+  MpiCommunicator tp(grid.tensor()), ep(grid.expert()), edp(grid.expert_data());
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike (the same files, the same config): every rank returns
   // the same status, only rank 0 speaks.
@@ -117,11 +117,11 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
-  Transformer model(cfg, ModelGroups{&dp, &ep, &edp});
-  std::vector<bool> held;
-  for (size_t i = 0; i < model.table().params.size(); ++i) held.push_back(model.holds(i));
-  ReplicaSync sync(model.table(), held, dp, edp, world, cfg.optim.zero == 1);
-  AdamW opt(model.table(), cfg.train, sync.owned());
+  Transformer model(cfg, ModelGroups{&tp, &dp, &ep, &edp});
+  std::vector<Shard> shards;
+  for (size_t i = 0; i < model.table().params.size(); ++i) shards.push_back(model.shard(i));
+  ReplicaSync sync(model.table(), shards, dp, edp, world, tp.rank(), cfg.optim.zero == 1);
+  AdamW opt(sync.local_table(), cfg.train, sync.owned());
   LossScaler scaler(cfg.train);
   TrainProgress progress;
   const GridDims& gd = grid.dims();
@@ -129,7 +129,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
                            "tensor " + std::to_string(gd.tensor) + " x pipeline " + std::to_string(gd.pipeline) +
                                " x expert " + std::to_string(gd.expert) + " x data " + std::to_string(gd.data) + " (" +
                                std::to_string(gd.world) + std::string(gd.world == 1 ? " rank)" : " ranks)"),
-                           sync.write_rows(), sync.zero() ? sync.owned() : sync.write_rows()};
+                           sync.write_rows(), sync.moment_write_rows()};
   std::string resumed;
   try {
     resumed = resume_from_checkpoint(grid.world(), state);

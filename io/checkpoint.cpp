@@ -156,6 +156,16 @@ uint64_t checksum_part(const void* data, Dt t, int64_t n, int64_t first) {
   }
 }
 
+// The terms of rows [r0, r0 + n) x columns [c0, c0 + nc) of a tensor with `cols` columns, held
+// row-major (n, nc) in data.
+uint64_t checksum_block(const void* data, Dt t, int64_t r0, int64_t n, int64_t c0, int64_t nc, int64_t cols) {
+  if (nc == cols) return checksum_part(data, t, n * nc, r0 * cols);
+  uint64_t sum = 0;
+  for (int64_t r = 0; r < n; ++r)
+    sum += checksum_part(static_cast<const unsigned char*>(data) + size_t(r * nc) * dt_size(t), t, nc, (r0 + r) * cols + c0);
+  return sum;
+}
+
 // ---------------------------------------------------------------- agreement between ranks
 
 // The error of the lowest failing rank, on every rank ("" when none failed). Collective.
@@ -310,11 +320,13 @@ struct Tensor {
   std::string path;
   Dt dt = Dt::f32;
   int64_t rows = 1, cols = 1;  // the global shape
-  const void* data = nullptr;  // rows [row0, ...) of the global tensor, this rank's copy
+  const void* data = nullptr;  // this rank's block: rows [row0, ...) x columns [c0, c0 + nc), row-major
   int64_t row0 = 0;
-  Rows mine;                   // the rows this rank writes (inside what `data` holds)
+  Rows mine;                   // the rows of the block this rank writes
+  int64_t c0 = 0, nc = -1;     // nc -1: every column
+  int64_t width() const { return nc < 0 ? cols : nc; }
   const unsigned char* at(int64_t row) const {
-    return static_cast<const unsigned char*>(data) + size_t((row - row0) * cols) * dt_size(dt);
+    return static_cast<const unsigned char*>(data) + size_t((row - row0) * width()) * dt_size(dt);
   }
 };
 
@@ -333,11 +345,11 @@ void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, c
               H5Dclose);
   write_attr_u64(ds.get(), "checksum", checksum, at);
   if (t.dt == Dt::bf16) write_attr(ds.get(), "encoding", std::string("bfloat16"), at);
-  const hsize_t start[2] = {hsize_t(mine.r0), 0}, count[2] = {hsize_t(mine.n), hsize_t(t.cols)};
+  const hsize_t start[2] = {hsize_t(mine.r0), hsize_t(t.c0)}, count[2] = {hsize_t(mine.n), hsize_t(t.width())};
   H5Handle mem(h5(H5Screate_simple(2, mine.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
   const unsigned char dummy = 0;
   const void* buf = &dummy;
-  if (mine.n > 0 && t.cols > 0) {
+  if (mine.n > 0 && t.width() > 0) {
     h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
     buf = t.at(mine.r0);
   } else {
@@ -362,11 +374,13 @@ struct DatasetRead {
   }
 };
 
-// Reads rows [part.r0, part.r0 + part.n) of a (rows, cols) dataset in its stored element type (no
-// conversion: collective transfers stay collective). `allowed` lists the types it may have. When
-// it is stored as dest_dt and dest is set, the data goes straight into dest (part.n x cols).
+// Reads rows [part.r0, part.r0 + part.n) x columns [c0, c0 + nc) of a (rows, cols) dataset in its
+// stored element type (no conversion: collective transfers stay collective). `allowed` lists the
+// types it may have. When it is stored as dest_dt and dest is set, the data goes straight into
+// dest (part.n x nc).
 DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
-                         std::initializer_list<Dt> allowed, const std::string& where, Dt dest_dt, void* dest) {
+                         int64_t c0, int64_t nc, std::initializer_list<Dt> allowed, const std::string& where, Dt dest_dt,
+                         void* dest) {
   const std::string at = where + ": dataset " + path;
   if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) {
     H5Eclear2(H5E_DEFAULT);
@@ -384,8 +398,8 @@ DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_
   if (!dt_of(type.get(), &r.dt) || std::find(allowed.begin(), allowed.end(), r.dt) == allowed.end())
     throw CheckpointError(at + ": unexpected element type");
   r.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
-  const size_t n = size_t(part.n * cols);
-  const hsize_t start[2] = {hsize_t(part.r0), 0}, count[2] = {hsize_t(part.n), hsize_t(cols)};
+  const size_t n = size_t(part.n * nc);
+  const hsize_t start[2] = {hsize_t(part.r0), hsize_t(c0)}, count[2] = {hsize_t(part.n), hsize_t(nc)};
   H5Handle mem(h5(H5Screate_simple(2, part.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
   if (n > 0) {
     h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
@@ -613,18 +627,21 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   // One dataset: read, keep this rank's checksum part, agree that every rank read it.
   // part: the rows to read (default: all); mine: the rows whose checksum terms this rank adds
   // (default: its even share; they must lie inside part and cover the tensor once over the ranks).
+  // (c0, nc): the columns (nc -1: all).
   auto read = [&](const std::string& dpath, int64_t rows, int64_t cols, std::initializer_list<Dt> allowed,
-                  Dt dest_dt = Dt::f32, void* dest = nullptr, Rows part = {-1, 0}, Rows mine = {-1, 0}) {
+                  Dt dest_dt = Dt::f32, void* dest = nullptr, Rows part = {-1, 0}, Rows mine = {-1, 0},
+                  int64_t c0 = 0, int64_t nc = -1) {
     if (part.r0 < 0) part = {0, rows};
     if (mine.r0 < 0) mine = comm != MPI_COMM_NULL ? my_rows(rows, rank, size) : Rows{0, rows};
+    if (nc < 0) nc = cols;
     DatasetRead r;
     std::string e;
     try {
-      r = read_dataset(file.get(), xfer, dpath, rows, cols, part, allowed, path, dest_dt, dest);
+      r = read_dataset(file.get(), xfer, dpath, rows, cols, part, c0, nc, allowed, path, dest_dt, dest);
       names.push_back(dpath);
       stored.push_back(r.stored_checksum);
-      partial.push_back(checksum_part(static_cast<const unsigned char*>(r.data()) + size_t((mine.r0 - part.r0) * cols) * dt_size(r.dt),
-                                      r.dt, mine.n * cols, mine.r0 * cols));
+      partial.push_back(checksum_block(static_cast<const unsigned char*>(r.data()) + size_t((mine.r0 - part.r0) * nc) * dt_size(r.dt),
+                                       r.dt, mine.r0, mine.n, c0, nc, cols));
     } catch (const CheckpointError& x) {
       e = x.what();
     }
@@ -636,12 +653,15 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   auto& params = *st->params;
   params.resize(table.params.size());
   auto rows_of = [](RowRange r) { return Rows{r.begin, r.end - r.begin}; };
+  // This rank's block of each parameter (the whole tensor without a model: generation).
+  auto shard = [&](size_t i) { return st->model ? st->model->shard(i) : Shard{0, table.params[i].rows, 0, table.params[i].cols}; };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
-    const bool held = !st->model || st->model->holds(i);
-    params[i].resize(held ? size_t(p.numel()) : 0);
-    read("/params/" + p.name, p.rows, p.cols, {Dt::f32}, Dt::f32, params[i].data(), held ? Rows{0, p.rows} : Rows{0, 0},
-         st->write_rows.empty() ? Rows{-1, 0} : rows_of(st->write_rows[i]));
+    const Shard sh = shard(i);
+    params[i].resize(size_t(sh.numel()));
+    read("/params/" + p.name, p.rows, p.cols, {Dt::f32}, Dt::f32, params[i].data(),
+         sh.held() ? Rows{sh.r0, sh.rows} : Rows{0, 0},
+         !sh.held() ? Rows{0, 0} : st->write_rows.empty() ? Rows{-1, 0} : rows_of(st->write_rows[i]), sh.c0, sh.cols);
   }
   if (st->opt) {
     AdamW& opt = *st->opt;
@@ -650,10 +670,11 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
       for (int which = 0; which < 2; ++which) {
-        // The rows this rank's optimizer owns (all of them without ZeRO).
+        // The rows of this rank's block its optimizer owns (all of them without ZeRO).
+        const Shard sh = shard(i);
         const RowRange o = opt.owned(i);
-        const Rows part{o.begin, o.end - o.begin};
-        const size_t n = size_t(part.n * p.cols);
+        const Rows part{sh.r0 + o.begin, o.end - o.begin};
+        const size_t n = size_t(part.n * sh.cols);
         auto& m32 = opt.moment_fp32(which, i);
         auto& m16 = opt.moment_bf16(which, i);
         FP8MOE_ASSERT((bf16 ? m16.size() : m32.size()) == n, "moments of ", p.name, " not allocated");
@@ -662,7 +683,8 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
                                    bf16 ? static_cast<void*>(m16.data()) : static_cast<void*>(m32.data()), part,
                                    !st->moment_rows.empty() ? rows_of(st->moment_rows[i])
                                    : opt.sharded()          ? part
-                                                            : Rows{-1, 0});
+                                                            : Rows{-1, 0},
+                                   sh.c0, sh.cols);
         // Stored in the other dtype than train.moments_dtype: decode exactly, encode round-to-nearest-even.
         if (bf16 && r.dt == Dt::f32)
           for (size_t j = 0; j < n; ++j) m16[j] = bf16_encode(r.f32[j]);
@@ -778,10 +800,11 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   auto rows_of = [](RowRange r) { return Rows{r.begin, r.end - r.begin}; };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
-    const Rows mine = !s.model->holds(i) ? Rows{0, 0}
+    const Shard& sh = s.model->shard(i);
+    const Rows mine = !sh.held() ? Rows{0, 0}
                       : s.write_rows.empty() ? my_rows(p.rows, rank, size)
                                              : rows_of(s.write_rows[i]);
-    tensors.push_back({"/params/" + p.name, Dt::f32, p.rows, p.cols, s.model->params()[i].data(), 0, mine});
+    tensors.push_back({"/params/" + p.name, Dt::f32, p.rows, p.cols, s.model->params()[i].data(), sh.r0, mine, sh.c0, sh.cols});
   }
   for (int w = 0; w < 2; ++w)
     for (size_t i = 0; i < table.params.size(); ++i) {
@@ -791,14 +814,16 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
       const void* data = s.opt->bf16_moments() ? static_cast<const void*>(s.opt->moment_bf16(w, i).data())
                                                : static_cast<const void*>(s.opt->moment_fp32(w, i).data());
       const Dt dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;
-      // The moments hold the optimizer's owned rows; sharded (ZeRO-1), each rank writes those.
+      // The moments hold the optimizer's owned rows of this rank's block (global rows sh.r0 + ...);
+      // sharded (ZeRO-1), each rank writes those.
+      const Shard& sh = s.model->shard(i);
       const RowRange o = s.opt->owned(i);
       const Rows mine = !s.moment_write_rows.empty() ? rows_of(s.moment_write_rows[i])
-                        : s.opt->sharded()           ? rows_of(o)
+                        : s.opt->sharded()           ? Rows{sh.r0 + o.begin, o.end - o.begin}
                                                      : my_rows(p.rows, rank, size);
-      FP8MOE_ASSERT(mine.n == 0 || (mine.r0 >= o.begin && mine.r0 + mine.n <= o.end), "checkpoint: ", dpath,
-                    " rows to write outside the optimizer's rows");
-      tensors.push_back({dpath, dt, p.rows, p.cols, data, o.begin, mine});
+      FP8MOE_ASSERT(mine.n == 0 || (mine.r0 >= sh.r0 + o.begin && mine.r0 + mine.n <= sh.r0 + o.end), "checkpoint: ",
+                    dpath, " rows to write outside the optimizer's rows");
+      tensors.push_back({dpath, dt, p.rows, p.cols, data, sh.r0 + o.begin, mine, sh.c0, sh.cols});
     }
   const ScalingArrays sc = pack_scaling(s.model->fp8_scaling());
   const int64_t n_sc = int64_t(sc.names.size());
@@ -810,7 +835,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   std::vector<uint64_t> sums(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    sums[i] = checksum_part(t.at(t.mine.r0), t.dt, t.mine.n * t.cols, t.mine.r0 * t.cols);
+    sums[i] = checksum_block(t.at(t.mine.r0), t.dt, t.mine.r0, t.mine.n, t.c0, t.width(), t.cols);
   }
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
 

@@ -92,38 +92,58 @@ void DataParallel::gather_weights(std::vector<std::vector<float>>& params) {
 
 namespace fp8moe {
 namespace {
-std::vector<bool> select(const ParamTable& t, const std::vector<bool>& held, bool experts) {
+std::vector<bool> select(const ParamTable& t, const std::vector<Shard>& shards, bool experts) {
   std::vector<bool> v(t.params.size());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = held[i] && ((t.params[i].expert >= 0) == experts);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = shards[i].held() && ((t.params[i].expert >= 0) == experts);
   return v;
+}
+ParamTable localise(ParamTable t, const std::vector<Shard>& shards) {
+  for (size_t i = 0; i < t.params.size(); ++i) t.params[i].rows = shards[i].rows, t.params[i].cols = shards[i].cols;
+  return t;
 }
 }  // namespace
 
-ReplicaSync::ReplicaSync(const ParamTable& table, const std::vector<bool>& held, Communicator& data,
-                         Communicator& expert_data, Communicator& world, bool zero)
+ReplicaSync::ReplicaSync(const ParamTable& table, const std::vector<Shard>& shards, Communicator& data,
+                         Communicator& expert_data, Communicator& world, int tensor_rank, bool zero)
     : table_(table),
-      held_(held),
+      shards_(shards),
+      local_(localise(table, shards)),
       world_(world),
-      dense_(table, data, zero, select(table, held, false)),
-      experts_(table, expert_data, zero, select(table, held, true)) {}
+      tensor_rank_(tensor_rank),
+      dense_(local_, data, zero, select(table, shards, false)),
+      experts_(local_, expert_data, zero, select(table, shards, true)) {}
 
 std::vector<RowRange> ReplicaSync::owned() const {
   std::vector<RowRange> o;
   for (size_t i = 0; i < table_.params.size(); ++i)
-    o.push_back(!held_[i] ? RowRange{0, 0}
+    o.push_back(!shards_[i].held() ? RowRange{0, 0}
                 : dense_.includes(i) ? dense_.owned(i)
                 : experts_.includes(i) ? experts_.owned(i)
-                                       : RowRange{0, table_.params[i].rows});
+                                       : RowRange{0, shards_[i].rows});
   return o;
 }
 
 std::vector<RowRange> ReplicaSync::write_rows() const {
   std::vector<RowRange> w;
   for (size_t i = 0; i < table_.params.size(); ++i) {
-    const ParamSpec& p = table_.params[i];
-    const Communicator& g = p.expert >= 0 ? experts_.group() : dense_.group();
-    w.push_back(held_[i] ? replica_rows(p.rows, g.rank(), g.size()) : RowRange{0, 0});
+    const Shard& sh = shards_[i];
+    const Communicator& g = table_.params[i].expert >= 0 ? experts_.group() : dense_.group();
+    const RowRange r = replica_rows(sh.rows, g.rank(), g.size());
+    w.push_back(writes(i) ? RowRange{sh.r0 + r.begin, sh.r0 + r.end} : RowRange{0, 0});
   }
+  return w;
+}
+
+bool ReplicaSync::writes(size_t i) const {
+  // The tensor group holds identical copies of a parameter it does not split: rank 0 writes it.
+  return shards_[i].held() && (table_.params[i].tp != TpSplit::none || tensor_rank_ == 0);
+}
+
+std::vector<RowRange> ReplicaSync::moment_write_rows() const {
+  if (!zero()) return write_rows();
+  std::vector<RowRange> w = owned();
+  for (size_t i = 0; i < w.size(); ++i)
+    w[i] = writes(i) ? RowRange{shards_[i].r0 + w[i].begin, shards_[i].r0 + w[i].end} : RowRange{0, 0};
   return w;
 }
 
@@ -141,7 +161,9 @@ AdamW::NormReduce ReplicaSync::norm() {
   return [this](const std::vector<double>& sq) {
     double total = 0;
     for (size_t i = 0; i < sq.size(); ++i)
-      if (dense_.counts_in_norm(i) || experts_.counts_in_norm(i)) total += sq[i];
+      if ((dense_.counts_in_norm(i) || experts_.counts_in_norm(i)) &&
+          (table_.params[i].tp != TpSplit::none || tensor_rank_ == 0))  // tp-replicated: counted once
+        total += sq[i];
     world_.allreduce_sum(&total, 1);
     return total;
   };

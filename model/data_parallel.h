@@ -58,23 +58,32 @@ namespace fp8moe {
 // to a checkpoint.
 class ReplicaSync {
  public:
-  ReplicaSync(const ParamTable& table, const std::vector<bool>& held, Communicator& data, Communicator& expert_data,
-              Communicator& world, bool zero);
+  // shards: this rank's block of every parameter (Transformer::shard); tensor_rank: replicated
+  // parameters (TpSplit::none) count in the norm on tensor rank 0 only.
+  ReplicaSync(const ParamTable& table, const std::vector<Shard>& shards, Communicator& data, Communicator& expert_data,
+              Communicator& world, int tensor_rank, bool zero);
   bool zero() const { return dense_.zero(); }
-  // Per parameter: the rows AdamW updates here (none where the parameter is not held).
+  // The table with each parameter's shape replaced by this rank's block (what AdamW works on).
+  const ParamTable& local_table() const { return local_; }
+  // Per parameter: the rows of this rank's block AdamW updates here (none where it is not held).
   std::vector<RowRange> owned() const;
-  // Per parameter: the rows this rank writes to (and checks in) a checkpoint: its share among the
-  // ranks that hold the parameter (none where it is not held); over the ranks, every row once.
+  // Per parameter, in GLOBAL rows: the rows (of its block's columns) this rank writes to, and
+  // checks in, a checkpoint: its share among the ranks that hold the same block; over the ranks,
+  // every element once. moment_write_rows: the same for the Adam moments (the owned rows with ZeRO).
   std::vector<RowRange> write_rows() const;
+  std::vector<RowRange> moment_write_rows() const;
   void reduce_gradients(std::vector<std::vector<float>>& grads);
   void gather_weights(std::vector<std::vector<float>>& params);
   // Global squared gradient norm from each parameter's owned-row partial: every element once.
   AdamW::NormReduce norm();
 
  private:
+  bool writes(size_t i) const;  // whether this rank writes any of parameter i
   const ParamTable& table_;
-  std::vector<bool> held_;
+  std::vector<Shard> shards_;
+  ParamTable local_;
   Communicator& world_;
+  int tensor_rank_;
   DataParallel dense_, experts_;
 };
 

@@ -167,7 +167,8 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
 }
 
 void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
-                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep) {
+                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep,
+                  Communicator* tp) {
   const Routing& r = s.routing;
   const int64_t N = r.N, E = r.E, k = r.k;
   if (has_shared(w))
@@ -211,6 +212,10 @@ void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeW
   for (int64_t i = 0; i < R; ++i) {  // serial: a token's k rows add into one row, in a fixed order
     const int64_t n = r.row_token[i];
     for (int64_t d = 0; d < D; ++d) dx[n * D + d] += dxe[i * D + d];
+  }
+  if (tp) {  // each rank holds a slice of every expert's width: partial sums so far
+    tp->allreduce_sum(dx, N * D);
+    tp->allreduce_sum(dgate.data(), int64_t(dgate.size()));
   }
 
   // Gates -> router logits.

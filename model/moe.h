@@ -88,8 +88,12 @@ void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out);
 double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const MoeFp8& fp8,
                    float* out, MoeSaved* saved, ExpertDispatcher* ep = nullptr);
 // dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
+// With `tp` (tensor parallelism: expert and shared widths split, w1/w3 column- and w2 row-parallel;
+// router replicated), the gates' gradients and the experts' input gradients are summed over it
+// here (collective); the caller sums the forward output over it.
 void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
-                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep = nullptr);
+                  float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep = nullptr,
+                  Communicator* tp = nullptr);
 
 // Aux-loss-free balancing after a step: bias_e += rate * sign(mean load - load_e).
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate);

@@ -24,6 +24,28 @@ int64_t ParamTable::trainable_numel() const {
   return n;
 }
 
+Shard shard_of(const ParamSpec& p, int tp_rank, int tp_size, int first_expert, int n_experts) {
+  if (p.expert >= 0 && (p.expert < first_expert || p.expert >= first_expert + n_experts)) return {};
+  Shard s{0, p.rows, 0, p.cols};
+  if (p.tp == TpSplit::rows) {
+    FP8MOE_ASSERT(p.rows % tp_size == 0, p.name, ": ", p.rows, " rows over ", tp_size, " tensor-parallel ranks");
+    s.rows = p.rows / tp_size, s.r0 = s.rows * tp_rank;
+  } else if (p.tp == TpSplit::cols) {
+    FP8MOE_ASSERT(p.cols % tp_size == 0, p.name, ": ", p.cols, " columns over ", tp_size, " tensor-parallel ranks");
+    s.cols = p.cols / tp_size, s.c0 = s.cols * tp_rank;
+  }
+  return s;
+}
+
+void init_shard(const ParamSpec& p, uint64_t seed, const Shard& s, float* out) {
+  if (s.cols == p.cols) {
+    init_param_slice(p, seed, s.r0 * p.cols, (s.r0 + s.rows) * p.cols, out);
+    return;
+  }
+  for (int64_t r = 0; r < s.rows; ++r)
+    init_param_slice(p, seed, (s.r0 + r) * p.cols + s.c0, (s.r0 + r) * p.cols + s.c0 + s.cols, out + r * s.cols);
+}
+
 ParamTable build_param_table(const ModelConfig& m) {
   ParamTable t;
   const float std = float(m.init_std);

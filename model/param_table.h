@@ -45,6 +45,18 @@ struct ParamTable {
   int64_t trainable_numel() const;
 };
 
+// The block of a parameter's GLOBAL (rows, cols) tensor that one rank holds: tensor parallelism
+// splits dim 0 (TpSplit::rows) or dim 1 (TpSplit::cols) evenly; expert parallelism holds whole
+// experts or none. Empty (rows = cols = 0) where the rank does not hold the parameter.
+struct Shard {
+  int64_t r0 = 0, rows = 0, c0 = 0, cols = 0;
+  int64_t numel() const { return rows * cols; }
+  bool held() const { return rows > 0 && cols > 0; }
+  bool operator==(const Shard&) const = default;
+};
+// tp_rank of tp_size; [first_expert, first_expert + n_experts) are the routed experts held.
+Shard shard_of(const ParamSpec& p, int tp_rank, int tp_size, int first_expert, int n_experts);
+
 // The table of a model config. Order: embedding, blocks in order, final norm, head.
 ParamTable build_param_table(const ModelConfig& m);
 
@@ -52,6 +64,8 @@ ParamTable build_param_table(const ModelConfig& m);
 // tensor: a function of (seed, name, global element index) through a counter-based RNG
 // (Philox-4x32-10), so any shard is generated alone and equals the same slice of a 1-rank run.
 void init_param_slice(const ParamSpec& p, uint64_t seed, int64_t begin, int64_t end, float* out);
+// The initial values of a shard (row-major (s.rows, s.cols)), equal to that block of the 1-rank tensor.
+void init_shard(const ParamSpec& p, uint64_t seed, const Shard& s, float* out);
 
 // Philox-4x32-10 (Salmon et al., SC'11): four 32-bit outputs for a 128-bit counter and 64-bit key.
 struct Philox4x32 {

@@ -1,6 +1,7 @@
 #include "model/transformer.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "kernels/check.h"
 #include "kernels/ops.h"
@@ -38,16 +39,88 @@ Transformer::Transformer(const Config& cfg, ModelGroups groups)
     : cfg_(cfg), table_(build_param_table(cfg.model)), groups_(groups) {
   if (groups.expert && groups.expert->size() > 1)
     dispatcher_ = std::make_unique<ExpertDispatcher>(*groups.expert, cfg.model.moe.n_experts);
-  const int first = first_expert(), last = first + local_experts();
+  if (groups.tensor) tp_ = groups.tensor->size(), tp_rank_ = groups.tensor->rank();
+  local_ = cfg.model;
+  local_.n_heads /= tp_, local_.n_kv_heads /= tp_, local_.d_ff_dense /= tp_, local_.moe.d_expert /= tp_;
+  local_.vocab_size /= tp_;
   for (size_t i = 0; i < table_.params.size(); ++i) {
     const ParamSpec& p = table_.params[i];
     index_[p.name] = int64_t(i);
-    const bool held = p.expert < 0 || (p.expert >= first && p.expert < last);
-    held_.push_back(held);
-    params_.emplace_back(held ? size_t(p.numel()) : 0);
-    grads_.emplace_back(held ? size_t(p.numel()) : 0, 0.0f);
-    if (held) init_param_slice(p, uint64_t(cfg.train.seed), 0, p.numel(), params_.back().data());
+    shards_.push_back(shard_of(p, tp_rank_, tp_, first_expert(), local_experts()));
+    const Shard& sh = shards_.back();
+    params_.emplace_back(size_t(sh.numel()));
+    grads_.emplace_back(size_t(sh.numel()), 0.0f);
+    if (sh.held()) init_shard(p, uint64_t(cfg.train.seed), sh, params_.back().data());
   }
+}
+
+void Transformer::tp_sum(float* x, int64_t n) {
+  if (tp_ > 1) groups_.tensor->allreduce_sum(x, n);
+}
+
+void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
+  const int64_t D = local_.d_model, Vl = local_.vocab_size, v0 = Vl * tp_rank_;
+  if (tp_ == 1) return cpu::embedding_forward(P("embed.weight"), tokens, N, D, out);
+  const float* table = P("embed.weight");
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t t = tokens[n] - v0;
+    if (t >= 0 && t < Vl) std::copy_n(table + t * D, D, out + n * D);
+    else std::fill_n(out + n * D, D, 0.0f);
+  }
+  tp_sum(out, N * D);  // each token's row comes from the one rank holding it
+}
+
+void Transformer::embed_backward(const float* dx, const int32_t* tokens, int64_t N) {
+  const int64_t D = local_.d_model, Vl = local_.vocab_size, v0 = Vl * tp_rank_;
+  if (tp_ == 1) return cpu::embedding_backward(dx, tokens, N, D, G("embed.weight"));
+  float* g = G("embed.weight");
+  for (int64_t n = 0; n < N; ++n) {  // serial: repeated tokens add in token order
+    const int64_t t = tokens[n] - v0;
+    if (t >= 0 && t < Vl)
+      for (int64_t d = 0; d < D; ++d) g[t * D + d] += dx[n * D + d];
+  }
+}
+
+double Transformer::cross_entropy(const float* logits, const int32_t* targets, int64_t N, float grad_scale,
+                                  float* dlogits, int64_t* count) {
+  const int64_t Vl = local_.vocab_size, v0 = Vl * tp_rank_;
+  const int32_t pad = cfg_.model.pad_id;
+  if (tp_ == 1) return cpu::cross_entropy(logits, targets, N, Vl, pad, grad_scale, dlogits, count);
+  // Row max, sum of exponentials and the target's logit over the whole vocabulary: three
+  // all-reduces of N values over the tensor group.
+  std::vector<float> mx(static_cast<size_t>(N));
+  std::vector<double> se(static_cast<size_t>(N), 0.0), tl(static_cast<size_t>(N), 0.0);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) mx[n] = *std::max_element(logits + n * Vl, logits + (n + 1) * Vl);
+  groups_.tensor->allreduce_max(mx.data(), N);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = logits + n * Vl;
+    for (int64_t v = 0; v < Vl; ++v) se[n] += std::exp(double(row[v]) - mx[n]);
+    const int64_t t = int64_t(targets[n]) - v0;
+    if (targets[n] != pad && t >= 0 && t < Vl) tl[n] = row[t];
+  }
+  groups_.tensor->allreduce_sum(se.data(), N);
+  groups_.tensor->allreduce_sum(tl.data(), N);
+  double total = 0;
+  int64_t counted = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t t = targets[n];
+    if (t == pad) {
+      if (dlogits) std::fill_n(dlogits + n * Vl, Vl, 0.0f);
+      continue;
+    }
+    FP8MOE_ASSERT(t >= 0 && t < cfg_.model.vocab_size, "target ", t, " outside the vocabulary of ", cfg_.model.vocab_size);
+    const double lse = mx[n] + std::log(se[n]);
+    total += lse - tl[n];
+    ++counted;
+    if (dlogits)
+      for (int64_t v = 0; v < Vl; ++v)
+        dlogits[n * Vl + v] = float(grad_scale * (std::exp(double(logits[n * Vl + v]) - lse) - (v + v0 == t ? 1.0 : 0.0)));
+  }
+  *count = counted;
+  return total;
 }
 
 void Transformer::zero_grads() {
@@ -64,9 +137,16 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
     f.state = &scaling_[weight];
     f.saturated = &saturated_;
     f.underflowed = &underflowed_;
+    // Per-tensor amax: over the tensor group (a split tensor's amax is the whole tensor's; the
+    // quantization then does not depend on tp), and for delayed scaling also over the replicas.
+    Communicator* tp = tp_ > 1 ? groups_.tensor : nullptr;
     Communicator* g = cls == LinearClass::experts ? groups_.expert_data : groups_.data;
-    if (cfg_.fp8.recipe == Fp8Recipe::delayed && g && g->size() > 1 && record)
-      f.reduce = [g](float* amax, int64_t n) { g->allreduce_max(amax, n); };
+    if (!(cfg_.fp8.recipe == Fp8Recipe::delayed && g && g->size() > 1 && record)) g = nullptr;
+    if (tp || g)
+      f.reduce = [tp, g](float* amax, int64_t n) {
+        if (tp) tp->allreduce_max(amax, n);
+        if (g) g->allreduce_max(amax, n);
+      };
   }
   f.record = record;
   f.reuse_last_scale = !record && recompute_;
@@ -101,7 +181,7 @@ bool Transformer::recomputed(int layer) const {
 }
 
 void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record) {
-  const ModelConfig& m = cfg_.model;
+  const ModelConfig& m = local_;  // heads and widths of this tensor-parallel rank
   const int64_t N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
   s->B = B, s->T = T;
@@ -124,6 +204,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   cpu::attention_forward(s->q.data(), s->k.data(), s->v.data(), B, T, H, KVH, hd, s->attn.data(), s->lse.data());
   std::vector<float> o(size_t(N * D));
   linear_forward(s->attn.data(), N, H * hd, P(p + "attn.wo"), D, fp8_for(p + "attn.wo", LinearClass::attention, record), o.data(), &s->lo);
+  tp_sum(o.data(), N * D);  // row-parallel: partial sums over the heads of each rank
   s->x_mid.resize(size_t(N * D));
   for (int64_t i = 0; i < N * D; ++i) s->x_mid[i] = x[i] + o[i];
 
@@ -141,11 +222,12 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
       fp8.experts.push_back(ffn_fp8(p + "moe.experts." + std::to_string(e) + ".", LinearClass::experts, record));
     moe_forward(s->h2.data(), N, D, m.moe, moe_weights(l), fp8, f.data(), &s->moe, dispatcher_.get());
   }
+  tp_sum(f.data(), N * D);  // row-parallel W2 (dense, shared and routed experts alike)
   for (int64_t i = 0; i < N * D; ++i) out[i] = s->x_mid[i] + f[i];
 }
 
 void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx, float loss_scale) {
-  const ModelConfig& m = cfg_.model;
+  const ModelConfig& m = local_;
   const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
   // FFN branch: x_out = x_mid + FFN(RMSNorm(x_mid)).
@@ -153,6 +235,7 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   if (l < m.first_dense_layers) {
     ffn_backward(s.dense, ffn_weights(p + "mlp."), dout, ffn_fp8(p + "mlp.", LinearClass::mlp, true), dh2.data(),
                  ffn_grads(p + "mlp."));
+    tp_sum(dh2.data(), N * D);  // column-parallel W1, W3: partial input gradients
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, true), {}};
     MoeGrads g{G(p + "moe.router"), m.moe.n_shared_experts > 0 ? ffn_grads(p + "moe.shared.") : FfnGrads{}, {}};
@@ -161,7 +244,8 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
       fp8.experts.push_back(ffn_fp8(q, LinearClass::experts, true));
       g.experts.push_back(ffn_grads(q));
     }
-    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, loss_scale, fp8, dh2.data(), g, dispatcher_.get());
+    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, loss_scale, fp8, dh2.data(), g, dispatcher_.get(),
+                 tp_ > 1 ? groups_.tensor : nullptr);
   }
   cpu::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
                         G(p + "ffn_norm.weight"));
@@ -181,11 +265,13 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
   linear_backward(s.lv, P(p + "attn.wv"), dv.data(), fp8_for(p + "attn.wv", LinearClass::attention, true), part.data(), G(p + "attn.wv"));
   for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
+  tp_sum(dh1.data(), N * D);  // column-parallel q, k, v
   cpu::rmsnorm_backward(s.x, P(p + "attn_norm.weight"), s.rstd1.data(), dh1.data(), N, D, dx, G(p + "attn_norm.weight"));
   for (int64_t i = 0; i < N * D; ++i) dx[i] += dx_mid[i];
 }
 
 std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) {
+  FP8MOE_ASSERT(tp_ == 1 && !dispatcher_, "generation runs on one rank holding the whole model");
   const ModelConfig& m = cfg_.model;
   const int64_t D = m.d_model, V = m.vocab_size;
   for (int64_t i = 0; i < T; ++i)
@@ -214,14 +300,15 @@ void Transformer::update_router_biases(const std::vector<std::vector<int64_t>>& 
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
                                          float loss_scale) {
   const ModelConfig& m = cfg_.model;
-  const int64_t N = B * T, D = m.d_model, V = m.vocab_size, L = m.n_layers;
+  const int64_t N = B * T, D = m.d_model, V = local_.vocab_size, L = m.n_layers;  // V: this rank's vocabulary
   for (int64_t i = 0; i < N; ++i)
-    FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside the vocabulary of ", V);
+    FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < m.vocab_size, "token ", tokens[i], " outside the vocabulary of ",
+                  m.vocab_size);
   StepResult result;
   saturated_ = 0, underflowed_ = 0;
 
   std::vector<std::vector<float>> xs(size_t(L + 1), std::vector<float>(size_t(N * D)));
-  cpu::embedding_forward(P("embed.weight"), tokens, N, D, xs[0].data());
+  embed_forward(tokens, N, xs[0].data());
   std::vector<BlockSaved> saved(static_cast<size_t>(L));
   int64_t saved_bytes = 0;
   for (int64_t l = 0; l < L; ++l) {
@@ -250,8 +337,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
   std::vector<float> dlogits(backward ? size_t(N * V) : 0);
   const float scale = count > 0 ? loss_scale / float(count) : 0.0f;  // d (scaled mean) / d logits
-  const double ce_sum = cpu::cross_entropy(logits.data(), targets, N, V, m.pad_id, scale,
-                                           backward ? dlogits.data() : nullptr, &count);
+  const double ce_sum = cross_entropy(logits.data(), targets, N, scale, backward ? dlogits.data() : nullptr, &count);
   result.tokens = count;
   result.ce = count > 0 ? ce_sum / double(count) : 0.0;
   result.loss = result.ce + result.aux;
@@ -263,6 +349,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   std::vector<float> dh(size_t(N * D)), dx(size_t(N * D)), dnext(size_t(N * D));
   sgemm(true, false, V, D, N, 1.0f, dlogits.data(), V, hf.data(), D, 1.0f, G("head.weight"), D);
   sgemm(false, false, N, D, V, 1.0f, dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
+  tp_sum(dh.data(), N * D);  // vocabulary-parallel head
   cpu::rmsnorm_backward(xs[L].data(), P("final_norm.weight"), rstd.data(), dh.data(), N, D, dx.data(), G("final_norm.weight"));
   for (int64_t l = L - 1; l >= 0; --l) {
     if (!saved[l].kept) {  // recompute with the forward's scales, without advancing any history
@@ -275,7 +362,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
     saved[l] = BlockSaved{};
     std::swap(dx, dnext);
   }
-  cpu::embedding_backward(dx.data(), tokens, N, D, G("embed.weight"));
+  embed_backward(dx.data(), tokens, N);
   result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
   return result;
 }

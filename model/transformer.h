@@ -30,6 +30,10 @@ struct StepResult {
 
 // The communicators the model computes over (none: one rank holds everything). Not owned.
 struct ModelGroups {
+  // Tensor parallelism (Megatron): heads, FFN widths, expert widths and the vocabulary split over
+  // these ranks; the forward all-reduce after row-parallel layers, the backward one for the inputs
+  // of column-parallel layers; per-tensor FP8 amax values reduced (max) over them.
+  Communicator* tensor = nullptr;
   // The data-parallel replicas of the dense parameters: delayed scaling reduces every amax (max)
   // over them, so that every replica keeps the same state and it does not depend on the layout.
   Communicator* data = nullptr;
@@ -68,8 +72,10 @@ class Transformer {
   // (StepResult::expert_load, summed over micro-batches).
   void update_router_biases(const std::vector<std::vector<int64_t>>& expert_load);
 
-  // Whether this rank holds parameter i (expert parallelism: its experts only).
-  bool holds(size_t i) const { return held_[i]; }
+  // Whether this rank holds parameter i (expert parallelism: its experts only), and which block of
+  // the global tensor (tensor parallelism: a row or column slice); params()[i] is that block.
+  bool holds(size_t i) const { return shards_[i].held(); }
+  const Shard& shard(size_t i) const { return shards_[i]; }
   int local_experts() const { return dispatcher_ ? dispatcher_->local_experts() : cfg_.model.moe.n_experts; }
   int first_expert() const { return dispatcher_ ? dispatcher_->first_expert() : 0; }
   // The delayed-scaling state per linear weight name (checkpointed). Entries appear at the first
@@ -104,7 +110,16 @@ class Transformer {
   bool recompute_ = false; // inside a recomputation (see fp8_for)
   ModelGroups groups_;
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // expert parallelism (ep > 1)
-  std::vector<bool> held_;
+  std::vector<Shard> shards_;
+  ModelConfig local_;  // the model's dims on this rank: heads, widths and vocabulary divided by tensor parallelism
+  int tp_ = 1, tp_rank_ = 0;
+  void tp_sum(float* x, int64_t n);  // allreduce over the tensor group (nothing without one)
+  // Vocabulary-parallel embedding, head and cross-entropy (tensor parallelism: this rank holds
+  // the vocabulary rows [vocab_first, vocab_first + local vocab)); the full logits are never formed.
+  void embed_forward(const int32_t* tokens, int64_t N, float* out);
+  void embed_backward(const float* dx, const int32_t* tokens, int64_t N);
+  double cross_entropy(const float* logits, const int32_t* targets, int64_t N, float grad_scale, float* dlogits,
+                       int64_t* count);
 };
 
 }  // namespace fp8moe

@@ -140,9 +140,10 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
 
 double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
                      float grad_scale, float* dlogits, int64_t* count) {
-  double total = 0;
+  // Per-row losses summed serially afterwards: the same bits for any thread count.
+  std::vector<double> loss(static_cast<size_t>(N), 0.0);
   int64_t counted = 0;
-#pragma omp parallel for reduction(+ : total, counted) schedule(static)
+#pragma omp parallel for reduction(+ : counted) schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* row = logits + n * V;
     const int32_t t = targets[n];
@@ -157,13 +158,15 @@ double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int
     double sum = 0;
     for (int64_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - m);
     const double lse = m + std::log(sum);
-    total += lse - row[t];
+    loss[size_t(n)] = lse - row[t];
     ++counted;
     if (dlogits)
       for (int64_t v = 0; v < V; ++v)
         dlogits[n * V + v] = float(grad_scale * (std::exp(double(row[v]) - lse) - (v == t ? 1.0 : 0.0)));
   }
   *count = counted;
+  double total = 0;
+  for (double x : loss) total += x;
   return total;
 }
 

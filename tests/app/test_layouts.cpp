@@ -1,15 +1,15 @@
 // Layout invariance: init and data are functions of global indices, so the loss at every step is
 // the same on every layout up to FP32 reduction order. 20 steps of a small MoE model (tiny.yaml's
-// divisibility: 8 experts, tiles of 32) on every layout this build trains — data parallel and
-// expert parallel, with and without ZeRO-1 — each step's loss compared with the 1-rank run's.
+// divisibility: 8 experts, tiles of 32) on every layout this build trains — tensor, expert and
+// data parallel, with and without ZeRO-1 — each step's loss compared with the 1-rank run's.
 // recipe off: <= 1e-5 relative (the bound). blockwise: quantization itself does not depend
 // on the layout here (1 x 32 row tiles; 32 x 32 weight blocks; the wgrad's 32 x 1 token tiles align
 // with the 32-token sequences for dense layers), but FP8 rounding is discontinuous: once an FP32
 // summation-order difference (~1e-9) moves a value across an E4M3 rounding boundary, that element
 // moves by up to 1/16 and the runs separate at FP8 noise level; across the replicas' token split an
 // expert's 32 x 1 wgrad tiles also differ. Measured: up to ~3e-3 within 20 steps; asserted <= 1e-2.
-// Then a checkpoint written on 4 ranks (ep 2, ZeRO-1) at step 10 resumes on 1 rank and on 2
-// ranks (ep 2, no ZeRO) and continues to step 20 within the same bounds.
+// Then a checkpoint written on 8 ranks (tp 2 x ep 2 x edp 2, ZeRO-1) at step 10 resumes on 1 rank
+// and on 2 ranks (ep 2, no ZeRO) and continues to step 20 within the same bounds.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,7 +50,7 @@ class Layouts : public testing::Test {
     ASSERT_EQ(run(prep).status, 0);
     cfg_ = new std::string(dir_->write(
         "small.yaml",
-        "model: {d_model: 64, n_layers: 3, n_heads: 4, n_kv_heads: 2, head_dim: 16, first_dense_layers: 1,\n"
+        "model: {d_model: 64, n_layers: 3, n_heads: 8, n_kv_heads: 4, head_dim: 16, first_dense_layers: 1,\n"
         "        d_ff_dense: 128, moe: {n_experts: 8, top_k: 2, n_shared_experts: 1, d_expert: 64}}\n"
         "train: {steps: 20, warmup_steps: 2, global_batch: 8, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}\n"
         "parallel: {micro_batches: 2}\n"
@@ -91,6 +91,10 @@ const std::vector<Layout> kLayouts = {
     {"ep4 (dp4)", 4, {"parallel.expert=4"}},
     {"ep2 x edp2 (dp4)", 4, {"parallel.expert=2"}},
     {"ep2 x edp2 zero0", 4, {"parallel.expert=2", "optim.zero=0"}},
+    {"tp2", 2, {"parallel.tensor=2"}},
+    {"tp2 x dp2", 4, {"parallel.tensor=2"}},
+    {"tp2 x ep2 (dp2)", 4, {"parallel.tensor=2", "parallel.expert=2"}},
+    {"tp2 x ep2 x edp2", 8, {"parallel.tensor=2", "parallel.expert=2"}},
 };
 
 TEST_F(Layouts, SameLossOnEveryLayout) {
@@ -116,7 +120,7 @@ TEST_F(Layouts, ResumeUnderOtherLayouts) {
     const double bound = std::string(recipe) == "off" ? 1e-5 : 1e-2;
     const auto ref = train(1, {r});
     const std::string dir = dir_->path + "/resume-" + recipe;
-    train(4, {r, "parallel.expert=2", "train.exit_interval=10", "checkpoint.dir=" + dir});
+    train(8, {r, "parallel.tensor=2", "parallel.expert=2", "train.exit_interval=10", "checkpoint.dir=" + dir});
     for (const Layout& l : {Layout{"1 rank", 1, {}}, Layout{"ep2 (dp2) zero0", 2, {"parallel.expert=2", "optim.zero=0"}}}) {
       auto sets = l.sets;
       for (const std::string& s : {r, "checkpoint.dir=" + dir + "-" + std::to_string(l.ranks),
@@ -125,11 +129,18 @@ TEST_F(Layouts, ResumeUnderOtherLayouts) {
       const auto got = train(l.ranks, sets);
       ASSERT_EQ(got.size(), 10u) << l.name;
       const double w = worst(ref, got, 11);
-      std::printf("recipe %-9s saved at step 10 on ep2 x edp2 (4 ranks), resumed on %-16s: steps 11-20 within %.2e "
+      std::printf("recipe %-9s saved at step 10 on tp2 x ep2 x edp2 (8 ranks), resumed on %-16s: steps 11-20 within %.2e "
                   "of the uninterrupted 1-rank run\n", recipe, l.name, w);
       EXPECT_LE(w, bound) << recipe << " " << l.name;
     }
   }
+  // The saved global tensors of the 8-rank run (step 10) against a 1-rank save at step 10.
+  const std::string one = dir_->path + "/one-step10";
+  train(1, {"fp8.recipe=off", "train.exit_interval=10", "checkpoint.dir=" + one});
+  const RunResult cmp = run({python(), source_dir() + "/tests/io/check_checkpoint.py", "--compare",
+                             one + "/step_00000010/checkpoint.h5", dir_->path + "/resume-off/step_00000010/checkpoint.h5"});
+  EXPECT_EQ(cmp.status, 0) << cmp.all();
+  std::printf("%s", cmp.out.c_str());
 }
 
 }  // namespace

@@ -52,5 +52,34 @@ def main(path):
           % (len(names), bf16, f.attrs["step"], f.attrs["layout"].decode() if isinstance(f.attrs["layout"], bytes) else f.attrs["layout"]))
 
 
+def compare(a_path, b_path, bound=1e-3):
+    """The same datasets in both files (the same global shapes); /params within `bound` relative
+    to the largest element of each tensor. Two layouts sum in different orders (~1e-7 relative per
+    gradient), and Adam's m / sqrt(v) is scale-free: for an element whose gradient is near zero that
+    noise becomes an O(1) change of its update, i.e. up to ~lr per step in the weight."""
+    a, b = h5py.File(a_path, "r"), h5py.File(b_path, "r")
+    names = []
+    a.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    others = []
+    b.visititems(lambda n, o: others.append(n) if isinstance(o, h5py.Dataset) else None)
+    assert sorted(names) == sorted(others), set(names) ^ set(others)
+    worst, where = 0.0, ""
+    for n in names:
+        x, y = a[n].astype(np.float64)[()], b[n].astype(np.float64)[()]
+        assert x.shape == y.shape, n
+        if not n.startswith("params/"):
+            continue
+        scale = max(np.abs(x).max(), 1e-30)
+        d = np.abs(x - y).max() / scale
+        if d > worst:
+            worst, where = d, n
+    assert worst <= bound, "%s differs by %.3g (relative to its largest element)" % (where, worst)
+    print("global tensors of the two saves: %d datasets, parameters within %.2e of each other (worst: %s; bound %.0e)"
+          % (len(names), worst, where, bound))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--compare":
+        compare(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1])
