@@ -204,17 +204,22 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       for (int64_t i = 0; i < mbs; ++i)
         train_data->sample(uint64_t(cfg.train.seed), progress.samples + (mb * R + dp.rank()) * mbs + i, T,
                            &tokens[i * T], &targets[i * T]);
-      const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, true, scaler.scale());
-      counts[0] += r.loss / double(p.micro_batches * R);
+      // The micro-batch's counted tokens over all replicas: each replica's loss is its share of
+      // the micro-batch's mean, so gradients have the 1-rank magnitudes and sum over the replicas.
+      int64_t counted = std::count_if(targets.begin(), targets.end(), [&](int32_t t) { return t != cfg.model.pad_id; });
+      if (R > 1) dp.allreduce_sum(&counted, 1);
+      const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, true, scaler.scale(), counted,
+                                                  1.0 / double(R));
+      counts[0] += r.loss / double(p.micro_batches);
       counts[1] += double(r.fp8_saturated), counts[2] += double(r.fp8_underflowed);
       if (load.empty()) load = r.expert_load;
       else
         for (size_t l = 0; l < load.size(); ++l)
           for (size_t e = 0; e < load[l].size(); ++e) load[l][e] += r.expert_load[l][e];
     }
-    // Each micro-batch's gradient is of its replica's (scaled) mean loss: sum over the replicas,
-    // average over micro-batches and replicas, divide the scale out.
-    const float unscale = 1.0f / (float(p.micro_batches * R) * scaler.scale());
+    // Each micro-batch's gradient is of its (scaled) mean loss, summed over the replicas: average
+    // over the micro-batches and divide the scale out.
+    const float unscale = 1.0f / (float(p.micro_batches) * scaler.scale());
     sync.reduce_gradients(model.grads());
     if (R > 1) {
       dp.allreduce_sum(counts, 3);

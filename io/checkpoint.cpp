@@ -524,6 +524,7 @@ void check_version(hid_t file, const std::string& where) {
 const char* const kScalingFields[3] = {"x", "w", "dy"};
 
 DelayedScaling& scaling_field(LinearScaling& s, int f) { return f == 0 ? s.x : f == 1 ? s.w : s.dy; }
+const DelayedScaling& scaling_field(const LinearScaling& s, int f) { return f == 0 ? s.x : f == 1 ? s.w : s.dy; }
 
 struct ScalingArrays {
   std::vector<std::string> names;  // "<weight>.<x|w|dy>"
@@ -532,7 +533,48 @@ struct ScalingArrays {
   std::vector<int64_t> steps;         // (n, 1)
 };
 
-ScalingArrays pack_scaling(std::map<std::string, LinearScaling>& state) {
+// Every rank's delayed-scaling entries of the weights it holds, merged (replicas hold identical
+// copies: their amax values are reduced): each rank serialises its own, one allgather. Collective.
+std::map<std::string, LinearScaling> gather_scaling(MPI_Comm comm, Transformer& model) {
+  std::string mine;
+  auto put = [&](const void* p, size_t n) { mine.append(static_cast<const char*>(p), n); };
+  for (auto& [weight, s] : model.fp8_scaling()) {
+    const int64_t i = model.table().index_of(weight);
+    if (i < 0 || !model.holds(size_t(i))) continue;
+    for (int f = 0; f < 3; ++f) {
+      const DelayedScaling& d = scaling_field(s, f);
+      if (d.history.empty()) continue;  // never recorded
+      const int64_t len = int64_t(d.history.size()), n = int64_t(weight.size());
+      put(&n, 8), put(weight.data(), weight.size()), put(&f, sizeof f), put(&len, 8);
+      put(d.history.data(), size_t(len) * 4), put(&d.steps, 8), put(&d.scale, 4), put(&d.last_used, 4);
+    }
+  }
+  int size = 1;
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  int len = int(mine.size());
+  std::vector<int> lens(static_cast<size_t>(size)), offs(static_cast<size_t>(size), 0);
+  MPI_CHECK(MPI_Allgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, comm));
+  for (int r = 1; r < size; ++r) offs[size_t(r)] = offs[size_t(r - 1)] + lens[size_t(r - 1)];
+  std::string all(size_t(offs.back() + lens.back()), '\0');
+  MPI_CHECK(MPI_Allgatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), offs.data(), MPI_CHAR, comm));
+  std::map<std::string, LinearScaling> merged;
+  for (size_t at = 0; at < all.size();) {
+    auto get = [&](void* p, size_t n) { std::memcpy(p, all.data() + at, n), at += n; };
+    int64_t n = 0, hl = 0;
+    int f = 0;
+    get(&n, 8);
+    std::string weight(all.data() + at, size_t(n));
+    at += size_t(n);
+    get(&f, sizeof f), get(&hl, 8);
+    DelayedScaling d;
+    d.history.resize(size_t(hl));
+    get(d.history.data(), size_t(hl) * 4), get(&d.steps, 8), get(&d.scale, 4), get(&d.last_used, 4);
+    scaling_field(merged[weight], f) = std::move(d);  // a replica's copy: the same values
+  }
+  return merged;
+}
+
+ScalingArrays pack_scaling(const std::map<std::string, LinearScaling>& state) {
   ScalingArrays a;
   for (auto& [weight, s] : state)
     for (int f = 0; f < 3; ++f) {
@@ -721,6 +763,8 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
           const std::string field = dot == std::string::npos ? "" : full.substr(dot + 1);
           const int f = field == "x" ? 0 : field == "w" ? 1 : field == "dy" ? 2 : -1;
           if (f < 0) throw CheckpointError(path + ": /fp8 names an unknown tensor \"" + full + "\"");
+          const int64_t w = table.index_of(full.substr(0, dot));
+          if (w < 0 || (st->model && !st->model->holds(size_t(w)))) continue;  // not a weight of this rank
           DelayedScaling& d = scaling_field(st->scaling[full.substr(0, dot)], f);
           d.history.resize(size_t(len));
           std::copy_n(h.f32.begin() + i * len, len, d.history.begin());
@@ -825,7 +869,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
                     dpath, " rows to write outside the optimizer's rows");
       tensors.push_back({dpath, dt, p.rows, p.cols, data, sh.r0 + o.begin, mine, sh.c0, sh.cols});
     }
-  const ScalingArrays sc = pack_scaling(s.model->fp8_scaling());
+  const ScalingArrays sc = pack_scaling(gather_scaling(comm, *s.model));
   const int64_t n_sc = int64_t(sc.names.size());
   if (n_sc > 0) {
     whole("/fp8/amax_history", Dt::f32, n_sc, sc.len, sc.history.data());

@@ -226,7 +226,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   for (int64_t i = 0; i < N * D; ++i) out[i] = s->x_mid[i] + f[i];
 }
 
-void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx, float loss_scale) {
+void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale) {
   const ModelConfig& m = local_;
   const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
@@ -244,7 +244,7 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
       fp8.experts.push_back(ffn_fp8(q, LinearClass::experts, true));
       g.experts.push_back(ffn_grads(q));
     }
-    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, loss_scale, fp8, dh2.data(), g, dispatcher_.get(),
+    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, aux_grad_scale, fp8, dh2.data(), g, dispatcher_.get(),
                  tp_ > 1 ? groups_.tensor : nullptr);
   }
   cpu::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
@@ -298,7 +298,7 @@ void Transformer::update_router_biases(const std::vector<std::vector<int64_t>>& 
 }
 
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
-                                         float loss_scale) {
+                                         float loss_scale, int64_t mean_over, double aux_weight) {
   const ModelConfig& m = cfg_.model;
   const int64_t N = B * T, D = m.d_model, V = local_.vocab_size, L = m.n_layers;  // V: this rank's vocabulary
   for (int64_t i = 0; i < N; ++i)
@@ -336,10 +336,12 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   sgemm(false, true, N, V, D, 1.0f, hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
   int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
   std::vector<float> dlogits(backward ? size_t(N * V) : 0);
-  const float scale = count > 0 ? loss_scale / float(count) : 0.0f;  // d (scaled mean) / d logits
+  const int64_t denom = mean_over > 0 ? mean_over : count;
+  const float scale = denom > 0 ? loss_scale / float(denom) : 0.0f;  // d (scaled mean) / d logits
   const double ce_sum = cross_entropy(logits.data(), targets, N, scale, backward ? dlogits.data() : nullptr, &count);
   result.tokens = count;
-  result.ce = count > 0 ? ce_sum / double(count) : 0.0;
+  result.ce = denom > 0 ? ce_sum / double(denom) : 0.0;
+  result.aux *= aux_weight;
   result.loss = result.ce + result.aux;
   if (!backward) {
     result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
@@ -358,7 +360,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
       block_forward(int(l), xs[l].data(), B, T, scratch.data(), &saved[l], false);
       recompute_ = false;
     }
-    block_backward(int(l), saved[l], dx.data(), dnext.data(), loss_scale);
+    block_backward(int(l), saved[l], dx.data(), dnext.data(), float(loss_scale * aux_weight));
     saved[l] = BlockSaved{};
     std::swap(dx, dnext);
   }

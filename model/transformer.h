@@ -18,7 +18,7 @@ namespace fp8moe {
 
 struct StepResult {
   double loss = 0;     // cross-entropy mean over counted tokens + auxiliary losses
-  double ce = 0;       // the cross-entropy part
+  double ce = 0;       // the cross-entropy part (sum over this batch / mean_over)
   double aux = 0;      // the auxiliary balance losses, summed over MoE layers
   int64_t tokens = 0;  // targets counted (not pad_id)
   std::vector<std::vector<int64_t>> expert_load;  // per MoE layer, tokens per expert
@@ -60,8 +60,12 @@ class Transformer {
   // Loss of a batch; with `backward`, adds d loss / d parameter into the gradients.
   // targets equal to model.pad_id are not counted.
   // loss_scale multiplies every gradient (loss scaling; the caller divides it out).
+  // Data parallelism: the batch is this replica's part of a micro-batch of `mean_over` counted
+  // tokens (0: this batch's own count); the cross-entropy is summed here and divided by it, so that
+  // the replicas' losses and gradients SUM to the micro-batch's, with the same magnitudes as on one
+  // rank (what FP8 scaling sees). aux_weight weighs the auxiliary loss (1 / replicas: their mean).
   StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
-                              float loss_scale = 1.0f);
+                              float loss_scale = 1.0f, int64_t mean_over = 0, double aux_weight = 1.0);
 
   // Logits (V) of the token after tokens[0..T) (one sequence), for generation. FP8 histories are
   // not advanced.
@@ -98,7 +102,7 @@ class Transformer {
   MoeWeights moe_weights(int layer) const;
   bool recomputed(int layer) const;
   void block_forward(int layer, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record);
-  void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx, float loss_scale);
+  void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale);
 
   Config cfg_;
   ParamTable table_;
