@@ -74,13 +74,6 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     std::fflush(stdout);
   }
   if (options.dry_run) return kExitOk;
-  const ParallelConfig& p = config.parallel;
-  if (p.pipeline > 1) {
-    if (root)
-      usage_error("this build trains with tensor, expert and data parallelism; pipeline parallelism arrives "
-                  "later. Use --dry-run to check this layout, or train with --set parallel.pipeline=1");
-    return kExitUsage;
-  }
   return train(config, grid);
 }
 

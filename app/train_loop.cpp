@@ -79,7 +79,7 @@ std::string json_number(double v) {
 
 int train(const Config& cfg, const ProcessGrid& grid) {
   const ParallelConfig& p = cfg.parallel;
-  FP8MOE_ASSERT(p.pipeline == 1, "train with pipeline parallelism (refused by the caller)");
+
   MpiCommunicator world(grid.world());
   MpiCommunicator dp(grid.data());  // no tensor or pipeline parallelism: every rank is a data-parallel replica
   MpiCommunicator tp(grid.tensor()), ep(grid.expert()), edp(grid.expert_data());
@@ -117,7 +117,8 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
-  Transformer model(cfg, ModelGroups{&tp, &dp, &ep, &edp});
+  MpiCommunicator pipe(grid.pipeline());
+  Transformer model(cfg, ModelGroups{.pipeline = &pipe, .tensor = &tp, .data = &dp, .expert = &ep, .expert_data = &edp});
   std::vector<Shard> shards;
   for (size_t i = 0; i < model.table().params.size(); ++i) shards.push_back(model.shard(i));
   ReplicaSync sync(model.table(), shards, dp, edp, world, tp.rank(), cfg.optim.zero == 1);
@@ -180,16 +181,37 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   };
 
   std::vector<int32_t> tokens(size_t(mbs * T)), targets(size_t(mbs * T));
+  // Pipeline parallelism: stage s receives activations from s - 1 and gradients from s + 1; sends
+  // are non-blocking (collected once a step), receives block, and the time they block is the
+  // stage's share of the pipeline bubble.
+  const int P = pipe.size(), stage = pipe.rank(), M = p.micro_batches;
+  const bool first = model.first_stage(), last = model.last_stage();
+  const int64_t act = mbs * T * cfg.model.d_model;
+  std::vector<float> x_in(first ? 0 : size_t(act)), dy_in(last ? 0 : size_t(act));
+  double waited = 0;  // seconds blocked in pipeline receives this step
+  auto pipe_recv = [&](float* buf, int peer, int tag) {
+    const auto t0 = Clock::now();
+    pipe.recv(buf, act, peer, tag);
+    waited += std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+
   auto validation_loss = [&]() {
-    double sums[2] = {0, 0};  // sum of CE over tokens, tokens
+    double sums[2] = {0, 0};  // sum of CE over tokens, tokens (the last stage's)
     for (int b = 0; b < cfg.eval.batches; ++b) {
       for (int64_t i = 0; i < mbs; ++i)  // fixed sequences: their own seed, the same set on any layout
         val_data->sample(uint64_t(cfg.train.seed) ^ 0x76616cull, (b * R + dp.rank()) * mbs + i, T, &tokens[i * T],
                          &targets[i * T]);
-      const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, false);
-      sums[0] += r.ce * double(r.tokens), sums[1] += double(r.tokens);
+      if (!first) pipe_recv(x_in.data(), stage - 1, 0);
+      const StageRun run = model.stage_forward(tokens.data(), targets.data(), mbs, T, first ? nullptr : x_in.data(), false);
+      if (!last) {
+        pipe.isend(run.output(), act, stage + 1, 0);
+        pipe.wait_sends();
+      } else {
+        sums[0] += run.result().ce * double(run.result().tokens), sums[1] += double(run.result().tokens);
+      }
     }
     dp.allreduce_sum(sums, 2);
+    pipe.allreduce_sum(sums, 2);
     return sums[1] > 0 ? sums[0] / sums[1] : NAN;
   };
 
@@ -198,9 +220,12 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   for (int64_t step = first_step; step < cfg.train.steps; ++step) {
     const auto t0 = Clock::now();
     model.zero_grads();
-    double counts[3] = {0, 0, 0};  // loss, saturated, underflowed
-    std::vector<std::vector<int64_t>> load;
-    for (int mb = 0; mb < p.micro_batches; ++mb) {
+    double loss_sum = 0, fp8[2] = {0, 0};  // loss; FP8 saturated, underflowed
+    const int moe_layers = cfg.model.n_layers - cfg.model.first_dense_layers;
+    std::vector<int64_t> load_flat(static_cast<size_t>(moe_layers * cfg.model.moe.n_experts), 0);
+    std::vector<StageRun> runs(static_cast<size_t>(M));
+    waited = 0;
+    auto forward = [&](int mb) {
       for (int64_t i = 0; i < mbs; ++i)
         train_data->sample(uint64_t(cfg.train.seed), progress.samples + (mb * R + dp.rank()) * mbs + i, T,
                            &tokens[i * T], &targets[i * T]);
@@ -208,28 +233,46 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       // the micro-batch's mean, so gradients have the 1-rank magnitudes and sum over the replicas.
       int64_t counted = std::count_if(targets.begin(), targets.end(), [&](int32_t t) { return t != cfg.model.pad_id; });
       if (R > 1) dp.allreduce_sum(&counted, 1);
-      const StepResult r = model.forward_backward(tokens.data(), targets.data(), mbs, T, true, scaler.scale(), counted,
-                                                  1.0 / double(R));
-      counts[0] += r.loss / double(p.micro_batches);
-      counts[1] += double(r.fp8_saturated), counts[2] += double(r.fp8_underflowed);
-      if (load.empty()) load = r.expert_load;
-      else
-        for (size_t l = 0; l < load.size(); ++l)
-          for (size_t e = 0; e < load[l].size(); ++e) load[l][e] += r.expert_load[l][e];
-    }
+      if (!first) pipe_recv(x_in.data(), stage - 1, 2 * mb);
+      runs[size_t(mb)] = model.stage_forward(tokens.data(), targets.data(), mbs, T, first ? nullptr : x_in.data(), true,
+                                             scaler.scale(), counted, 1.0 / double(R));
+      if (!last) pipe.isend(runs[size_t(mb)].output(), act, stage + 1, 2 * mb);
+      const StepResult& r = runs[size_t(mb)].result();
+      loss_sum += r.loss / double(M);
+      for (size_t l = 0; l < r.expert_load.size(); ++l)
+        for (size_t e = 0; e < r.expert_load[l].size(); ++e) load_flat[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
+    };
+    auto backward = [&](int mb) {
+      if (!last) pipe_recv(dy_in.data(), stage + 1, 2 * mb + 1);
+      model.stage_backward(runs[size_t(mb)], last ? nullptr : dy_in.data());
+      if (!first) pipe.isend(runs[size_t(mb)].input_grad(), act, stage - 1, 2 * mb + 1);
+      fp8[0] += double(runs[size_t(mb)].result().fp8_saturated), fp8[1] += double(runs[size_t(mb)].result().fp8_underflowed);
+    };
+    // 1F1B: P - stage - 1 warm-up forwards, then one forward and one backward at a time, then the
+    // remaining backwards. One stage (P = 1): forward, backward, forward, backward, ...
+    const int warmup = std::min(P - stage - 1, M);
+    for (int i = 0; i < warmup; ++i) forward(i);
+    for (int i = 0; i < M - warmup; ++i) forward(warmup + i), backward(i);
+    for (int i = M - warmup; i < M; ++i) backward(i);
+    pipe.wait_sends();
+    runs.clear();
+    // The loss (last stage; aux losses from every stage) and expert loads: summed over the replicas
+    // and the stages; FP8 counts over every rank.
+    double counts[3] = {loss_sum, 0, 0};
+    dp.allreduce_sum(counts, 1);
+    pipe.allreduce_sum(counts, 1);
+    world.allreduce_sum(fp8, 2);
+    dp.allreduce_sum(load_flat.data(), int64_t(load_flat.size()));
+    pipe.allreduce_sum(load_flat.data(), int64_t(load_flat.size()));
+    counts[1] = fp8[0], counts[2] = fp8[1];
+    std::vector<std::vector<int64_t>> load(static_cast<size_t>(moe_layers));
+    for (int l = 0; l < moe_layers; ++l)
+      load[size_t(l)].assign(load_flat.begin() + l * cfg.model.moe.n_experts,
+                             load_flat.begin() + (l + 1) * cfg.model.moe.n_experts);
     // Each micro-batch's gradient is of its (scaled) mean loss, summed over the replicas: average
     // over the micro-batches and divide the scale out.
     const float unscale = 1.0f / (float(p.micro_batches) * scaler.scale());
     sync.reduce_gradients(model.grads());
-    if (R > 1) {
-      dp.allreduce_sum(counts, 3);
-      std::vector<int64_t> lf;
-      for (const auto& l : load) lf.insert(lf.end(), l.begin(), l.end());
-      dp.allreduce_sum(lf.data(), int64_t(lf.size()));
-      size_t at = 0;
-      for (auto& l : load)
-        for (auto& x : l) x = lf[at++];
-    }
     if (unscale != 1.0f)
       for (auto& g : model.grads())
         for (float& x : g) x *= unscale;
@@ -248,11 +291,17 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     // The step's time (and so tokens/s and MFU) excludes the evaluation that may follow it.
     double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     world.allreduce_max(&step_s, 1);
-    const bool last = step + 1 == cfg.train.steps;
-    const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || last);
+    // The pipeline bubble: the stages' mean fraction of the step spent waiting for a neighbour,
+    // beside the 1F1B ideal (P - 1) / (M + P - 1).
+    double bubble = step_s > 0 ? waited / step_s : 0;
+    pipe.allreduce_sum(&bubble, 1);
+    bubble /= double(P);
+    const double bubble_ideal = double(P - 1) / double(M + P - 1);
+    const bool final_step = step + 1 == cfg.train.steps;
+    const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || final_step);
     if (evaluated) progress.last_val_loss = validation_loss();
     const double last_val = progress.last_val_loss;
-    if ((step + 1) % cfg.log.every == 0 || last) {
+    if ((step + 1) % cfg.log.every == 0 || final_step) {
       double imbalance = NAN;  // max over MoE layers of max load / mean load
       for (const auto& layer : load) {
         const double mean = double(std::accumulate(layer.begin(), layer.end(), int64_t(0))) / double(layer.size());
@@ -268,31 +317,35 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       const double eta = elapsed / double(steps_run) * double(cfg.train.steps - step - 1);
       char val[32] = "  -   ";
       if (!std::isnan(last_val)) std::snprintf(val, sizeof val, "%.4f", last_val);
+      char pipeline[64] = "";
+      if (P > 1) std::snprintf(pipeline, sizeof pipeline, "  bubble %.2f (ideal %.2f)", bubble, bubble_ideal);
       if (root) {
         // The loss also as its exact bits (%a): resumed and uninterrupted runs are compared bitwise.
         std::printf("step %5lld/%lld  loss %.4f  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
-                    "mem %.0f MB  load %.2f  sat %lld  under %lld  skipped %lld  eta %.0f s  [%a]\n",
+                    "mem %.0f MB  load %.2f  sat %lld  under %lld  skipped %lld%s  eta %.0f s  [%a]\n",
                     (long long)step + 1, (long long)cfg.train.steps, loss, val, st.lr, st.grad_norm, tokens_per_s,
                     step_s, mfu, mem / 1e6, imbalance, (long long)saturated, (long long)underflowed,
-                    (long long)opt.skipped(), eta, loss);
+                    (long long)opt.skipped(), pipeline, eta, loss);
         std::fflush(stdout);
       }
       if (jsonl) {
         std::fprintf(jsonl,
                      "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
                      "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"expert_load_imbalance\":%s,"
-                     "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s}\n",
+                     "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s,"
+                     "\"pipeline_bubble\":%s,\"pipeline_bubble_ideal\":%s}\n",
                      (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
                      json_number(st.lr).c_str(), json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(),
                      json_number(step_s).c_str(), json_number(mfu).c_str(), (long long)mem,
                      json_number(imbalance).c_str(), (long long)saturated, (long long)underflowed,
-                     (long long)opt.skipped(), json_number(used_scale).c_str());
+                     (long long)opt.skipped(), json_number(used_scale).c_str(), json_number(P > 1 ? bubble : NAN).c_str(),
+                     json_number(P > 1 ? bubble_ideal : NAN).c_str());
         std::fflush(jsonl);
       }
     }
     const bool periodic = cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
-    const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !last;
-    if ((periodic || last || exit_now) && !checkpoint()) {
+    const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !final_step;
+    if ((periodic || final_step || exit_now) && !checkpoint()) {
       if (jsonl) std::fclose(jsonl);
       return kExitFailure;
     }

@@ -54,8 +54,11 @@ struct Shard {
   bool held() const { return rows > 0 && cols > 0; }
   bool operator==(const Shard&) const = default;
 };
-// tp_rank of tp_size; [first_expert, first_expert + n_experts) are the routed experts held.
-Shard shard_of(const ParamSpec& p, int tp_rank, int tp_size, int first_expert, int n_experts);
+// tp_rank of tp_size; [first_expert, first_expert + n_experts) are the routed experts held; the
+// blocks [layer_begin, layer_end) are this pipeline stage's (layer -1, the embedding, belongs to the
+// stage with layer_begin 0; layer n_layers, the final norm and head, to the one ending at n_layers).
+Shard shard_of(const ParamSpec& p, int tp_rank, int tp_size, int first_expert, int n_experts, int layer_begin,
+               int layer_end, int n_layers);
 
 // The table of a model config. Order: embedding, blocks in order, final norm, head.
 ParamTable build_param_table(const ModelConfig& m);

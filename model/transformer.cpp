@@ -8,6 +8,11 @@
 
 namespace fp8moe {
 
+std::pair<int, int> stage_layers(int n_layers, int stage, int stages) {
+  auto first = [&](int s) { return int((int64_t(s) * n_layers + stages - 1) / stages); };
+  return {first(stage), first(stage + 1)};
+}
+
 struct Transformer::BlockSaved {
   BlockSaved() = default;
   BlockSaved(const BlockSaved&) = delete;  // the linears point into h1, attn, h2
@@ -40,13 +45,17 @@ Transformer::Transformer(const Config& cfg, ModelGroups groups)
   if (groups.expert && groups.expert->size() > 1)
     dispatcher_ = std::make_unique<ExpertDispatcher>(*groups.expert, cfg.model.moe.n_experts);
   if (groups.tensor) tp_ = groups.tensor->size(), tp_rank_ = groups.tensor->rank();
+  std::tie(layer_begin_, layer_end_) =
+      groups.pipeline ? stage_layers(cfg.model.n_layers, groups.pipeline->rank(), groups.pipeline->size())
+                      : std::pair<int, int>{0, cfg.model.n_layers};
   local_ = cfg.model;
   local_.n_heads /= tp_, local_.n_kv_heads /= tp_, local_.d_ff_dense /= tp_, local_.moe.d_expert /= tp_;
   local_.vocab_size /= tp_;
   for (size_t i = 0; i < table_.params.size(); ++i) {
     const ParamSpec& p = table_.params[i];
     index_[p.name] = int64_t(i);
-    shards_.push_back(shard_of(p, tp_rank_, tp_, first_expert(), local_experts()));
+    shards_.push_back(shard_of(p, tp_rank_, tp_, first_expert(), local_experts(), layer_begin_, layer_end_,
+                               cfg.model.n_layers));
     const Shard& sh = shards_.back();
     params_.emplace_back(size_t(sh.numel()));
     grads_.emplace_back(size_t(sh.numel()), 0.0f);
@@ -293,80 +302,144 @@ void Transformer::update_router_biases(const std::vector<std::vector<int64_t>>& 
   const ModelConfig& m = cfg_.model;
   FP8MOE_ASSERT(int64_t(expert_load.size()) == m.n_layers - m.first_dense_layers, "expert loads of ",
                 expert_load.size(), " MoE layers");
-  for (int l = m.first_dense_layers; l < m.n_layers; ++l)
+  for (int l = std::max(m.first_dense_layers, layer_begin_); l < layer_end_; ++l)
     update_router_bias(param("layers." + std::to_string(l) + ".moe.router_bias").data(), expert_load[size_t(l - m.first_dense_layers)], m.moe.bias_update_rate);
 }
 
+struct StageRun::Impl {
+  int64_t B = 0, T = 0, N = 0;
+  std::vector<int32_t> tokens;              // first stage: for the embedding's backward
+  std::vector<std::vector<float>> xs;       // block inputs of this stage, then its output
+  std::vector<Transformer::BlockSaved> saved;
+  std::vector<float> hf, rstd, dlogits;     // last stage
+  std::vector<float> dx;                    // after backward: the gradient of this stage's input
+  StepResult result;
+  bool backward = false;
+  float aux_grad_scale = 1.0f;
+};
+
+StageRun::StageRun() = default;
+StageRun::~StageRun() = default;
+StageRun::StageRun(StageRun&&) noexcept = default;
+StageRun& StageRun::operator=(StageRun&&) noexcept = default;
+const StepResult& StageRun::result() const { return impl_->result; }
+const float* StageRun::output() const { return impl_->xs.back().data(); }
+const float* StageRun::input_grad() const { return impl_->dx.data(); }
+int64_t StageRun::activation_size() const { return impl_->xs.back().size(); }
+
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
                                          float loss_scale, int64_t mean_over, double aux_weight) {
+  FP8MOE_ASSERT(first_stage() && last_stage(), "forward_backward on one pipeline stage of several");
+  StageRun run = stage_forward(tokens, targets, B, T, nullptr, backward, loss_scale, mean_over, aux_weight);
+  if (backward) stage_backward(run, nullptr);
+  return run.result();
+}
+
+StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+                                    const float* x_in, bool backward, float loss_scale, int64_t mean_over,
+                                    double aux_weight) {
   const ModelConfig& m = cfg_.model;
-  const int64_t N = B * T, D = m.d_model, V = local_.vocab_size, L = m.n_layers;  // V: this rank's vocabulary
-  for (int64_t i = 0; i < N; ++i)
-    FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < m.vocab_size, "token ", tokens[i], " outside the vocabulary of ",
-                  m.vocab_size);
-  StepResult result;
+  const int64_t N = B * T, D = m.d_model, V = local_.vocab_size;  // V: this rank's vocabulary
+  const int L0 = layer_begin_, L1 = layer_end_;
+  StageRun run;
+  run.impl_ = std::make_unique<StageRun::Impl>();
+  StageRun::Impl& st = *run.impl_;
+  st.B = B, st.T = T, st.N = N, st.backward = backward;
+  st.aux_grad_scale = float(loss_scale * aux_weight);
+  StepResult& result = st.result;
   saturated_ = 0, underflowed_ = 0;
 
-  std::vector<std::vector<float>> xs(size_t(L + 1), std::vector<float>(size_t(N * D)));
-  embed_forward(tokens, N, xs[0].data());
-  std::vector<BlockSaved> saved(static_cast<size_t>(L));
+  st.xs.assign(size_t(L1 - L0 + 1), std::vector<float>(size_t(N * D)));
+  if (first_stage()) {
+    for (int64_t i = 0; i < N; ++i)
+      FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < m.vocab_size, "token ", tokens[i], " outside the vocabulary of ",
+                    m.vocab_size);
+    embed_forward(tokens, N, st.xs[0].data());
+    st.tokens.assign(tokens, tokens + N);
+  } else {
+    std::copy_n(x_in, N * D, st.xs[0].data());
+  }
+  st.saved.resize(size_t(L1 - L0));
+  result.expert_load.resize(size_t(m.n_layers - m.first_dense_layers));
+  result.routing.resize(size_t(m.n_layers - m.first_dense_layers));
   int64_t saved_bytes = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    block_forward(int(l), xs[l].data(), B, T, xs[l + 1].data(), &saved[l], /*record=*/backward);
-    saved[l].kept = !recomputed(int(l));
+  for (int l = L0; l < L1; ++l) {
+    BlockSaved& sv = st.saved[size_t(l - L0)];
+    block_forward(l, st.xs[size_t(l - L0)].data(), B, T, st.xs[size_t(l - L0 + 1)].data(), &sv, /*record=*/backward);
+    sv.kept = !recomputed(l);
     if (l >= m.first_dense_layers) {
-      result.aux += saved[l].moe.aux_loss;
-      result.expert_load.push_back(saved[l].moe.routing.load);
-      result.routing.push_back(saved[l].moe.routing.expert);
-      result.dropped += saved[l].moe.routing.dropped;
+      result.aux += sv.moe.aux_loss;
+      result.expert_load[size_t(l - m.first_dense_layers)] = sv.moe.routing.load;
+      result.routing[size_t(l - m.first_dense_layers)] = sv.moe.routing.expert;
+      result.dropped += sv.moe.routing.dropped;
     }
-    if (!saved[l].kept) {  // keep only the block input; the rest is recomputed in backward
-      const int64_t keepB = saved[l].B, keepT = saved[l].T;
-      saved[l] = BlockSaved{};
-      saved[l].B = keepB, saved[l].T = keepT;
+    if (!sv.kept) {  // keep only the block input; the rest is recomputed in backward
+      const int64_t keepB = sv.B, keepT = sv.T;
+      sv = BlockSaved{};
+      sv.B = keepB, sv.T = keepT;
       saved_bytes += N * D * int64_t(sizeof(float));
     } else {
-      saved_bytes += saved[l].bytes(D);
+      saved_bytes += sv.bytes(D);
     }
   }
-  saved_bytes_per_token_ = N > 0 && L > 0 ? double(saved_bytes) / double(N) / double(L) : 0.0;
-
-  std::vector<float> hf(size_t(N * D)), rstd(static_cast<size_t>(N)), logits(size_t(N * V));
-  cpu::rmsnorm_forward(xs[L].data(), P("final_norm.weight"), N, D, float(m.norm_eps), hf.data(), rstd.data());
-  sgemm(false, true, N, V, D, 1.0f, hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
-  int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
-  std::vector<float> dlogits(backward ? size_t(N * V) : 0);
-  const int64_t denom = mean_over > 0 ? mean_over : count;
-  const float scale = denom > 0 ? loss_scale / float(denom) : 0.0f;  // d (scaled mean) / d logits
-  const double ce_sum = cross_entropy(logits.data(), targets, N, scale, backward ? dlogits.data() : nullptr, &count);
-  result.tokens = count;
-  result.ce = denom > 0 ? ce_sum / double(denom) : 0.0;
+  saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
   result.aux *= aux_weight;
-  result.loss = result.ce + result.aux;
-  if (!backward) {
-    result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
-    return result;
+  if (last_stage()) {
+    st.hf.resize(size_t(N * D));
+    st.rstd.resize(static_cast<size_t>(N));
+    std::vector<float> logits(size_t(N * V));
+    cpu::rmsnorm_forward(st.xs.back().data(), P("final_norm.weight"), N, D, float(m.norm_eps), st.hf.data(), st.rstd.data());
+    sgemm(false, true, N, V, D, 1.0f, st.hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
+    int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
+    st.dlogits.resize(backward ? size_t(N * V) : 0);
+    const int64_t denom = mean_over > 0 ? mean_over : count;
+    const float scale = denom > 0 ? loss_scale / float(denom) : 0.0f;  // d (scaled mean) / d logits
+    const double ce_sum = cross_entropy(logits.data(), targets, N, scale, backward ? st.dlogits.data() : nullptr, &count);
+    result.tokens = count;
+    result.ce = denom > 0 ? ce_sum / double(denom) : 0.0;
   }
+  result.loss = result.ce + result.aux;
+  result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
+  if (!backward) st.saved.clear(), st.xs.erase(st.xs.begin(), st.xs.end() - 1);
+  return run;
+}
 
-  std::vector<float> dh(size_t(N * D)), dx(size_t(N * D)), dnext(size_t(N * D));
-  sgemm(true, false, V, D, N, 1.0f, dlogits.data(), V, hf.data(), D, 1.0f, G("head.weight"), D);
-  sgemm(false, false, N, D, V, 1.0f, dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
-  tp_sum(dh.data(), N * D);  // vocabulary-parallel head
-  cpu::rmsnorm_backward(xs[L].data(), P("final_norm.weight"), rstd.data(), dh.data(), N, D, dx.data(), G("final_norm.weight"));
-  for (int64_t l = L - 1; l >= 0; --l) {
-    if (!saved[l].kept) {  // recompute with the forward's scales, without advancing any history
+void Transformer::stage_backward(StageRun& run, const float* dy) {
+  StageRun::Impl& st = *run.impl_;
+  FP8MOE_ASSERT(st.backward, "stage_backward of a forward without backward");
+  const ModelConfig& m = cfg_.model;
+  const int64_t N = st.N, B = st.B, T = st.T, D = m.d_model, V = local_.vocab_size;
+  const int L0 = layer_begin_, L1 = layer_end_;
+  saturated_ = 0, underflowed_ = 0;
+  std::vector<float> dx(size_t(N * D)), dnext(size_t(N * D));
+  if (last_stage()) {
+    std::vector<float> dh(size_t(N * D));
+    sgemm(true, false, V, D, N, 1.0f, st.dlogits.data(), V, st.hf.data(), D, 1.0f, G("head.weight"), D);
+    sgemm(false, false, N, D, V, 1.0f, st.dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
+    tp_sum(dh.data(), N * D);  // vocabulary-parallel head
+    cpu::rmsnorm_backward(st.xs.back().data(), P("final_norm.weight"), st.rstd.data(), dh.data(), N, D, dx.data(),
+                          G("final_norm.weight"));
+    st.dlogits = std::vector<float>(), st.hf = std::vector<float>();
+  } else {
+    std::copy_n(dy, N * D, dx.data());
+  }
+  for (int l = L1 - 1; l >= L0; --l) {
+    BlockSaved& sv = st.saved[size_t(l - L0)];
+    if (!sv.kept) {  // recompute with the forward's scales, without advancing any history
       std::vector<float> scratch(size_t(N * D));
       recompute_ = true;
-      block_forward(int(l), xs[l].data(), B, T, scratch.data(), &saved[l], false);
+      block_forward(l, st.xs[size_t(l - L0)].data(), B, T, scratch.data(), &sv, false);
       recompute_ = false;
     }
-    block_backward(int(l), saved[l], dx.data(), dnext.data(), float(loss_scale * aux_weight));
-    saved[l] = BlockSaved{};
+    block_backward(l, sv, dx.data(), dnext.data(), st.aux_grad_scale);
+    sv = BlockSaved{};
     std::swap(dx, dnext);
   }
-  embed_backward(dx.data(), tokens, N);
-  result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
-  return result;
+  if (first_stage()) embed_backward(dx.data(), st.tokens.data(), N);
+  st.dx = std::move(dx);
+  st.saved.clear();
+  st.xs.erase(st.xs.begin(), st.xs.end() - 1);
+  st.result.fp8_saturated += saturated_, st.result.fp8_underflowed += underflowed_;
 }
 
 }  // namespace fp8moe

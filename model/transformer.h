@@ -7,6 +7,7 @@
 
 #include <map>
 #include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,9 @@ struct StepResult {
 
 // The communicators the model computes over (none: one rank holds everything). Not owned.
 struct ModelGroups {
+  // Pipeline parallelism: this rank's stage (its rank in the group) runs a contiguous range of
+  // blocks (stage_layers); only its parameters are held.
+  Communicator* pipeline = nullptr;
   // Tensor parallelism (Megatron): heads, FFN widths, expert widths and the vocabulary split over
   // these ranks; the forward all-reduce after row-parallel layers, the backward one for the inputs
   // of column-parallel layers; per-tensor FP8 amax values reduced (max) over them.
@@ -42,6 +46,31 @@ struct ModelGroups {
   Communicator* expert = nullptr;
   // The replicas of this rank's experts (their amax reduction; their gradients are summed there).
   Communicator* expert_data = nullptr;
+};
+
+// The blocks of pipeline stage `stage` of `stages`: [ceil(s L / P), ceil((s + 1) L / P)) — the
+// earlier stages take the extra blocks of an uneven split (the last one also runs the head and the
+// loss); the embedding is on the first stage, the final norm and the head on the last.
+std::pair<int, int> stage_layers(int n_layers, int stage, int stages);
+
+class Transformer;
+
+// One micro-batch on this rank's pipeline stage, between its forward and its backward.
+class StageRun {
+ public:
+  StageRun();
+  ~StageRun();
+  StageRun(StageRun&&) noexcept;
+  StageRun& operator=(StageRun&&) noexcept;
+  const StepResult& result() const;  // the loss on the last stage; routing and loads of this stage's layers
+  const float* output() const;       // (N, D): the activation for the next stage (not the last stage)
+  const float* input_grad() const;   // (N, D), after backward: for the previous stage (not the first)
+  int64_t activation_size() const;   // N x D
+
+ private:
+  friend class Transformer;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 class Transformer {
@@ -64,8 +93,20 @@ class Transformer {
   // tokens (0: this batch's own count); the cross-entropy is summed here and divided by it, so that
   // the replicas' losses and gradients SUM to the micro-batch's, with the same magnitudes as on one
   // rank (what FP8 scaling sees). aux_weight weighs the auxiliary loss (1 / replicas: their mean).
+  // One rank holding every block (no pipeline parallelism): stage_forward + stage_backward.
   StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
                               float loss_scale = 1.0f, int64_t mean_over = 0, double aux_weight = 1.0);
+
+  // Pipeline parallelism: the forward of this stage on one micro-batch (tokens on the first stage,
+  // x_in (B*T, D) from the previous stage otherwise; targets used on the last stage), then later
+  // its backward (dy: the gradient of output() from the next stage; nullptr on the last stage).
+  // StepResult::expert_load and routing have one entry per MoE layer of the model; layers of
+  // other stages are empty.
+  StageRun stage_forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, const float* x_in,
+                         bool backward, float loss_scale = 1.0f, int64_t mean_over = 0, double aux_weight = 1.0);
+  void stage_backward(StageRun& run, const float* dy);
+  bool first_stage() const { return layer_begin_ == 0; }
+  bool last_stage() const { return layer_end_ == cfg_.model.n_layers; }
 
   // Logits (V) of the token after tokens[0..T) (one sequence), for generation. FP8 histories are
   // not advanced.
@@ -89,8 +130,10 @@ class Transformer {
   // Bytes of activations saved for backward per token per block, as of the last forward.
   double saved_bytes_per_token_per_layer() const { return saved_bytes_per_token_; }
 
+ public:
+  struct BlockSaved;  // one block's forward state (defined in transformer.cpp)
+
  private:
-  struct BlockSaved;
   const float* P(const std::string& name) const { return params_[size_t(index_.at(name))].data(); }
   float* G(const std::string& name) { return grads_[size_t(index_.at(name))].data(); }
   // record: a training forward (advances delayed-scaling histories); otherwise a recomputation
@@ -117,6 +160,7 @@ class Transformer {
   std::vector<Shard> shards_;
   ModelConfig local_;  // the model's dims on this rank: heads, widths and vocabulary divided by tensor parallelism
   int tp_ = 1, tp_rank_ = 0;
+  int layer_begin_ = 0, layer_end_ = 0;  // this pipeline stage's blocks
   void tp_sum(float* x, int64_t n);  // allreduce over the tensor group (nothing without one)
   // Vocabulary-parallel embedding, head and cross-entropy (tensor parallelism: this rank holds
   // the vocabulary rows [vocab_first, vocab_first + local vocab)); the full logits are never formed.

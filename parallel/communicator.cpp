@@ -119,3 +119,20 @@ void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
 }
 
 }  // namespace fp8moe
+
+namespace fp8moe {
+
+void MpiCommunicator::isend(const float* data, int64_t n, int peer, int tag) {
+  bytes_sent_ += n * 4;
+  MPI_Request r;
+  MPI_CHECK(MPI_Isend(data, as_count(n, "isend"), MPI_FLOAT, peer, tag, comm_, &r));
+  pending_.push_back(r);
+}
+
+void MpiCommunicator::wait_sends() {
+  if (pending_.empty()) return;
+  MPI_CHECK(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE));
+  pending_.clear();
+}
+
+}  // namespace fp8moe

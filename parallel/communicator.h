@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fp8moe {
 
@@ -42,6 +43,10 @@ class Communicator {
   // Point to point (the pipeline): blocking send of n values to `peer`, and the matching receive.
   virtual void send(const float* data, int64_t n, int peer, int tag) = 0;
   virtual void recv(float* data, int64_t n, int peer, int tag) = 0;
+  // Non-blocking send (the pipeline: a stage never waits for its neighbour to take an activation);
+  // `data` must stay unchanged until wait_sends() returns.
+  virtual void isend(const float* data, int64_t n, int peer, int tag) = 0;
+  virtual void wait_sends() = 0;
 
   // Bytes this rank has handed to the network through this communicator (payload that leaves the
   // rank: for collectives, by the algorithm's textbook count; see README "Communication").
@@ -76,8 +81,11 @@ class MpiCommunicator final : public Communicator {
   void alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
   void send(const float* data, int64_t n, int peer, int tag) override;
   void recv(float* data, int64_t n, int peer, int tag) override;
+  void isend(const float* data, int64_t n, int peer, int tag) override;
+  void wait_sends() override;
 
  private:
+  std::vector<MPI_Request> pending_;
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
 };

@@ -79,13 +79,6 @@ TEST(Cli, DryRunPrintsEffectiveConfigAndGrid) {
   EXPECT_NE(r.out.find("dry run: the config is valid"), std::string::npos) << r.out;
 }
 
-TEST(Cli, ModelParallelTrainingIsRefusedClearly) {
-  const RunResult r = run({mpiexec(), "-n", "2", "--oversubscribe", exe(), "train", source_dir() + "/configs/tiny.yaml",
-                           "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"}, 240);
-  EXPECT_EQ(r.status, 2) << r.all();
-  EXPECT_EQ(count(r.err, "fp8moe: error: this build trains with data and expert parallelism only"), 1u) << r.err;
-}
-
 TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   // 30 steps of a small model on real text (Debian's license texts, always installed).
   TempDir tmp;

@@ -8,8 +8,8 @@
 // summation-order difference (~1e-9) moves a value across an E4M3 rounding boundary, that element
 // moves by up to 1/16 and the runs separate at FP8 noise level; across the replicas' token split an
 // expert's 32 x 1 wgrad tiles also differ. Measured: up to ~3e-3 within 20 steps; asserted <= 1e-2.
-// Then a checkpoint written on 8 ranks (tp 2 x ep 2 x edp 2, ZeRO-1) at step 10 resumes on 1 rank
-// and on 2 ranks (ep 2, no ZeRO) and continues to step 20 within the same bounds.
+// Then a checkpoint written on 8 ranks (tp 2 x pp 2 x ep 2, ZeRO-1) at step 10 resumes on 1 rank
+// and on 4 ranks (pp 2 x ep 2, no ZeRO) and continues to step 20 within the same bounds.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,7 +50,7 @@ class Layouts : public testing::Test {
     ASSERT_EQ(run(prep).status, 0);
     cfg_ = new std::string(dir_->write(
         "small.yaml",
-        "model: {d_model: 64, n_layers: 3, n_heads: 8, n_kv_heads: 4, head_dim: 16, first_dense_layers: 1,\n"
+        "model: {d_model: 64, n_layers: 4, n_heads: 8, n_kv_heads: 4, head_dim: 16, first_dense_layers: 1,\n"
         "        d_ff_dense: 128, moe: {n_experts: 8, top_k: 2, n_shared_experts: 1, d_expert: 64}}\n"
         "train: {steps: 20, warmup_steps: 2, global_batch: 8, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}\n"
         "parallel: {micro_batches: 2}\n"
@@ -95,6 +95,11 @@ const std::vector<Layout> kLayouts = {
     {"tp2 x dp2", 4, {"parallel.tensor=2"}},
     {"tp2 x ep2 (dp2)", 4, {"parallel.tensor=2", "parallel.expert=2"}},
     {"tp2 x ep2 x edp2", 8, {"parallel.tensor=2", "parallel.expert=2"}},
+    {"pp2", 2, {"parallel.pipeline=2"}},
+    {"tp2 x pp2", 4, {"parallel.tensor=2", "parallel.pipeline=2"}},
+    {"pp2 x ep2 (dp2)", 4, {"parallel.pipeline=2", "parallel.expert=2"}},
+    {"tp2 x pp2 x ep2 (dp2)", 8, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}},
+    {"pp4, 8 micro-batches", 4, {"parallel.pipeline=4", "parallel.micro_batches=8"}},
 };
 
 TEST_F(Layouts, SameLossOnEveryLayout) {
@@ -120,8 +125,10 @@ TEST_F(Layouts, ResumeUnderOtherLayouts) {
     const double bound = std::string(recipe) == "off" ? 1e-5 : 1e-2;
     const auto ref = train(1, {r});
     const std::string dir = dir_->path + "/resume-" + recipe;
-    train(8, {r, "parallel.tensor=2", "parallel.expert=2", "train.exit_interval=10", "checkpoint.dir=" + dir});
-    for (const Layout& l : {Layout{"1 rank", 1, {}}, Layout{"ep2 (dp2) zero0", 2, {"parallel.expert=2", "optim.zero=0"}}}) {
+    train(8, {r, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2", "train.exit_interval=10",
+              "checkpoint.dir=" + dir});
+    for (const Layout& l : {Layout{"1 rank", 1, {}},
+                            Layout{"pp2 x ep2 zero0", 4, {"parallel.pipeline=2", "parallel.expert=2", "optim.zero=0"}}}) {
       auto sets = l.sets;
       for (const std::string& s : {r, "checkpoint.dir=" + dir + "-" + std::to_string(l.ranks),
                                    "checkpoint.resume=" + dir + "/step_00000010"})
@@ -129,7 +136,7 @@ TEST_F(Layouts, ResumeUnderOtherLayouts) {
       const auto got = train(l.ranks, sets);
       ASSERT_EQ(got.size(), 10u) << l.name;
       const double w = worst(ref, got, 11);
-      std::printf("recipe %-9s saved at step 10 on tp2 x ep2 x edp2 (8 ranks), resumed on %-16s: steps 11-20 within %.2e "
+      std::printf("recipe %-9s saved at step 10 on tp2 x pp2 x ep2 (8 ranks), resumed on %-16s: steps 11-20 within %.2e "
                   "of the uninterrupted 1-rank run\n", recipe, l.name, w);
       EXPECT_LE(w, bound) << recipe << " " << l.name;
     }
