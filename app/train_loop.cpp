@@ -215,6 +215,44 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     return sums[1] > 0 ? sums[0] / sums[1] : NAN;
   };
 
+  // Communication accounting: bytes each group's communicator sent in the last step (summed over
+  // the ranks), beside the analytical count of the layout (README "Communication"):
+  //   tp  per micro-batch: (4 L_s + first + last) all-reduces of N x D floats, MoE layers' gate
+  //       gradients (N x k doubles), the cross-entropy's 3 vectors of N; each all-reduce of B bytes
+  //       sends 2 (T - 1) / T x B.
+  //   ep  per MoE layer and micro-batch: 4 x (routed rows whose expert is on another rank) x D
+  //       floats (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8.
+  //   dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes:
+  //       ZeRO-1 reduce-scatter + all-gather, or an all-reduce: 2 (R - 1) / R x B.
+  //   pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one
+  //       (not the first).
+  // The measured counts also hold the small collectives (token counts, loss, loads): ratio >= 1.
+  std::vector<Communicator*> groups = {&tp, &ep, &dp, &edp, &pipe};
+  const char* group_names[] = {"tp", "ep", "dp", "edp", "pp"};
+  double comm_measured[5] = {}, comm_expected[5] = {};
+  auto account_communication = [&](double rows_off) {
+    const ModelConfig& m = cfg.model;
+    const double N = double(mbs * T), D = m.d_model, Mb = M;
+    const auto [l0, l1] = stage_layers(m.n_layers, stage, P);
+    const double Ls = l1 - l0, Lm = std::max(0, l1 - std::max(l0, m.first_dense_layers));
+    auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
+    double local[10] = {};
+    for (int g = 0; g < 5; ++g) local[g] = double(groups[size_t(g)]->bytes_sent());
+    local[5] = ring(tp.size()) * Mb *
+               ((4 * Ls + (first ? 1 : 0) + (last ? 1 : 0)) * N * D * 4 + Lm * N * m.moe.top_k * 8 + (last ? N * 20 : 0));
+    const int Pe = ep.size(), Le = m.moe.n_experts / Pe;
+    local[6] = Pe > 1 ? 4 * rows_off * D * 4 + Mb * Lm * (Pe - 1) * Le * 8 : 0;
+    double dense = 0, experts = 0;
+    for (size_t i = 0; i < model.table().params.size(); ++i)
+      if (model.holds(i) && model.table().params[i].trainable)
+        (model.table().params[i].expert >= 0 ? experts : dense) += double(model.shard(i).numel()) * 4;
+    local[7] = ring(dp.size()) * dense;
+    local[8] = ring(edp.size()) * experts;
+    local[9] = Mb * N * D * 4 * ((last ? 0 : 1) + (first ? 0 : 1));
+    world.allreduce_sum(local, 10);
+    for (int g = 0; g < 5; ++g) comm_measured[g] = local[g], comm_expected[g] = local[5 + g];
+  };
+
   const auto t_start = Clock::now();
   int64_t steps_run = 0;
   for (int64_t step = first_step; step < cfg.train.steps; ++step) {
@@ -225,6 +263,8 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     std::vector<int64_t> load_flat(static_cast<size_t>(moe_layers * cfg.model.moe.n_experts), 0);
     std::vector<StageRun> runs(static_cast<size_t>(M));
     waited = 0;
+    for (Communicator* c : groups) c->reset_bytes_sent();
+    double rows_off_rank = 0;  // routed rows whose expert lives on another expert-parallel rank
     auto forward = [&](int mb) {
       for (int64_t i = 0; i < mbs; ++i)
         train_data->sample(uint64_t(cfg.train.seed), progress.samples + (mb * R + dp.rank()) * mbs + i, T,
@@ -240,7 +280,11 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       const StepResult& r = runs[size_t(mb)].result();
       loss_sum += r.loss / double(M);
       for (size_t l = 0; l < r.expert_load.size(); ++l)
-        for (size_t e = 0; e < r.expert_load[l].size(); ++e) load_flat[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
+        for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
+          load_flat[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
+          const int owner = int(e) / (cfg.model.moe.n_experts / ep.size());
+          if (owner != ep.rank()) rows_off_rank += double(r.expert_load[l][e]);
+        }
     };
     auto backward = [&](int mb) {
       if (!last) pipe_recv(dy_in.data(), stage + 1, 2 * mb + 1);
@@ -279,6 +323,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     const float used_scale = scaler.scale();
     const OptimizerStats st = opt.step(model.params(), model.grads(), step, sync.norm());
     if (!st.skipped) sync.gather_weights(model.params());
+    account_communication(rows_off_rank);
     scaler.update(!st.skipped);
     if (!st.skipped && !load.empty()) model.update_router_biases(load);
     progress.step = step + 1;
@@ -355,6 +400,14 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     }
   }
   if (jsonl) std::fclose(jsonl);
+  if (root) {
+    std::printf("communication of the last step, bytes summed over the ranks (README \"Communication\"):\n"
+                "  group      measured    analytical  ratio\n");
+    for (int g = 0; g < 5; ++g)
+      if (comm_expected[g] > 0 || comm_measured[g] > 0)
+        std::printf("  %-5s  %12.0f  %12.0f  %5.3f\n", group_names[g], comm_measured[g], comm_expected[g],
+                    comm_expected[g] > 0 ? comm_measured[g] / comm_expected[g] : NAN);
+  }
   if (root)
     std::printf("done: %lld steps in %.1f s; final validation loss %s; sample with: fp8moe generate --checkpoint %s "
                 "--prompt ...\n",
