@@ -579,6 +579,10 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
        "a divisor of model.moe.n_experts = " + n(m.moe.n_experts) + " (each expert rank owns whole experts)");
   rule(p.pipeline <= m.n_layers, "parallel.pipeline",
        "at most model.n_layers = " + n(m.n_layers) + " (every stage needs a layer)");
+  rule(c.train.recompute == Recompute::none || c.fp8.recipe != Fp8Recipe::delayed || p.pipeline == 1,
+       "train.recompute",
+       "none with fp8.recipe delayed and parallel.pipeline > 1 (1F1B runs later micro-batches' forwards before a "
+       "block is recomputed, so the delayed scale its forward used is gone)");
 
   // Blockwise FP8: a weight block or activation tile may not straddle a tensor-parallel shard.
   if (c.fp8.recipe == Fp8Recipe::blockwise && p.tensor > 1) {

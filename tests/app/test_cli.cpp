@@ -314,6 +314,8 @@ const BadConfig kBadConfigs[] = {
     {"tensor_not_dividing_d_expert", "model:\n  moe:\n    d_expert: 100\nparallel:\n  tensor: 8\n", "parallel.tensor", "5:11", "a divisor of model.moe.d_expert = 100"},
     {"expert_not_dividing_experts", "parallel:\n  expert: 3\n", "parallel.expert", "2:11", "a divisor of model.moe.n_experts = 8"},
     {"pipeline_deeper_than_model", "parallel:\n  pipeline: 5\n", "parallel.pipeline", "2:13", "at most model.n_layers = 4"},
+    {"recompute_delayed_pipeline", "train:\n  recompute: moe\nfp8:\n  recipe: delayed\nparallel:\n  pipeline: 2\n",
+     "train.recompute", "2:14", "none with fp8.recipe delayed and parallel.pipeline > 1"},
     {"tile_straddles_tp_shard", "model:\n  n_kv_heads: 4\nparallel:\n  tensor: 2\nfp8:\n  tile: 128\n", "fp8.tile", "6:9",
      "model.n_kv_heads x model.head_dim / parallel.tensor = 128 / 2 = 64"},
     // world size (this run has 1 rank)
