@@ -3,9 +3,9 @@
 #  1. the 8-rank layout of configs/tiny.yaml (tensor 2 x pipeline 2 x data 2, expert 2), validated
 #     and printed by `fp8moe train --dry-run` under mpirun;
 #  2. the fortunes corpus (Debian's `fortunes` package) tokenised once into data/fortunes.*;
-#  3. configs/tiny.yaml trained afresh on 2 data-parallel ranks (tensor, pipeline and expert
-#     parallelism arrive later), a metrics line per 10 steps and logs/tiny.jsonl, checkpoints at
-#     steps 100 and 200 in checkpoints/tiny/, then `ckpt verify` and a sample from the last one.
+#  3. configs/tiny.yaml trained afresh on that layout (8 ranks, oversubscribed here), a metrics line
+#     per 10 steps and logs/tiny.jsonl, checkpoints at steps 100 and 200 in checkpoints/tiny/, the
+#     communication per group; then `ckpt verify` and a sample from the last checkpoint (1 process).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh
@@ -23,8 +23,7 @@ if [[ ! -f data/fortunes.train.tok ]]; then
   build/fp8moe prepare-data --input "${inputs[@]}" --output data/fortunes --split-on % --val-fraction 0.05
 fi
 
-echo "demo: mpirun -np 2 build/fp8moe train configs/tiny.yaml (data parallel)"
-mpirun -np 2 build/fp8moe train configs/tiny.yaml --set parallel.tensor=1 --set parallel.pipeline=1 \
-  --set parallel.expert=1 --set checkpoint.resume=none
+echo "demo: mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml"
+mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml --set checkpoint.resume=none
 build/fp8moe ckpt verify checkpoints/tiny
 build/fp8moe generate --checkpoint checkpoints/tiny --prompt "The " --tokens 120
