@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
 
   TrainOptions train;
   CLI::App* train_cmd = app.add_subcommand(
-      "train", "Validate CONFIG, build the process grid, print both, then train (data parallel only in this build)");
+      "train", "Validate CONFIG, build the process grid, print both, then train (resuming per checkpoint.resume)");
   train_cmd->add_option("config", train.config_path, "YAML config file (see `fp8moe defaults`)")->required();
   train_cmd->add_option("--set", train.overrides, "Override one key: --set train.lr=1e-4 (repeatable)")
       ->type_name("KEY=VALUE")
