@@ -50,8 +50,9 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", version_text, "Print the version and the libraries in use, then exit");
   app.require_subcommand(1);
   app.footer(
-      "Exit status: 0 success; 1 internal error (the job is aborted with MPI_Abort); 2 bad command line,\n"
-      "config, file or world size (reported once by rank 0, every rank exits 2, nothing runs).\n"
+      "Exit status: 0 success (also after train.exit_interval); 1 internal error (the job is aborted with\n"
+      "MPI_Abort) or a checkpoint save that failed (the previous one is intact); 2 bad command line,\n"
+      "config, file, checkpoint to resume from or world size (reported once by rank 0, every rank exits 2).\n"
       "As root, Open MPI needs OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; more ranks\n"
       "than cores needs mpirun --oversubscribe.");
 
@@ -79,7 +80,7 @@ int main(int argc, char** argv) {
   prep_cmd->add_option("--seed", prep_seed, "Seed of the train/validation assignment (default 1234)");
 
   GenerateOptions gen;
-  CLI::App* gen_cmd = app.add_subcommand("generate", "Sample text from the weights a training run wrote");
+  CLI::App* gen_cmd = app.add_subcommand("generate", "Sample text from a checkpoint (one process, whatever layout trained it)");
   gen_cmd->add_option("--checkpoint", gen.checkpoint, "A checkpoint.dir (the checkpoint its `latest` names) or one step_<N> directory")
       ->required();
   gen_cmd->add_option("--prompt", gen.prompt, "Text to continue")->required();
