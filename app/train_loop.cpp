@@ -81,7 +81,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   const ParallelConfig& p = cfg.parallel;
 
   MpiCommunicator world(grid.world());
-  MpiCommunicator dp(grid.data());  // no tensor or pipeline parallelism: every rank is a data-parallel replica
+  MpiCommunicator dp(grid.data());  // the data-parallel replicas of this rank's (tp, pp) position
   MpiCommunicator tp(grid.tensor()), ep(grid.expert()), edp(grid.expert_data());
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike (the same files, the same config): every rank returns
@@ -152,12 +152,12 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   const double peak = measured_sgemm_flops() * double(world.size());
   const double flops_per_token = model_flops_per_token(cfg.model, T);
   if (root)
-    std::printf("training %lld parameters for steps %lld..%lld of %d x %lld tokens on %d data-parallel rank%s "
-                "(%lld micro-batches of %lld sequences each), recipe %s; MFU against the measured FP32 SGEMM peak of "
+    std::printf("training %lld parameters for steps %lld..%lld of %d x %lld tokens on %s: %lld micro-batches of "
+                "%lld sequences per data-parallel rank, recipe %s; MFU against the measured FP32 SGEMM peak of "
                 "%.0f GFLOP/s\n",
                 (long long)model.table().trainable_numel(), (long long)first_step + 1, (long long)cfg.train.steps,
-                cfg.train.global_batch, (long long)T, int(R), R == 1 ? "" : "s", (long long)p.micro_batches,
-                (long long)mbs, std::string(to_string(cfg.fp8.recipe)).c_str(), peak * 1e-9);
+                cfg.train.global_batch, (long long)T, state.layout.c_str(), (long long)p.micro_batches, (long long)mbs,
+                std::string(to_string(cfg.fp8.recipe)).c_str(), peak * 1e-9);
 
   {
     double state[2] = {double(opt.state_bytes()), double(opt.state_bytes())};  // max, sum over ranks
