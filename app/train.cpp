@@ -81,6 +81,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
 
 int run_train(const TrainOptions& options, int* argc, char*** argv) {
   MpiSession mpi(argc, argv);
+  install_stop_handlers();
   try {
     return train_on_ranks(options, mpi);
   } catch (const std::exception& e) {

@@ -2,6 +2,8 @@
 
 #include <sys/resource.h>
 
+#include <csignal>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -28,6 +30,9 @@
 
 namespace fp8moe {
 namespace {
+
+volatile std::sig_atomic_t g_stop_signal = 0;  // the signal that asked for a stop, 0 = none
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 using Clock = std::chrono::steady_clock;
 
@@ -76,6 +81,15 @@ std::string json_number(double v) {
 }
 
 }  // namespace
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // MPI and file calls carry on; the flag is read between steps
+  sigaction(SIGUSR1, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
 
 int train(const Config& cfg, const ProcessGrid& grid) {
   const ParallelConfig& p = cfg.parallel;
@@ -397,6 +411,22 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     if (exit_now) {
       if (root) std::printf("exit: step %lld is a multiple of train.exit_interval\n", (long long)step + 1);
       break;
+    }
+    // A stop signal on any rank: every rank stops after this same step, with a checkpoint.
+    int signal = int(g_stop_signal);
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &signal, 1, MPI_INT, MPI_MAX, grid.world()));
+    if (signal != 0 && !final_step) {
+      if (root)
+        std::printf("signal %d (%s): stopping after step %lld with a checkpoint\n", signal,
+                    signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "?", (long long)step + 1);
+      if (!periodic && !checkpoint()) {
+        if (jsonl) std::fclose(jsonl);
+        return kExitFailure;
+      }
+      if (jsonl) std::fclose(jsonl);
+      if (root) std::printf("exit %d: checkpointed at step %lld; requeue to continue\n", kExitRequeue, (long long)step + 1);
+      std::fflush(stdout);
+      return kExitRequeue;
     }
   }
   if (jsonl) std::fclose(jsonl);

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The signal contract under mpirun: SIGUSR1 (twice, the second during the stop) to a 2-rank run ->
+# the ranks agree on a stop step, commit a checkpoint and exit 3; the rerun resumes from it and
+# every later loss equals the uninterrupted run's bit for bit; a finished run exits 0.
+#
+# usage: signal_resume.sh FP8MOE MPIEXEC
+set -uo pipefail
+exe=$1 mpiexec=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+tmp=$(mktemp -d /tmp/fp8moe-signal-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$exe" prepare-data --output "$tmp/data/lic" --val-fraction 0.3 --seed 5 \
+  --input /usr/share/common-licenses/{GPL-3,GPL-2,LGPL-3,Apache-2.0} >/dev/null || fail "prepare-data"
+cat >"$tmp/cfg.yaml" <<EOF2
+model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
+        moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}
+train: {steps: 400, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
+fp8: {recipe: delayed, amax_history_len: 4}
+eval: {every: 50, batches: 1}
+log: {every: 1}
+data: {path: $tmp/data/lic}
+checkpoint: {dir: $tmp/ckpt, every: 100, keep_last: 2}
+EOF2
+train() { "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" "$@"; }
+loss_bits() { sed -n 's/^step *\([0-9]*\)\/.*\[\(.*\)\]$/\1 \2/p'; }
+
+train --set checkpoint.dir="$tmp/ref" >"$tmp/ref.txt" 2>&1 || fail "uninterrupted run: $(tail -3 "$tmp/ref.txt")"
+"$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" >"$tmp/a.txt" 2>&1 &  # not through the function: $! must be mpirun
+launcher=$!
+for _ in $(seq 200); do grep -q "^step *20/" "$tmp/a.txt" && break; sleep 0.05; done
+kill -USR1 "$launcher"
+sleep 0.05
+kill -USR1 "$launcher" 2>/dev/null
+wait "$launcher"
+status=$?
+[[ $status == 3 ]] || fail "signalled run exited $status, not 3: $(tail -5 "$tmp/a.txt")"
+stop=$(sed -n 's/^exit 3: checkpointed at step \([0-9]*\);.*/\1/p' "$tmp/a.txt")
+[[ -n $stop && $stop -lt 400 ]] || fail "no stop step in: $(tail -5 "$tmp/a.txt")"
+"$exe" ckpt verify "$tmp/ckpt" >/dev/null || fail "the checkpoint of the stop is not valid"
+train >"$tmp/b.txt" 2>&1 || fail "resumed run: $(tail -5 "$tmp/b.txt")"
+grep -q "resumed from $tmp/ckpt/step_$(printf %08d "$stop"): step $stop" "$tmp/b.txt" || fail "did not resume from step $stop"
+cat "$tmp/a.txt" "$tmp/b.txt" | loss_bits | sort -n -k1,1 -u >"$tmp/got.txt"
+loss_bits <"$tmp/ref.txt" >"$tmp/want.txt"
+diff -q "$tmp/want.txt" "$tmp/got.txt" >/dev/null || fail "losses differ from the uninterrupted run: $(diff "$tmp/want.txt" "$tmp/got.txt" | head -4)"
+echo "signal: SIGUSR1 x2 after step 20 -> stopped at step $stop with a checkpoint, exit 3; resumed -> exit 0;" \
+  "all 400 losses bitwise equal to the uninterrupted run"
