@@ -14,6 +14,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks
   python3 python3-venv                                        # the JAX reference of the model tests
   fortunes                                                    # the demo's corpus (/usr/share/games/fortunes)
+  slurm-wlm bc                                                # the Slurm test starts its own single-node Slurm
 )
 pypi=("jax[cpu]" numpy ml_dtypes matplotlib h5py)                  # in build/venv, not the system Python
 
