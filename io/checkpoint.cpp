@@ -293,18 +293,27 @@ H5Handle create_file(const std::string& path, MPI_Comm comm) {
                   H5Fclose);
 }
 
+// The checks a rank can make alone before opening: every rank makes them and they agree (with
+// first_error) before the collective open, so that no rank is left waiting in it alone.
+std::string file_problem(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return path + ": no such file";
+  if (H5Fis_hdf5(path.c_str()) <= 0) {
+    H5Eclear2(H5E_DEFAULT);
+    return path + ": not an HDF5 file (or not readable)";
+  }
+  return "";
+}
+
 // comm == MPI_COMM_NULL: a serial open (the tools), else collective over comm.
 H5Handle open_file(const std::string& path, MPI_Comm comm) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) throw CheckpointError(path + ": no such file");
+  std::string problem = file_problem(path);
+  if (comm != MPI_COMM_NULL) problem = first_error(comm, problem);
+  if (!problem.empty()) throw CheckpointError(problem);
   H5Handle fapl(h5(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
   if (comm != MPI_COMM_NULL) {
     h5(H5Pset_fapl_mpio(fapl.get(), comm, io_hints()), path, "H5Pset_fapl_mpio");
     h5(H5Pset_all_coll_metadata_ops(fapl.get(), true), path, "H5Pset_all_coll_metadata_ops");
-  }
-  if (H5Fis_hdf5(path.c_str()) <= 0) {
-    H5Eclear2(H5E_DEFAULT);
-    throw CheckpointError(path + ": not an HDF5 file (or not readable)");
   }
   return H5Handle(h5(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), path, "cannot open the file"), H5Fclose);
 }
@@ -682,8 +691,10 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
       r = read_dataset(file.get(), xfer, dpath, rows, cols, part, c0, nc, allowed, path, dest_dt, dest);
       names.push_back(dpath);
       stored.push_back(r.stored_checksum);
-      partial.push_back(checksum_block(static_cast<const unsigned char*>(r.data()) + size_t((mine.r0 - part.r0) * nc) * dt_size(r.dt),
-                                       r.dt, mine.r0, mine.n, c0, nc, cols));
+      partial.push_back(mine.n == 0 ? 0
+                                    : checksum_block(static_cast<const unsigned char*>(r.data()) +
+                                                         size_t((mine.r0 - part.r0) * nc) * dt_size(r.dt),
+                                                     r.dt, mine.r0, mine.n, c0, nc, cols));
     } catch (const CheckpointError& x) {
       e = x.what();
     }
@@ -879,9 +890,18 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   std::vector<uint64_t> sums(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    sums[i] = checksum_block(t.at(t.mine.r0), t.dt, t.mine.r0, t.mine.n, t.c0, t.width(), t.cols);
+    sums[i] = t.mine.n > 0 ? checksum_block(t.at(t.mine.r0), t.dt, t.mine.r0, t.mine.n, t.c0, t.width(), t.cols) : 0;
   }
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
+
+  std::string created;
+  if (rank == 0) {
+    const std::time_t now = std::time(nullptr);
+    char when[32];
+    std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    created = when;
+  }
+  broadcast_string(comm, created, 0);
 
   // Write (every rank, collectively), agreeing after every dataset so that no rank goes on alone.
   {
@@ -905,10 +925,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
       write_attr(f, "layout", s.layout, path);
       write_attr(f, "code_version", std::string("fp8moe " FP8MOE_VERSION), path);
       write_attr(f, "checksum_scheme", std::string(kChecksumScheme), path);
-      const std::time_t now = std::time(nullptr);
-      char when[32];
-      std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-      write_attr(f, "created", std::string(when), path);
+      write_attr(f, "created", created, path);  // rank 0's clock: attribute data must agree
     } catch (const CheckpointError& e) {
       err = e.what();
     }
