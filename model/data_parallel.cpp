@@ -24,44 +24,37 @@ RowRange DataParallel::owned(size_t i) const {
 }
 
 // Bucket layout with ZeRO: replica 0's rows of every trainable parameter (table order), then
-// replica 1's, ...; without: every trainable parameter whole, in table order.
-void DataParallel::pack(const std::vector<std::vector<float>>& t, bool all_replicas) {
+// replica 1's, ...; without: every trainable parameter whole, in table order. Calls
+// fn(parameter, rows) for each block in that order: every replica's, or this replica's only.
+template <class Fn>
+void DataParallel::for_each_block(bool all_replicas, Fn&& fn) const {
   const int R = group_.size();
-  int64_t total = 0;
-  for (int64_t c : counts_) total += c;
-  float* out = nullptr;
-  if (all_replicas) {
-    bucket_.resize(size_t(zero_ ? total : counts_[0]));
-    out = bucket_.data();
-  } else {
-    mine_.resize(size_t(counts_[size_t(group_.rank())]));
-    out = mine_.data();
-  }
   for (int r = 0; r < (zero_ ? R : 1); ++r) {
-    if (!all_replicas && r != group_.rank()) continue;
-    for (size_t i = 0; i < table_.params.size(); ++i) {
-      const ParamSpec& p = table_.params[i];
-      if (!include_[i]) continue;
-      const RowRange o = zero_ ? replica_rows(p.rows, r, R) : RowRange{0, p.rows};
-      out = std::copy_n(t[i].data() + o.begin * p.cols, (o.end - o.begin) * p.cols, out);
-    }
+    if (!all_replicas && zero_ && r != group_.rank()) continue;
+    for (size_t i = 0; i < table_.params.size(); ++i)
+      if (include_[i]) fn(i, zero_ ? replica_rows(table_.params[i].rows, r, R) : RowRange{0, table_.params[i].rows});
   }
 }
 
+void DataParallel::pack(const std::vector<std::vector<float>>& t, bool all_replicas) {
+  std::vector<float>& buf = all_replicas ? bucket_ : mine_;
+  int64_t total = 0;
+  for (int64_t c : counts_) total += c;
+  buf.resize(size_t(all_replicas && zero_ ? total : counts_[size_t(zero_ ? group_.rank() : 0)]));
+  float* out = buf.data();
+  for_each_block(all_replicas, [&](size_t i, RowRange o) {
+    const int64_t cols = table_.params[i].cols;
+    out = std::copy_n(t[i].data() + o.begin * cols, (o.end - o.begin) * cols, out);
+  });
+}
+
 void DataParallel::unpack(std::vector<std::vector<float>>& t, bool all_replicas) {
-  const int R = group_.size();
   const float* in = all_replicas ? bucket_.data() : mine_.data();
-  for (int r = 0; r < (zero_ ? R : 1); ++r) {
-    if (!all_replicas && r != group_.rank()) continue;
-    for (size_t i = 0; i < table_.params.size(); ++i) {
-      const ParamSpec& p = table_.params[i];
-      if (!include_[i]) continue;
-      const RowRange o = zero_ ? replica_rows(p.rows, r, R) : RowRange{0, p.rows};
-      const int64_t n = (o.end - o.begin) * p.cols;
-      std::copy_n(in, n, t[i].data() + o.begin * p.cols);
-      in += n;
-    }
-  }
+  for_each_block(all_replicas, [&](size_t i, RowRange o) {
+    const int64_t cols = table_.params[i].cols, n = (o.end - o.begin) * cols;
+    std::copy_n(in, n, t[i].data() + o.begin * cols);
+    in += n;
+  });
 }
 
 void DataParallel::reduce_gradients(std::vector<std::vector<float>>& grads) {

@@ -36,6 +36,8 @@ class DataParallel {
   bool counts_in_norm(size_t i) const { return include_[i] && (zero_ || group_.rank() == 0); }
 
  private:
+  template <class Fn>
+  void for_each_block(bool all_replicas, Fn&& fn) const;
   void pack(const std::vector<std::vector<float>>& t, bool all_replicas);
   void unpack(std::vector<std::vector<float>>& t, bool all_replicas);
 
