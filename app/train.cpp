@@ -10,7 +10,9 @@
 #include "app/exit_codes.h"
 #include "app/train_loop.h"
 #include "io/config.h"
+#include "kernels/backend_info.h"
 #include "kernels/check.h"
+#include "kernels/device.h"
 #include "parallel/grid.h"
 #include "parallel/mpi_session.h"
 
@@ -28,6 +30,58 @@ int set_threads_per_rank() {
   MPI_CHECK(MPI_Comm_free(&node));
   if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(std::max(1, omp_get_num_procs() / local));
   return omp_get_max_threads();
+}
+
+struct NodePlace {
+  int local_rank = 0, local_size = 1;
+};
+NodePlace node_place() {  // collective over MPI_COMM_WORLD
+  MPI_Comm node;
+  NodePlace p;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  MPI_CHECK(MPI_Comm_rank(node, &p.local_rank));
+  MPI_CHECK(MPI_Comm_size(node, &p.local_size));
+  MPI_CHECK(MPI_Comm_free(&node));
+  return p;
+}
+
+// runtime.device and runtime.comm resolved to what runs (every rank agrees), the CUDA device
+// selected by the node-local rank. Empty on success, else the message of a usage error.
+// Collective over MPI_COMM_WORLD.
+std::string resolve_runtime(Config& cfg, std::string* device_line) {
+  const NodePlace place = node_place();
+  std::string why;
+  const int gpus = cuda_device_count(&why);
+  const bool all_have_gpu = !any_rank(MPI_COMM_WORLD, gpus == 0);
+  // NCCL refuses two ranks on one GPU: it needs as many GPUs as ranks on every node.
+  const bool gpu_per_rank = !any_rank(MPI_COMM_WORLD, gpus < place.local_size);
+  RuntimeConfig& r = cfg.runtime;
+  if (r.device == DeviceChoice::cuda && !all_have_gpu) {
+    const std::string mine = gpus == 0 ? why : "";
+    return "runtime.device: cuda, but a rank sees no CUDA device" + (mine.empty() ? std::string() : " (" + mine + ")") +
+           "; use runtime.device=cpu or auto";
+  }
+  if (r.device == DeviceChoice::automatic) r.device = all_have_gpu ? DeviceChoice::cuda : DeviceChoice::cpu;
+  if (r.device == DeviceChoice::cuda && cfg.fp8.recipe == Fp8Recipe::blockwise && cfg.fp8.tile != 128)
+    return "fp8.tile: " + std::to_string(cfg.fp8.tile) +
+           " with runtime.device cuda; cuBLASLt's block-scaled GEMMs need 128";
+  if (r.comm == CommChoice::nccl && r.device != DeviceChoice::cuda)
+    return "runtime.comm: nccl needs runtime.device cuda (this run resolved to cpu)";
+  if (r.comm == CommChoice::nccl && !gpu_per_rank)
+    return "runtime.comm: nccl needs one GPU per rank (a node runs more ranks than it has GPUs); use mpi";
+  if (r.comm == CommChoice::automatic)
+    r.comm = r.device == DeviceChoice::cuda && gpu_per_rank ? CommChoice::nccl : CommChoice::mpi;
+  if (r.device == DeviceChoice::cuda) {
+    if (!set_compute_device(ComputeDevice::cuda, place.local_rank, &why))
+      fatal_error(__FILE__, __LINE__, "selecting the CUDA device: " + why);
+    const DeviceMemoryStats m = device_memory_stats();
+    *device_line = "device: cuda (rank 0: GPU " + std::to_string(m.device) + " of " + std::to_string(gpus) +
+                   " on its node, chosen by node-local rank " + std::to_string(place.local_rank) + "), comm " +
+                   std::string(to_string(r.comm));
+  } else {
+    *device_line = "device: cpu, comm mpi";
+  }
+  return "";
 }
 
 int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
@@ -61,6 +115,12 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     return kExitUsage;
   }
 
+  std::string device_line;
+  error = resolve_runtime(config, &device_line);  // collective; the verdict is the same on every rank
+  if (!error.empty()) {
+    if (root) usage_error(error);
+    return kExitUsage;
+  }
   ProcessGrid grid(MPI_COMM_WORLD, config.parallel.tensor, config.parallel.pipeline, config.parallel.expert);
   const std::string table = grid.layout_table();  // collective
   const int threads = set_threads_per_rank();      // collective
@@ -68,6 +128,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     std::printf("fp8moe %s: %s on %d rank%s\n\neffective config:\n%s\n%s\n", FP8MOE_VERSION,
                 options.config_path.c_str(), mpi.size(), mpi.size() == 1 ? "" : "s",
                 config_to_yaml(config).c_str(), table.c_str());
+    std::printf("%s\n", device_line.c_str());
     std::printf("OpenMP threads per rank: %d%s\n", threads,
                 std::getenv("OMP_NUM_THREADS") ? " (OMP_NUM_THREADS)" : " (the node's cores / its ranks)");
     if (options.dry_run) std::printf("dry run: the config is valid and the process grid is built; nothing was trained.\n");

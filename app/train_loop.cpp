@@ -17,6 +17,7 @@
 
 #include "app/exit_codes.h"
 #include "kernels/check.h"
+#include "kernels/device.h"
 #include "io/config.h"
 #include "io/token_data.h"
 #include "io/checkpoint.h"
@@ -95,8 +96,13 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   const ParallelConfig& p = cfg.parallel;
 
   MpiCommunicator world(grid.world());
-  MpiCommunicator dp(grid.data());  // the data-parallel replicas of this rank's (tp, pp) position
-  MpiCommunicator tp(grid.tensor()), ep(grid.expert()), edp(grid.expert_data());
+  // The groups' collectives over MPI or NCCL (runtime.comm, resolved by app/train.cpp).
+  const bool nccl = cfg.runtime.comm == CommChoice::nccl;
+  const auto dp_comm = make_group_communicator(grid.data(), nccl), tp_comm = make_group_communicator(grid.tensor(), nccl),
+             ep_comm = make_group_communicator(grid.expert(), nccl),
+             edp_comm = make_group_communicator(grid.expert_data(), nccl);
+  Communicator& dp = *dp_comm;  // the data-parallel replicas of this rank's (tp, pp) position
+  Communicator &tp = *tp_comm, &ep = *ep_comm, &edp = *edp_comm;
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike (the same files, the same config): every rank returns
   // the same status, only rank 0 speaks.
@@ -131,7 +137,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
-  MpiCommunicator pipe(grid.pipeline());
+  MpiCommunicator pipe(grid.pipeline());  // NOTE: MPI also under NCCL: see runtime.comm's documentation
   Transformer model(cfg, ModelGroups{.pipeline = &pipe, .tensor = &tp, .data = &dp, .expert = &ep, .expert_data = &edp});
   std::vector<Shard> shards;
   for (size_t i = 0; i < model.table().params.size(); ++i) shards.push_back(model.shard(i));
@@ -163,15 +169,23 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     if (jsonl) std::fclose(jsonl);
     return kExitOk;
   }
-  const double peak = measured_sgemm_flops() * double(world.size());
+  const bool on_gpu = cfg.runtime.device == DeviceChoice::cuda;
+  const bool fp8_gemms = cfg.fp8.recipe != Fp8Recipe::off;
+  std::string peak_basis = "the measured FP32 SGEMM peak";
+  double peak = 0;
+  if (on_gpu) {  // NaN (MFU not reported) on a GPU whose peak we do not know
+    peak = gpu_dense_peak_flops(fp8_gemms) * double(world.size());
+    peak_basis = fp8_gemms ? "the GPU's dense FP8 peak" : "the GPU's dense BF16 peak";
+  } else {
+    peak = measured_sgemm_flops() * double(world.size());
+  }
   const double flops_per_token = model_flops_per_token(cfg.model, T);
   if (root)
     std::printf("training %lld parameters for steps %lld..%lld of %d x %lld tokens on %s: %lld micro-batches of "
-                "%lld sequences per data-parallel rank, recipe %s; MFU against the measured FP32 SGEMM peak of "
-                "%.0f GFLOP/s\n",
+                "%lld sequences per data-parallel rank, recipe %s; MFU against %s of %.0f GFLOP/s\n",
                 (long long)model.table().trainable_numel(), (long long)first_step + 1, (long long)cfg.train.steps,
                 cfg.train.global_batch, (long long)T, state.layout.c_str(), (long long)p.micro_batches, (long long)mbs,
-                std::string(to_string(cfg.fp8.recipe)).c_str(), peak * 1e-9);
+                std::string(to_string(cfg.fp8.recipe)).c_str(), peak_basis.c_str(), peak * 1e-9);
 
   {
     double state[2] = {double(opt.state_bytes()), double(opt.state_bytes())};  // max, sum over ranks
@@ -368,8 +382,11 @@ int train(const Config& cfg, const ProcessGrid& grid) {
           imbalance = std::max(std::isnan(imbalance) ? 0.0 : imbalance,
                                double(*std::max_element(layer.begin(), layer.end())) / mean);
       }
-      double mem = double(peak_rss_bytes());
-      world.allreduce_max(&mem, 1);
+      double mems[2] = {double(peak_rss_bytes()), double(device_memory_stats().peak)};  // host, device
+      world.allreduce_max(mems, 2);
+      const double mem = mems[0], dmem = mems[1];
+      char dmem_text[48] = "";
+      if (on_gpu) std::snprintf(dmem_text, sizeof dmem_text, "  dmem %.0f MB", dmem / 1e6);
       const double tokens_per_s = double(cfg.train.global_batch) * double(T) / step_s;
       const double mfu = tokens_per_s * flops_per_token / peak;
       const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -381,21 +398,22 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       if (root) {
         // The loss also as its exact bits (%a): resumed and uninterrupted runs are compared bitwise.
         std::printf("step %5lld/%lld  loss %.4f  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
-                    "mem %.0f MB  load %.2f  sat %lld  under %lld  skipped %lld%s  eta %.0f s  [%a]\n",
+                    "mem %.0f MB%s  load %.2f  sat %lld  under %lld  skipped %lld%s  eta %.0f s  [%a]\n",
                     (long long)step + 1, (long long)cfg.train.steps, loss, val, st.lr, st.grad_norm, tokens_per_s,
-                    step_s, mfu, mem / 1e6, imbalance, (long long)saturated, (long long)underflowed,
+                    step_s, mfu, mem / 1e6, dmem_text, imbalance, (long long)saturated, (long long)underflowed,
                     (long long)opt.skipped(), pipeline, eta, loss);
         std::fflush(stdout);
       }
       if (jsonl) {
         std::fprintf(jsonl,
                      "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
-                     "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"expert_load_imbalance\":%s,"
+                     "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"peak_device_mem_bytes\":%lld,"
+                     "\"expert_load_imbalance\":%s,"
                      "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s,"
                      "\"pipeline_bubble\":%s,\"pipeline_bubble_ideal\":%s}\n",
                      (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
                      json_number(st.lr).c_str(), json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(),
-                     json_number(step_s).c_str(), json_number(mfu).c_str(), (long long)mem,
+                     json_number(step_s).c_str(), json_number(mfu).c_str(), (long long)mem, (long long)dmem,
                      json_number(imbalance).c_str(), (long long)saturated, (long long)underflowed,
                      (long long)opt.skipped(), json_number(used_scale).c_str(), json_number(P > 1 ? bubble : NAN).c_str(),
                      json_number(P > 1 ? bubble_ideal : NAN).c_str());

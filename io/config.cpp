@@ -378,6 +378,13 @@ const std::vector<Field>& schema() {
     // log
     v.push_back(integer("log.every", REF(log.every), 1, kNoMax, "Print metrics every this many steps."));
     v.push_back(text("log.jsonl", REF(log.jsonl), true, "Path of the JSONL metrics file; empty = none."));
+    // runtime
+    v.push_back(choice("runtime.device", REF(runtime.device),
+                       "Where the ops run: cpu, cuda (rank -> GPU by its node-local rank), or auto (cuda when "
+                       "every rank sees a GPU, else cpu)."));
+    v.push_back(choice("runtime.comm", REF(runtime.comm),
+                       "Collectives of the tensor, data and expert groups: mpi, nccl (needs runtime.device cuda), "
+                       "or auto (nccl on cuda, mpi on cpu). The pipeline's point-to-point stays on MPI."));
     return v;
   }();
   return fields;
@@ -583,6 +590,11 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
        "train.recompute",
        "none with fp8.recipe delayed and parallel.pipeline > 1 (1F1B runs later micro-batches' forwards before a "
        "block is recomputed, so the delayed scale its forward used is gone)");
+  rule(!(c.runtime.comm == CommChoice::nccl && c.runtime.device == DeviceChoice::cpu), "runtime.comm",
+       "mpi or auto with runtime.device cpu (NCCL needs the CUDA backend)");
+  rule(!(c.runtime.device == DeviceChoice::cuda && c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.tile != 128),
+       "fp8.tile", "128 with runtime.device cuda and fp8.recipe blockwise (cuBLASLt's block-scaled GEMMs use "
+       "1 x 128 and 128 x 128 blocks)");
 
   // Blockwise FP8: a weight block or activation tile may not straddle a tensor-parallel shard.
   if (c.fp8.recipe == Fp8Recipe::blockwise && p.tensor > 1) {

@@ -19,6 +19,9 @@ void rmsnorm_backward(const float* x, const float* w, const float* rstd, const f
 //   (x_i, x_{i+hd/2}) <- (x_i cos a - x_{i+hd/2} sin a, x_i sin a + x_{i+hd/2} cos a),
 //   a = t * theta^(-2i/hd).  `inverse` rotates by -a: the backward of the forward rotation.
 void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, double theta, bool inverse);
+// The cosines and sines rope() uses, (T, hd/2) each, computed in double and rounded once (the CUDA
+// kernel reads this same table, so both rotate bit-identically).
+void rope_table(int64_t T, int64_t hd, double theta, bool inverse, float* cs, float* sn);
 
 // Causal grouped-query attention with softmax in FP32: query head h reads kv head h / (H / KVH).
 //   q, out: (B*T, H, hd); k, v: (B*T, KVH, hd); lse: (B, H, T) log-sum-exp of each score row,

@@ -18,6 +18,8 @@ enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
 enum class LossScaleMode { none, dynamic, fixed };
+enum class DeviceChoice { automatic, cpu, cuda };  // runtime.device
+enum class CommChoice { automatic, mpi, nccl };      // runtime.comm
 
 struct MoeConfig {
   int n_experts = 8;
@@ -134,6 +136,12 @@ struct CheckpointConfig {
   bool operator==(const CheckpointConfig&) const = default;
 };
 
+struct RuntimeConfig {
+  DeviceChoice device = DeviceChoice::automatic;  // auto: cuda when every rank sees a GPU, else cpu
+  CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda, mpi on cpu
+  bool operator==(const RuntimeConfig&) const = default;
+};
+
 struct LogConfig {
   int64_t every = 1;
   std::string jsonl;  // metrics file; empty = none
@@ -150,6 +158,7 @@ struct Config {
   EvalConfig eval;
   CheckpointConfig checkpoint;
   LogConfig log;
+  RuntimeConfig runtime;
   bool operator==(const Config&) const = default;
 };
 
@@ -168,6 +177,8 @@ FP8MOE_ENUM_NAMES(Recompute, "none", "moe", "full");
 FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");
 FP8MOE_ENUM_NAMES(AmaxCompute, "max", "most_recent");
+FP8MOE_ENUM_NAMES(DeviceChoice, "auto", "cpu", "cuda");
+FP8MOE_ENUM_NAMES(CommChoice, "auto", "mpi", "nccl");
 #undef FP8MOE_ENUM_NAMES
 
 template <class E>

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/check.h"
+#include "kernels/dispatch.h"
 
 namespace fp8moe {
 namespace {
@@ -37,7 +38,7 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
   s.M = M, s.K = K, s.N = N;
   s.x = x;
   if (!fp8.enabled()) {
-    sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
+    dev::sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
     return;
   }
   const Fp8Config& c = *fp8.cfg;
@@ -50,7 +51,7 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
   }
   if (fp8.saturated && !fp8.reuse_last_scale) *fp8.saturated += s.xq.saturated + s.wq.saturated;
   if (fp8.underflowed && !fp8.reuse_last_scale) *fp8.underflowed += s.xq.underflowed + s.wq.underflowed;
-  gemm_fp8(s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
+  dev::gemm_fp8(dev::GemmRole::fprop, s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
   // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
   // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
   if (c.recipe != Fp8Recipe::blockwise || c.cache_activations)
@@ -62,8 +63,8 @@ void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_
 void linear_backward(const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx, float* dW) {
   const int64_t M = s.M, K = s.K, N = s.N;
   if (!fp8.enabled()) {
-    if (dx) sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, 0.0f, dx, K);
-    sgemm(true, false, N, K, M, 1.0f, dy, N, s.x, K, 1.0f, dW, K);
+    if (dx) dev::sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, 0.0f, dx, K);
+    dev::sgemm(true, false, N, K, M, 1.0f, dy, N, s.x, K, 1.0f, dW, K);
     return;
   }
   const Fp8Config& c = *fp8.cfg;
@@ -74,7 +75,7 @@ void linear_backward(const LinearSaved& s, const float* W, const float* dy, cons
       quantize_tiled(dy, M, N, Tiling::rows_1xT, c.tile, Fp8Dtype::e4m3, opt, &dyq);
       if (fp8.saturated) *fp8.saturated += dyq.saturated;
       if (fp8.underflowed) *fp8.underflowed += dyq.underflowed;
-      gemm_fp8(dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
+      dev::gemm_fp8(dev::GemmRole::dgrad, dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
     }
     // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32 (x from its
     // FP8 cache when the FP32 input was not kept: 1 x T values re-tiled, as DeepSeek-V3 does).
@@ -88,15 +89,15 @@ void linear_backward(const LinearSaved& s, const float* W, const float* dy, cons
       x = x_from_cache.data();
     }
     quantize_tiled(x, M, K, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &xt);
-    gemm_fp8(dyt, true, xt, false, 1.0f, 1.0f, dW, K);
+    dev::gemm_fp8(dev::GemmRole::wgrad, dyt, true, xt, false, 1.0f, 1.0f, dW, K);
     return;
   }
   QuantTensor dyq;
   quantize_per_tensor(dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, &dyq);
   if (fp8.saturated) *fp8.saturated += dyq.saturated;
   if (fp8.underflowed) *fp8.underflowed += dyq.underflowed;
-  if (dx) gemm_fp8(dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
-  gemm_fp8(dyq, true, s.xq, false, 1.0f, 1.0f, dW, K);
+  if (dx) dev::gemm_fp8(dev::GemmRole::dgrad, dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
+  dev::gemm_fp8(dev::GemmRole::wgrad, dyq, true, s.xq, false, 1.0f, 1.0f, dW, K);
 }
 
 }  // namespace fp8moe

@@ -5,6 +5,8 @@
 #include <numeric>
 
 #include "kernels/check.h"
+#include "kernels/dispatch.h"
+#include "kernels/elem.h"
 #include "kernels/gemm_fp8.h"
 
 namespace fp8moe {
@@ -106,7 +108,7 @@ double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, c
   const int64_t E = cfg.n_experts, F = cfg.d_expert;
   s.x = x;
   s.z.resize(size_t(N * E));
-  sgemm(false, true, N, E, D, 1.0f, x, D, w.router, D, 0.0f, s.z.data(), E);  // FP32 router
+  dev::sgemm(false, true, N, E, D, 1.0f, x, D, w.router, D, 0.0f, s.z.data(), E);  // FP32 router
   s.routing = route(s.z.data(), w.router_bias, N, E, cfg, &s.prob);
   const Routing& r = s.routing;
 
@@ -256,16 +258,15 @@ void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeW
     }
   }
   // Router: dWr += dz^T x, dx += dz Wr.
-  sgemm(true, false, E, D, N, 1.0f, dz.data(), E, s.x, D, 1.0f, g.router, D);
-  sgemm(false, false, N, D, E, 1.0f, dz.data(), E, w.router, D, 1.0f, dx, D);
+  dev::sgemm(true, false, E, D, N, 1.0f, dz.data(), E, s.x, D, 1.0f, g.router, D);
+  dev::sgemm(false, false, N, D, E, 1.0f, dz.data(), E, w.router, D, 1.0f, dx, D);
 }
 
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate) {
   if (load.empty()) return;
   const double mean = double(std::accumulate(load.begin(), load.end(), int64_t(0))) / double(load.size());
   for (size_t e = 0; e < load.size(); ++e) {
-    const double diff = mean - double(load[e]);
-    bias[e] += float(rate * ((diff > 0) - (diff < 0)));
+    bias[e] = bias_update_elem(bias[e], mean, load[e], rate);  // kernels/elem.h, shared with CUDA
   }
 }
 

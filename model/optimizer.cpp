@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kernels/check.h"
+#include "kernels/dispatch.h"
 
 namespace fp8moe {
 
@@ -129,22 +130,12 @@ OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<
     float* w = params[i].data() + owned_[i].begin * p.cols;  // the owned rows; moments index from 0
     float* g = grads[i].data() + owned_[i].begin * p.cols;
     const int64_t n = (owned_[i].end - owned_[i].begin) * p.cols;
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; ++j) {
-      g[j] *= clip;
-      float m = bf16 ? bf16_decode(m16_[i][j]) : m_[i][j];
-      float v = bf16 ? bf16_decode(v16_[i][j]) : v_[i][j];
-      m = fb1 * m + (1.0f - fb1) * g[j];
-      v = fb2 * v + (1.0f - fb2) * g[j] * g[j];
-      w[j] = w[j] * decay - lr * (m / bc1) / (std::sqrt(v / bc2) + eps);
-      if (bf16) {
-        m16_[i][j] = bf16_encode(m);
-        v16_[i][j] = bf16_encode(v);
-      } else {
-        m_[i][j] = m;
-        v_[i][j] = v;
-      }
-    }
+    const AdamWStep h{fb1, fb2, bc1, bc2, lr, eps, decay, clip};
+    // kernels/elem.h's adamw_elem on the CPU or the GPU (runtime.device)
+    if (bf16)
+      dev::adamw(h, w, g, nullptr, nullptr, m16_[i].data(), v16_[i].data(), n);
+    else
+      dev::adamw(h, w, g, m_[i].data(), v_[i].data(), nullptr, nullptr, n);
   }
   return st;
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/check.h"
+#include "kernels/dispatch.h"
 #include "kernels/ops.h"
 
 namespace fp8moe {
@@ -69,7 +70,7 @@ void Transformer::tp_sum(float* x, int64_t n) {
 
 void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
   const int64_t D = local_.d_model, Vl = local_.vocab_size, v0 = Vl * tp_rank_;
-  if (tp_ == 1) return cpu::embedding_forward(P("embed.weight"), tokens, N, D, out);
+  if (tp_ == 1) return dev::embedding_forward(P("embed.weight"), tokens, N, D, out);
   const float* table = P("embed.weight");
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -82,7 +83,7 @@ void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
 
 void Transformer::embed_backward(const float* dx, const int32_t* tokens, int64_t N) {
   const int64_t D = local_.d_model, Vl = local_.vocab_size, v0 = Vl * tp_rank_;
-  if (tp_ == 1) return cpu::embedding_backward(dx, tokens, N, D, G("embed.weight"));
+  if (tp_ == 1) return dev::embedding_backward(dx, tokens, N, D, G("embed.weight"));
   float* g = G("embed.weight");
   for (int64_t n = 0; n < N; ++n) {  // serial: repeated tokens add in token order
     const int64_t t = tokens[n] - v0;
@@ -95,7 +96,7 @@ double Transformer::cross_entropy(const float* logits, const int32_t* targets, i
                                   float* dlogits, int64_t* count) {
   const int64_t Vl = local_.vocab_size, v0 = Vl * tp_rank_;
   const int32_t pad = cfg_.model.pad_id;
-  if (tp_ == 1) return cpu::cross_entropy(logits, targets, N, Vl, pad, grad_scale, dlogits, count);
+  if (tp_ == 1) return dev::cross_entropy(logits, targets, N, Vl, pad, grad_scale, dlogits, count);
   // Row max, sum of exponentials and the target's logit over the whole vocabulary: three
   // all-reduces of N values over the tensor group.
   std::vector<float> mx(static_cast<size_t>(N));
@@ -197,7 +198,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   s->x = x;
   s->h1.resize(size_t(N * D));
   s->rstd1.resize(static_cast<size_t>(N));
-  cpu::rmsnorm_forward(x, P(p + "attn_norm.weight"), N, D, float(m.norm_eps), s->h1.data(), s->rstd1.data());
+  dev::rmsnorm_forward(x, P(p + "attn_norm.weight"), N, D, float(m.norm_eps), s->h1.data(), s->rstd1.data());
   s->q.resize(size_t(N * H * hd));
   s->k.resize(size_t(N * KVH * hd));
   s->v.resize(size_t(N * KVH * hd));
@@ -206,11 +207,11 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   linear_forward(s->h1.data(), N, D, P(p + "attn.wv"), KVH * hd, fp8_for(p + "attn.wv", LinearClass::attention, record), s->v.data(), &s->lv);
   if (!s->lq.needs_fp32_input() && !s->lk.needs_fp32_input() && !s->lv.needs_fp32_input())
     s->h1 = std::vector<float>();  // q, k, v keep their input in FP8
-  cpu::rope(s->q.data(), B, T, H, hd, m.rope_theta, false);
-  cpu::rope(s->k.data(), B, T, KVH, hd, m.rope_theta, false);
+  dev::rope(s->q.data(), B, T, H, hd, m.rope_theta, false);
+  dev::rope(s->k.data(), B, T, KVH, hd, m.rope_theta, false);
   s->attn.resize(size_t(N * H * hd));
   s->lse.resize(size_t(B * H * T));
-  cpu::attention_forward(s->q.data(), s->k.data(), s->v.data(), B, T, H, KVH, hd, s->attn.data(), s->lse.data());
+  dev::attention_forward(s->q.data(), s->k.data(), s->v.data(), B, T, H, KVH, hd, s->attn.data(), s->lse.data());
   std::vector<float> o(size_t(N * D));
   linear_forward(s->attn.data(), N, H * hd, P(p + "attn.wo"), D, fp8_for(p + "attn.wo", LinearClass::attention, record), o.data(), &s->lo);
   tp_sum(o.data(), N * D);  // row-parallel: partial sums over the heads of each rank
@@ -219,7 +220,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
 
   s->h2.resize(size_t(N * D));
   s->rstd2.resize(static_cast<size_t>(N));
-  cpu::rmsnorm_forward(s->x_mid.data(), P(p + "ffn_norm.weight"), N, D, float(m.norm_eps), s->h2.data(), s->rstd2.data());
+  dev::rmsnorm_forward(s->x_mid.data(), P(p + "ffn_norm.weight"), N, D, float(m.norm_eps), s->h2.data(), s->rstd2.data());
   std::vector<float> f(size_t(N * D));
   if (l < m.first_dense_layers) {
     ffn_forward(s->h2.data(), N, D, m.d_ff_dense, ffn_weights(p + "mlp."), ffn_fp8(p + "mlp.", LinearClass::mlp, record),
@@ -256,7 +257,7 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
     moe_backward(s.moe, D, m.moe, moe_weights(l), dout, aux_grad_scale, fp8, dh2.data(), g, dispatcher_.get(),
                  tp_ > 1 ? groups_.tensor : nullptr);
   }
-  cpu::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
+  dev::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
                         G(p + "ffn_norm.weight"));
   for (int64_t i = 0; i < N * D; ++i) dx_mid[i] += dout[i];
 
@@ -264,10 +265,10 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   std::vector<float> da(size_t(N * H * hd)), dq(size_t(N * H * hd)), dk(size_t(N * KVH * hd)), dv(size_t(N * KVH * hd));
   linear_backward(s.lo, P(p + "attn.wo"), dx_mid.data(), fp8_for(p + "attn.wo", LinearClass::attention, true), da.data(),
                   G(p + "attn.wo"));
-  cpu::attention_backward(s.q.data(), s.k.data(), s.v.data(), s.attn.data(), s.lse.data(), da.data(), B, T, H, KVH, hd,
+  dev::attention_backward(s.q.data(), s.k.data(), s.v.data(), s.attn.data(), s.lse.data(), da.data(), B, T, H, KVH, hd,
                           dq.data(), dk.data(), dv.data());
-  cpu::rope(dq.data(), B, T, H, hd, m.rope_theta, true);
-  cpu::rope(dk.data(), B, T, KVH, hd, m.rope_theta, true);
+  dev::rope(dq.data(), B, T, H, hd, m.rope_theta, true);
+  dev::rope(dk.data(), B, T, KVH, hd, m.rope_theta, true);
   std::vector<float> dh1(size_t(N * D)), part(size_t(N * D));
   linear_backward(s.lq, P(p + "attn.wq"), dq.data(), fp8_for(p + "attn.wq", LinearClass::attention, true), dh1.data(), G(p + "attn.wq"));
   linear_backward(s.lk, P(p + "attn.wk"), dk.data(), fp8_for(p + "attn.wk", LinearClass::attention, true), part.data(), G(p + "attn.wk"));
@@ -275,7 +276,7 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   linear_backward(s.lv, P(p + "attn.wv"), dv.data(), fp8_for(p + "attn.wv", LinearClass::attention, true), part.data(), G(p + "attn.wv"));
   for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
   tp_sum(dh1.data(), N * D);  // column-parallel q, k, v
-  cpu::rmsnorm_backward(s.x, P(p + "attn_norm.weight"), s.rstd1.data(), dh1.data(), N, D, dx, G(p + "attn_norm.weight"));
+  dev::rmsnorm_backward(s.x, P(p + "attn_norm.weight"), s.rstd1.data(), dh1.data(), N, D, dx, G(p + "attn_norm.weight"));
   for (int64_t i = 0; i < N * D; ++i) dx[i] += dx_mid[i];
 }
 
@@ -286,15 +287,15 @@ std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t
   for (int64_t i = 0; i < T; ++i)
     FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside the vocabulary of ", V);
   std::vector<float> x(size_t(T * D)), y(size_t(T * D));
-  cpu::embedding_forward(P("embed.weight"), tokens, T, D, x.data());
+  dev::embedding_forward(P("embed.weight"), tokens, T, D, x.data());
   for (int l = 0; l < m.n_layers; ++l) {
     BlockSaved s;
     block_forward(l, x.data(), 1, T, y.data(), &s, /*record=*/false);
     std::swap(x, y);
   }
   std::vector<float> h(static_cast<size_t>(D)), rstd(1), logits(static_cast<size_t>(V));
-  cpu::rmsnorm_forward(x.data() + (T - 1) * D, P("final_norm.weight"), 1, D, float(m.norm_eps), h.data(), rstd.data());
-  sgemm(false, true, 1, V, D, 1.0f, h.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);
+  dev::rmsnorm_forward(x.data() + (T - 1) * D, P("final_norm.weight"), 1, D, float(m.norm_eps), h.data(), rstd.data());
+  dev::sgemm(false, true, 1, V, D, 1.0f, h.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);
   return logits;
 }
 
@@ -388,8 +389,8 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
     st.hf.resize(size_t(N * D));
     st.rstd.resize(static_cast<size_t>(N));
     std::vector<float> logits(size_t(N * V));
-    cpu::rmsnorm_forward(st.xs.back().data(), P("final_norm.weight"), N, D, float(m.norm_eps), st.hf.data(), st.rstd.data());
-    sgemm(false, true, N, V, D, 1.0f, st.hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
+    dev::rmsnorm_forward(st.xs.back().data(), P("final_norm.weight"), N, D, float(m.norm_eps), st.hf.data(), st.rstd.data());
+    dev::sgemm(false, true, N, V, D, 1.0f, st.hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
     int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
     st.dlogits.resize(backward ? size_t(N * V) : 0);
     const int64_t denom = mean_over > 0 ? mean_over : count;
@@ -414,10 +415,10 @@ void Transformer::stage_backward(StageRun& run, const float* dy) {
   std::vector<float> dx(size_t(N * D)), dnext(size_t(N * D));
   if (last_stage()) {
     std::vector<float> dh(size_t(N * D));
-    sgemm(true, false, V, D, N, 1.0f, st.dlogits.data(), V, st.hf.data(), D, 1.0f, G("head.weight"), D);
-    sgemm(false, false, N, D, V, 1.0f, st.dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
+    dev::sgemm(true, false, V, D, N, 1.0f, st.dlogits.data(), V, st.hf.data(), D, 1.0f, G("head.weight"), D);
+    dev::sgemm(false, false, N, D, V, 1.0f, st.dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
     tp_sum(dh.data(), N * D);  // vocabulary-parallel head
-    cpu::rmsnorm_backward(st.xs.back().data(), P("final_norm.weight"), st.rstd.data(), dh.data(), N, D, dx.data(),
+    dev::rmsnorm_backward(st.xs.back().data(), P("final_norm.weight"), st.rstd.data(), dh.data(), N, D, dx.data(),
                           G("final_norm.weight"));
     st.dlogits = std::vector<float>(), st.hf = std::vector<float>();
   } else {

@@ -7,6 +7,10 @@
 #include "kernels/check.h"
 #include "parallel/mpi_session.h"
 
+#ifdef FP8MOE_HAVE_CUDA
+#include "parallel/nccl_communicator.h"
+#endif
+
 namespace fp8moe {
 namespace {
 
@@ -133,6 +137,15 @@ void MpiCommunicator::wait_sends() {
   if (pending_.empty()) return;
   MPI_CHECK(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE));
   pending_.clear();
+}
+
+std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl) {
+#ifdef FP8MOE_HAVE_CUDA
+  if (nccl) return std::make_unique<NcclCommunicator>(comm);
+#else
+  FP8MOE_ASSERT(!nccl, "NCCL communicators need the CUDA backend (this build has none)");
+#endif
+  return std::make_unique<MpiCommunicator>(comm);
 }
 
 }  // namespace fp8moe

@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -89,5 +90,9 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
 };
+
+// The communicator of one process group: NCCL (nccl true; needs the CUDA backend and its device
+// chosen) or MPI. Collective over `comm`.
+std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl);
 
 }  // namespace fp8moe

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/check.h"
+#include "kernels/elem.h"
 #include "kernels/gemm_fp8.h"  // sgemm
 
 namespace fp8moe::cpu {
@@ -38,27 +39,28 @@ void rmsnorm_backward(const float* x, const float* w, const float* rstd, const f
     for (int64_t d = 0; d < D; ++d) dw[d] += dy[n * D + d] * x[n * D + d] * rstd[n];
 }
 
-void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, double theta, bool inverse) {
-  FP8MOE_ASSERT(hd % 2 == 0, "rope needs an even head_dim, got ", hd);
+void rope_table(int64_t T, int64_t hd, double theta, bool inverse, float* cs, float* sn) {
   const int64_t half = hd / 2;
   // Angles in double: t * theta^(-2i / hd) for every position and pair.
-  std::vector<float> cs(size_t(T * half)), sn(size_t(T * half));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < half; ++i) {
       const double a = double(t) * std::pow(theta, -2.0 * double(i) / double(hd));
       cs[t * half + i] = float(std::cos(a));
       sn[t * half + i] = float(inverse ? -std::sin(a) : std::sin(a));
     }
+}
+
+void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, double theta, bool inverse) {
+  FP8MOE_ASSERT(hd % 2 == 0, "rope needs an even head_dim, got ", hd);
+  const int64_t half = hd / 2;
+  std::vector<float> cs(size_t(T * half)), sn(size_t(T * half));
+  rope_table(T, hd, theta, inverse, cs.data(), sn.data());
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < B * T; ++row) {
     const int64_t t = row % T;
     for (int64_t h = 0; h < heads; ++h) {
       float* v = x + (row * heads + h) * hd;
-      for (int64_t i = 0; i < half; ++i) {
-        const float c = cs[t * half + i], s = sn[t * half + i], a = v[i], b = v[i + half];
-        v[i] = a * c - b * s;
-        v[i + half] = a * s + b * c;
-      }
+      for (int64_t i = 0; i < half; ++i) rope_rotate(&v[i], &v[i + half], cs[t * half + i], sn[t * half + i]);
     }
   }
 }

@@ -1,0 +1,65 @@
+#include "kernels/device.h"
+
+#include "kernels/backend_info.h"
+
+#include <cmath>
+
+#ifdef FP8MOE_HAVE_CUDA
+#include "kernels/cuda/context.h"
+#endif
+
+namespace fp8moe {
+namespace {
+ComputeDevice g_device = ComputeDevice::cpu;
+}
+
+const char* to_string(ComputeDevice d) { return d == ComputeDevice::cuda ? "cuda" : "cpu"; }
+
+bool set_compute_device(ComputeDevice d, int local_rank, std::string* why) {
+  if (d == ComputeDevice::cpu) {
+    g_device = d;
+    return true;
+  }
+  std::string reason;
+  const int n = cuda_device_count(&reason);
+  if (n == 0) {
+    if (why) *why = reason;
+    return false;
+  }
+#ifdef FP8MOE_HAVE_CUDA
+  cuda::context(local_rank % n);
+  g_device = d;
+  return true;
+#else
+  (void)local_rank;
+  return false;
+#endif
+}
+
+ComputeDevice compute_device() { return g_device; }
+
+DeviceMemoryStats device_memory_stats() {
+  DeviceMemoryStats s;
+#ifdef FP8MOE_HAVE_CUDA
+  if (cuda::has_context()) {
+    const cuda::ArenaStats a = cuda::arena_stats();
+    s.in_use = a.in_use, s.peak = a.peak, s.reserved = a.reserved, s.device = cuda::context().device;
+  }
+#endif
+  return s;
+}
+
+double gpu_dense_peak_flops(bool fp8) {
+#ifdef FP8MOE_HAVE_CUDA
+  if (cuda::has_context()) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, cuda::context().device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
+        prop.multiProcessorCount >= 132)  // H100 / H200 SXM (the PCIe H100 has 114)
+      return fp8 ? 1979e12 : 989.4e12;
+  }
+#endif
+  (void)fp8;
+  return std::nan("");
+}
+
+}  // namespace fp8moe

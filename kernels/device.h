@@ -1,0 +1,32 @@
+// Which device the kernels run on (runtime.device), chosen once per process before any op runs.
+// Host-only header: no CUDA types, so model/ and app/ can read it in CPU-only builds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace fp8moe {
+
+enum class ComputeDevice { cpu, cuda };
+const char* to_string(ComputeDevice d);
+
+// The process-wide choice (default cpu). set_compute_device(cuda) selects `gpu` (the node-local
+// rank modulo the visible devices, see app/) and creates the streams and the cuBLASLt handle; it
+// fails with a clear message (returned false, *why set) when CUDA is not built in or no device is
+// visible.
+bool set_compute_device(ComputeDevice d, int local_rank, std::string* why);
+ComputeDevice compute_device();
+
+// Device memory of the caching arena (0 on the CPU backend): bytes handed out now, the most ever
+// handed out at once, and what the arena holds from cudaMalloc (handed out + cached).
+struct DeviceMemoryStats {
+  int64_t in_use = 0, peak = 0, reserved = 0;
+  int device = -1;  // the CUDA ordinal this process uses
+};
+DeviceMemoryStats device_memory_stats();
+
+// The dense tensor-core peak of this process's GPU in FLOP/s (FP8, or BF16 when fp8 is false) for
+// the GPUs whose datasheet figure we know (H100 / H200 SXM: 1979 / 989 TFLOP/s); NaN otherwise.
+double gpu_dense_peak_flops(bool fp8);
+
+}  // namespace fp8moe
