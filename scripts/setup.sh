@@ -15,6 +15,7 @@ packages=(
   python3 python3-venv                                        # the JAX reference of the model tests
   fortunes                                                    # the demo's corpus (/usr/share/games/fortunes)
   slurm-wlm bc                                                # the Slurm test starts its own single-node Slurm
+  patchelf bubblewrap xz-utils                                # scripts/bundle.sh and its sandboxed check
 )
 pypi=("jax[cpu]" numpy ml_dtypes matplotlib h5py)                  # in build/venv, not the system Python
 

@@ -1,0 +1,145 @@
+// cuBLASLt GEMM throughput on the GPU, side by side in one run: BF16, FP8 per-tensor (E4M3 x E4M3,
+// fast accumulation, as a forward GEMM) and FP8 block-scaled (1x128 activations x 128x128 weights,
+// split accumulation), at DeepSeek-V3-like shapes (M = 4096 tokens; N, K in {2048, 7168}) and one
+// grouped expert shape (a loop over the local experts' GEMMs), with the fraction of the dense FP8
+// peak (1979 TFLOP/s on H100 / H200 SXM). Prints a table; exits 77 (SKIPPED) without a GPU.
+//   bench_gemm_cuda [iterations]
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/backend_info.h"
+#include "kernels/check.h"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/fp8.h"
+
+using namespace fp8moe;
+
+namespace {
+
+constexpr double kFp8Peak = 1979e12;
+
+// Valid FP8 values of N(0, 1) (no NaN codes) and BF16 values of the same.
+std::vector<uint8_t> fp8_values(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<uint8_t> q(static_cast<size_t>(n));
+  for (auto& b : q) b = fp8_encode(d(rng), Fp8Dtype::e4m3, true);
+  return q;
+}
+std::vector<uint16_t> bf16_values(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<uint16_t> q(static_cast<size_t>(n));
+  for (auto& b : q) b = bf16_encode(d(rng));
+  return q;
+}
+
+// Seconds per call of fn, the median of `reps` timings of `iters` calls after a warm-up.
+double time_it(const std::function<void()>& fn, int iters) {
+  cudaStream_t s = cuda::context().compute;
+  for (int i = 0; i < 3; ++i) fn();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int r = 0; r < 5; ++r) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    for (int i = 0; i < iters; ++i) fn();
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  return double(ms[ms.size() / 2]) * 1e-3 / iters;
+}
+
+struct Result {
+  double bf16, fp8_tensor, fp8_block;  // TFLOP/s
+};
+
+// `groups` GEMMs of (M, N, K) each (groups > 1: the experts of one MoE layer on one GPU).
+Result run_shape(int64_t groups, int64_t M, int64_t N, int64_t K, int iters) {
+  cudaStream_t s = cuda::context().compute;
+  auto a8 = cuda::to_device(fp8_values(groups * M * K, 1).data(), groups * M * K);
+  auto b8 = cuda::to_device(fp8_values(groups * N * K, 2).data(), groups * N * K);
+  auto a16 = cuda::to_device(bf16_values(groups * M * K, 3).data(), groups * M * K);
+  auto b16 = cuda::to_device(bf16_values(groups * N * K, 4).data(), groups * N * K);
+  cuda::Buffer<uint16_t> d16(groups * M * N);
+  // Scales: 1 per tensor; 2^-4 in every block (any value: the throughput does not depend on it).
+  const std::vector<float> one(1, 1.0f);
+  auto s1 = cuda::to_device(one.data(), 1);
+  const int64_t na = tn_scale_count(ScaleMode::vec128, M, K), nb = tn_scale_count(ScaleMode::blk128, N, K);
+  const std::vector<float> sa(static_cast<size_t>(groups * na), 0.0625f), sb(static_cast<size_t>(groups * nb), 0.0625f);
+  auto gsa = cuda::to_device(sa.data(), int64_t(sa.size())), gsb = cuda::to_device(sb.data(), int64_t(sb.size()));
+  const double flops = 2.0 * double(groups) * double(M) * double(N) * double(K);
+  Result r{};
+  r.bf16 = flops / time_it([&] {
+    for (int64_t g = 0; g < groups; ++g)
+      cuda::gemm_bf16_tn(a16.get() + g * M * K, b16.get() + g * N * K, d16.get() + g * M * N, M, N, K, s);
+  }, iters) * 1e-12;
+  r.fp8_tensor = flops / time_it([&] {
+    for (int64_t g = 0; g < groups; ++g) {
+      const cuda::Fp8Operand A{a8.get() + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
+      const cuda::Fp8Operand B{b8.get() + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
+      cuda::gemm_fp8_tn(A, B, 1.0f, 0.0f, d16.get() + g * M * N, N, cuda::OutType::bf16, true, s);
+    }
+  }, iters) * 1e-12;
+  if (cuda::fp8_unsupported_reason(true).empty()) {
+    r.fp8_block = flops / time_it([&] {
+      for (int64_t g = 0; g < groups; ++g) {
+        const cuda::Fp8Operand A{a8.get() + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::vec128, gsa.get() + g * na};
+        const cuda::Fp8Operand B{b8.get() + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::blk128, gsb.get() + g * nb};
+        cuda::gemm_fp8_tn(A, B, 1.0f, 0.0f, d16.get() + g * M * N, N, cuda::OutType::bf16, false, s);
+      }
+    }, iters) * 1e-12;
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string why;
+  if (cuda_device_count(&why) == 0) {
+    std::printf("[  SKIPPED ] no CUDA device visible: %s\n", why.c_str());
+    return 77;
+  }
+  const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
+  cuda::context(0);
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("GEMM throughput on %s (sm_%d%d), cuBLASLt %zu; TFLOP/s, median of 5 x %d calls\n", prop.name,
+              prop.major, prop.minor, cublasLtGetVersion(), iters);
+  std::printf("%-28s %8s %10s %7s %10s %7s %9s\n", "shape (groups x M x N x K)", "BF16", "FP8 tensor", "%peak",
+              "FP8 block", "%peak", "block/bf16");
+  struct Shape {
+    int64_t g, M, N, K;
+  };
+  // DeepSeek-V3: d_model 7168, expert width 2048 (w1|w3 fused: 4096), 256 experts, 8 per token;
+  // the grouped shape: 16 local experts of one GPU with 128 tokens each (their fused w1|w3 GEMMs).
+  const Shape shapes[] = {{1, 4096, 2048, 2048}, {1, 4096, 2048, 7168}, {1, 4096, 7168, 2048},
+                          {1, 4096, 7168, 7168}, {16, 128, 4096, 7168}};
+  for (const Shape& sh : shapes) {
+    const Result r = run_shape(sh.g, sh.M, sh.N, sh.K, iters);
+    char name[64];
+    std::snprintf(name, sizeof name, "%lld x %lld x %lld x %lld", (long long)sh.g, (long long)sh.M, (long long)sh.N,
+                  (long long)sh.K);
+    std::printf("%-28s %8.0f %10.0f %6.1f%% %10.0f %6.1f%% %9.2f\n", name, r.bf16, r.fp8_tensor,
+                100 * r.fp8_tensor * 1e12 / kFp8Peak, r.fp8_block, 100 * r.fp8_block * 1e12 / kFp8Peak,
+                r.bf16 > 0 ? r.fp8_block / r.bf16 : 0.0);
+  }
+  return 0;
+}
