@@ -155,7 +155,9 @@ void gemm_fp8_tn(const Fp8Operand& A, const Fp8Operand& B, float alpha, float be
     call.set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, int32_t(lt_mode(B.mode)));
     call.set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(lt_mode(A.mode)));
   }
-  call.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(fast_accum ? 1 : 0));
+  // NOTE: fast accumulation only for per-tensor scales: with block scaling cuBLASLt promotes the
+  // partial sums to FP32 once per 128-wide K block anyway (DeepSeek-V3's promotion), as TE does.
+  call.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(fast_accum && !block ? 1 : 0));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, fp8_type(B.dtype), uint64_t(K), uint64_t(N), K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, fp8_type(A.dtype), uint64_t(K), uint64_t(M), K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, dt, uint64_t(N), uint64_t(M), ldd));

@@ -7,7 +7,8 @@
 // whose reduction runs along its rows (the dgrad weight, both wgrad operands) is transposed on the
 // device first (exact: FP8 bytes are moved, not re-rounded), and operands are zero-padded to the
 // alignment the kernels need (K to 16, or 128 with block scaling; the outer dims to 16). Fast
-// accumulation (no split accumulator) is used for the forward GEMM only, as Transformer Engine does.
+// accumulation (no split accumulator) is used for the per-tensor forward GEMM only, as Transformer
+// Engine does; block-scaled GEMMs promote to FP32 per 128-wide K block and never use it.
 // Where the device or the library cannot run what is asked, the call fails with a clear error; it
 // never falls back to another precision.
 #pragma once

@@ -583,9 +583,10 @@ void check_linear_gemms(bool blockwise, bool hybrid, const GemmCase& c) {
     // gradients carry 2 mantissa bits, about 4x the error, as in tests/kernels/test_gemm_fp8.cpp).
     EXPECT_LT(dissimilarity(gpu, g.exact), hybrid && !g.fast ? 4e-3 : 1e-3);
     // Against the CPU's exact emulation: the FP8 products are the same, only the accumulation
-    // differs. The measure is quadratic in the relative error e (about e^2): 1e-10 is e ~ 1e-5
-    // (FP32 summation order); Hopper's fast accumulation in fprop keeps fewer bits: 1e-6, e ~ 1e-3.
-    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), g.fast ? 1e-6 : 1e-10);
+    // differs. The measure is about e^2 for a relative RMS error e. Hopper's FP8 tensor cores keep
+    // about 14 bits in their accumulator (DeepSeek-V3, section 3.3.2) between promotions to FP32:
+    // 1e-7 (e ~ 3e-4) with promotion every 128 of K, 1e-5 (e ~ 3e-3) with fast accumulation.
+    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), g.fast ? 1e-5 : 1e-7);
   }
   // beta = 1 accumulates (weight gradients over micro-batches) and a strided C keeps its padding.
   if (M > 0 && N > 0) {
@@ -594,7 +595,7 @@ void check_linear_gemms(bool blockwise, bool hybrid, const GemmCase& c) {
     cuda::gemm_fp8(xq, false, wq, true, 0.5f, 1.0f, gpu.data(), N + 3, false);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = N; j < N + 3; ++j) ASSERT_EQ(gpu[m * (N + 3) + j], c0[m * (N + 3) + j]) << "padding written";
-    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), 1e-10);
+    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), 1e-7);
   }
 }
 
