@@ -31,7 +31,6 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
   MPI_CHECK(MPI_Comm_size(comm, &size_));
 }
 
-// Textbook bytes that leave one rank: a ring allreduce of B bytes sends 2 (p - 1) / p x B.
 int64_t ring_allreduce_bytes(int p, int64_t bytes) { return p > 1 ? 2 * (p - 1) * bytes / p : 0; }
 
 void MpiCommunicator::allreduce_sum(float* d, int64_t n) {

@@ -13,6 +13,9 @@
 
 namespace fp8moe {
 
+// Textbook bytes that leave one rank: a ring allreduce of B bytes sends 2 (p - 1) / p x B.
+int64_t ring_allreduce_bytes(int p, int64_t bytes);
+
 class Communicator {
  public:
   virtual ~Communicator() = default;

@@ -46,7 +46,7 @@ void NcclCommunicator::allreduce(T* data, int64_t n, ncclDataType_t type, ncclRe
   cuda::Buffer<T> d = stage_in(data, n);
   NCCL_CHECK(ncclAllReduce(d.get(), d.get(), size_t(n), type, op, nccl_, cuda::context().comm));
   stage_out(d, data, n);
-  bytes_sent_ += size_ > 1 ? 2 * (size_ - 1) * n * int64_t(sizeof(T)) / size_ : 0;
+  bytes_sent_ += ring_allreduce_bytes(size_, n * int64_t(sizeof(T)));
 }
 
 void NcclCommunicator::allreduce_sum(float* d, int64_t n) { allreduce(d, n, ncclFloat32, ncclSum); }
@@ -101,7 +101,7 @@ void NcclCommunicator::reduce_scatterv_sum(const float* in, float* out, const in
   }
   NCCL_CHECK(ncclGroupEnd());
   stage_out(dout, out, counts[rank_]);
-  bytes_sent_ += (total - counts[rank_]) * 4;
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
 }
 
 void NcclCommunicator::allgatherv(const float* in, float* out, const int64_t* counts) {
@@ -121,7 +121,7 @@ void NcclCommunicator::allgatherv(const float* in, float* out, const int64_t* co
   }
   NCCL_CHECK(ncclGroupEnd());
   stage_out(dout, out, total);
-  bytes_sent_ += (size_ - 1) * counts[rank_] * 4;
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;  // as MpiCommunicator: the textbook ring
 }
 
 void NcclCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
