@@ -336,8 +336,33 @@ const BadConfig kBadConfigs[] = {
     {"np4_pipeline_vs_world", "parallel:\n  tensor: 2\n  pipeline: 4\n", "parallel.pipeline", "3:13", "parallel.tensor x parallel.pipeline = 2 x 4 dividing the world size 4", {}, 4},
     {"np4_expert_vs_data", "parallel:\n  tensor: 2\n  expert: 4\n", "parallel.expert", "3:11", "a divisor of the data-parallel size 2 = world 4 / (tensor 2 x pipeline 1)", {}, 4},
     {"np4_global_batch", "train:\n  global_batch: 6\n", "train.global_batch", "2:17", "a multiple of data-parallel size x parallel.micro_batches = 4 x 1 = 4", {}, 4},
+    // runtime
+    {"device_bad_choice", "runtime:\n  device: gpu\n", "runtime.device", "2:11", "one of auto, cpu, cuda"},
+    {"nccl_on_cpu", "runtime:\n  device: cpu\n  comm: nccl\n", "runtime.comm", "", "NCCL needs the CUDA backend"},
+    {"cuda_blockwise_tile", "runtime:\n  device: cuda\nfp8:\n  tile: 64\n", "fp8.tile", "",
+     "128 with runtime.device cuda and fp8.recipe blockwise"},
     {"np2_tile_vs_shard", "model:\n  d_ff_dense: 640\nparallel:\n  tensor: 2\n", "fp8.tile", "", "model.d_ff_dense / parallel.tensor = 640 / 2 = 320", {}, 2},
 };
+
+// runtime.device cuda where no GPU is visible: exit 2 naming the key, on every rank (only where
+// this machine has no GPU, of course).
+TEST(Cli, CudaWithoutAGpuExitsTwo) {
+  const RunResult v = run({exe(), "--version"});
+  if (v.out.find("GPUs:       none visible") == std::string::npos && v.out.find("CUDA:       not built") == std::string::npos)
+    GTEST_SKIP() << "a GPU is visible here";
+  TempDir tmp;
+  const std::string file = tmp.write("case.yaml", "runtime:\n  device: cuda\n");
+  for (int ranks : {1, 2}) {
+    std::vector<std::string> argv;
+    if (ranks > 1) argv = {mpiexec(), "-n", "2", "--oversubscribe"};
+    argv.insert(argv.end(), {exe(), "train", file, "--dry-run", "--set", "parallel.tensor=1", "--set",
+                             "parallel.pipeline=1", "--set", "parallel.expert=1"});
+    const RunResult r = run(argv, 120);
+    EXPECT_EQ(r.status, 2) << r.all();
+    EXPECT_EQ(count(r.err, "fp8moe: error: "), 1u) << r.err;
+    EXPECT_NE(r.err.find("runtime.device: cuda, but a rank sees no CUDA device"), std::string::npos) << r.err;
+  }
+}
 
 class BadConfigTest : public testing::TestWithParam<BadConfig> {};
 
