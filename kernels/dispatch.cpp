@@ -43,10 +43,12 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
 #ifdef FP8MOE_HAVE_CUDA
   if (on_gpu() && M > 0 && N > 0) {
-    // The stored extents: A is (M, K) or (K, M) with leading dimension lda, B likewise.
-    const int64_t na = (trans_a ? K : M) > 0 ? ((trans_a ? K : M) - 1) * lda + (trans_a ? M : K) : 0;
-    const int64_t nb = (trans_b ? N : K) > 0 ? ((trans_b ? N : K) - 1) * ldb + (trans_b ? K : N) : 0;
-    const int64_t nc = (M - 1) * ldc + N;
+    // The stored extents: A is (M, K) or (K, M) with leading dimension lda, B likewise (none when
+    // a dimension is 0).
+    auto extent = [](int64_t rows, int64_t cols, int64_t ld) { return rows > 0 && cols > 0 ? (rows - 1) * ld + cols : 0; };
+    const int64_t na = trans_a ? extent(K, M, lda) : extent(M, K, lda);
+    const int64_t nb = trans_b ? extent(N, K, ldb) : extent(K, N, ldb);
+    const int64_t nc = extent(M, N, ldc);
     auto a = up(A, na), b = up(B, nb);
     cuda::Buffer<float> c = beta != 0.0f ? up(C, nc) : cuda::Buffer<float>(nc);
     cuda::sgemm(trans_a, trans_b, M, N, K, alpha, a.get(), lda, b.get(), ldb, beta, c.get(), ldc, stream());

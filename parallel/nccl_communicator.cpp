@@ -161,24 +161,41 @@ void NcclCommunicator::send(const float* data, int64_t n, int peer, int tag) {
   wait_sends();
 }
 
+// NOTE: NCCL runs a communicator's operations in order on its stream and a send blocks until the
+// peer's matching receive runs, so an isend posted at once followed by a recv would deadlock the
+// 1F1B pattern (stage s: send act, recv grad; stage s + 1: send grad, recv act). isend therefore
+// only stages its payload; the sends are posted in one NCCL group with the next recv, or by
+// wait_sends, so that each pair of ranks' sends and receives can progress together.
+void NcclCommunicator::post_pending_sends() {
+  for (PendingSend& p : pending_)
+    if (!p.posted) {
+      NCCL_CHECK(ncclSend(p.data.get(), size_t(p.n), ncclFloat32, p.peer, nccl_, cuda::context().comm));
+      p.posted = true;
+    }
+}
+
 void NcclCommunicator::recv(float* data, int64_t n, int peer, int /*tag: NCCL matches in call order*/) {
   if (n == 0) return;
   cuda::Buffer<float> d(n);
   cuda::comm_waits_for_compute();
+  NCCL_CHECK(ncclGroupStart());
+  post_pending_sends();
   NCCL_CHECK(ncclRecv(d.get(), size_t(n), ncclFloat32, peer, nccl_, cuda::context().comm));
+  NCCL_CHECK(ncclGroupEnd());
   stage_out(d, data, n);
 }
 
 void NcclCommunicator::isend(const float* data, int64_t n, int peer, int /*tag*/) {
   if (n == 0) return;
-  cuda::Buffer<float> d = stage_in(data, n);
-  NCCL_CHECK(ncclSend(d.get(), size_t(n), ncclFloat32, peer, nccl_, cuda::context().comm));
-  pending_.push_back(std::move(d));
+  pending_.push_back(PendingSend{stage_in(data, n), n, peer, false});
   bytes_sent_ += n * 4;
 }
 
 void NcclCommunicator::wait_sends() {
   if (pending_.empty()) return;
+  NCCL_CHECK(ncclGroupStart());
+  post_pending_sends();
+  NCCL_CHECK(ncclGroupEnd());
   CUDA_CHECK(cudaStreamSynchronize(cuda::context().comm));
   pending_.clear();
 }

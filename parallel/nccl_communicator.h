@@ -53,10 +53,17 @@ class NcclCommunicator final : public Communicator {
  private:
   template <class T>
   void allreduce(T* data, int64_t n, ncclDataType_t type, ncclRedOp_t op);
+  struct PendingSend {
+    cuda::Buffer<float> data;  // the staged payload, kept until wait_sends
+    int64_t n;
+    int peer;
+    bool posted;  // ncclSend issued (with a recv's group or by wait_sends)
+  };
+  void post_pending_sends();
   MPI_Comm comm_;
   ncclComm_t nccl_ = nullptr;
   int rank_ = 0, size_ = 1;
-  std::vector<cuda::Buffer<float>> pending_;  // device copies of isend payloads until wait_sends
+  std::vector<PendingSend> pending_;
 };
 
 }  // namespace fp8moe

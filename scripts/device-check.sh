@@ -2,7 +2,8 @@
 # Everything GPU-side in one run (under 6 minutes on an H200), for the device machine: unpacks the
 # bundle made by scripts/bundle.sh (no Open MPI, HDF5 or yaml-cpp needed there), then
 #   1. the device and its driver (nvidia-smi)
-#   2. test_cuda_ops: every CUDA op against the CPU op, the FP8 GEMMs against FP64 and the CPU
+#   2. test_cuda_ops: every CUDA op against the CPU op, the FP8 GEMMs against FP64 and the CPU;
+#      test_nccl as one rank (the NCCL communicator against MPI's)
 #   3. bench_gemm_cuda: BF16 / FP8 per-tensor / FP8 block-scaled TFLOP/s at DeepSeek-V3 shapes
 #   4. tests/app/cuda_vs_cpu.sh: 20 training steps on cuda vs cpu per recipe, tokens/s and MFU
 # and prints the summary table last. Logs go to $OUT (the device tool's output folder) when set.
@@ -31,6 +32,11 @@ timeout 200 test_cuda_ops 2>&1 | tee "$logs/test_cuda_ops.txt" | grep -E "^\[ +(
 ops_status=${PIPESTATUS[0]}
 ops_summary=$(grep -E "^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test" "$logs/test_cuda_ops.txt" | sed 's/, listed below://' | tr -s ' \n' ' ')
 
+section "test_nccl (one rank: NCCL against MPI, self send/recv)"
+timeout 60 test_nccl 2>&1 | tee "$logs/test_nccl.txt" | grep -E "^\[ +(OK|FAILED) +\] |^\[ +(PASSED|SKIPPED) +\] [0-9]+ test"
+nccl_status=${PIPESTATUS[0]}
+nccl_summary=$(grep -E "^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test" "$logs/test_nccl.txt" | sed 's/, listed below://' | tr -s ' \n' ' ')
+
 section "bench_gemm_cuda"
 timeout 120 bench_gemm_cuda 20 2>&1 | tee "$logs/bench_gemm.txt"
 bench_status=${PIPESTATUS[0]}
@@ -44,6 +50,7 @@ section "summary"
   echo "device:        $gpu"
   echo "                $(sed -n 's/^ *CUDA: *//p' "$logs/version.txt"), NCCL $(sed -n 's/^ *NCCL: *//p' "$logs/version.txt")"
   echo "test_cuda_ops: exit $ops_status: $ops_summary"
+  echo "test_nccl:     exit $nccl_status: $nccl_summary"
   echo "GEMMs (exit $bench_status), dense FP8 peak 1979 TFLOP/s:"
   sed -n '/^shape/,$p' "$logs/bench_gemm.txt" | sed 's/^/  /'
   echo "end to end, cuda vs cpu (exit $e2e_status):"
@@ -51,4 +58,4 @@ section "summary"
   echo "total $(( $(date +%s) - start )) s"
 } | tee "$logs/summary.txt"
 rm -rf "$work"
-(( ops_status == 0 && bench_status == 0 && e2e_status == 0 ))
+(( ops_status == 0 && nccl_status == 0 && bench_status == 0 && e2e_status == 0 ))

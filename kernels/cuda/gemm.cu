@@ -1,6 +1,8 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "kernels/check.h"
@@ -44,22 +46,37 @@ struct LtCall {
   void set(cublasLtMatmulDescAttributes_t attr, const T& v) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &v, sizeof v));
   }
-  // Picks the heuristic's first algorithm and runs it; a clear error when there is none.
+  // Runs the heuristic's first algorithm for this problem (cached per `key`: the shape, types,
+  // modes and leading dimensions); a clear error when there is none.
   void run(const void* alpha, const void* A, const void* B, const void* beta, const void* C, void* D,
-           cudaStream_t stream, const std::string& what) {
+           cudaStream_t stream, const std::string& key) {
     Context& ctx = context();
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &ctx.workspace_bytes, sizeof ctx.workspace_bytes));
-    cublasLtMatmulHeuristicResult_t heur{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, desc, a, b, c, d, pref, 1, &heur, &found);
-    if (st != CUBLAS_STATUS_SUCCESS || found == 0)
-      fatal_error(__FILE__, __LINE__,
-                  detail::concat("cuBLASLt has no kernel for ", what, " on this device (",
-                                 st == CUBLAS_STATUS_SUCCESS ? "no algorithm found" : cublasLtGetStatusString(st),
-                                 "); cuBLASLt ", cublasLtGetVersion(), ". ", fp8_unsupported_reason(true)));
-    CUBLAS_CHECK(cublasLtMatmul(ctx.lt, desc, alpha, A, a, B, b, beta, C, c, D, d, &heur.algo, ctx.workspace,
+    static std::mutex mu;
+    static std::map<std::string, cublasLtMatmulAlgo_t> cache;
+    cublasLtMatmulAlgo_t algo;
+    bool cached = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = cache.find(key);
+      if (it != cache.end()) algo = it->second, cached = true;
+    }
+    if (!cached) {
+      CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                        &ctx.workspace_bytes, sizeof ctx.workspace_bytes));
+      cublasLtMatmulHeuristicResult_t heur{};
+      int found = 0;
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, desc, a, b, c, d, pref, 1, &heur, &found);
+      if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+        fatal_error(__FILE__, __LINE__,
+                    detail::concat("cuBLASLt has no kernel for ", key, " on this device (",
+                                   st == CUBLAS_STATUS_SUCCESS ? "no algorithm found" : cublasLtGetStatusString(st),
+                                   "); cuBLASLt ", cublasLtGetVersion(), ". ", fp8_unsupported_reason(true)));
+      algo = heur.algo;
+      std::lock_guard<std::mutex> lock(mu);
+      cache.emplace(key, algo);
+    }
+    CUBLAS_CHECK(cublasLtMatmul(ctx.lt, desc, alpha, A, a, B, b, beta, C, c, D, d, &algo, ctx.workspace,
                                 ctx.workspace_bytes, stream));
   }
 };
@@ -118,14 +135,25 @@ PackedOperand pack(const QuantTensor& q, bool k_along_rows, int64_t outer_p, int
 }  // namespace
 
 std::string fp8_unsupported_reason(bool block_scaling) {
-  int dev = 0, major = 0, minor = 0;
+  int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  const int cc = major * 10 + minor;
-  if (cc < 89) return detail::concat("FP8 GEMMs need compute capability 8.9 or newer; device ", dev, " is ", major, ".", minor);
+  static std::mutex mu;
+  static std::map<int, int> cc_of;  // device -> compute capability (major * 10 + minor)
+  int cc = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cc_of.find(dev);
+    if (it == cc_of.end()) {
+      int major = 0, minor = 0;
+      CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+      CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+      it = cc_of.emplace(dev, major * 10 + minor).first;
+    }
+    cc = it->second;
+  }
+  if (cc < 89) return detail::concat("FP8 GEMMs need compute capability 8.9 or newer; device ", dev, " is ", cc / 10, ".", cc % 10);
   if (block_scaling && cc < 90)
-    return detail::concat("block-scaled FP8 GEMMs need compute capability 9.0; device ", dev, " is ", major, ".", minor);
+    return detail::concat("block-scaled FP8 GEMMs need compute capability 9.0; device ", dev, " is ", cc / 10, ".", cc % 10);
   if (block_scaling && cublasLtGetVersion() < 120900)
     return detail::concat("block-scaled FP8 GEMMs need cuBLASLt 12.9 or newer; this is ", cublasLtGetVersion());
   return "";
@@ -164,7 +192,9 @@ void gemm_fp8_tn(const Fp8Operand& A, const Fp8Operand& B, float alpha, float be
   call.d = call.c;
   const std::string what = detail::concat("the FP8 GEMM ", to_string(A.dtype), " x ", to_string(B.dtype), " (", M, "x",
                                           N, "x", K, ", scales ", mode_name(A.mode), " x ", mode_name(B.mode), ", ",
-                                          out == OutType::f32 ? "FP32" : "BF16", " out)");
+                                          out == OutType::f32 ? "FP32" : "BF16", " out, ldd ", ldd,
+                                          fast_accum && !block ? ", fast accumulation" : "",
+                                          beta != 0.0f ? ", beta" : "", ")");
   call.run(&alpha, B.data, A.data, &beta, D, D, stream, what);
 }
 
@@ -193,6 +223,11 @@ void gemm_fp8(const QuantTensor& A, bool trans_a, const QuantTensor& B, bool tra
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc, cudaStream_t stream) {
   if (M == 0 || N == 0) return;
+  if (K == 0) {  // cuBLASLt needs K >= 1: C = beta C
+    FP8MOE_ASSERT(beta == 0.0f || beta == 1.0f, "sgemm with K = 0 and beta ", beta);
+    if (beta == 0.0f) CUDA_CHECK(cudaMemset2DAsync(C, size_t(ldc) * 4, 0, size_t(N) * 4, size_t(M), stream));
+    return;
+  }
   LtCall call;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));  // exact FP32, no TF32
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
@@ -205,12 +240,9 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
                                           trans_a ? uint64_t(K) : uint64_t(M), lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, CUDA_R_32F, uint64_t(N), uint64_t(M), ldc));
   call.d = call.c;
-  if (K == 0) {  // cuBLASLt needs K >= 1: C = beta C
-    FP8MOE_ASSERT(beta == 0.0f || beta == 1.0f, "sgemm with K = 0 and beta ", beta);
-    if (beta == 0.0f) CUDA_CHECK(cudaMemset2DAsync(C, size_t(ldc) * 4, 0, size_t(N) * 4, size_t(M), stream));
-    return;
-  }
-  call.run(&alpha, B, A, &beta, C, C, stream, detail::concat("the FP32 GEMM ", M, "x", N, "x", K));
+  call.run(&alpha, B, A, &beta, C, C, stream,
+           detail::concat("the FP32 GEMM ", M, "x", N, "x", K, trans_a ? " T" : " N", trans_b ? "T" : "N", " lda ", lda,
+                          " ldb ", ldb, " ldc ", ldc, beta != 0.0f ? " beta" : ""));
 }
 
 void gemm_bf16_tn(const uint16_t* A, const uint16_t* B, uint16_t* D, int64_t M, int64_t N, int64_t K,
@@ -224,7 +256,7 @@ void gemm_bf16_tn(const uint16_t* A, const uint16_t* B, uint16_t* D, int64_t M, 
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, CUDA_R_16BF, uint64_t(N), uint64_t(M), N));
   call.d = call.c;
   const float alpha = 1.0f, beta = 0.0f;
-  call.run(&alpha, B, A, &beta, D, D, stream, detail::concat("the BF16 GEMM ", M, "x", N, "x", K));
+  call.run(&alpha, B, A, &beta, D, D, stream, detail::concat("the BF16 GEMM TN ", M, "x", N, "x", K));
 }
 
 }  // namespace fp8moe::cuda

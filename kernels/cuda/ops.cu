@@ -438,6 +438,12 @@ __global__ void sum_partials_kernel(const double* __restrict__ partial, int64_t 
 
 void check_launch() { CUDA_CHECK(cudaGetLastError()); }
 
+// Scratch from the arena may be reused by later compute-stream work as soon as it is freed; on
+// another stream, wait for the kernels that use it before it goes back.
+void before_scratch_free(cudaStream_t stream) {
+  if (!has_context() || stream != context().compute) CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 unsigned warps_grid(int64_t warps) {
   const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
   FP8MOE_ASSERT(blocks < (int64_t(1) << 31), "too many rows for one launch: ", warps);
@@ -494,6 +500,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
   attn_dkdv_kernel<<<warps_grid(B * KVH * T), kThreads, 0, stream>>>(q, k, v, lse, dout, delta.get(), B, T, H, KVH,
                                                                     hd, scale, dk, dv);
   check_launch();
+  before_scratch_free(stream);
 }
 
 void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
@@ -566,6 +573,7 @@ void sum_squares(const float* g, int64_t n, double* out, cudaStream_t stream) {
   sum_squares_kernel<<<blocks, kThreads, 0, stream>>>(g, n, partial.get());
   sum_partials_kernel<<<1, kThreads, 0, stream>>>(partial.get(), blocks, out);
   check_launch();
+  before_scratch_free(stream);
 }
 
 }  // namespace fp8moe::cuda

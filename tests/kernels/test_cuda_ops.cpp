@@ -535,7 +535,14 @@ void check_linear_gemms(bool blockwise, bool hybrid, const GemmCase& c) {
   SCOPED_TRACE(testing::Message() << c.name << " " << c.M << "x" << c.N << "x" << c.K << (blockwise ? " blockwise" : " per-tensor")
                                   << (hybrid ? " hybrid" : ""));
   const int64_t M = c.M, N = c.N, K = c.K;
-  const auto x = randn(M * K, 71), w = randn(N * K, 72, 0.05f), dy = randn(M * N, 73, 1e-3f);
+  // Magnitudes ramped over rows and 128-column blocks (2^-3..2^3), so that neighbouring tiles and
+  // blocks get different scales and a misplaced scale changes the product.
+  auto ramp = [](std::vector<float> v, int64_t cols) {
+    for (size_t i = 0; i < v.size(); ++i)
+      v[i] *= std::ldexp(1.0f, int((int64_t(i) / cols) % 5) - 2 + int((int64_t(i) % cols / 128) % 3) - 1);
+    return v;
+  };
+  const auto x = ramp(randn(M * K, 71), K), w = ramp(randn(N * K, 72, 0.05f), K), dy = ramp(randn(M * N, 73, 1e-3f), N);
   const Fp8Dtype gd = hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3;
   auto q = [&](const std::vector<float>& a, int64_t r, int64_t cl, Tiling t, Fp8Dtype dt) {
     QuantTensor out;
@@ -584,9 +591,11 @@ void check_linear_gemms(bool blockwise, bool hybrid, const GemmCase& c) {
     EXPECT_LT(dissimilarity(gpu, g.exact), hybrid && !g.fast ? 4e-3 : 1e-3);
     // Against the CPU's exact emulation: the FP8 products are the same, only the accumulation
     // differs. The measure is about e^2 for a relative RMS error e. Hopper's FP8 tensor cores keep
-    // about 14 bits in their accumulator (DeepSeek-V3, section 3.3.2) between promotions to FP32:
-    // 1e-7 (e ~ 3e-4) with promotion every 128 of K, 1e-5 (e ~ 3e-3) with fast accumulation.
-    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), g.fast ? 1e-5 : 1e-7);
+    // about 14 bits in their accumulator (DeepSeek-V3, section 3.3.2), with a truncation bias that
+    // grows with K between promotions to FP32: 1e-6 (e ~ 1e-3) with promotion every 128 of K,
+    // 1e-4 (e ~ 1e-2, DeepSeek-V3's worst case at K = 4096) with fast accumulation. These bounds are
+    // from that account, not yet from a measurement: the first GPU run must confirm or tighten them.
+    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), g.fast ? 1e-4 : 1e-6);
   }
   // beta = 1 accumulates (weight gradients over micro-batches) and a strided C keeps its padding.
   if (M > 0 && N > 0) {
@@ -595,7 +604,7 @@ void check_linear_gemms(bool blockwise, bool hybrid, const GemmCase& c) {
     cuda::gemm_fp8(xq, false, wq, true, 0.5f, 1.0f, gpu.data(), N + 3, false);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = N; j < N + 3; ++j) ASSERT_EQ(gpu[m * (N + 3) + j], c0[m * (N + 3) + j]) << "padding written";
-    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), 1e-7);
+    EXPECT_LT(dissimilarity(gpu, to_double(cpu)), 1e-6);
   }
 }
 
@@ -619,9 +628,10 @@ TEST_F(CudaOps, Fp32GemmMatchesCpu) {
         SCOPED_TRACE(testing::Message() << M << "x" << N << "x" << K << " ta " << ta << " tb " << tb);
         const auto a = randn(M * K, 81), b = randn(K * N, 82), c0 = randn(M * N, 83);
         std::vector<float> cpu = c0;
-        sgemm(ta, tb, M, N, K, 0.5f, a.data(), ta ? M : K, b.data(), tb ? K : N, 1.0f, cpu.data(), N);
+        const int64_t lda = std::max<int64_t>(1, ta ? M : K), ldb = std::max<int64_t>(1, tb ? K : N);
+        sgemm(ta, tb, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, cpu.data(), N);
         auto ga = dev(a), gb = dev(b), gc = dev(c0);
-        cuda::sgemm(ta, tb, M, N, K, 0.5f, ga.get(), ta ? M : K, gb.get(), tb ? K : N, 1.0f, gc.get(), N, stream());
+        cuda::sgemm(ta, tb, M, N, K, 0.5f, ga.get(), lda, gb.get(), ldb, 1.0f, gc.get(), N, stream());
         expect_near_rel(host(gc, M * N), cpu, 1e-5, "C");
       }
 }
