@@ -8,6 +8,7 @@
 set -uo pipefail
 tarball=$1 src=$2
 fail() { echo "FAIL: $*" >&2; exit 1; }
+source "$(dirname "$0")/common.sh"  # SMALL_MOE_MODEL
 command -v bwrap >/dev/null || { echo "SKIPPED: bubblewrap (bwrap) is not installed"; exit 77; }
 bwrap --ro-bind / / true 2>/dev/null || { echo "SKIPPED: bwrap cannot create a sandbox here"; exit 77; }
 tmp=$(mktemp -d /tmp/fp8moe-bundlecheck-XXXXXX)
@@ -32,8 +33,7 @@ fp8moe --version
 test_cuda_ops --gtest_brief=1 | tail -3
 fp8moe prepare-data --output data/src --val-fraction 0.2 --input $src/README.md $src/kernels/*.h $src/model/*.cpp >/dev/null
 cat >cfg.yaml <<EOF2
-model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
-        moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}
+$SMALL_MOE_MODEL
 train: {steps: 3, warmup_steps: 1, global_batch: 4, seq_len: 32}
 fp8: {recipe: blockwise, tile: 16}
 data: {path: data/src}

@@ -9,20 +9,17 @@
 # usage: checkpoint_faults.sh FP8MOE MPIEXEC [RANDOM_KILLS]
 set -uo pipefail
 exe=$1 mpiexec=$2 random_kills=${3:-12}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+source "$(dirname "$0")/common.sh"
 export OMPI_MCA_odls_base_sigkill_timeout=0  # a killed job ends at once
 
 tmp=$(mktemp -d /tmp/fp8moe-faults-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-"$exe" prepare-data --output "$tmp/data/lic" --val-fraction 0.3 --seed 5 \
-  --input /usr/share/common-licenses/{GPL-3,GPL-2,LGPL-3,Apache-2.0} >/dev/null || fail "prepare-data"
+prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
 # Few datasets (2 routed experts): the sweep below kills once per save event.
 cat >"$tmp/cfg.yaml" <<EOF
-model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
-        moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}
+$SMALL_MOE_MODEL
 train: {steps: 40, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
 fp8: {recipe: delayed, amax_history_len: 4}
 eval: {every: 0}

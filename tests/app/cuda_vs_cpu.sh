@@ -12,7 +12,8 @@
 set -uo pipefail
 exe=$1 src=$2 steps=${3:-20}
 fail() { echo "FAIL: $*" >&2; exit 1; }
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source "$(dirname "$0")/common.sh"
+unset OMP_NUM_THREADS  # one process: every core
 if ! "$exe" --version 2>/dev/null | grep -q "GPUs: *[0-9]* visible"; then
   echo "[  SKIPPED ] no CUDA device visible ($("$exe" --version 2>&1 | sed -n 's/^ *GPUs: *//p'))"
   exit 77
@@ -32,7 +33,6 @@ log: {every: 1}
 data: {path: $tmp/data/src}
 checkpoint: {dir: $tmp/ck, resume: none}
 EOF2
-losses() { sed -n 's/^step *\([0-9]*\)\/.*  loss \([0-9.]*\) .*\[\(.*\)\]$/\1 \3/p' "$1"; }
 printf '%-10s %14s %12s %10s %8s %s\n' recipe "max rel diff" bound "cuda tok/s" "mfu" "cpu tok/s"
 status=0
 for recipe in off current blockwise; do
@@ -44,7 +44,7 @@ for recipe in off current blockwise; do
       fail "$recipe on $dev: $(tail -5 "$tmp/$recipe-$dev.txt")"
   done
   grep -q "^device: cuda" "$tmp/$recipe-cuda.txt" || fail "runtime.device=cuda did not run on cuda"
-  diff=$(paste <(losses "$tmp/$recipe-cpu.txt") <(losses "$tmp/$recipe-cuda.txt") | python3 -c '
+  diff=$(paste <(loss_bits <"$tmp/$recipe-cpu.txt") <(loss_bits <"$tmp/$recipe-cuda.txt") | python3 -c '
 import sys
 worst, n = 0.0, 0
 for line in sys.stdin:

@@ -12,8 +12,7 @@ exe=$1 mpiexec=$2 src=$3
 for tool in slurmctld slurmd sbatch scontrol scancel squeue sinfo; do
   command -v $tool >/dev/null || { echo "[  SKIPPED ] $tool not installed (scripts/setup.sh installs slurm-wlm)"; exit 0; }
 done
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+source "$(dirname "$0")/../app/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-slurm-XXXXXX)
 export SLURM_CONF=$tmp/slurm.conf
 t0=$(date +%s.%N)
@@ -64,11 +63,9 @@ for _ in $(seq 50); do sinfo -h -o %t 2>/dev/null | grep -q idle && break; sleep
 sinfo -h -o %t | grep -q idle || fail "the node did not come up"
 stamp "slurmctld and slurmd up"
 
-"$exe" prepare-data --output "$tmp/data/lic" --val-fraction 0.3 --seed 5 \
-  --input /usr/share/common-licenses/{GPL-3,GPL-2,LGPL-3,Apache-2.0} >/dev/null || fail "prepare-data"
+prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
 cat >"$tmp/cfg.yaml" <<CFG
-model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
-        moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}
+$SMALL_MOE_MODEL
 train: {steps: 600, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
 fp8: {recipe: delayed, amax_history_len: 4}
 eval: {every: 100, batches: 1}
@@ -76,7 +73,6 @@ log: {every: 1}
 data: {path: $tmp/data/lic}
 checkpoint: {dir: $tmp/ckpt, every: 200, keep_last: 2}
 CFG
-loss_bits() { sed -n 's/^step *\([0-9]*\)\/.*\[\(.*\)\]$/\1 \2/p'; }
 "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/ref" >"$tmp/ref.txt" 2>&1 || fail "reference run"
 stamp "uninterrupted reference run (mpirun -np 2) done"
 

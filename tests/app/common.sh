@@ -1,0 +1,17 @@
+# Shared by the shell tests (source it): Open MPI as root and oversubscribed, one OpenMP thread per
+# rank, the small MoE they train, its data set, and the loss bits of the metrics lines.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+
+# 2 blocks (one dense, one MoE with 2 routed experts and a shared one): few checkpoint datasets.
+SMALL_MOE_MODEL='model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
+        moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}'
+
+# prepare_licence_data FP8MOE PREFIX: four licence texts, byte-level, 30% of them for validation.
+prepare_licence_data() {
+  "$1" prepare-data --output "$2" --val-fraction 0.3 --seed 5 \
+    --input /usr/share/common-licenses/{GPL-3,GPL-2,LGPL-3,Apache-2.0} >/dev/null
+}
+
+# loss_bits < LOG: "STEP LOSS" per metrics line, the loss as its exact bits (%a).
+loss_bits() { sed -n 's/^step *\([0-9]*\)\/.*\[\(.*\)\]$/\1 \2/p'; }
