@@ -23,60 +23,42 @@ namespace {
 // cores / (ranks on the node), at least 1 (more threads than cores makes OpenMP's spinning
 // threads crawl). Collective over MPI_COMM_WORLD.
 int set_threads_per_rank() {
-  MPI_Comm node;
-  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-  int local = 1;
-  MPI_CHECK(MPI_Comm_size(node, &local));
-  MPI_CHECK(MPI_Comm_free(&node));
+  const int local = node_place(MPI_COMM_WORLD).local_size;
   if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(std::max(1, omp_get_num_procs() / local));
   return omp_get_max_threads();
-}
-
-struct NodePlace {
-  int local_rank = 0, local_size = 1;
-};
-NodePlace node_place() {  // collective over MPI_COMM_WORLD
-  MPI_Comm node;
-  NodePlace p;
-  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-  MPI_CHECK(MPI_Comm_rank(node, &p.local_rank));
-  MPI_CHECK(MPI_Comm_size(node, &p.local_size));
-  MPI_CHECK(MPI_Comm_free(&node));
-  return p;
 }
 
 // runtime.device and runtime.comm resolved to what runs (every rank agrees), the CUDA device
 // selected by the node-local rank. Empty on success, else the message of a usage error.
 // Collective over MPI_COMM_WORLD.
 std::string resolve_runtime(Config& cfg, std::string* device_line) {
-  const NodePlace place = node_place();
+  const NodePlace place = node_place(MPI_COMM_WORLD);
   std::string why;
   const int gpus = cuda_device_count(&why);
   const bool all_have_gpu = !any_rank(MPI_COMM_WORLD, gpus == 0);
-  // NCCL refuses two ranks on one GPU: it needs as many GPUs as ranks on every node.
-  const bool gpu_per_rank = !any_rank(MPI_COMM_WORLD, gpus < place.local_size);
+  const int ordinal = gpus > 0 ? place.local_rank % gpus : -1;
+  // NCCL refuses two ranks on one GPU.
+  const bool gpu_per_rank = distinct_gpus_per_node(MPI_COMM_WORLD, ordinal);
   RuntimeConfig& r = cfg.runtime;
-  if (r.device == DeviceChoice::cuda && !all_have_gpu) {
-    const std::string mine = gpus == 0 ? why : "";
-    return "runtime.device: cuda, but a rank sees no CUDA device" + (mine.empty() ? std::string() : " (" + mine + ")") +
+  if (r.device == DeviceChoice::cuda && !all_have_gpu)
+    return "runtime.device: cuda, but a rank sees no CUDA device" + (gpus == 0 ? " (" + why + ")" : std::string()) +
            "; use runtime.device=cpu or auto";
+  std::string resolved;
+  if (r.device == DeviceChoice::automatic) {
+    r.device = all_have_gpu ? DeviceChoice::cuda : DeviceChoice::cpu;
+    resolved = std::string(" (runtime.device auto resolved to ") + (all_have_gpu ? "cuda" : "cpu") + ")";
   }
-  if (r.device == DeviceChoice::automatic) r.device = all_have_gpu ? DeviceChoice::cuda : DeviceChoice::cpu;
-  if (r.device == DeviceChoice::cuda && cfg.fp8.recipe == Fp8Recipe::blockwise && cfg.fp8.tile != 128)
-    return "fp8.tile: " + std::to_string(cfg.fp8.tile) +
-           " with runtime.device cuda; cuBLASLt's block-scaled GEMMs need 128";
-  if (r.comm == CommChoice::nccl && r.device != DeviceChoice::cuda)
-    return "runtime.comm: nccl needs runtime.device cuda (this run resolved to cpu)";
-  if (r.comm == CommChoice::nccl && !gpu_per_rank)
-    return "runtime.comm: nccl needs one GPU per rank (a node runs more ranks than it has GPUs); use mpi";
+  if (r.comm == CommChoice::nccl && r.device == DeviceChoice::cuda && !gpu_per_rank)
+    return "runtime.comm: nccl needs a GPU of its own for every rank (two ranks of a node use the same GPU); use mpi";
   if (r.comm == CommChoice::automatic)
     r.comm = r.device == DeviceChoice::cuda && gpu_per_rank ? CommChoice::nccl : CommChoice::mpi;
+  if (const RuntimeProblem p = runtime_problem(cfg); !p.key.empty())  // the rules again, auto resolved
+    return p.key + ": expected " + p.expected + resolved;
   if (r.device == DeviceChoice::cuda) {
     if (!set_compute_device(ComputeDevice::cuda, place.local_rank, &why))
       fatal_error(__FILE__, __LINE__, "selecting the CUDA device: " + why);
-    const DeviceMemoryStats m = device_memory_stats();
-    *device_line = "device: cuda (rank 0: GPU " + std::to_string(m.device) + " of " + std::to_string(gpus) +
-                   " on its node, chosen by node-local rank " + std::to_string(place.local_rank) + "), comm " +
+    *device_line = "device: cuda (rank 0: GPU " + std::to_string(ordinal) + " of the " + std::to_string(gpus) +
+                   " it sees, by node-local rank " + std::to_string(place.local_rank) + "), comm " +
                    std::string(to_string(r.comm));
   } else {
     *device_line = "device: cpu, comm mpi";

@@ -175,7 +175,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   double peak = 0;
   if (on_gpu) {  // NaN (MFU not reported) on a GPU whose peak we do not know
     peak = gpu_dense_peak_flops(fp8_gemms) * double(world.size());
-    peak_basis = fp8_gemms ? "the GPU's dense FP8 peak" : "the GPU's dense BF16 peak";
+    peak_basis = fp8_gemms ? "the GPU's dense FP8 peak" : "the GPU's FP32 peak (no TF32)";
   } else {
     peak = measured_sgemm_flops() * double(world.size());
   }
@@ -407,13 +407,14 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       if (jsonl) {
         std::fprintf(jsonl,
                      "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
-                     "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"peak_device_mem_bytes\":%lld,"
+                     "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"peak_device_mem_bytes\":%s,"
                      "\"expert_load_imbalance\":%s,"
                      "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s,"
                      "\"pipeline_bubble\":%s,\"pipeline_bubble_ideal\":%s}\n",
                      (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
                      json_number(st.lr).c_str(), json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(),
-                     json_number(step_s).c_str(), json_number(mfu).c_str(), (long long)mem, (long long)dmem,
+                     json_number(step_s).c_str(), json_number(mfu).c_str(), (long long)mem,
+                     on_gpu ? std::to_string((long long)dmem).c_str() : "null",
                      json_number(imbalance).c_str(), (long long)saturated, (long long)underflowed,
                      (long long)opt.skipped(), json_number(used_scale).c_str(), json_number(P > 1 ? bubble : NAN).c_str(),
                      json_number(P > 1 ? bubble_ideal : NAN).c_str());

@@ -381,8 +381,8 @@ const std::vector<Field>& schema() {
     // runtime
     v.push_back(choice("runtime.device", REF(runtime.device),
                        "Where the ops run: cpu, cuda (rank -> GPU by its node-local rank), or auto (cuda when "
-                       "every rank sees a GPU, else cpu). The CUDA backend is compiled but has not yet run on a "
-                       "GPU (README, CUDA backend)."));
+                       "every rank sees a GPU, else cpu). The default is cpu because the CUDA backend is compiled "
+                       "but has not yet run on a GPU (README, CUDA backend)."));
     v.push_back(choice("runtime.comm", REF(runtime.comm),
                        "Collectives of the tensor, data and expert groups: mpi, nccl (needs runtime.device cuda and "
                        "a GPU per rank), or auto (nccl when both hold, else mpi). The pipeline's point-to-point "
@@ -542,6 +542,19 @@ std::string show_value(const Field& f, const Config& c) {
   return e.c_str();
 }
 
+}  // namespace
+
+RuntimeProblem runtime_problem(const Config& c) {
+  if (c.runtime.comm == CommChoice::nccl && c.runtime.device == DeviceChoice::cpu)
+    return {"runtime.comm", "mpi or auto with runtime.device cpu (NCCL needs the CUDA backend)"};
+  if (c.runtime.device == DeviceChoice::cuda && c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.tile != 128)
+    return {"fp8.tile", "128 with runtime.device cuda and fp8.recipe blockwise (cuBLASLt's block-scaled GEMMs use "
+                        "1 x 128 and 128 x 128 blocks)"};
+  return {};
+}
+
+namespace {
+
 // Rules between keys, and those that need the number of ranks (world_size > 0).
 void check_rules(const Config& c, const Loader& L, int world_size) {
   auto rule = [&](bool ok, const std::string& key, const std::string& expected) {
@@ -592,11 +605,7 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
        "train.recompute",
        "none with fp8.recipe delayed and parallel.pipeline > 1 (1F1B runs later micro-batches' forwards before a "
        "block is recomputed, so the delayed scale its forward used is gone)");
-  rule(!(c.runtime.comm == CommChoice::nccl && c.runtime.device == DeviceChoice::cpu), "runtime.comm",
-       "mpi or auto with runtime.device cpu (NCCL needs the CUDA backend)");
-  rule(!(c.runtime.device == DeviceChoice::cuda && c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.tile != 128),
-       "fp8.tile", "128 with runtime.device cuda and fp8.recipe blockwise (cuBLASLt's block-scaled GEMMs use "
-       "1 x 128 and 128 x 128 blocks)");
+  if (const RuntimeProblem r = runtime_problem(c); !r.key.empty()) rule(false, r.key, r.expected);
 
   // Blockwise FP8: a weight block or activation tile may not straddle a tensor-parallel shard.
   if (c.fp8.recipe == Fp8Recipe::blockwise && p.tensor > 1) {

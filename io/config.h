@@ -39,6 +39,14 @@ std::string config_to_yaml(const Config& config);
 // Every key with its default, what it accepts and what it means, as commented YAML.
 std::string config_reference();
 
+// The runtime rules that depend on runtime.device and runtime.comm: checked by load_config for
+// the values a config gives, and by `fp8moe train` again once `auto` has been resolved. Empty when
+// none is broken, else {key, what is expected}.
+struct RuntimeProblem {
+  std::string key, expected;
+};
+RuntimeProblem runtime_problem(const Config& config);
+
 // Levenshtein distance (exposed for tests of the "did you mean" suggestions).
 size_t edit_distance(const std::string& a, const std::string& b);
 

@@ -38,6 +38,16 @@ bool set_compute_device(ComputeDevice d, int local_rank, std::string* why) {
 
 ComputeDevice compute_device() { return g_device; }
 
+std::string cuda_device_pci_id(int ordinal) {
+#ifdef FP8MOE_HAVE_CUDA
+  char id[32] = {};
+  if (cudaDeviceGetPCIBusId(id, sizeof id, ordinal) == cudaSuccess) return id;
+  (void)cudaGetLastError();
+#endif
+  (void)ordinal;
+  return "";
+}
+
 DeviceMemoryStats device_memory_stats() {
   DeviceMemoryStats s;
 #ifdef FP8MOE_HAVE_CUDA
@@ -55,7 +65,7 @@ double gpu_dense_peak_flops(bool fp8) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, cuda::context().device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
         prop.multiProcessorCount >= 132)  // H100 / H200 SXM (the PCIe H100 has 114)
-      return fp8 ? 1979e12 : 989.4e12;
+      return fp8 ? 1979e12 : 66.9e12;
   }
 #endif
   (void)fp8;

@@ -17,6 +17,9 @@ const char* to_string(ComputeDevice d);
 bool set_compute_device(ComputeDevice d, int local_rank, std::string* why);
 ComputeDevice compute_device();
 
+// The PCI bus id of CUDA device `ordinal` ("0000:8a:00.0"); empty without CUDA or that device.
+std::string cuda_device_pci_id(int ordinal);
+
 // Device memory of the caching arena (0 on the CPU backend): bytes handed out now, the most ever
 // handed out at once, and what the arena holds from cudaMalloc (handed out + cached).
 struct DeviceMemoryStats {
@@ -25,8 +28,9 @@ struct DeviceMemoryStats {
 };
 DeviceMemoryStats device_memory_stats();
 
-// The dense tensor-core peak of this process's GPU in FLOP/s (FP8, or BF16 when fp8 is false) for
-// the GPUs whose datasheet figure we know (H100 / H200 SXM: 1979 / 989 TFLOP/s); NaN otherwise.
+// The dense peak of this process's GPU in FLOP/s for the GEMMs fp8moe runs there: FP8 tensor cores
+// (fp8 true), or FP32 without TF32 (the `off` recipe's cuBLASLt COMPUTE_32F), for the GPUs whose
+// datasheet figures we know (H100 / H200 SXM: 1979 / 67 TFLOP/s); NaN otherwise.
 double gpu_dense_peak_flops(bool fp8);
 
 }  // namespace fp8moe

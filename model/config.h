@@ -137,7 +137,9 @@ struct CheckpointConfig {
 };
 
 struct RuntimeConfig {
-  DeviceChoice device = DeviceChoice::automatic;  // auto: cuda when every rank sees a GPU, else cpu
+  // auto: cuda when every rank sees a GPU, else cpu. NOTE: the default is cpu until the CUDA
+  // backend has run on a GPU (README, CUDA backend): no config moves onto it unasked.
+  DeviceChoice device = DeviceChoice::cpu;
   CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda, mpi on cpu
   bool operator==(const RuntimeConfig&) const = default;
 };

@@ -1,9 +1,12 @@
 #include "parallel/mpi_session.h"
 
 #include <cstring>
+#include <set>
+#include <vector>
 #include <exception>
 
 #include "kernels/check.h"
+#include "kernels/device.h"
 
 #ifdef FP8MOE_HAVE_CUDA
 #include <nccl.h>
@@ -43,6 +46,34 @@ bool any_rank(MPI_Comm comm, bool flag) {
   int local = flag ? 1 : 0, global = 0;
   MPI_CHECK(MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MAX, comm));
   return global != 0;
+}
+
+NodePlace node_place(MPI_Comm comm) {
+  MPI_Comm node;
+  NodePlace p;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  MPI_CHECK(MPI_Comm_rank(node, &p.local_rank));
+  MPI_CHECK(MPI_Comm_size(node, &p.local_size));
+  MPI_CHECK(MPI_Comm_free(&node));
+  return p;
+}
+
+bool distinct_gpus_per_node(MPI_Comm comm, int ordinal) {
+  constexpr int kIdLen = 32;  // "0000:8a:00.0"
+  char mine[kIdLen] = {};
+  const std::string id = ordinal >= 0 ? cuda_device_pci_id(ordinal) : "";
+  std::strncpy(mine, id.c_str(), kIdLen - 1);
+  MPI_Comm node;
+  int size = 1;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  MPI_CHECK(MPI_Comm_size(node, &size));
+  std::vector<char> all(static_cast<size_t>(size) * kIdLen);
+  MPI_CHECK(MPI_Allgather(mine, kIdLen, MPI_CHAR, all.data(), kIdLen, MPI_CHAR, node));
+  MPI_CHECK(MPI_Comm_free(&node));
+  std::set<std::string> seen;
+  bool ok = !id.empty();
+  for (int r = 0; r < size; ++r) ok = seen.insert(std::string(&all[size_t(r) * kIdLen])).second && ok;
+  return !any_rank(comm, !ok);
 }
 
 std::string mpi_library_version() {

@@ -31,6 +31,17 @@ void broadcast_string(MPI_Comm comm, std::string& text, int root);
 // True on every rank when `flag` is true on any rank of `comm` (collective).
 bool any_rank(MPI_Comm comm, bool flag);
 
+// This rank's place among the ranks of `comm` on its node (MPI_Comm_split_type shared). Collective.
+struct NodePlace {
+  int local_rank = 0, local_size = 1;
+};
+NodePlace node_place(MPI_Comm comm);
+
+// True on every rank when, on every node, the ranks that each take CUDA device `ordinal` of those
+// they see use distinct GPUs (compared by PCI bus id, so per-rank CUDA_VISIBLE_DEVICES counts
+// right); false when any rank has none or two share one (NCCL refuses that). Collective.
+bool distinct_gpus_per_node(MPI_Comm comm, int ordinal);
+
 // "Open MPI v4.1.4, ..." (first line of MPI_Get_library_version); callable before MPI_Init.
 std::string mpi_library_version();
 

@@ -67,7 +67,8 @@ if [[ -n $pmix_lib ]]; then  # PMIx's own components (Debian: /usr/lib/x86_64-li
 fi
 
 # RPATH $ORIGIN: the binaries find lib/, the libraries each other.
-for f in "$root/bin"/* "$root/ompi/bin"/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f" 2>/dev/null || true; done
+for f in "$root/bin"/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f" 2>/dev/null || true; done
+for f in "$root/ompi/bin"/*; do patchelf --set-rpath '$ORIGIN/../../lib' "$f" 2>/dev/null || true; done
 for f in "$root/lib"/*; do patchelf --set-rpath '$ORIGIN' "$f" 2>/dev/null || true; done
 
 cat >"$root/env.sh" <<'ENV'
@@ -77,17 +78,20 @@ export PATH="$B/bin:$B/ompi/bin:$PATH"
 export OPAL_PREFIX="$B/ompi" PMIX_INSTALL_PREFIX="$B/pmix" PMIX_MCA_mca_base_component_path="$B/pmix/lib/pmix"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_mca_base_component_show_load_errors=0 OMPI_MCA_btl_vader_single_copy_mechanism=none
-# cuBLASLt and NCCL: CUDA's lib64 first, then the nvidia-* wheels of any Python on the machine.
-cuda_libs=""
-for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
-  [[ -e $d/libcublasLt.so.13 ]] && cuda_libs+=":$d" && break
-done
+# cuBLASLt and NCCL, each where it is found first: CUDA's lib64, the system, then the nvidia-*
+# wheels of any Python on the machine (site and user site).
+dirs=("${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu)
 for py in python3 /opt/torch/.venv/bin/python3; do
-  site=$("$py" -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) || continue
-  for s in $site; do
-    for d in "$s"/nvidia/cu13/lib "$s"/nvidia/cublas/lib "$s"/nvidia/nccl/lib; do
-      [[ -d $d ]] && cuda_libs+=":$d"
-    done
+  site=$("$py" -c 'import site; print(" ".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null) || continue
+  for s in $site; do dirs+=("$s"/nvidia/cu13/lib "$s"/nvidia/cublas/lib "$s"/nvidia/nccl/lib); done
+done
+cuda_libs=""
+for lib in libcublasLt.so.13 libnccl.so.2; do
+  for d in "${dirs[@]}"; do
+    if [[ -e $d/$lib ]]; then
+      [[ ":$cuda_libs:" == *":$d:"* ]] || cuda_libs+=":$d"
+      break
+    fi
   done
 done
 export LD_LIBRARY_PATH="$B/lib${cuda_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -1,13 +1,14 @@
 #include <cfloat>
 
 #include "kernels/check.h"
+#include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/ops.h"
 
 namespace fp8moe::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kBlockThreads;
 
 unsigned grid_for(int64_t n, int threads = kThreads) {
   const int64_t want = (n + threads - 1) / threads;
@@ -17,38 +18,9 @@ unsigned grid_for(int64_t n, int threads = kThreads) {
 #define FP8MOE_GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
-// Block-wide sum of doubles (blockDim.x == kThreads), the same tree every time.
-__device__ double block_sum(double v) {
-  __shared__ double part[kThreads / 32];
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < kThreads / 32 ? part[threadIdx.x] : 0.0;
-    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-    if (threadIdx.x == 0) part[0] = v;
-  }
-  __syncthreads();
-  const double out = part[0];
-  __syncthreads();
-  return out;
-}
-
-__device__ float block_max_f(float v) {
-  __shared__ float part[kThreads / 32];
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < kThreads / 32 ? part[threadIdx.x] : -FLT_MAX;
-    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-    if (threadIdx.x == 0) part[0] = v;
-  }
-  __syncthreads();
-  const float out = part[0];
-  __syncthreads();
-  return out;
-}
+// Block-wide reductions (blockDim.x == kThreads), the same tree every time.
+__device__ double block_sum(double v) { return block_reduce(v, SumOp{}, 0.0); }
+__device__ float block_max_f(float v) { return block_reduce(v, MaxOp{}, -FLT_MAX); }
 
 __device__ float warp_sum(float v) {
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);

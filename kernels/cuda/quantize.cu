@@ -1,12 +1,13 @@
 #include <cuda_fp8.h>
 
 #include "kernels/check.h"
+#include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/quantize.h"
 
 namespace fp8moe::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kBlockThreads;
 
 unsigned grid_for(int64_t n) {
   const int64_t want = (n + kThreads - 1) / kThreads;
@@ -14,21 +15,7 @@ unsigned grid_for(int64_t n) {
 }
 
 // Block-wide max of non-negative float bit patterns (NaN sorts above inf, as on the CPU).
-__device__ uint32_t block_max(uint32_t v) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-  for (int o = 16; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
-    for (int o = 16; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-    if (threadIdx.x == 0) warp_max[0] = v;
-  }
-  __syncthreads();
-  const uint32_t out = warp_max[0];
-  __syncthreads();
-  return out;
-}
+__device__ uint32_t block_max(uint32_t v) { return block_reduce(v, MaxOp{}, 0u); }
 
 __global__ void amax_kernel(const float* __restrict__ x, int64_t n, uint32_t* out) {
   uint32_t m = 0;

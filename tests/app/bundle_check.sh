@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The device bundle (scripts/bundle.sh) is self-contained: unpacked in a sandbox (bubblewrap) where
-# the system's Open MPI, PMIx and every library the bundle carries are hidden, its fp8moe starts,
-# trains as an MPI singleton and under the bundle's own `mpirun -np 2`, and its test_cuda_ops runs
-# (SKIPPED here, without a GPU). Exit 77 (SKIPPED) without bubblewrap or user namespaces.
+# The device bundle (scripts/bundle.sh) is self-contained: unpacked, its programs run in a
+# bubblewrap sandbox whose /usr/lib/x86_64-linux-gnu holds glibc alone (no Open MPI, PMIx, HDF5,
+# yaml-cpp, OpenBLAS, oneDNN, libstdc++, ...; CUDA's own folder stays, as on the GPU machine).
+# There fp8moe starts, prepares data, trains as an MPI singleton and under the bundle's own
+# `mpirun -np 2`, and test_cuda_ops runs (all SKIPPED here, without a GPU). A library the bundle
+# failed to carry, loaded at start or later (dlopen), makes it fail. Exit 77 (SKIPPED) without
+# bubblewrap or where it cannot make a sandbox.
 #
 # usage: bundle_check.sh BUNDLE_TAR_XZ SOURCE_DIR
 set -uo pipefail
@@ -15,37 +18,43 @@ tmp=$(mktemp -d /tmp/fp8moe-bundlecheck-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 tar -C "$tmp" -xJf "$tarball" || fail "cannot unpack $tarball"
 B=$tmp/fp8moe-bundle
-# Hide what the bundle should bring: the system copy of each carried library, Open MPI and PMIx.
-hide=(--tmpfs /usr/lib/x86_64-linux-gnu/openmpi --tmpfs /usr/share/openmpi)
-[[ -d /usr/lib/x86_64-linux-gnu/pmix2 ]] && hide+=(--tmpfs /usr/lib/x86_64-linux-gnu/pmix2)
-for so in "$B"/lib/*; do
-  for d in /lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu/openblas-openmp; do
-    [[ -e $d/$(basename "$so") ]] && hide+=(--ro-bind /dev/null "$(readlink -f "$d/$(basename "$so")")")
-  done
+
+# The bundle's environment, from its env.sh (run out here: the sandbox has no bash libraries).
+sandbox=(--ro-bind / / --dev /dev --proc /proc --bind /tmp /tmp --clearenv --setenv HOME "$tmp" --setenv OMP_NUM_THREADS 1)
+while IFS='=' read -r name value; do sandbox+=(--setenv "$name" "$value"); done < <(bash -c "source '$B/env.sh'
+  for v in PATH LD_LIBRARY_PATH OPAL_PREFIX PMIX_INSTALL_PREFIX PMIX_MCA_mca_base_component_path OMPI_ALLOW_RUN_AS_ROOT \
+           OMPI_ALLOW_RUN_AS_ROOT_CONFIRM OMPI_MCA_mca_base_component_show_load_errors \
+           OMPI_MCA_btl_vader_single_copy_mechanism; do echo \"\$v=\${!v}\"; done")
+# The system's library folder replaced by glibc alone (and the loader).
+libdir=/usr/lib/x86_64-linux-gnu
+sandbox+=(--tmpfs "$libdir")
+for f in ld-linux-x86-64.so.2 libc.so.6 libm.so.6 libdl.so.2 libpthread.so.0 librt.so.1 libresolv.so.2 libutil.so.1 \
+         libanl.so.1 libnss_files.so.2 libnss_dns.so.2; do
+  [[ -e $libdir/$f ]] && sandbox+=(--ro-bind "$(readlink -f "$libdir/$f")" "$libdir/$f")
 done
-for t in mpirun mpiexec orted orterun; do p=$(command -v $t) && hide+=(--ro-bind /dev/null "$(readlink -f "$p")"); done
-cat >"$tmp/run.sh" <<EOS
-set -e
-source "$B/env.sh"
-cd "$tmp"
-ldd "$B/bin/fp8moe" | grep -q 'not found' && { ldd "$B/bin/fp8moe" | grep 'not found'; exit 11; }
-fp8moe --version
-test_cuda_ops --gtest_brief=1 | tail -3
-fp8moe prepare-data --output data/src --val-fraction 0.2 --input $src/README.md $src/kernels/*.h $src/model/*.cpp >/dev/null
-cat >cfg.yaml <<EOF2
-$SMALL_MOE_MODEL
-train: {steps: 3, warmup_steps: 1, global_batch: 4, seq_len: 32}
-fp8: {recipe: blockwise, tile: 16}
-data: {path: data/src}
-checkpoint: {dir: ck, resume: none}
-EOF2
-OMP_NUM_THREADS=1 fp8moe train cfg.yaml --set checkpoint.dir=ck1 | grep '^step'
-OMP_NUM_THREADS=1 mpirun -np 2 --oversubscribe fp8moe train cfg.yaml --set checkpoint.dir=ck2 | grep '^step'
-EOS
-bwrap --ro-bind / / --dev /dev --proc /proc --bind /tmp /tmp "${hide[@]}" bash "$tmp/run.sh" >"$tmp/out.txt" 2>&1
+run() { bwrap "${sandbox[@]}" --chdir "$tmp" "$@"; }
+
+{
+  printf '%s\n' "$SMALL_MOE_MODEL"
+  echo "train: {steps: 3, warmup_steps: 1, global_batch: 4, seq_len: 32}"
+  echo "fp8: {recipe: blockwise, tile: 16}"
+  echo "data: {path: $tmp/data/src}"
+  echo "checkpoint: {resume: none}"
+} >"$tmp/cfg.yaml"
+out=$tmp/out.txt
+(
+  set -e
+  run "$B/bin/fp8moe" --version
+  run "$B/bin/test_cuda_ops" --gtest_brief=1 | tail -3
+  run "$B/bin/fp8moe" prepare-data --output "$tmp/data/src" --val-fraction 0.2 \
+    --input "$src"/README.md "$src"/kernels/*.h "$src"/model/*.cpp >/dev/null
+  run "$B/bin/fp8moe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/ck1" | grep '^step'
+  run "$B/ompi/bin/mpirun" -np 2 --oversubscribe "$B/bin/fp8moe" train "$tmp/cfg.yaml" \
+    --set checkpoint.dir="$tmp/ck2" | grep '^step'
+) >"$out" 2>&1
 status=$?
-cat "$tmp/out.txt"
+cat "$out"
 [[ $status == 0 ]] || fail "the bundle failed in the sandbox (exit $status)"
-grep -q "SKIPPED" "$tmp/out.txt" || fail "test_cuda_ops did not report SKIPPED without a GPU"
-[[ $(grep -c '^step *3/3' "$tmp/out.txt") == 2 ]] || fail "the singleton and the mpirun -np 2 run did not both finish"
-echo "bundle_check: OK ($(du -sh "$tarball" | cut -f1) packed; fp8moe ran with the system's Open MPI, PMIx and ${#hide[@]} paths hidden)"
+grep -q "SKIPPED" "$out" || fail "test_cuda_ops did not report SKIPPED without a GPU"
+[[ $(grep -c '^step *3/3' "$out") == 2 ]] || fail "the singleton and the mpirun -np 2 run did not both finish"
+echo "bundle_check: OK ($(du -sh "$tarball" | cut -f1) packed; ran with glibc alone in $libdir)"

@@ -21,6 +21,8 @@
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/quantize.h"
 #include "kernels/cuda/swiglu.h"
+#include "kernels/device.h"
+#include "kernels/dispatch.h"
 #include "kernels/fp8.h"
 #include "kernels/gemm_fp8.h"
 #include "kernels/ops.h"
@@ -477,12 +479,12 @@ TEST_F(CudaOps, AdamWAndBiasUpdateMatchCpuBitwise) {
       cuda::adamw(h, gw.get(), gg.get(), nullptr, nullptr, gm16.get(), gv16.get(), n, stream());
     else
       cuda::adamw(h, gw.get(), gg.get(), gm.get(), gv.get(), nullptr, nullptr, n, stream());
-    for (int64_t j = 0; j < n; ++j) {
-      float mj = bf16 ? bf16_decode(m16[j]) : m[j], vj = bf16 ? bf16_decode(v16[j]) : v[j];
-      adamw_elem(h, &w[j], &mj, &vj, &g[j]);
-      if (bf16) m16[j] = bf16_encode(mj), v16[j] = bf16_encode(vj);
-      else m[j] = mj, v[j] = vj;
-    }
+    // The CPU's AdamW (this process's compute device is the CPU: the context alone does not change it).
+    ASSERT_EQ(compute_device(), ComputeDevice::cpu);
+    if (bf16)
+      dev::adamw(h, w.data(), g.data(), nullptr, nullptr, m16.data(), v16.data(), n);
+    else
+      dev::adamw(h, w.data(), g.data(), m.data(), v.data(), nullptr, nullptr, n);
     expect_bitwise(host(gw, n), w, "w");
     expect_bitwise(host(gg, n), g, "clipped g");
     if (bf16) {

@@ -13,6 +13,7 @@
 #include "kernels/backend_info.h"
 #include "kernels/device.h"
 #include "parallel/communicator.h"
+#include "parallel/mpi_session.h"
 
 namespace fp8moe {
 namespace {
@@ -20,19 +21,14 @@ namespace {
 class Nccl : public testing::Test {
  protected:
   void SetUp() override {
-    MPI_Comm node;
-    int world_rank = 0, local = 0, local_size = 1;
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-    MPI_Comm_rank(node, &local);
-    MPI_Comm_size(node, &local_size);
-    MPI_Comm_free(&node);
+    // As fp8moe train chooses: GPU local_rank % visible, NCCL only with a GPU of its own per rank.
+    const NodePlace place = node_place(MPI_COMM_WORLD);
     std::string why;
     const int gpus = cuda_device_count(&why);
-    int short_of_gpus = gpus < local_size, any = 0;
-    MPI_Allreduce(&short_of_gpus, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (any) GTEST_SKIP() << "NCCL needs a GPU per rank: " << (gpus == 0 ? why : std::to_string(gpus) + " GPUs for " + std::to_string(local_size) + " ranks on a node");
-    ASSERT_TRUE(set_compute_device(ComputeDevice::cuda, local, &why)) << why;
+    if (!distinct_gpus_per_node(MPI_COMM_WORLD, gpus > 0 ? place.local_rank % gpus : -1))
+      GTEST_SKIP() << "NCCL needs a GPU of its own per rank: "
+                   << (gpus == 0 ? why : std::to_string(gpus) + " GPUs for " + std::to_string(place.local_size) + " ranks on a node");
+    ASSERT_TRUE(set_compute_device(ComputeDevice::cuda, place.local_rank, &why)) << why;
     nccl = make_group_communicator(MPI_COMM_WORLD, true);
     mpi = make_group_communicator(MPI_COMM_WORLD, false);
   }
