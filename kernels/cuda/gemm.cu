@@ -115,6 +115,7 @@ PackedOperand pack(const QuantTensor& q, bool k_along_rows, int64_t outer_p, int
                 detail::concat("the CUDA backend's block-scaled GEMMs need fp8.tile 128 (cuBLASLt's blocks) with "
                                "1 x 128 tiles along K; got a ", to_string(q.tiling), " operand with tile ", q.tile,
                                k_along_rows ? ", K along its rows" : ", K along its columns"));
+  FP8MOE_ASSERT(q.tiling != Tiling::per_tensor || q.scale_inv.size() == 1, "a per-tensor QuantTensor without its scale");
   Buffer<uint8_t> raw = to_device(q.data.data(), int64_t(q.data.size()));
   Buffer<float> raw_si = to_device(q.scale_inv.data(), int64_t(q.scale_inv.size()));
   p.data = Buffer<uint8_t>(outer_p * K_p);
