@@ -75,7 +75,29 @@ __global__ void rope_kernel(float* __restrict__ x, int64_t rows, int64_t T, int6
 }
 
 // ---- Attention: one warp per query row (forward, dq) or key row (dk, dv) ----------------------
+// A head's row of hd values is spread over the warp: lane holds elements lane + 32 c.
 constexpr int kMaxPerLane = 8;  // head_dim <= 256
+using LaneRow = float[kMaxPerLane];
+
+__device__ void lane_load(LaneRow& r, const float* p, int64_t hd, int lane) {
+  for (int c = 0; c < kMaxPerLane; ++c) r[c] = lane + 32 * c < hd ? p[lane + 32 * c] : 0.0f;
+}
+// This lane's part of r . p (warp_sum completes it).
+__device__ float lane_dot(const LaneRow& r, const float* p, int64_t hd, int lane) {
+  float s = 0.0f;
+  for (int c = 0; c < kMaxPerLane; ++c)
+    if (lane + 32 * c < hd) s += r[c] * p[lane + 32 * c];
+  return s;
+}
+// r = r * keep + a * p
+__device__ void lane_update(LaneRow& r, float keep, float a, const float* p, int64_t hd, int lane) {
+  for (int c = 0; c < kMaxPerLane; ++c)
+    if (lane + 32 * c < hd) r[c] = r[c] * keep + a * p[lane + 32 * c];
+}
+__device__ void lane_store(float* p, const LaneRow& r, float scale, int64_t hd, int lane) {
+  for (int c = 0; c < kMaxPerLane; ++c)
+    if (lane + 32 * c < hd) p[lane + 32 * c] = r[c] * scale;
+}
 
 __global__ void attn_fwd_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                                 int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale,
@@ -85,37 +107,20 @@ __global__ void attn_fwd_kernel(const float* __restrict__ q, const float* __rest
   if (warp >= B * H * T) return;
   const int64_t i = warp % T, h = (warp / T) % H, b = warp / (T * H);
   const int64_t g = h / (H / KVH), qs = H * hd, ks = KVH * hd;
-  const float* qi = q + (b * T + i) * qs + h * hd;
-  float qr[kMaxPerLane], acc[kMaxPerLane];
-  for (int c = 0; c < kMaxPerLane; ++c) {
-    const int64_t d = lane + 32 * c;
-    qr[c] = d < hd ? qi[d] : 0.0f;
-    acc[c] = 0.0f;
-  }
-  float m = -FLT_MAX, l = 0.0f;
+  LaneRow qr, acc = {};
+  lane_load(qr, q + (b * T + i) * qs + h * hd, hd, lane);
+  float m = -FLT_MAX, l = 0.0f;  // online softmax: running max and sum
   for (int64_t j = 0; j <= i; ++j) {
     const float* kj = k + (b * T + j) * ks + g * hd;
     const float* vj = v + (b * T + j) * ks + g * hd;
-    float dot = 0.0f;
-    for (int c = 0; c < kMaxPerLane; ++c) {
-      const int64_t d = lane + 32 * c;
-      if (d < hd) dot += qr[c] * kj[d];
-    }
-    const float s = warp_sum(dot) * scale;
+    const float s = warp_sum(lane_dot(qr, kj, hd, lane)) * scale;
     const float m_new = fmaxf(m, s);
     const float corr = expf(m - m_new), p = expf(s - m_new);
     l = l * corr + p;
-    for (int c = 0; c < kMaxPerLane; ++c) {
-      const int64_t d = lane + 32 * c;
-      if (d < hd) acc[c] = acc[c] * corr + p * vj[d];
-    }
+    lane_update(acc, corr, p, vj, hd, lane);
     m = m_new;
   }
-  float* oi = out + (b * T + i) * qs + h * hd;
-  for (int c = 0; c < kMaxPerLane; ++c) {
-    const int64_t d = lane + 32 * c;
-    if (d < hd) oi[d] = acc[c] / l;
-  }
+  lane_store(out + (b * T + i) * qs + h * hd, acc, 1.0f / l, hd, lane);
   if (lane == 0) lse[(b * H + h) * T + i] = m + logf(l);
 }
 
@@ -126,11 +131,9 @@ __global__ void attn_delta_kernel(const float* __restrict__ out, const float* __
   const int lane = threadIdx.x & 31;
   if (warp >= rows) return;
   const int64_t i = warp % T, h = (warp / T) % H, b = warp / (T * H);
-  const float* o = out + (b * T + i) * H * hd + h * hd;
-  const float* g = dout + (b * T + i) * H * hd + h * hd;
-  float s = 0.0f;
-  for (int64_t d = lane; d < hd; d += 32) s += o[d] * g[d];
-  s = warp_sum(s);
+  LaneRow o;
+  lane_load(o, out + (b * T + i) * H * hd + h * hd, hd, lane);
+  const float s = warp_sum(lane_dot(o, dout + (b * T + i) * H * hd + h * hd, hd, lane));
   if (lane == 0) delta[(b * H + h) * T + i] = s;
 }
 
@@ -143,35 +146,17 @@ __global__ void attn_dq_kernel(const float* __restrict__ q, const float* __restr
   if (warp >= B * H * T) return;
   const int64_t i = warp % T, h = (warp / T) % H, b = warp / (T * H);
   const int64_t g = h / (H / KVH), qs = H * hd, ks = KVH * hd;
-  const float* qi = q + (b * T + i) * qs + h * hd;
-  const float* gi = dout + (b * T + i) * qs + h * hd;
-  float qr[kMaxPerLane], gr[kMaxPerLane], acc[kMaxPerLane];
-  for (int c = 0; c < kMaxPerLane; ++c) {
-    const int64_t d = lane + 32 * c;
-    qr[c] = d < hd ? qi[d] : 0.0f, gr[c] = d < hd ? gi[d] : 0.0f, acc[c] = 0.0f;
-  }
+  LaneRow qr, gr, acc = {};
+  lane_load(qr, q + (b * T + i) * qs + h * hd, hd, lane);
+  lane_load(gr, dout + (b * T + i) * qs + h * hd, hd, lane);
   const float li = lse[(b * H + h) * T + i], di = delta[(b * H + h) * T + i];
   for (int64_t j = 0; j <= i; ++j) {
     const float* kj = k + (b * T + j) * ks + g * hd;
-    const float* vj = v + (b * T + j) * ks + g * hd;
-    float s = 0.0f, dp = 0.0f;
-    for (int c = 0; c < kMaxPerLane; ++c) {
-      const int64_t d = lane + 32 * c;
-      if (d < hd) s += qr[c] * kj[d], dp += gr[c] * vj[d];
-    }
-    s = warp_sum(s) * scale;
-    dp = warp_sum(dp);
-    const float ds = expf(s - li) * (dp - di);
-    for (int c = 0; c < kMaxPerLane; ++c) {
-      const int64_t d = lane + 32 * c;
-      if (d < hd) acc[c] += ds * kj[d];
-    }
+    const float s = warp_sum(lane_dot(qr, kj, hd, lane)) * scale;
+    const float dp = warp_sum(lane_dot(gr, v + (b * T + j) * ks + g * hd, hd, lane));
+    lane_update(acc, 1.0f, expf(s - li) * (dp - di), kj, hd, lane);  // dS = P (dP - D)
   }
-  float* o = dq + (b * T + i) * qs + h * hd;
-  for (int c = 0; c < kMaxPerLane; ++c) {
-    const int64_t d = lane + 32 * c;
-    if (d < hd) o[d] = acc[c] * scale;
-  }
+  lane_store(dq + (b * T + i) * qs + h * hd, acc, scale, hd, lane);
 }
 
 __global__ void attn_dkdv_kernel(const float* __restrict__ q, const float* __restrict__ k,
@@ -184,37 +169,21 @@ __global__ void attn_dkdv_kernel(const float* __restrict__ q, const float* __res
   if (warp >= B * KVH * T) return;
   const int64_t j = warp % T, g = (warp / T) % KVH, b = warp / (T * KVH);
   const int64_t group = H / KVH, qs = H * hd, ks = KVH * hd;
-  const float* kj = k + (b * T + j) * ks + g * hd;
-  const float* vj = v + (b * T + j) * ks + g * hd;
-  float kr[kMaxPerLane], vr[kMaxPerLane], ak[kMaxPerLane], av[kMaxPerLane];
-  for (int c = 0; c < kMaxPerLane; ++c) {
-    const int64_t d = lane + 32 * c;
-    kr[c] = d < hd ? kj[d] : 0.0f, vr[c] = d < hd ? vj[d] : 0.0f, ak[c] = 0.0f, av[c] = 0.0f;
-  }
-  for (int64_t h = g * group; h < (g + 1) * group; ++h)
+  LaneRow kr, vr, ak = {}, av = {};
+  lane_load(kr, k + (b * T + j) * ks + g * hd, hd, lane);
+  lane_load(vr, v + (b * T + j) * ks + g * hd, hd, lane);
+  for (int64_t h = g * group; h < (g + 1) * group; ++h)  // the query heads of this kv head
     for (int64_t i = j; i < T; ++i) {
       const float* qi = q + (b * T + i) * qs + h * hd;
       const float* gi = dout + (b * T + i) * qs + h * hd;
-      float s = 0.0f, dp = 0.0f;
-      for (int c = 0; c < kMaxPerLane; ++c) {
-        const int64_t d = lane + 32 * c;
-        if (d < hd) s += qi[d] * kr[c], dp += gi[d] * vr[c];
-      }
-      s = warp_sum(s) * scale;
-      dp = warp_sum(dp);
+      const float s = warp_sum(lane_dot(kr, qi, hd, lane)) * scale;
+      const float dp = warp_sum(lane_dot(vr, gi, hd, lane));
       const float p = expf(s - lse[(b * H + h) * T + i]);
-      const float ds = p * (dp - delta[(b * H + h) * T + i]);
-      for (int c = 0; c < kMaxPerLane; ++c) {
-        const int64_t d = lane + 32 * c;
-        if (d < hd) av[c] += p * gi[d], ak[c] += ds * qi[d];
-      }
+      lane_update(av, 1.0f, p, gi, hd, lane);                                       // dV += P^T dO
+      lane_update(ak, 1.0f, p * (dp - delta[(b * H + h) * T + i]), qi, hd, lane);  // dK += dS^T Q
     }
-  float* ok = dk + (b * T + j) * ks + g * hd;
-  float* ov = dv + (b * T + j) * ks + g * hd;
-  for (int c = 0; c < kMaxPerLane; ++c) {
-    const int64_t d = lane + 32 * c;
-    if (d < hd) ok[d] = ak[c] * scale, ov[d] = av[c];
-  }
+  lane_store(dk + (b * T + j) * ks + g * hd, ak, scale, hd, lane);
+  lane_store(dv + (b * T + j) * ks + g * hd, av, 1.0f, hd, lane);
 }
 
 // ---- Cross-entropy: one block per row ---------------------------------------------------------
