@@ -182,10 +182,12 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   const double flops_per_token = model_flops_per_token(cfg.model, T);
   if (root)
     std::printf("training %lld parameters for steps %lld..%lld of %d x %lld tokens on %s: %lld micro-batches of "
-                "%lld sequences per data-parallel rank, recipe %s; MFU against %s of %.0f GFLOP/s\n",
+                "%lld sequences per data-parallel rank, recipe %s; %s\n",
                 (long long)model.table().trainable_numel(), (long long)first_step + 1, (long long)cfg.train.steps,
                 cfg.train.global_batch, (long long)T, state.layout.c_str(), (long long)p.micro_batches, (long long)mbs,
-                std::string(to_string(cfg.fp8.recipe)).c_str(), peak_basis.c_str(), peak * 1e-9);
+                std::string(to_string(cfg.fp8.recipe)).c_str(),
+                std::isnan(peak) ? "no MFU: fp8moe does not know this GPU's peak"
+                                 : ("MFU against " + peak_basis + " of " + std::to_string(int64_t(peak * 1e-9)) + " GFLOP/s").c_str());
 
   {
     double state[2] = {double(opt.state_bytes()), double(opt.state_bytes())};  // max, sum over ranks
