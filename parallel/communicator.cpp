@@ -33,30 +33,19 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
 
 int64_t ring_allreduce_bytes(int p, int64_t bytes) { return p > 1 ? 2 * (p - 1) * bytes / p : 0; }
 
-void MpiCommunicator::allreduce_sum(float* d, int64_t n) {
-  bytes_sent_ += ring_allreduce_bytes(size_, n * 4);
-  allreduce_chunked(comm_, d, n, MPI_FLOAT, MPI_SUM);
+// Counts the textbook bytes, then reduces in MPI-sized pieces.
+template <class T>
+void MpiCommunicator::allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op) {
+  bytes_sent_ += ring_allreduce_bytes(size_, n * int64_t(sizeof(T)));
+  allreduce_chunked(comm_, data, n, type, op);
 }
-void MpiCommunicator::allreduce_sum(double* d, int64_t n) {
-  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
-  allreduce_chunked(comm_, d, n, MPI_DOUBLE, MPI_SUM);
-}
-void MpiCommunicator::allreduce_sum(int64_t* d, int64_t n) {
-  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
-  allreduce_chunked(comm_, d, n, MPI_INT64_T, MPI_SUM);
-}
-void MpiCommunicator::allreduce_sum(uint64_t* d, int64_t n) {
-  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
-  allreduce_chunked(comm_, d, n, MPI_UINT64_T, MPI_SUM);
-}
-void MpiCommunicator::allreduce_max(float* d, int64_t n) {
-  bytes_sent_ += ring_allreduce_bytes(size_, n * 4);
-  allreduce_chunked(comm_, d, n, MPI_FLOAT, MPI_MAX);
-}
-void MpiCommunicator::allreduce_max(double* d, int64_t n) {
-  bytes_sent_ += ring_allreduce_bytes(size_, n * 8);
-  allreduce_chunked(comm_, d, n, MPI_DOUBLE, MPI_MAX);
-}
+
+void MpiCommunicator::allreduce_sum(float* d, int64_t n) { allreduce(d, n, MPI_FLOAT, MPI_SUM); }
+void MpiCommunicator::allreduce_sum(double* d, int64_t n) { allreduce(d, n, MPI_DOUBLE, MPI_SUM); }
+void MpiCommunicator::allreduce_sum(int64_t* d, int64_t n) { allreduce(d, n, MPI_INT64_T, MPI_SUM); }
+void MpiCommunicator::allreduce_sum(uint64_t* d, int64_t n) { allreduce(d, n, MPI_UINT64_T, MPI_SUM); }
+void MpiCommunicator::allreduce_max(float* d, int64_t n) { allreduce(d, n, MPI_FLOAT, MPI_MAX); }
+void MpiCommunicator::allreduce_max(double* d, int64_t n) { allreduce(d, n, MPI_DOUBLE, MPI_MAX); }
 void MpiCommunicator::broadcast(std::string& text, int root) { broadcast_string(comm_, text, root); }
 void MpiCommunicator::barrier() { MPI_CHECK(MPI_Barrier(comm_)); }
 

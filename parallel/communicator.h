@@ -89,6 +89,8 @@ class MpiCommunicator final : public Communicator {
   void wait_sends() override;
 
  private:
+  template <class T>
+  void allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op);
   std::vector<MPI_Request> pending_;
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;

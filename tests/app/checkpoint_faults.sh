@@ -18,15 +18,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
 # Few datasets (2 routed experts): the sweep below kills once per save event.
-cat >"$tmp/cfg.yaml" <<EOF
-$SMALL_MOE_MODEL
-train: {steps: 40, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
-fp8: {recipe: delayed, amax_history_len: 4}
-eval: {every: 0}
-log: {every: 1}
-data: {path: $tmp/data/lic}
-checkpoint: {dir: $tmp/base, keep_last: 1}
-EOF
+small_moe_config "$tmp/cfg.yaml" "$tmp/data/lic" 40 0 "{dir: $tmp/base, keep_last: 1}"
 export FP8MOE_CKPT_KILL=""  # RANK:K kills rank RANK at its K-th save event (io/checkpoint.h)
 train() { "$mpiexec" -n 2 -x FP8MOE_CKPT_KILL "$exe" train "$tmp/cfg.yaml" "$@"; }
 loss_of() { grep -o "^step *$1/[0-9]* .*\[.*\]" | sed 's/.*\[\(.*\)\]/\1/'; }

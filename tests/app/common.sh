@@ -7,6 +7,20 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversub
 SMALL_MOE_MODEL='model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
         moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}'
 
+# small_moe_config FILE DATA STEPS EVAL_EVERY CHECKPOINT: the config the MPI shell tests train
+# (delayed FP8 on the small MoE, data prefix DATA); CHECKPOINT is the checkpoint section (YAML flow).
+small_moe_config() {
+  cat >"$1" <<CFG
+$SMALL_MOE_MODEL
+train: {steps: $3, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
+fp8: {recipe: delayed, amax_history_len: 4}
+eval: {every: $4, batches: 1}
+log: {every: 1}
+data: {path: $2}
+checkpoint: $5
+CFG
+}
+
 # prepare_licence_data FP8MOE PREFIX: four licence texts, byte-level, 30% of them for validation.
 prepare_licence_data() {
   "$1" prepare-data --output "$2" --val-fraction 0.3 --seed 5 \

@@ -12,15 +12,7 @@ trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
-cat >"$tmp/cfg.yaml" <<EOF2
-$SMALL_MOE_MODEL
-train: {steps: 400, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
-fp8: {recipe: delayed, amax_history_len: 4}
-eval: {every: 50, batches: 1}
-log: {every: 1}
-data: {path: $tmp/data/lic}
-checkpoint: {dir: $tmp/ckpt, every: 100, keep_last: 2}
-EOF2
+small_moe_config "$tmp/cfg.yaml" "$tmp/data/lic" 400 50 "{dir: $tmp/ckpt, every: 100, keep_last: 2}"
 train() { "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" "$@"; }
 
 train --set checkpoint.dir="$tmp/ref" >"$tmp/ref.txt" 2>&1 || fail "uninterrupted run: $(tail -3 "$tmp/ref.txt")"

@@ -64,15 +64,7 @@ sinfo -h -o %t | grep -q idle || fail "the node did not come up"
 stamp "slurmctld and slurmd up"
 
 prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
-cat >"$tmp/cfg.yaml" <<CFG
-$SMALL_MOE_MODEL
-train: {steps: 600, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, min_lr: 3.0e-4}
-fp8: {recipe: delayed, amax_history_len: 4}
-eval: {every: 100, batches: 1}
-log: {every: 1}
-data: {path: $tmp/data/lic}
-checkpoint: {dir: $tmp/ckpt, every: 200, keep_last: 2}
-CFG
+small_moe_config "$tmp/cfg.yaml" "$tmp/data/lic" 600 100 "{dir: $tmp/ckpt, every: 200, keep_last: 2}"
 "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/ref" >"$tmp/ref.txt" 2>&1 || fail "reference run"
 stamp "uninterrupted reference run (mpirun -np 2) done"
 
