@@ -6,8 +6,8 @@
 #      test_nccl as one rank (the NCCL communicator against MPI's)
 #   3. bench_gemm_cuda: BF16 / FP8 per-tensor / FP8 block-scaled TFLOP/s at DeepSeek-V3 shapes
 #   4. tests/app/cuda_vs_cpu.sh: 20 training steps on cuda vs cpu per recipe, tokens/s and MFU
-# Each step has a time limit (480 s in all, inside the device tool's 600 s per command; the real
-# duration has not been measured yet). The summary grows after every step in $OUT/summary.txt (the
+# Each step has a time limit (340 s in all: the issue asks for under 6 minutes; the real duration
+# has not been measured yet). The summary grows after every step in $OUT/summary.txt (the
 # device tool's output folder, when set) and is printed last. On a GPU a skipped test is a failure.
 #
 # usage: scripts/device-check.sh [BUNDLE=bundle/fp8moe-bundle.tar.xz]
@@ -47,19 +47,25 @@ note "device:        $gpu"
 note "               $(sed -n 's/^ *CUDA: *//p' "$logs/version.txt"), NCCL $(sed -n 's/^ *NCCL: *//p' "$logs/version.txt")"
 
 section "test_cuda_ops"
-gtest_run test_cuda_ops 180
+gtest_run test_cuda_ops 120
+# The FP8 GEMMs' measured errors, worst per recipe and GEMM (their bounds are not yet measured).
+note "FP8 GEMM dissimilarity, worst over the shapes (bounds: vs FP64 1e-3, hybrid dgrad/wgrad 4e-3;
+               vs CPU 1e-6, per-tensor fprop with fast accumulation 1e-4):"
+note "$(awk '/^\[ MEASURE  \] gemm/ { k = $5 " " $6; if (!(k in e) || $(NF-3) + 0 > e[k]) e[k] = $(NF-3) + 0;
+  if (!(k in c) || $NF + 0 > c[k]) c[k] = $NF + 0 }
+  END { for (k in e) printf "  %-18s vs FP64 %.2e  vs CPU %.2e\n", k, e[k], c[k] }' "$logs/test_cuda_ops.txt" | sort)"
 section "test_nccl (one rank: NCCL against MPI, self send/recv)"
-gtest_run test_nccl 40
+gtest_run test_nccl 30
 
 section "bench_gemm_cuda"
-timeout 90 bench_gemm_cuda 20 2>&1 | tee "$logs/bench_gemm.txt"
+timeout 60 bench_gemm_cuda 20 2>&1 | tee "$logs/bench_gemm.txt"
 status=${PIPESTATUS[0]}
 note "GEMMs (exit $status), dense FP8 peak 1979 TFLOP/s:"
 note "$(sed -n '/^shape/,$p' "$logs/bench_gemm.txt" | sed 's/^/  /')"
 [[ $status == 0 ]] || failed=1
 
 section "cuda vs cpu, 20 steps"
-timeout 170 bash "$src/tests/app/cuda_vs_cpu.sh" "$(command -v fp8moe)" "$src" 20 2>&1 | tee "$logs/e2e.txt"
+timeout 130 bash "$src/tests/app/cuda_vs_cpu.sh" "$(command -v fp8moe)" "$src" 20 2>&1 | tee "$logs/e2e.txt"
 status=${PIPESTATUS[0]}
 note "end to end, cuda vs cpu (exit $status):"
 note "$(sed -n '/^recipe/,$p' "$logs/e2e.txt" | sed 's/^/  /')"
