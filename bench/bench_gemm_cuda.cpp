@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -102,13 +103,16 @@ Result run_shape(int64_t groups, int64_t M, int64_t N, int64_t K, int iters) {
     for (int64_t g = 0; g < groups; ++g)
       cuda::gemm_bf16_tn(a16.get() + g * M * K, b16.get() + g * N * K, d16.get() + g * M * N, M, N, K, s);
   }, iters) * 1e-12;
-  r.fp8_tensor = flops / time_it([&] {
-    for (int64_t g = 0; g < groups; ++g) {
-      const cuda::Fp8Operand A{a8.get() + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
-      const cuda::Fp8Operand B{b8.get() + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
-      cuda::gemm_fp8_tn(A, B, 1.0f, 0.0f, d16.get() + g * M * N, N, cuda::OutType::bf16, true, s);
-    }
-  }, iters) * 1e-12;
+  r.fp8_tensor = r.fp8_block = std::nan("");  // printed as nan where the device cannot run them
+  if (cuda::fp8_unsupported_reason(false).empty()) {
+    r.fp8_tensor = flops / time_it([&] {
+      for (int64_t g = 0; g < groups; ++g) {
+        const cuda::Fp8Operand A{a8.get() + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
+        const cuda::Fp8Operand B{b8.get() + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
+        cuda::gemm_fp8_tn(A, B, 1.0f, 0.0f, d16.get() + g * M * N, N, cuda::OutType::bf16, true, s);
+      }
+    }, iters) * 1e-12;
+  }
   if (cuda::fp8_unsupported_reason(true).empty()) {
     r.fp8_block = flops / time_it([&] {
       for (int64_t g = 0; g < groups; ++g) {
@@ -135,6 +139,9 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("GEMM throughput on %s (sm_%d%d), cuBLASLt %zu; TFLOP/s, median of 5 x %d CUDA-graph launches\n", prop.name,
               prop.major, prop.minor, cublasLtGetVersion(), iters);
+  for (bool block : {false, true})
+    if (const std::string why = cuda::fp8_unsupported_reason(block); !why.empty())
+      std::printf("FP8 %s: not run (nan below): %s\n", block ? "block-scaled" : "per-tensor", why.c_str());
   std::printf("%-28s %8s %10s %7s %10s %7s %9s\n", "shape (groups x M x N x K)", "BF16", "FP8 tensor", "%peak",
               "FP8 block", "%peak", "block/bf16");
   struct Shape {

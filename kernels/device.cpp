@@ -3,6 +3,7 @@
 #include "kernels/backend_info.h"
 
 #include <cmath>
+#include <cstring>
 
 #ifdef FP8MOE_HAVE_CUDA
 #include "kernels/cuda/context.h"
@@ -63,8 +64,10 @@ double gpu_dense_peak_flops(bool fp8) {
 #ifdef FP8MOE_HAVE_CUDA
   if (cuda::has_context()) {
     cudaDeviceProp prop{};
+    // H100 / H200 SXM only: the PCIe H100 has 114 SMs, and the NVL parts have 132 SMs like the SXM
+    // ones but a lower clock and peak, which this table does not hold.
     if (cudaGetDeviceProperties(&prop, cuda::context().device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-        prop.multiProcessorCount >= 132)  // H100 / H200 SXM (the PCIe H100 has 114)
+        prop.multiProcessorCount >= 132 && std::strstr(prop.name, "NVL") == nullptr)
       return fp8 ? 1979e12 : 66.9e12;
   }
 #endif

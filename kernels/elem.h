@@ -2,7 +2,8 @@
 // the code the CPU tests run is the code the GPU runs. The arithmetic goes through mul_rn / add_rn
 // / sub_rn / div_rn, which on the device are the IEEE round-to-nearest intrinsics (nvcc would
 // otherwise fuse a * b + c into one FMA and the GPU would round differently from the CPU); on the
-// host they are the plain operators (ISO C++ mode: GCC does not contract across them).
+// host they are the plain operators, and the build passes -ffp-contract=off (CMakeLists.txt), since
+// GCC fuses them in C++ wherever the target has FMA.
 #pragma once
 
 #include <cmath>

@@ -142,7 +142,12 @@ void arena_reset_peak() {
 
 void upload(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
-  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, context().compute));
+  cudaStream_t s = context().compute;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+  // NOTE: from pageable memory the async copy "might be synchronous with respect to host" (CUDA's
+  // API synchronization behavior): nothing documented says the source has been read when it
+  // returns, so wait, and the caller may reuse its buffer at once.
+  CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 void download(void* dst, const void* src, size_t bytes) {

@@ -70,9 +70,9 @@ class Buffer {
   int64_t n_ = 0;
 };
 
-// Host <-> device copies on the compute stream. download() waits for the stream (the host reads
-// the result next); upload() is ordered before later work on the stream, and the host buffer may
-// be reused as soon as it returns (cudaMemcpyAsync from pageable memory stages it first).
+// Host <-> device copies on the compute stream (host memory is pageable here). Both wait for the
+// stream: download() because the host reads the result next, upload() so that the host buffer may
+// be reused as soon as it returns. Not for use inside a CUDA-graph capture.
 void upload(void* dst, const void* src, size_t bytes);
 void download(void* dst, const void* src, size_t bytes);
 template <class T>

@@ -29,6 +29,14 @@ const char* mode_name(ScaleMode m) {
   return m == ScaleMode::vec128 ? "VEC128_32F" : m == ScaleMode::blk128 ? "BLK128x128_32F" : "SCALAR_32F";
 }
 
+// The largest power of two (up to 256) dividing the address.
+uint32_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && a % al != 0) al /= 2;
+  return al;
+}
+
 // RAII for the descriptors of one call.
 struct LtCall {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -49,8 +57,14 @@ struct LtCall {
   // Runs the heuristic's first algorithm for this problem (cached per `key`: the shape, types,
   // modes and leading dimensions); a clear error when there is none.
   void run(const void* alpha, const void* A, const void* B, const void* beta, const void* C, void* D,
-           cudaStream_t stream, const std::string& key) {
+           cudaStream_t stream, std::string key) {
     Context& ctx = context();
+    // The workspace is shared: every GEMM runs on the compute stream.
+    FP8MOE_ASSERT(stream == ctx.compute, "cuBLASLt GEMMs run on the context's compute stream");
+    // The heuristic does not see the pointers: it assumes 256-byte alignment unless told the
+    // actual one (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES), which is therefore part of the key.
+    const uint32_t align[4] = {alignment_of(A), alignment_of(B), alignment_of(C), alignment_of(D)};
+    key += detail::concat(", alignment ", align[0], "/", align[1], "/", align[2], "/", align[3]);
     static std::mutex mu;
     static std::map<std::string, cublasLtMatmulAlgo_t> cache;
     cublasLtMatmulAlgo_t algo;
@@ -64,6 +78,11 @@ struct LtCall {
       CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
       CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                         &ctx.workspace_bytes, sizeof ctx.workspace_bytes));
+      const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+      for (int i = 0; i < 4; ++i)
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof align[i]));
       cublasLtMatmulHeuristicResult_t heur{};
       int found = 0;
       const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, desc, a, b, c, d, pref, 1, &heur, &found);
@@ -71,7 +90,7 @@ struct LtCall {
         fatal_error(__FILE__, __LINE__,
                     detail::concat("cuBLASLt has no kernel for ", key, " on this device (",
                                    st == CUBLAS_STATUS_SUCCESS ? "no algorithm found" : cublasLtGetStatusString(st),
-                                   "); cuBLASLt ", cublasLtGetVersion(), ". ", fp8_unsupported_reason(true)));
+                                   "); cuBLASLt ", cublasLtGetVersion()));
       algo = heur.algo;
       std::lock_guard<std::mutex> lock(mu);
       cache.emplace(key, algo);
@@ -153,8 +172,10 @@ std::string fp8_unsupported_reason(bool block_scaling) {
     cc = it->second;
   }
   if (cc < 89) return detail::concat("FP8 GEMMs need compute capability 8.9 or newer; device ", dev, " is ", cc / 10, ".", cc % 10);
-  if (block_scaling && cc < 90)
-    return detail::concat("block-scaled FP8 GEMMs need compute capability 9.0; device ", dev, " is ", cc / 10, ".", cc % 10);
+  // cuBLASLt offers VEC128_32F / BLK128x128_32F on Hopper only (newer GPUs scale blocks as MXFP8).
+  if (block_scaling && cc != 90)
+    return detail::concat("block-scaled FP8 GEMMs (1x128 / 128x128 scales) need compute capability 9.0 (Hopper), "
+                          "the only one cuBLASLt offers them on; device ", dev, " is ", cc / 10, ".", cc % 10);
   if (block_scaling && cublasLtGetVersion() < 120900)
     return detail::concat("block-scaled FP8 GEMMs need cuBLASLt 12.9 or newer; this is ", cublasLtGetVersion());
   return "";

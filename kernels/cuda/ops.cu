@@ -379,8 +379,12 @@ __global__ void sum_partials_kernel(const double* __restrict__ partial, int64_t 
 
 void check_launch() { CUDA_CHECK(cudaGetLastError()); }
 
-// Scratch from the arena may be reused by later compute-stream work as soon as it is freed; on
-// another stream, wait for the kernels that use it before it goes back.
+// The arena's blocks are stream-ordered on the compute stream only. Scratch for a kernel on another
+// stream: before it is taken (it may be a block that compute-stream work still uses), the compute
+// stream's work is finished; before it goes back, the stream's own.
+void before_scratch_alloc(cudaStream_t stream) {
+  if (has_context() && stream != context().compute) CUDA_CHECK(cudaStreamSynchronize(context().compute));
+}
 void before_scratch_free(cudaStream_t stream) {
   if (!has_context() || stream != context().compute) CUDA_CHECK(cudaStreamSynchronize(stream));
 }
@@ -434,6 +438,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
   FP8MOE_ASSERT(hd <= 32 * kMaxPerLane, "cuda attention supports head_dim <= ", 32 * kMaxPerLane, ", got ", hd);
   if (B * T * H == 0) return;
   const float scale = float(1.0 / std::sqrt(double(hd)));
+  before_scratch_alloc(stream);
   Buffer<float> delta(B * H * T);
   attn_delta_kernel<<<warps_grid(B * H * T), kThreads, 0, stream>>>(out, dout, B * H * T, T, H, hd, delta.get());
   attn_dq_kernel<<<warps_grid(B * H * T), kThreads, 0, stream>>>(q, k, v, lse, dout, delta.get(), B, T, H, KVH, hd,
@@ -510,6 +515,7 @@ void update_router_bias(float* bias, const int64_t* load, int64_t E, double rate
 
 void sum_squares(const float* g, int64_t n, double* out, cudaStream_t stream) {
   const unsigned blocks = grid_for(n) < 1024 ? grid_for(n) : 1024;
+  before_scratch_alloc(stream);
   Buffer<double> partial(blocks);
   sum_squares_kernel<<<blocks, kThreads, 0, stream>>>(g, n, partial.get());
   sum_partials_kernel<<<1, kThreads, 0, stream>>>(partial.get(), blocks, out);

@@ -140,6 +140,7 @@ void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt,
 void delayed_update(float* history, int64_t history_len, int64_t step, const float* amax,
                     DelayedScaling::Compute compute, Fp8Dtype dtype, const ScaleOptions& opt, float* scale,
                     cudaStream_t stream) {
+  FP8MOE_ASSERT(history_len >= 1, "delayed scaling with an empty amax history");
   delayed_update_kernel<<<1, 1, 0, stream>>>(history, history_len, step, amax,
                                              compute == DelayedScaling::Compute::most_recent, fp8_max(dtype),
                                              opt.margin, opt.power_of_two, scale);
