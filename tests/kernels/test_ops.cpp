@@ -8,10 +8,23 @@
 #include <random>
 #include <vector>
 
+#include "kernels/elem.h"
 #include "kernels/ops.h"
 
 namespace fp8moe {
 namespace {
+
+// kernels/elem.h's contract: on the host, mul_rn then add_rn round twice, as the device
+// intrinsics do. With a = b = 1 + 2^-12, a * b = 1 + 2^-11 + 2^-24 rounds (half-way, to even) to
+// 1 + 2^-11, so adding c = -(1 + 2^-11) gives 0; a fused multiply-add (what GCC makes of it on a
+// host with FMA unless -ffp-contract=off) gives 2^-24. volatile keeps the compiler from folding it.
+TEST(ElemRounding, MultiplyAndAddRoundSeparately) {
+  volatile float a = 1.0f + std::ldexp(1.0f, -12), c = -(1.0f + std::ldexp(1.0f, -11));
+  const float x = a, y = a, z = c;
+  EXPECT_EQ(add_rn(mul_rn(x, y), z), 0.0f);
+  EXPECT_EQ(x * y + z, 0.0f);  // the plain operators of the CPU ops and the tests' references
+  EXPECT_EQ(std::fma(x, y, z), std::ldexp(1.0f, -24));  // the case is one where fusing shows
+}
 
 using Vec = std::vector<float>;
 using DVec = std::vector<double>;
