@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/backend_info.h"
+#include "tests/test_random.h"
 #include "kernels/check.h"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/gemm.h"
@@ -97,10 +98,8 @@ TEST_F(CudaOps, SwigluMatchesCpu) {
 }
 
 std::vector<float> scaled_normal(int64_t rows, int64_t cols, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(rows * cols));
-  for (int64_t i = 0; i < rows * cols; ++i) x[i] = d(rng) * std::ldexp(1.0f, int(i % 23) - 11);
+  std::vector<float> x = test::normal_vector(rows * cols, seed);
+  for (int64_t i = 0; i < rows * cols; ++i) x[i] *= std::ldexp(1.0f, int(i % 23) - 11);
   return x;
 }
 
@@ -226,13 +225,7 @@ std::vector<T> host(const cuda::Buffer<T>& b, int64_t n) {
   cuda::to_host(b, h.data(), n);
   return h;
 }
-std::vector<float> randn(int64_t n, uint64_t seed, float sd = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> x(static_cast<size_t>(n));
-  for (float& v : x) v = d(rng);
-  return x;
-}
+using test::normal_vector;
 void expect_bitwise(const std::vector<float>& gpu, const std::vector<float>& cpu, const char* what) {
   ASSERT_EQ(gpu.size(), cpu.size()) << what;
   for (size_t i = 0; i < gpu.size(); ++i) ASSERT_EQ(float_bits(gpu[i]), float_bits(cpu[i])) << what << " element " << i;
@@ -250,8 +243,8 @@ void expect_near_rel(const std::vector<float>& gpu, const std::vector<float>& cp
 TEST_F(CudaOps, RmsNormMatchesCpu) {
   for (auto [N, D] : {std::pair<int64_t, int64_t>{0, 64}, {1, 1}, {37, 300}, {4096, 7168}}) {
     SCOPED_TRACE(testing::Message() << N << "x" << D);
-    const auto x = randn(N * D, 1 + N), w = randn(D, 2 + D), dy = randn(N * D, 3 + N);
-    std::vector<float> y(x.size()), r(static_cast<size_t>(N)), dx(x.size()), dw = randn(D, 4);
+    const auto x = normal_vector(N * D, 1 + N), w = normal_vector(D, 2 + D), dy = normal_vector(N * D, 3 + N);
+    std::vector<float> y(x.size()), r(static_cast<size_t>(N)), dx(x.size()), dw = normal_vector(D, 4);
     const std::vector<float> dw0 = dw;
     cpu::rmsnorm_forward(x.data(), w.data(), N, D, 1e-6f, y.data(), r.data());
     cpu::rmsnorm_backward(x.data(), w.data(), r.data(), dy.data(), N, D, dx.data(), dw.data());
@@ -275,7 +268,7 @@ TEST_F(CudaOps, RmsNormMatchesCpu) {
 TEST_F(CudaOps, RopeMatchesCpuBitwise) {
   for (auto [B, T, heads, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 1, 2}, {2, 17, 3, 64}, {4, 512, 8, 128}}) {
     for (bool inverse : {false, true}) {
-      const auto x = randn(B * T * heads * hd, 5 + T);
+      const auto x = normal_vector(B * T * heads * hd, 5 + T);
       std::vector<float> ref = x, cs(static_cast<size_t>(T * hd / 2)), sn(cs.size());
       cpu::rope(ref.data(), B, T, heads, hd, 10000.0, inverse);
       cpu::rope_table(T, hd, 10000.0, inverse, cs.data(), sn.data());
@@ -293,7 +286,7 @@ TEST_F(CudaOps, AttentionMatchesCpu) {
   for (S s : {S{1, 1, 1, 1, 2}, S{2, 17, 4, 1, 16}, S{1, 64, 4, 2, 64}, S{2, 256, 8, 8, 128}, S{1, 40, 2, 1, 192}}) {
     SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd);
     const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nl = s.B * s.H * s.T;
-    const auto q = randn(nq, 11, 2.0f), k = randn(nk, 12, 2.0f), v = randn(nk, 13), dout = randn(nq, 14);
+    const auto q = normal_vector(nq, 11, 2.0f), k = normal_vector(nk, 12, 2.0f), v = normal_vector(nk, 13), dout = normal_vector(nq, 14);
     std::vector<float> out(nq), lse(nl), dq(nq), dk(nk), dv(nk);
     cpu::attention_forward(q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.hd, out.data(), lse.data());
     cpu::attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), s.B, s.T, s.H, s.KVH,
@@ -315,7 +308,7 @@ TEST_F(CudaOps, AttentionMatchesCpu) {
 TEST_F(CudaOps, CrossEntropyMatchesCpu) {
   for (auto [N, V] : {std::pair<int64_t, int64_t>{0, 7}, {1, 7}, {100, 1000}, {64, 129280}}) {
     SCOPED_TRACE(testing::Message() << N << "x" << V);
-    const auto logits = randn(N * V, 21 + V, 3.0f);
+    const auto logits = normal_vector(N * V, 21 + V, 3.0f);
     std::vector<int32_t> t(static_cast<size_t>(N));
     for (int64_t n = 0; n < N; ++n) t[n] = n % 5 == 3 ? -1 : int32_t((n * 7919) % V);  // -1: ignored
     std::vector<float> dl(logits.size());
@@ -339,10 +332,10 @@ TEST_F(CudaOps, CrossEntropyMatchesCpu) {
 
 TEST_F(CudaOps, EmbeddingMatchesCpuBitwise) {
   const int64_t V = 1000, D = 96, N = 4097;
-  const auto table = randn(V * D, 31), dout = randn(N * D, 32);
+  const auto table = normal_vector(V * D, 31), dout = normal_vector(N * D, 32);
   std::vector<int32_t> ids(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n) ids[n] = int32_t((n * n) % 37);  // many repeats
-  std::vector<float> out(N * D), dtable = randn(V * D, 33);
+  std::vector<float> out(N * D), dtable = normal_vector(V * D, 33);
   auto gtab = dev(table), gdo = dev(dout), gdt = dev(dtable);
   auto gid = dev(ids);
   cpu::embedding_forward(table.data(), ids.data(), N, D, out.data());
@@ -449,7 +442,7 @@ TEST_F(CudaOps, RoutingPermuteUnpermuteMatchCpu) {
 
     // permute / unpermute_add with the reference's gates (bitwise against model/moe.cpp's loops)
     const int64_t D = 72;
-    const auto x = randn(s.N * D, 41), rows = randn(R * D, 42), out0 = randn(s.N * D, 43);
+    const auto x = normal_vector(s.N * D, 41), rows = normal_vector(R * D, 42), out0 = normal_vector(s.N * D, 43);
     std::vector<float> perm(R * D), out = out0;
     for (int64_t i = 0; i < R; ++i) std::copy_n(&x[ref.row_token[i] * D], D, &perm[i * D]);
     for (int64_t i = 0; i < R; ++i) {
@@ -470,7 +463,7 @@ TEST_F(CudaOps, AdamWAndBiasUpdateMatchCpuBitwise) {
   const int64_t n = (1 << 20) + 3;
   const AdamWStep h{0.9f, 0.95f, 0.19f, 0.0975f, 3e-4f, 1e-8f, 0.9999f, 0.7f};
   for (bool bf16 : {false, true}) {
-    auto w = randn(n, 51), g = randn(n, 52), m = randn(n, 53, 0.1f), v = randn(n, 54, 0.1f);
+    auto w = normal_vector(n, 51), g = normal_vector(n, 52), m = normal_vector(n, 53, 0.1f), v = normal_vector(n, 54, 0.1f);
     for (float& x : v) x = x * x;
     std::vector<uint16_t> m16(static_cast<size_t>(n)), v16(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; ++j) m16[j] = bf16_encode(m[j]), v16[j] = bf16_encode(v[j]);
@@ -496,7 +489,7 @@ TEST_F(CudaOps, AdamWAndBiasUpdateMatchCpuBitwise) {
       expect_bitwise(host(gv, n), v, "v");
     }
   }
-  std::vector<float> bias = randn(64, 55);
+  std::vector<float> bias = normal_vector(64, 55);
   std::vector<int64_t> load(64);
   for (int e = 0; e < 64; ++e) load[e] = (e * 37) % 11;
   auto gb = dev(bias);
@@ -509,7 +502,7 @@ TEST_F(CudaOps, AdamWAndBiasUpdateMatchCpuBitwise) {
 
 TEST_F(CudaOps, SumOfSquaresMatchesDouble) {
   for (int64_t n : {int64_t(0), int64_t(1), int64_t(1000), int64_t(1 << 24) + 7}) {
-    const auto g = randn(n, 61 + n);
+    const auto g = normal_vector(n, 61 + n);
     double ref = 0;
     for (float x : g) ref += double(x) * x;
     auto gg = dev(g);
@@ -545,7 +538,7 @@ void check_linear_gemms(bool blockwise, bool hybrid, const GemmCase& c) {
       v[i] *= std::ldexp(1.0f, int((int64_t(i) / cols) % 5) - 2 + int((int64_t(i) % cols / 128) % 3) - 1);
     return v;
   };
-  const auto x = ramp(randn(M * K, 71), K), w = ramp(randn(N * K, 72, 0.05f), K), dy = ramp(randn(M * N, 73, 1e-3f), N);
+  const auto x = ramp(normal_vector(M * K, 71), K), w = ramp(normal_vector(N * K, 72, 0.05f), K), dy = ramp(normal_vector(M * N, 73, 1e-3f), N);
   const Fp8Dtype gd = hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3;
   auto q = [&](const std::vector<float>& a, int64_t r, int64_t cl, Tiling t, Fp8Dtype dt) {
     QuantTensor out;
@@ -607,7 +600,7 @@ void check_linear_gemms(bool blockwise, bool hybrid, const GemmCase& c) {
   }
   // beta = 1 accumulates (weight gradients over micro-batches) and a strided C keeps its padding.
   if (M > 0 && N > 0) {
-    std::vector<float> c0 = randn(M * (N + 3), 74), cpu = c0, gpu = c0;
+    std::vector<float> c0 = normal_vector(M * (N + 3), 74), cpu = c0, gpu = c0;
     gemm_fp8(xq, false, wq, true, 0.5f, 1.0f, cpu.data(), N + 3);
     cuda::gemm_fp8(xq, false, wq, true, 0.5f, 1.0f, gpu.data(), N + 3, false);
     for (int64_t m = 0; m < M; ++m)
@@ -634,7 +627,7 @@ TEST_F(CudaOps, Fp32GemmMatchesCpu) {
     for (bool ta : {false, true})
       for (bool tb : {false, true}) {
         SCOPED_TRACE(testing::Message() << M << "x" << N << "x" << K << " ta " << ta << " tb " << tb);
-        const auto a = randn(M * K, 81), b = randn(K * N, 82), c0 = randn(M * N, 83);
+        const auto a = normal_vector(M * K, 81), b = normal_vector(K * N, 82), c0 = normal_vector(M * N, 83);
         std::vector<float> cpu = c0;
         const int64_t lda = std::max<int64_t>(1, ta ? M : K), ldb = std::max<int64_t>(1, tb ? K : N);
         sgemm(ta, tb, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 1.0f, cpu.data(), N);

@@ -11,17 +11,12 @@
 #include <vector>
 
 #include "kernels/quantize.h"
+#include "tests/test_random.h"
 
 namespace fp8moe {
 namespace {
 
-std::vector<float> normal_vector(int64_t n, uint64_t seed, float stddev = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, stddev);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = d(rng);
-  return v;
-}
+using test::normal_vector;
 
 int mant_bits(Fp8Dtype f) { return f == Fp8Dtype::e4m3 ? 3 : 2; }
 double min_normal(Fp8Dtype f) { return f == Fp8Dtype::e4m3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14); }

@@ -12,17 +12,16 @@
 
 #include "kernels/quantize.h"
 #include "kernels/tn_layout.h"
+#include "tests/test_random.h"
 
 namespace fp8moe {
 namespace {
 
 std::vector<float> randn(int64_t rows, int64_t cols, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(rows * cols));
+  std::vector<float> x = test::normal_vector(rows * cols, seed);
   // Row and column magnitudes spread over 2^-6..2^6 so that every tile gets its own scale.
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = d(rng) * std::ldexp(1.0f, int((r * 7 + c / 128 * 5) % 13) - 6);
+    for (int64_t c = 0; c < cols; ++c) x[r * cols + c] *= std::ldexp(1.0f, int((r * 7 + c / 128 * 5) % 13) - 6);
   return x;
 }
 
