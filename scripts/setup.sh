@@ -11,13 +11,17 @@ packages=(
   libhdf5-openmpi-dev hdf5-tools                              # parallel HDF5 (checkpoints)
   libyaml-cpp-dev libcli11-dev                                # config, command line
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev          # BLAS (OpenMP build) and oneDNN for the CPU backend
+  ocl-icd-opencl-dev                                          # oneDNN's CMake package requires OpenCL (libdnnl-dev only recommends it)
   libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks
   python3 python3-venv                                        # the JAX reference of the model tests
   fortunes                                                    # the demo's corpus (/usr/share/games/fortunes)
   slurm-wlm bc                                                # the Slurm test starts its own single-node Slurm
   patchelf bubblewrap xz-utils                                # scripts/bundle.sh and its sandboxed check
 )
-pypi=("jax[cpu]" numpy ml_dtypes matplotlib h5py)                  # in build/venv, not the system Python
+# Python packages, in build/venv (not the system Python), at the exact versions of
+# scripts/requirements.txt (every package pinned, dependencies included), so that a new release
+# on the package index cannot change a fresh set-up.
+requirements=scripts/requirements.txt
 
 missing=()
 for p in "${packages[@]}"; do
@@ -50,16 +54,19 @@ else
   echo "setup: no nvcc: building the CPU backend only"
 fi
 
-# The reference model (tests/reference/model_ref.py) runs JAX from a virtual environment.
+# The reference model (tests/reference/model_ref.py, JAX), the checkpoint reader (h5py), the plots
+# (matplotlib) and the tokenizer (scripts/tokenize-data.py, tokenizers) run from a virtual
+# environment. It is (re)installed when scripts/requirements.txt differs from what it was made from.
 venv=build/venv
-if ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes, matplotlib, h5py" 2>/dev/null; then
-  echo "setup: installing ${pypi[*]} from PyPI into $venv"
+stamp=$venv/requirements.txt
+if ! cmp -s "$requirements" "$stamp" || ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes, matplotlib, h5py, tokenizers" 2>/dev/null; then
+  echo "setup: installing $requirements from PyPI into $venv"
   mkdir -p build
-  python3 -m venv "$venv"
-  "$venv/bin/python3" -m pip install --quiet --upgrade pip
-  "$venv/bin/python3" -m pip install --quiet "${pypi[@]}"
+  [[ -x $venv/bin/python3 ]] || python3 -m venv "$venv"
+  "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input -r "$requirements"
+  cp "$requirements" "$stamp"
 else
-  echo "setup: $venv has jax, numpy, ml_dtypes, matplotlib and h5py"
+  echo "setup: $venv matches $requirements"
 fi
 
 echo "setup: configuring build/ (cmake --preset release)"
