@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The fresh-machine check: what a new user gets on a minimal Debian 12.
+#  1. mmdebstrap builds a minimal bookworm root (variant minbase: essential packages and apt,
+#     nothing else) from this host's apt sources;
+#  2. a clean clone of this repository's HEAD (committed work only) is copied into it;
+#  3. inside it, under bubblewrap (its own /, /proc, /dev, /tmp; the host's network; an empty
+#     environment), the README's commands run as root: `scripts/demo.sh` — set-up (Debian packages,
+#     the pinned Python packages, the build), the corpus, a training run of configs/tiny.yaml on
+#     8 ranks with checkpoints, `fp8moe ckpt verify`, a sample — stopping at the first error.
+# The host needs mmdebstrap, bubblewrap and git (as root: apt-get install mmdebstrap bubblewrap).
+# No CUDA toolkit is inside, so the build is the CPU backend's, as on a new user's machine.
+#
+# usage: scripts/fresh-check.sh [WORKDIR]   (default: a new directory under /tmp, removed on success)
+# Exit 0 when every command succeeded; the log is WORKDIR/fresh-check.log. Takes about 25 minutes
+# on a 2-core machine (measured: README, Development).
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+for tool in mmdebstrap bwrap git; do
+  command -v "$tool" >/dev/null || { echo "fresh-check: needs $tool (apt-get install mmdebstrap bubblewrap git)" >&2; exit 2; }
+done
+if [[ $(id -u) -ne 0 ]]; then
+  echo "fresh-check: run as root (mmdebstrap's root mode and apt inside the sandbox need it)" >&2
+  exit 2
+fi
+sources=/etc/apt/sources.list.d/debian.sources
+[[ -f $sources ]] || sources=/etc/apt/sources.list
+[[ -f $sources ]] || { echo "fresh-check: no apt sources on this host to build the root from" >&2; exit 2; }
+
+keep=${1:+yes}
+work=${1:-$(mktemp -d /tmp/fp8moe-fresh-XXXXXX)}
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
+root=$work/root log=$work/fresh-check.log
+[[ ! -e $root ]] || { echo "fresh-check: $root exists; give an empty WORKDIR" >&2; exit 2; }
+: >"$log"
+say() { echo "fresh-check: $*" | tee -a "$log"; }
+start=$SECONDS
+phase=$start
+lap() { local now=$SECONDS; say "$1: $((now - phase)) s"; phase=$now; }
+
+say "building a minimal Debian 12 root in $root (mmdebstrap --variant=minbase bookworm)"
+mmdebstrap --variant=minbase --mode=root --quiet bookworm "$root" "$sources" >>"$log" 2>&1 ||
+  { say "FAILED: mmdebstrap (see $log)"; exit 1; }
+lap "minimal root"
+
+commit=$(git -C "$repo" rev-parse HEAD)
+git clone --quiet --no-hardlinks "$repo" "$root/root/fp8moe"
+git -C "$root/root/fp8moe" checkout --quiet --detach "$commit"
+rm -rf "$root/root/fp8moe/.git"  # a downloaded release has none; nothing may depend on it
+say "clean clone of $commit copied in"
+
+# bubblewrap: the root as /, fresh /proc, /dev (with /dev/shm for Open MPI) and /tmp, the host's
+# resolver; every capability kept (a root user on their own machine: apt drops to _apt).
+sandbox=(bwrap --bind "$root" / --proc /proc --dev /dev --tmpfs /dev/shm --tmpfs /tmp
+         --ro-bind /etc/resolv.conf /etc/resolv.conf --unshare-pid --unshare-ipc --die-with-parent
+         --cap-add ALL --chdir /root/fp8moe
+         /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)
+say "inside: scripts/demo.sh (set-up, corpus, training on 8 ranks, ckpt verify, a sample)"
+if ! "${sandbox[@]}" /bin/bash -euo pipefail -c 'scripts/demo.sh' >>"$log" 2>&1; then
+  say "FAILED inside the fresh root after $((SECONDS - start)) s; the last lines of $log:"
+  tail -25 "$log" | grep -v '^fresh-check:'
+  exit 1
+fi
+lap "set-up, build and the demo"
+grep -q ": valid: step .*every checksum matches" "$log" || { say "FAILED: no valid checkpoint reported by ckpt verify"; exit 1; }
+say "PASSED in $((SECONDS - start)) s (commit $commit)"
+[[ -n $keep ]] || rm -rf "$work"
