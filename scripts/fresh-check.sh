@@ -49,12 +49,20 @@ git -C "$root/root/fp8moe" checkout --quiet --detach "$commit"
 rm -rf "$root/root/fp8moe/.git"  # a downloaded release has none; nothing may depend on it
 say "clean clone of $commit copied in"
 
-# bubblewrap: the root as /, fresh /proc, /dev (with /dev/shm for Open MPI) and /tmp, the host's
-# resolver; every capability kept (a root user on their own machine: apt drops to _apt).
-sandbox=(bwrap --bind "$root" / --proc /proc --dev /dev --tmpfs /dev/shm --tmpfs /tmp
-         --ro-bind /etc/resolv.conf /etc/resolv.conf --unshare-pid --unshare-ipc --die-with-parent
-         --cap-add ALL --chdir /root/fp8moe
-         /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)
+# bubblewrap: the root as / (its own /tmp), fresh /proc and /dev (with /dev/shm for Open MPI), the
+# host's resolver; every capability kept (a root user on their own machine: apt drops to _apt); an
+# empty environment.
+bw=(--bind "$root" / --proc /proc --dev /dev --perms 1777 --tmpfs /dev/shm --ro-bind /etc/resolv.conf /etc/resolv.conf
+    --unshare-pid --unshare-ipc --die-with-parent --cap-add ALL --chdir /root/fp8moe)
+envs=(HOME=/root LANG=C.UTF-8 TERM=dumb PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)
+# The host's network settings come along, nothing else: where the host trusts a local CA (a
+# TLS-intercepting proxy, as on the machines this project is developed on), pip inside needs it too.
+ca=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}
+if [[ -f $ca ]]; then
+  bw+=(--ro-bind "$ca" /etc/fresh-check-host-ca.crt)
+  envs+=(PIP_CERT=/etc/fresh-check-host-ca.crt SSL_CERT_FILE=/etc/fresh-check-host-ca.crt)
+fi
+sandbox=(bwrap "${bw[@]}" /usr/bin/env -i "${envs[@]}")
 say "inside: scripts/demo.sh (set-up, corpus, training on 8 ranks, ckpt verify, a sample)"
 if ! "${sandbox[@]}" /bin/bash -euo pipefail -c 'scripts/demo.sh' >>"$log" 2>&1; then
   say "FAILED inside the fresh root after $((SECONDS - start)) s; the last lines of $log:"
