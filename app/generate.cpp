@@ -25,6 +25,10 @@ int run_generate(const GenerateOptions& o) {
   } catch (const CheckpointError& e) {
     return usage_error(std::string("--checkpoint: ") + e.what());
   }
+  if (cfg.model.vocab_size != 256)
+    return usage_error("--checkpoint: a vocabulary of " + std::to_string(cfg.model.vocab_size) +
+                       " tokens; generate reads and writes bytes, so it samples byte-level models (vocabulary 256) "
+                       "only: decoding through a tokenizer is not implemented");
   Transformer model(cfg);
   model.params() = std::move(params);
 

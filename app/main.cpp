@@ -73,7 +73,9 @@ int main(int argc, char** argv) {
   double prep_val = 0.05;
   uint64_t prep_seed = 1234;
   CLI::App* prep_cmd = app.add_subcommand(
-      "prepare-data", "Tokenize text files byte by byte into PREFIX.train.tok and PREFIX.val.tok");
+      "prepare-data",
+      "Tokenize text files byte by byte (vocabulary 256) into the Megatron indexed data sets PREFIX.train and "
+      "PREFIX.val (.bin + .idx); for a BPE tokenizer, scripts/tokenize-data.py");
   prep_cmd->add_option("--input", prep_inputs, "Input files (each a document unless --split-on)")->required();
   prep_cmd->add_option("--output", prep_output, "Output prefix")->required();
   prep_cmd->add_option("--val-fraction", prep_val, "Fraction of documents held out for validation (default 0.05)");
@@ -117,7 +119,7 @@ int main(int argc, char** argv) {
     if (*prep_cmd) {
       try {
         const PrepareReport r = prepare_data(prep_inputs, prep_output, prep_val, prep_split, prep_seed);
-        std::printf("prepare-data: %s.train.tok: %lld documents, %lld tokens; %s.val.tok: %lld documents, %lld tokens\n",
+        std::printf("prepare-data: %s.train: %lld documents, %lld tokens; %s.val: %lld documents, %lld tokens\n",
                     prep_output.c_str(), (long long)r.train_docs, (long long)r.train_tokens, prep_output.c_str(),
                     (long long)r.val_docs, (long long)r.val_tokens);
         return kExitOk;

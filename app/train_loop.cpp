@@ -107,24 +107,35 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   // Bad input is found on every rank alike (the same files, the same config): every rank returns
   // the same status, only rank 0 speaks.
   auto fail = [&](const std::string& message) { return root ? usage_error(message) : kExitUsage; };
-  if (cfg.data.path.empty()) return fail("data.path: empty; prepare a data set with `fp8moe prepare-data`");
-  if (cfg.model.vocab_size < 256) return fail("model.vocab_size: the byte-level data needs at least 256");
+  if (cfg.data.path.empty())
+    return fail("data.path: empty; prepare a data set with `fp8moe prepare-data` or scripts/tokenize-data.py");
 
-  std::unique_ptr<TokenFile> train_data, val_data;
+  // Every data set is validated on open, every token id against the vocabulary included.
+  std::unique_ptr<DataBlend> train_data, val_data;
   try {
-    train_data = std::make_unique<TokenFile>(cfg.data.path + ".train.tok");
-    val_data = std::make_unique<TokenFile>(cfg.data.path + ".val.tok");
+    train_data = std::make_unique<DataBlend>(cfg.data.path, cfg.model.vocab_size);
   } catch (const DataError& e) {
     return fail(std::string("data.path: ") + e.what());
+  }
+  try {
+    if (!cfg.data.valid_path.empty()) val_data = std::make_unique<DataBlend>(cfg.data.valid_path, cfg.model.vocab_size);
+  } catch (const DataError& e) {
+    return fail(std::string("data.valid_path: ") + e.what());
   }
   // Each step's global batch is micro_batches micro-batches; the data-parallel replicas split each
   // micro-batch: replica r computes its sequences [r * mbs, (r + 1) * mbs). Sample positions are
   // global, so the step sees the same sequences on any number of replicas.
   const int64_t T = cfg.train.seq_len, R = dp.size(), mbs = cfg.train.global_batch / (p.micro_batches * R);
-  if (train_data->size() < T + 1) return fail(train_data->path() + ": fewer tokens than one sequence");
-  const bool eval_on = cfg.eval.every > 0 && val_data->size() >= T + 1;
-  if (cfg.eval.every > 0 && !eval_on && root)
-    std::printf("note: %s has fewer than %lld tokens: no validation loss\n", val_data->path().c_str(), (long long)T + 1);
+  for (const auto& set : train_data->sets())
+    if (set->size() < T + 1)
+      return fail("data.path: " + set->prefix() + ": " + std::to_string(set->size()) +
+                  " tokens, fewer than one sequence of train.seq_len + 1 = " + std::to_string(T + 1));
+  bool eval_on = cfg.eval.every > 0 && val_data != nullptr;
+  if (cfg.eval.every > 0 && !val_data && root) std::printf("note: no data.valid_path: no validation loss\n");
+  if (eval_on && val_data->min_size() < T + 1) {
+    eval_on = false;
+    if (root) std::printf("note: a data.valid_path data set has fewer than %lld tokens: no validation loss\n", (long long)T + 1);
+  }
 
   std::FILE* jsonl = nullptr;
   std::string jsonl_error;

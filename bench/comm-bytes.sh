@@ -11,7 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 exe=${1:-build/fp8moe}
 shift || true
 source scripts/mpi-env.sh
-[[ -f data/fortunes.train.tok ]] || { echo "comm-bytes: run scripts/demo.sh once (it prepares data/fortunes)"; exit 2; }
+[[ -f data/fortunes.train.idx ]] || { echo "comm-bytes: run scripts/demo.sh once (it prepares data/fortunes)"; exit 2; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 

@@ -13,7 +13,7 @@ if ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
   sudo_=(); [[ $(id -u) -ne 0 ]] && sudo_=(sudo)
   "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-torch
 fi
-if [[ ! -f $out/lic.train.tok ]]; then
+if [[ ! -f $out/lic.train.idx ]]; then
   build/fp8moe prepare-data --input /usr/share/common-licenses/* --output "$out/lic" --val-fraction 0 >/dev/null
 fi
 mean_tps() {  # mean tokens_per_s of the JSONL rows after the first two
@@ -22,7 +22,7 @@ mean_tps() {  # mean tokens_per_s of the JSONL rows after the first two
 declare -A tps
 for recipe in off blockwise; do
   build/fp8moe train configs/tiny.yaml --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=1 \
-    --set fp8.recipe=$recipe --set data.path="$out/lic" --set train.steps="$steps" --set train.warmup_steps=1 \
+    --set fp8.recipe=$recipe --set data.path="$out/lic.train" --set data.valid_path="$out/lic.val" --set train.steps="$steps" --set train.warmup_steps=1 \
     --set eval.every=0 --set log.every=1 --set log.jsonl="$out/$recipe.jsonl" --set checkpoint.dir="$out/ckpt" >/dev/null
   tps[$recipe]=$(mean_tps "$out/$recipe.jsonl")
 done

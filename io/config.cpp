@@ -219,6 +219,51 @@ Field loss_scale_field() {
   return f;
 }
 
+// data.path / data.valid_path: one prefix, or a blend [[weight, prefix], ...] (Megatron's
+// --data-path as a YAML list); null or '' = none. One prefix is shown as a plain string.
+template <class Ref>
+Field data_sources_field(std::string path, Ref ref, std::string doc) {
+  const std::string expected = "a data set prefix, or a list of [weight > 0, prefix] pairs";
+  Field f{path, expected, std::move(doc), {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    std::vector<DataSource> sources;
+    if (n.IsNull()) {
+    } else if (n.IsScalar()) {
+      if (!n.Scalar().empty()) sources.push_back({1.0, n.Scalar()});
+    } else if (n.IsSequence() && n.size() > 0) {
+      for (size_t i = 0; i < n.size(); ++i) {
+        const YAML::Node item = n[i];
+        const std::string item_path = path + "[" + std::to_string(i) + "]";
+        if (!item.IsSequence() || item.size() != 2) fail(where, item_path, describe(item), "a pair [weight, prefix]");
+        double w = 0;
+        const std::string& ws = scalar_or_fail(item[0], where, item_path + "[0]", "a weight > 0");
+        if (!parse_number(ws, &w) || !(w > 0)) fail(where, item_path + "[0]", describe(item[0]), "a weight > 0");
+        const std::string& prefix = scalar_or_fail(item[1], where, item_path + "[1]", "a data set prefix", true);
+        if (prefix.empty()) fail(where, item_path + "[1]", "''", "a data set prefix");
+        sources.push_back({w, prefix});
+      }
+    } else {
+      fail(where, path, describe(n), expected);
+    }
+    ref(c) = std::move(sources);
+  };
+  f.show = [=](const Config& c) {
+    const std::vector<DataSource>& sources = ref(c);
+    if (sources.empty()) return YAML::Node("");
+    if (sources.size() == 1 && sources[0].weight == 1.0) return YAML::Node(sources[0].prefix);
+    YAML::Node list(YAML::NodeType::Sequence);
+    for (const DataSource& s : sources) {
+      YAML::Node pair(YAML::NodeType::Sequence);
+      pair.SetStyle(YAML::EmitterStyle::Flow);
+      pair.push_back(format_double(s.weight));
+      pair.push_back(s.prefix);
+      list.push_back(pair);
+    }
+    return list;
+  };
+  return f;
+}
+
 // fp8.layers: a list drawn from attention, mlp, experts, shared_experts.
 constexpr std::pair<std::string_view, bool Fp8Layers::*> kFp8LayerNames[] = {
     {"attention", &Fp8Layers::attention},
@@ -362,8 +407,12 @@ const std::vector<Field>& schema() {
                         "(per-tensor recipes always keep them in FP8)."));
     v.push_back(fp8_layers_field());
     // data
-    v.push_back(text("data.path", REF(data.path), true,
-                     "Prefix of a token file made by `fp8moe prepare-data` (needed once training lands)."));
+    v.push_back(data_sources_field("data.path", REF(data.path),
+                                   "Training data: the prefix of a Megatron indexed data set (PREFIX.bin + PREFIX.idx, "
+                                   "made by `fp8moe prepare-data`, scripts/tokenize-data.py or Megatron-LM), or a "
+                                   "blend [[weight, prefix], ...] sampled by weight (needed once training lands)."));
+    v.push_back(data_sources_field("data.valid_path", REF(data.valid_path),
+                                   "Validation data, in the same form; empty = no validation loss."));
     // eval
     v.push_back(integer("eval.every", REF(eval.every), 0, kNoMax, "Evaluate every this many steps; 0 = never."));
     v.push_back(integer("eval.batches", REF(eval.batches), 1, 1 << 20, "Validation batches per evaluation."));

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -17,9 +18,53 @@
 namespace fp8moe {
 namespace {
 
-constexpr char kMagic[8] = {'F', 'P', '8', 'M', 'O', 'E', 'T', 'K'};
-constexpr uint32_t kVersion = 1;
-constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;
+// ---------------------------------------------------------------------------------------------
+// The MMIDIDX format
+// ---------------------------------------------------------------------------------------------
+
+constexpr char kMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
+constexpr uint64_t kVersion = 1;
+constexpr size_t kHeaderBytes = 9 + 8 + 1 + 8 + 8;
+constexpr uint8_t kUint16 = 8;
+
+struct DtypeInfo {
+  int code, bytes;
+  const char* name;
+};
+// Megatron-Core's DType table, less the floating-point codes (6 float64, 7 float32).
+constexpr DtypeInfo kDtypes[] = {{1, 1, "uint8"}, {2, 1, "int8"}, {3, 2, "int16"},
+                                 {4, 4, "int32"}, {5, 8, "int64"}, {8, 2, "uint16"}};
+
+const DtypeInfo* dtype_info(int code) {
+  for (const DtypeInfo& d : kDtypes)
+    if (d.code == code) return &d;
+  return nullptr;
+}
+
+template <class T>
+T load(const char* p) {  // unaligned little-endian read (x86-64 and aarch64 are little-endian)
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class T>
+void put(std::ofstream& out, const T& v) {
+  out.write(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+// Writes PATH.tmp with `write` and renames it to PATH: a reader that has PATH mapped keeps its
+// (old) file, and a crash leaves no half-written PATH.
+template <class Write>
+void write_atomically(const std::string& path, Write write) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (!out) throw DataError(tmp + ": cannot write: " + std::strerror(errno));
+  write(out);
+  out.close();
+  if (!out) throw DataError(tmp + ": write failed: " + std::strerror(errno));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw DataError(path + ": cannot rename " + tmp + ": " + std::strerror(errno));
+}
 
 // Documents of one input: the whole file, or the pieces between lines equal to split_line.
 std::vector<std::string> documents(const std::string& text, const std::string& split_line) {
@@ -47,28 +92,28 @@ std::vector<std::string> documents(const std::string& text, const std::string& s
   return docs;
 }
 
+// A data set being prepared: uint16 tokens, one sequence (= one document) each.
 struct Split {
   std::vector<uint16_t> tokens;
-  std::vector<uint64_t> starts{0};
+  std::vector<int32_t> lengths;
 };
 
-// Written to PATH.tmp and renamed: a reader that has PATH mapped keeps its (old) file.
-void write_split(const std::string& path, const Split& s) {
-  const std::string tmp = path + ".tmp";
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (!out) throw DataError(tmp + ": cannot write: " + std::strerror(errno));
-  const uint32_t version = kVersion, width = 2;
-  const uint64_t count = s.tokens.size(), docs = s.starts.size() - 1;
-  out.write(kMagic, 8);
-  out.write(reinterpret_cast<const char*>(&version), 4);
-  out.write(reinterpret_cast<const char*>(&width), 4);
-  out.write(reinterpret_cast<const char*>(&count), 8);
-  out.write(reinterpret_cast<const char*>(&docs), 8);
-  out.write(reinterpret_cast<const char*>(s.tokens.data()), std::streamsize(count * 2));
-  out.write(reinterpret_cast<const char*>(s.starts.data()), std::streamsize(s.starts.size() * 8));
-  out.close();
-  if (!out) throw DataError(tmp + ": write failed: " + std::strerror(errno));
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw DataError(path + ": cannot rename " + tmp + ": " + std::strerror(errno));
+void write_dataset(const std::string& prefix, const Split& s) {
+  write_atomically(prefix + ".bin", [&](std::ofstream& out) {
+    out.write(reinterpret_cast<const char*>(s.tokens.data()), std::streamsize(s.tokens.size() * 2));
+  });
+  write_atomically(prefix + ".idx", [&](std::ofstream& out) {
+    const uint64_t n = s.lengths.size();
+    out.write(kMagic, 9);
+    put(out, kVersion);
+    put(out, kUint16);
+    put(out, n);      // sequences
+    put(out, n + 1);  // document_indices entries: one document per sequence, then the end
+    out.write(reinterpret_cast<const char*>(s.lengths.data()), std::streamsize(n * 4));
+    int64_t pointer = 0;
+    for (int32_t len : s.lengths) put(out, pointer), pointer += int64_t(len) * 2;
+    for (int64_t d = 0; d <= int64_t(n); ++d) put(out, d);
+  });
 }
 
 double uniform(uint64_t seed, uint64_t a, uint64_t b) {
@@ -90,10 +135,14 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
   for (const std::string& path : inputs) {
     for (const std::string& doc : documents(read_whole_file<DataError>(path, "input"), split_line)) {
       Split& s = uniform(seed ^ 0x76616c69646174ull, doc_number++, 0) < val_fraction ? val : train;
+      const size_t before = s.tokens.size();
       for (unsigned char c : doc)
         if (c != 0) s.tokens.push_back(c);  // token 0 is reserved for the document end
       s.tokens.push_back(0);
-      s.starts.push_back(s.tokens.size());
+      if (s.tokens.size() - before > size_t(INT32_MAX))
+        throw DataError(path + ": a document of " + std::to_string(s.tokens.size() - before) +
+                        " bytes; the index stores lengths as int32");
+      s.lengths.push_back(int32_t(s.tokens.size() - before));
       (&s == &val ? rep.val_docs : rep.train_docs) += 1;
     }
   }
@@ -109,70 +158,146 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
   const std::filesystem::path dir = std::filesystem::path(prefix).parent_path();
   if (!dir.empty() && !std::filesystem::create_directories(dir, ec) && ec)
     throw DataError(dir.string() + ": cannot create the output directory: " + ec.message());
-  write_split(prefix + ".train.tok", train);
-  write_split(prefix + ".val.tok", val);
+  write_dataset(prefix + ".train", train);
+  write_dataset(prefix + ".val", val);
   return rep;
 }
 
-TokenFile::TokenFile(const std::string& path) : path_(path) {
+// ---------------------------------------------------------------------------------------------
+// IndexedDataset
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// Maps `path` read-only (an empty file maps to nothing). DataError naming the file otherwise.
+void* map_file(const std::string& path, const char* what, size_t* bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw DataError(path + ": cannot open the token file: " + std::strerror(errno));
+  if (fd < 0) throw DataError(path + ": cannot open the " + std::string(what) + ": " + std::strerror(errno));
   struct stat st {};
-  if (fstat(fd, &st) != 0 || st.st_size < off_t(kHeaderBytes)) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    throw DataError(path + ": not a token file: " + std::to_string(st.st_size) + " bytes, shorter than its header");
+    throw DataError(path + ": the " + std::string(what) + " is not a regular file");
   }
-  map_bytes_ = size_t(st.st_size);
-  map_ = mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+  *bytes = size_t(st.st_size);
+  if (*bytes == 0) {
+    ::close(fd);
+    return nullptr;
+  }
+  void* p = mmap(nullptr, *bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    throw DataError(path + ": cannot map the token file: " + std::strerror(errno));
-  }
-  const char* p = static_cast<const char*>(map_);
-  uint32_t version = 0, width = 0;
-  uint64_t count = 0, docs = 0;
-  std::memcpy(&version, p + 8, 4);
-  std::memcpy(&width, p + 12, 4);
-  std::memcpy(&count, p + 16, 8);
-  std::memcpy(&docs, p + 24, 8);
-  auto fail = [&](const std::string& why) {
-    munmap(map_, map_bytes_);
-    map_ = nullptr;
-    throw DataError(path + ": " + why);
+  if (p == MAP_FAILED) throw DataError(path + ": cannot map the " + std::string(what) + ": " + std::strerror(errno));
+  return p;
+}
+
+std::string num(uint64_t v) { return std::to_string(v); }
+std::string num(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+IndexedDataset::IndexedDataset(const std::string& prefix, int64_t vocab_size) : prefix_(prefix) {
+  const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
+  auto unmap = [this] {
+    if (idx_.addr) munmap(idx_.addr, idx_.bytes);
+    if (bin_.addr) munmap(bin_.addr, bin_.bytes);
+    idx_ = {}, bin_ = {};
   };
-  if (std::memcmp(p, kMagic, 8) != 0) fail("not a token file (bad magic; make one with `fp8moe prepare-data`)");
-  if (version != kVersion) fail("token file version " + std::to_string(version) + ", this build reads " + std::to_string(kVersion));
-  if (width != 2) fail("tokens of " + std::to_string(width) + " bytes, expected 2");
-  const uint64_t want = kHeaderBytes + count * 2 + (docs + 1) * 8;
-  if (count > (uint64_t(1) << 40) || docs > count || want != map_bytes_)
-    fail("size " + std::to_string(map_bytes_) + " bytes does not match its header (" + std::to_string(count) +
-         " tokens, " + std::to_string(docs) + " documents: " + std::to_string(want) + " bytes); truncated or corrupt?");
-  count_ = int64_t(count), docs_ = int64_t(docs);
-  tokens_ = reinterpret_cast<const uint16_t*>(p + kHeaderBytes);
-  doc_start_ = p + kHeaderBytes + count * 2;
-  // One pass over the index and the tokens: documents in order, each ending with token 0, and
-  // every token a byte (so no id reaches past a 256-entry embedding).
-  if (doc_start(0) != 0 || doc_start(docs_) != count_) fail("document index does not cover the tokens; corrupt?");
-  for (int64_t d = 0; d < docs_; ++d) {
-    const int64_t a = doc_start(d), b = doc_start(d + 1);
-    if (b <= a || b > count_ || tokens_[b - 1] != 0)
-      fail("document " + std::to_string(d) + " spans [" + std::to_string(a) + ", " + std::to_string(b) +
-           "), not a run of tokens ending with 0; corrupt?");
+  try {
+    idx_.addr = map_file(idx_path, "index (Megatron .idx)", &idx_.bytes);
+    bin_.addr = map_file(bin_path, "token file (Megatron .bin)", &bin_.bytes);
+    const char* p = static_cast<const char*>(idx_.addr);
+    auto bad = [&](const std::string& field, const std::string& why) { throw DataError(idx_path + ": " + field + ": " + why); };
+    if (idx_.bytes < kHeaderBytes)
+      bad("header", num(uint64_t(idx_.bytes)) + " bytes, shorter than the " + num(uint64_t(kHeaderBytes)) +
+                        "-byte header (truncated?)");
+    if (std::memcmp(p, kMagic, 9) != 0)
+      bad("magic", "not MMIDIDX: not a Megatron indexed data set (make one with `fp8moe prepare-data` or "
+                   "scripts/tokenize-data.py)");
+    const auto version = load<uint64_t>(p + 9);
+    if (version != kVersion) bad("version", num(version) + ", this build reads version " + num(kVersion));
+    dtype_ = static_cast<unsigned char>(p[17]);
+    const DtypeInfo* info = dtype_info(dtype_);
+    if (!info)
+      bad("dtype", "code " + std::to_string(dtype_) +
+                       (dtype_ == 6 || dtype_ == 7 ? " (a floating-point type) holds no token ids"
+                                                   : " is not one of Megatron's") +
+                       "; expected 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64 or 8 uint16");
+    item_ = info->bytes;
+    const auto seqs = load<uint64_t>(p + 18), docs = load<uint64_t>(p + 26);
+    // Each count is bounded by the file size first, so the product below cannot overflow.
+    if (seqs > idx_.bytes || docs > idx_.bytes || docs < 1)
+      bad("sequence/document count", num(seqs) + " sequences, " + num(docs) + " document entries: impossible in " +
+                                         num(uint64_t(idx_.bytes)) + " bytes");
+    const uint64_t want = kHeaderBytes + seqs * (4 + 8) + docs * 8;
+    if (want != idx_.bytes)
+      bad("size", num(uint64_t(idx_.bytes)) + " bytes, but the header's " + num(seqs) + " sequences and " + num(docs) +
+                      " document entries need " + num(want) +
+                      (want + seqs == idx_.bytes ? " (a multimodal index with sequence modes: not supported)"
+                                                 : " (truncated or corrupt?)"));
+    sequences_ = int64_t(seqs), documents_ = int64_t(docs) - 1;
+    const char* lengths = p + kHeaderBytes;
+    const char* pointers = lengths + seqs * 4;
+    const char* doc_index = pointers + seqs * 8;
+    // Sequences back to back from byte 0, as Megatron writes them, so that the token stream is the
+    // whole .bin; each pointer is checked against the .bin's size as it goes.
+    uint64_t offset = 0;
+    for (uint64_t s = 0; s < seqs; ++s) {
+      const auto len = load<int32_t>(lengths + s * 4);
+      const auto ptr = load<int64_t>(pointers + s * 8);
+      const std::string at = "[" + num(s) + "]";
+      if (len < 0) bad("sequence_lengths" + at, num(int64_t(len)) + ", negative");
+      if (ptr < 0 || uint64_t(ptr) + uint64_t(len) * item_ > bin_.bytes)
+        bad("sequence_pointers" + at, num(ptr) + " (+ " + num(int64_t(len)) + " tokens of " + info->name +
+                                          "): past the end of " + bin_path + " (" + num(uint64_t(bin_.bytes)) + " bytes)");
+      if (uint64_t(ptr) != offset)
+        bad("sequence_pointers" + at, num(ptr) + ", expected " + num(offset) +
+                                          " (the end of the sequence before it): sequences must be back to back");
+      offset += uint64_t(len) * item_;
+    }
+    if (offset != bin_.bytes)
+      throw DataError(bin_path + ": size: " + num(uint64_t(bin_.bytes)) + " bytes, but " + idx_path +
+                      "'s sequences end at byte " + num(offset) + (offset < bin_.bytes ? " (the index is stale?)" : ""));
+    int64_t prev = 0;
+    for (uint64_t d = 0; d < docs; ++d) {
+      const auto first = load<int64_t>(doc_index + d * 8);
+      const std::string at = "document_indices[" + num(d) + "]";
+      if (d == 0 && first != 0) bad(at, num(first) + ", expected 0");
+      if (first < prev || first > int64_t(seqs))
+        bad(at, num(first) + ": not in [" + num(prev) + ", " + num(seqs) + "] (document starts must rise to the sequence count)");
+      if (d + 1 == docs && first != int64_t(seqs)) bad(at, num(first) + ", the last entry must be the sequence count " + num(seqs));
+      prev = first;
+    }
+    count_ = int64_t(bin_.bytes / item_);
+    tokens_ = static_cast<const char*>(bin_.addr);
+    if (vocab_size > 0)
+      for (int64_t i = 0; i < count_; ++i) {
+        const int64_t t = token(i);
+        if (t < 0 || t >= vocab_size)
+          throw DataError(bin_path + ": token id " + num(t) + " at token " + num(i) + " is outside the vocabulary [0, " +
+                          num(vocab_size) + ") of model.vocab_size (a tokenizer larger than the model's?)");
+      }
+  } catch (...) {
+    unmap();
+    throw;
   }
-  for (int64_t i = 0; i < count_; ++i)
-    if (tokens_[i] > 255) fail("token " + std::to_string(tokens_[i]) + " at " + std::to_string(i) + " is not a byte; corrupt?");
 }
 
-int64_t TokenFile::doc_start(int64_t d) const {
-  if (d < 0 || d > docs_) throw DataError(path_ + ": document " + std::to_string(d) + " of " + std::to_string(docs_));
-  uint64_t v = 0;
-  std::memcpy(&v, doc_start_ + d * 8, 8);
-  return int64_t(v);
+IndexedDataset::~IndexedDataset() {
+  if (idx_.addr) munmap(idx_.addr, idx_.bytes);
+  if (bin_.addr) munmap(bin_.addr, bin_.bytes);
 }
 
-TokenFile::~TokenFile() {
-  if (map_) munmap(map_, map_bytes_);
+const char* IndexedDataset::dtype_name() const { return dtype_info(dtype_)->name; }
+
+int64_t IndexedDataset::token(int64_t i) const {
+  const char* p = tokens_ + i * item_;
+  switch (dtype_) {
+    case 1: return load<uint8_t>(p);
+    case 2: return load<int8_t>(p);
+    case 3: return load<int16_t>(p);
+    case 4: return load<int32_t>(p);
+    case 5: return load<int64_t>(p);
+    default: return load<uint16_t>(p);
+  }
 }
 
 namespace {
@@ -200,16 +325,63 @@ uint64_t permute_index(uint64_t i, uint64_t n, uint64_t seed, uint64_t epoch) {
 }
 }  // namespace
 
-void TokenFile::sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) const {
+void IndexedDataset::sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) const {
   if (count_ < T + 1)
-    throw DataError(path_ + ": " + std::to_string(count_) + " tokens, fewer than one sequence of " + std::to_string(T + 1));
+    throw DataError(prefix_ + ": " + std::to_string(count_) + " tokens, fewer than one sequence of " + std::to_string(T + 1));
   const uint64_t W = uint64_t(windows(T));
   const uint64_t window = permute_index(uint64_t(index) % W, W, seed, uint64_t(index) / W);
-  const uint64_t start = window * uint64_t(T);
+  const int64_t start = int64_t(window) * T;
   for (int64_t t = 0; t < T; ++t) {
-    tokens[t] = tokens_[start + t];
-    targets[t] = tokens_[start + t + 1];
+    tokens[t] = int32_t(token(start + t));
+    targets[t] = int32_t(token(start + t + 1));
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DataBlend
+// ---------------------------------------------------------------------------------------------
+
+DataBlend::DataBlend(const std::vector<DataSource>& sources, int64_t vocab_size) {
+  if (sources.empty()) throw DataError("no data set");
+  double total = 0;
+  for (const DataSource& s : sources) {
+    if (!(s.weight > 0 && std::isfinite(s.weight)))
+      throw DataError(s.prefix + ": weight " + std::to_string(s.weight) + ", expected a finite number > 0");
+    total += s.weight;
+  }
+  for (const DataSource& s : sources) {
+    sets_.push_back(std::make_unique<IndexedDataset>(s.prefix, vocab_size));
+    weights_.push_back(s.weight / total);
+  }
+  taken_.assign(sets_.size(), 0);
+}
+
+std::pair<int, int64_t> DataBlend::locate(int64_t index) {
+  if (index < cursor_) cursor_ = 0, taken_.assign(sets_.size(), 0);
+  for (;; ++cursor_) {
+    int best = 0;
+    double deficit = -INFINITY;
+    for (size_t k = 0; k < sets_.size(); ++k) {
+      const double d = weights_[k] * double(cursor_ + 1) - double(taken_[k]);
+      if (d > deficit) deficit = d, best = int(k);
+    }
+    if (cursor_ == index) return {best, taken_[best]};  // the cursor stays: asking again is free
+    ++taken_[best];
+  }
+}
+
+void DataBlend::sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) {
+  const auto [k, local] = locate(index);
+  // Data set 0 keeps the plain seed (one data set samples as it always has); the others get their
+  // own window orders.
+  const uint64_t set_seed = k == 0 ? seed : seed ^ (0x9E3779B97F4A7C15ull * uint64_t(k));
+  sets_[size_t(k)]->sample(set_seed, local, T, tokens, targets);
+}
+
+int64_t DataBlend::min_size() const {
+  int64_t m = INT64_MAX;
+  for (const auto& s : sets_) m = std::min(m, s->size());
+  return m;
 }
 
 std::string printable_utf8(const std::string& s) {

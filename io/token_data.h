@@ -1,16 +1,25 @@
-// Token data sets: byte-level tokenisation into a binary token file, and a memory-mapped reader
-// whose samples are a pure function of (seed, step, position).
+// Token data: Megatron-LM's indexed data sets (the one on-disk format), byte-level preparation of
+// text into them, and the blend of several data sets that training samples from.
 //
-// Tokens: one per input byte (vocabulary 256). Token 0 ends every document, so NUL bytes in the
-// input are dropped. A token file (PREFIX.train.tok / PREFIX.val.tok), little-endian:
-//   char[8] "FP8MOETK" | u32 version (1) | u32 bytes per token (2) | u64 token count | u64 docs
-//   | u16 tokens[count] | u64 doc_start[docs + 1]   (doc d is tokens [doc_start[d], doc_start[d+1]))
+// A data set with prefix P is P.bin (the tokens of every sequence, back to back) and P.idx,
+// little-endian (Megatron-Core's MMIDIDX index, version 1):
+//   char[9] "MMIDIDX\0\0" | u64 version = 1 | u8 dtype code | u64 sequence count S | u64 document
+//   count D | i32 sequence_lengths[S] | i64 sequence_pointers[S] (byte offsets into P.bin) |
+//   i64 document_indices[D] (the first sequence of each document, then S)
+// dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16 (6 float64 and 7 float32 exist
+// in Megatron's table but hold no token ids, and are refused). Megatron's preprocessing writes one
+// sequence per document with the end-of-document token appended; training reads the sequences as
+// one stream in file order, so documents are packed into windows with their end tokens, as
+// Megatron's GPTDataset does.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "model/config.h"  // DataSource
 
 namespace fp8moe {
 
@@ -22,43 +31,78 @@ struct PrepareReport {
   int64_t train_docs = 0, val_docs = 0, train_tokens = 0, val_tokens = 0;
 };
 
-// Reads the inputs (each file one document, or split at lines equal to `split_line` when it is
-// not empty, as the fortune files' "%"), assigns each document to validation with probability
-// val_fraction (a deterministic function of seed and document number), and writes
-// PREFIX.train.tok and PREFIX.val.tok (each through a temporary file and a rename). DataError on
+// Byte-level tokenisation (vocabulary 256): every input byte is a token, token 0 ends every
+// document (NUL bytes in the input are dropped). Reads the inputs (each file one document, or
+// split at lines equal to `split_line` when it is not empty, as the fortune files' "%"), assigns
+// each document to validation with probability val_fraction (a deterministic function of seed and
+// document number), and writes the data sets PREFIX.train and PREFIX.val (uint16 tokens, one
+// sequence per document; each file through a temporary file and a rename). DataError on
 // unreadable or empty input, or when no document is left for training.
 PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::string& prefix, double val_fraction,
                            const std::string& split_line, uint64_t seed);
 
-// A token file, memory-mapped read-only; the header and size are checked on open.
-class TokenFile {
+// One indexed data set, both files memory-mapped read-only. Opening validates the index (magic,
+// version, dtype, counts against the file size, every length, pointer and document index) and the
+// .bin's size against it, and, when vocab_size > 0, that every token id is in [0, vocab_size);
+// each problem is a DataError naming the file, the field and the value.
+class IndexedDataset {
  public:
-  explicit TokenFile(const std::string& path);  // DataError naming the file and the problem
-  ~TokenFile();
-  TokenFile(const TokenFile&) = delete;
-  TokenFile& operator=(const TokenFile&) = delete;
+  IndexedDataset(const std::string& prefix, int64_t vocab_size);
+  ~IndexedDataset();
+  IndexedDataset(const IndexedDataset&) = delete;
+  IndexedDataset& operator=(const IndexedDataset&) = delete;
 
-  int64_t size() const { return count_; }
-  int64_t docs() const { return docs_; }
-  const uint16_t* tokens() const { return tokens_; }
-  int64_t doc_start(int64_t d) const;  // d in [0, docs()]
-  const std::string& path() const { return path_; }
+  const std::string& prefix() const { return prefix_; }
+  int64_t size() const { return count_; }  // tokens in all sequences
+  int64_t sequences() const { return sequences_; }
+  int64_t documents() const { return documents_; }
+  const char* dtype_name() const;
+  int64_t token(int64_t i) const;  // i in [0, size())
 
-  // Sample number `index` (step * global_batch + position in the batch): the file is cut into
-  // W = (size - 1) / T windows of T + 1 tokens (neighbours share one token), and epoch
-  // index / W visits them in a seeded random order (a bijection: no window twice in an epoch, so
-  // no two positions of a step, whichever rank or micro-batch reads them, overlap).
-  // tokens = the window's first T, targets = its last T. A pure function of (seed, index).
+  // Sample number `index`: the token stream is cut into W = (size - 1) / T windows of T + 1 tokens
+  // (neighbours share one token), and epoch index / W visits them in a seeded random order (a
+  // bijection: no window twice in an epoch). tokens = the window's first T, targets = its last T.
+  // A pure function of (seed, index).
   void sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) const;
   int64_t windows(int64_t T) const { return count_ > T ? (count_ - 1) / T : 0; }
 
  private:
-  std::string path_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  int64_t count_ = 0, docs_ = 0;
-  const uint16_t* tokens_ = nullptr;
-  const char* doc_start_ = nullptr;  // u64 array, not necessarily 8-byte aligned: read with memcpy
+  struct Map {
+    void* addr = nullptr;
+    size_t bytes = 0;
+  };
+  std::string prefix_;
+  Map idx_, bin_;
+  int dtype_ = 0;  // Megatron's code
+  int item_ = 0;   // bytes per token
+  int64_t count_ = 0, sequences_ = 0, documents_ = 0;
+  const char* tokens_ = nullptr;
+};
+
+// The data sets training or evaluation samples from: one, or a weighted blend (data.path as
+// Megatron's --data-path). Sample i of the blend is taken from the data set furthest behind its
+// share after i + 1 samples — the k maximising weight_k * (i + 1) - taken_k(i), lowest k on ties —
+// and is that data set's sample number taken_k(i). So every data set's count stays within one
+// sample of weight_k * n for every prefix of n samples, and sample i is a pure function of
+// (sources, seed, i): the same on every layout, and after a resume.
+class DataBlend {
+ public:
+  DataBlend(const std::vector<DataSource>& sources, int64_t vocab_size);
+
+  // Not thread-safe: it walks a cursor forward from the last index asked (from 0 when an earlier
+  // index is asked), so increasing indices cost O(data sets) each.
+  void sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets);
+  // Which data set sample `index` comes from, and its sample number there.
+  std::pair<int, int64_t> locate(int64_t index);
+
+  const std::vector<std::unique_ptr<IndexedDataset>>& sets() const { return sets_; }
+  int64_t min_size() const;  // tokens of the smallest data set
+
+ private:
+  std::vector<std::unique_ptr<IndexedDataset>> sets_;
+  std::vector<double> weights_;  // normalised to sum 1
+  int64_t cursor_ = 0;           // taken_ holds the counts over samples [0, cursor_)
+  std::vector<int64_t> taken_;
 };
 
 // Generated bytes for a terminal: `text` with every byte that is not part of valid UTF-8 (and

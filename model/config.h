@@ -7,6 +7,7 @@
 #include <string>
 #include <cstddef>
 #include <string_view>
+#include <vector>
 
 namespace fp8moe {
 
@@ -117,8 +118,16 @@ struct Fp8Config {
   bool operator==(const Fp8Config&) const = default;
 };
 
+// One Megatron indexed data set (PREFIX.bin + PREFIX.idx) and its weight in a blend.
+struct DataSource {
+  double weight = 1.0;
+  std::string prefix;
+  bool operator==(const DataSource&) const = default;
+};
+
 struct DataConfig {
-  std::string path;  // prefix of a prepared token file
+  std::vector<DataSource> path;        // training: one data set, or a weighted blend
+  std::vector<DataSource> valid_path;  // validation, the same; empty = no validation loss
   bool operator==(const DataConfig&) const = default;
 };
 

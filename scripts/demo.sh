@@ -14,7 +14,7 @@ source scripts/mpi-env.sh
 echo "demo: mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml --dry-run"
 mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml --dry-run
 
-if [[ ! -f data/fortunes.train.tok ]]; then
+if [[ ! -f data/fortunes.train.idx ]]; then
   inputs=()
   for f in /usr/share/games/fortunes/*; do
     [[ -f $f && $f != *.dat && $f != *.u8 ]] && inputs+=("$f")

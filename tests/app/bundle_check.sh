@@ -38,7 +38,7 @@ run() { bwrap "${sandbox[@]}" --chdir "$tmp" "$@"; }
   printf '%s\n' "$SMALL_MOE_MODEL"
   echo "train: {steps: 3, warmup_steps: 1, global_batch: 4, seq_len: 32}"
   echo "fp8: {recipe: blockwise, tile: 16}"
-  echo "data: {path: $tmp/data/src}"
+  echo "data: {path: $tmp/data/src.train, valid_path: $tmp/data/src.val}"
   echo "checkpoint: {resume: none}"
 } >"$tmp/cfg.yaml"
 out=$tmp/out.txt

@@ -16,7 +16,7 @@ train: {steps: $3, warmup_steps: 2, global_batch: 4, seq_len: 32, lr: 3.0e-3, mi
 fp8: {recipe: delayed, amax_history_len: 4}
 eval: {every: $4, batches: 1}
 log: {every: 1}
-data: {path: $2}
+data: {path: $2.train, valid_path: $2.val}
 checkpoint: $5
 CFG
 }

@@ -31,7 +31,7 @@ train: {steps: $steps, warmup_steps: 2, global_batch: 16, seq_len: 256, lr: 1.0e
 parallel: {micro_batches: 2}
 eval: {every: 0}
 log: {every: 1}
-data: {path: $tmp/data/src}
+data: {path: $tmp/data/src.train, valid_path: $tmp/data/src.val}
 checkpoint: {dir: $tmp/ck, resume: none}
 EOF2
 printf '%-10s %14s %12s %10s %8s %s\n' recipe "max rel diff" bound "cuda tok/s" "mfu" "cpu tok/s"

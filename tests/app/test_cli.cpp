@@ -97,7 +97,7 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
                                     "fp8: {recipe: blockwise, tile: 32}\n"
                                     "eval: {every: 10, batches: 2}\n"
                                     "log: {every: 1, jsonl: " + tmp.path + "/logs/m.jsonl}\n"
-                                    "data: {path: " + tmp.path + "/data/lic}\n"
+                                    "data: {path: " + tmp.path + "/data/lic.train, valid_path: " + tmp.path + "/data/lic.val}\n"
                                     "checkpoint: {dir: " + tmp.path + "/ckpt}\n");
   r = run({exe(), "train", cfg}, 600);
   ASSERT_EQ(r.status, 0) << r.all();
@@ -199,7 +199,7 @@ TEST(Cli, PrepareData) {
                      "--val-fraction", "0"});
   ASSERT_EQ(r.status, 0) << r.all();
   // "A fortune.\n" (11 bytes), "Another one.\n" (13), the empty tail, and 3 document ends
-  EXPECT_NE(r.out.find("f.train.tok: 3 documents, 27 tokens"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("f.train: 3 documents, 27 tokens"), std::string::npos) << r.out;
   r = run({exe(), "prepare-data", "--input", tmp.path + "/missing", "--output", tmp.path + "/g"});
   EXPECT_EQ(r.status, 2) << r.all();
   EXPECT_NE(r.err.find("fp8moe: error: " + tmp.path + "/missing: cannot read the input"), std::string::npos) << r.err;
@@ -239,6 +239,8 @@ const BadConfig kBadConfigs[] = {
     {"duplicate_key", "model:\n  d_model: 64\n  d_model: 128\n", "model.d_model", "3:3", "duplicate key (first given at"},
     {"value_is_list", "train:\n  lr: [1, 2]\n", "train.lr", "2:7", "got a list"},
     {"value_is_mapping", "data:\n  path: {a: 1}\n", "data.path", "2:9", "got a mapping"},
+    {"blend_weight_zero", "data:\n  path: [[0, a], [1, b]]\n", "data.path[0][0]", "2:9", "got '0', expected a weight > 0"},
+    {"blend_item_not_pair", "data:\n  valid_path: [a, b]\n", "data.valid_path[0]", "2:15", "got 'a', expected a pair [weight, prefix]"},
     {"dotted_key", "model:\n  d_model: 128\nmodel.d_model: 64\n", "model.d_model", "3:1", "may not contain '.'"},
     {"quoted_integer", "model:\n  d_model: \"256\"\n", "model.d_model", "2:12", "got the quoted string '256'"},
     {"quoted_bool", "fp8:\n  power_of_two_scales: 'true'\n", "fp8.power_of_two_scales", "2:24", "quoted string"},

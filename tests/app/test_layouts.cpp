@@ -57,7 +57,7 @@ class Layouts : public testing::Test {
         "fp8: {tile: 32}\n"
         "eval: {every: 0}\n"
         "log: {every: 1}\n"
-        "data: {path: " + dir_->path + "/data/lic}\n"
+        "data: {path: " + dir_->path + "/data/lic.train, valid_path: " + dir_->path + "/data/lic.val}\n"
         "checkpoint: {dir: " + dir_->path + "/ckpt, resume: none}\n"));
   }
   static void TearDownTestSuite() {

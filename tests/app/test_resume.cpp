@@ -57,7 +57,7 @@ class Resume : public testing::Test {
                        "fp8: {recipe: delayed, amax_history_len: 8}\n"
                        "eval: {every: 4, batches: 1}\n"
                        "log: {every: 1}\n"
-                       "data: {path: " + dir_->path + "/data/lic}\n"
+                       "data: {path: " + dir_->path + "/data/lic.train, valid_path: " + dir_->path + "/data/lic.val}\n"
                        "checkpoint: {dir: " + dir_->path + "/" + name + ", every: 4, keep_last: 3}\n");
   }
   RunResult train(int ranks, const std::string& cfg, std::vector<std::string> sets = {}) const {
@@ -101,8 +101,12 @@ TEST_F(Resume, BitExactAfterExitAndRestart) {
 }
 
 TEST_F(Resume, UnderAnotherDataParallelSize) {
-  // Blockwise scaling quantizes per 1 x 128 row tile and per weight block: the numbers do not
-  // depend on how the batch is split, so only the FP32 reduction order differs between sizes.
+  // Blockwise scaling quantizes per 1 x 32 row tile and per weight block, but an expert's 32 x 1
+  // wgrad token tiles follow the replicas' token split, and an FP32 reduction-order difference can
+  // move a value across an E4M3 rounding boundary (tests/app/test_layouts.cpp): the runs agree to
+  // FP8 noise, not to FP32 rounding. Measured: 1.27e-5 saved on 2 and resumed on 1, 1.08e-8 the
+  // other way (a 2-core AVX512-BF16 host, oneDNN's BF16 GEMM; 2026-11-30; the bound was 1e-5 and
+  // failed there); asserted <= 5e-5, 4x the worst measured.
   const auto bound = [](const std::string& x, const std::string& y) {
     const double a = std::strtod(x.c_str(), nullptr), b = std::strtod(y.c_str(), nullptr);
     return std::fabs(a - b) / std::fabs(a);
@@ -128,7 +132,7 @@ TEST_F(Resume, UnderAnotherDataParallelSize) {
     for (int s = 5; s <= 12; ++s) worst = std::max(worst, bound(want.at(s), got.at(s)));
     std::printf("saved on %d rank(s), resumed on %d: max relative loss difference over steps 5-12 = %.2e\n", save,
                 load, worst);
-    EXPECT_LE(worst, 1e-5);
+    EXPECT_LE(worst, 5e-5);
   }
 }
 

@@ -100,9 +100,17 @@ TEST(Config, OverridesWinInOrderAndCreateSections) {
   EXPECT_EQ(c.train.lr, 0.3);        // the last --set wins over the file and earlier --set
   EXPECT_EQ(c.train.min_lr, 0.01);   // untouched key of the file
   EXPECT_EQ(c.model.moe.top_k, 3);   // section created by --set
-  EXPECT_EQ(c.data.path, "a=b");     // only the first '=' splits
+  EXPECT_EQ(c.data.path, (std::vector<DataSource>{{1.0, "a=b"}}));  // only the first '=' splits
   EXPECT_EQ(c.fp8.layers, (Fp8Layers{true, false, true, false}));
   EXPECT_EQ(c.checkpoint.resume, "none");
+}
+
+TEST(Config, DataBlends) {
+  const Config c = load("data:\n  path: [[0.7, corpora/web_text_document], [3, 'code x']]\n  valid_path: v\n", {});
+  EXPECT_EQ(c.data.path, (std::vector<DataSource>{{0.7, "corpora/web_text_document"}, {3.0, "code x"}}));
+  EXPECT_EQ(c.data.valid_path, (std::vector<DataSource>{{1.0, "v"}}));
+  EXPECT_TRUE(load("data: {path: '', valid_path: null}\n", {}).data.path.empty());
+  EXPECT_TRUE(load("", {}).data.valid_path.empty());
 }
 
 TEST(Config, EffectiveConfigRoundTrips) {
@@ -123,7 +131,8 @@ TEST(Config, EffectiveConfigRoundTrips) {
   c.fp8.format = Fp8Format::hybrid;
   c.fp8.amax_compute = AmaxCompute::most_recent;
   c.fp8.layers = {false, true, false, true};
-  c.data.path = "data/with: colon # and hash";
+  c.data.path = {{1.0, "data/with: colon # and hash"}};
+  c.data.valid_path = {{0.7, "a"}, {0.1 + 0.2, "b [x]"}};
   c.eval.every = 0;
   c.checkpoint.dir = "/scratch/ckpt";
   c.log.jsonl = "";
