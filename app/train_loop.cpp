@@ -110,26 +110,33 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   if (cfg.data.path.empty())
     return fail("data.path: empty; prepare a data set with `fp8moe prepare-data` or scripts/tokenize-data.py");
 
-  // Every data set is validated on open, every token id against the vocabulary included.
-  std::unique_ptr<DataBlend> train_data, val_data;
-  try {
-    train_data = std::make_unique<DataBlend>(cfg.data.path, cfg.model.vocab_size);
-  } catch (const DataError& e) {
-    return fail(std::string("data.path: ") + e.what());
-  }
-  try {
-    if (!cfg.data.valid_path.empty()) val_data = std::make_unique<DataBlend>(cfg.data.valid_path, cfg.model.vocab_size);
-  } catch (const DataError& e) {
-    return fail(std::string("data.valid_path: ") + e.what());
-  }
+  // Every data set is validated on open; each rank checks the token ids of its own part of every
+  // data set. A problem on any rank (its part, or files that differ between nodes) stops every
+  // rank with exit 2, and rank 0 prints the lowest failing rank's message.
+  const TokenCheck check{cfg.model.vocab_size, world.rank(), world.size()};
   // Each step's global batch is micro_batches micro-batches; the data-parallel replicas split each
   // micro-batch: replica r computes its sequences [r * mbs, (r + 1) * mbs). Sample positions are
   // global, so the step sees the same sequences on any number of replicas.
   const int64_t T = cfg.train.seq_len, R = dp.size(), mbs = cfg.train.global_batch / (p.micro_batches * R);
-  for (const auto& set : train_data->sets())
-    if (set->size() < T + 1)
-      return fail("data.path: " + set->prefix() + ": " + std::to_string(set->size()) +
-                  " tokens, fewer than one sequence of train.seq_len + 1 = " + std::to_string(T + 1));
+  std::unique_ptr<DataBlend> train_data, val_data;
+  std::string data_error;
+  try {
+    train_data = std::make_unique<DataBlend>(cfg.data.path, check);
+    for (const auto& set : train_data->sets())
+      if (set->size() < T + 1)
+        throw DataError(set->prefix() + ": " + std::to_string(set->size()) +
+                        " tokens, fewer than one sequence of train.seq_len + 1 = " + std::to_string(T + 1));
+  } catch (const DataError& e) {
+    data_error = std::string("data.path: ") + e.what();
+  }
+  try {
+    if (data_error.empty() && !cfg.data.valid_path.empty())
+      val_data = std::make_unique<DataBlend>(cfg.data.valid_path, check);
+  } catch (const DataError& e) {
+    data_error = std::string("data.valid_path: ") + e.what();
+  }
+  data_error = first_error(grid.world(), data_error);
+  if (!data_error.empty()) return fail(data_error);
   bool eval_on = cfg.eval.every > 0 && val_data != nullptr;
   if (cfg.eval.every > 0 && !val_data && root) std::printf("note: no data.valid_path: no validation loss\n");
   if (eval_on && val_data->min_size() < T + 1) {

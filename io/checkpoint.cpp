@@ -168,17 +168,7 @@ uint64_t checksum_block(const void* data, Dt t, int64_t r0, int64_t n, int64_t c
 
 // ---------------------------------------------------------------- agreement between ranks
 
-// The error of the lowest failing rank, on every rank ("" when none failed). Collective.
-std::string first_error(MPI_Comm comm, const std::string& mine) {
-  int rank = 0, who = INT_MAX;
-  MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  const int me = mine.empty() ? INT_MAX : rank;
-  MPI_CHECK(MPI_Allreduce(&me, &who, 1, MPI_INT, MPI_MIN, comm));
-  if (who == INT_MAX) return "";
-  std::string e = mine;
-  broadcast_string(comm, e, who);
-  return e;
-}
+// first_error (parallel/mpi_session.h): the error of the lowest failing rank, on every rank.
 
 // Rows [r0, r0 + n) of a tensor with `rows` rows that this rank writes (and verifies): an even
 // split over the ranks, every row to exactly one of them.

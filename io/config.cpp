@@ -410,7 +410,7 @@ const std::vector<Field>& schema() {
     v.push_back(data_sources_field("data.path", REF(data.path),
                                    "Training data: the prefix of a Megatron indexed data set (PREFIX.bin + PREFIX.idx, "
                                    "made by `fp8moe prepare-data`, scripts/tokenize-data.py or Megatron-LM), or a "
-                                   "blend [[weight, prefix], ...] sampled by weight (needed once training lands)."));
+                                   "blend [[weight, prefix], ...] sampled by weight."));
     v.push_back(data_sources_field("data.valid_path", REF(data.valid_path),
                                    "Validation data, in the same form; empty = no validation loss."));
     // eval

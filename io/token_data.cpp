@@ -194,7 +194,7 @@ std::string num(int64_t v) { return std::to_string(v); }
 
 }  // namespace
 
-IndexedDataset::IndexedDataset(const std::string& prefix, int64_t vocab_size) : prefix_(prefix) {
+IndexedDataset::IndexedDataset(const std::string& prefix, TokenCheck check) : prefix_(prefix) {
   const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
   auto unmap = [this] {
     if (idx_.addr) munmap(idx_.addr, idx_.bytes);
@@ -243,14 +243,14 @@ IndexedDataset::IndexedDataset(const std::string& prefix, int64_t vocab_size) : 
     for (uint64_t s = 0; s < seqs; ++s) {
       const auto len = load<int32_t>(lengths + s * 4);
       const auto ptr = load<int64_t>(pointers + s * 8);
-      const std::string at = "[" + num(s) + "]";
-      if (len < 0) bad("sequence_lengths" + at, num(int64_t(len)) + ", negative");
+      auto at = [s](const char* field) { return field + ("[" + num(s) + "]"); };  // on the error path only
+      if (len < 0) bad(at("sequence_lengths"), num(int64_t(len)) + ", negative");
       if (ptr < 0 || uint64_t(ptr) + uint64_t(len) * item_ > bin_.bytes)
-        bad("sequence_pointers" + at, num(ptr) + " (+ " + num(int64_t(len)) + " tokens of " + info->name +
-                                          "): past the end of " + bin_path + " (" + num(uint64_t(bin_.bytes)) + " bytes)");
+        bad(at("sequence_pointers"), num(ptr) + " (+ " + num(int64_t(len)) + " tokens of " + info->name +
+                                         "): past the end of " + bin_path + " (" + num(uint64_t(bin_.bytes)) + " bytes)");
       if (uint64_t(ptr) != offset)
-        bad("sequence_pointers" + at, num(ptr) + ", expected " + num(offset) +
-                                          " (the end of the sequence before it): sequences must be back to back");
+        bad(at("sequence_pointers"), num(ptr) + ", expected " + num(offset) +
+                                         " (the end of the sequence before it): sequences must be back to back");
       offset += uint64_t(len) * item_;
     }
     if (offset != bin_.bytes)
@@ -259,22 +259,29 @@ IndexedDataset::IndexedDataset(const std::string& prefix, int64_t vocab_size) : 
     int64_t prev = 0;
     for (uint64_t d = 0; d < docs; ++d) {
       const auto first = load<int64_t>(doc_index + d * 8);
-      const std::string at = "document_indices[" + num(d) + "]";
-      if (d == 0 && first != 0) bad(at, num(first) + ", expected 0");
+      auto at = [d] { return "document_indices[" + num(d) + "]"; };  // on the error path only
+      if (d == 0 && first != 0) bad(at(), num(first) + ", expected 0");
       if (first < prev || first > int64_t(seqs))
-        bad(at, num(first) + ": not in [" + num(prev) + ", " + num(seqs) + "] (document starts must rise to the sequence count)");
-      if (d + 1 == docs && first != int64_t(seqs)) bad(at, num(first) + ", the last entry must be the sequence count " + num(seqs));
+        bad(at(), num(first) + ": not in [" + num(prev) + ", " + num(seqs) + "] (document starts must rise to the sequence count)");
+      if (d + 1 == docs && first != int64_t(seqs)) bad(at(), num(first) + ", the last entry must be the sequence count " + num(seqs));
       prev = first;
     }
     count_ = int64_t(bin_.bytes / item_);
     tokens_ = static_cast<const char*>(bin_.addr);
-    if (vocab_size > 0)
-      for (int64_t i = 0; i < count_; ++i) {
-        const int64_t t = token(i);
-        if (t < 0 || t >= vocab_size)
-          throw DataError(bin_path + ": token id " + num(t) + " at token " + num(i) + " is outside the vocabulary [0, " +
-                          num(vocab_size) + ") of model.vocab_size (a tokenizer larger than the model's?)");
-      }
+    // Token ids, in this opener's part of the stream: within the vocabulary, or at least within
+    // int32 (what sample() hands the model).
+    if (check.parts < 1 || check.part < 0 || check.part >= check.parts)
+      throw DataError(prefix + ": token check part " + std::to_string(check.part) + " of " + std::to_string(check.parts));
+    const int64_t limit = check.vocab_size > 0 ? check.vocab_size : int64_t(INT32_MAX) + 1;
+    const int64_t begin = count_ * check.part / check.parts, end = count_ * (check.part + 1) / check.parts;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = token(i);
+      if (t < 0 || t >= limit)
+        throw DataError(bin_path + ": token id " + num(t) + " at token " + num(i) + " is outside " +
+                        (check.vocab_size > 0 ? "the vocabulary [0, " + num(limit) +
+                                                    ") of model.vocab_size (a tokenizer larger than the model's?)"
+                                              : "[0, 2^31)"));
+    }
   } catch (...) {
     unmap();
     throw;
@@ -341,7 +348,7 @@ void IndexedDataset::sample(uint64_t seed, int64_t index, int64_t T, int32_t* to
 // DataBlend
 // ---------------------------------------------------------------------------------------------
 
-DataBlend::DataBlend(const std::vector<DataSource>& sources, int64_t vocab_size) {
+DataBlend::DataBlend(const std::vector<DataSource>& sources, TokenCheck check) {
   if (sources.empty()) throw DataError("no data set");
   double total = 0;
   for (const DataSource& s : sources) {
@@ -350,7 +357,7 @@ DataBlend::DataBlend(const std::vector<DataSource>& sources, int64_t vocab_size)
     total += s.weight;
   }
   for (const DataSource& s : sources) {
-    sets_.push_back(std::make_unique<IndexedDataset>(s.prefix, vocab_size));
+    sets_.push_back(std::make_unique<IndexedDataset>(s.prefix, check));
     weights_.push_back(s.weight / total);
   }
   taken_.assign(sets_.size(), 0);

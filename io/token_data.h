@@ -10,7 +10,8 @@
 // in Megatron's table but hold no token ids, and are refused). Megatron's preprocessing writes one
 // sequence per document with the end-of-document token appended; training reads the sequences as
 // one stream in file order, so documents are packed into windows with their end tokens, as
-// Megatron's GPTDataset does.
+// Megatron's GPTDataset does (which also shuffles the documents before packing; here the windows
+// are cut from the file order and only the order of visiting them is shuffled).
 #pragma once
 
 #include <cstdint>
@@ -41,13 +42,20 @@ struct PrepareReport {
 PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::string& prefix, double val_fraction,
                            const std::string& split_line, uint64_t seed);
 
+// Which tokens an opening checks against the vocabulary: part `part` of `parts` equal parts (the
+// ranks of a job each check theirs, so that no rank reads the whole corpus at start).
+struct TokenCheck {
+  int64_t vocab_size = 0;  // ids must be in [0, vocab_size); 0: in [0, 2^31)
+  int part = 0, parts = 1;
+};
+
 // One indexed data set, both files memory-mapped read-only. Opening validates the index (magic,
 // version, dtype, counts against the file size, every length, pointer and document index) and the
-// .bin's size against it, and, when vocab_size > 0, that every token id is in [0, vocab_size);
-// each problem is a DataError naming the file, the field and the value.
+// .bin's size against it, and that every token id of the checked part is in range; each problem
+// is a DataError naming the file, the field and the value.
 class IndexedDataset {
  public:
-  IndexedDataset(const std::string& prefix, int64_t vocab_size);
+  IndexedDataset(const std::string& prefix, TokenCheck check);
   ~IndexedDataset();
   IndexedDataset(const IndexedDataset&) = delete;
   IndexedDataset& operator=(const IndexedDataset&) = delete;
@@ -82,15 +90,17 @@ class IndexedDataset {
 // The data sets training or evaluation samples from: one, or a weighted blend (data.path as
 // Megatron's --data-path). Sample i of the blend is taken from the data set furthest behind its
 // share after i + 1 samples — the k maximising weight_k * (i + 1) - taken_k(i), lowest k on ties —
-// and is that data set's sample number taken_k(i). So every data set's count stays within one
-// sample of weight_k * n for every prefix of n samples, and sample i is a pure function of
-// (sources, seed, i): the same on every layout, and after a resume.
+// and is that data set's sample number taken_k(i). Sample i is a pure function of
+// (sources, seed, i): the same on every layout, and after a resume. A data set is never a whole
+// sample ahead of its share; it may fall behind by up to (data sets - 1) in the worst case
+// (Megatron's blend uses the same rule; the tests measure the worst over random weights).
 class DataBlend {
  public:
-  DataBlend(const std::vector<DataSource>& sources, int64_t vocab_size);
+  DataBlend(const std::vector<DataSource>& sources, TokenCheck check);
 
   // Not thread-safe: it walks a cursor forward from the last index asked (from 0 when an earlier
-  // index is asked), so increasing indices cost O(data sets) each.
+  // index is asked), so increasing indices cost O(data sets) each, and the first sample after a
+  // resume at sample n costs O(n x data sets) once.
   void sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets);
   // Which data set sample `index` comes from, and its sample number there.
   std::pair<int, int64_t> locate(int64_t index);

@@ -48,6 +48,17 @@ bool any_rank(MPI_Comm comm, bool flag) {
   return global != 0;
 }
 
+std::string first_error(MPI_Comm comm, const std::string& error) {
+  int rank = 0, size = 1;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  int local = error.empty() ? size : rank, first = size;
+  MPI_CHECK(MPI_Allreduce(&local, &first, 1, MPI_INT, MPI_MIN, comm));
+  std::string text = first == rank ? error : std::string();
+  if (first < size) broadcast_string(comm, text, first);
+  return text;
+}
+
 NodePlace node_place(MPI_Comm comm) {
   MPI_Comm node;
   NodePlace p;

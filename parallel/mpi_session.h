@@ -31,6 +31,11 @@ void broadcast_string(MPI_Comm comm, std::string& text, int root);
 // True on every rank when `flag` is true on any rank of `comm` (collective).
 bool any_rank(MPI_Comm comm, bool flag);
 
+// The `error` of the lowest rank of `comm` whose error is not empty, on every rank; empty when no
+// rank has one (collective). For checks that may fail on some ranks only (files differ between
+// nodes, or each rank checks its own part).
+std::string first_error(MPI_Comm comm, const std::string& error);
+
 // This rank's place among the ranks of `comm` on its node (MPI_Comm_split_type shared). Collective.
 struct NodePlace {
   int local_rank = 0, local_size = 1;

@@ -205,7 +205,9 @@ def main():
         tokenizer = Tokenizer.from_file(args.tokenizer)
     except Exception as e:  # the library raises a bare Exception for a missing or bad file
         raise InputError(f"cannot load the tokenizer {args.tokenizer}: {e}") from None
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    # The model's vocabulary must hold the largest id, which added tokens can place past the count.
+    vocab = max(tokenizer.get_vocab_size(with_added_tokens=True),
+                max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
     eod = args.eod or next((t for t in EOD_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
     if eod is None:
         raise InputError("no end-of-document token among " + ", ".join(EOD_CANDIDATES) + ": give --eod")

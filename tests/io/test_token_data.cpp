@@ -60,7 +60,7 @@ TEST(TokenData, BytesBecomeTokensAndDocumentsEndWithZero) {
   EXPECT_EQ(r.val_docs, 0);
   // "ab\n" 0 "cd\n" 0 "\n" 0 "ef" 0 (NUL dropped) "xyz" 0
   const std::vector<int64_t> want = {'a', 'b', '\n', 0, 'c', 'd', '\n', 0, '\n', 0, 'e', 'f', 0, 'x', 'y', 'z', 0};
-  IndexedDataset f(dir.path + "/d.train", 256);
+  IndexedDataset f(dir.path + "/d.train", TokenCheck{256});
   EXPECT_EQ(stream(f), want);
   EXPECT_EQ(f.sequences(), 5);
   EXPECT_EQ(f.documents(), 5);
@@ -70,7 +70,7 @@ TEST(TokenData, BytesBecomeTokensAndDocumentsEndWithZero) {
   EXPECT_EQ(d.header, "dtype uint16 sequences 5 documents 5 tokens 17");
   EXPECT_EQ(d.tokens, want);
   EXPECT_EQ(d.doc_index, (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
-  IndexedDataset v(dir.path + "/d.val", 256);  // empty, but a valid data set
+  IndexedDataset v(dir.path + "/d.val", TokenCheck{256});  // empty, but a valid data set
   EXPECT_EQ(v.size(), 0);
   EXPECT_EQ(v.documents(), 0);
 }
@@ -118,7 +118,7 @@ TEST(TokenData, ReadsEveryMegatronDtypeWrittenByNumpy) {
     const test::RunResult w = test::run({test::python(), format_py(), "write", prefix, c.dtype,
                                          "docs:7,seqs:3,len:5,mod:" + std::to_string(c.mod)});
     ASSERT_EQ(w.status, 0) << w.all();
-    IndexedDataset f(prefix, c.mod);
+    IndexedDataset f(prefix, TokenCheck{c.mod});
     EXPECT_STREQ(f.dtype_name(), c.dtype);
     EXPECT_EQ(f.sequences(), 21);
     EXPECT_EQ(f.documents(), 7);
@@ -132,7 +132,7 @@ TEST(TokenData, ReadsEveryMegatronDtypeWrittenByNumpy) {
     for (int64_t k = 0; k < n; ++k)
       if ((k * 7 + 3) % c.mod > top) top = (k * 7 + 3) % c.mod, first_top = k;
     try {
-      IndexedDataset g(prefix, top);
+      IndexedDataset g(prefix, TokenCheck{top});
       ADD_FAILURE() << c.dtype << ": an id past the vocabulary was accepted";
     } catch (const DataError& e) {
       EXPECT_NE(std::string(e.what()).find(prefix + ".bin: token id " + std::to_string(top) + " at token " +
@@ -149,7 +149,7 @@ TEST(TokenData, SamplesAreDisjointWindowsVisitedOncePerEpoch) {
   std::mt19937 rng(11);
   for (uint32_t i = 0; i < 5000; ++i) text += char(1 + rng() % 255);
   prepare_data({dir.write("in.txt", text)}, dir.path + "/p", 0.0, "", 3);
-  IndexedDataset f(dir.path + "/p.train", 256);
+  IndexedDataset f(dir.path + "/p.train", TokenCheck{256});
   const std::vector<int64_t> all = stream(f);
   const int64_t T = 16, W = f.windows(T);  // 5001 tokens: 312 windows
   ASSERT_EQ(W, (5001 - 1) / 16);
@@ -196,37 +196,69 @@ std::vector<DataSource> constant_sets(const test::TempDir& dir, const std::vecto
 TEST(DataBlend, FollowsTheWeightsExactlyAndIsAPureFunctionOfTheIndex) {
   test::TempDir dir;
   // 3:1 gives A A B A per four samples (A leads on the tie at sample 1), 1:1 alternates.
-  DataBlend b31(constant_sets(dir, {0.75, 0.25}), 0);
+  DataBlend b31(constant_sets(dir, {0.75, 0.25}), TokenCheck{});
   std::string pattern;
   for (int64_t i = 0; i < 12; ++i) pattern += char('A' + b31.locate(i).first);
   EXPECT_EQ(pattern, "AABAAABAAABA");
   EXPECT_EQ(b31.locate(6), (std::pair<int, int64_t>{1, 1}));  // the second B: B's sample 1
   EXPECT_EQ(b31.locate(8), (std::pair<int, int64_t>{0, 6}));
-  DataBlend b11(constant_sets(dir, {2.0, 2.0}), 0);  // weights are normalised
+  DataBlend b11(constant_sets(dir, {2.0, 2.0}), TokenCheck{});  // weights are normalised
   pattern.clear();
   for (int64_t i = 0; i < 6; ++i) pattern += char('A' + b11.locate(i).first);
   EXPECT_EQ(pattern, "ABABAB");
-  // Any weights: every prefix of n samples gives each data set within one sample of weight x n
-  // (worst measured here: printed), and asking in any order gives the same answer as in order.
+  // Every prefix of n samples: no data set a whole sample ahead of weight x n, none more than
+  // (data sets - 1) behind; each data set's samples taken in order; asking in any order gives the
+  // same answers as in order.
   const std::vector<double> w = {0.5, 0.3, 0.15, 0.05};
-  DataBlend blend(constant_sets(dir, w), 0);
+  DataBlend blend(constant_sets(dir, w), TokenCheck{});
   std::vector<int64_t> taken(w.size(), 0);
   std::vector<std::pair<int, int64_t>> in_order;
-  double worst = 0;
+  double ahead = 0, behind = 0;
   for (int64_t n = 0; n < 5000; ++n) {
     const auto [k, local] = blend.locate(n);
     ASSERT_EQ(local, taken[size_t(k)]) << "sample " << n;  // each data set's samples in order, none skipped
     ++taken[size_t(k)];
     in_order.push_back({k, local});
-    for (size_t j = 0; j < w.size(); ++j) worst = std::max(worst, std::fabs(double(taken[j]) - w[j] * double(n + 1)));
+    for (size_t j = 0; j < w.size(); ++j) {
+      ahead = std::max(ahead, double(taken[j]) - w[j] * double(n + 1));
+      behind = std::max(behind, w[j] * double(n + 1) - double(taken[j]));
+    }
   }
-  std::printf("blend 0.5/0.3/0.15/0.05 over 5000 samples: worst |taken - weight x n| = %.3f\n", worst);
-  EXPECT_LT(worst, 1.0);
+  std::printf("blend 0.5/0.3/0.15/0.05 over 5000 samples: worst ahead %.3f, worst behind %.3f\n", ahead, behind);
+  EXPECT_LT(ahead, 1.0);
+  EXPECT_LT(behind, 1.0);  // measured 0.60
   std::mt19937 rng(5);
   for (int q = 0; q < 200; ++q) {  // jumps backwards and forwards (a resume, an evaluation)
     const int64_t i = int64_t(rng() % 5000);
     ASSERT_EQ(blend.locate(i), in_order[size_t(i)]) << "sample " << i;
   }
+}
+
+TEST(DataBlend, StaysWithinItsBoundsForRandomWeights) {
+  test::TempDir dir;
+  const std::vector<DataSource> eight = constant_sets(dir, std::vector<double>(8, 1.0));
+  std::mt19937 rng(17);
+  double worst_ahead = 0, worst_behind_ratio = 0;  // behind / (data sets - 1)
+  for (int trial = 0; trial < 300; ++trial) {
+    const size_t K = 2 + rng() % 7;
+    std::vector<DataSource> sources(eight.begin(), eight.begin() + K);
+    double total = 0;
+    for (auto& s : sources) total += s.weight = std::exp(5.0 * std::uniform_real_distribution<double>()(rng));
+    DataBlend blend(sources, TokenCheck{});
+    std::vector<int64_t> taken(K, 0);
+    for (int64_t n = 0; n < 1000; ++n) {
+      ++taken[size_t(blend.locate(n).first)];
+      for (size_t j = 0; j < K; ++j) {
+        const double share = sources[j].weight / total * double(n + 1);
+        worst_ahead = std::max(worst_ahead, double(taken[j]) - share);
+        worst_behind_ratio = std::max(worst_behind_ratio, (share - double(taken[j])) / double(K - 1));
+      }
+    }
+  }
+  std::printf("300 random blends of 2-8 data sets (weights spanning e^5), 1000 samples each: worst ahead %.3f, "
+              "worst behind %.3f x (data sets - 1)\n", worst_ahead, worst_behind_ratio);
+  EXPECT_LT(worst_ahead, 1.0);
+  EXPECT_LT(worst_behind_ratio, 1.0);
 }
 
 TEST(DataBlend, SamplesComeFromTheirDataSet) {
@@ -237,7 +269,7 @@ TEST(DataBlend, SamplesComeFromTheirDataSet) {
     prepare_data({in}, dir.path + "/s" + std::to_string(k), 0.0, "", 1);
     sources.push_back({k == 0 ? 0.25 : 0.75, dir.path + "/s" + std::to_string(k) + ".train"});
   }
-  DataBlend blend(sources, 256);
+  DataBlend blend(sources, TokenCheck{256});
   const int64_t T = 8;
   std::vector<int32_t> x(T), y(T);
   for (int64_t i = 0; i < 40; ++i) {
@@ -277,7 +309,7 @@ TEST(TokenData, BadInputsAreClearErrors) {
     EXPECT_NE(std::string(e.what()).find("every document went to validation"), std::string::npos) << e.what();
   }
   prepare_data({dir.write("ok.txt", "hello world")}, dir.path + "/ok", 0.0, "", 1);
-  IndexedDataset f(dir.path + "/ok.train", 256);
+  IndexedDataset f(dir.path + "/ok.train", TokenCheck{256});
   std::vector<int32_t> x(100), y(100);
   EXPECT_THROW(f.sample(1, 0, 100, x.data(), y.data()), DataError);  // 12 tokens < 101
 }
@@ -316,10 +348,11 @@ TEST(TokenData, DamagedFilesAreRefusedNamingFileAndField) {
   auto expect_refused = [&](const std::string& prefix, const std::string& file, const std::string& message) {
     SCOPED_TRACE(message);
     try {
-      IndexedDataset d(prefix, 256);
+      IndexedDataset d(prefix, TokenCheck{256});
       ADD_FAILURE() << prefix << ": accepted";
     } catch (const DataError& e) {
       EXPECT_NE(std::string(e.what()).find(prefix + file + ": " + message), std::string::npos) << e.what();
+      std::printf("refused: %s\n", e.what() + dir.path.size() + 1);  // the table of the README and the note
     }
     const test::RunResult r = test::run({test::exe(), "train", cfg, "--set", "data.path=" + prefix});
     EXPECT_EQ(r.status, 2) << r.all();
@@ -350,6 +383,25 @@ TEST(TokenData, DamagedFilesAreRefusedNamingFileAndField) {
   expect_refused(damaged(".bin", patch(4, std::string("\x00\x01", 2))), ".bin",
                  "token id 256 at token 2 is outside the vocabulary [0, 256)");
   expect_refused(dir.path + "/none", ".idx", "cannot open the index (Megatron .idx)");
+  {  // A negative id: the dtype made int16, token 2 made 0xFFFF.
+    const std::string prefix = damaged(".idx", patch(17, "\x03"));
+    std::fstream bin(prefix + ".bin", std::ios::in | std::ios::out | std::ios::binary);
+    bin.seekp(4);
+    bin.write("\xff\xff", 2);
+    bin.close();
+    expect_refused(prefix, ".bin", "token id -1 at token 2 is outside the vocabulary [0, 256)");
+  }
+  // Each rank checks its part of the ids: with 2 ranks the bad id at token 20 of 23 is rank 1's to
+  // find, and every rank still exits 2, rank 0 printing rank 1's message once.
+  const std::string late = damaged(".bin", patch(40, std::string("\x00\x02", 2)));  // token 20: id 512
+  EXPECT_NO_THROW(IndexedDataset(late, TokenCheck{256, 0, 2}));
+  EXPECT_THROW(IndexedDataset(late, TokenCheck{256, 1, 2}), DataError);
+  const test::RunResult r = test::run({test::mpiexec(), "-n", "2", test::exe(), "train", cfg, "--set",
+                                       "train.global_batch=2", "--set", "data.path=" + late});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("fp8moe: error: data.path: " + late + ".bin: token id 512 at token 20 is outside"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(test::count(r.err, "fp8moe: error:"), 1u) << r.err;
 }
 
 }  // namespace
