@@ -5,10 +5,15 @@
 # a real `kill -9` while the job saves every step. After every kill: <dir>/latest must name a
 # complete checkpoint that `fp8moe ckpt verify` accepts, and (every few kills, and always after a
 # random one) training must resume from it and reproduce the uninterrupted run's loss bit for bit.
+# Every other random kill waits for a save in progress (a step_*.tmp directory) and kills then.
+# A run counts as killed only when mpirun reports the signal (any other failure fails the test);
+# no checkpoint may be lost (latest never older than the last "committed" the run printed); at
+# least MIN_DURING_SAVE kills must have landed inside a save (left its step_*.tmp behind; measured:
+# 9 of 12, twice, on a 2-core VM).
 #
-# usage: checkpoint_faults.sh FP8MOE MPIEXEC [RANDOM_KILLS]
+# usage: checkpoint_faults.sh FP8MOE MPIEXEC [RANDOM_KILLS] [MIN_DURING_SAVE]
 set -uo pipefail
-exe=$1 mpiexec=$2 random_kills=${3:-12}
+exe=$1 mpiexec=$2 random_kills=${3:-12} min_during_save=${4:-4}
 source "$(dirname "$0")/common.sh"
 export OMPI_MCA_odls_base_sigkill_timeout=0  # a killed job ends at once
 
@@ -28,6 +33,7 @@ train --set checkpoint.dir="$tmp/ref" >"$tmp/ref.txt" 2>&1 || fail "reference ru
 train --set train.exit_interval=4 >/dev/null 2>&1 || fail "base run"
 [[ $(cat "$tmp/base/latest") == step_00000004 ]] || fail "base run did not leave step 4"
 
+killed_by_signal() { grep -q "exited on signal 9" "$1"; }  # mpirun's report of a SIGKILLed rank
 check_dir() {  # $1: dir, $2: what happened; prints the step latest names
   local d=$1 name
   name=$(cat "$d/latest" 2>/dev/null) || fail "$2: $d/latest is missing"
@@ -49,9 +55,10 @@ for rank in 0 1; do
   k=1
   while :; do
     rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
-    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set train.exit_interval=5 >/dev/null 2>&1
+    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set train.exit_interval=5 >"$tmp/run.txt" 2>&1
     status=$?
     [[ $status == 0 ]] && break  # k is past the last event of this rank's save
+    killed_by_signal "$tmp/run.txt" || fail "rank $rank, save event $k: exit $status without the kill: $(tail -5 "$tmp/run.txt")"
     kills=$((kills + 1))
     name=$(check_dir "$tmp/w" "rank $rank killed at save event $k") || exit 1
     [[ $name == step_00000004 ]] && before=$((before + 1)) || after=$((after + 1))
@@ -62,19 +69,44 @@ for rank in 0 1; do
   ((k > 20)) || fail "rank $rank had only $((k - 1)) save events: FP8MOE_CKPT_KILL not honoured?"
 done
 # Random real kills of a random rank while the job checkpoints every step.
-during_save=0
-for ((i = 0; i < random_kills; i++)); do
+during_save=0 random=0
+for ((i = 0; i < 4 * random_kills && random < random_kills; i++)); do
   rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
-  "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/w" --set checkpoint.every=1 >/dev/null 2>&1 &
+  "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/w" --set checkpoint.every=1 >"$tmp/run.txt" 2>&1 &
   launcher=$!
-  sleep "0.$((RANDOM % 7 + 3))$((RANDOM % 10))"
-  victim=$(pgrep -f "$exe train $tmp/cfg.yaml" | grep -v "^$launcher$" | shuf -n 1)
-  [[ -n $victim ]] && kill -9 "$victim" 2>/dev/null && kills=$((kills + 1))
+  if ((i % 2 == 0)); then
+    sleep "0.$((RANDOM % 7 + 3))$((RANDOM % 10))"
+    victim=$(pgrep -f "$exe train $tmp/cfg.yaml" | grep -v "^$launcher$" | shuf -n 1)
+  else  # inside a save: the ranks' pids first, then kill as soon as a step_*.tmp appears after step 10
+    victim=""
+    while [[ -z $victim ]] && kill -0 "$launcher" 2>/dev/null; do
+      ranks=($(pgrep -f "$exe train $tmp/cfg.yaml" | grep -v "^$launcher$"))
+      ((${#ranks[@]} == 2)) && victim=${ranks[RANDOM % 2]}
+    done
+    for ((poll = 0; poll < 200000; poll++)); do
+      compgen -G "$tmp/w/step_000000[1-9]*.tmp" >/dev/null && break
+      kill -0 "$launcher" 2>/dev/null || break
+    done
+  fi
+  [[ -n $victim ]] && kill -9 "$victim" 2>/dev/null
   wait "$launcher"
+  status=$?
+  if ((status == 0)); then continue; fi  # the run ended before the kill
+  killed_by_signal "$tmp/run.txt" || fail "random run $i: exit $status without the kill: $(tail -5 "$tmp/run.txt")"
+  kills=$((kills + 1)) random=$((random + 1))
   compgen -G "$tmp/w/step_*.tmp" >/dev/null && during_save=$((during_save + 1))
   name=$(cat "$tmp/w/latest" 2>/dev/null) || fail "random kill $i: latest is missing"
   "$exe" ckpt verify "$tmp/w" >"$tmp/verify.txt" 2>&1 || fail "random kill $i: latest ($name) is not valid: $(cat "$tmp/verify.txt")"
+  committed=$(sed -n 's/^checkpoint .*\/\(step_[0-9]*\) committed$/\1/p' "$tmp/run.txt" | tail -1)
+  if [[ -n $committed && $name < $committed ]]; then
+    lost=$((lost + 1))
+    fail "random kill $i: latest names $name, but the run had committed $committed"
+  fi
   if [[ $name < step_00000040 ]]; then resume_and_compare "$tmp/w"; resumed=$((resumed + 1)); fi
 done
+((random >= random_kills)) || fail "only $random of $i random runs were killed before they ended"
+((during_save >= min_during_save)) ||
+  fail "only $during_save of $random random kills landed inside a save (left a step_*.tmp); wanted $min_during_save"
 echo "checkpoint faults: $kills kills ($before left step 4 as latest, $after had committed step 5;" \
-  "$during_save random kills left a partial step_*.tmp), $resumed resumed bit-exact, $lost checkpoints lost"
+  "$random random kills in $i runs, $during_save of them inside a save), $resumed resumed bit-exact," \
+  "$lost checkpoints lost (latest older than the last committed)"

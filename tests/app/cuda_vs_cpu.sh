@@ -54,8 +54,9 @@ for line in sys.stdin:
     a, b = float.fromhex(a), float.fromhex(b)
     d = abs(a - b) / abs(a) if math.isfinite(a) and math.isfinite(b) else math.inf  # NaN never passes
     worst, n = max(worst, d), n + 1
-print(f"{worst:.3e}" if n else "none")')
+print(f"{worst:.3e}" if n else "none")') || fail "$recipe: comparing the losses failed: ${diff:-no output}"
   [[ $diff != none ]] || fail "$recipe: no losses to compare"
+  [[ $diff =~ ^[0-9.]+e[-+][0-9]+$|^inf$ ]] || fail "$recipe: the comparison printed '$diff', not a number"
   last_cuda=$(grep '^step' "$tmp/$recipe-cuda.txt" | tail -1)
   last_cpu=$(grep '^step' "$tmp/$recipe-cpu.txt" | tail -1)
   tok=$(sed -n 's/.* \([0-9]*\) tok\/s.*/\1/p' <<<"$last_cuda")

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The signal contract under mpirun: SIGUSR1 (twice, the second during the stop) to a 2-rank run ->
-# the ranks agree on a stop step, commit a checkpoint and exit 3; the rerun resumes from it and
+# The signal contract under mpirun: a signal, twice (the second during the stop), to a 2-rank run
+# -> the ranks agree on a stop step, commit a checkpoint and exit 3; the rerun resumes from it and
 # every later loss equals the uninterrupted run's bit for bit; a finished run exits 0.
+#   usr1: SIGUSR1 to mpirun, which forwards it to the ranks (Slurm's --signal=B:USR1@... path);
+#   term: SIGTERM to every rank directly, as slurmstepd sends it at the time limit or on scancel
+#         (mpirun itself, given SIGTERM, kills its job: not the path a rank's handler sees).
 #
-# usage: signal_resume.sh FP8MOE MPIEXEC
+# usage: signal_resume.sh FP8MOE MPIEXEC [usr1|term]
 set -uo pipefail
-exe=$1 mpiexec=$2
+exe=$1 mpiexec=$2 how=${3:-usr1}
+[[ $how == usr1 || $how == term ]] || { echo "signal_resume: usr1 or term, not '$how'" >&2; exit 2; }
 source "$(dirname "$0")/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-signal-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
@@ -19,9 +23,16 @@ train --set checkpoint.dir="$tmp/ref" >"$tmp/ref.txt" 2>&1 || fail "uninterrupte
 "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" >"$tmp/a.txt" 2>&1 &  # not through the function: $! must be mpirun
 launcher=$!
 for _ in $(seq 200); do grep -q "^step *20/" "$tmp/a.txt" && break; sleep 0.05; done
-kill -USR1 "$launcher"
+send() {
+  if [[ $how == usr1 ]]; then
+    kill -USR1 "$launcher" 2>/dev/null
+  else
+    pgrep -f "$exe train $tmp/cfg.yaml" | grep -v "^$launcher$" | xargs -r kill -TERM 2>/dev/null
+  fi
+}
+send
 sleep 0.05
-kill -USR1 "$launcher" 2>/dev/null
+send
 wait "$launcher"
 status=$?
 [[ $status == 3 ]] || fail "signalled run exited $status, not 3: $(tail -5 "$tmp/a.txt")"
@@ -33,5 +44,5 @@ grep -q "resumed from $tmp/ckpt/step_$(printf %08d "$stop"): step $stop" "$tmp/b
 cat "$tmp/a.txt" "$tmp/b.txt" | loss_bits | sort -n -k1,1 -u >"$tmp/got.txt"
 loss_bits <"$tmp/ref.txt" >"$tmp/want.txt"
 diff -q "$tmp/want.txt" "$tmp/got.txt" >/dev/null || fail "losses differ from the uninterrupted run: $(diff "$tmp/want.txt" "$tmp/got.txt" | head -4)"
-echo "signal: SIGUSR1 x2 after step 20 -> stopped at step $stop with a checkpoint, exit 3; resumed -> exit 0;" \
+echo "signal: SIG${how^^} x2 after step 20 -> stopped at step $stop with a checkpoint, exit 3; resumed -> exit 0;" \
   "all 400 losses bitwise equal to the uninterrupted run"
