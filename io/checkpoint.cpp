@@ -610,6 +610,7 @@ struct Staged {
   std::map<std::string, LinearScaling> scaling;
   bool have_scaling = false;
   std::string note;  // said by rank 0 after the load
+  size_t verified = 0;  // datasets whose checksum was compared
   TrainProgress progress;
   float loss_scale = 1;
   int64_t good_steps = 0, updates = 0, skipped = 0;
@@ -784,13 +785,15 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   // The checksums, summed over the ranks that each checked a part.
   if (comm != MPI_COMM_NULL)
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, partial.data(), int(partial.size()), MPI_UINT64_T, MPI_SUM, comm));
-  for (size_t i = 0; i < names.size(); ++i)
+  for (size_t i = 0; i < names.size(); ++i) {
     if (partial[i] != stored[i]) {
       char buf[96];
       std::snprintf(buf, sizeof buf, " (stored %016llx, computed %016llx)", (unsigned long long)stored[i],
                     (unsigned long long)partial[i]);
       throw CheckpointError(path + ": dataset " + names[i] + ": checksum mismatch: the data is corrupt" + buf);
     }
+    ++st->verified;
+  }
 }
 
 // The state besides the tensors (those are in place already).
@@ -1067,6 +1070,7 @@ std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
       continue;
     }
     apply(st, s);
+    if (rank == 0) std::printf("%s: %zu datasets, every checksum verified\n", candidates[i].c_str(), st.verified);
     if (rank == 0 && !st.note.empty()) std::printf("%s\n", st.note.c_str());
     if (rank == 0 && i > 0)
       std::fprintf(stderr, "fp8moe: WARNING: resumed from %s, an OLDER checkpoint than the newest one\n",

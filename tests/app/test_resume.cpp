@@ -242,6 +242,63 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
   EXPECT_NE(r.err.find("model.moe.n_experts: checkpoint 4, config 8"), std::string::npos) << r.err;
 }
 
+// A load compares the checksum of every dataset of the file: their number, counted by h5ls (not
+// by fp8moe), is the number the load reports verified; and a flipped byte in one dataset of each
+// group — parameters, both Adam moments (BF16 here), the delayed-scaling state, the last dataset
+// of the file — is refused by name on an explicit resume and by `ckpt verify`.
+TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
+  const std::string cfg = config("groups");
+  RunResult r = train(2, cfg, {"train.steps=4", "train.warmup_steps=1", "eval.every=0"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  const std::string s4 = ckpt("groups") + "/step_00000004", f4 = s4 + "/checkpoint.h5";
+  const RunResult ls = run({"h5ls", "-r", f4});
+  ASSERT_EQ(ls.status, 0) << ls.all();
+  std::vector<std::string> datasets;
+  std::istringstream in(ls.out);
+  for (std::string line; std::getline(in, line);)
+    if (line.find(" Dataset {") != std::string::npos) datasets.push_back(line.substr(0, line.find(' ')));
+  ASSERT_GT(datasets.size(), 30u) << ls.out;
+  const std::vector<std::string> more = {"checkpoint.resume=" + s4, "train.steps=5", "train.warmup_steps=1", "eval.every=0"};
+  r = train(2, cfg, more);
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find(s4 + ": " + std::to_string(datasets.size()) + " datasets, every checksum verified"),
+            std::string::npos)
+      << "h5ls lists " << datasets.size() << " datasets\n" << r.out;
+
+  const std::string pristine = dir_->path + "/groups-pristine.h5";
+  fs::copy_file(f4, pristine);
+  auto pick = [&](const std::string& prefix) {
+    for (const std::string& d : datasets)
+      if (d.rfind(prefix, 0) == 0) return d;
+    return std::string();
+  };
+  std::vector<std::string> victims = {pick("/params/"), pick("/optim/m/"), pick("/optim/v/"), pick("/fp8/"),
+                                      datasets.back()};
+  for (const std::string& victim : victims) {
+    SCOPED_TRACE(victim);
+    ASSERT_FALSE(victim.empty()) << ls.out;
+    fs::copy_file(pristine, f4, fs::copy_options::overwrite_existing);
+    const long off = dataset_offset(f4, victim.substr(1));
+    ASSERT_GT(off, 0);
+    {
+      std::fstream f(f4, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(off);
+      char c = 0;
+      f.read(&c, 1);
+      f.seekp(off);
+      f.put(char(c ^ 0x01));
+    }
+    r = train(2, cfg, more);
+    EXPECT_EQ(r.status, 2) << r.all();
+    EXPECT_NE(r.err.find("fp8moe: error: checkpoint.resume: " + f4 + ": dataset " + victim + ": checksum mismatch"),
+              std::string::npos)
+        << r.err;
+    r = run({exe(), "ckpt", "verify", s4});  // the offline check names it too
+    EXPECT_EQ(r.status, 1) << r.all();
+    EXPECT_NE(r.err.find(victim + ": checksum mismatch"), std::string::npos) << r.err;
+  }
+}
+
 TEST_F(Resume, ReadableWithoutFp8moe) {
   // h5py reads every dataset (BF16 moments as floats) and an independent NumPy implementation
   // of the documented checksum matches every stored one.
