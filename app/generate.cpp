@@ -10,6 +10,7 @@
 #include "io/config.h"
 #include "io/token_data.h"
 #include "io/checkpoint.h"
+#include "model/sampling.h"
 #include "model/transformer.h"
 
 namespace fp8moe {
@@ -41,23 +42,9 @@ int run_generate(const GenerateOptions& o) {
   for (int i = 0; i < o.tokens; ++i) {
     const int64_t T = std::min<int64_t>(int64_t(ctx.size()), window);
     std::vector<float> logits = model.next_token_logits(ctx.data() + ctx.size() - T, T);
-    const int64_t V = int64_t(logits.size());
-    std::vector<int32_t> order(static_cast<size_t>(V));
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
-    int32_t next = order[0];
-    if (o.temperature > 0) {
-      const int64_t k = o.top_k > 0 ? std::min<int64_t>(o.top_k, V) : V;
-      std::vector<double> p(static_cast<size_t>(k));
-      for (int64_t j = 0; j < k; ++j) p[j] = std::exp((double(logits[order[j]]) - logits[order[0]]) / o.temperature);
-      const double total = std::accumulate(p.begin(), p.end(), 0.0);
-      const Philox4x32 r = philox4x32_10(uint32_t(i), 0, 0x47454eu, 0, uint32_t(o.seed), uint32_t(o.seed >> 32));
-      double u = (double(r.v[0]) + 0.5) * 0x1p-32 * total;
-      for (int64_t j = 0; j < k; ++j) {
-        next = order[j];
-        if ((u -= p[j]) <= 0) break;
-      }
-    }
+    const Philox4x32 r = philox4x32_10(uint32_t(i), 0, 0x47454eu, 0, uint32_t(o.seed), uint32_t(o.seed >> 32));
+    const int32_t next = sample_token(logits.data(), int64_t(logits.size()), o.temperature, o.top_k,
+                                      (double(r.v[0]) + 0.5) * 0x1p-32);
     if (next == 0) break;  // the end of a document
     ctx.push_back(next);
     generated += char(next);
