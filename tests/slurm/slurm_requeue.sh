@@ -10,7 +10,7 @@
 set -uo pipefail
 exe=$1 mpiexec=$2 src=$3
 for tool in slurmctld slurmd sbatch scontrol scancel squeue sinfo; do
-  command -v $tool >/dev/null || { echo "[  SKIPPED ] $tool not installed (scripts/setup.sh installs slurm-wlm)"; exit 0; }
+  command -v $tool >/dev/null || { echo "[  SKIPPED ] $tool not installed (scripts/setup.sh installs slurm-wlm)"; exit 77; }
 done
 source "$(dirname "$0")/../app/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-slurm-XXXXXX)
