@@ -45,6 +45,23 @@ TEST(Router, BiasSteersTheChoiceButNotTheGates) {
   EXPECT_NEAR(rs.gate[0], std::exp(-1.0) / (std::exp(1.0) + 1 + std::exp(-1.0)), 1e-6);
 }
 
+// The bias is added to the scores (sigmoid or softmax probabilities), not to the logits: here the
+// two orders disagree, so a router ranking logits + bias would choose expert 0.
+TEST(Router, BiasIsAddedToScoresNotLogits) {
+  const std::vector<float> z = {4.0f, 0.0f};
+  std::vector<float> prob;
+  // sigmoid: 0.982 + 0 < 0.5 + 0.6, while 4 + 0 > 0 + 0.6.
+  const std::vector<float> bias_s = {0.0f, 0.6f};
+  EXPECT_EQ(route(z.data(), bias_s.data(), 1, 2, moe_config(2, 1, Gating::sigmoid), &prob).expert[0], 1);
+  // softmax: 0.982 + 0 < 0.018 + 0.97, while 4 + 0 > 0 + 0.97.
+  const std::vector<float> bias_p = {0.0f, 0.97f};
+  EXPECT_EQ(route(z.data(), bias_p.data(), 1, 2, moe_config(2, 1, Gating::softmax), &prob).expert[0], 1);
+  // And without the bias, the larger logit wins in both.
+  const std::vector<float> none = {0.0f, 0.0f};
+  EXPECT_EQ(route(z.data(), none.data(), 1, 2, moe_config(2, 1, Gating::sigmoid), &prob).expert[0], 0);
+  EXPECT_EQ(route(z.data(), none.data(), 1, 2, moe_config(2, 1, Gating::softmax), &prob).expert[0], 0);
+}
+
 TEST(Router, AllTokensToOneExpertAndZeroTokenExperts) {
   const int64_t N = 5, E = 4;
   std::vector<float> z(N * E, 0.0f), bias(E, 0.0f), prob;
