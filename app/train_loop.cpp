@@ -21,6 +21,7 @@
 #include "io/config.h"
 #include "io/token_data.h"
 #include "io/checkpoint.h"
+#include "parallel/pipeline_schedule.h"
 #include "kernels/gemm_fp8.h"
 #include "model/data_parallel.h"
 #include "model/optimizer.h"
@@ -340,12 +341,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       if (!first) pipe.isend(runs[size_t(mb)].input_grad(), act, stage - 1, 2 * mb + 1);
       fp8[0] += double(runs[size_t(mb)].result().fp8_saturated), fp8[1] += double(runs[size_t(mb)].result().fp8_underflowed);
     };
-    // 1F1B: P - stage - 1 warm-up forwards, then one forward and one backward at a time, then the
-    // remaining backwards. One stage (P = 1): forward, backward, forward, backward, ...
-    const int warmup = std::min(P - stage - 1, M);
-    for (int i = 0; i < warmup; ++i) forward(i);
-    for (int i = 0; i < M - warmup; ++i) forward(warmup + i), backward(i);
-    for (int i = M - warmup; i < M; ++i) backward(i);
+    for (const PipelineOp& op : one_f_one_b(P, stage, M)) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
     pipe.wait_sends();
     runs.clear();
     // The loss (last stage; aux losses from every stage) and expert loads: summed over the replicas
