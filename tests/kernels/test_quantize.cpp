@@ -283,11 +283,18 @@ TEST(DelayedScaling, ZeroOrNonFiniteAmaxKeepsTheScale) {
     }
     quantize_delayed(nan.data(), 8, 8, Fp8Dtype::e5m2, st, compute, {}, {}, &q);
     EXPECT_EQ(st.scale, scale) << "a NaN step keeps the previous scale";
-    quantize_delayed(x.data(), 8, 8, Fp8Dtype::e5m2, st, compute, {}, {}, &q);
-    if (compute == DelayedScaling::Compute::max) {
-      EXPECT_EQ(st.scale, scale) << "the NaN is still in the window";
-    } else {
-      EXPECT_EQ(st.scale, scale);
+    // Then amax 6 (another scale than 3's): most_recent takes it at once; max keeps the scale while
+    // the NaN is in its window of 3 (two more steps), then takes it.
+    std::vector<float> x6(64, 6.0f);
+    const float scale6 = float(reference_scale(6.0, Fp8Dtype::e5m2, 0, true));
+    ASSERT_NE(scale6, scale);
+    for (int step = 1; step <= 3; ++step) {
+      quantize_delayed(x6.data(), 8, 8, Fp8Dtype::e5m2, st, compute, {}, {}, &q);
+      if (compute == DelayedScaling::Compute::max && step < 3) {
+        EXPECT_EQ(st.scale, scale) << "the NaN is still in the window, step " << step;
+      } else {
+        EXPECT_EQ(st.scale, scale6) << "step " << step;
+      }
     }
   }
 }
