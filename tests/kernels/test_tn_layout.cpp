@@ -1,7 +1,8 @@
 // cuBLASLt's TN operand and scale layouts (kernels/tn_layout.h), checked on the CPU: QuantTensors
 // of each recipe's three GEMMs are packed with the same index functions the CUDA packing kernels
 // run, a GEMM is evaluated from the packed bytes and the packed scales read at the slots the
-// cuBLAS documentation gives (tn_scale_slot), and the result must equal an FP64 GEMM of the
+// cuBLAS documentation gives (documented_slot, written here independently of tn_scale_slot), and
+// the result must equal an FP64 GEMM of the
 // unpacked QuantTensors' dequantized values. A wrong transpose, padding or scale slot changes the
 // product. (Whether cuBLASLt reads the slots as documented is for test_cuda_ops on a GPU.)
 #include <gtest/gtest.h>
@@ -34,6 +35,19 @@ QuantTensor quant(const std::vector<float>& x, int64_t rows, int64_t cols, Tilin
   return q;
 }
 
+// The scale of packed element (o, k) as cuBLASLt documents it, written here from the documentation
+// and not through kernels/tn_layout.h: VEC128_32F scales are outer-major, one per 128 values of K
+// ([outer x ceil(K/128)] with the outer index fastest); BLK128x128_32F scales are K-major, one per
+// 128 x 128 block, the row of K-blocks padded to a multiple of 4.
+int64_t documented_slot(ScaleMode mode, int64_t outer_p, int64_t K_p, int64_t o, int64_t k) {
+  const int64_t k_blocks = (K_p + 127) / 128;
+  switch (mode) {
+    case ScaleMode::vec128: return (k / 128) * outer_p + o;
+    case ScaleMode::blk128: return (o / 128) * ((k_blocks + 3) / 4 * 4) + k / 128;
+    default: return 0;
+  }
+}
+
 struct Packed {
   std::vector<uint8_t> data;
   std::vector<float> scale;
@@ -41,7 +55,9 @@ struct Packed {
   int64_t outer_p, K_p;
   Fp8Dtype dtype;
   float at(int64_t o, int64_t k) const {
-    return fp8_decode(data[o * K_p + k], dtype) * scale[tn_scale_slot(mode, outer_p, K_p, o, k)];
+    const int64_t slot = documented_slot(mode, outer_p, K_p, o, k);
+    EXPECT_LT(slot, int64_t(scale.size()));  // tn_scale_count must cover every documented slot
+    return fp8_decode(data[o * K_p + k], dtype) * scale[size_t(slot)];
   }
 };
 
