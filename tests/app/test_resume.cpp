@@ -299,6 +299,69 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
   }
 }
 
+// A checkpoint resumed under another train.moments_dtype (BF16 -> FP32; FP32 -> BF16 together with
+// another fp8.amax_history_len): the moments are converted (the next checkpoint stores them in the
+// new dtype, h5ls says which), changed histories start afresh with a note, and training continues.
+// With the histories kept, the first resumed step's loss is the uninterrupted run's bit for bit (the
+// parameters are the same); later losses differ by the moments' precision and the fresh histories
+// (measured over steps 6-8: 9.7e-6 for BF16 -> FP32, 4.8e-5 for FP32 -> BF16 with fresh histories;
+// asserted 1e-3, 20x the worst).
+TEST_F(Resume, AnotherMomentsDtypeOrHistoryLength) {
+  auto dtype_of = [](const std::string& file, const std::string& dataset) {
+    const RunResult r = run({"h5ls", "-v", file + "/" + dataset});
+    return r.out.find("16-bit little-endian floating-point") != std::string::npos ? std::string("bf16")
+           : r.out.find("native float") != std::string::npos                   ? std::string("fp32")
+                                                                                  : "unknown: " + r.out;
+  };
+  for (const std::string from : {"bf16", "fp32"}) {
+    const std::string to = from == "bf16" ? "fp32" : "bf16", name = "dtype-" + from, cfg = config(name);
+    const std::vector<std::string> base = {"train.steps=8", "train.warmup_steps=1", "eval.every=0",
+                                           "train.moments_dtype=" + from};
+    std::vector<std::string> sets = base;
+    sets.push_back("checkpoint.dir=" + ckpt(name) + "-ref");
+    RunResult r = train(1, cfg, sets);  // uninterrupted
+    ASSERT_EQ(r.status, 0) << r.all();
+    const auto want = losses(r.out);
+    sets = base;
+    sets.push_back("train.exit_interval=4");
+    r = train(1, cfg, sets);
+    ASSERT_EQ(r.status, 0) << r.all();
+    const std::string s4 = ckpt(name) + "/step_00000004/checkpoint.h5";
+    EXPECT_EQ(dtype_of(s4, "optim/m/head.weight"), from);
+    const bool new_history = from == "fp32";
+    sets = {"train.steps=8", "train.warmup_steps=1", "eval.every=0", "train.moments_dtype=" + to,
+            new_history ? "fp8.amax_history_len=16" : "fp8.amax_history_len=8", "train.exit_interval=5"};
+    r = train(1, cfg, sets);
+    ASSERT_EQ(r.status, 0) << r.all();
+    EXPECT_EQ(r.out.find("amax histories have length 8, fp8.amax_history_len is 16: delayed scaling starts afresh") !=
+                  std::string::npos,
+              new_history)
+        << r.out;
+    const std::string s5 = ckpt(name) + "/step_00000005/checkpoint.h5";
+    EXPECT_EQ(dtype_of(s5, "optim/m/head.weight"), to);
+    EXPECT_EQ(dtype_of(s5, "optim/v/layers.1.moe.experts.3.w2"), to);
+    EXPECT_EQ(run({exe(), "ckpt", "verify", ckpt(name) + "/step_00000005"}).status, 0);
+    const auto got5 = losses(r.out);
+    ASSERT_TRUE(got5.count(5)) << r.out;
+    if (!new_history) {
+      EXPECT_EQ(got5.at(5), want.at(5)) << "step 5 runs on the step-4 parameters";
+    }
+    sets.back() = "train.exit_interval=0";
+    r = train(1, cfg, sets);  // on to step 8 from step 5
+    ASSERT_EQ(r.status, 0) << r.all();
+    const auto got = losses(r.out);
+    double worst = 0;
+    for (int step = 6; step <= 8; ++step) {
+      ASSERT_TRUE(got.count(step)) << r.out;
+      const double a = std::strtod(want.at(step).c_str(), nullptr), b = std::strtod(got.at(step).c_str(), nullptr);
+      worst = std::max(worst, std::fabs(a - b) / std::fabs(a));
+    }
+    std::printf("moments %s -> %s, amax history 8 -> %d: steps 6-8 within %.2e of the uninterrupted run\n", from.c_str(),
+                to.c_str(), new_history ? 16 : 8, worst);
+    EXPECT_LE(worst, 1e-3);
+  }
+}
+
 TEST_F(Resume, ReadableWithoutFp8moe) {
   // h5py reads every dataset (BF16 moments as floats) and an independent NumPy implementation
   // of the documented checksum matches every stored one.
