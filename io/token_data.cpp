@@ -196,101 +196,91 @@ std::string num(int64_t v) { return std::to_string(v); }
 
 IndexedDataset::IndexedDataset(const std::string& prefix, TokenCheck check) : prefix_(prefix) {
   const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
-  auto unmap = [this] {
-    if (idx_.addr) munmap(idx_.addr, idx_.bytes);
-    if (bin_.addr) munmap(bin_.addr, bin_.bytes);
-    idx_ = {}, bin_ = {};
-  };
-  try {
-    idx_.addr = map_file(idx_path, "index (Megatron .idx)", &idx_.bytes);
-    bin_.addr = map_file(bin_path, "token file (Megatron .bin)", &bin_.bytes);
-    const char* p = static_cast<const char*>(idx_.addr);
-    auto bad = [&](const std::string& field, const std::string& why) { throw DataError(idx_path + ": " + field + ": " + why); };
-    if (idx_.bytes < kHeaderBytes)
-      bad("header", num(uint64_t(idx_.bytes)) + " bytes, shorter than the " + num(uint64_t(kHeaderBytes)) +
-                        "-byte header (truncated?)");
-    if (std::memcmp(p, kMagic, 9) != 0)
-      bad("magic", "not MMIDIDX: not a Megatron indexed data set (make one with `fp8moe prepare-data` or "
-                   "scripts/tokenize-data.py)");
-    const auto version = load<uint64_t>(p + 9);
-    if (version != kVersion) bad("version", num(version) + ", this build reads version " + num(kVersion));
-    dtype_ = static_cast<unsigned char>(p[17]);
-    const DtypeInfo* info = dtype_info(dtype_);
-    if (!info)
-      bad("dtype", "code " + std::to_string(dtype_) +
-                       (dtype_ == 6 || dtype_ == 7 ? " (a floating-point type) holds no token ids"
-                                                   : " is not one of Megatron's") +
-                       "; expected 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64 or 8 uint16");
-    item_ = info->bytes;
-    const auto seqs = load<uint64_t>(p + 18), docs = load<uint64_t>(p + 26);
-    // Each count is bounded by the file size first, so the product below cannot overflow.
-    if (seqs > idx_.bytes || docs > idx_.bytes || docs < 1)
-      bad("sequence/document count", num(seqs) + " sequences, " + num(docs) + " document entries: impossible in " +
-                                         num(uint64_t(idx_.bytes)) + " bytes");
-    const uint64_t want = kHeaderBytes + seqs * (4 + 8) + docs * 8;
-    if (want != idx_.bytes)
-      bad("size", num(uint64_t(idx_.bytes)) + " bytes, but the header's " + num(seqs) + " sequences and " + num(docs) +
-                      " document entries need " + num(want) +
-                      (want + seqs == idx_.bytes ? " (a multimodal index with sequence modes: not supported)"
-                                                 : " (truncated or corrupt?)"));
-    sequences_ = int64_t(seqs), documents_ = int64_t(docs) - 1;
-    const char* lengths = p + kHeaderBytes;
-    const char* pointers = lengths + seqs * 4;
-    const char* doc_index = pointers + seqs * 8;
-    // Sequences back to back from byte 0, as Megatron writes them, so that the token stream is the
-    // whole .bin; each pointer is checked against the .bin's size as it goes.
-    uint64_t offset = 0;
-    for (uint64_t s = 0; s < seqs; ++s) {
-      const auto len = load<int32_t>(lengths + s * 4);
-      const auto ptr = load<int64_t>(pointers + s * 8);
-      auto at = [s](const char* field) { return field + ("[" + num(s) + "]"); };  // on the error path only
-      if (len < 0) bad(at("sequence_lengths"), num(int64_t(len)) + ", negative");
-      if (ptr < 0 || uint64_t(ptr) + uint64_t(len) * item_ > bin_.bytes)
-        bad(at("sequence_pointers"), num(ptr) + " (+ " + num(int64_t(len)) + " tokens of " + info->name +
-                                         "): past the end of " + bin_path + " (" + num(uint64_t(bin_.bytes)) + " bytes)");
-      if (uint64_t(ptr) != offset)
-        bad(at("sequence_pointers"), num(ptr) + ", expected " + num(offset) +
-                                         " (the end of the sequence before it): sequences must be back to back");
-      offset += uint64_t(len) * item_;
-    }
-    if (offset != bin_.bytes)
-      throw DataError(bin_path + ": size: " + num(uint64_t(bin_.bytes)) + " bytes, but " + idx_path +
-                      "'s sequences end at byte " + num(offset) + (offset < bin_.bytes ? " (the index is stale?)" : ""));
-    int64_t prev = 0;
-    for (uint64_t d = 0; d < docs; ++d) {
-      const auto first = load<int64_t>(doc_index + d * 8);
-      auto at = [d] { return "document_indices[" + num(d) + "]"; };  // on the error path only
-      if (d == 0 && first != 0) bad(at(), num(first) + ", expected 0");
-      if (first < prev || first > int64_t(seqs))
-        bad(at(), num(first) + ": not in [" + num(prev) + ", " + num(seqs) + "] (document starts must rise to the sequence count)");
-      if (d + 1 == docs && first != int64_t(seqs)) bad(at(), num(first) + ", the last entry must be the sequence count " + num(seqs));
-      prev = first;
-    }
-    count_ = int64_t(bin_.bytes / item_);
-    tokens_ = static_cast<const char*>(bin_.addr);
-    // Token ids, in this opener's part of the stream: within the vocabulary, or at least within
-    // int32 (what sample() hands the model).
-    if (check.parts < 1 || check.part < 0 || check.part >= check.parts)
-      throw DataError(prefix + ": token check part " + std::to_string(check.part) + " of " + std::to_string(check.parts));
-    const int64_t limit = check.vocab_size > 0 ? check.vocab_size : int64_t(INT32_MAX) + 1;
-    const int64_t begin = count_ * check.part / check.parts, end = count_ * (check.part + 1) / check.parts;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = token(i);
-      if (t < 0 || t >= limit)
-        throw DataError(bin_path + ": token id " + num(t) + " at token " + num(i) + " is outside " +
-                        (check.vocab_size > 0 ? "the vocabulary [0, " + num(limit) +
-                                                    ") of model.vocab_size (a tokenizer larger than the model's?)"
-                                              : "[0, 2^31)"));
-    }
-  } catch (...) {
-    unmap();
-    throw;
+  // A throw below leaves nothing mapped: idx_ and bin_ unmap themselves.
+  idx_.addr = map_file(idx_path, "index (Megatron .idx)", &idx_.bytes);
+  bin_.addr = map_file(bin_path, "token file (Megatron .bin)", &bin_.bytes);
+  const char* p = static_cast<const char*>(idx_.addr);
+  auto bad = [&](const std::string& field, const std::string& why) { throw DataError(idx_path + ": " + field + ": " + why); };
+  if (idx_.bytes < kHeaderBytes)
+    bad("header", num(uint64_t(idx_.bytes)) + " bytes, shorter than the " + num(uint64_t(kHeaderBytes)) +
+                      "-byte header (truncated?)");
+  if (std::memcmp(p, kMagic, 9) != 0)
+    bad("magic", "not MMIDIDX: not a Megatron indexed data set (make one with `fp8moe prepare-data` or "
+                 "scripts/tokenize-data.py)");
+  const auto version = load<uint64_t>(p + 9);
+  if (version != kVersion) bad("version", num(version) + ", this build reads version " + num(kVersion));
+  dtype_ = static_cast<unsigned char>(p[17]);
+  const DtypeInfo* info = dtype_info(dtype_);
+  if (!info)
+    bad("dtype", "code " + std::to_string(dtype_) +
+                     (dtype_ == 6 || dtype_ == 7 ? " (a floating-point type) holds no token ids"
+                                                 : " is not one of Megatron's") +
+                     "; expected 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64 or 8 uint16");
+  item_ = info->bytes;
+  const auto seqs = load<uint64_t>(p + 18), docs = load<uint64_t>(p + 26);
+  // Each count is bounded by the file size first, so the product below cannot overflow.
+  if (seqs > idx_.bytes || docs > idx_.bytes || docs < 1)
+    bad("sequence/document count", num(seqs) + " sequences, " + num(docs) + " document entries: impossible in " +
+                                       num(uint64_t(idx_.bytes)) + " bytes");
+  const uint64_t want = kHeaderBytes + seqs * (4 + 8) + docs * 8;
+  if (want != idx_.bytes)
+    bad("size", num(uint64_t(idx_.bytes)) + " bytes, but the header's " + num(seqs) + " sequences and " + num(docs) +
+                    " document entries need " + num(want) +
+                    (want + seqs == idx_.bytes ? " (a multimodal index with sequence modes: not supported)"
+                                               : " (truncated or corrupt?)"));
+  sequences_ = int64_t(seqs), documents_ = int64_t(docs) - 1;
+  const char* lengths = p + kHeaderBytes;
+  const char* pointers = lengths + seqs * 4;
+  const char* doc_index = pointers + seqs * 8;
+  // Sequences back to back from byte 0, as Megatron writes them, so that the token stream is the
+  // whole .bin; each pointer is checked against the .bin's size as it goes.
+  uint64_t offset = 0;
+  for (uint64_t s = 0; s < seqs; ++s) {
+    const auto len = load<int32_t>(lengths + s * 4);
+    const auto ptr = load<int64_t>(pointers + s * 8);
+    auto at = [s](const char* field) { return std::string(field) + "[" + num(s) + "]"; };  // on the error path only
+    if (len < 0) bad(at("sequence_lengths"), num(int64_t(len)) + ", negative");
+    if (ptr < 0 || uint64_t(ptr) + uint64_t(len) * item_ > bin_.bytes)
+      bad(at("sequence_pointers"), num(ptr) + " (+ " + num(int64_t(len)) + " tokens of " + info->name +
+                                       "): past the end of " + bin_path + " (" + num(uint64_t(bin_.bytes)) + " bytes)");
+    if (uint64_t(ptr) != offset)
+      bad(at("sequence_pointers"), num(ptr) + ", expected " + num(offset) +
+                                       " (the end of the sequence before it): sequences must be back to back");
+    offset += uint64_t(len) * item_;
+  }
+  if (offset != bin_.bytes)
+    throw DataError(bin_path + ": size: " + num(uint64_t(bin_.bytes)) + " bytes, but " + idx_path +
+                    "'s sequences end at byte " + num(offset) + (offset < bin_.bytes ? " (the index is stale?)" : ""));
+  int64_t prev = 0;
+  for (uint64_t d = 0; d < docs; ++d) {
+    const auto first = load<int64_t>(doc_index + d * 8);
+    auto at = [d] { return "document_indices[" + num(d) + "]"; };  // on the error path only
+    if (d == 0 && first != 0) bad(at(), num(first) + ", expected 0");
+    if (first < prev || first > int64_t(seqs))
+      bad(at(), num(first) + ": not in [" + num(prev) + ", " + num(seqs) + "] (document starts must rise to the sequence count)");
+    if (d + 1 == docs && first != int64_t(seqs)) bad(at(), num(first) + ", the last entry must be the sequence count " + num(seqs));
+    prev = first;
+  }
+  count_ = int64_t(bin_.bytes / item_);
+  tokens_ = static_cast<const char*>(bin_.addr);
+  // Token ids, in this opener's part of the stream: within the vocabulary, or at least within
+  // int32 (what sample() hands the model).
+  if (check.parts < 1 || check.part < 0 || check.part >= check.parts)
+    throw DataError(prefix + ": token check part " + std::to_string(check.part) + " of " + std::to_string(check.parts));
+  const int64_t limit = check.vocab_size > 0 ? check.vocab_size : int64_t(INT32_MAX) + 1;
+  const int64_t begin = count_ * check.part / check.parts, end = count_ * (check.part + 1) / check.parts;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t t = token(i);
+    if (t < 0 || t >= limit)
+      throw DataError(bin_path + ": token id " + num(t) + " at token " + num(i) + " is outside " +
+                      (check.vocab_size > 0 ? "the vocabulary [0, " + num(limit) +
+                                                  ") of model.vocab_size (a tokenizer larger than the model's?)"
+                                            : "[0, 2^31)"));
   }
 }
 
-IndexedDataset::~IndexedDataset() {
-  if (idx_.addr) munmap(idx_.addr, idx_.bytes);
-  if (bin_.addr) munmap(bin_.addr, bin_.bytes);
+IndexedDataset::Map::~Map() {
+  if (addr) munmap(addr, bytes);
 }
 
 const char* IndexedDataset::dtype_name() const { return dtype_info(dtype_)->name; }

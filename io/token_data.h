@@ -56,7 +56,6 @@ struct TokenCheck {
 class IndexedDataset {
  public:
   IndexedDataset(const std::string& prefix, TokenCheck check);
-  ~IndexedDataset();
   IndexedDataset(const IndexedDataset&) = delete;
   IndexedDataset& operator=(const IndexedDataset&) = delete;
 
@@ -75,9 +74,13 @@ class IndexedDataset {
   int64_t windows(int64_t T) const { return count_ > T ? (count_ - 1) / T : 0; }
 
  private:
-  struct Map {
+  struct Map {  // a read-only mapping of a whole file, unmapped with its owner (or a failed opening)
     void* addr = nullptr;
     size_t bytes = 0;
+    Map() = default;
+    Map(const Map&) = delete;
+    Map& operator=(const Map&) = delete;
+    ~Map();
   };
   std::string prefix_;
   Map idx_, bin_;

@@ -275,8 +275,11 @@ TEST(DataBlend, SamplesComeFromTheirDataSet) {
   for (int64_t i = 0; i < 40; ++i) {
     blend.sample(9, i, T, x.data(), y.data());
     const int k = blend.locate(i).first;
-    for (int64_t t = 0; t < T; ++t)
-      if (x[t] != 0) ASSERT_EQ(x[t], 'a' + k) << "sample " << i;  // 0 only at the document's end
+    for (int64_t t = 0; t < T; ++t) {
+      if (x[t] != 0) {
+        ASSERT_EQ(x[t], 'a' + k) << "sample " << i;  // 0 only at the document's end
+      }
+    }
   }
 }
 
