@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <string>
 
 #include "parallel/mpi_session.h"
 
@@ -16,16 +17,19 @@ namespace {
 class RankTaggedFailures : public testing::EmptyTestEventListener {
  public:
   explicit RankTaggedFailures(int rank) : rank_(rank) {}
+  // NOTE: the test's name is kept here: OnTestPartResult runs under GoogleTest's own lock, so
+  // asking UnitTest::current_test_info() there deadlocks (every failing MPI test hung).
+  void OnTestStart(const testing::TestInfo& t) override { test_ = std::string(t.test_suite_name()) + "." + t.name(); }
   void OnTestPartResult(const testing::TestPartResult& r) override {
     if (!r.failed()) return;
-    const testing::TestInfo* t = testing::UnitTest::GetInstance()->current_test_info();
-    std::fprintf(stderr, "[rank %d] FAILED %s.%s at %s:%d\n%s\n", rank_, t ? t->test_suite_name() : "?",
-                 t ? t->name() : "?", r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
+    std::fprintf(stderr, "[rank %d] FAILED %s at %s:%d\n%s\n", rank_, test_.c_str(), r.file_name() ? r.file_name() : "?",
+                 r.line_number(), r.message());
     std::fflush(stderr);
   }
 
  private:
   int rank_;
+  std::string test_ = "?";
 };
 
 }  // namespace
