@@ -18,6 +18,7 @@ routing_check.txt how many tokens it would route differently where the choice is
 (gap between the k-th and the next key above 1e-6): the C++ test requires 0.
 """
 import json
+import math
 import os
 import sys
 
@@ -157,11 +158,98 @@ def swiglu_ffn(x, w1, w3, w2, lin):
     return lin(jax.nn.silu(lin(x, w1)) * lin(x, w3), w2)
 
 
+def capacity_mask(chosen, E, capacity_factor):
+    """Which assignments an expert of capacity ceil(factor N k / E) keeps: the first ones in token
+    order (a token's slots in their order); no capacity (factor 0) keeps all."""
+    N, k = chosen.shape
+    kept = np.ones((N, k), dtype=bool)
+    if capacity_factor <= 0:
+        return kept
+    cap = math.ceil(capacity_factor * N * k / E)
+    load = np.zeros(E, dtype=np.int64)
+    for n in range(N):
+        for j in range(k):
+            e = chosen[n, j]
+            if load[e] >= cap:
+                kept[n, j] = False
+            else:
+                load[e] += 1
+    return kept
+
+
+def top_k_routing(key, k):
+    """Each token's k largest selection keys (score + bias), ties to the lower expert index."""
+    return np.argsort(-np.asarray(key), axis=1, kind="stable")[:, :k]
+
+
+def forward(p, m, lin_for, tokens, B, T, routing=None):
+    """The model's logits (N, V), aux loss, and each MoE layer's selection keys and choice.
+
+    p: parameters by name (2-D, FP64); m: the model config; routing: each MoE layer's (N, k) chosen
+    experts (from the C++ run, under autograd), or None to choose by the reference's own top-k
+    (concrete arrays only: the choice reads the keys' values)."""
+    N, D, E, k = B * T, m["d_model"], m["n_experts"], m["top_k"]
+    H, KVH, hd = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+    x = p["embed.weight"][tokens]
+    moe_i = 0
+    aux = 0.0
+    keys, choices = [], []
+    for l in range(m["n_layers"]):
+        pre = f"layers.{l}."
+        h = rmsnorm(x, p[pre + "attn_norm.weight"][0], m["norm_eps"])
+        la = lin_for("attention")
+        q = la(h, p[pre + "attn.wq"]).reshape(B, T, H, hd)
+        kk = la(h, p[pre + "attn.wk"]).reshape(B, T, KVH, hd)
+        v = la(h, p[pre + "attn.wv"]).reshape(B, T, KVH, hd)
+        a = attention(rope(q, m["rope_theta"]), rope(kk, m["rope_theta"]), v).reshape(N, H * hd)
+        x = x + la(a, p[pre + "attn.wo"])
+        h = rmsnorm(x, p[pre + "ffn_norm.weight"][0], m["norm_eps"])
+        if l < m["first_dense_layers"]:
+            f = swiglu_ffn(h, p[pre + "mlp.w1"], p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"))
+        else:
+            z = h @ p[pre + "moe.router"].T
+            prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
+            key = prob + p[pre + "moe.router_bias"][0]
+            keys.append(key)
+            chosen = routing[moe_i] if routing is not None else top_k_routing(key, k)  # (N, k)
+            choices.append(chosen)
+            kept = capacity_mask(chosen, E, m.get("capacity_factor", 0.0))
+            sel = jnp.take_along_axis(prob, chosen, axis=1)
+            gates = sel / jnp.sum(sel, axis=1, keepdims=True) if m["gating"] == "sigmoid" else sel
+            gates = gates * kept  # a dropped assignment's expert output is not added
+            f = jnp.zeros_like(h)
+            if m["n_shared_experts"] > 0:
+                f = f + swiglu_ffn(h, p[pre + "moe.shared.w1"], p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
+                                   lin_for("shared_experts"))
+            for e in range(E):
+                rows, slots = np.nonzero((chosen == e) & kept)
+                if len(rows) == 0:
+                    continue
+                q_ = f"{pre}moe.experts.{e}."
+                ye = swiglu_ffn(h[rows], p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_for("experts"))
+                f = f.at[rows].add(gates[rows, slots][:, None] * ye)
+            if m["aux_loss_coef"] > 0:
+                counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
+                fe = counts / (N * k)
+                pn = prob if m["gating"] == "softmax" else prob / jnp.sum(prob, axis=1, keepdims=True)
+                aux = aux + m["aux_loss_coef"] * E * jnp.sum(fe * jnp.mean(pn, axis=0))
+            moe_i += 1
+        x = x + f
+    h = rmsnorm(x, p["final_norm.weight"][0], m["norm_eps"])
+    return h @ p["head.weight"].T, aux, keys, choices
+
+
+def linear_for(cfg):
+    """The linear layer of each class: the recipe's quantized one where FP8 is on, else FP64."""
+    lin = make_linear(cfg["recipe"], cfg["tile"], cfg.get("cache_activations", False), cfg.get("format") == "hybrid")
+    return lambda cls: lin if cls in cfg["fp8_layers"] else (lambda x, w: x @ w.T)
+
+
 def main(d):
     cfg = json.load(open(os.path.join(d, "config.json")))
     m = cfg["model"]
     B, T = cfg["B"], cfg["T"]
-    N, D, E, k = B * T, m["d_model"], m["n_experts"], m["top_k"]
+    N, E, k = B * T, m["n_experts"], m["top_k"]
     names = cfg["params"]
     shapes = {n: tuple(s) for n, s in zip(names, cfg["shapes"])}
     params = {n: jnp.asarray(np.fromfile(os.path.join(d, "param." + n + ".bin"), dtype=np.float32)
@@ -170,54 +258,10 @@ def main(d):
     targets = np.fromfile(os.path.join(d, "targets.bin"), dtype=np.int32)
     routing = np.fromfile(os.path.join(d, "routing.bin"), dtype=np.int32).reshape(-1, N, k)
     trainable = cfg["trainable"]
-    lin = make_linear(cfg["recipe"], cfg["tile"], cfg.get("cache_activations", False), cfg.get("format") == "hybrid")
-    lin_for = lambda cls: lin if cls in cfg["fp8_layers"] else (lambda x, w: x @ w.T)
+    lin_for = linear_for(cfg)
 
     def loss_fn(p):
-        H, KVH, hd = m["n_heads"], m["n_kv_heads"], m["head_dim"]
-        x = p["embed.weight"][tokens]
-        moe_i = 0
-        aux = 0.0
-        keys = []  # selection keys (score + bias) of each MoE layer, checked after
-        for l in range(m["n_layers"]):
-            pre = f"layers.{l}."
-            h = rmsnorm(x, p[pre + "attn_norm.weight"][0], m["norm_eps"])
-            la = lin_for("attention")
-            q = la(h, p[pre + "attn.wq"]).reshape(B, T, H, hd)
-            kk = la(h, p[pre + "attn.wk"]).reshape(B, T, KVH, hd)
-            v = la(h, p[pre + "attn.wv"]).reshape(B, T, KVH, hd)
-            a = attention(rope(q, m["rope_theta"]), rope(kk, m["rope_theta"]), v).reshape(N, H * hd)
-            x = x + la(a, p[pre + "attn.wo"])
-            h = rmsnorm(x, p[pre + "ffn_norm.weight"][0], m["norm_eps"])
-            if l < m["first_dense_layers"]:
-                f = swiglu_ffn(h, p[pre + "mlp.w1"], p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"))
-            else:
-                z = h @ p[pre + "moe.router"].T
-                prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
-                keys.append(prob + p[pre + "moe.router_bias"][0])
-                chosen = routing[moe_i]                      # (N, k) from the C++ run
-                sel = jnp.take_along_axis(prob, chosen, axis=1)
-                gates = sel / jnp.sum(sel, axis=1, keepdims=True) if m["gating"] == "sigmoid" else sel
-                f = jnp.zeros_like(h)
-                if m["n_shared_experts"] > 0:
-                    f = f + swiglu_ffn(h, p[pre + "moe.shared.w1"], p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
-                                       lin_for("shared_experts"))
-                for e in range(E):
-                    rows, slots = np.nonzero(chosen == e)
-                    if len(rows) == 0:
-                        continue
-                    q_ = f"{pre}moe.experts.{e}."
-                    ye = swiglu_ffn(h[rows], p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_for("experts"))
-                    f = f.at[rows].add(gates[rows, slots][:, None] * ye)
-                if m["aux_loss_coef"] > 0:
-                    counts = np.bincount(chosen.reshape(-1), minlength=E)
-                    fe = counts / (N * k)
-                    pn = prob if m["gating"] == "softmax" else prob / jnp.sum(prob, axis=1, keepdims=True)
-                    aux = aux + m["aux_loss_coef"] * E * jnp.sum(fe * jnp.mean(pn, axis=0))
-                moe_i += 1
-            x = x + f
-        h = rmsnorm(x, p["final_norm.weight"][0], m["norm_eps"])
-        logits = h @ p["head.weight"].T
+        logits, aux, keys, _ = forward(p, m, lin_for, tokens, B, T, routing)
         keep = targets != m["pad_id"]
         lse = jax.scipy.special.logsumexp(logits, axis=-1)
         nll = lse - logits[np.arange(N), np.where(keep, targets, 0)]
