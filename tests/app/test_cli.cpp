@@ -104,7 +104,7 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   EXPECT_NE(r.out.find("step    30/30"), std::string::npos) << r.out;
   // Every line of the JSONL parses and has every field; the loss falls by a clear margin.
   const std::string check = tmp.write("check.py",
-      "import json, sys\n"
+      "import json, math, sys\n"
       "rows = [json.loads(l) for l in open(sys.argv[1])]\n"
       "need = ['step','loss','val_loss','lr','grad_norm','tokens_per_s','step_time_s','mfu','peak_mem_bytes',\n"
       "        'expert_load_imbalance','fp8_saturated','fp8_underflowed','skipped_steps','loss_scale']\n"
@@ -113,6 +113,10 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
       "    missing = [k for k in need if k not in r]\n"
       "    assert not missing, missing\n"
       "assert [r['step'] for r in rows] == list(range(1, 31))\n"
+      "# Step 1: weights of std 0.02 give logits near 0, so the loss is near ln 256 = 5.545 (measured\n"
+      "# 5.578: the small logits and the aux loss add 0.033); a loss summed over the 2 micro-batches\n"
+      "# (11.2) or scaled wrongly is far outside 0.1.\n"
+      "assert abs(rows[0]['loss'] - math.log(256)) < 0.1, rows[0]['loss']\n"
       "first = sum(r['loss'] for r in rows[:3]) / 3\n"
       "last = sum(r['loss'] for r in rows[-3:]) / 3\n"
       "assert last < first - 1.0, (first, last)\n"
@@ -139,11 +143,18 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   char magic[8] = {};
   png.read(magic, 8);
   EXPECT_EQ(std::string(magic, 8), std::string("\x89PNG\r\n\x1a\n", 8));
-  // The checkpoint the run wrote at its end: greedy generation is deterministic and continues the prompt.
+  // The checkpoint the run wrote at its end: greedy generation is deterministic, continues the
+  // prompt, and picks the tokens the independent reference (tests/reference/generate_ref.py: JAX in
+  // FP64 with the same blockwise FP8 quantization, its own routing) picks from the same weights.
   r = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU", "--tokens", "24",
            "--temperature", "0"}, 300);
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_EQ(r.out.rfind("The GNU", 0), 0u) << r.out;
+  const RunResult ref = run({python(), source_dir() + "/tests/reference/generate_ref.py",
+                             tmp.path + "/ckpt/step_00000030/checkpoint.h5", "The GNU", "24",
+                             tmp.write("generated.txt", r.out)}, 300);
+  EXPECT_EQ(ref.status, 0) << ref.all();
+  std::printf("%s", ref.out.c_str());
   const RunResult again = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU",
                                "--tokens", "24", "--temperature", "0"}, 300);
   EXPECT_EQ(again.out, r.out);
