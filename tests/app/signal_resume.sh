@@ -40,9 +40,12 @@ stop=$(sed -n 's/^exit 3: checkpointed at step \([0-9]*\);.*/\1/p' "$tmp/a.txt")
 [[ -n $stop && $stop -lt 400 ]] || fail "no stop step in: $(tail -5 "$tmp/a.txt")"
 "$exe" ckpt verify "$tmp/ckpt" >/dev/null || fail "the checkpoint of the stop is not valid"
 train >"$tmp/b.txt" 2>&1 || fail "resumed run: $(tail -5 "$tmp/b.txt")"
+# checkpoint.keep_last 2 of the saves at steps 100, 200, 300 and 400: the newest two remain.
+kept=$(cd "$tmp/ref" && echo step_*)
+[[ $kept == "step_00000300 step_00000400" ]] || fail "keep_last 2 left: $kept"
 grep -q "resumed from $tmp/ckpt/step_$(printf %08d "$stop"): step $stop" "$tmp/b.txt" || fail "did not resume from step $stop"
 cat "$tmp/a.txt" "$tmp/b.txt" | loss_bits | sort -n -k1,1 -u >"$tmp/got.txt"
 loss_bits <"$tmp/ref.txt" >"$tmp/want.txt"
 diff -q "$tmp/want.txt" "$tmp/got.txt" >/dev/null || fail "losses differ from the uninterrupted run: $(diff "$tmp/want.txt" "$tmp/got.txt" | head -4)"
 echo "signal: SIG${how^^} x2 after step 20 -> stopped at step $stop with a checkpoint, exit 3; resumed -> exit 0;" \
-  "all 400 losses bitwise equal to the uninterrupted run"
+  "all 400 losses bitwise equal to the uninterrupted run; keep_last 2 kept $kept"
