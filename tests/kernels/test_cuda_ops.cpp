@@ -231,12 +231,21 @@ void expect_bitwise(const std::vector<float>& gpu, const std::vector<float>& cpu
   for (size_t i = 0; i < gpu.size(); ++i) ASSERT_EQ(float_bits(gpu[i]), float_bits(cpu[i])) << what << " element " << i;
 }
 // |gpu - cpu| <= tol * max|cpu| over the tensor.
-void expect_near_rel(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol, const char* what) {
+// |gpu - cpu| <= tol max|cpu| + floor, element by element (floor: an absolute allowance for results
+// that cancel to nothing, whose rounding is relative to their terms, not to themselves).
+void expect_near_rel(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol, const char* what,
+                     double floor = 0) {
   ASSERT_EQ(gpu.size(), cpu.size()) << what;
   double scale = 0;
   for (float v : cpu) scale = std::max(scale, double(std::abs(v)));
   for (size_t i = 0; i < gpu.size(); ++i)
-    ASSERT_LE(std::abs(double(gpu[i]) - cpu[i]), tol * scale + 1e-30) << what << " element " << i << " of " << gpu.size();
+    ASSERT_LE(std::abs(double(gpu[i]) - cpu[i]), tol * scale + floor + 1e-30) << what << " element " << i << " of " << gpu.size();
+}
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, double(std::abs(x)));
+  return m;
 }
 
 // ---- norms, RoPE, attention, loss, embedding ------------------------------------------------------
@@ -299,8 +308,13 @@ TEST_F(CudaOps, AttentionMatchesCpu) {
     // Online softmax in FP32 on the GPU, softmax in double on the CPU.
     expect_near_rel(host(go, nq), out, 1e-5, "out");
     expect_near_rel(host(gl, nl), lse, 1e-5, "lse");
-    expect_near_rel(host(gdq, nq), dq, 1e-4, "dq");
-    expect_near_rel(host(gdk, nk), dk, 1e-4, "dk");
+    // dq and dk cancel to zero at T = 1 (the softmax of one score does not depend on it): what is
+    // left is rounding of terms of size max|dout| max|v| max|k| (or max|q|). The H200 run
+    // (2026-11-30) measured 1.5e-9 (GPU) against 8e-13 (CPU) there, which the relative bound alone
+    // refused; the floor is 1e-6 of those terms. Not yet run on a GPU in this form.
+    const double terms = max_abs(dout) * max_abs(v);
+    expect_near_rel(host(gdq, nq), dq, 1e-4, "dq", 1e-6 * terms * max_abs(k));
+    expect_near_rel(host(gdk, nk), dk, 1e-4, "dk", 1e-6 * terms * max_abs(q));
     expect_near_rel(host(gdv, nk), dv, 1e-4, "dv");
   }
 }
