@@ -17,8 +17,9 @@
 // losses 5e-6 and norms 5e-4; blockwise losses 2e-3 and norms 0.2 (FP8 noise; the bound before
 // this was 1e-2 on losses alone).
 // Then a checkpoint written on 8 ranks (tp 2 x pp 2 x ep 2, ZeRO-1) at step 10 resumes on 1 rank
-// and on 4 ranks (pp 2 x ep 2, no ZeRO) and continues to step 20 within 1e-5 (off) and 1e-2
-// (blockwise) of the uninterrupted run.
+// and on 4 ranks (pp 2 x ep 2, no ZeRO) and continues to step 20 within 5e-6 (off) and 2e-3
+// (blockwise) of the uninterrupted 1-rank run (measured 3.8e-7 and 3.6e-4; the bounds were 1e-5
+// and 1e-2).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -232,7 +233,7 @@ TEST_F(Layouts, CommunicationOfTheLastStepMatchesTheFormulas) {
 TEST_F(Layouts, ResumeUnderOtherLayouts) {
   for (const char* recipe : {"off", "blockwise"}) {
     const std::string r = std::string("fp8.recipe=") + recipe;
-    const double bound = std::string(recipe) == "off" ? 1e-5 : 1e-2;
+    const double bound = std::string(recipe) == "off" ? 5e-6 : 2e-3;  // the 20-step bounds of SameLossOnEveryLayout
     const auto ref = train(1, {r});
     const std::string dir = dir_->path + "/resume-" + recipe;
     train(8, {r, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2", "train.exit_interval=10",
