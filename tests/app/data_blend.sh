@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A blended data.path ([[0.7, licences], [0.3, fortunes]], byte-level) end to end:
-#  - one rank and two data-parallel ranks train on the same samples (recipe off: losses within the
-#    layout tests' 1e-5 relative; a data set sampled on one layout only would differ at once);
+#  - one rank and two data-parallel ranks train on the same samples (recipe off: losses within
+#    5e-7 relative over 40 steps; measured 4.0e-8 (2-core VM, 2026-12-01), and the layout tests
+#    measured up to 4.7e-7 over 20 steps; a data set sampled on one layout only differs at once);
 #  - a run resumed from its step-20 checkpoint repeats the uninterrupted run's losses bit for bit;
 #  - the blend matters: the same run on the licences alone has other losses.
 #
@@ -38,7 +39,7 @@ decimal() { while read -r step bits; do printf '%s %.17g\n' "$step" "$bits"; don
 worst=$(paste <(decimal "$tmp/one.txt.bits") <(decimal "$tmp/two.txt.bits") | awk '
   { d = ($2 > $4 ? $2 - $4 : $4 - $2) / $2; if ($1 != $3 || $2 + 0 <= 0) d = 1; if (d > w) w = d }
   END { if (NR != 40) w = 1; printf "%.2e", w }')
-[[ $worst =~ ^[0-9] ]] && awk -v w="$worst" 'BEGIN { exit !(w <= 1e-5) }' ||
+[[ $worst =~ ^[0-9] ]] && awk -v w="$worst" 'BEGIN { exit !(w <= 5e-7) }' ||
   fail "1 rank vs 2 data-parallel ranks: worst relative loss difference $worst"
 
 # Resume from the step-20 checkpoint of the 1-rank run (its `latest` names step 40: the path is given).

@@ -106,7 +106,9 @@ TEST_F(Resume, UnderAnotherDataParallelSize) {
   // move a value across an E4M3 rounding boundary (tests/app/test_layouts.cpp): the runs agree to
   // FP8 noise, not to FP32 rounding. Measured: 1.27e-5 saved on 2 and resumed on 1, 1.08e-8 the
   // other way (a 2-core AVX512-BF16 host, oneDNN's BF16 GEMM; 2026-11-30; the bound was 1e-5 and
-  // failed there); asserted <= 5e-5, 4x the worst measured.
+  // failed there); asserted <= 5e-5, 4x the worst measured, in both directions: whether an FP8
+  // rounding flip happens in a given direction is chance (another host's summation order), so the
+  // 1 -> 2 run's 1.08e-8 (no flip) is not a bound either can rely on.
   const auto bound = [](const std::string& x, const std::string& y) {
     const double a = std::strtod(x.c_str(), nullptr), b = std::strtod(y.c_str(), nullptr);
     return std::fabs(a - b) / std::fabs(a);
@@ -305,7 +307,7 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
 // With the histories kept, the first resumed step's loss is the uninterrupted run's bit for bit (the
 // parameters are the same); later losses differ by the moments' precision and the fresh histories
 // (measured over steps 6-8: 9.7e-6 for BF16 -> FP32, 4.8e-5 for FP32 -> BF16 with fresh histories;
-// asserted 1e-3, 20x the worst).
+// asserted 1e-4 and 5e-4, 10x each; the bound was 1e-3 for both).
 TEST_F(Resume, AnotherMomentsDtypeOrHistoryLength) {
   auto dtype_of = [](const std::string& file, const std::string& dataset) {
     const RunResult r = run({"h5ls", "-v", file + "/" + dataset});
@@ -358,7 +360,7 @@ TEST_F(Resume, AnotherMomentsDtypeOrHistoryLength) {
     }
     std::printf("moments %s -> %s, amax history 8 -> %d: steps 6-8 within %.2e of the uninterrupted run\n", from.c_str(),
                 to.c_str(), new_history ? 16 : 8, worst);
-    EXPECT_LE(worst, 1e-3);
+    EXPECT_LE(worst, new_history ? 5e-4 : 1e-4);
   }
 }
 
