@@ -143,21 +143,24 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   char magic[8] = {};
   png.read(magic, 8);
   EXPECT_EQ(std::string(magic, 8), std::string("\x89PNG\r\n\x1a\n", 8));
-  // The checkpoint the run wrote at its end: greedy generation is deterministic, continues the
-  // prompt, and picks the tokens the independent reference (tests/reference/generate_ref.py: JAX in
-  // FP64 with the same blockwise FP8 quantization, its own routing) picks from the same weights.
-  r = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU", "--tokens", "24",
-           "--temperature", "0"}, 300);
-  ASSERT_EQ(r.status, 0) << r.all();
-  EXPECT_EQ(r.out.rfind("The GNU", 0), 0u) << r.out;
-  const RunResult ref = run({python(), source_dir() + "/tests/reference/generate_ref.py",
-                             tmp.path + "/ckpt/step_00000030/checkpoint.h5", "The GNU", "24",
-                             tmp.write("generated.txt", r.out)}, 300);
-  EXPECT_EQ(ref.status, 0) << ref.all();
-  std::printf("%s", ref.out.c_str());
-  const RunResult again = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU",
-                               "--tokens", "24", "--temperature", "0"}, 300);
-  EXPECT_EQ(again.out, r.out);
+  // The checkpoint the run wrote at its end: generation is deterministic, continues the prompt, and
+  // draws the tokens the independent reference (tests/reference/generate_ref.py: JAX in FP64 with
+  // the same blockwise FP8 quantization, its own routing, the documented sampling rule with its own
+  // Philox) draws from the same weights: greedy (this 30-step model continues with spaces only, so
+  // greedy alone hardly tests the logits) and sampled among the top 4 at temperature 1.
+  for (const char* temperature : {"0", "1"}) {
+    const std::vector<std::string> gen = {exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "The GNU",
+                                          "--tokens", "24", "--temperature", temperature, "--top-k", "4", "--seed", "7"};
+    r = run(gen, 300);
+    ASSERT_EQ(r.status, 0) << r.all();
+    EXPECT_EQ(r.out.rfind("The GNU", 0), 0u) << r.out;
+    EXPECT_EQ(run(gen, 300).out, r.out) << "the same seed, the same text";
+    const RunResult ref = run({python(), source_dir() + "/tests/reference/generate_ref.py",
+                               tmp.path + "/ckpt/step_00000030/checkpoint.h5", "The GNU", "24", temperature, "4", "7",
+                               tmp.write("generated.txt", r.out)}, 300);
+    EXPECT_EQ(ref.status, 0) << ref.all();
+    std::printf("%s", ref.out.c_str());
+  }
   r = run({exe(), "generate", "--checkpoint", tmp.path + "/nothing", "--prompt", "x"});
   EXPECT_EQ(r.status, 2) << r.all();
   EXPECT_NE(r.err.find("fp8moe: error: --checkpoint: " + tmp.path + "/nothing: no such checkpoint directory"),

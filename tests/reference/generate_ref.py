@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
-"""Greedy generation by the independent reference (model_ref.py's forward, FP64, the checkpoint's
-FP8 recipe), checked against what `fp8moe generate --temperature 0` printed.
+"""Generation by the independent reference (model_ref.py's forward, FP64, the checkpoint's FP8
+recipe), checked token by token against what `fp8moe generate` printed.
 
-Usage: generate_ref.py CHECKPOINT_H5 PROMPT TOKENS PRINTED_FILE
+Usage: generate_ref.py CHECKPOINT_H5 PROMPT TOKENS TEMPERATURE TOP_K SEED PRINTED_FILE
 Reads the weights and the model config from the checkpoint with h5py (no fp8moe code), feeds token
-0 (a document start) and the prompt's bytes, and appends the argmax of the last position's logits
-TOKENS times (stopping at token 0), routing with its own top-k. Then compares its tokens with the
-bytes of the printed line (fp8moe writes invalid UTF-8 and control bytes other than newline and
-tab as \\xNN; they are read back). They may part only where the reference's two largest logits are
-a near-tie (within 1e-4: FP32 and FP64 arithmetic may pick either); the rest is then not compared.
-Prints a line saying how many tokens agreed; exit 0 on agreement.
+0 (a document start), the prompt's bytes and the bytes fp8moe printed, and at each of the TOKENS
+steps draws a token from its own logits (one causal forward, routing with its own top-k) given the
+tokens before it, as fp8moe saw them; fp8moe must have printed that token (or stopped, at 0).
+A token is drawn as the README says (under Training): the TOP_K largest logits (0: all; ties to
+the lower id), weights exp((l - l_max) / TEMPERATURE), the first whose cumulative weight exceeds
+u times their sum, u = (x + 0.5) 2^-32 with x the first word of
+Philox4x32-10 at counter (step, 0, 0x47454E, 0) and key (SEED mod 2^32, SEED >> 32), implemented
+here from Random123's specification; TEMPERATURE 0 takes the largest logit. The printed bytes are
+read back (fp8moe writes invalid UTF-8 and control bytes other than newline and tab as \\xNN). The
+two may part only at a near-tie, where FP32 and FP64 arithmetic may choose differently: greedy, the
+two largest logits within 1e-4; sampled, u within 1e-4 of a cumulative boundary or the k-th and
+next logit within 1e-4 (FP32 logits of size ~10 carry errors ~1e-5). The rest is then not compared.
+Prints how many tokens agreed; exit 0 on agreement.
 """
 import sys
 
@@ -17,6 +24,40 @@ import h5py
 import numpy as np
 
 import model_ref
+
+
+M0, M1, W0, W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+MASK = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key):
+    """Random123's Philox4x32 with 10 rounds (Salmon et al., SC 2011)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + W0) & MASK, (k1 + W1) & MASK
+        p0, p1 = M0 * c0, M1 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & MASK, p1 & MASK, ((p0 >> 32) ^ c3 ^ k1) & MASK, p0 & MASK
+    return c0, c1, c2, c3
+
+
+assert philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)  # Random123's KAT
+
+
+def draw(logits, temperature, top_k, u):
+    """The token, and how far the choice is from changing (the margin the near-tie rule reads)."""
+    order = np.argsort(-logits, kind="stable")
+    if temperature <= 0:
+        return int(order[0]), float(logits[order[0]] - logits[order[1]])
+    k = min(top_k, len(logits)) if top_k > 0 else len(logits)
+    w = np.exp((logits[order[:k]] - logits[order[0]]) / temperature)
+    cdf = np.cumsum(w) / np.sum(w)
+    j = min(int(np.searchsorted(cdf, u, side="right")), k - 1)
+    margin = float(np.min(np.abs(cdf[:-1] - u))) if k > 1 else np.inf
+    if k < len(logits):
+        margin = min(margin, float(logits[order[k - 1]] - logits[order[k]]))
+    return int(order[j]), margin
 
 
 def parse_config(text):
@@ -65,7 +106,7 @@ def unprintable(text):
     return bytes(out)
 
 
-def main(h5_path, prompt, tokens, printed_path):
+def main(h5_path, prompt, tokens, temperature, top_k, seed, printed_path):
     f = h5py.File(h5_path, "r")
     attr = f.attrs["config"]
     c = parse_config(attr.decode() if isinstance(attr, bytes) else attr)
@@ -86,44 +127,51 @@ def main(h5_path, prompt, tokens, printed_path):
     params = {n: np.asarray(d, dtype=np.float64) for n, d in f["params"].items()}
     window = int(c["train.seq_len"])
 
-    ctx = [0] + [b for b in prompt.encode() if b]
-    generated, gaps = [], []
-    for _ in range(tokens):
-        x = np.asarray(ctx[-window:], dtype=np.int32)
-        logits, _, _, _ = model_ref.forward(params, m, lin_for, x, 1, len(x))
-        last = np.asarray(logits)[-1]
-        order = np.argsort(-last, kind="stable")
-        gaps.append(last[order[0]] - last[order[1]])
-        if order[0] == 0:
-            break
-        ctx.append(int(order[0]))
-        generated.append(int(order[0]))
-
-    printed = open(printed_path, encoding="utf-8", errors="surrogateescape").read().rstrip("\n")
-    got = unprintable(printed)
+    printed = open(printed_path, encoding="utf-8", errors="surrogateescape").read()
+    printed = printed[:-1] if printed.endswith("\n") else printed  # the line's own newline
     head = bytes(b for b in prompt.encode() if b)
+    got = unprintable(printed)
     if not got.startswith(head):
         sys.exit(f"generate_ref.py: the printed line does not start with the prompt: {printed!r}")
-    got = got[len(head):]
-    for i, (t, g) in enumerate(zip(generated, gaps)):
-        if i < len(got) and got[i] == t:
+    got = list(got[len(head):])
+    if len(got) > tokens:
+        sys.exit(f"generate_ref.py: fp8moe printed {len(got)} tokens, more than the {tokens} asked for: {printed!r}")
+
+    # Teacher forcing: the reference's draw at each step, given fp8moe's tokens before it. While the
+    # two agree that is the reference's own generation; the first disagreement ends the comparison.
+    ctx = [0] + list(head)
+    full = ctx + got
+    whole = None
+    if len(full) <= window:  # one causal forward gives every step's logits
+        whole = np.asarray(model_ref.forward(params, m, lin_for, np.asarray(full, dtype=np.int32), 1, len(full))[0])
+    margins = []
+    for i in range(min(tokens, len(got) + 1)):
+        if whole is not None:
+            logits = whole[len(ctx) + i - 1]
+        else:
+            x = np.asarray(full[:len(ctx) + i][-window:], dtype=np.int32)
+            logits = np.asarray(model_ref.forward(params, m, lin_for, x, 1, len(x))[0])[-1]
+        u = (philox4x32_10((i, 0, 0x47454E, 0), (seed & MASK, seed >> 32))[0] + 0.5) * 2.0**-32
+        token, margin = draw(logits, temperature, top_k, u)
+        printed_token = got[i] if i < len(got) else 0  # fp8moe stops without printing at token 0
+        if token == printed_token:
+            margins.append(margin)
+            if token == 0:
+                break
             continue
-        if g < 1e-4:
-            print(f"generate_ref: {i} tokens agree with the reference, then a near-tie (top-2 logit gap {g:.2e}): "
+        if margin < 1e-4:
+            print(f"generate_ref: {i} tokens agree with the reference, then a near-tie (margin {margin:.2e}): "
                   "not compared further")
             return 0
-        sys.exit(f"generate_ref.py: token {i + 1}: the reference's argmax is {t} (top-2 logit gap {g:.2e}), fp8moe "
-                 f"printed {got[i] if i < len(got) else 'nothing'}\nreference: {printable(head + bytes(generated))!r}\n"
-                 f"fp8moe:    {printed!r}")
-    if len(got) != len(generated):
-        sys.exit(f"generate_ref.py: fp8moe printed {len(got)} tokens, the reference generated {len(generated)}: "
-                 f"{printed!r}")
-    print(f"generate_ref: all {len(generated)} generated tokens agree with the reference (smallest top-2 logit gap "
-          f"{min(gaps):.2e})")
+        sys.exit(f"generate_ref.py: token {i + 1}: the reference draws {token} (margin {margin:.2e}), fp8moe "
+                 f"{'printed ' + str(printed_token) if i < len(got) else 'stopped'}: {printed!r}")
+    print(f"generate_ref: all {len(got)} generated tokens agree with the reference (smallest margin "
+          f"{min(margins):.2e}): {printed!r}")
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 5:
+    if len(sys.argv) != 8:
         sys.exit(__doc__)
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+                  sys.argv[7]))
