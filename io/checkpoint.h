@@ -1,4 +1,4 @@
-// Sharded HDF5 checkpoints (DESIGN.md, README "Checkpoints"): one directory
+// Sharded HDF5 checkpoints (docs/ARCHITECTURE.md, README "Checkpoints"): one directory
 // <checkpoint.dir>/step_<8 digits>/ holding checkpoint.h5, written by all ranks in parallel through
 // MPI-IO with collective transfers. Every dataset has its tensor's GLOBAL shape; each rank writes
 // and reads only hyperslabs (rows of the global tensor), so a checkpoint saved under one layout

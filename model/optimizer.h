@@ -1,7 +1,7 @@
 // AdamW on FP32 master weights, with FP32 (or BF16, as DeepSeek-V3) moments, global-norm
 // clipping, the learning-rate schedule and skipping of non-finite steps.
 //
-// NOTE: the optimizer lives in model/ (DESIGN.md): it is driven by the ParamTable (which
+// NOTE: the optimizer lives in model/ (docs/ARCHITECTURE.md): it is driven by the ParamTable (which
 // parameters train, which decay) and nothing in it knows about MPI or files; ZeRO-1 sharding will
 // hand it a slice of each parameter, which this interface (flat tensors per parameter) allows.
 #pragma once

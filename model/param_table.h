@@ -1,6 +1,6 @@
 // The ParamTable: every parameter of the model declared once, with its GLOBAL shape and how it is
-// sharded (DESIGN.md). Initialization, gradient-sync groups, the global norm, the optimizer's
-// shards, checkpoints and resharding all derive from this table and nothing else.
+// sharded (docs/ARCHITECTURE.md). Initialization, gradient-sync groups, the global norm, the
+// optimizer's shards, checkpoints and resharding all derive from this table and nothing else.
 #pragma once
 
 #include <cstdint>

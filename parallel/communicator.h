@@ -1,4 +1,4 @@
-// The communicator interface (DESIGN.md): the collectives model/ and io/ use, over one group of
+// The communicator interface (docs/ARCHITECTURE.md): the collectives model/ and io/ use, over one group of
 // ranks. The MPI implementation works on host memory; the NCCL one (device memory) comes with
 // the CUDA backend. Model and optimizer code receive the communicators they need; nothing reads
 // a global. Every call is collective over the group: all members call it in the same order.

@@ -1,4 +1,4 @@
-# Enforces DESIGN.md's dependency direction at the source level (the link graph enforces it at
+# Enforces docs/ARCHITECTURE.md's dependency direction at the source level (the link graph enforces it at
 # link time): app -> io -> model -> parallel -> kernels. A folder may include headers of folders to
 # its right only, and some folders may not see some libraries at all.
 #   cmake -DSOURCE_DIR=<repo> -P check_layering.cmake

@@ -7,7 +7,10 @@
 
 namespace fp8moe::cuda {
 
+// The one block size of the elementwise and reduction kernels (quantize.cu, ops.cu, swiglu.cu).
 constexpr int kBlockThreads = 256;
+// block_reduce keeps one partial per warp and folds them in the first warp.
+static_assert(kBlockThreads % 32 == 0 && kBlockThreads / 32 <= 32, "block_reduce needs whole warps, at most 32 of them");
 
 // op(a, b) combines two values; identity is its neutral element (the inactive lanes' value).
 template <class T, class Op>

@@ -1,10 +1,11 @@
 #include "kernels/check.h"
+#include "kernels/cuda/block_reduce.cuh"  // kBlockThreads
 #include "kernels/cuda/swiglu.h"
 #include "kernels/swiglu.h"
 
 namespace fp8moe::cuda {
 namespace {
-constexpr int kThreads = 256;
+constexpr int kThreads = kBlockThreads;
 
 // Grid-stride loops: any n fits a bounded grid.
 __global__ void swiglu_forward_kernel(const float* __restrict__ a, const float* __restrict__ b,
