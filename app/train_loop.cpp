@@ -26,7 +26,7 @@
 #include "model/data_parallel.h"
 #include "model/optimizer.h"
 #include "model/transformer.h"
-#include "parallel/communicator.h"
+#include "parallel/mpi_communicator.h"
 #include "parallel/grid.h"
 #include "parallel/mpi_session.h"
 

@@ -1,13 +1,37 @@
-# Enforces docs/ARCHITECTURE.md's dependency direction at the source level (the link graph enforces it at
-# link time): app -> io -> model -> parallel -> kernels. A folder may include headers of folders to
-# its right only, and some folders may not see some libraries at all.
+# Enforces docs/ARCHITECTURE.md's dependency direction at the source level (the link graph enforces
+# it at link time): app -> io -> model -> parallel -> kernels. A folder may include headers of
+# folders to its right only, and some folders may not see some libraries at all, also through the
+# project headers they include (model/ includes parallel/communicator.h: that header may not bring
+# <mpi.h> with it).
 #   cmake -DSOURCE_DIR=<repo> -P check_layering.cmake
+cmake_minimum_required(VERSION 3.25)  # IN_LIST, list(POP_FRONT)
 set(order app io model parallel kernels)
 set(forbidden_model "<mpi.h>" "<hdf5.h>" "<yaml-cpp/" "<nccl.h>")
 set(forbidden_kernels "<mpi.h>" "<hdf5.h>" "<yaml-cpp/" "<nccl.h>" "<fstream>")
 set(forbidden_parallel "<hdf5.h>" "<yaml-cpp/")
 set(problems "")
 set(checked 0)
+
+# The project headers `file` includes ("folder/name.h"), and theirs, as full paths, into `out`.
+function(project_includes file out)
+  set(seen "")
+  set(todo "${file}")
+  while(todo)
+    list(POP_FRONT todo current)
+    file(STRINGS "${current}" lines REGEX "^[ \t]*#[ \t]*include[ \t]*\"")
+    foreach(line IN LISTS lines)
+      if(line MATCHES "#[ \t]*include[ \t]*\"([a-z_]+/[^\"]+)\"")
+        set(path "${SOURCE_DIR}/${CMAKE_MATCH_1}")
+        if(EXISTS "${path}" AND NOT path IN_LIST seen)
+          list(APPEND seen "${path}")
+          list(APPEND todo "${path}")
+        endif()
+      endif()
+    endforeach()
+  endwhile()
+  set(${out} "${seen}" PARENT_SCOPE)
+endfunction()
+
 foreach(folder IN LISTS order)
   list(FIND order ${folder} my_pos)
   file(GLOB_RECURSE sources "${SOURCE_DIR}/${folder}/*.h" "${SOURCE_DIR}/${folder}/*.cpp" "${SOURCE_DIR}/${folder}/*.cu" "${SOURCE_DIR}/${folder}/*.cuh")
@@ -21,11 +45,25 @@ foreach(folder IN LISTS order)
           string(APPEND problems "  ${src}: ${folder}/ may not include ${CMAKE_MATCH_1}/: ${line}\n")
         endif()
       endif()
-      foreach(bad IN LISTS forbidden_${folder})
-        string(FIND "${line}" "${bad}" at)
-        if(at GREATER_EQUAL 0)
-          string(APPEND problems "  ${src}: ${folder}/ may not use ${bad}: ${line}\n")
-        endif()
+    endforeach()
+    if(NOT forbidden_${folder})
+      continue()
+    endif()
+    # The file and every project header it reaches, directly or not.
+    project_includes("${src}" reached)
+    foreach(f IN LISTS src reached)
+      file(STRINGS "${f}" lines REGEX "^[ \t]*#[ \t]*include[ \t]*<")
+      foreach(line IN LISTS lines)
+        foreach(bad IN LISTS forbidden_${folder})
+          string(FIND "${line}" "${bad}" at)
+          if(at GREATER_EQUAL 0)
+            if(f STREQUAL src)
+              string(APPEND problems "  ${src}: ${folder}/ may not use ${bad}: ${line}\n")
+            else()
+              string(APPEND problems "  ${src}: ${folder}/ may not use ${bad}, which it reaches through ${f}: ${line}\n")
+            endif()
+          endif()
+        endforeach()
       endforeach()
     endforeach()
   endforeach()
@@ -36,4 +74,5 @@ endif()
 if(problems)
   message(FATAL_ERROR "layering violations:\n${problems}")
 endif()
-message(STATUS "layering: ${checked} files follow app -> io -> model -> parallel -> kernels")
+message(STATUS "layering: ${checked} files follow app -> io -> model -> parallel -> kernels, "
+               "and model/ and kernels/ reach no forbidden library through any project header")

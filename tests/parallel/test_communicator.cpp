@@ -8,7 +8,7 @@
 #include <numeric>
 #include <vector>
 
-#include "parallel/communicator.h"
+#include "parallel/mpi_communicator.h"
 
 namespace fp8moe {
 namespace {

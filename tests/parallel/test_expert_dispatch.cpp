@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "parallel/communicator.h"
+#include "parallel/mpi_communicator.h"
 #include "parallel/expert_dispatch.h"
 
 namespace fp8moe {

@@ -12,7 +12,7 @@
 
 #include "kernels/backend_info.h"
 #include "kernels/device.h"
-#include "parallel/communicator.h"
+#include "parallel/mpi_communicator.h"
 #include "parallel/mpi_session.h"
 
 namespace fp8moe {

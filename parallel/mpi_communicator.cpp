@@ -1,4 +1,4 @@
-#include "parallel/communicator.h"
+#include "parallel/mpi_communicator.h"
 
 #include <algorithm>
 #include <climits>

@@ -1,0 +1,53 @@
+// The communicator over MPI (host memory), and the factory that picks MPI or NCCL for a process
+// group. app/, io/ and parallel/ use it; model/ sees only the interface (parallel/communicator.h).
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <vector>
+
+#include "parallel/communicator.h"
+
+namespace fp8moe {
+
+// Over an MPI communicator (not owned; it must outlive this object). Errors are fatal
+// (MPI_CHECK: every rank is aborted).
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm comm);
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  MPI_Comm comm() const { return comm_; }
+  void allreduce_sum(float* data, int64_t n) override;
+  void allreduce_sum(double* data, int64_t n) override;
+  void allreduce_sum(int64_t* data, int64_t n) override;
+  void allreduce_sum(uint64_t* data, int64_t n) override;
+  void allreduce_max(float* data, int64_t n) override;
+  void allreduce_max(double* data, int64_t n) override;
+  void broadcast(std::string& text, int root) override;
+  void barrier() override;
+  void allgather(const float* in, int64_t n, float* out) override;
+  void reduce_scatter_sum(const float* in, float* out, int64_t n) override;
+  void reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
+  void allgatherv(const float* in, float* out, const int64_t* counts) override;
+  void alltoall(const int64_t* send, int64_t* recv, int64_t n) override;
+  void alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
+  void send(const float* data, int64_t n, int peer, int tag) override;
+  void recv(float* data, int64_t n, int peer, int tag) override;
+  void isend(const float* data, int64_t n, int peer, int tag) override;
+  void wait_sends() override;
+
+ private:
+  template <class T>
+  void allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op);
+  std::vector<MPI_Request> pending_;
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+};
+
+// The communicator of one process group: NCCL (nccl true; needs the CUDA backend and its device
+// chosen) or MPI. Collective over `comm`.
+std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl);
+
+}  // namespace fp8moe
