@@ -13,9 +13,17 @@ const ParamSpec& ParamTable::at(const std::string& name) const {
 }
 
 int64_t ParamTable::index_of(const std::string& name) const {
+  FP8MOE_ASSERT(index_.size() == params.size(), "ParamTable: ", params.size(), " entries but ", index_.size(),
+                " indexed: call reindex() after changing the table");
+  const auto it = index_.find(name);
+  return it == index_.end() ? -1 : it->second;
+}
+
+void ParamTable::reindex() {
+  index_.clear();
+  index_.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i)
-    if (params[i].name == name) return int64_t(i);
-  return -1;
+    FP8MOE_ASSERT(index_.emplace(params[i].name, int64_t(i)).second, "ParamTable: two entries named ", params[i].name);
 }
 
 int64_t ParamTable::trainable_numel() const {
@@ -102,6 +110,7 @@ ParamTable build_param_table(const ModelConfig& m) {
   }
   norm("final_norm.weight", m.n_layers);
   add({"head.weight", m.vocab_size, m.d_model, TpSplit::rows, m.n_layers, -1, LinearClass::none, true, true, InitKind::normal, std});
+  t.reindex();
   return t;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "model/config.h"
@@ -41,8 +42,16 @@ struct ParamSpec {
 struct ParamTable {
   std::vector<ParamSpec> params;
   const ParamSpec& at(const std::string& name) const;  // asserts the name exists
-  int64_t index_of(const std::string& name) const;     // -1 when absent
+  // -1 when absent. A hash lookup: the model asks by name for every layer's weights, and a
+  // DeepSeek-V3-sized table has tens of thousands of entries.
+  int64_t index_of(const std::string& name) const;
   int64_t trainable_numel() const;
+  // Rebuilds the name index and asserts the names are unique. build_param_table calls it; so must
+  // anything that adds or renames entries (index_of asserts the index covers every entry).
+  void reindex();
+
+ private:
+  std::unordered_map<std::string, int64_t> index_;
 };
 
 // The block of a parameter's GLOBAL (rows, cols) tensor that one rank holds: tensor parallelism

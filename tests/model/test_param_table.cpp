@@ -51,6 +51,19 @@ TEST(ParamTable, TinyModelHasTheExpectedParameterCount) {
   EXPECT_EQ(t.trainable_numel(), 7282944);  // ~7.3M, as the issue says
 }
 
+TEST(ParamTable, IndexFindsEveryEntryOfADeepSeekV3SizedTable) {
+  // DeepSeek-V3's layer and expert counts (61 layers, 3 dense, 256 routed + 1 shared expert): the
+  // name index finds each of the 45,212 entries at its position and nothing else.
+  ModelConfig m = tiny();
+  m.n_layers = 61, m.first_dense_layers = 3, m.moe.n_experts = 256, m.moe.top_k = 8;
+  const ParamTable t = build_param_table(m);
+  // Per MoE layer: 2 norms, q, k, v, o, router, router bias, 3 shared and 3 x 256 routed matrices.
+  EXPECT_EQ(t.params.size(), size_t(2 + 1 + 3 * (2 + 4 + 3) + 58 * (2 + 4 + 2 + 3 + 3 * 256)));
+  for (size_t i = 0; i < t.params.size(); ++i) ASSERT_EQ(t.index_of(t.params[i].name), int64_t(i)) << t.params[i].name;
+  EXPECT_EQ(t.index_of("layers.61.attn.wq"), -1);
+  EXPECT_EQ(t.index_of(""), -1);
+}
+
 TEST(ParamTable, ShardingAndOptimizerFlags) {
   const ParamTable t = build_param_table(tiny());
   std::set<std::string> names;
