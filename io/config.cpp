@@ -1,6 +1,7 @@
 #include "io/config.h"
 
 #include "io/read_file.h"
+#include "parallel/grid.h"  // grid_layout_problem: the world-size rules
 
 #include <yaml-cpp/yaml.h>
 
@@ -673,15 +674,9 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
   }
 
   if (world_size <= 0) return;
-  const std::string world = "the world size " + n(world_size);
-  rule(world_size % p.tensor == 0, "parallel.tensor", "a divisor of " + world);
-  rule(world_size % (p.tensor * p.pipeline) == 0, "parallel.pipeline",
-       "a value with parallel.tensor x parallel.pipeline = " + n(p.tensor) + " x " + n(p.pipeline) +
-           " dividing " + world);
+  if (const auto problem = grid_layout_problem(world_size, p.tensor, p.pipeline, p.expert))  // parallel/grid.h
+    rule(false, problem->key, problem->expected);
   const int data = world_size / (p.tensor * p.pipeline);
-  rule(data % p.expert == 0, "parallel.expert",
-       "a divisor of the data-parallel size " + n(data) + " = world " + n(world_size) + " / (tensor " +
-           n(p.tensor) + " x pipeline " + n(p.pipeline) + ")");
   rule(c.train.global_batch % (int64_t(data) * p.micro_batches) == 0, "train.global_batch",
        "a multiple of data-parallel size x parallel.micro_batches = " + n(data) + " x " + n(p.micro_batches) +
            " = " + n(int64_t(data) * p.micro_batches));

@@ -9,21 +9,26 @@
 
 namespace fp8moe {
 
-std::string grid_layout_problem(int world, int tensor, int pipeline, int expert) {
-  if (world < 1 || tensor < 1 || pipeline < 1 || expert < 1) return "all sizes must be >= 1";
+std::optional<GridProblem> grid_layout_problem(int world, int tensor, int pipeline, int expert) {
+  const auto n = [](int v) { return std::to_string(v); };
+  if (world < 1) return GridProblem{"world size", "at least 1, got " + n(world)};
+  for (auto [key, v] : {std::pair{"parallel.tensor", tensor}, {"parallel.pipeline", pipeline}, {"parallel.expert", expert}})
+    if (v < 1) return GridProblem{key, "at least 1, got " + n(v)};
+  const std::string w = "the world size " + n(world);
+  if (world % tensor != 0) return GridProblem{"parallel.tensor", "a divisor of " + w};
   if (world % (tensor * pipeline) != 0)
-    return "world size " + std::to_string(world) + " is not a multiple of tensor x pipeline = " +
-           std::to_string(tensor * pipeline);
+    return GridProblem{"parallel.pipeline",
+                       "a value with parallel.tensor x parallel.pipeline = " + n(tensor) + " x " + n(pipeline) + " dividing " + w};
   const int data = world / (tensor * pipeline);
   if (data % expert != 0)
-    return "expert size " + std::to_string(expert) + " does not divide the data-parallel size " +
-           std::to_string(data);
-  return {};
+    return GridProblem{"parallel.expert", "a divisor of the data-parallel size " + n(data) + " = world " + n(world) +
+                                              " / (tensor " + n(tensor) + " x pipeline " + n(pipeline) + ")"};
+  return std::nullopt;
 }
 
 GridDims make_grid_dims(int world, int tensor, int pipeline, int expert) {
-  const std::string problem = grid_layout_problem(world, tensor, pipeline, expert);
-  FP8MOE_ASSERT(problem.empty(), "invalid grid layout: ", problem);
+  const auto problem = grid_layout_problem(world, tensor, pipeline, expert);
+  FP8MOE_ASSERT(!problem, "invalid grid layout: ", problem ? problem->text() : "");
   GridDims d;
   d.world = world;
   d.tensor = tensor;
@@ -34,21 +39,46 @@ GridDims make_grid_dims(int world, int tensor, int pipeline, int expert) {
   return d;
 }
 
+const char* short_name(GridAxis a) {
+  switch (a) {
+    case GridAxis::tensor: return "tp";
+    case GridAxis::expert: return "ep";
+    case GridAxis::expert_data: return "edp";
+    default: return "pp";
+  }
+}
+
+int GridDims::*size_of(GridAxis a) {
+  switch (a) {
+    case GridAxis::tensor: return &GridDims::tensor;
+    case GridAxis::expert: return &GridDims::expert;
+    case GridAxis::expert_data: return &GridDims::expert_data;
+    default: return &GridDims::pipeline;
+  }
+}
+
+int GridCoord::*coordinate_of(GridAxis a) {
+  switch (a) {
+    case GridAxis::tensor: return &GridCoord::tensor;
+    case GridAxis::expert: return &GridCoord::expert;
+    case GridAxis::expert_data: return &GridCoord::expert_data;
+    default: return &GridCoord::pipeline;
+  }
+}
+
 GridCoord grid_coord_of(const GridDims& d, int rank) {
   FP8MOE_ASSERT(rank >= 0 && rank < d.world, "rank ", rank, " outside world ", d.world);
   GridCoord c;
-  c.tensor = rank % d.tensor;
-  int rest = rank / d.tensor;
-  c.expert = rest % d.expert;
-  rest /= d.expert;
-  c.expert_data = rest % d.expert_data;
-  c.pipeline = rest / d.expert_data;
+  int rest = rank;
+  for (GridAxis a : kRankOrder) c.*coordinate_of(a) = rest % d.*size_of(a), rest /= d.*size_of(a);
   c.data = c.expert + d.expert * c.expert_data;
   return c;
 }
 
 int grid_rank_of(const GridDims& d, const GridCoord& c) {
-  return c.tensor + d.tensor * (c.expert + d.expert * (c.expert_data + d.expert_data * c.pipeline));
+  int rank = 0;
+  for (auto a = kRankOrder.rbegin(); a != kRankOrder.rend(); ++a) rank = rank * d.*size_of(*a) + c.*coordinate_of(*a);
+  return rank;
 }
 
 namespace {
@@ -92,10 +122,12 @@ std::string ProcessGrid::layout_table() const {
   const GridDims& d = dims_;
   std::string out;
   char line[256];
+  std::string order;
+  for (GridAxis a : kRankOrder) order += std::string(order.empty() ? "" : "-") + short_name(a);
   std::snprintf(line, sizeof line,
                 "process grid: world %d = tensor %d x pipeline %d x data %d; data %d = expert %d x "
-                "expert-data %d; rank order tp-ep-dp-pp (tensor fastest)\n",
-                d.world, d.tensor, d.pipeline, d.data, d.data, d.expert, d.expert_data);
+                "expert-data %d; rank order %s (tensor fastest)\n",
+                d.world, d.tensor, d.pipeline, d.data, d.data, d.expert, d.expert_data, order.c_str());
   out += line;
   out += "   rank  host                  tp   pp   dp   ep  edp\n";
   // NOTE: a full table of thousands of ranks helps nobody; the coordinates follow from the

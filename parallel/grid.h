@@ -1,7 +1,7 @@
 // The process grid: world = tensor x pipeline x data, with expert parallelism carved out of data
-// (data = expert x expert_data). Rank order "tp-ep-dp-pp": tensor fastest, then expert within
-// data, then the rest of data, then pipeline, so that neighbouring ranks (one node's fast links)
-// form the tensor groups first:
+// (data = expert x expert_data). Rank order (kRankOrder) "tp-ep-edp-pp": tensor fastest, then
+// expert within data, then the rest of data, then pipeline, so that neighbouring ranks (one node's
+// fast links) form the tensor groups first:
 //
 //   rank = tp + T * (ep + E * (edp + D_e * pp))       data index dp = ep + E * edp
 //
@@ -11,6 +11,8 @@
 
 #include <mpi.h>
 
+#include <array>
+#include <optional>
 #include <string>
 
 namespace fp8moe {
@@ -33,8 +35,24 @@ struct GridCoord {
   bool operator==(const GridCoord&) const = default;
 };
 
-// Empty when (tensor, pipeline, expert) is a valid layout of `world` ranks, else why not.
-std::string grid_layout_problem(int world, int tensor, int pipeline, int expert);
+// The rank order, fastest-varying first: one list that grid_coord_of, grid_rank_of and the printed
+// layout all read. Tensor groups come first so that they sit on neighbouring ranks (one node).
+enum class GridAxis { tensor, expert, expert_data, pipeline };
+inline constexpr std::array<GridAxis, 4> kRankOrder = {GridAxis::tensor, GridAxis::expert, GridAxis::expert_data,
+                                                       GridAxis::pipeline};
+const char* short_name(GridAxis a);          // "tp", "ep", "edp", "pp"
+int GridDims::*size_of(GridAxis a);          // d.*size_of(a): the axis's size
+int GridCoord::*coordinate_of(GridAxis a);   // c.*coordinate_of(a): a rank's index along it
+
+// What makes (tensor, pipeline, expert) an invalid layout of `world` ranks: the `parallel.` key at
+// fault and what it must be (the first broken rule, in the order tensor, pipeline, expert). The
+// world-size rules are written here only: io/config's validation and make_grid_dims ask this.
+struct GridProblem {
+  std::string key;       // "parallel.tensor", "parallel.pipeline" or "parallel.expert"
+  std::string expected;  // "a divisor of the world size 4", ...
+  std::string text() const { return key + ": expected " + expected; }
+};
+std::optional<GridProblem> grid_layout_problem(int world, int tensor, int pipeline, int expert);
 
 // Dims of a valid layout (asserts validity: user input is checked by io/config first).
 GridDims make_grid_dims(int world, int tensor, int pipeline, int expert);

@@ -187,7 +187,7 @@ TEST(Cli, EightRankDryRunOfTinyPrintsTheGrid) {
       << r.out;
   // Only rank 0 prints.
   EXPECT_EQ(count(r.out, "effective config:"), 1u) << r.out;
-  // Each row ends with tp pp dp ep edp; in the tp-ep-dp-pp order rank r has tp = r % 2,
+  // Each row ends with tp pp dp ep edp; in the tp-ep-edp-pp order rank r has tp = r % 2,
   // ep = dp = (r / 2) % 2, pp = r / 4, edp = 0.
   for (int rank = 0; rank < 8; ++rank) {
     const std::string head = "  " + std::string(4 - (rank >= 10), ' ') + std::to_string(rank) + "  ";

@@ -116,7 +116,7 @@ TEST_F(GridTest, LayoutsAreEnumerated) {
   // Sanity of the test's own enumeration: (1,1,1) always, and every layout really divides.
   const auto layouts = valid_layouts(world_);
   ASSERT_FALSE(layouts.empty());
-  for (const Layout& l : layouts) EXPECT_TRUE(grid_layout_problem(world_, l.tensor, l.pipeline, l.expert).empty());
+  for (const Layout& l : layouts) EXPECT_FALSE(grid_layout_problem(world_, l.tensor, l.pipeline, l.expert));
   const std::map<int, size_t> expected_count = {{1, 1}, {2, 4}, {4, 10}, {8, 20}};
   if (expected_count.count(world_)) {
     EXPECT_EQ(layouts.size(), expected_count.at(world_));
@@ -192,10 +192,13 @@ TEST_F(GridTest, LayoutTableListsEveryRankOnRankZero) {
 }
 
 TEST(GridLayoutProblem, RejectsWhatDoesNotFit) {
-  EXPECT_TRUE(grid_layout_problem(8, 2, 2, 2).empty());
-  EXPECT_NE(grid_layout_problem(8, 3, 1, 1).find("not a multiple of tensor x pipeline = 3"), std::string::npos);
-  EXPECT_NE(grid_layout_problem(8, 2, 2, 4).find("does not divide the data-parallel size 2"), std::string::npos);
-  EXPECT_FALSE(grid_layout_problem(4, 0, 1, 1).empty());
+  EXPECT_FALSE(grid_layout_problem(8, 2, 2, 2));
+  EXPECT_EQ(grid_layout_problem(8, 3, 1, 1)->text(), "parallel.tensor: expected a divisor of the world size 8");
+  EXPECT_EQ(grid_layout_problem(8, 2, 3, 1)->text(),
+            "parallel.pipeline: expected a value with parallel.tensor x parallel.pipeline = 2 x 3 dividing the world size 8");
+  EXPECT_EQ(grid_layout_problem(8, 2, 2, 4)->text(),
+            "parallel.expert: expected a divisor of the data-parallel size 2 = world 8 / (tensor 2 x pipeline 2)");
+  EXPECT_EQ(grid_layout_problem(4, 0, 1, 1)->key, "parallel.tensor");
 }
 
 }  // namespace
