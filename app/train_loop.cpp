@@ -8,8 +8,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -21,6 +19,7 @@
 #include "io/config.h"
 #include "io/token_data.h"
 #include "io/checkpoint.h"
+#include "io/metrics.h"
 #include "parallel/pipeline_schedule.h"
 #include "kernels/gemm_fp8.h"
 #include "model/data_parallel.h"
@@ -145,14 +144,14 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     if (root) std::printf("note: a data.valid_path data set has fewer than %lld tokens: no validation loss\n", (long long)T + 1);
   }
 
-  std::FILE* jsonl = nullptr;
+  MetricsLog jsonl;  // log.jsonl, written by rank 0 (io/metrics.h)
   std::string jsonl_error;
   if (root && !cfg.log.jsonl.empty()) {
-    std::error_code ec;
-    const auto parent = std::filesystem::path(cfg.log.jsonl).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    jsonl = std::fopen(cfg.log.jsonl.c_str(), "a");
-    if (!jsonl) jsonl_error = "log.jsonl: cannot write " + cfg.log.jsonl;
+    try {
+      jsonl = MetricsLog(cfg.log.jsonl);
+    } catch (const std::runtime_error& e) {
+      jsonl_error = e.what();
+    }
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
@@ -174,18 +173,17 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   try {
     resumed = resume_from_checkpoint(grid.world(), state);
   } catch (const CheckpointError& e) {
-    if (jsonl) std::fclose(jsonl);
     return fail(std::string("checkpoint.resume: ") + e.what());
   }
   const int64_t first_step = progress.step;
-  if (jsonl && resumed.empty()) jsonl = std::freopen(cfg.log.jsonl.c_str(), "w", jsonl);  // a fresh run: a fresh log
+  if (resumed.empty() && !jsonl.restart())  // a fresh run: a fresh log
+    std::fprintf(stderr, "fp8moe: warning: log.jsonl: cannot empty %s: no metrics log\n", cfg.log.jsonl.c_str());
   if (root && !resumed.empty())
     std::printf("resumed from %s: step %lld, %lld tokens consumed\n", resumed.c_str(), (long long)progress.step,
                 (long long)progress.tokens);
   if (first_step >= cfg.train.steps) {
     if (root) std::printf("nothing to train: the checkpoint is at step %lld, train.steps is %lld\n",
                           (long long)first_step, (long long)cfg.train.steps);
-    if (jsonl) std::fclose(jsonl);
     return kExitOk;
   }
   const bool on_gpu = cfg.runtime.device == DeviceChoice::cuda;
@@ -420,29 +418,19 @@ int train(const Config& cfg, const ProcessGrid& grid) {
                     (long long)opt.skipped(), pipeline, eta, loss);
         std::fflush(stdout);
       }
-      if (jsonl) {
-        std::fprintf(jsonl,
-                     "{\"step\":%lld,\"loss\":%s,\"val_loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"tokens_per_s\":%s,"
-                     "\"step_time_s\":%s,\"mfu\":%s,\"peak_mem_bytes\":%lld,\"peak_device_mem_bytes\":%s,"
-                     "\"expert_load_imbalance\":%s,"
-                     "\"fp8_saturated\":%lld,\"fp8_underflowed\":%lld,\"skipped_steps\":%lld,\"loss_scale\":%s,"
-                     "\"pipeline_bubble\":%s,\"pipeline_bubble_ideal\":%s}\n",
-                     (long long)step + 1, json_number(loss).c_str(), json_number(evaluated ? last_val : NAN).c_str(),
-                     json_number(st.lr).c_str(), json_number(st.grad_norm).c_str(), json_number(tokens_per_s).c_str(),
-                     json_number(step_s).c_str(), json_number(mfu).c_str(), (long long)mem,
-                     on_gpu ? std::to_string((long long)dmem).c_str() : "null",
-                     json_number(imbalance).c_str(), (long long)saturated, (long long)underflowed,
-                     (long long)opt.skipped(), json_number(used_scale).c_str(), json_number(P > 1 ? bubble : NAN).c_str(),
-                     json_number(P > 1 ? bubble_ideal : NAN).c_str());
-        std::fflush(jsonl);
-      }
+      StepMetrics m;
+      m.step = step + 1, m.loss = loss, m.val_loss = evaluated ? last_val : NAN, m.lr = st.lr;
+      m.grad_norm = st.grad_norm, m.tokens_per_s = tokens_per_s, m.step_time_s = step_s, m.mfu = mfu;
+      m.peak_mem_bytes = int64_t(mem);
+      if (on_gpu) m.peak_device_mem_bytes = int64_t(dmem);
+      m.expert_load_imbalance = imbalance, m.fp8_saturated = saturated, m.fp8_underflowed = underflowed;
+      m.skipped_steps = opt.skipped(), m.loss_scale = used_scale;
+      m.pipeline_bubble = P > 1 ? bubble : NAN, m.pipeline_bubble_ideal = P > 1 ? bubble_ideal : NAN;
+      jsonl.write(m);
     }
     const bool periodic = cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
     const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !final_step;
-    if ((periodic || final_step || exit_now) && !checkpoint()) {
-      if (jsonl) std::fclose(jsonl);
-      return kExitFailure;
-    }
+    if ((periodic || final_step || exit_now) && !checkpoint()) return kExitFailure;
     if (exit_now) {
       if (root) std::printf("exit: step %lld is a multiple of train.exit_interval\n", (long long)step + 1);
       break;
@@ -454,17 +442,12 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       if (root)
         std::printf("signal %d (%s): stopping after step %lld with a checkpoint\n", signal,
                     signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "?", (long long)step + 1);
-      if (!periodic && !checkpoint()) {
-        if (jsonl) std::fclose(jsonl);
-        return kExitFailure;
-      }
-      if (jsonl) std::fclose(jsonl);
+      if (!periodic && !checkpoint()) return kExitFailure;
       if (root) std::printf("exit %d: checkpointed at step %lld; requeue to continue\n", kExitRequeue, (long long)step + 1);
       std::fflush(stdout);
       return kExitRequeue;
     }
   }
-  if (jsonl) std::fclose(jsonl);
   if (root) {
     std::printf("communication of the last step, bytes summed over the ranks (README \"Communication\"):\n"
                 "  group      measured    analytical  ratio\n");
