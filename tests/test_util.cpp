@@ -33,6 +33,14 @@ RunResult run(const std::vector<std::string>& argv, double timeout_s) {
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 0);
   TempDir tmp;
   const std::string out_path = tmp.path + "/stdout", err_path = tmp.path + "/stderr";
+  // The command's own Open MPI session directory (unless the caller chose one): Open MPI 4 races on
+  // creating a shared one when two jobs start at once (open-mpi/ompi#8510), as ctest -j runs them.
+  std::vector<std::string> env_text;
+  for (char** e = environ; *e; ++e) env_text.emplace_back(*e);
+  if (!getenv("OMPI_MCA_orte_tmpdir_base")) env_text.push_back("OMPI_MCA_orte_tmpdir_base=" + tmp.path);
+  std::vector<char*> env;
+  for (std::string& e : env_text) env.push_back(e.data());
+  env.push_back(nullptr);
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
@@ -46,7 +54,7 @@ RunResult run(const std::vector<std::string>& argv, double timeout_s) {
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   pid_t pid = 0;
-  const int rc = posix_spawnp(&pid, args[0], &fa, &attr, args.data(), environ);
+  const int rc = posix_spawnp(&pid, args[0], &fa, &attr, args.data(), env.data());
   posix_spawn_file_actions_destroy(&fa);
   posix_spawnattr_destroy(&attr);
   RunResult r;

@@ -11,6 +11,7 @@ exe=$1 python=$2 mpiexec=$3
 here=$(dirname "$0")
 source "$here/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-bpe-XXXXXX)
+ompi_session_dir "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 

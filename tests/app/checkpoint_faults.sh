@@ -18,6 +18,7 @@ source "$(dirname "$0")/common.sh"
 export OMPI_MCA_odls_base_sigkill_timeout=0  # a killed job ends at once
 
 tmp=$(mktemp -d /tmp/fp8moe-faults-XXXXXX)
+ompi_session_dir "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 

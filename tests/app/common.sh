@@ -3,6 +3,13 @@
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
 
+# ompi_session_dir DIR: this test's own Open MPI session directory, DIR/ompi. Open MPI 4 races on
+# creating a shared one when two jobs start at once (open-mpi/ompi#8510), as they do under ctest -j.
+ompi_session_dir() {
+  mkdir -p "$1/ompi"
+  export OMPI_MCA_orte_tmpdir_base=$1/ompi
+}
+
 # 2 blocks (one dense, one MoE with 2 routed experts and a shared one): few checkpoint datasets.
 SMALL_MOE_MODEL='model: {d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64,
         moe: {n_experts: 2, top_k: 1, n_shared_experts: 1, d_expert: 32}}'

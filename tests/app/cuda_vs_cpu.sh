@@ -20,6 +20,7 @@ if ! "$exe" --version 2>/dev/null | grep -q "GPUs: *[0-9]* visible"; then
   exit 77
 fi
 tmp=$(mktemp -d /tmp/fp8moe-cuda-XXXXXX)
+ompi_session_dir "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 "$exe" prepare-data --output "$tmp/data/src" --val-fraction 0.1 --seed 3 \
   --input "$src"/README.md "$src"/kernels/*.h "$src"/kernels/cpu/*.cpp "$src"/model/*.cpp "$src"/io/*.cpp >/dev/null ||

@@ -11,6 +11,7 @@ set -uo pipefail
 exe=$1 mpiexec=$2
 source "$(dirname "$0")/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-blend-XXXXXX)
+ompi_session_dir "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 

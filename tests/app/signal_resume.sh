@@ -12,6 +12,7 @@ exe=$1 mpiexec=$2 how=${3:-usr1}
 [[ $how == usr1 || $how == term ]] || { echo "signal_resume: usr1 or term, not '$how'" >&2; exit 2; }
 source "$(dirname "$0")/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-signal-XXXXXX)
+ompi_session_dir "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 

@@ -14,6 +14,7 @@ for tool in slurmctld slurmd sbatch scontrol scancel squeue sinfo; do
 done
 source "$(dirname "$0")/../app/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-slurm-XXXXXX)
+ompi_session_dir "$tmp"
 export SLURM_CONF=$tmp/slurm.conf
 t0=$(date +%s.%N)
 stamp() { printf "%7.1f s  %s\n" "$(echo "$(date +%s.%N) - $t0" | bc)" "$*"; }
