@@ -168,7 +168,35 @@ uint64_t checksum_block(const void* data, Dt t, int64_t r0, int64_t n, int64_t c
 
 // ---------------------------------------------------------------- agreement between ranks
 
-// first_error (parallel/mpi_session.h): the error of the lowest failing rank, on every rank.
+// Runs one step of a save or a load on this rank, then agrees with the other ranks of `comm`
+// (MPI_COMM_NULL: this process alone): when any rank threw a CheckpointError, every rank throws
+// the lowest failing rank's, of the same type (CheckpointMismatch stays one). Every step that a
+// collective call follows goes through here, so that no rank goes on into it alone.
+template <class Step>
+void on_every_rank(MPI_Comm comm, Step&& step) {
+  enum Kind : int { kNone = 0, kError = 1, kMismatch = 2 };
+  int kind = kNone;
+  std::string error;
+  try {
+    step();
+  } catch (const CheckpointMismatch& e) {
+    kind = kMismatch, error = e.what();
+  } catch (const CheckpointError& e) {
+    kind = kError, error = e.what();
+  }
+  if (comm != MPI_COMM_NULL) {
+    int rank = 0, size = 1;
+    MPI_CHECK(MPI_Comm_rank(comm, &rank));
+    MPI_CHECK(MPI_Comm_size(comm, &size));
+    int local = kind != kNone ? rank : size, first = size;
+    MPI_CHECK(MPI_Allreduce(&local, &first, 1, MPI_INT, MPI_MIN, comm));
+    if (first == size) return;
+    MPI_CHECK(MPI_Bcast(&kind, 1, MPI_INT, first, comm));
+    broadcast_string(comm, error, first);
+  }
+  if (kind == kMismatch) throw CheckpointMismatch(error);
+  if (kind == kError) throw CheckpointError(error);
+}
 
 // Rows [r0, r0 + n) of a tensor with `rows` rows that this rank writes (and verifies): an even
 // split over the ranks, every row to exactly one of them.
@@ -626,10 +654,9 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
     MPI_CHECK(MPI_Comm_size(comm, &size));
   }
   const std::string path = dir + "/" + kCheckpointFile;
-  std::string err;
   H5Handle file, dxpl;
   // Phase 1: open, attributes, config (the same on every rank; still agreed on).
-  try {
+  on_every_rank(comm, [&] {
     file = open_file(path, comm);
     if (comm != MPI_COMM_NULL) dxpl = collective_xfer(path);
     check_version(file.get(), path);
@@ -650,16 +677,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
         throw CheckpointMismatch(m);
       }
     }
-  } catch (const CheckpointMismatch& e) {
-    err = std::string("M") + e.what();
-  } catch (const CheckpointError& e) {
-    err = std::string("E") + e.what();
-  }
-  if (comm != MPI_COMM_NULL) err = first_error(comm, err);
-  if (!err.empty()) {
-    if (err[0] == 'M') throw CheckpointMismatch(err.substr(1));
-    throw CheckpointError(err.substr(1));
-  }
+  });
 
   const Config& cfg = current ? *current : st->stored;
   const ParamTable table = build_param_table(cfg.model);
@@ -677,8 +695,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
     if (mine.r0 < 0) mine = comm != MPI_COMM_NULL ? my_rows(rows, rank, size) : Rows{0, rows};
     if (nc < 0) nc = cols;
     DatasetRead r;
-    std::string e;
-    try {
+    on_every_rank(comm, [&] {
       r = read_dataset(file.get(), xfer, dpath, rows, cols, part, c0, nc, allowed, path, dest_dt, dest);
       names.push_back(dpath);
       stored.push_back(r.stored_checksum);
@@ -686,11 +703,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
                                     : checksum_block(static_cast<const unsigned char*>(r.data()) +
                                                          size_t((mine.r0 - part.r0) * nc) * dt_size(r.dt),
                                                      r.dt, mine.r0, mine.n, c0, nc, cols));
-    } catch (const CheckpointError& x) {
-      e = x.what();
-    }
-    if (comm != MPI_COMM_NULL) e = first_error(comm, e);
-    if (!e.empty()) throw CheckpointError(e);
+    });
     return r;
   };
 
@@ -740,17 +753,13 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
     const bool has_fp8 = H5Lexists(file.get(), "/fp8", H5P_DEFAULT) > 0;
     H5Eclear2(H5E_DEFAULT);
     if (has_fp8 && cfg.fp8.recipe == Fp8Recipe::delayed) {
-      std::string e, tensors;
+      std::string tensors;
       int64_t len = 0;
-      try {
+      on_every_rank(comm, [&] {
         H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), path, "cannot open group /fp8"), H5Gclose);
         tensors = read_attr_str(g.get(), "tensors", path + ": /fp8");
         len = read_attr_i64(g.get(), "history_len", path + ": /fp8");
-      } catch (const CheckpointError& x) {
-        e = x.what();
-      }
-      if (comm != MPI_COMM_NULL) e = first_error(comm, e);
-      if (!e.empty()) throw CheckpointError(e);
+      });
       std::vector<std::string> tnames;
       std::istringstream in(tensors);
       for (std::string line; std::getline(in, line);) tnames.push_back(line);
@@ -828,16 +837,14 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   const std::string path = tmp_dir + "/" + kCheckpointFile;
   FaultPoint fault(rank);
 
-  std::string err;
-  if (rank == 0) {
+  on_every_rank(comm, [&] {
+    if (rank != 0) return;
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (!ec) fs::remove_all(tmp_dir, ec);  // a crashed earlier save of this step
     if (!ec) fs::create_directory(tmp_dir, ec);
-    if (ec) err = tmp_dir + ": cannot create: " + ec.message();
-  }
-  err = first_error(comm, err);
-  if (!err.empty()) throw CheckpointError(err);
+    if (ec) throw CheckpointError(tmp_dir + ": cannot create: " + ec.message());
+  });
 
   // The datasets, in file order, and their checksums (each rank sums its rows; one allreduce).
   const ParamTable& table = s.model->table();
@@ -899,7 +906,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   // Write (every rank, collectively), agreeing after every dataset so that no rank goes on alone.
   {
     H5Handle file, dxpl;
-    try {
+    on_every_rank(comm, [&] {
       file = create_file(path, comm);
       dxpl = collective_xfer(path);
       const hid_t f = file.get();
@@ -919,35 +926,29 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
       write_attr(f, "code_version", std::string("fp8moe " FP8MOE_VERSION), path);
       write_attr(f, "checksum_scheme", std::string(kChecksumScheme), path);
       write_attr(f, "created", created, path);  // rank 0's clock: attribute data must agree
-    } catch (const CheckpointError& e) {
-      err = e.what();
-    }
-    err = first_error(comm, err);
-    if (!err.empty()) throw CheckpointError(err);
+    });
     for (size_t i = 0; i < tensors.size(); ++i) {
-      try {
+      on_every_rank(comm, [&] {
         write_dataset(file.get(), dxpl.get(), tensors[i], sums[i], path);
         if (i + 1 == tensors.size() && n_sc > 0) {
           H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), path, "cannot open group /fp8"), H5Gclose);
           write_attr(g.get(), "tensors", join_lines(sc.names), path + ": /fp8");
           write_attr(g.get(), "history_len", sc.len, path + ": /fp8");
         }
-      } catch (const CheckpointError& e) {
-        err = e.what();
-      }
-      err = first_error(comm, err);
-      if (!err.empty()) throw CheckpointError(err);
+      });
       fault.hit();
     }
-    dxpl.reset();
-    if (file.reset() < 0) err = path + ": closing the file failed (HDF5: " + h5_error_text() + ")";
-    fault.hit();
+    on_every_rank(comm, [&] {  // every rank wrote and closed
+      dxpl.reset();
+      const bool closed = file.reset() >= 0;
+      fault.hit();
+      if (!closed) throw CheckpointError(path + ": closing the file failed (HDF5: " + h5_error_text() + ")");
+    });
   }
-  err = first_error(comm, err);  // every rank wrote and closed
-  if (!err.empty()) throw CheckpointError(err);
 
   // Commit (rank 0): fsync, rename, fsync the directory, replace `latest`, prune.
-  if (rank == 0) {
+  on_every_rank(comm, [&] {
+    if (rank != 0) return;
     try {
       fault.hit();
       fsync_path(path);
@@ -990,14 +991,10 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
         const std::string f = e.path().filename().string();
         if (f.size() > 4 && f.compare(f.size() - 4, 4, ".tmp") == 0 && f.rfind("step_", 0) == 0) fs::remove_all(e.path(), ec);
       }
-    } catch (const CheckpointError& e) {
-      err = e.what();
     } catch (const fs::filesystem_error& e) {
-      err = e.what();
+      throw CheckpointError(e.what());
     }
-  }
-  err = first_error(comm, err);
-  if (!err.empty()) throw CheckpointError(err);
+  });
   return final_dir;
 }
 
@@ -1018,29 +1015,24 @@ std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
   int rank = 0;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   // Rank 0 lists the candidates, newest first; every rank tries them in that order.
-  std::string list, err;
-  if (rank == 0) {
-    try {
-      if (c.resume != "auto") {
-        list = resolve_checkpoint_dir(c.resume) + "\n";
-      } else {
-        std::error_code ec;
-        const auto all = fs::is_directory(c.dir, ec) ? committed_checkpoints(c.dir) : decltype(committed_checkpoints(""))();
-        std::string problem;
-        const std::string latest = fs::is_directory(c.dir, ec) ? read_latest(c.dir, &problem) : "";
-        if (!latest.empty()) list += c.dir + "/" + latest + "\n";
-        else if (!all.empty())
-          std::fprintf(stderr, "fp8moe: WARNING: %s; falling back to the newest valid checkpoint in %s\n",
-                       problem.c_str(), c.dir.c_str());
-        for (const auto& [step, name] : all)
-          if (name != latest) list += c.dir + "/" + name + "\n";
-      }
-    } catch (const CheckpointError& e) {
-      err = e.what();
+  std::string list;
+  on_every_rank(comm, [&] {
+    if (rank != 0) return;
+    if (c.resume != "auto") {
+      list = resolve_checkpoint_dir(c.resume) + "\n";
+    } else {
+      std::error_code ec;
+      const auto all = fs::is_directory(c.dir, ec) ? committed_checkpoints(c.dir) : decltype(committed_checkpoints(""))();
+      std::string problem;
+      const std::string latest = fs::is_directory(c.dir, ec) ? read_latest(c.dir, &problem) : "";
+      if (!latest.empty()) list += c.dir + "/" + latest + "\n";
+      else if (!all.empty())
+        std::fprintf(stderr, "fp8moe: WARNING: %s; falling back to the newest valid checkpoint in %s\n",
+                     problem.c_str(), c.dir.c_str());
+      for (const auto& [step, name] : all)
+        if (name != latest) list += c.dir + "/" + name + "\n";
     }
-  }
-  err = first_error(comm, err);
-  if (!err.empty()) throw CheckpointError(err);
+  });
   broadcast_string(comm, list, 0);
   std::vector<std::string> candidates;
   std::istringstream in(list);
