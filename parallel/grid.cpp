@@ -39,45 +39,18 @@ GridDims make_grid_dims(int world, int tensor, int pipeline, int expert) {
   return d;
 }
 
-const char* short_name(GridAxis a) {
-  switch (a) {
-    case GridAxis::tensor: return "tp";
-    case GridAxis::expert: return "ep";
-    case GridAxis::expert_data: return "edp";
-    default: return "pp";
-  }
-}
-
-int GridDims::*size_of(GridAxis a) {
-  switch (a) {
-    case GridAxis::tensor: return &GridDims::tensor;
-    case GridAxis::expert: return &GridDims::expert;
-    case GridAxis::expert_data: return &GridDims::expert_data;
-    default: return &GridDims::pipeline;
-  }
-}
-
-int GridCoord::*coordinate_of(GridAxis a) {
-  switch (a) {
-    case GridAxis::tensor: return &GridCoord::tensor;
-    case GridAxis::expert: return &GridCoord::expert;
-    case GridAxis::expert_data: return &GridCoord::expert_data;
-    default: return &GridCoord::pipeline;
-  }
-}
-
 GridCoord grid_coord_of(const GridDims& d, int rank) {
   FP8MOE_ASSERT(rank >= 0 && rank < d.world, "rank ", rank, " outside world ", d.world);
   GridCoord c;
   int rest = rank;
-  for (GridAxis a : kRankOrder) c.*coordinate_of(a) = rest % d.*size_of(a), rest /= d.*size_of(a);
+  for (const GridAxis& a : kRankOrder) c.*a.coordinate = rest % d.*a.size, rest /= d.*a.size;
   c.data = c.expert + d.expert * c.expert_data;
   return c;
 }
 
 int grid_rank_of(const GridDims& d, const GridCoord& c) {
   int rank = 0;
-  for (auto a = kRankOrder.rbegin(); a != kRankOrder.rend(); ++a) rank = rank * d.*size_of(*a) + c.*coordinate_of(*a);
+  for (auto a = kRankOrder.rbegin(); a != kRankOrder.rend(); ++a) rank = rank * d.*a->size + c.*a->coordinate;
   return rank;
 }
 
@@ -123,7 +96,7 @@ std::string ProcessGrid::layout_table() const {
   std::string out;
   char line[256];
   std::string order;
-  for (GridAxis a : kRankOrder) order += std::string(order.empty() ? "" : "-") + short_name(a);
+  for (const GridAxis& a : kRankOrder) order += std::string(order.empty() ? "" : "-") + a.name;
   std::snprintf(line, sizeof line,
                 "process grid: world %d = tensor %d x pipeline %d x data %d; data %d = expert %d x "
                 "expert-data %d; rank order %s (tensor fastest)\n",

@@ -37,12 +37,15 @@ struct GridCoord {
 
 // The rank order, fastest-varying first: one list that grid_coord_of, grid_rank_of and the printed
 // layout all read. Tensor groups come first so that they sit on neighbouring ranks (one node).
-enum class GridAxis { tensor, expert, expert_data, pipeline };
-inline constexpr std::array<GridAxis, 4> kRankOrder = {GridAxis::tensor, GridAxis::expert, GridAxis::expert_data,
-                                                       GridAxis::pipeline};
-const char* short_name(GridAxis a);          // "tp", "ep", "edp", "pp"
-int GridDims::*size_of(GridAxis a);          // d.*size_of(a): the axis's size
-int GridCoord::*coordinate_of(GridAxis a);   // c.*coordinate_of(a): a rank's index along it
+struct GridAxis {
+  const char* name;           // "tp", "ep", "edp", "pp"
+  int GridDims::*size;        // d.*size: the axis's size
+  int GridCoord::*coordinate; // c.*coordinate: a rank's index along it
+};
+inline constexpr std::array<GridAxis, 4> kRankOrder = {{{"tp", &GridDims::tensor, &GridCoord::tensor},
+                                                        {"ep", &GridDims::expert, &GridCoord::expert},
+                                                        {"edp", &GridDims::expert_data, &GridCoord::expert_data},
+                                                        {"pp", &GridDims::pipeline, &GridCoord::pipeline}}};
 
 // What makes (tensor, pipeline, expert) an invalid layout of `world` ranks: the `parallel.` key at
 // fault and what it must be (the first broken rule, in the order tensor, pipeline, expert). The
