@@ -184,16 +184,9 @@ void on_every_rank(MPI_Comm comm, Step&& step) {
   } catch (const CheckpointError& e) {
     kind = kError, error = e.what();
   }
-  if (comm != MPI_COMM_NULL) {
-    int rank = 0, size = 1;
-    MPI_CHECK(MPI_Comm_rank(comm, &rank));
-    MPI_CHECK(MPI_Comm_size(comm, &size));
-    int local = kind != kNone ? rank : size, first = size;
-    MPI_CHECK(MPI_Allreduce(&local, &first, 1, MPI_INT, MPI_MIN, comm));
-    if (first == size) return;
-    MPI_CHECK(MPI_Bcast(&kind, 1, MPI_INT, first, comm));
-    broadcast_string(comm, error, first);
-  }
+  if (kind != kNone && error.empty()) error = "unknown checkpoint error";  // first_error goes by the text
+  if (comm != MPI_COMM_NULL) error = first_error(comm, error, &kind);
+  if (error.empty()) return;
   if (kind == kMismatch) throw CheckpointMismatch(error);
   if (kind == kError) throw CheckpointError(error);
 }

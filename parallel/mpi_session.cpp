@@ -48,14 +48,17 @@ bool any_rank(MPI_Comm comm, bool flag) {
   return global != 0;
 }
 
-std::string first_error(MPI_Comm comm, const std::string& error) {
+std::string first_error(MPI_Comm comm, const std::string& error, int* kind) {
   int rank = 0, size = 1;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   MPI_CHECK(MPI_Comm_size(comm, &size));
   int local = error.empty() ? size : rank, first = size;
   MPI_CHECK(MPI_Allreduce(&local, &first, 1, MPI_INT, MPI_MIN, comm));
   std::string text = first == rank ? error : std::string();
-  if (first < size) broadcast_string(comm, text, first);
+  if (first < size) {
+    broadcast_string(comm, text, first);
+    if (kind) MPI_CHECK(MPI_Bcast(kind, 1, MPI_INT, first, comm));
+  }
   return text;
 }
 

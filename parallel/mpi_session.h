@@ -33,8 +33,9 @@ bool any_rank(MPI_Comm comm, bool flag);
 
 // The `error` of the lowest rank of `comm` whose error is not empty, on every rank; empty when no
 // rank has one (collective). For checks that may fail on some ranks only (files differ between
-// nodes, or each rank checks its own part).
-std::string first_error(MPI_Comm comm, const std::string& error);
+// nodes, or each rank checks its own part). `kind`, when given, is set to that rank's *kind (the
+// type of its error, for the caller to rethrow).
+std::string first_error(MPI_Comm comm, const std::string& error, int* kind = nullptr);
 
 // This rank's place among the ranks of `comm` on its node (MPI_Comm_split_type shared). Collective.
 struct NodePlace {
