@@ -11,6 +11,13 @@
 namespace fp8moe {
 namespace {
 
+// The fourth-order central difference (8 (f(v+h) - f(v-h)) - (f(v+2h) - f(v-2h))) / 12h: f[j] is
+// the function at v + kFourPointSteps[j] h.
+constexpr float kFourPointSteps[4] = {1.0f, -1.0f, 2.0f, -2.0f};
+double four_point_derivative(const double (&f)[4], float h) {
+  return (8.0 * (f[0] - f[1]) - (f[2] - f[3])) / (12.0 * double(h));
+}
+
 MoeConfig moe_config(int E, int k, Gating g) {
   MoeConfig c;
   c.n_experts = E, c.top_k = k, c.gating = g, c.n_shared_experts = 0, c.d_expert = 4;
@@ -267,13 +274,13 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
         bool smooth = true;
         for (int j = 0; j < 4; ++j) {
           MoeSaved p;
-          v = keep + float(j < 2 ? (j == 0 ? 1 : -1) : (j == 2 ? 2 : -2)) * h;
+          v = keep + kFourPointSteps[j] * h;
           f[j] = objective(&p);
           smooth = smooth && p.routing.expert == s.routing.expert && p.routing.kept == s.routing.kept;
         }
         v = keep;
         if (!smooth) continue;  // the perturbation changed the routing: the function is not smooth there
-        const double numeric = (8.0 * (f[0] - f[1]) - (f[2] - f[3])) / (12.0 * double(h));
+        const double numeric = four_point_derivative(f, h);
         const double err = std::abs((*grad)[i] - numeric) / (std::abs(numeric) + 1.0);
         worst = std::max(worst, err);
         EXPECT_LE(err, 1e-4) << to_string(gating) << " tensor element " << i << ": analytic " << (*grad)[i]
@@ -373,14 +380,14 @@ TEST(Model, FiniteDifferencesForEveryParameterKind) {
       double f[4];
       bool smooth = true;
       for (int k = 0; k < 4; ++k) {
-        w = keep + float(k < 2 ? (k == 0 ? 1 : -1) : (k == 2 ? 2 : -2)) * h;
+        w = keep + kFourPointSteps[k] * h;
         const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, false);
         f[k] = r.loss;
         smooth = smooth && r.routing == base.routing;
       }
       w = keep;
       if (!smooth) continue;  // a routing flip
-      const double numeric = (8.0 * (f[0] - f[1]) - (f[2] - f[3])) / (12.0 * double(h));
+      const double numeric = four_point_derivative(f, h);
       const double err = std::abs(grads[i][j] - numeric) / (std::abs(numeric) + 1e-2);
       if (err > worst) worst = err, worst_name = p.name;
       EXPECT_LE(err, 3e-3) << p.name << "[" << j << "] h " << h << ": analytic " << grads[i][j] << ", numeric " << numeric;
