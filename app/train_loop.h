@@ -1,5 +1,6 @@
-// The training loop: data -> micro-batches -> forward/backward -> AdamW -> router
-// bias update, with evaluation and a metrics line (stdout) plus JSONL record per logged step.
+// The training loop: data -> micro-batches -> forward/backward -> AdamW -> router bias update,
+// with evaluation, a metrics line (stdout) and JSONL record per logged step (app/step_report.h),
+// checkpoints and stop signals.
 #pragma once
 
 #include "model/config.h"
@@ -7,12 +8,11 @@
 
 namespace fp8moe {
 
-// Collective over the grid's world. Tensor and pipeline parallelism are refused by the caller: the
-// ranks are data-parallel replicas, with expert parallelism carved out of them (each rank holds
-// n_experts / ep routed experts of every MoE layer and everything else whole). Resumes per
-// checkpoint.resume, saves every checkpoint.every steps and at the end. Returns the process exit
-// status, the same on every rank (2 with one message from rank 0 for bad data files, paths or
-// checkpoints; 1 when a checkpoint save failed).
+// Collective over the grid's world: every rank holds its pipeline stage's blocks, its experts and
+// its tensor-parallel slices (model/placement.h) and computes its data-parallel share of each
+// micro-batch (app/stage_runner.h). Resumes per checkpoint.resume, saves every checkpoint.every
+// steps and at the end. Returns the process exit status, the same on every rank (2 with one
+// message from rank 0 for bad data files, paths or checkpoints; 1 when a checkpoint save failed).
 //
 // SIGUSR1 and SIGTERM (installed by install_stop_handlers) do not kill the run: the current step
 // finishes, all ranks agree on the stop step (one all-reduce per step), a checkpoint is committed

@@ -20,7 +20,7 @@
 namespace fp8moe {
 
 // Expert parallelism: with a dispatcher, `experts` (weights, gradients, FP8 contexts) lists only
-// this rank's local experts (dispatcher.local_experts(), from first_expert()); without, all E.
+// this rank's local experts (Placement::first_expert, local_experts); without, all E.
 struct MoeWeights {
   const float* router;       // (E, D)
   const float* router_bias;  // (E)

@@ -56,10 +56,6 @@ AdamW::AdamW(ParamTable table, const TrainConfig& cfg, std::vector<RowRange> own
   }
 }
 
-RowRange replica_rows(int64_t rows, int replica, int replicas) {
-  return {rows * replica / replicas, rows * (replica + 1) / replicas};
-}
-
 int64_t AdamW::state_bytes() const {
   int64_t b = 0;
   for (size_t i = 0; i < m_.size(); ++i)

@@ -13,6 +13,7 @@
 #include "kernels/fp8.h"  // bf16_encode / bf16_decode
 #include "model/config.h"
 #include "model/param_table.h"
+#include "model/placement.h"  // RowRange
 
 namespace fp8moe {
 
@@ -45,16 +46,6 @@ class LossScaler {
   float scale_ = 1.0f;
   int64_t good_steps_ = 0;
 };
-
-// Rows [begin, end) of a parameter's (rows, cols) tensor.
-struct RowRange {
-  int64_t begin = 0, end = 0;
-  bool operator==(const RowRange&) const = default;
-};
-
-// An even split of a parameter's rows over `replicas` ranks: rows [rows r / n, rows (r + 1) / n)
-// to replica r, every row to exactly one (ZeRO-1's shards; the checkpoint writers' shares).
-RowRange replica_rows(int64_t rows, int replica, int replicas);
 
 class AdamW {
  public:

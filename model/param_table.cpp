@@ -32,23 +32,6 @@ int64_t ParamTable::trainable_numel() const {
   return n;
 }
 
-Shard shard_of(const ParamSpec& p, int tp_rank, int tp_size, int first_expert, int n_experts, int layer_begin,
-               int layer_end, int n_layers) {
-  if (p.expert >= 0 && (p.expert < first_expert || p.expert >= first_expert + n_experts)) return {};
-  const bool on_stage = p.layer < 0 ? layer_begin == 0 : p.layer >= n_layers ? layer_end == n_layers
-                                                                              : p.layer >= layer_begin && p.layer < layer_end;
-  if (!on_stage) return {};
-  Shard s{0, p.rows, 0, p.cols};
-  if (p.tp == TpSplit::rows) {
-    FP8MOE_ASSERT(p.rows % tp_size == 0, p.name, ": ", p.rows, " rows over ", tp_size, " tensor-parallel ranks");
-    s.rows = p.rows / tp_size, s.r0 = s.rows * tp_rank;
-  } else if (p.tp == TpSplit::cols) {
-    FP8MOE_ASSERT(p.cols % tp_size == 0, p.name, ": ", p.cols, " columns over ", tp_size, " tensor-parallel ranks");
-    s.cols = p.cols / tp_size, s.c0 = s.cols * tp_rank;
-  }
-  return s;
-}
-
 void init_shard(const ParamSpec& p, uint64_t seed, const Shard& s, float* out) {
   if (s.cols == p.cols) {
     init_param_slice(p, seed, s.r0 * p.cols, (s.r0 + s.rows) * p.cols, out);

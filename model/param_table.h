@@ -54,21 +54,14 @@ struct ParamTable {
   std::unordered_map<std::string, int64_t> index_;
 };
 
-// The block of a parameter's GLOBAL (rows, cols) tensor that one rank holds: tensor parallelism
-// splits dim 0 (TpSplit::rows) or dim 1 (TpSplit::cols) evenly; expert parallelism holds whole
-// experts or none. Empty (rows = cols = 0) where the rank does not hold the parameter.
+// The block of a parameter's GLOBAL (rows, cols) tensor that one rank holds (Placement::shard,
+// model/placement.h). Empty (rows = cols = 0) where the rank does not hold the parameter.
 struct Shard {
   int64_t r0 = 0, rows = 0, c0 = 0, cols = 0;
   int64_t numel() const { return rows * cols; }
   bool held() const { return rows > 0 && cols > 0; }
   bool operator==(const Shard&) const = default;
 };
-// tp_rank of tp_size; [first_expert, first_expert + n_experts) are the routed experts held; the
-// blocks [layer_begin, layer_end) are this pipeline stage's (layer -1, the embedding, belongs to the
-// stage with layer_begin 0; layer n_layers, the final norm and head, to the one ending at n_layers).
-Shard shard_of(const ParamSpec& p, int tp_rank, int tp_size, int first_expert, int n_experts, int layer_begin,
-               int layer_end, int n_layers);
-
 // The table of a model config. Order: embedding, blocks in order, final norm, head.
 ParamTable build_param_table(const ModelConfig& m);
 

@@ -9,11 +9,6 @@
 
 namespace fp8moe {
 
-std::pair<int, int> stage_layers(int n_layers, int stage, int stages) {
-  auto first = [&](int s) { return int((int64_t(s) * n_layers + stages - 1) / stages); };
-  return {first(stage), first(stage + 1)};
-}
-
 struct Transformer::BlockSaved {
   BlockSaved() = default;
   BlockSaved(const BlockSaved&) = delete;  // the linears point into h1, attn, h2
@@ -41,22 +36,22 @@ struct Transformer::BlockSaved {
   }
 };
 
+namespace {
+GridPosition position_in(const ModelGroups& g) {
+  GridPosition at;
+  if (g.tensor) at.tensor_rank = g.tensor->rank(), at.tensor = g.tensor->size();
+  if (g.pipeline) at.stage = g.pipeline->rank(), at.stages = g.pipeline->size();
+  if (g.expert) at.expert_rank = g.expert->rank(), at.experts = g.expert->size();
+  return at;
+}
+}  // namespace
+
 Transformer::Transformer(const Config& cfg, ModelGroups groups)
-    : cfg_(cfg), table_(build_param_table(cfg.model)), groups_(groups) {
+    : cfg_(cfg), table_(build_param_table(cfg.model)), groups_(groups), placement_(cfg.model, position_in(groups)) {
   if (groups.expert && groups.expert->size() > 1)
     dispatcher_ = std::make_unique<ExpertDispatcher>(*groups.expert, cfg.model.moe.n_experts);
-  if (groups.tensor) tp_ = groups.tensor->size(), tp_rank_ = groups.tensor->rank();
-  std::tie(layer_begin_, layer_end_) =
-      groups.pipeline ? stage_layers(cfg.model.n_layers, groups.pipeline->rank(), groups.pipeline->size())
-                      : std::pair<int, int>{0, cfg.model.n_layers};
-  local_ = cfg.model;
-  local_.n_heads /= tp_, local_.n_kv_heads /= tp_, local_.d_ff_dense /= tp_, local_.moe.d_expert /= tp_;
-  local_.vocab_size /= tp_;
-  for (size_t i = 0; i < table_.params.size(); ++i) {
-    const ParamSpec& p = table_.params[i];
-    index_[p.name] = int64_t(i);
-    shards_.push_back(shard_of(p, tp_rank_, tp_, first_expert(), local_experts(), layer_begin_, layer_end_,
-                               cfg.model.n_layers));
+  for (const ParamSpec& p : table_.params) {
+    shards_.push_back(placement_.shard(p));
     const Shard& sh = shards_.back();
     params_.emplace_back(size_t(sh.numel()));
     grads_.emplace_back(size_t(sh.numel()), 0.0f);
@@ -64,13 +59,19 @@ Transformer::Transformer(const Config& cfg, ModelGroups groups)
   }
 }
 
+size_t Transformer::slot(const std::string& name) const {
+  const int64_t i = table_.index_of(name);
+  FP8MOE_ASSERT(i >= 0, "no parameter named ", name);
+  return size_t(i);
+}
+
 void Transformer::tp_sum(float* x, int64_t n) {
-  if (tp_ > 1) groups_.tensor->allreduce_sum(x, n);
+  if (tp_size() > 1) groups_.tensor->allreduce_sum(x, n);
 }
 
 void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
-  const int64_t D = local_.d_model, Vl = local_.vocab_size, v0 = Vl * tp_rank_;
-  if (tp_ == 1) return dev::embedding_forward(P("embed.weight"), tokens, N, D, out);
+  const int64_t D = local().d_model, Vl = local().vocab_size, v0 = placement_.vocab_first();
+  if (tp_size() == 1) return dev::embedding_forward(P("embed.weight"), tokens, N, D, out);
   const float* table = P("embed.weight");
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -82,8 +83,8 @@ void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
 }
 
 void Transformer::embed_backward(const float* dx, const int32_t* tokens, int64_t N) {
-  const int64_t D = local_.d_model, Vl = local_.vocab_size, v0 = Vl * tp_rank_;
-  if (tp_ == 1) return dev::embedding_backward(dx, tokens, N, D, G("embed.weight"));
+  const int64_t D = local().d_model, Vl = local().vocab_size, v0 = placement_.vocab_first();
+  if (tp_size() == 1) return dev::embedding_backward(dx, tokens, N, D, G("embed.weight"));
   float* g = G("embed.weight");
   for (int64_t n = 0; n < N; ++n) {  // serial: repeated tokens add in token order
     const int64_t t = tokens[n] - v0;
@@ -94,9 +95,9 @@ void Transformer::embed_backward(const float* dx, const int32_t* tokens, int64_t
 
 double Transformer::cross_entropy(const float* logits, const int32_t* targets, int64_t N, float grad_scale,
                                   float* dlogits, int64_t* count) {
-  const int64_t Vl = local_.vocab_size, v0 = Vl * tp_rank_;
+  const int64_t Vl = local().vocab_size, v0 = placement_.vocab_first();
   const int32_t pad = cfg_.model.pad_id;
-  if (tp_ == 1) return dev::cross_entropy(logits, targets, N, Vl, pad, grad_scale, dlogits, count);
+  if (tp_size() == 1) return dev::cross_entropy(logits, targets, N, Vl, pad, grad_scale, dlogits, count);
   // Row max, sum of exponentials and the target's logit over the whole vocabulary: three
   // all-reduces of N values over the tensor group.
   std::vector<float> mx(static_cast<size_t>(N));
@@ -149,7 +150,7 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
     f.underflowed = &underflowed_;
     // Per-tensor amax: over the tensor group (a split tensor's amax is the whole tensor's; the
     // quantization then does not depend on tp), and for delayed scaling also over the replicas.
-    Communicator* tp = tp_ > 1 ? groups_.tensor : nullptr;
+    Communicator* tp = tp_size() > 1 ? groups_.tensor : nullptr;
     Communicator* g = cls == LinearClass::experts ? groups_.expert_data : groups_.data;
     if (!(cfg_.fp8.recipe == Fp8Recipe::delayed && g && g->size() > 1 && record)) g = nullptr;
     if (tp || g)
@@ -177,7 +178,7 @@ MoeWeights Transformer::moe_weights(int layer) const {
   w.router = P(p + "router");
   w.router_bias = P(p + "router_bias");
   w.shared = cfg_.model.moe.n_shared_experts > 0 ? ffn_weights(p + "shared.") : FfnWeights{nullptr, nullptr, nullptr};
-  for (int e = first_expert(); e < first_expert() + local_experts(); ++e)
+  for (int e = placement_.first_expert(); e < placement_.first_expert() + placement_.local_experts(); ++e)
     w.experts.push_back(ffn_weights(p + "experts." + std::to_string(e) + "."));
   return w;
 }
@@ -191,7 +192,7 @@ bool Transformer::recomputed(int layer) const {
 }
 
 void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record) {
-  const ModelConfig& m = local_;  // heads and widths of this tensor-parallel rank
+  const ModelConfig& m = local();  // heads and widths of this tensor-parallel rank
   const int64_t N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
   s->B = B, s->T = T;
@@ -228,7 +229,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
     if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2 = std::vector<float>();
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, record), {}};
-    for (int e = first_expert(); e < first_expert() + local_experts(); ++e)
+    for (int e = placement_.first_expert(); e < placement_.first_expert() + placement_.local_experts(); ++e)
       fp8.experts.push_back(ffn_fp8(p + "moe.experts." + std::to_string(e) + ".", LinearClass::experts, record));
     moe_forward(s->h2.data(), N, D, m.moe, moe_weights(l), fp8, f.data(), &s->moe, dispatcher_.get());
   }
@@ -237,7 +238,7 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
 }
 
 void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale) {
-  const ModelConfig& m = local_;
+  const ModelConfig& m = local();
   const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
   // FFN branch: x_out = x_mid + FFN(RMSNorm(x_mid)).
@@ -249,13 +250,13 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, true), {}};
     MoeGrads g{G(p + "moe.router"), m.moe.n_shared_experts > 0 ? ffn_grads(p + "moe.shared.") : FfnGrads{}, {}};
-    for (int e = first_expert(); e < first_expert() + local_experts(); ++e) {
+    for (int e = placement_.first_expert(); e < placement_.first_expert() + placement_.local_experts(); ++e) {
       const std::string q = p + "moe.experts." + std::to_string(e) + ".";
       fp8.experts.push_back(ffn_fp8(q, LinearClass::experts, true));
       g.experts.push_back(ffn_grads(q));
     }
     moe_backward(s.moe, D, m.moe, moe_weights(l), dout, aux_grad_scale, fp8, dh2.data(), g, dispatcher_.get(),
-                 tp_ > 1 ? groups_.tensor : nullptr);
+                 tp_size() > 1 ? groups_.tensor : nullptr);
   }
   dev::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
                         G(p + "ffn_norm.weight"));
@@ -281,7 +282,7 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
 }
 
 std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) {
-  FP8MOE_ASSERT(tp_ == 1 && !dispatcher_, "generation runs on one rank holding the whole model");
+  FP8MOE_ASSERT(tp_size() == 1 && !dispatcher_, "generation runs on one rank holding the whole model");
   const ModelConfig& m = cfg_.model;
   const int64_t D = m.d_model, V = m.vocab_size;
   for (int64_t i = 0; i < T; ++i)
@@ -303,7 +304,7 @@ void Transformer::update_router_biases(const std::vector<std::vector<int64_t>>& 
   const ModelConfig& m = cfg_.model;
   FP8MOE_ASSERT(int64_t(expert_load.size()) == m.n_layers - m.first_dense_layers, "expert loads of ",
                 expert_load.size(), " MoE layers");
-  for (int l = std::max(m.first_dense_layers, layer_begin_); l < layer_end_; ++l)
+  for (int l = std::max(m.first_dense_layers, placement_.layer_begin()); l < placement_.layer_end(); ++l)
     update_router_bias(param("layers." + std::to_string(l) + ".moe.router_bias").data(), expert_load[size_t(l - m.first_dense_layers)], m.moe.bias_update_rate);
 }
 
@@ -330,7 +331,7 @@ int64_t StageRun::activation_size() const { return impl_->xs.back().size(); }
 
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
                                          float loss_scale, int64_t mean_over, double aux_weight) {
-  FP8MOE_ASSERT(first_stage() && last_stage(), "forward_backward on one pipeline stage of several");
+  FP8MOE_ASSERT(placement_.first_stage() && placement_.last_stage(), "forward_backward on one pipeline stage of several");
   StageRun run = stage_forward(tokens, targets, B, T, nullptr, backward, loss_scale, mean_over, aux_weight);
   if (backward) stage_backward(run, nullptr);
   return run.result();
@@ -340,8 +341,8 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
                                     const float* x_in, bool backward, float loss_scale, int64_t mean_over,
                                     double aux_weight) {
   const ModelConfig& m = cfg_.model;
-  const int64_t N = B * T, D = m.d_model, V = local_.vocab_size;  // V: this rank's vocabulary
-  const int L0 = layer_begin_, L1 = layer_end_;
+  const int64_t N = B * T, D = m.d_model, V = local().vocab_size;  // V: this rank's vocabulary
+  const int L0 = placement_.layer_begin(), L1 = placement_.layer_end();
   StageRun run;
   run.impl_ = std::make_unique<StageRun::Impl>();
   StageRun::Impl& st = *run.impl_;
@@ -351,7 +352,7 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   saturated_ = 0, underflowed_ = 0;
 
   st.xs.assign(size_t(L1 - L0 + 1), std::vector<float>(size_t(N * D)));
-  if (first_stage()) {
+  if (placement_.first_stage()) {
     for (int64_t i = 0; i < N; ++i)
       FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < m.vocab_size, "token ", tokens[i], " outside the vocabulary of ",
                     m.vocab_size);
@@ -385,7 +386,7 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   }
   saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
   result.aux *= aux_weight;
-  if (last_stage()) {
+  if (placement_.last_stage()) {
     st.hf.resize(size_t(N * D));
     st.rstd.resize(static_cast<size_t>(N));
     std::vector<float> logits(size_t(N * V));
@@ -409,11 +410,11 @@ void Transformer::stage_backward(StageRun& run, const float* dy) {
   StageRun::Impl& st = *run.impl_;
   FP8MOE_ASSERT(st.backward, "stage_backward of a forward without backward");
   const ModelConfig& m = cfg_.model;
-  const int64_t N = st.N, B = st.B, T = st.T, D = m.d_model, V = local_.vocab_size;
-  const int L0 = layer_begin_, L1 = layer_end_;
+  const int64_t N = st.N, B = st.B, T = st.T, D = m.d_model, V = local().vocab_size;
+  const int L0 = placement_.layer_begin(), L1 = placement_.layer_end();
   saturated_ = 0, underflowed_ = 0;
   std::vector<float> dx(size_t(N * D)), dnext(size_t(N * D));
-  if (last_stage()) {
+  if (placement_.last_stage()) {
     std::vector<float> dh(size_t(N * D));
     dev::sgemm(true, false, V, D, N, 1.0f, st.dlogits.data(), V, st.hf.data(), D, 1.0f, G("head.weight"), D);
     dev::sgemm(false, false, N, D, V, 1.0f, st.dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
@@ -436,7 +437,7 @@ void Transformer::stage_backward(StageRun& run, const float* dy) {
     sv = BlockSaved{};
     std::swap(dx, dnext);
   }
-  if (first_stage()) embed_backward(dx.data(), st.tokens.data(), N);
+  if (placement_.first_stage()) embed_backward(dx.data(), st.tokens.data(), N);
   st.dx = std::move(dx);
   st.saved.clear();
   st.xs.erase(st.xs.begin(), st.xs.end() - 1);

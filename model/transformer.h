@@ -12,8 +12,9 @@
 #include <vector>
 
 #include "model/moe.h"
-#include "parallel/communicator.h"
 #include "model/param_table.h"
+#include "model/placement.h"
+#include "parallel/communicator.h"
 
 namespace fp8moe {
 
@@ -32,7 +33,7 @@ struct StepResult {
 // The communicators the model computes over (none: one rank holds everything). Not owned.
 struct ModelGroups {
   // Pipeline parallelism: this rank's stage (its rank in the group) runs a contiguous range of
-  // blocks (stage_layers); only its parameters are held.
+  // blocks (model/placement.h); only its parameters are held.
   Communicator* pipeline = nullptr;
   // Tensor parallelism (Megatron): heads, FFN widths, expert widths and the vocabulary split over
   // these ranks; the forward all-reduce after row-parallel layers, the backward one for the inputs
@@ -41,17 +42,12 @@ struct ModelGroups {
   // The data-parallel replicas of the dense parameters: delayed scaling reduces every amax (max)
   // over them, so that every replica keeps the same state and it does not depend on the layout.
   Communicator* data = nullptr;
-  // Expert parallelism: the ranks that exchange tokens; rank r holds the routed experts
-  // [r E / ep, (r + 1) E / ep) of every MoE layer.
+  // Expert parallelism: the ranks that exchange tokens; each holds its share of the routed experts
+  // of every MoE layer (model/placement.h).
   Communicator* expert = nullptr;
   // The replicas of this rank's experts (their amax reduction; their gradients are summed there).
   Communicator* expert_data = nullptr;
 };
-
-// The blocks of pipeline stage `stage` of `stages`: [ceil(s L / P), ceil((s + 1) L / P)) — the
-// earlier stages take the extra blocks of an uneven split (the last one also runs the head and the
-// loss); the embedding is on the first stage, the final norm and the head on the last.
-std::pair<int, int> stage_layers(int n_layers, int stage, int stages);
 
 class Transformer;
 
@@ -80,8 +76,8 @@ class Transformer {
   explicit Transformer(const Config& cfg, ModelGroups groups = {});
 
   const ParamTable& table() const { return table_; }
-  std::vector<float>& param(const std::string& name) { return params_[size_t(table_.index_of(name))]; }
-  std::vector<float>& grad(const std::string& name) { return grads_[size_t(table_.index_of(name))]; }
+  std::vector<float>& param(const std::string& name) { return params_[slot(name)]; }
+  std::vector<float>& grad(const std::string& name) { return grads_[slot(name)]; }
   std::vector<std::vector<float>>& params() { return params_; }
   std::vector<std::vector<float>>& grads() { return grads_; }
   void zero_grads();
@@ -105,8 +101,6 @@ class Transformer {
   StageRun stage_forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, const float* x_in,
                          bool backward, float loss_scale = 1.0f, int64_t mean_over = 0, double aux_weight = 1.0);
   void stage_backward(StageRun& run, const float* dy);
-  bool first_stage() const { return layer_begin_ == 0; }
-  bool last_stage() const { return layer_end_ == cfg_.model.n_layers; }
 
   // Logits (V) of the token after tokens[0..T) (one sequence), for generation. FP8 histories are
   // not advanced.
@@ -117,12 +111,13 @@ class Transformer {
   // (StepResult::expert_load, summed over micro-batches).
   void update_router_biases(const std::vector<std::vector<int64_t>>& expert_load);
 
+  // Where this rank's share of the model lies: its pipeline stage's blocks, its experts, its
+  // tensor-parallel slices (model/placement.h).
+  const Placement& placement() const { return placement_; }
   // Whether this rank holds parameter i (expert parallelism: its experts only), and which block of
   // the global tensor (tensor parallelism: a row or column slice); params()[i] is that block.
   bool holds(size_t i) const { return shards_[i].held(); }
   const Shard& shard(size_t i) const { return shards_[i]; }
-  int local_experts() const { return dispatcher_ ? dispatcher_->local_experts() : cfg_.model.moe.n_experts; }
-  int first_expert() const { return dispatcher_ ? dispatcher_->first_expert() : 0; }
   // The delayed-scaling state per linear weight name (checkpointed). Entries appear at the first
   // training forward; a loaded entry (non-empty history) is used as it is.
   std::map<std::string, LinearScaling>& fp8_scaling() { return scaling_; }
@@ -134,8 +129,9 @@ class Transformer {
   struct BlockSaved;  // one block's forward state (defined in transformer.cpp)
 
  private:
-  const float* P(const std::string& name) const { return params_[size_t(index_.at(name))].data(); }
-  float* G(const std::string& name) { return grads_[size_t(index_.at(name))].data(); }
+  size_t slot(const std::string& name) const;  // the table index of a parameter; asserts it exists
+  const float* P(const std::string& name) const { return params_[slot(name)].data(); }
+  float* G(const std::string& name) { return grads_[slot(name)].data(); }
   // record: a training forward (advances delayed-scaling histories); otherwise a recomputation
   // (recompute_ true: the forward's scales) or an evaluation (the current scales).
   LinearFp8 fp8_for(const std::string& weight, LinearClass cls, bool record);
@@ -149,7 +145,6 @@ class Transformer {
 
   Config cfg_;
   ParamTable table_;
-  std::map<std::string, int64_t> index_;
   std::vector<std::vector<float>> params_, grads_;
   std::map<std::string, LinearScaling> scaling_;  // delayed-scaling state per linear weight
   double saved_bytes_per_token_ = 0;
@@ -158,9 +153,9 @@ class Transformer {
   ModelGroups groups_;
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // expert parallelism (ep > 1)
   std::vector<Shard> shards_;
-  ModelConfig local_;  // the model's dims on this rank: heads, widths and vocabulary divided by tensor parallelism
-  int tp_ = 1, tp_rank_ = 0;
-  int layer_begin_ = 0, layer_end_ = 0;  // this pipeline stage's blocks
+  Placement placement_;
+  const ModelConfig& local() const { return placement_.local(); }  // this tensor-parallel rank's dims
+  int tp_size() const { return placement_.at().tensor; }
   void tp_sum(float* x, int64_t n);  // allreduce over the tensor group (nothing without one)
   // Vocabulary-parallel embedding, head and cross-entropy (tensor parallelism: this rank holds
   // the vocabulary rows [vocab_first, vocab_first + local vocab)); the full logits are never formed.

@@ -9,7 +9,7 @@ namespace fp8moe {
 
 ExpertDispatcher::ExpertDispatcher(Communicator& group, int n_experts) : group_(group), experts_(n_experts) {
   FP8MOE_ASSERT(n_experts % group.size() == 0, n_experts, " experts over ", group.size(), " expert-parallel ranks");
-  local_ = n_experts / group.size();
+  local_ = ExpertOwnership{n_experts, group.size()}.per_rank();
 }
 
 DispatchPlan ExpertDispatcher::plan(const int64_t* counts) {

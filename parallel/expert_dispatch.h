@@ -1,6 +1,6 @@
 // Expert parallelism's token exchange (DeepSeek-V3 / Megatron "alltoall" dispatcher) over the
-// expert-parallel group of P ranks: rank r owns the L = n_experts / P consecutive experts
-// [r L, (r + 1) L). A rank routes its tokens locally and permutes the chosen (token, expert) rows
+// expert-parallel group of P ranks, rank r owning the experts ExpertOwnership gives it (the L =
+// n_experts / P consecutive experts [r L, (r + 1) L)). A rank routes its tokens locally and permutes the chosen (token, expert) rows
 // into global expert order; dispatch sends each row to the owner of its expert, combine brings
 // the experts' outputs back in the same order. An expert that receives no row is normal.
 //
@@ -15,6 +15,17 @@
 
 namespace fp8moe {
 
+// Which expert-parallel rank holds which routed experts: rank r of P holds the L = E / P
+// consecutive experts [r L, (r + 1) L). The one statement of the rule; model/placement.h answers
+// the model's questions with it, the dispatcher's exchange depends on it (block j of a rank's
+// counts and rows goes to rank j).
+struct ExpertOwnership {
+  int n_experts = 0, ranks = 1;
+  int per_rank() const { return n_experts / ranks; }
+  int first(int rank) const { return rank * per_rank(); }
+  int owner(int expert) const { return expert / per_rank(); }
+};
+
 struct DispatchPlan {
   int ranks = 1, local_experts = 0;
   std::vector<int64_t> send_rows;    // (P) rows to each rank
@@ -28,7 +39,6 @@ class ExpertDispatcher {
   // n_experts must be a multiple of group.size() (checked by the config).
   ExpertDispatcher(Communicator& group, int n_experts);
   int local_experts() const { return local_; }
-  int first_expert() const { return group_.rank() * local_; }
 
   // Collective: exchanges the row counts. counts: (n_experts) rows per GLOBAL expert on this rank.
   DispatchPlan plan(const int64_t* counts);

@@ -1,0 +1,65 @@
+#include "app/comm_accounting.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace fp8moe {
+namespace {
+constexpr const char* kGroupNames[5] = {"tp", "ep", "dp", "edp", "pp"};  // the order of counted_
+}
+
+CommAccounting::CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups)
+    : cfg_(cfg), model_(model), g_(groups), counted_{groups.tensor, groups.expert, groups.data, groups.expert_data,
+                                                     groups.pipeline} {}
+
+void CommAccounting::start_step() {
+  for (Communicator* c : counted_) c->reset_bytes_sent();
+}
+
+// The analytical count, per step:
+//   tp  per micro-batch: (4 L_s + first + last) all-reduces of N x D floats, MoE layers' gate
+//       gradients (N x k doubles), the cross-entropy's 3 vectors of N; each all-reduce of B bytes
+//       sends 2 (T - 1) / T x B.
+//   ep  per MoE layer and micro-batch: 4 x (routed rows whose expert is on another rank) x D
+//       floats (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8.
+//   dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes:
+//       ZeRO-1 reduce-scatter + all-gather, or an all-reduce: 2 (R - 1) / R x B.
+//   pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one
+//       (not the first).
+void CommAccounting::end_step(double rows_off) {
+  const ModelConfig& m = cfg_.model;
+  const Placement& place = model_.placement();
+  const bool first = place.first_stage(), last = place.last_stage();
+  const int64_t mbs = cfg_.train.global_batch / (cfg_.parallel.micro_batches * g_.data->size());
+  const double N = double(mbs * cfg_.train.seq_len), D = m.d_model, Mb = cfg_.parallel.micro_batches;
+  const int l0 = place.layer_begin(), l1 = place.layer_end();
+  const double Ls = l1 - l0, Lm = std::max(0, l1 - std::max(l0, m.first_dense_layers));
+  auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
+  double local[10] = {};
+  for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)]->bytes_sent());
+  local[5] = ring(g_.tensor->size()) * Mb *
+             ((4 * Ls + (first ? 1 : 0) + (last ? 1 : 0)) * N * D * 4 + Lm * N * m.moe.top_k * 8 + (last ? N * 20 : 0));
+  const int Pe = g_.expert->size(), Le = place.local_experts();
+  local[6] = Pe > 1 ? 4 * rows_off * D * 4 + Mb * Lm * (Pe - 1) * Le * 8 : 0;
+  double dense = 0, experts = 0;
+  for (size_t i = 0; i < model_.table().params.size(); ++i)
+    if (model_.holds(i) && model_.table().params[i].trainable)
+      (model_.table().params[i].expert >= 0 ? experts : dense) += double(model_.shard(i).numel()) * 4;
+  local[7] = ring(g_.data->size()) * dense;
+  local[8] = ring(g_.expert_data->size()) * experts;
+  local[9] = Mb * N * D * 4 * ((last ? 0 : 1) + (first ? 0 : 1));
+  g_.world->allreduce_sum(local, 10);
+  for (int g = 0; g < 5; ++g) measured_[size_t(g)] = local[g], expected_[size_t(g)] = local[5 + g];
+}
+
+void CommAccounting::print() const {
+  std::printf("communication of the last step, bytes summed over the ranks (README \"Communication\"):\n"
+              "  group      measured    analytical  ratio\n");
+  for (size_t g = 0; g < 5; ++g)
+    if (expected_[g] > 0 || measured_[g] > 0)
+      std::printf("  %-5s  %12.0f  %12.0f  %5.3f\n", kGroupNames[g], measured_[g], expected_[g],
+                  expected_[g] > 0 ? measured_[g] / expected_[g] : NAN);
+}
+
+}  // namespace fp8moe

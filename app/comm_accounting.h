@@ -1,0 +1,38 @@
+// Communication accounting: the bytes each group's communicator sent in a step (summed over the
+// ranks), beside the analytical count of the layout (README "Communication"), printed at the end
+// of a run. The measured counts also hold the small collectives (token counts, loss, loads), so
+// the ratio is >= 1.
+#pragma once
+
+#include <array>
+
+#include "model/config.h"
+#include "model/transformer.h"
+#include "parallel/communicator.h"
+
+namespace fp8moe {
+
+struct TrainGroups {
+  Communicator *tensor, *expert, *data, *expert_data, *pipeline, *world;
+};
+
+class CommAccounting {
+ public:
+  CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups);
+  // Before a step: zero every group's byte counter.
+  void start_step();
+  // After a step (collective over the world): this step's measured and analytical bytes.
+  // rows_off_rank: the routed rows of this rank whose expert lives on another expert rank.
+  void end_step(double rows_off_rank);
+  // The table of the last measured step (rank 0 calls it).
+  void print() const;
+
+ private:
+  const Config& cfg_;
+  const Transformer& model_;
+  TrainGroups g_;
+  std::array<Communicator*, 5> counted_;
+  std::array<double, 5> measured_{}, expected_{};
+};
+
+}  // namespace fp8moe

@@ -1,0 +1,81 @@
+// Where the model's pieces live on the process grid, answered in one place (docs/ARCHITECTURE.md,
+// "Placement"). From a rank's position in its model-parallel groups and the model config:
+//   pipeline   which blocks a stage runs (the embedding on the first stage, the head on the last);
+//   experts    which routed experts an expert-parallel rank holds, and who holds a given one;
+//   tensor     which block of every parameter a tensor-parallel rank holds, and the model's widths
+//              on that rank;
+//   rows       which rows of a tensor a replica owns (ZeRO-1's shards, the checkpoint writers'
+//              shares) — replica_rows below.
+// The Transformer builds one from its communicators; everything else asks the Transformer's.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "model/config.h"
+#include "model/param_table.h"
+#include "parallel/expert_dispatch.h"
+
+namespace fp8moe {
+
+// A rank's position in each model-parallel group: its rank in it and the group's size.
+struct GridPosition {
+  int tensor_rank = 0, tensor = 1;
+  int stage = 0, stages = 1;
+  int expert_rank = 0, experts = 1;
+};
+
+// The blocks of pipeline stage `stage` of `stages`: [ceil(s L / P), ceil((s + 1) L / P)) — the
+// earlier stages take the extra blocks of an uneven split (the last one also runs the head and the
+// loss).
+std::pair<int, int> stage_layers(int n_layers, int stage, int stages);
+
+// Rows [begin, end) of a parameter's (rows, cols) tensor.
+struct RowRange {
+  int64_t begin = 0, end = 0;
+  bool operator==(const RowRange&) const = default;
+};
+
+// An even split of a tensor's rows over `replicas` ranks: rows [rows r / n, rows (r + 1) / n) to
+// replica r, every row to exactly one (ZeRO-1's shards; the checkpoint writers' shares).
+RowRange replica_rows(int64_t rows, int replica, int replicas);
+
+class Placement {
+ public:
+  // Checks that the model splits evenly over the groups (the config checks it first, with a
+  // message for the user; here it is an internal error).
+  Placement(const ModelConfig& m, const GridPosition& at);
+  const GridPosition& at() const { return at_; }
+
+  // Pipeline: this stage's blocks [layer_begin, layer_end).
+  int layer_begin() const { return layer_begin_; }
+  int layer_end() const { return layer_end_; }
+  bool first_stage() const { return layer_begin_ == 0; }
+  bool last_stage() const { return layer_end_ == n_layers_; }
+
+  // Expert parallelism: this rank's routed experts [first_expert, first_expert + local_experts)
+  // of every MoE layer, and the expert-parallel rank holding expert e.
+  int first_expert() const { return experts_.first(at_.expert_rank); }
+  int local_experts() const { return experts_.per_rank(); }
+  int expert_owner(int e) const { return experts_.owner(e); }
+  const ExpertOwnership& expert_ownership() const { return experts_; }
+
+  // The block of a parameter's GLOBAL (rows, cols) tensor this rank holds: tensor parallelism
+  // splits dim 0 (TpSplit::rows) or dim 1 (TpSplit::cols) evenly; expert parallelism holds whole
+  // experts or none; a pipeline stage holds its blocks' parameters (layer -1, the embedding, on the
+  // first stage; layer n_layers, the final norm and the head, on the last). Empty where not held.
+  Shard shard(const ParamSpec& p) const;
+
+  // The model's dims on this tensor-parallel rank: heads, FFN and expert widths and the vocabulary
+  // divided by the tensor-parallel size; and the first vocabulary row this rank holds.
+  const ModelConfig& local() const { return local_; }
+  int64_t vocab_first() const { return int64_t(local_.vocab_size) * at_.tensor_rank; }
+
+ private:
+  GridPosition at_;
+  int n_layers_ = 0, layer_begin_ = 0, layer_end_ = 0;
+  ExpertOwnership experts_;
+  ModelConfig local_;
+};
+
+}  // namespace fp8moe

@@ -1,0 +1,110 @@
+// Placement (model/placement.h): over every position of a grid, the blocks the ranks hold tile
+// each parameter exactly once, with what each axis owns checked against the layout the README
+// states (stages split blocks earlier-heavy, experts in consecutive runs, tp slices in rank order).
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "model/placement.h"
+
+namespace fp8moe {
+namespace {
+
+ModelConfig model() {  // 5 blocks (uneven over 2 or 3 stages), 8 experts, widths divisible by 4
+  ModelConfig m;
+  m.vocab_size = 64, m.d_model = 16, m.n_layers = 5, m.n_heads = 4, m.n_kv_heads = 4, m.head_dim = 4;
+  m.first_dense_layers = 1, m.d_ff_dense = 32;
+  m.moe.n_experts = 8, m.moe.top_k = 2, m.moe.n_shared_experts = 1, m.moe.d_expert = 8;
+  return m;
+}
+
+TEST(Placement, StageBlocksAreContiguousAndTheEarlierStagesTakeTheRemainder) {
+  EXPECT_EQ(stage_layers(5, 0, 2), (std::pair<int, int>{0, 3}));
+  EXPECT_EQ(stage_layers(5, 1, 2), (std::pair<int, int>{3, 5}));
+  EXPECT_EQ(stage_layers(5, 0, 3), (std::pair<int, int>{0, 2}));
+  EXPECT_EQ(stage_layers(5, 1, 3), (std::pair<int, int>{2, 4}));
+  EXPECT_EQ(stage_layers(5, 2, 3), (std::pair<int, int>{4, 5}));
+  EXPECT_EQ(stage_layers(61, 15, 16), (std::pair<int, int>{58, 61}));  // DeepSeek-V3's 61 over 16
+}
+
+TEST(Placement, ExpertsAreConsecutiveRunsOfEOverPAndTheOwnerAgrees) {
+  const ModelConfig m = model();
+  for (int P : {1, 2, 4, 8})
+    for (int r = 0; r < P; ++r) {
+      const Placement pl(m, GridPosition{.expert_rank = r, .experts = P});
+      EXPECT_EQ(pl.local_experts(), 8 / P);
+      EXPECT_EQ(pl.first_expert(), r * (8 / P));
+      for (int e = 0; e < 8; ++e)
+        EXPECT_EQ(pl.expert_owner(e) == r, e >= pl.first_expert() && e < pl.first_expert() + pl.local_experts())
+            << "expert " << e << " on rank " << r << " of " << P;
+    }
+}
+
+TEST(Placement, EveryElementOfEveryParameterIsHeldOnceOverTheGrid) {
+  const ModelConfig m = model();
+  const ParamTable table = build_param_table(m);
+  for (int tp : {1, 2, 4})
+    for (int pp : {1, 2, 3})
+      for (int ep : {1, 2, 4}) {
+        std::vector<std::vector<int>> held;
+        for (const ParamSpec& p : table.params) held.emplace_back(size_t(p.numel()), 0);
+        for (int t = 0; t < tp; ++t)
+          for (int s = 0; s < pp; ++s)
+            for (int e = 0; e < ep; ++e) {
+              const Placement pl(m, {.tensor_rank = t, .tensor = tp, .stage = s, .stages = pp, .expert_rank = e, .experts = ep});
+              for (size_t i = 0; i < table.params.size(); ++i) {
+                const ParamSpec& p = table.params[i];
+                const Shard sh = pl.shard(p);
+                if (!sh.held()) continue;
+                // The stage holding the block, and the tensor-parallel slice in rank order.
+                const auto [l0, l1] = stage_layers(m.n_layers, s, pp);
+                const int layer = p.layer < 0 ? 0 : p.layer >= m.n_layers ? m.n_layers - 1 : p.layer;
+                EXPECT_TRUE(layer >= l0 && layer < l1) << p.name;
+                if (p.tp == TpSplit::rows) {
+                  EXPECT_EQ(sh.r0, t * p.rows / tp) << p.name;
+                } else if (p.tp == TpSplit::cols) {
+                  EXPECT_EQ(sh.c0, t * p.cols / tp) << p.name;
+                } else {
+                  EXPECT_EQ(sh.numel(), p.numel()) << p.name;
+                }
+                // Replicas hold the same block: a non-expert parameter on every expert rank (they
+                // are data replicas), an unsplit one on every tensor rank. Count rank 0's.
+                if ((p.expert < 0 && e != 0) || (p.tp == TpSplit::none && t != 0)) continue;
+                for (int64_t r = sh.r0; r < sh.r0 + sh.rows; ++r)
+                  for (int64_t c = sh.c0; c < sh.c0 + sh.cols; ++c) ++held[i][size_t(r * p.cols + c)];
+              }
+            }
+        for (size_t i = 0; i < table.params.size(); ++i)
+          for (size_t k = 0; k < held[i].size(); ++k)
+            ASSERT_EQ(held[i][k], 1) << table.params[i].name << " element " << k << " at tp " << tp << " pp " << pp
+                                     << " ep " << ep;
+      }
+}
+
+TEST(Placement, LocalWidthsAreTheTensorParallelShares) {
+  const Placement pl(model(), {.tensor_rank = 3, .tensor = 4});
+  EXPECT_EQ(pl.local().n_heads, 1);
+  EXPECT_EQ(pl.local().n_kv_heads, 1);
+  EXPECT_EQ(pl.local().d_ff_dense, 8);
+  EXPECT_EQ(pl.local().moe.d_expert, 2);
+  EXPECT_EQ(pl.local().vocab_size, 16);
+  EXPECT_EQ(pl.vocab_first(), 48);
+  EXPECT_EQ(pl.local().d_model, 16);  // the residual stream is not split
+}
+
+TEST(Placement, ReplicaRowsCoverEveryRowOnceInOrder) {
+  for (int64_t rows : {1, 7, 64, 129})
+    for (int R : {1, 2, 3, 8}) {
+      int64_t next = 0;
+      for (int r = 0; r < R; ++r) {
+        const RowRange rr = replica_rows(rows, r, R);
+        EXPECT_EQ(rr.begin, next);
+        EXPECT_LE(rr.end - rr.begin, rows / R + 1);
+        next = rr.end;
+      }
+      EXPECT_EQ(next, rows);
+    }
+}
+
+}  // namespace
+}  // namespace fp8moe
