@@ -1,170 +1,30 @@
+// Save, load and resume of the sharded checkpoints (io/checkpoint.h). The HDF5 layer is
+// io/hdf5_file.h, the commit protocol (fsync, rename, `latest`, pruning, fault points)
+// io/checkpoint_commit.h; inspect_checkpoint is in io/checkpoint_inspect.cpp.
 #include "io/checkpoint.h"
 
-#include <fcntl.h>
 #include <hdf5.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <climits>
-#include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <regex>
 #include <sstream>
 #include <utility>
 
+#include "io/checkpoint_commit.h"
 #include "io/config.h"
+#include "io/hdf5_file.h"
 #include "kernels/check.h"
 #include "kernels/fp8.h"
 #include "parallel/mpi_session.h"
 
 namespace fp8moe {
 namespace fs = std::filesystem;
+using namespace ckpt;
 namespace {
-
-constexpr const char* kChecksumScheme =
-    "sum mod 2^64 over elements of splitmix64(splitmix64(i) ^ bits), i = row-major global index, "
-    "bits = the stored element's bytes as an unsigned little-endian integer";
-
-// ---------------------------------------------------------------- HDF5 handles and errors
-
-class H5Handle {
- public:
-  H5Handle() = default;
-  H5Handle(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
-  H5Handle(H5Handle&& o) noexcept : id_(std::exchange(o.id_, -1)), close_(o.close_) {}
-  H5Handle& operator=(H5Handle&& o) noexcept {
-    if (this != &o) {
-      reset();
-      id_ = std::exchange(o.id_, -1);
-      close_ = o.close_;
-    }
-    return *this;
-  }
-  H5Handle(const H5Handle&) = delete;
-  H5Handle& operator=(const H5Handle&) = delete;
-  ~H5Handle() { reset(); }
-  hid_t get() const { return id_; }
-  herr_t reset() {
-    const herr_t r = id_ >= 0 && close_ ? close_(id_) : 0;
-    id_ = -1;
-    return r;
-  }
-
- private:
-  hid_t id_ = -1;
-  herr_t (*close_)(hid_t) = nullptr;
-};
-
-// The innermost and the outermost description on HDF5's error stack (then cleared).
-std::string h5_error_text() {
-  struct Acc {
-    std::string inner, outer;
-  } acc;
-  H5Ewalk2(
-      H5E_DEFAULT, H5E_WALK_UPWARD,
-      [](unsigned n, const H5E_error2_t* e, void* data) -> herr_t {
-        auto* a = static_cast<Acc*>(data);
-        const std::string d = e->desc ? e->desc : "";
-        if (n == 0) a->inner = d;
-        a->outer = d;
-        return 0;
-      },
-      &acc);
-  H5Eclear2(H5E_DEFAULT);
-  if (acc.inner.empty()) return "no detail";
-  return acc.inner == acc.outer ? acc.inner : acc.inner + "; " + acc.outer;
-}
-
-// Error reports go into the exception, not to stderr.
-void quiet_hdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
-
-template <class T>
-T h5(T result, const std::string& where, const std::string& what) {
-  if (result < 0) throw CheckpointError(where + ": " + what + " (HDF5: " + h5_error_text() + ")");
-  return result;
-}
-
-// ---------------------------------------------------------------- element types
-
-enum class Dt { f32, bf16, i64 };
-
-size_t dt_size(Dt t) { return t == Dt::bf16 ? 2 : t == Dt::f32 ? 4 : 8; }
-const char* dt_name(Dt t) { return t == Dt::bf16 ? "bfloat16" : t == Dt::f32 ? "float32" : "int64"; }
-
-// bfloat16 as an HDF5 floating-point type (sign bit 15, 8 exponent bits at 7, 7 mantissa bits,
-// bias 127): h5dump and h5py read it as a float.
-hid_t bf16_type() {
-  static const hid_t t = [] {
-    const hid_t b = H5Tcopy(H5T_IEEE_F32LE);
-    H5_CHECK(H5Tset_fields(b, 15, 7, 8, 0, 7));
-    H5_CHECK(H5Tset_precision(b, 16));
-    H5_CHECK(H5Tset_size(b, 2));
-    H5_CHECK(H5Tset_ebias(b, 127));
-    return b;
-  }();
-  return t;
-}
-
-hid_t file_type(Dt t) { return t == Dt::bf16 ? bf16_type() : t == Dt::f32 ? H5T_IEEE_F32LE : H5T_STD_I64LE; }
-
-bool dt_of(hid_t type, Dt* out) {
-  for (Dt t : {Dt::f32, Dt::bf16, Dt::i64})
-    if (H5Tequal(type, file_type(t)) > 0) return *out = t, true;
-  return false;
-}
-
-// ---------------------------------------------------------------- checksums
-
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-inline uint64_t term(uint64_t i, uint64_t bits) { return splitmix64(splitmix64(i) ^ bits); }
-
-// Sum of the terms of elements [0, n) of `data` (element type t), whose global indices start at
-// `first`. One loop per element width, so that the compiler vectorises it.
-// Compiled twice: for x86-64-v4 (AVX-512: 64-bit vector multiplies, ~8x faster) and the baseline,
-// chosen at load time by the CPU.
-#define FP8MOE_CHECKSUM_LOOP(NAME, U)                                                  \
-  __attribute__((target_clones("arch=x86-64-v4", "default"))) uint64_t NAME(const U* data, int64_t n, \
-                                                                             int64_t first) { \
-    uint64_t sum = 0;                                                                  \
-    _Pragma("omp parallel for simd reduction(+ : sum) schedule(static)")              \
-    for (int64_t i = 0; i < n; ++i) sum += term(uint64_t(first + i), uint64_t(data[i])); \
-    return sum;                                                                        \
-  }
-FP8MOE_CHECKSUM_LOOP(checksum_u16, uint16_t)
-FP8MOE_CHECKSUM_LOOP(checksum_u32, uint32_t)
-FP8MOE_CHECKSUM_LOOP(checksum_u64, uint64_t)
-#undef FP8MOE_CHECKSUM_LOOP
-
-uint64_t checksum_part(const void* data, Dt t, int64_t n, int64_t first) {
-  switch (t) {  // little-endian host: the stored bytes as an unsigned integer
-    case Dt::bf16: return checksum_u16(static_cast<const uint16_t*>(data), n, first);
-    case Dt::f32: return checksum_u32(static_cast<const uint32_t*>(data), n, first);
-    default: return checksum_u64(static_cast<const uint64_t*>(data), n, first);
-  }
-}
-
-// The terms of rows [r0, r0 + n) x columns [c0, c0 + nc) of a tensor with `cols` columns, held
-// row-major (n, nc) in data.
-uint64_t checksum_block(const void* data, Dt t, int64_t r0, int64_t n, int64_t c0, int64_t nc, int64_t cols) {
-  if (nc == cols) return checksum_part(data, t, n * nc, r0 * cols);
-  uint64_t sum = 0;
-  for (int64_t r = 0; r < n; ++r)
-    sum += checksum_part(static_cast<const unsigned char*>(data) + size_t(r * nc) * dt_size(t), t, nc, (r0 + r) * cols + c0);
-  return sum;
-}
 
 // ---------------------------------------------------------------- agreement between ranks
 
@@ -191,302 +51,11 @@ void on_every_rank(MPI_Comm comm, Step&& step) {
   if (kind == kError) throw CheckpointError(error);
 }
 
-// Rows [r0, r0 + n) of a tensor with `rows` rows that this rank writes (and verifies): an even
-// split over the ranks, every row to exactly one of them.
-struct Rows {
-  int64_t r0 = 0, n = 0;
-};
+// The rows of a tensor with `rows` rows that this rank writes (and verifies): an even split over
+// the ranks, every row to exactly one of them.
 Rows my_rows(int64_t rows, int rank, int size) {
   const RowRange r = replica_rows(rows, rank, size);  // the same split as ZeRO-1's
   return {r.begin, r.end - r.begin};
-}
-
-// ---------------------------------------------------------------- fault injection
-
-class FaultPoint {
- public:
-  explicit FaultPoint(int rank) {
-    const char* v = std::getenv("FP8MOE_CKPT_KILL");
-    int r = -1;
-    long long k = -1;
-    if (v && std::sscanf(v, "%d:%lld", &r, &k) == 2 && r == rank) k_ = k;
-  }
-  void hit() {
-    if (k_ > 0 && ++count_ == k_) {
-      std::fflush(nullptr);
-      ::raise(SIGKILL);
-    }
-  }
-
- private:
-  long long k_ = -1, count_ = 0;
-};
-
-// ---------------------------------------------------------------- attributes
-
-void write_attr_raw(hid_t obj, const std::string& name, hid_t file_t, hid_t mem_t, const void* v, const std::string& where) {
-  H5Handle space(h5(H5Screate(H5S_SCALAR), where, "H5Screate"), H5Sclose);
-  H5Handle a(h5(H5Acreate2(obj, name.c_str(), file_t, space.get(), H5P_DEFAULT, H5P_DEFAULT), where,
-                "cannot create attribute " + name),
-             H5Aclose);
-  h5(H5Awrite(a.get(), mem_t, v), where, "cannot write attribute " + name);
-}
-void write_attr(hid_t obj, const std::string& name, int64_t v, const std::string& where) {
-  write_attr_raw(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v, where);
-}
-void write_attr_u64(hid_t obj, const std::string& name, uint64_t v, const std::string& where) {
-  write_attr_raw(obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, where);
-}
-void write_attr(hid_t obj, const std::string& name, double v, const std::string& where) {
-  write_attr_raw(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, where);
-}
-void write_attr(hid_t obj, const std::string& name, const std::string& v, const std::string& where) {
-  H5Handle t(h5(H5Tcopy(H5T_C_S1), where, "H5Tcopy"), H5Tclose);
-  h5(H5Tset_size(t.get(), std::max<size_t>(1, v.size())), where, "H5Tset_size");
-  h5(H5Tset_strpad(t.get(), H5T_STR_NULLPAD), where, "H5Tset_strpad");
-  std::string buf = v.empty() ? std::string(1, '\0') : v;
-  write_attr_raw(obj, name, t.get(), t.get(), buf.data(), where);
-}
-
-H5Handle open_attr(hid_t obj, const std::string& name, const std::string& where) {
-  if (H5Aexists(obj, name.c_str()) <= 0) throw CheckpointError(where + ": attribute " + name + " is missing");
-  return H5Handle(h5(H5Aopen(obj, name.c_str(), H5P_DEFAULT), where, "cannot open attribute " + name), H5Aclose);
-}
-int64_t read_attr_i64(hid_t obj, const std::string& name, const std::string& where) {
-  H5Handle a = open_attr(obj, name, where);
-  int64_t v = 0;
-  h5(H5Aread(a.get(), H5T_NATIVE_INT64, &v), where, "cannot read attribute " + name);
-  return v;
-}
-uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& where) {
-  H5Handle a = open_attr(obj, name, where);
-  uint64_t v = 0;
-  h5(H5Aread(a.get(), H5T_NATIVE_UINT64, &v), where, "cannot read attribute " + name);
-  return v;
-}
-double read_attr_f64(hid_t obj, const std::string& name, const std::string& where) {
-  H5Handle a = open_attr(obj, name, where);
-  double v = 0;
-  h5(H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v), where, "cannot read attribute " + name);
-  return v;
-}
-std::string read_attr_str(hid_t obj, const std::string& name, const std::string& where) {
-  H5Handle a = open_attr(obj, name, where);
-  H5Handle t(h5(H5Aget_type(a.get()), where, "attribute " + name), H5Tclose);
-  if (H5Tget_class(t.get()) != H5T_STRING || H5Tis_variable_str(t.get()) > 0)
-    throw CheckpointError(where + ": attribute " + name + " is not a fixed-length string");
-  std::string s(H5Tget_size(t.get()), '\0');
-  h5(H5Aread(a.get(), t.get(), s.data()), where, "cannot read attribute " + name);
-  s.resize(std::strlen(s.c_str()));
-  return s;
-}
-
-// ---------------------------------------------------------------- files
-
-// MPI-IO hints: 128 MiB collective buffers (the default 32 MiB makes Open MPI's OMPIO write a
-// 1 GB checkpoint at half speed; ROMIO reads the same standard key).
-MPI_Info io_hints() {
-  static const MPI_Info info = [] {
-    MPI_Info i;
-    MPI_CHECK(MPI_Info_create(&i));
-    MPI_CHECK(MPI_Info_set(i, "cb_buffer_size", "134217728"));
-    return i;
-  }();
-  return info;
-}
-
-H5Handle create_file(const std::string& path, MPI_Comm comm) {
-  H5Handle fapl(h5(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
-  h5(H5Pset_fapl_mpio(fapl.get(), comm, io_hints()), path, "H5Pset_fapl_mpio");
-  h5(H5Pset_all_coll_metadata_ops(fapl.get(), true), path, "H5Pset_all_coll_metadata_ops");
-  h5(H5Pset_coll_metadata_write(fapl.get(), true), path, "H5Pset_coll_metadata_write");
-  return H5Handle(h5(H5Fcreate(path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), path, "cannot create the file"),
-                  H5Fclose);
-}
-
-// The checks a rank can make alone before opening: every rank makes them and they agree (with
-// first_error) before the collective open, so that no rank is left waiting in it alone.
-std::string file_problem(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return path + ": no such file";
-  if (H5Fis_hdf5(path.c_str()) <= 0) {
-    H5Eclear2(H5E_DEFAULT);
-    return path + ": not an HDF5 file (or not readable)";
-  }
-  return "";
-}
-
-// comm == MPI_COMM_NULL: a serial open (the tools), else collective over comm.
-H5Handle open_file(const std::string& path, MPI_Comm comm) {
-  std::string problem = file_problem(path);
-  if (comm != MPI_COMM_NULL) problem = first_error(comm, problem);
-  if (!problem.empty()) throw CheckpointError(problem);
-  H5Handle fapl(h5(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
-  if (comm != MPI_COMM_NULL) {
-    h5(H5Pset_fapl_mpio(fapl.get(), comm, io_hints()), path, "H5Pset_fapl_mpio");
-    h5(H5Pset_all_coll_metadata_ops(fapl.get(), true), path, "H5Pset_all_coll_metadata_ops");
-  }
-  return H5Handle(h5(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), path, "cannot open the file"), H5Fclose);
-}
-
-H5Handle collective_xfer(const std::string& where) {
-  H5Handle dxpl(h5(H5Pcreate(H5P_DATASET_XFER), where, "H5Pcreate"), H5Pclose);
-  h5(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE), where, "H5Pset_dxpl_mpio");
-  return dxpl;
-}
-
-// One dataset of a save: a whole (rows, cols) tensor held by this rank.
-struct Tensor {
-  std::string path;
-  Dt dt = Dt::f32;
-  int64_t rows = 1, cols = 1;  // the global shape
-  const void* data = nullptr;  // this rank's block: rows [row0, ...) x columns [c0, c0 + nc), row-major
-  int64_t row0 = 0;
-  Rows mine;                   // the rows of the block this rank writes
-  int64_t c0 = 0, nc = -1;     // nc -1: every column
-  int64_t width() const { return nc < 0 ? cols : nc; }
-  const unsigned char* at(int64_t row) const {
-    return static_cast<const unsigned char*>(data) + size_t((row - row0) * width()) * dt_size(dt);
-  }
-};
-
-// Creates the dataset with its checksum attribute and writes this rank's rows (collective).
-void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, const std::string& where) {
-  const Rows mine = t.mine;
-  const std::string at = where + ": dataset " + t.path;
-  const hsize_t dims[2] = {hsize_t(t.rows), hsize_t(t.cols)};
-  H5Handle space(h5(H5Screate_simple(2, dims, nullptr), at, "H5Screate_simple"), H5Sclose);
-  H5Handle lcpl(h5(H5Pcreate(H5P_LINK_CREATE), at, "H5Pcreate"), H5Pclose);
-  h5(H5Pset_create_intermediate_group(lcpl.get(), 1), at, "H5Pset_create_intermediate_group");
-  H5Handle dcpl(h5(H5Pcreate(H5P_DATASET_CREATE), at, "H5Pcreate"), H5Pclose);
-  h5(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), at, "H5Pset_fill_time");
-  H5Handle ds(h5(H5Dcreate2(file, t.path.c_str(), file_type(t.dt), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT), at,
-                 "cannot create"),
-              H5Dclose);
-  write_attr_u64(ds.get(), "checksum", checksum, at);
-  if (t.dt == Dt::bf16) write_attr(ds.get(), "encoding", std::string("bfloat16"), at);
-  const hsize_t start[2] = {hsize_t(mine.r0), hsize_t(t.c0)}, count[2] = {hsize_t(mine.n), hsize_t(t.width())};
-  H5Handle mem(h5(H5Screate_simple(2, mine.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
-  const unsigned char dummy = 0;
-  const void* buf = &dummy;
-  if (mine.n > 0 && t.width() > 0) {
-    h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
-    buf = t.at(mine.r0);
-  } else {
-    h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
-    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
-  }
-  h5(H5Dwrite(ds.get(), file_type(t.dt), mem.get(), space.get(), dxpl, buf), at, "write failed");
-}
-
-struct DatasetRead {
-  Dt dt = Dt::f32;
-  uint64_t stored_checksum = 0;
-  // The whole tensor as stored, in the vector of its type.
-  std::vector<float> f32;
-  std::vector<uint16_t> bf16;
-  std::vector<int64_t> i64;
-  void* dest = nullptr;  // set when read into the caller's buffer instead
-  const void* data() const {
-    if (dest) return dest;
-    return dt == Dt::f32 ? static_cast<const void*>(f32.data())
-                         : dt == Dt::bf16 ? static_cast<const void*>(bf16.data()) : static_cast<const void*>(i64.data());
-  }
-};
-
-// Reads rows [part.r0, part.r0 + part.n) x columns [c0, c0 + nc) of a (rows, cols) dataset in its
-// stored element type (no conversion: collective transfers stay collective). `allowed` lists the
-// types it may have. When it is stored as dest_dt and dest is set, the data goes straight into
-// dest (part.n x nc).
-DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
-                         int64_t c0, int64_t nc, std::initializer_list<Dt> allowed, const std::string& where, Dt dest_dt,
-                         void* dest) {
-  const std::string at = where + ": dataset " + path;
-  if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) {
-    H5Eclear2(H5E_DEFAULT);
-    throw CheckpointError(at + " is missing");
-  }
-  H5Handle ds(h5(H5Dopen2(file, path.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
-  H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
-  hsize_t dims[2] = {0, 0};
-  if (H5Sget_simple_extent_ndims(space.get()) != 2 || H5Sget_simple_extent_dims(space.get(), dims, nullptr) < 0 ||
-      int64_t(dims[0]) != rows || int64_t(dims[1]) != cols)
-    throw CheckpointError(at + ": shape (" + std::to_string(dims[0]) + ", " + std::to_string(dims[1]) +
-                          "), expected (" + std::to_string(rows) + ", " + std::to_string(cols) + ")");
-  H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
-  DatasetRead r;
-  if (!dt_of(type.get(), &r.dt) || std::find(allowed.begin(), allowed.end(), r.dt) == allowed.end())
-    throw CheckpointError(at + ": unexpected element type");
-  r.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
-  const size_t n = size_t(part.n * nc);
-  const hsize_t start[2] = {hsize_t(part.r0), hsize_t(c0)}, count[2] = {hsize_t(part.n), hsize_t(nc)};
-  H5Handle mem(h5(H5Screate_simple(2, part.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
-  if (n > 0) {
-    h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
-  } else {
-    h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
-    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
-  }
-  void* buf = nullptr;
-  if (dest && r.dt == dest_dt && n > 0) {
-    r.dest = dest;
-    h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, dest), at, "read failed");
-    return r;
-  }
-  switch (r.dt) {
-    case Dt::f32: r.f32.resize(n + 1), buf = r.f32.data(); break;  // + 1: never a null buffer
-    case Dt::bf16: r.bf16.resize(n + 1), buf = r.bf16.data(); break;
-    case Dt::i64: r.i64.resize(n + 1), buf = r.i64.data(); break;
-  }
-  h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, buf), at, "read failed");
-  r.f32.resize(r.f32.empty() ? 0 : n), r.bf16.resize(r.bf16.empty() ? 0 : n), r.i64.resize(r.i64.empty() ? 0 : n);
-  return r;
-}
-
-// ---------------------------------------------------------------- file system
-
-void fsync_path(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw CheckpointError(path + ": cannot open for fsync: " + std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) throw CheckpointError(path + ": fsync failed: " + std::strerror(err));
-}
-
-const std::regex& step_dir_pattern() {
-  static const std::regex re("step_([0-9]{8})");
-  return re;
-}
-
-// Committed checkpoints of a directory, newest (highest step) first.
-std::vector<std::pair<int64_t, std::string>> committed_checkpoints(const std::string& dir) {
-  std::vector<std::pair<int64_t, std::string>> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    std::smatch m;
-    const std::string name = e.path().filename().string();
-    if (e.is_directory(ec) && std::regex_match(name, m, step_dir_pattern())) out.emplace_back(std::stoll(m[1]), name);
-  }
-  std::sort(out.rbegin(), out.rend());
-  return out;
-}
-
-// What <dir>/latest names ("" when missing), and a complaint when it is not a checkpoint.
-std::string read_latest(const std::string& dir, std::string* problem) {
-  const std::string path = dir + "/latest";
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return *problem = path + " does not exist", "";
-  std::ifstream in(path);
-  std::string name;
-  std::getline(in, name);
-  if (!std::regex_match(name, step_dir_pattern()) || !fs::is_directory(dir + "/" + name, ec)) {
-    std::string shown = name.substr(0, 40);
-    for (char& c : shown)
-      if (c < 32 || c > 126) c = '?';
-    return *problem = path + " does not name a checkpoint directory (it holds \"" + shown + "\")", "";
-  }
-  return name;
 }
 
 // ---------------------------------------------------------------- config comparison
@@ -521,22 +90,6 @@ std::vector<std::string> model_differences(const Config& stored, const Config& c
     if (k.rfind("model.", 0) == 0 && k != "model.init_std" && b.count(k) && b.at(k) != v)
       diff.push_back(k + ": checkpoint " + v + ", config " + b.at(k));
   return diff;
-}
-
-Config stored_config(hid_t file, const std::string& where) {
-  const std::string yaml = read_attr_str(file, "config", where);
-  try {
-    return load_config(ConfigSource{where + " (stored config)", yaml, {}}, 0);
-  } catch (const std::exception& e) {
-    throw CheckpointError(where + ": the stored config is not valid: " + e.what());
-  }
-}
-
-void check_version(hid_t file, const std::string& where) {
-  const int64_t v = read_attr_i64(file, "format_version", where);
-  if (v != kCheckpointFormatVersion)
-    throw CheckpointError(where + ": format version " + std::to_string(v) + ", this build reads version " +
-                          std::to_string(kCheckpointFormatVersion));
 }
 
 // ---------------------------------------------------------------- delayed-scaling state
@@ -811,14 +364,6 @@ void apply(Staged& st, const TrainerState& s) {
 
 }  // namespace
 
-uint64_t checksum_term(uint64_t global_index, uint64_t bits) { return term(global_index, bits); }
-
-std::string checkpoint_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", (long long)step);
-  return buf;
-}
-
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   quiet_hdf5();
   int rank = 0, size = 1;
@@ -941,52 +486,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
 
   // Commit (rank 0): fsync, rename, fsync the directory, replace `latest`, prune.
   on_every_rank(comm, [&] {
-    if (rank != 0) return;
-    try {
-      fault.hit();
-      fsync_path(path);
-      fsync_path(tmp_dir);
-      fault.hit();
-      std::error_code ec;
-      if (fs::exists(final_dir, ec)) {
-        // Re-saving a step that exists (a resumed run): swap atomically, then drop the old copy.
-        if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0)
-          throw CheckpointError(final_dir + ": cannot replace: " + std::strerror(errno));
-        fs::remove_all(tmp_dir, ec);
-      } else if (::rename(tmp_dir.c_str(), final_dir.c_str()) != 0) {
-        throw CheckpointError(tmp_dir + ": cannot rename to " + final_dir + ": " + std::strerror(errno));
-      }
-      fault.hit();
-      fsync_path(dir);
-      fault.hit();
-      const std::string latest = dir + "/latest", latest_tmp = latest + ".tmp";
-      {
-        std::ofstream out(latest_tmp, std::ios::trunc);
-        out << name << "\n";
-        out.flush();
-        if (!out) throw CheckpointError(latest_tmp + ": cannot write");
-      }
-      fsync_path(latest_tmp);
-      fault.hit();
-      if (::rename(latest_tmp.c_str(), latest.c_str()) != 0)
-        throw CheckpointError(latest_tmp + ": cannot rename to " + latest + ": " + std::strerror(errno));
-      fsync_path(dir);
-      fault.hit();
-      // Only now: checkpoints beyond keep_last (oldest first; never the one just committed), and
-      // leftovers of crashed saves.
-      auto all = committed_checkpoints(dir);
-      for (size_t i = all.size(); i-- > size_t(cfg.checkpoint.keep_last);) {
-        if (all[i].second == name) continue;
-        fs::remove_all(dir + "/" + all[i].second, ec);
-        fault.hit();
-      }
-      for (const auto& e : fs::directory_iterator(dir, ec)) {
-        const std::string f = e.path().filename().string();
-        if (f.size() > 4 && f.compare(f.size() - 4, 4, ".tmp") == 0 && f.rfind("step_", 0) == 0) fs::remove_all(e.path(), ec);
-      }
-    } catch (const fs::filesystem_error& e) {
-      throw CheckpointError(e.what());
-    }
+    if (rank == 0) commit_checkpoint(dir, name, cfg.checkpoint.keep_last, fault);
   });
   return final_dir;
 }
@@ -1070,105 +570,6 @@ Config load_checkpoint_weights(const std::string& dir, std::vector<std::vector<f
   st.params = params;
   load_into(resolve_checkpoint_dir(dir), MPI_COMM_NULL, nullptr, &st);
   return st.stored;
-}
-
-CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
-  quiet_hdf5();
-  const std::string dir = resolve_checkpoint_dir(path);
-  CheckpointReport rep;
-  rep.file = dir + "/" + kCheckpointFile;
-  H5Handle file = open_file(rep.file, MPI_COMM_NULL);
-  const hid_t f = file.get();
-  auto attempt = [&](auto&& fn) {
-    try {
-      fn();
-    } catch (const CheckpointError& e) {
-      rep.problems.push_back(e.what());
-    }
-  };
-  attempt([&] { rep.format_version = read_attr_i64(f, "format_version", rep.file); });
-  attempt([&] { check_version(f, rep.file); });
-  attempt([&] { rep.step = read_attr_i64(f, "step", rep.file); });
-  attempt([&] { rep.samples = read_attr_i64(f, "samples", rep.file); });
-  attempt([&] { rep.tokens = read_attr_i64(f, "tokens", rep.file); });
-  attempt([&] { rep.layout = read_attr_str(f, "layout", rep.file); });
-  attempt([&] { rep.code_version = read_attr_str(f, "code_version", rep.file); });
-  attempt([&] { rep.config_yaml = read_attr_str(f, "config", rep.file); });
-
-  // Every dataset in the file.
-  std::vector<std::string> paths;
-  auto visit = [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
-    if (info->type == H5O_TYPE_DATASET) static_cast<std::vector<std::string>*>(data)->push_back(std::string("/") + name);
-    return 0;
-  };
-  if (H5Ovisit(f, H5_INDEX_NAME, H5_ITER_INC, visit, &paths) < 0)
-    rep.problems.push_back(rep.file + ": cannot list the datasets (HDF5: " + h5_error_text() + ")");
-  for (const std::string& p : paths) {
-    DatasetReport d;
-    d.path = p;
-    attempt([&] {
-      const std::string at = rep.file + ": dataset " + p;
-      H5Handle ds(h5(H5Dopen2(f, p.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
-      H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
-      hsize_t dims[8] = {};
-      const int nd = h5(H5Sget_simple_extent_dims(space.get(), dims, nullptr), at, "no shape");
-      int64_t n = 1;
-      for (int i = 0; i < nd; ++i) d.shape.push_back(int64_t(dims[i])), n *= int64_t(dims[i]);
-      H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
-      Dt dt;
-      if (!dt_of(type.get(), &dt)) throw CheckpointError(at + ": unexpected element type");
-      d.dtype = dt_name(dt);
-      d.bytes = n * int64_t(dt_size(dt));
-      d.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
-      if (!verify) return;
-      // In pieces of about 64 MB of whole rows.
-      const int64_t cols = nd == 2 ? int64_t(dims[1]) : n, rows = nd == 2 ? int64_t(dims[0]) : 1;
-      const int64_t step_rows = std::max<int64_t>(1, (int64_t(1) << 26) / std::max<int64_t>(1, cols * int64_t(dt_size(dt))));
-      std::vector<unsigned char> buf;
-      uint64_t sum = 0;
-      for (int64_t r0 = 0; r0 < rows && cols > 0; r0 += step_rows) {
-        const int64_t nr = std::min(step_rows, rows - r0);
-        buf.resize(size_t(nr * cols) * dt_size(dt));
-        const hsize_t start[2] = {hsize_t(r0), 0}, count[2] = {hsize_t(nr), hsize_t(cols)};
-        H5Handle fsel(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
-        if (nd == 2) h5(H5Sselect_hyperslab(fsel.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "select");
-        H5Handle mem(h5(H5Screate_simple(nd == 2 ? 2 : 1, nd == 2 ? count : count + 1, nullptr), at, "H5Screate_simple"),
-                     H5Sclose);
-        h5(H5Dread(ds.get(), type.get(), mem.get(), nd == 2 ? fsel.get() : H5S_ALL, H5P_DEFAULT, buf.data()), at,
-           "read failed");
-        sum += checksum_part(buf.data(), dt, nr * cols, r0 * cols);
-      }
-      d.checked = true;
-      d.computed_checksum = sum;
-      d.ok = sum == d.stored_checksum;
-      if (!d.ok) {
-        char b[96];
-        std::snprintf(b, sizeof b, " (stored %016llx, computed %016llx)", (unsigned long long)d.stored_checksum,
-                      (unsigned long long)sum);
-        rep.problems.push_back(at + ": checksum mismatch: the data is corrupt" + b);
-      }
-    });
-    rep.datasets.push_back(std::move(d));
-  }
-  if (verify && !rep.config_yaml.empty()) {
-    // Everything a load of this checkpoint's own config needs is there, with its shape.
-    attempt([&] {
-      const Config cfg = stored_config(f, rep.file);
-      std::map<std::string, const DatasetReport*> by_path;
-      for (const auto& d : rep.datasets) by_path[d.path] = &d;
-      auto expect = [&](const std::string& p, int64_t rows, int64_t cols) {
-        auto it = by_path.find(p);
-        if (it == by_path.end()) rep.problems.push_back(rep.file + ": dataset " + p + " is missing");
-        else if (it->second->shape != std::vector<int64_t>{rows, cols})
-          rep.problems.push_back(rep.file + ": dataset " + p + " has the wrong shape");
-      };
-      for (const ParamSpec& p : build_param_table(cfg.model).params) {
-        expect("/params/" + p.name, p.rows, p.cols);
-        if (p.trainable) expect("/optim/m/" + p.name, p.rows, p.cols), expect("/optim/v/" + p.name, p.rows, p.cols);
-      }
-    });
-  }
-  return rep;
 }
 
 }  // namespace fp8moe

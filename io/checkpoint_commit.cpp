@@ -1,0 +1,151 @@
+// The commit protocol of a checkpoint save (io/checkpoint_commit.h): fsync of files and
+// directories, the step_N directory names and their listing, `latest`, the commit sequence with
+// its pruning, and the fault injection of FP8MOE_CKPT_KILL.
+#include "io/checkpoint_commit.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "io/checkpoint.h"
+
+namespace fp8moe::ckpt {
+namespace fs = std::filesystem;
+
+// ---------------------------------------------------------------- fault injection
+
+FaultPoint::FaultPoint(int rank) {
+  const char* v = std::getenv("FP8MOE_CKPT_KILL");
+  int r = -1;
+  long long k = -1;
+  if (v && std::sscanf(v, "%d:%lld", &r, &k) == 2 && r == rank) k_ = k;
+}
+
+void FaultPoint::hit() {
+  if (k_ > 0 && ++count_ == k_) {
+    std::fflush(nullptr);
+    ::raise(SIGKILL);
+  }
+}
+
+// ---------------------------------------------------------------- file system
+
+namespace {
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw CheckpointError(path + ": cannot open for fsync: " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) throw CheckpointError(path + ": fsync failed: " + std::strerror(err));
+}
+
+const std::regex& step_dir_pattern() {
+  static const std::regex re("step_([0-9]{8})");
+  return re;
+}
+
+}  // namespace
+
+std::vector<std::pair<int64_t, std::string>> committed_checkpoints(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::smatch m;
+    const std::string name = e.path().filename().string();
+    if (e.is_directory(ec) && std::regex_match(name, m, step_dir_pattern())) out.emplace_back(std::stoll(m[1]), name);
+  }
+  std::sort(out.rbegin(), out.rend());
+  return out;
+}
+
+std::string read_latest(const std::string& dir, std::string* problem) {
+  const std::string path = dir + "/latest";
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return *problem = path + " does not exist", "";
+  std::ifstream in(path);
+  std::string name;
+  std::getline(in, name);
+  if (!std::regex_match(name, step_dir_pattern()) || !fs::is_directory(dir + "/" + name, ec)) {
+    std::string shown = name.substr(0, 40);
+    for (char& c : shown)
+      if (c < 32 || c > 126) c = '?';
+    return *problem = path + " does not name a checkpoint directory (it holds \"" + shown + "\")", "";
+  }
+  return name;
+}
+
+// ---------------------------------------------------------------- the commit
+
+void commit_checkpoint(const std::string& dir, const std::string& name, int keep_last, FaultPoint& fault) {
+  const std::string final_dir = dir + "/" + name, tmp_dir = final_dir + ".tmp";
+  const std::string path = tmp_dir + "/" + kCheckpointFile;
+  try {
+    fault.hit();
+    fsync_path(path);
+    fsync_path(tmp_dir);
+    fault.hit();
+    std::error_code ec;
+    if (fs::exists(final_dir, ec)) {
+      // Re-saving a step that exists (a resumed run): swap atomically, then drop the old copy.
+      if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0)
+        throw CheckpointError(final_dir + ": cannot replace: " + std::strerror(errno));
+      fs::remove_all(tmp_dir, ec);
+    } else if (::rename(tmp_dir.c_str(), final_dir.c_str()) != 0) {
+      throw CheckpointError(tmp_dir + ": cannot rename to " + final_dir + ": " + std::strerror(errno));
+    }
+    fault.hit();
+    fsync_path(dir);
+    fault.hit();
+    const std::string latest = dir + "/latest", latest_tmp = latest + ".tmp";
+    {
+      std::ofstream out(latest_tmp, std::ios::trunc);
+      out << name << "\n";
+      out.flush();
+      if (!out) throw CheckpointError(latest_tmp + ": cannot write");
+    }
+    fsync_path(latest_tmp);
+    fault.hit();
+    if (::rename(latest_tmp.c_str(), latest.c_str()) != 0)
+      throw CheckpointError(latest_tmp + ": cannot rename to " + latest + ": " + std::strerror(errno));
+    fsync_path(dir);
+    fault.hit();
+    // Only now: checkpoints beyond keep_last (oldest first; never the one just committed), and
+    // leftovers of crashed saves.
+    auto all = committed_checkpoints(dir);
+    for (size_t i = all.size(); i-- > size_t(keep_last);) {
+      if (all[i].second == name) continue;
+      fs::remove_all(dir + "/" + all[i].second, ec);
+      fault.hit();
+    }
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string f = e.path().filename().string();
+      if (f.size() > 4 && f.compare(f.size() - 4, 4, ".tmp") == 0 && f.rfind("step_", 0) == 0) fs::remove_all(e.path(), ec);
+    }
+  } catch (const fs::filesystem_error& e) {
+    throw CheckpointError(e.what());
+  }
+}
+
+}  // namespace fp8moe::ckpt
+
+namespace fp8moe {
+
+// Declared in io/checkpoint.h.
+std::string checkpoint_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", (long long)step);
+  return buf;
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,116 @@
+// inspect_checkpoint (io/checkpoint.h): a serial reader for `fp8moe ckpt`, which lists every
+// dataset, recomputes the checksums in pieces and checks the datasets against the stored config,
+// collecting problems instead of stopping at the first.
+#include "io/checkpoint.h"
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+#include "io/hdf5_file.h"
+
+namespace fp8moe {
+using namespace ckpt;
+
+CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
+  quiet_hdf5();
+  const std::string dir = resolve_checkpoint_dir(path);
+  CheckpointReport rep;
+  rep.file = dir + "/" + kCheckpointFile;
+  H5Handle file = open_file(rep.file, MPI_COMM_NULL);
+  const hid_t f = file.get();
+  auto attempt = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const CheckpointError& e) {
+      rep.problems.push_back(e.what());
+    }
+  };
+  attempt([&] { rep.format_version = read_attr_i64(f, "format_version", rep.file); });
+  attempt([&] { check_version(f, rep.file); });
+  attempt([&] { rep.step = read_attr_i64(f, "step", rep.file); });
+  attempt([&] { rep.samples = read_attr_i64(f, "samples", rep.file); });
+  attempt([&] { rep.tokens = read_attr_i64(f, "tokens", rep.file); });
+  attempt([&] { rep.layout = read_attr_str(f, "layout", rep.file); });
+  attempt([&] { rep.code_version = read_attr_str(f, "code_version", rep.file); });
+  attempt([&] { rep.config_yaml = read_attr_str(f, "config", rep.file); });
+
+  // Every dataset in the file.
+  std::vector<std::string> paths;
+  auto visit = [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
+    if (info->type == H5O_TYPE_DATASET) static_cast<std::vector<std::string>*>(data)->push_back(std::string("/") + name);
+    return 0;
+  };
+  if (H5Ovisit(f, H5_INDEX_NAME, H5_ITER_INC, visit, &paths) < 0)
+    rep.problems.push_back(rep.file + ": cannot list the datasets (HDF5: " + h5_error_text() + ")");
+  for (const std::string& p : paths) {
+    DatasetReport d;
+    d.path = p;
+    attempt([&] {
+      const std::string at = rep.file + ": dataset " + p;
+      H5Handle ds(h5(H5Dopen2(f, p.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
+      H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
+      hsize_t dims[8] = {};
+      const int nd = h5(H5Sget_simple_extent_dims(space.get(), dims, nullptr), at, "no shape");
+      int64_t n = 1;
+      for (int i = 0; i < nd; ++i) d.shape.push_back(int64_t(dims[i])), n *= int64_t(dims[i]);
+      H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
+      Dt dt;
+      if (!dt_of(type.get(), &dt)) throw CheckpointError(at + ": unexpected element type");
+      d.dtype = dt_name(dt);
+      d.bytes = n * int64_t(dt_size(dt));
+      d.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
+      if (!verify) return;
+      // In pieces of about 64 MB of whole rows.
+      const int64_t cols = nd == 2 ? int64_t(dims[1]) : n, rows = nd == 2 ? int64_t(dims[0]) : 1;
+      const int64_t step_rows = std::max<int64_t>(1, (int64_t(1) << 26) / std::max<int64_t>(1, cols * int64_t(dt_size(dt))));
+      std::vector<unsigned char> buf;
+      uint64_t sum = 0;
+      for (int64_t r0 = 0; r0 < rows && cols > 0; r0 += step_rows) {
+        const int64_t nr = std::min(step_rows, rows - r0);
+        buf.resize(size_t(nr * cols) * dt_size(dt));
+        const hsize_t start[2] = {hsize_t(r0), 0}, count[2] = {hsize_t(nr), hsize_t(cols)};
+        H5Handle fsel(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
+        if (nd == 2) h5(H5Sselect_hyperslab(fsel.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "select");
+        H5Handle mem(h5(H5Screate_simple(nd == 2 ? 2 : 1, nd == 2 ? count : count + 1, nullptr), at, "H5Screate_simple"),
+                     H5Sclose);
+        h5(H5Dread(ds.get(), type.get(), mem.get(), nd == 2 ? fsel.get() : H5S_ALL, H5P_DEFAULT, buf.data()), at,
+           "read failed");
+        sum += checksum_part(buf.data(), dt, nr * cols, r0 * cols);
+      }
+      d.checked = true;
+      d.computed_checksum = sum;
+      d.ok = sum == d.stored_checksum;
+      if (!d.ok) {
+        char b[96];
+        std::snprintf(b, sizeof b, " (stored %016llx, computed %016llx)", (unsigned long long)d.stored_checksum,
+                      (unsigned long long)sum);
+        rep.problems.push_back(at + ": checksum mismatch: the data is corrupt" + b);
+      }
+    });
+    rep.datasets.push_back(std::move(d));
+  }
+  if (verify && !rep.config_yaml.empty()) {
+    // Everything a load of this checkpoint's own config needs is there, with its shape.
+    attempt([&] {
+      const Config cfg = stored_config(f, rep.file);
+      std::map<std::string, const DatasetReport*> by_path;
+      for (const auto& d : rep.datasets) by_path[d.path] = &d;
+      auto expect = [&](const std::string& p, int64_t rows, int64_t cols) {
+        auto it = by_path.find(p);
+        if (it == by_path.end()) rep.problems.push_back(rep.file + ": dataset " + p + " is missing");
+        else if (it->second->shape != std::vector<int64_t>{rows, cols})
+          rep.problems.push_back(rep.file + ": dataset " + p + " has the wrong shape");
+      };
+      for (const ParamSpec& p : build_param_table(cfg.model).params) {
+        expect("/params/" + p.name, p.rows, p.cols);
+        if (p.trainable) expect("/optim/m/" + p.name, p.rows, p.cols), expect("/optim/v/" + p.name, p.rows, p.cols);
+      }
+    });
+  }
+  return rep;
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,339 @@
+// The HDF5 layer of the checkpoints (io/hdf5_file.h): HDF5 errors as CheckpointError, the
+// bfloat16 type, the checksum loops, attributes, files opened through MPI-IO, and the datasets
+// each rank writes and reads by rows.
+#include "io/hdf5_file.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+
+#include "io/config.h"
+#include "kernels/check.h"
+#include "parallel/mpi_session.h"
+
+namespace fp8moe::ckpt {
+namespace fs = std::filesystem;
+
+// ---------------------------------------------------------------- HDF5 handles and errors
+
+std::string h5_error_text() {
+  struct Acc {
+    std::string inner, outer;
+  } acc;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_UPWARD,
+      [](unsigned n, const H5E_error2_t* e, void* data) -> herr_t {
+        auto* a = static_cast<Acc*>(data);
+        const std::string d = e->desc ? e->desc : "";
+        if (n == 0) a->inner = d;
+        a->outer = d;
+        return 0;
+      },
+      &acc);
+  H5Eclear2(H5E_DEFAULT);
+  if (acc.inner.empty()) return "no detail";
+  return acc.inner == acc.outer ? acc.inner : acc.inner + "; " + acc.outer;
+}
+
+void quiet_hdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+
+// ---------------------------------------------------------------- element types
+
+size_t dt_size(Dt t) { return t == Dt::bf16 ? 2 : t == Dt::f32 ? 4 : 8; }
+const char* dt_name(Dt t) { return t == Dt::bf16 ? "bfloat16" : t == Dt::f32 ? "float32" : "int64"; }
+
+namespace {
+
+// bfloat16 as an HDF5 floating-point type (sign bit 15, 8 exponent bits at 7, 7 mantissa bits,
+// bias 127): h5dump and h5py read it as a float.
+hid_t bf16_type() {
+  static const hid_t t = [] {
+    const hid_t b = H5Tcopy(H5T_IEEE_F32LE);
+    H5_CHECK(H5Tset_fields(b, 15, 7, 8, 0, 7));
+    H5_CHECK(H5Tset_precision(b, 16));
+    H5_CHECK(H5Tset_size(b, 2));
+    H5_CHECK(H5Tset_ebias(b, 127));
+    return b;
+  }();
+  return t;
+}
+
+hid_t file_type(Dt t) { return t == Dt::bf16 ? bf16_type() : t == Dt::f32 ? H5T_IEEE_F32LE : H5T_STD_I64LE; }
+
+}  // namespace
+
+bool dt_of(hid_t type, Dt* out) {
+  for (Dt t : {Dt::f32, Dt::bf16, Dt::i64})
+    if (H5Tequal(type, file_type(t)) > 0) return *out = t, true;
+  return false;
+}
+
+// ---------------------------------------------------------------- checksums
+
+namespace {
+
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+inline uint64_t term(uint64_t i, uint64_t bits) { return splitmix64(splitmix64(i) ^ bits); }
+
+// checksum_part's sums, one loop per element width, so that the compiler vectorises it.
+// Compiled twice: for x86-64-v4 (AVX-512: 64-bit vector multiplies, ~8x faster) and the baseline,
+// chosen at load time by the CPU.
+#define FP8MOE_CHECKSUM_LOOP(NAME, U)                                                  \
+  __attribute__((target_clones("arch=x86-64-v4", "default"))) uint64_t NAME(const U* data, int64_t n, \
+                                                                             int64_t first) { \
+    uint64_t sum = 0;                                                                  \
+    _Pragma("omp parallel for simd reduction(+ : sum) schedule(static)")              \
+    for (int64_t i = 0; i < n; ++i) sum += term(uint64_t(first + i), uint64_t(data[i])); \
+    return sum;                                                                        \
+  }
+FP8MOE_CHECKSUM_LOOP(checksum_u16, uint16_t)
+FP8MOE_CHECKSUM_LOOP(checksum_u32, uint32_t)
+FP8MOE_CHECKSUM_LOOP(checksum_u64, uint64_t)
+#undef FP8MOE_CHECKSUM_LOOP
+
+}  // namespace
+
+uint64_t checksum_part(const void* data, Dt t, int64_t n, int64_t first) {
+  switch (t) {  // little-endian host: the stored bytes as an unsigned integer
+    case Dt::bf16: return checksum_u16(static_cast<const uint16_t*>(data), n, first);
+    case Dt::f32: return checksum_u32(static_cast<const uint32_t*>(data), n, first);
+    default: return checksum_u64(static_cast<const uint64_t*>(data), n, first);
+  }
+}
+
+uint64_t checksum_block(const void* data, Dt t, int64_t r0, int64_t n, int64_t c0, int64_t nc, int64_t cols) {
+  if (nc == cols) return checksum_part(data, t, n * nc, r0 * cols);
+  uint64_t sum = 0;
+  for (int64_t r = 0; r < n; ++r)
+    sum += checksum_part(static_cast<const unsigned char*>(data) + size_t(r * nc) * dt_size(t), t, nc, (r0 + r) * cols + c0);
+  return sum;
+}
+
+// ---------------------------------------------------------------- attributes
+
+namespace {
+
+void write_attr_raw(hid_t obj, const std::string& name, hid_t file_t, hid_t mem_t, const void* v, const std::string& where) {
+  H5Handle space(h5(H5Screate(H5S_SCALAR), where, "H5Screate"), H5Sclose);
+  H5Handle a(h5(H5Acreate2(obj, name.c_str(), file_t, space.get(), H5P_DEFAULT, H5P_DEFAULT), where,
+                "cannot create attribute " + name),
+             H5Aclose);
+  h5(H5Awrite(a.get(), mem_t, v), where, "cannot write attribute " + name);
+}
+
+void write_attr_u64(hid_t obj, const std::string& name, uint64_t v, const std::string& where) {
+  write_attr_raw(obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, where);
+}
+
+H5Handle open_attr(hid_t obj, const std::string& name, const std::string& where) {
+  if (H5Aexists(obj, name.c_str()) <= 0) throw CheckpointError(where + ": attribute " + name + " is missing");
+  return H5Handle(h5(H5Aopen(obj, name.c_str(), H5P_DEFAULT), where, "cannot open attribute " + name), H5Aclose);
+}
+
+}  // namespace
+
+void write_attr(hid_t obj, const std::string& name, int64_t v, const std::string& where) {
+  write_attr_raw(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v, where);
+}
+void write_attr(hid_t obj, const std::string& name, double v, const std::string& where) {
+  write_attr_raw(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, where);
+}
+void write_attr(hid_t obj, const std::string& name, const std::string& v, const std::string& where) {
+  H5Handle t(h5(H5Tcopy(H5T_C_S1), where, "H5Tcopy"), H5Tclose);
+  h5(H5Tset_size(t.get(), std::max<size_t>(1, v.size())), where, "H5Tset_size");
+  h5(H5Tset_strpad(t.get(), H5T_STR_NULLPAD), where, "H5Tset_strpad");
+  std::string buf = v.empty() ? std::string(1, '\0') : v;
+  write_attr_raw(obj, name, t.get(), t.get(), buf.data(), where);
+}
+
+int64_t read_attr_i64(hid_t obj, const std::string& name, const std::string& where) {
+  H5Handle a = open_attr(obj, name, where);
+  int64_t v = 0;
+  h5(H5Aread(a.get(), H5T_NATIVE_INT64, &v), where, "cannot read attribute " + name);
+  return v;
+}
+uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& where) {
+  H5Handle a = open_attr(obj, name, where);
+  uint64_t v = 0;
+  h5(H5Aread(a.get(), H5T_NATIVE_UINT64, &v), where, "cannot read attribute " + name);
+  return v;
+}
+double read_attr_f64(hid_t obj, const std::string& name, const std::string& where) {
+  H5Handle a = open_attr(obj, name, where);
+  double v = 0;
+  h5(H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v), where, "cannot read attribute " + name);
+  return v;
+}
+std::string read_attr_str(hid_t obj, const std::string& name, const std::string& where) {
+  H5Handle a = open_attr(obj, name, where);
+  H5Handle t(h5(H5Aget_type(a.get()), where, "attribute " + name), H5Tclose);
+  if (H5Tget_class(t.get()) != H5T_STRING || H5Tis_variable_str(t.get()) > 0)
+    throw CheckpointError(where + ": attribute " + name + " is not a fixed-length string");
+  std::string s(H5Tget_size(t.get()), '\0');
+  h5(H5Aread(a.get(), t.get(), s.data()), where, "cannot read attribute " + name);
+  s.resize(std::strlen(s.c_str()));
+  return s;
+}
+
+// ---------------------------------------------------------------- root attributes of a load
+
+Config stored_config(hid_t file, const std::string& where) {
+  const std::string yaml = read_attr_str(file, "config", where);
+  try {
+    return load_config(ConfigSource{where + " (stored config)", yaml, {}}, 0);
+  } catch (const std::exception& e) {
+    throw CheckpointError(where + ": the stored config is not valid: " + e.what());
+  }
+}
+
+void check_version(hid_t file, const std::string& where) {
+  const int64_t v = read_attr_i64(file, "format_version", where);
+  if (v != kCheckpointFormatVersion)
+    throw CheckpointError(where + ": format version " + std::to_string(v) + ", this build reads version " +
+                          std::to_string(kCheckpointFormatVersion));
+}
+
+// ---------------------------------------------------------------- files
+
+namespace {
+
+// MPI-IO hints: 128 MiB collective buffers (the default 32 MiB makes Open MPI's OMPIO write a
+// 1 GB checkpoint at half speed; ROMIO reads the same standard key).
+MPI_Info io_hints() {
+  static const MPI_Info info = [] {
+    MPI_Info i;
+    MPI_CHECK(MPI_Info_create(&i));
+    MPI_CHECK(MPI_Info_set(i, "cb_buffer_size", "134217728"));
+    return i;
+  }();
+  return info;
+}
+
+// The checks a rank can make alone before opening: every rank makes them and they agree (with
+// first_error) before the collective open, so that no rank is left waiting in it alone.
+std::string file_problem(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return path + ": no such file";
+  if (H5Fis_hdf5(path.c_str()) <= 0) {
+    H5Eclear2(H5E_DEFAULT);
+    return path + ": not an HDF5 file (or not readable)";
+  }
+  return "";
+}
+
+}  // namespace
+
+H5Handle create_file(const std::string& path, MPI_Comm comm) {
+  H5Handle fapl(h5(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
+  h5(H5Pset_fapl_mpio(fapl.get(), comm, io_hints()), path, "H5Pset_fapl_mpio");
+  h5(H5Pset_all_coll_metadata_ops(fapl.get(), true), path, "H5Pset_all_coll_metadata_ops");
+  h5(H5Pset_coll_metadata_write(fapl.get(), true), path, "H5Pset_coll_metadata_write");
+  return H5Handle(h5(H5Fcreate(path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), path, "cannot create the file"),
+                  H5Fclose);
+}
+
+H5Handle open_file(const std::string& path, MPI_Comm comm) {
+  std::string problem = file_problem(path);
+  if (comm != MPI_COMM_NULL) problem = first_error(comm, problem);
+  if (!problem.empty()) throw CheckpointError(problem);
+  H5Handle fapl(h5(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
+  if (comm != MPI_COMM_NULL) {
+    h5(H5Pset_fapl_mpio(fapl.get(), comm, io_hints()), path, "H5Pset_fapl_mpio");
+    h5(H5Pset_all_coll_metadata_ops(fapl.get(), true), path, "H5Pset_all_coll_metadata_ops");
+  }
+  return H5Handle(h5(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), path, "cannot open the file"), H5Fclose);
+}
+
+H5Handle collective_xfer(const std::string& where) {
+  H5Handle dxpl(h5(H5Pcreate(H5P_DATASET_XFER), where, "H5Pcreate"), H5Pclose);
+  h5(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE), where, "H5Pset_dxpl_mpio");
+  return dxpl;
+}
+
+void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, const std::string& where) {
+  const Rows mine = t.mine;
+  const std::string at = where + ": dataset " + t.path;
+  const hsize_t dims[2] = {hsize_t(t.rows), hsize_t(t.cols)};
+  H5Handle space(h5(H5Screate_simple(2, dims, nullptr), at, "H5Screate_simple"), H5Sclose);
+  H5Handle lcpl(h5(H5Pcreate(H5P_LINK_CREATE), at, "H5Pcreate"), H5Pclose);
+  h5(H5Pset_create_intermediate_group(lcpl.get(), 1), at, "H5Pset_create_intermediate_group");
+  H5Handle dcpl(h5(H5Pcreate(H5P_DATASET_CREATE), at, "H5Pcreate"), H5Pclose);
+  h5(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), at, "H5Pset_fill_time");
+  H5Handle ds(h5(H5Dcreate2(file, t.path.c_str(), file_type(t.dt), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT), at,
+                 "cannot create"),
+              H5Dclose);
+  write_attr_u64(ds.get(), "checksum", checksum, at);
+  if (t.dt == Dt::bf16) write_attr(ds.get(), "encoding", std::string("bfloat16"), at);
+  const hsize_t start[2] = {hsize_t(mine.r0), hsize_t(t.c0)}, count[2] = {hsize_t(mine.n), hsize_t(t.width())};
+  H5Handle mem(h5(H5Screate_simple(2, mine.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
+  const unsigned char dummy = 0;
+  const void* buf = &dummy;
+  if (mine.n > 0 && t.width() > 0) {
+    h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
+    buf = t.at(mine.r0);
+  } else {
+    h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
+    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
+  }
+  h5(H5Dwrite(ds.get(), file_type(t.dt), mem.get(), space.get(), dxpl, buf), at, "write failed");
+}
+
+DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
+                         int64_t c0, int64_t nc, std::initializer_list<Dt> allowed, const std::string& where, Dt dest_dt,
+                         void* dest) {
+  const std::string at = where + ": dataset " + path;
+  if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) {
+    H5Eclear2(H5E_DEFAULT);
+    throw CheckpointError(at + " is missing");
+  }
+  H5Handle ds(h5(H5Dopen2(file, path.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
+  H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
+  hsize_t dims[2] = {0, 0};
+  if (H5Sget_simple_extent_ndims(space.get()) != 2 || H5Sget_simple_extent_dims(space.get(), dims, nullptr) < 0 ||
+      int64_t(dims[0]) != rows || int64_t(dims[1]) != cols)
+    throw CheckpointError(at + ": shape (" + std::to_string(dims[0]) + ", " + std::to_string(dims[1]) +
+                          "), expected (" + std::to_string(rows) + ", " + std::to_string(cols) + ")");
+  H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
+  DatasetRead r;
+  if (!dt_of(type.get(), &r.dt) || std::find(allowed.begin(), allowed.end(), r.dt) == allowed.end())
+    throw CheckpointError(at + ": unexpected element type");
+  r.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
+  const size_t n = size_t(part.n * nc);
+  const hsize_t start[2] = {hsize_t(part.r0), hsize_t(c0)}, count[2] = {hsize_t(part.n), hsize_t(nc)};
+  H5Handle mem(h5(H5Screate_simple(2, part.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
+  if (n > 0) {
+    h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
+  } else {
+    h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
+    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
+  }
+  void* buf = nullptr;
+  if (dest && r.dt == dest_dt && n > 0) {
+    r.dest = dest;
+    h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, dest), at, "read failed");
+    return r;
+  }
+  switch (r.dt) {
+    case Dt::f32: r.f32.resize(n + 1), buf = r.f32.data(); break;  // + 1: never a null buffer
+    case Dt::bf16: r.bf16.resize(n + 1), buf = r.bf16.data(); break;
+    case Dt::i64: r.i64.resize(n + 1), buf = r.i64.data(); break;
+  }
+  h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, buf), at, "read failed");
+  r.f32.resize(r.f32.empty() ? 0 : n), r.bf16.resize(r.bf16.empty() ? 0 : n), r.i64.resize(r.i64.empty() ? 0 : n);
+  return r;
+}
+
+}  // namespace fp8moe::ckpt
+
+namespace fp8moe {
+
+// Declared in io/checkpoint.h.
+uint64_t checksum_term(uint64_t global_index, uint64_t bits) { return ckpt::term(global_index, bits); }
+
+}  // namespace fp8moe
