@@ -6,6 +6,7 @@
 #include <hdf5.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -53,9 +54,9 @@ void on_every_rank(MPI_Comm comm, Step&& step) {
 
 // The rows of a tensor with `rows` rows that this rank writes (and verifies): an even split over
 // the ranks, every row to exactly one of them.
+Rows rows_of(RowRange r) { return {r.begin, r.end - r.begin}; }
 Rows my_rows(int64_t rows, int rank, int size) {
-  const RowRange r = replica_rows(rows, rank, size);  // the same split as ZeRO-1's
-  return {r.begin, r.end - r.begin};
+  return rows_of(replica_rows(rows, rank, size));  // the same split as ZeRO-1's (model/placement.h)
 }
 
 // ---------------------------------------------------------------- config comparison
@@ -255,14 +256,13 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
 
   auto& params = *st->params;
   params.resize(table.params.size());
-  auto rows_of = [](RowRange r) { return Rows{r.begin, r.end - r.begin}; };
   // This rank's block of each parameter (the whole tensor without a model: generation).
   auto shard = [&](size_t i) { return st->model ? st->model->shard(i) : Shard{0, table.params[i].rows, 0, table.params[i].cols}; };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
     const Shard sh = shard(i);
     params[i].resize(size_t(sh.numel()));
-    read("/params/" + p.name, p.rows, p.cols, {Dt::f32}, Dt::f32, params[i].data(),
+    read(param_dataset(p.name), p.rows, p.cols, {Dt::f32}, Dt::f32, params[i].data(),
          sh.held() ? Rows{sh.r0, sh.rows} : Rows{0, 0},
          !sh.held() ? Rows{0, 0} : st->write_rows.empty() ? Rows{-1, 0} : rows_of(st->write_rows[i]), sh.c0, sh.cols);
   }
@@ -281,7 +281,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
         auto& m32 = opt.moment_fp32(which, i);
         auto& m16 = opt.moment_bf16(which, i);
         FP8MOE_ASSERT((bf16 ? m16.size() : m32.size()) == n, "moments of ", p.name, " not allocated");
-        const DatasetRead r = read(std::string(which == 0 ? "/optim/m/" : "/optim/v/") + p.name, p.rows, p.cols,
+        const DatasetRead r = read(moment_dataset(which, p.name), p.rows, p.cols,
                                    {Dt::f32, Dt::bf16}, bf16 ? Dt::bf16 : Dt::f32,
                                    bf16 ? static_cast<void*>(m16.data()) : static_cast<void*>(m32.data()), part,
                                    !st->moment_rows.empty() ? rows_of(st->moment_rows[i])
@@ -318,7 +318,8 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
           const std::string& full = tnames[size_t(i)];
           const size_t dot = full.rfind('.');
           const std::string field = dot == std::string::npos ? "" : full.substr(dot + 1);
-          const int f = field == "x" ? 0 : field == "w" ? 1 : field == "dy" ? 2 : -1;
+          const auto known = std::find(std::begin(kScalingFields), std::end(kScalingFields), field);
+          const int f = known == std::end(kScalingFields) ? -1 : int(known - std::begin(kScalingFields));
           if (f < 0) throw CheckpointError(path + ": /fp8 names an unknown tensor \"" + full + "\"");
           const int64_t w = table.index_of(full.substr(0, dot));
           if (w < 0 || (st->model && !st->model->holds(size_t(w)))) continue;  // not a weight of this rank
@@ -341,12 +342,8 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   if (comm != MPI_COMM_NULL)
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, partial.data(), int(partial.size()), MPI_UINT64_T, MPI_SUM, comm));
   for (size_t i = 0; i < names.size(); ++i) {
-    if (partial[i] != stored[i]) {
-      char buf[96];
-      std::snprintf(buf, sizeof buf, " (stored %016llx, computed %016llx)", (unsigned long long)stored[i],
-                    (unsigned long long)partial[i]);
-      throw CheckpointError(path + ": dataset " + names[i] + ": checksum mismatch: the data is corrupt" + buf);
-    }
+    if (partial[i] != stored[i])
+      throw CheckpointError(path + ": dataset " + names[i] + checksum_mismatch(stored[i], partial[i]));
     ++st->verified;
   }
 }
@@ -390,20 +387,19 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   auto whole = [&](std::string path, Dt dt, int64_t rows, int64_t cols, const void* data) {
     tensors.push_back({std::move(path), dt, rows, cols, data, 0, my_rows(rows, rank, size)});
   };
-  auto rows_of = [](RowRange r) { return Rows{r.begin, r.end - r.begin}; };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
     const Shard& sh = s.model->shard(i);
     const Rows mine = !sh.held() ? Rows{0, 0}
                       : s.write_rows.empty() ? my_rows(p.rows, rank, size)
                                              : rows_of(s.write_rows[i]);
-    tensors.push_back({"/params/" + p.name, Dt::f32, p.rows, p.cols, s.model->params()[i].data(), sh.r0, mine, sh.c0, sh.cols});
+    tensors.push_back({param_dataset(p.name), Dt::f32, p.rows, p.cols, s.model->params()[i].data(), sh.r0, mine, sh.c0, sh.cols});
   }
   for (int w = 0; w < 2; ++w)
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
-      const std::string dpath = std::string(w == 0 ? "/optim/m/" : "/optim/v/") + p.name;
+      const std::string dpath = moment_dataset(w, p.name);
       const void* data = s.opt->bf16_moments() ? static_cast<const void*>(s.opt->moment_bf16(w, i).data())
                                                : static_cast<const void*>(s.opt->moment_fp32(w, i).data());
       const Dt dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;

@@ -83,12 +83,7 @@ CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
       d.checked = true;
       d.computed_checksum = sum;
       d.ok = sum == d.stored_checksum;
-      if (!d.ok) {
-        char b[96];
-        std::snprintf(b, sizeof b, " (stored %016llx, computed %016llx)", (unsigned long long)d.stored_checksum,
-                      (unsigned long long)sum);
-        rep.problems.push_back(at + ": checksum mismatch: the data is corrupt" + b);
-      }
+      if (!d.ok) rep.problems.push_back(at + checksum_mismatch(d.stored_checksum, sum));
     });
     rep.datasets.push_back(std::move(d));
   }
@@ -105,8 +100,8 @@ CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
           rep.problems.push_back(rep.file + ": dataset " + p + " has the wrong shape");
       };
       for (const ParamSpec& p : build_param_table(cfg.model).params) {
-        expect("/params/" + p.name, p.rows, p.cols);
-        if (p.trainable) expect("/optim/m/" + p.name, p.rows, p.cols), expect("/optim/v/" + p.name, p.rows, p.cols);
+        expect(param_dataset(p.name), p.rows, p.cols);
+        if (p.trainable) expect(moment_dataset(0, p.name), p.rows, p.cols), expect(moment_dataset(1, p.name), p.rows, p.cols);
       }
     });
   }

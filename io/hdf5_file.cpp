@@ -115,6 +115,13 @@ uint64_t checksum_block(const void* data, Dt t, int64_t r0, int64_t n, int64_t c
   return sum;
 }
 
+std::string checksum_mismatch(uint64_t stored, uint64_t computed) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, " (stored %016llx, computed %016llx)", (unsigned long long)stored,
+                (unsigned long long)computed);
+  return std::string(": checksum mismatch: the data is corrupt") + buf;
+}
+
 // ---------------------------------------------------------------- attributes
 
 namespace {

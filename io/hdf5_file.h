@@ -70,6 +70,14 @@ const char* dt_name(Dt t);
 // other.
 bool dt_of(hid_t type, Dt* out);
 
+// ---------------------------------------------------------------- dataset names (io/checkpoint.h)
+
+inline std::string param_dataset(const std::string& name) { return "/params/" + name; }
+// which 0: the first moment (/optim/m/), 1: the second (/optim/v/).
+inline std::string moment_dataset(int which, const std::string& name) {
+  return (which == 0 ? "/optim/m/" : "/optim/v/") + name;
+}
+
 // ---------------------------------------------------------------- checksums
 
 inline constexpr const char* kChecksumScheme =
@@ -83,6 +91,8 @@ uint64_t checksum_part(const void* data, Dt t, int64_t n, int64_t first);
 // The terms of rows [r0, r0 + n) x columns [c0, c0 + nc) of a tensor with `cols` columns, held
 // row-major (n, nc) in data.
 uint64_t checksum_block(const void* data, Dt t, int64_t r0, int64_t n, int64_t c0, int64_t nc, int64_t cols);
+// ": checksum mismatch: the data is corrupt (stored ..., computed ...)", for a dataset's message.
+std::string checksum_mismatch(uint64_t stored, uint64_t computed);
 
 // ---------------------------------------------------------------- attributes
 
