@@ -53,7 +53,8 @@ int main(int argc, char** argv) {
       "Exit status: 0 success (also after train.exit_interval); 1 internal error (the job is aborted with\n"
       "MPI_Abort) or a checkpoint save that failed (the previous one is intact); 2 bad command line,\n"
       "config, file, checkpoint to resume from or world size (reported once by rank 0, every rank exits 2);\n"
-      "3 stopped by SIGUSR1 or SIGTERM after committing a checkpoint: run again (requeue) to continue.\n"
+      "3 stopped by SIGUSR1 or SIGTERM after committing a checkpoint: run again (requeue) to continue;\n"
+      "4 a rank made no progress for runtime.timeout_s (the watchdog aborted the job): requeue to resume.\n"
       "As root, Open MPI needs OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; more ranks\n"
       "than cores needs mpirun --oversubscribe.");
 

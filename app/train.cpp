@@ -15,6 +15,7 @@
 #include "kernels/device.h"
 #include "parallel/grid.h"
 #include "parallel/mpi_session.h"
+#include "parallel/watchdog.h"
 
 namespace fp8moe {
 namespace {
@@ -117,6 +118,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     std::fflush(stdout);
   }
   if (options.dry_run) return kExitOk;
+  const Watchdog watchdog(config.runtime.timeout_s, mpi.rank());  // ends a job with a stuck rank (exit 4)
   return train(config, grid);
 }
 

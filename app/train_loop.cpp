@@ -22,6 +22,7 @@
 #include "model/transformer.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_session.h"
+#include "parallel/watchdog.h"
 
 namespace fp8moe {
 namespace {
@@ -116,6 +117,7 @@ void announce_run(const Config& cfg, const Transformer& model, const AdamW& opt,
 
 // The stop signal any rank received (0: none); every rank gets the same answer.
 int agreed_stop_signal(MPI_Comm world) {
+  const WatchScope watch("stop-signal agreement", "world");
   int signal = int(g_stop_signal);
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &signal, 1, MPI_INT, MPI_MAX, world));
   return signal;
@@ -135,10 +137,11 @@ void install_stop_handlers() {
 int train(const Config& cfg, const ProcessGrid& grid) {
   // The groups' collectives over MPI or NCCL (runtime.comm, resolved by app/train.cpp); the
   // pipeline's point-to-point transfers over MPI also under NCCL (see runtime.comm).
-  MpiCommunicator world(grid.world()), pipe(grid.pipeline());
+  MpiCommunicator world(grid.world(), "world"), pipe(grid.pipeline(), "pp");
   const bool nccl = cfg.runtime.comm == CommChoice::nccl;
-  const auto dp = make_group_communicator(grid.data(), nccl), tp = make_group_communicator(grid.tensor(), nccl),
-             ep = make_group_communicator(grid.expert(), nccl), edp = make_group_communicator(grid.expert_data(), nccl);
+  const auto dp = make_group_communicator(grid.data(), nccl, "dp"), tp = make_group_communicator(grid.tensor(), nccl, "tp"),
+             ep = make_group_communicator(grid.expert(), nccl, "ep"),
+             edp = make_group_communicator(grid.expert_data(), nccl, "edp");
   const TrainGroups groups{tp.get(), ep.get(), dp.get(), edp.get(), &pipe, &world};
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike: every rank returns the same status, only rank 0 speaks.
@@ -209,11 +212,13 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     const auto t0 = Clock::now();
     // Forward and backward of every micro-batch; gradients summed over the replicas, averaged
     // over the micro-batches and unscaled; AdamW; the router biases.
+    watch_step(step + 1, "forward and backward");
     model.zero_grads();
     comm.start_step();
     StepLocal local;
     const float used_scale = scaler.scale();
     const StepTotals totals = runner.train_step(*data.train, progress.samples, used_scale, &local);
+    watch_step(step + 1, "gradient sync and optimizer");
     sync.reduce_gradients(model.grads());
     const float unscale = 1.0f / (float(M) * used_scale);
     if (unscale != 1.0f)
@@ -238,6 +243,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     bubble /= double(P);
     const bool final_step = step + 1 == cfg.train.steps;
     const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || final_step);
+    watch_step(step + 1, "evaluation and metrics");
     if (evaluated) progress.last_val_loss = runner.validation_loss(*data.val);
     if ((step + 1) % cfg.log.every == 0 || final_step)
       reporter.report({.step = step + 1, .loss = totals.loss, .val_loss = evaluated ? progress.last_val_loss : NAN,
@@ -250,6 +256,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
 
     // Checkpoints: every checkpoint.every steps, at the end, at train.exit_interval (then exit),
     // and after a stop signal on any rank (every rank stops after this same step; exit 3, requeue).
+    watch_step(0, nullptr);  // a checkpoint save is watched call by call, not as a step
     const bool periodic = cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
     const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !final_step;
     if ((periodic || final_step || exit_now) && !checkpoint()) return kExitFailure;

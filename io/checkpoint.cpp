@@ -21,6 +21,7 @@
 #include "kernels/check.h"
 #include "kernels/fp8.h"
 #include "parallel/mpi_session.h"
+#include "parallel/watchdog.h"
 
 namespace fp8moe {
 namespace fs = std::filesystem;
@@ -39,6 +40,7 @@ void on_every_rank(MPI_Comm comm, Step&& step) {
   int kind = kNone;
   std::string error;
   try {
+    const WatchScope watch("checkpoint I/O");  // HDF5's collectives inside: the watchdog's limit applies
     step();
   } catch (const CheckpointMismatch& e) {
     kind = kMismatch, error = e.what();

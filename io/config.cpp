@@ -437,6 +437,10 @@ const std::vector<Field>& schema() {
                        "Collectives of the tensor, data and expert groups: mpi, nccl (needs runtime.device cuda and "
                        "a GPU per rank), or auto (nccl when both hold, else mpi). The pipeline's point-to-point "
                        "stays on MPI."));
+    v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
+                     "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
+                     "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "
+                     "call; 0 = no watchdog."));
     return v;
   }();
   return fields;

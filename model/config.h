@@ -150,6 +150,9 @@ struct RuntimeConfig {
   // backend has run on a GPU (README, CUDA backend): no config moves onto it unasked.
   DeviceChoice device = DeviceChoice::cpu;
   CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda, mpi on cpu
+  // Watchdog limit (parallel/watchdog.h): longer than this in one collective, checkpoint I/O call
+  // or training step ends the job. Generous: a step of a large model, a save on a slow file system.
+  double timeout_s = 600;
   bool operator==(const RuntimeConfig&) const = default;
 };
 

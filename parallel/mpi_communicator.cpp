@@ -6,6 +6,7 @@
 
 #include "kernels/check.h"
 #include "parallel/mpi_session.h"
+#include "parallel/watchdog.h"
 
 #ifdef FP8MOE_HAVE_CUDA
 #include "parallel/nccl_communicator.h"
@@ -26,7 +27,7 @@ void allreduce_chunked(MPI_Comm comm, T* data, int64_t n, MPI_Datatype type, MPI
 
 }  // namespace
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, const char* name) : comm_(comm), name_(name) {
   MPI_CHECK(MPI_Comm_rank(comm, &rank_));
   MPI_CHECK(MPI_Comm_size(comm, &size_));
 }
@@ -36,6 +37,7 @@ int64_t ring_allreduce_bytes(int p, int64_t bytes) { return p > 1 ? 2 * (p - 1) 
 // Counts the textbook bytes, then reduces in MPI-sized pieces.
 template <class T>
 void MpiCommunicator::allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op) {
+  const WatchScope watch("allreduce", name_);
   bytes_sent_ += ring_allreduce_bytes(size_, n * int64_t(sizeof(T)));
   allreduce_chunked(comm_, data, n, type, op);
 }
@@ -46,8 +48,14 @@ void MpiCommunicator::allreduce_sum(int64_t* d, int64_t n) { allreduce(d, n, MPI
 void MpiCommunicator::allreduce_sum(uint64_t* d, int64_t n) { allreduce(d, n, MPI_UINT64_T, MPI_SUM); }
 void MpiCommunicator::allreduce_max(float* d, int64_t n) { allreduce(d, n, MPI_FLOAT, MPI_MAX); }
 void MpiCommunicator::allreduce_max(double* d, int64_t n) { allreduce(d, n, MPI_DOUBLE, MPI_MAX); }
-void MpiCommunicator::broadcast(std::string& text, int root) { broadcast_string(comm_, text, root); }
-void MpiCommunicator::barrier() { MPI_CHECK(MPI_Barrier(comm_)); }
+void MpiCommunicator::broadcast(std::string& text, int root) {
+  const WatchScope watch("broadcast", name_);
+  broadcast_string(comm_, text, root);
+}
+void MpiCommunicator::barrier() {
+  const WatchScope watch("barrier", name_);
+  MPI_CHECK(MPI_Barrier(comm_));
+}
 
 namespace {
 int as_count(int64_t n, const char* what) {
@@ -57,16 +65,19 @@ int as_count(int64_t n, const char* what) {
 }  // namespace
 
 void MpiCommunicator::allgather(const float* in, int64_t n, float* out) {
+  const WatchScope watch("allgather", name_);
   bytes_sent_ += int64_t(size_ - 1) * n * 4;
   MPI_CHECK(MPI_Allgather(in, as_count(n, "allgather"), MPI_FLOAT, out, int(n), MPI_FLOAT, comm_));
 }
 
 void MpiCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n) {
+  const WatchScope watch("reduce_scatter", name_);
   bytes_sent_ += int64_t(size_ - 1) * n * 4;
   MPI_CHECK(MPI_Reduce_scatter_block(in, out, as_count(n, "reduce_scatter"), MPI_FLOAT, MPI_SUM, comm_));
 }
 
 void MpiCommunicator::reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
+  const WatchScope watch("reduce_scatterv", name_);
   std::vector<int> c(static_cast<size_t>(size_));
   int64_t total = 0;
   for (int j = 0; j < size_; ++j) c[size_t(j)] = as_count(counts[j], "reduce_scatterv"), total += counts[j];
@@ -76,6 +87,7 @@ void MpiCommunicator::reduce_scatterv_sum(const float* in, float* out, const int
 }
 
 void MpiCommunicator::allgatherv(const float* in, float* out, const int64_t* counts) {
+  const WatchScope watch("allgatherv", name_);
   std::vector<int> c(static_cast<size_t>(size_)), d(static_cast<size_t>(size_));
   int64_t total = 0;
   for (int j = 0; j < size_; ++j) c[size_t(j)] = as_count(counts[j], "allgatherv"), d[size_t(j)] = as_count(total, "allgatherv"), total += counts[j];
@@ -84,11 +96,13 @@ void MpiCommunicator::allgatherv(const float* in, float* out, const int64_t* cou
 }
 
 void MpiCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
+  const WatchScope watch("alltoall", name_);
   bytes_sent_ += int64_t(size_ - 1) * n * 8;
   MPI_CHECK(MPI_Alltoall(send, as_count(n, "alltoall"), MPI_INT64_T, recv, int(n), MPI_INT64_T, comm_));
 }
 
 void MpiCommunicator::alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) {
+  const WatchScope watch("alltoallv", name_);
   const auto p = static_cast<size_t>(size_);
   std::vector<int> sc(p), sd(p), rc(p), rd(p);
   int64_t so = 0, ro = 0;
@@ -102,11 +116,13 @@ void MpiCommunicator::alltoallv(const float* send, const int64_t* send_counts, f
 }
 
 void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
+  const WatchScope watch("send", name_);
   bytes_sent_ += n * 4;
   MPI_CHECK(MPI_Send(data, as_count(n, "send"), MPI_FLOAT, peer, tag, comm_));
 }
 
 void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
+  const WatchScope watch("recv", name_);
   MPI_CHECK(MPI_Recv(data, as_count(n, "recv"), MPI_FLOAT, peer, tag, comm_, MPI_STATUS_IGNORE));
 }
 
@@ -123,17 +139,18 @@ void MpiCommunicator::isend(const float* data, int64_t n, int peer, int tag) {
 
 void MpiCommunicator::wait_sends() {
   if (pending_.empty()) return;
+  const WatchScope watch("wait for sends", name_);
   MPI_CHECK(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE));
   pending_.clear();
 }
 
-std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl) {
+std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl, const char* name) {
 #ifdef FP8MOE_HAVE_CUDA
-  if (nccl) return std::make_unique<NcclCommunicator>(comm);
+  if (nccl) return std::make_unique<NcclCommunicator>(comm, name);
 #else
   FP8MOE_ASSERT(!nccl, "NCCL communicators need the CUDA backend (this build has none)");
 #endif
-  return std::make_unique<MpiCommunicator>(comm);
+  return std::make_unique<MpiCommunicator>(comm, name);
 }
 
 }  // namespace fp8moe

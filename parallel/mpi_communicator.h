@@ -12,10 +12,11 @@
 namespace fp8moe {
 
 // Over an MPI communicator (not owned; it must outlive this object). Errors are fatal
-// (MPI_CHECK: every rank is aborted).
+// (MPI_CHECK: every rank is aborted). `name` (static: "dp", "world") names the group in the
+// watchdog's report (parallel/watchdog.h); every call is watched.
 class MpiCommunicator final : public Communicator {
  public:
-  explicit MpiCommunicator(MPI_Comm comm);
+  explicit MpiCommunicator(MPI_Comm comm, const char* name = "world");
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   MPI_Comm comm() const { return comm_; }
@@ -43,11 +44,12 @@ class MpiCommunicator final : public Communicator {
   void allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op);
   std::vector<MPI_Request> pending_;
   MPI_Comm comm_;
+  const char* name_;
   int rank_ = 0, size_ = 1;
 };
 
 // The communicator of one process group: NCCL (nccl true; needs the CUDA backend and its device
-// chosen) or MPI. Collective over `comm`.
-std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl);
+// chosen) or MPI. Collective over `comm`. `name`: as MpiCommunicator's.
+std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl, const char* name);
 
 }  // namespace fp8moe

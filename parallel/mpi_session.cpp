@@ -7,6 +7,7 @@
 
 #include "kernels/check.h"
 #include "kernels/device.h"
+#include "parallel/watchdog.h"
 
 #ifdef FP8MOE_HAVE_CUDA
 #include <nccl.h>
@@ -35,6 +36,7 @@ MpiSession::~MpiSession() {
 }
 
 void broadcast_string(MPI_Comm comm, std::string& text, int root) {
+  const WatchScope watch("broadcast");
   long long n = static_cast<long long>(text.size());
   MPI_CHECK(MPI_Bcast(&n, 1, MPI_LONG_LONG, root, comm));
   text.resize(static_cast<size_t>(n));
@@ -43,12 +45,14 @@ void broadcast_string(MPI_Comm comm, std::string& text, int root) {
 }
 
 bool any_rank(MPI_Comm comm, bool flag) {
+  const WatchScope watch("agreement (any rank)");
   int local = flag ? 1 : 0, global = 0;
   MPI_CHECK(MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MAX, comm));
   return global != 0;
 }
 
 std::string first_error(MPI_Comm comm, const std::string& error, int* kind) {
+  const WatchScope watch("agreement (first error)");
   int rank = 0, size = 1;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   MPI_CHECK(MPI_Comm_size(comm, &size));

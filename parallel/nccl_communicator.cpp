@@ -1,8 +1,11 @@
 #include "parallel/nccl_communicator.h"
 
+#include <mutex>
 #include <numeric>
+#include <set>
 
 #include "kernels/check.h"
+#include "parallel/watchdog.h"
 
 namespace fp8moe {
 namespace {
@@ -23,7 +26,22 @@ void stage_out(const cuda::Buffer<T>& b, T* host, int64_t n) {
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(MPI_Comm comm) : comm_(comm) {
+namespace {
+
+// The live NCCL communicators, which the watchdog aborts before it ends the job: a rank blocked in
+// an NCCL operation does not return to MPI_Abort's signal otherwise.
+std::mutex g_live_mu;
+std::set<ncclComm_t> g_live;
+
+void abort_live_comms() {
+  std::lock_guard<std::mutex> lock(g_live_mu);
+  for (ncclComm_t c : g_live) ncclCommAbort(c);
+  g_live.clear();
+}
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(MPI_Comm comm, const char* name) : comm_(comm), name_(name) {
   MPI_CHECK(MPI_Comm_rank(comm, &rank_));
   MPI_CHECK(MPI_Comm_size(comm, &size_));
   cuda::context();  // the device must be chosen first
@@ -31,17 +49,26 @@ NcclCommunicator::NcclCommunicator(MPI_Comm comm) : comm_(comm) {
   if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
   MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, comm));
   NCCL_CHECK(ncclCommInitRank(&nccl_, size_, id, rank_));
+  static std::once_flag hooked;
+  std::call_once(hooked, [] { watch_on_abort(abort_live_comms); });
+  std::lock_guard<std::mutex> lock(g_live_mu);
+  g_live.insert(nccl_);
 }
 
 NcclCommunicator::~NcclCommunicator() {
   if (nccl_) {
     wait_sends();
+    {
+      std::lock_guard<std::mutex> lock(g_live_mu);
+      g_live.erase(nccl_);
+    }
     ncclCommDestroy(nccl_);
   }
 }
 
 template <class T>
 void NcclCommunicator::allreduce(T* data, int64_t n, ncclDataType_t type, ncclRedOp_t op) {
+  const WatchScope watch("allreduce", name_);
   if (n == 0) return;
   cuda::Buffer<T> d = stage_in(data, n);
   NCCL_CHECK(ncclAllReduce(d.get(), d.get(), size_t(n), type, op, nccl_, cuda::context().comm));
@@ -57,6 +84,7 @@ void NcclCommunicator::allreduce_max(float* d, int64_t n) { allreduce(d, n, nccl
 void NcclCommunicator::allreduce_max(double* d, int64_t n) { allreduce(d, n, ncclFloat64, ncclMax); }
 
 void NcclCommunicator::broadcast(std::string& text, int root) {
+  const WatchScope watch("broadcast", name_);
   // Text (configs, error messages) is small and host-side: MPI carries it.
   int64_t len = int64_t(text.size());
   MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT64_T, root, comm_));
@@ -65,11 +93,13 @@ void NcclCommunicator::broadcast(std::string& text, int root) {
 }
 
 void NcclCommunicator::barrier() {
+  const WatchScope watch("barrier", name_);
   float one = 1.0f;
   allreduce(&one, 1, ncclFloat32, ncclSum);
 }
 
 void NcclCommunicator::allgather(const float* in, int64_t n, float* out) {
+  const WatchScope watch("allgather", name_);
   if (n == 0) return;
   cuda::Buffer<float> din = stage_in(in, n), dout(n * size_);
   NCCL_CHECK(ncclAllGather(din.get(), dout.get(), size_t(n), ncclFloat32, nccl_, cuda::context().comm));
@@ -78,6 +108,7 @@ void NcclCommunicator::allgather(const float* in, int64_t n, float* out) {
 }
 
 void NcclCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n) {
+  const WatchScope watch("reduce_scatter", name_);
   if (n == 0) return;
   cuda::Buffer<float> din = stage_in(in, n * size_), dout(n);
   NCCL_CHECK(ncclReduceScatter(din.get(), dout.get(), size_t(n), ncclFloat32, ncclSum, nccl_, cuda::context().comm));
@@ -87,6 +118,7 @@ void NcclCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n
 
 // Uneven blocks: NCCL has no v-collectives; grouped reductions to each owner / broadcasts from it.
 void NcclCommunicator::reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
+  const WatchScope watch("reduce_scatterv", name_);
   const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
   if (total == 0) return;
   cuda::Buffer<float> din = stage_in(in, total), dout(counts[rank_]);
@@ -105,6 +137,7 @@ void NcclCommunicator::reduce_scatterv_sum(const float* in, float* out, const in
 }
 
 void NcclCommunicator::allgatherv(const float* in, float* out, const int64_t* counts) {
+  const WatchScope watch("allgatherv", name_);
   const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
   if (total == 0) return;
   cuda::Buffer<float> dout(total);
@@ -125,6 +158,7 @@ void NcclCommunicator::allgatherv(const float* in, float* out, const int64_t* co
 }
 
 void NcclCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
+  const WatchScope watch("alltoall", name_);
   if (n == 0) return;
   cuda::Buffer<int64_t> ds = stage_in(send, n * size_), dr(n * size_);
   cudaStream_t s = cuda::context().comm;
@@ -140,6 +174,7 @@ void NcclCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
 
 void NcclCommunicator::alltoallv(const float* send, const int64_t* send_counts, float* recv,
                                  const int64_t* recv_counts) {
+  const WatchScope watch("alltoallv", name_);
   const int64_t ns = std::accumulate(send_counts, send_counts + size_, int64_t(0));
   const int64_t nr = std::accumulate(recv_counts, recv_counts + size_, int64_t(0));
   cuda::Buffer<float> ds = stage_in(send, ns), dr(nr);
@@ -157,6 +192,7 @@ void NcclCommunicator::alltoallv(const float* send, const int64_t* send_counts, 
 }
 
 void NcclCommunicator::send(const float* data, int64_t n, int peer, int tag) {
+  const WatchScope watch("send", name_);
   isend(data, n, peer, tag);
   wait_sends();
 }
@@ -175,6 +211,7 @@ void NcclCommunicator::post_pending_sends() {
 }
 
 void NcclCommunicator::recv(float* data, int64_t n, int peer, int /*tag: NCCL matches in call order*/) {
+  const WatchScope watch("recv", name_);
   if (n == 0) return;
   cuda::Buffer<float> d(n);
   cuda::comm_waits_for_compute();
@@ -192,6 +229,7 @@ void NcclCommunicator::isend(const float* data, int64_t n, int peer, int /*tag*/
 }
 
 void NcclCommunicator::wait_sends() {
+  const WatchScope watch("wait for sends", name_);
   if (pending_.empty()) return;
   NCCL_CHECK(ncclGroupStart());
   post_pending_sends();

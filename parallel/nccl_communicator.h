@@ -22,7 +22,9 @@ class NcclCommunicator final : public Communicator {
  public:
   // Collective over `comm` (not owned; used for the id broadcast and for broadcast(string)).
   // Needs the CUDA context (set_compute_device(cuda) first).
-  explicit NcclCommunicator(MPI_Comm comm);
+  // `name` (static) names the group in the watchdog's report; the watchdog aborts the NCCL
+  // communicator before it ends a hung job (parallel/watchdog.h).
+  NcclCommunicator(MPI_Comm comm, const char* name);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -61,6 +63,7 @@ class NcclCommunicator final : public Communicator {
   };
   void post_pending_sends();
   MPI_Comm comm_;
+  const char* name_;
   ncclComm_t nccl_ = nullptr;
   int rank_ = 0, size_ = 1;
   std::vector<PendingSend> pending_;

@@ -29,8 +29,8 @@ class Nccl : public testing::Test {
       GTEST_SKIP() << "NCCL needs a GPU of its own per rank: "
                    << (gpus == 0 ? why : std::to_string(gpus) + " GPUs for " + std::to_string(place.local_size) + " ranks on a node");
     ASSERT_TRUE(set_compute_device(ComputeDevice::cuda, place.local_rank, &why)) << why;
-    nccl = make_group_communicator(MPI_COMM_WORLD, true);
-    mpi = make_group_communicator(MPI_COMM_WORLD, false);
+    nccl = make_group_communicator(MPI_COMM_WORLD, true, "world");
+    mpi = make_group_communicator(MPI_COMM_WORLD, false, "world");
   }
   std::unique_ptr<Communicator> nccl, mpi;
 };

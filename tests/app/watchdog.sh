@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The watchdog (runtime.timeout_s): one rank of a RANKS-rank run is frozen with SIGSTOP mid-training;
+# the others wait in a collective it never joins. Within the limit + 10 s the job must end with
+# exit 4 and a report naming the rank, the step and phase, and the call it is stuck in; then a
+# rerun resumes from the last committed checkpoint.
+#
+# usage: watchdog.sh FP8MOE MPIEXEC RANKS
+set -uo pipefail
+exe=$1 mpiexec=$2 ranks=$3
+source "$(dirname "$0")/common.sh"
+tmp=$(mktemp -d /tmp/fp8moe-watchdog-XXXXXX)
+ompi_session_dir "$tmp"
+cleanup() {
+  pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null  # a frozen rank the launcher left behind
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+limit=3
+
+prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
+small_moe_config "$tmp/cfg.yaml" "$tmp/data/lic" 100000 0 "{dir: $tmp/ckpt, every: 10, keep_last: 2}"
+echo "runtime: {timeout_s: $limit}" >>"$tmp/cfg.yaml"
+
+"$mpiexec" -n "$ranks" "$exe" train "$tmp/cfg.yaml" >"$tmp/a.txt" 2>"$tmp/a.err" &
+launcher=$!
+for _ in $(seq 600); do grep -q "^step *25/" "$tmp/a.txt" && break; sleep 0.05; done
+grep -q "^step *25/" "$tmp/a.txt" || fail "the run did not reach step 25: $(tail -3 "$tmp/a.err")"
+victim=$(pgrep -f "$exe train $tmp/cfg.yaml" | grep -v "^$launcher$" | tail -1)
+[[ -n $victim ]] || fail "no rank process found"
+kill -STOP "$victim"
+t0=$(date +%s%N)
+( sleep $((limit + 30)); kill -KILL "$launcher" 2>/dev/null ) &
+guard=$!
+wait "$launcher"
+status=$?
+t1=$(date +%s%N)
+kill "$guard" 2>/dev/null
+ms=$(((t1 - t0) / 1000000))
+took=$((ms / 1000)).$((ms % 1000 / 100))
+[[ $status == 4 ]] || fail "a frozen rank: exit $status, not 4, after $took s: $(tail -3 "$tmp/a.err")"
+((ms <= (limit + 10) * 1000)) || fail "the job ended $took s after the freeze, more than $limit + 10"
+report=$(grep -m1 "no progress for" "$tmp/a.err") || fail "no watchdog report: $(tail -3 "$tmp/a.err")"
+[[ $report =~ rank\ [0-9]+:\ no\ progress\ for\ [0-9]+\ s.*step\ [0-9]+\ \(.*\),\ in\ .* ]] ||
+  fail "the report does not name the rank, step, phase and call: $report"
+kill -KILL "$victim" 2>/dev/null
+
+# The rerun resumes from the newest committed checkpoint (a multiple of 10, at least 20).
+last=$(sed -n 's/^checkpoint .*step_\([0-9]*\) committed$/\1/p' "$tmp/a.txt" | tail -1)
+[[ -n $last ]] || fail "no checkpoint was committed before the freeze"
+"$mpiexec" -n "$ranks" "$exe" train "$tmp/cfg.yaml" --set train.steps=$((10#$last + 2)) >"$tmp/b.txt" 2>&1 ||
+  fail "the rerun failed: $(tail -3 "$tmp/b.txt")"
+grep -q "resumed from $tmp/ckpt/step_$last" "$tmp/b.txt" || fail "the rerun did not resume from step_$last"
+echo "watchdog: SIGSTOP of 1 of $ranks ranks after step 25 -> exit 4 after $took s" \
+  "(runtime.timeout_s $limit); report: ${report#fp8moe: error: }; the rerun resumed from step_$last"
