@@ -8,7 +8,7 @@
 
 #include "app/exit_codes.h"
 #include "io/config.h"
-#include "io/token_data.h"
+#include "io/text.h"
 #include "io/checkpoint.h"
 #include "model/sampling.h"
 #include "model/transformer.h"
@@ -16,7 +16,9 @@
 namespace fp8moe {
 
 int run_generate(const GenerateOptions& o) {
-  if (o.tokens < 0) return usage_error("--tokens: expected a number >= 0");
+  if (o.tokens < 0 || o.tokens > kMaxGenerateTokens)
+    return usage_error("--tokens: expected a number in [0, " + std::to_string(kMaxGenerateTokens) + "], got " +
+                       std::to_string(o.tokens));
   if (!(o.temperature >= 0)) return usage_error("--temperature: expected a number >= 0 (0 = greedy)");
   if (o.top_k < 0) return usage_error("--top-k: expected a number >= 0 (0 = all)");
   std::vector<std::vector<float>> params;
@@ -37,7 +39,11 @@ int run_generate(const GenerateOptions& o) {
   std::vector<int32_t> ctx = {0};
   for (unsigned char c : o.prompt)
     if (c) ctx.push_back(c);
-  std::string generated;
+  // Streamed: each byte is printed (and flushed) as it is sampled, except the start of a UTF-8
+  // sequence, which waits for the bytes that finish it.
+  std::printf("%s", printable_utf8(o.prompt).c_str());
+  std::fflush(stdout);
+  std::string pending;
   const int64_t window = cfg.train.seq_len;
   for (int i = 0; i < o.tokens; ++i) {
     const int64_t T = std::min<int64_t>(int64_t(ctx.size()), window);
@@ -47,9 +53,15 @@ int run_generate(const GenerateOptions& o) {
                                       (double(r.v[0]) + 0.5) * 0x1p-32);
     if (next == 0) break;  // the end of a document
     ctx.push_back(next);
-    generated += char(next);
+    if (int64_t(ctx.size()) > 2 * window) ctx.erase(ctx.begin(), ctx.end() - window);  // the model sees `window`
+    pending += char(next);
+    if (const size_t n = utf8_complete_prefix(pending); n > 0) {
+      std::fputs(printable_utf8(pending.substr(0, n)).c_str(), stdout);
+      std::fflush(stdout);
+      pending.erase(0, n);
+    }
   }
-  std::printf("%s%s\n", printable_utf8(o.prompt).c_str(), printable_utf8(generated).c_str());
+  std::printf("%s\n", printable_utf8(pending).c_str());
   return kExitOk;
 }
 

@@ -6,6 +6,9 @@
 
 namespace fp8moe {
 
+// --tokens at most (a bound against a typo of a few zeros: each token is one forward pass).
+constexpr int kMaxGenerateTokens = 1000000;
+
 struct GenerateOptions {
   std::string checkpoint;  // a checkpoint.dir (its latest) or a step directory
   std::string prompt;
@@ -15,7 +18,8 @@ struct GenerateOptions {
   uint64_t seed = 1;
 };
 
-// Prints the prompt and a sample continuation (bytes that are not valid UTF-8 shown as \xNN).
+// Prints the prompt and a sample continuation, streamed as it is sampled (bytes that are not valid
+// UTF-8 shown as \xNN); stops at a document end or after o.tokens bytes.
 // Returns the exit status.
 int run_generate(const GenerateOptions& options);
 

@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--checkpoint", gen.checkpoint, "A checkpoint.dir (the checkpoint its `latest` names) or one step_<N> directory")
       ->required();
   gen_cmd->add_option("--prompt", gen.prompt, "Text to continue")->required();
-  gen_cmd->add_option("--tokens", gen.tokens, "Bytes to generate at most (default 200; stops at a document end)");
+  gen_cmd->add_option("--tokens", gen.tokens, "Bytes to generate at most (default 200, at most 1000000; stops at a document end; printed as they come)");
   gen_cmd->add_option("--temperature", gen.temperature, "Sampling temperature; 0 = greedy (default 0.8)");
   gen_cmd->add_option("--top-k", gen.top_k, "Sample among the k most likely bytes; 0 = all (default 40)");
   gen_cmd->add_option("--seed", gen.seed, "Sampling seed (default 1)");

@@ -256,7 +256,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
 
     // Checkpoints: every checkpoint.every steps, at the end, at train.exit_interval (then exit),
     // and after a stop signal on any rank (every rank stops after this same step; exit 3, requeue).
-    watch_step(0, nullptr);  // a checkpoint save is watched call by call, not as a step
+    watch_step_done("checkpoint and stop signal");  // watched call by call, not as part of the step
     const bool periodic = cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
     const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !final_step;
     if ((periodic || final_step || exit_now) && !checkpoint()) return kExitFailure;

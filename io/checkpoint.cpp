@@ -32,11 +32,11 @@ namespace {
 
 // Runs one step of a save or a load on this rank, then agrees with the other ranks of `comm`
 // (MPI_COMM_NULL: this process alone): when any rank threw a CheckpointError, every rank throws
-// the lowest failing rank's, of the same type (CheckpointMismatch stays one). Every step that a
+// the lowest failing rank's, of the same type (CheckpointMismatch and CheckpointUnreadable stay so). Every step that a
 // collective call follows goes through here, so that no rank goes on into it alone.
 template <class Step>
 void on_every_rank(MPI_Comm comm, Step&& step) {
-  enum Kind : int { kNone = 0, kError = 1, kMismatch = 2 };
+  enum Kind : int { kNone = 0, kError = 1, kMismatch = 2, kUnreadable = 3 };
   int kind = kNone;
   std::string error;
   try {
@@ -44,6 +44,8 @@ void on_every_rank(MPI_Comm comm, Step&& step) {
     step();
   } catch (const CheckpointMismatch& e) {
     kind = kMismatch, error = e.what();
+  } catch (const CheckpointUnreadable& e) {
+    kind = kUnreadable, error = e.what();
   } catch (const CheckpointError& e) {
     kind = kError, error = e.what();
   }
@@ -51,6 +53,7 @@ void on_every_rank(MPI_Comm comm, Step&& step) {
   if (comm != MPI_COMM_NULL) error = first_error(comm, error, &kind);
   if (error.empty()) return;
   if (kind == kMismatch) throw CheckpointMismatch(error);
+  if (kind == kUnreadable) throw CheckpointUnreadable(error);
   if (kind == kError) throw CheckpointError(error);
 }
 
@@ -372,7 +375,12 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   const std::string dir = cfg.checkpoint.dir, name = checkpoint_name(s.progress->step);
   const std::string final_dir = dir + "/" + name, tmp_dir = final_dir + ".tmp";
   const std::string path = tmp_dir + "/" + kCheckpointFile;
-  FaultPoint fault(rank);
+  FaultPoint fault(rank, dir);
+  // The watchdog's limit on a close that may never return (parallel/watchdog.h): after a failed
+  // write, at most 5 s; for a close of a file written without error, runtime.timeout_s.
+  const double limit = cfg.runtime.timeout_s > 0 ? cfg.runtime.timeout_s : 600.0;
+  const double failed_limit = std::min(limit, 5.0);
+  constexpr int kExitFailure = 1;  // app/exit_codes.h
 
   on_every_rank(comm, [&] {
     if (rank != 0) return;
@@ -430,6 +438,14 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   }
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
 
+  // Room for the file, before any rank writes: the datasets' bytes, and for HDF5's metadata 2 KiB a
+  // dataset (measured: about 520 bytes), the config text and 64 KiB.
+  double need = 65536 + double(config_to_yaml(cfg).size() + 2048 * tensors.size());
+  for (const Tensor& t : tensors) need += double(t.rows) * double(t.cols) * double(dt_size(t.dt));
+  on_every_rank(comm, [&] {
+    if (rank == 0) check_space(tmp_dir, int64_t(need));
+  });
+
   std::string created;
   if (rank == 0) {
     const std::time_t now = std::time(nullptr);
@@ -442,44 +458,101 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   // Write (every rank, collectively), agreeing after every dataset so that no rank goes on alone.
   {
     H5Handle file, dxpl;
-    on_every_rank(comm, [&] {
-      file = create_file(path, comm);
-      dxpl = collective_xfer(path);
-      const hid_t f = file.get();
-      const TrainProgress& pr = *s.progress;
-      write_attr(f, "format_version", int64_t(kCheckpointFormatVersion), path);
-      write_attr(f, "step", pr.step, path);
-      write_attr(f, "samples", pr.samples, path);
-      write_attr(f, "tokens", pr.tokens, path);
-      write_attr(f, "seed", int64_t(cfg.train.seed), path);
-      write_attr(f, "last_val_loss", pr.last_val_loss, path);
-      write_attr(f, "loss_scale", double(s.scaler->scale()), path);
-      write_attr(f, "loss_scale_good_steps", s.scaler->good_steps(), path);
-      write_attr(f, "adam_updates", s.opt->updates(), path);
-      write_attr(f, "adam_skipped", s.opt->skipped(), path);
-      write_attr(f, "config", config_to_yaml(cfg), path);
-      write_attr(f, "layout", s.layout, path);
-      write_attr(f, "code_version", std::string("fp8moe " FP8MOE_VERSION), path);
-      write_attr(f, "checksum_scheme", std::string(kChecksumScheme), path);
-      write_attr(f, "created", created, path);  // rank 0's clock: attribute data must agree
-    });
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      on_every_rank(comm, [&] {
-        write_dataset(file.get(), dxpl.get(), tensors[i], sums[i], path);
-        if (i + 1 == tensors.size() && n_sc > 0) {
-          H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), path, "cannot open group /fp8"), H5Gclose);
-          write_attr(g.get(), "tensors", join_lines(sc.names), path + ": /fp8");
-          write_attr(g.get(), "history_len", sc.len, path + ": /fp8");
-        }
-      });
-      fault.hit();
-    }
-    on_every_rank(comm, [&] {  // every rank wrote and closed
+    // Closing a file: HDF5's close runs collectives (metadata flush, MPI-IO close), and a close that
+    // fails on one rank, or a write that failed on some, can leave the ranks in different ones. So
+    // every close is guarded: if it does not finish, the watchdog ends the job with the save's
+    // message (exit 1); a close that fails leaves HDF5 unable to shut down, so that ends the job too.
+    auto close_file = [&](const std::string& failure, double guard_s) {
+      const std::string message = "checkpoint save failed: " + failure +
+                                  " (the previous checkpoint is intact); closing " + path +
+                                  " did not finish on every rank: ending the job";
+      const WatchScope guard("closing a checkpoint file", guard_s, kExitFailure, message);
       dxpl.reset();
-      const bool closed = file.reset() >= 0;
-      fault.hit();
-      if (!closed) throw CheckpointError(path + ": closing the file failed (HDF5: " + h5_error_text() + ")");
+      if (file.reset() < 0)
+        abort_job("rank " + std::to_string(rank) + ": checkpoint save failed: " + failure +
+                      " (the previous checkpoint is intact); HDF5 could not close " + path + " (" + h5_error_text() +
+                      "): ending the job",
+                  kExitFailure);
+    };
+    try {
+      on_every_rank(comm, [&] {
+        file = create_file(path, comm);
+        dxpl = collective_xfer(path);
+        const hid_t f = file.get();
+        const TrainProgress& pr = *s.progress;
+        write_attr(f, "format_version", int64_t(kCheckpointFormatVersion), path);
+        write_attr(f, "step", pr.step, path);
+        write_attr(f, "samples", pr.samples, path);
+        write_attr(f, "tokens", pr.tokens, path);
+        write_attr(f, "seed", int64_t(cfg.train.seed), path);
+        write_attr(f, "last_val_loss", pr.last_val_loss, path);
+        write_attr(f, "loss_scale", double(s.scaler->scale()), path);
+        write_attr(f, "loss_scale_good_steps", s.scaler->good_steps(), path);
+        write_attr(f, "adam_updates", s.opt->updates(), path);
+        write_attr(f, "adam_skipped", s.opt->skipped(), path);
+        write_attr(f, "config", config_to_yaml(cfg), path);
+        write_attr(f, "layout", s.layout, path);
+        write_attr(f, "code_version", std::string("fp8moe " FP8MOE_VERSION), path);
+        write_attr(f, "checksum_scheme", std::string(kChecksumScheme), path);
+        write_attr(f, "created", created, path);  // rank 0's clock: attribute data must agree
+      });
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        on_every_rank(comm, [&] {
+          write_dataset(file.get(), dxpl.get(), tensors[i], sums[i], path);
+          if (i + 1 == tensors.size() && n_sc > 0) {
+            H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), path, "cannot open group /fp8"), H5Gclose);
+            write_attr(g.get(), "tensors", join_lines(sc.names), path + ": /fp8");
+            write_attr(g.get(), "history_len", sc.len, path + ": /fp8");
+          }
+        });
+        fault.hit();
+        if (i == 0) fault.fill_at("first-dataset");
+        if (i == tensors.size() / 2) fault.fill_at("middle");
+      }
+      fault.fill_at("before-close");
+    } catch (const CheckpointError& e) {  // every rank is here: on_every_rank agreed
+      close_file(e.what(), failed_limit);
+      throw;
+    }
+    close_file(path + ": the file system may be full, or a rank stopped", limit);
+    on_every_rank(comm, [&] { fault.hit(); });
+  }
+
+  // Read back before the commit, every rank its own rows: a write that did not reach the file
+  // (MPI-IO can report a failed write that HDF5 does not pass on) never becomes a checkpoint.
+  {
+    H5Handle file, dxpl;
+    std::vector<uint64_t> back(tensors.size(), 0), attr(tensors.size(), 0);
+    auto reading_back = [&](auto&& step) {
+      try {
+        step();
+      } catch (const CheckpointError& e) {
+        throw CheckpointError(std::string("reading the written file back: ") + e.what() +
+                              ": not every write reached the file system (is it full?)");
+      }
+    };
+    on_every_rank(comm, [&] {
+      reading_back([&] {
+        file = open_file(path, comm);
+        dxpl = collective_xfer(path);
+      });
     });
+    for (size_t i = 0; i < tensors.size(); ++i)
+      on_every_rank(comm, [&] {
+        const Tensor& t = tensors[i];
+        reading_back([&] {
+          const DatasetRead r = read_dataset(file.get(), dxpl.get(), t.path, t.rows, t.cols, t.mine, t.c0, t.width(),
+                                             {t.dt}, path, t.dt, nullptr);
+          back[i] = t.mine.n > 0 ? checksum_block(r.data(), t.dt, t.mine.r0, t.mine.n, t.c0, t.width(), t.cols) : 0;
+          attr[i] = r.stored_checksum;
+        });
+      });
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, back.data(), int(back.size()), MPI_UINT64_T, MPI_SUM, comm));
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (back[i] != sums[i] || attr[i] != sums[i])
+        throw CheckpointError("reading the written file back: " + path + ": dataset " + tensors[i].path +
+                              checksum_mismatch(sums[i], back[i] != sums[i] ? back[i] : attr[i]) +
+                              ": not every write reached the file system (is it full?)");
   }
 
   // Commit (rank 0): fsync, rename, fsync the directory, replace `latest`, prune.
@@ -492,7 +565,12 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
 std::string resolve_checkpoint_dir(const std::string& path) {
   std::error_code ec;
   if (fs::is_regular_file(path + "/" + kCheckpointFile, ec)) return path;
-  if (!fs::is_directory(path, ec)) throw CheckpointError(path + ": no such checkpoint directory");
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw CheckpointUnreadable(path + "/" + kCheckpointFile + ": cannot read: " + ec.message());
+  if (!fs::is_directory(path, ec)) {
+    if (ec && ec != std::errc::no_such_file_or_directory) throw CheckpointUnreadable(path + ": cannot read: " + ec.message());
+    throw CheckpointError(path + ": no such checkpoint directory");
+  }
   std::string problem;
   const std::string name = read_latest(path, &problem);
   if (name.empty())
@@ -513,9 +591,12 @@ std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
       list = resolve_checkpoint_dir(c.resume) + "\n";
     } else {
       std::error_code ec;
-      const auto all = fs::is_directory(c.dir, ec) ? committed_checkpoints(c.dir) : decltype(committed_checkpoints(""))();
+      const bool exists = fs::is_directory(c.dir, ec);
+      if (ec && ec != std::errc::no_such_file_or_directory)
+        throw CheckpointUnreadable(c.dir + ": cannot read: " + ec.message());
+      const auto all = exists ? committed_checkpoints(c.dir) : decltype(committed_checkpoints(""))();
       std::string problem;
-      const std::string latest = fs::is_directory(c.dir, ec) ? read_latest(c.dir, &problem) : "";
+      const std::string latest = exists ? read_latest(c.dir, &problem) : "";
       if (!latest.empty()) list += c.dir + "/" + latest + "\n";
       else if (!all.empty())
         std::fprintf(stderr, "fp8moe: WARNING: %s; falling back to the newest valid checkpoint in %s\n",
@@ -542,6 +623,8 @@ std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
       load_into(candidates[i], comm, s.cfg, &st);
     } catch (const CheckpointMismatch&) {
       throw;
+    } catch (const CheckpointUnreadable&) {
+      throw;  // not damage: an older checkpoint would only hide it
     } catch (const CheckpointError& e) {
       if (c.resume != "auto") throw;
       failures += std::string("\n  ") + e.what();

@@ -45,6 +45,12 @@ struct CheckpointError : std::runtime_error {
 struct CheckpointMismatch : CheckpointError {
   using CheckpointError::CheckpointError;
 };
+// A checkpoint, `latest` or checkpoint directory that exists but cannot be read (permission, I/O
+// error): not damage, so no reason to fall back to an older checkpoint or to start afresh. The
+// message names the path and the error.
+struct CheckpointUnreadable : CheckpointError {
+  using CheckpointError::CheckpointError;
+};
 
 // The trainer's progress besides the tensors.
 struct TrainProgress {
@@ -85,8 +91,9 @@ std::string checkpoint_name(int64_t step);
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 
 // checkpoint.resume: "none" starts fresh; "auto" loads <dir>/latest when the directory holds
-// checkpoints, and when that one is missing or unusable says so on stderr and falls back to the
-// newest older valid one; a path loads that checkpoint (a step directory, or a checkpoint.dir with
+// checkpoints, and when that one is missing or damaged says so on stderr and falls back to the
+// newest older valid one (a directory, `latest` or file that cannot be read is an error:
+// CheckpointUnreadable, never a fresh start or a fall-back); a path loads that checkpoint (a step directory, or a checkpoint.dir with
 // a `latest`). Verifies the format version, the model's shape keys (CheckpointMismatch naming each
 // differing key) and every dataset's checksum. Collective over `comm`. Returns the directory
 // loaded, or "" for a fresh start. Throws CheckpointError when nothing usable is found (auto) or

@@ -4,7 +4,10 @@
 #include "io/checkpoint_commit.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <signal.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +18,8 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <string>
+#include <vector>
 
 #include "io/checkpoint.h"
 
@@ -23,11 +28,30 @@ namespace fs = std::filesystem;
 
 // ---------------------------------------------------------------- fault injection
 
-FaultPoint::FaultPoint(int rank) {
+FaultPoint::FaultPoint(int rank, std::string dir) : dir_(std::move(dir)) {
   const char* v = std::getenv("FP8MOE_CKPT_KILL");
   int r = -1;
   long long k = -1;
   if (v && std::sscanf(v, "%d:%lld", &r, &k) == 2 && r == rank) k_ = k;
+  v = std::getenv("FP8MOE_CKPT_FILL");
+  char point[32] = {};
+  if (v && std::sscanf(v, "%d:%31s", &r, point) == 2 && r == rank) fill_point_ = point;
+}
+
+void FaultPoint::fill_at(const char* point) {
+  if (fill_point_ != point) return;
+  struct statfs fs {};
+  if (::statfs(dir_.c_str(), &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
+    std::fprintf(stderr, "fp8moe: warning: FP8MOE_CKPT_FILL: %s is not on a tmpfs: not filled\n", dir_.c_str());
+    return;
+  }
+  const std::string path = dir_ + "/fill.bin";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return;
+  std::vector<char> zeros(1 << 16, 0);
+  for (size_t chunk = zeros.size(); chunk > 0;)  // until not even one byte fits
+    if (::write(fd, zeros.data(), chunk) <= 0) chunk /= 2;
+  ::close(fd);
 }
 
 void FaultPoint::hit() {
@@ -50,6 +74,12 @@ void fsync_path(const std::string& path) {
   if (rc != 0) throw CheckpointError(path + ": fsync failed: " + std::strerror(err));
 }
 
+std::string megabytes(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
+  return buf;
+}
+
 const std::regex& step_dir_pattern() {
   static const std::regex re("step_([0-9]{8})");
   return re;
@@ -57,14 +87,41 @@ const std::regex& step_dir_pattern() {
 
 }  // namespace
 
+void check_space(const std::string& dir, int64_t bytes) {
+  const std::string path = dir + "/space.check";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) throw CheckpointError(path + ": cannot create: " + std::strerror(errno));
+  int err = ::fallocate(fd, 0, 0, off_t(bytes)) == 0 ? 0 : errno;
+  ::close(fd);
+  ::unlink(path.c_str());
+  if (err == EOPNOTSUPP || err == ENOSYS) {  // no preallocation here: compare with the free space
+    struct statvfs st {};
+    if (::statvfs(dir.c_str(), &st) != 0) throw CheckpointError(dir + ": statvfs failed: " + std::strerror(errno));
+    err = double(st.f_bavail) * double(st.f_frsize) < double(bytes) ? ENOSPC : 0;
+  }
+  if (err == ENOSPC || err == EDQUOT) {
+    struct statvfs st {};
+    const double free_bytes = ::statvfs(dir.c_str(), &st) == 0 ? double(st.f_bavail) * double(st.f_frsize) : 0;
+    throw CheckpointError(dir + ": " + std::strerror(err) + ": the checkpoint needs about " + megabytes(double(bytes)) +
+                          ", " + megabytes(free_bytes) + " are free");
+  }
+  if (err != 0) throw CheckpointError(path + ": cannot allocate " + megabytes(double(bytes)) + ": " + std::strerror(err));
+}
+
 std::vector<std::pair<int64_t, std::string>> committed_checkpoints(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
+  fs::directory_iterator it(dir, ec);
+  if (ec) throw CheckpointUnreadable(dir + ": cannot list: " + ec.message());
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
     std::smatch m;
-    const std::string name = e.path().filename().string();
-    if (e.is_directory(ec) && std::regex_match(name, m, step_dir_pattern())) out.emplace_back(std::stoll(m[1]), name);
+    const std::string name = it->path().filename().string();
+    std::error_code type_ec;
+    if (it->is_directory(type_ec) && std::regex_match(name, m, step_dir_pattern())) out.emplace_back(std::stoll(m[1]), name);
+    if (type_ec && std::regex_match(name, step_dir_pattern()))
+      throw CheckpointUnreadable(dir + "/" + name + ": cannot read: " + type_ec.message());
   }
+  if (ec) throw CheckpointUnreadable(dir + ": cannot list: " + ec.message());
   std::sort(out.rbegin(), out.rend());
   return out;
 }
@@ -72,10 +129,14 @@ std::vector<std::pair<int64_t, std::string>> committed_checkpoints(const std::st
 std::string read_latest(const std::string& dir, std::string* problem) {
   const std::string path = dir + "/latest";
   std::error_code ec;
-  if (!fs::exists(path, ec)) return *problem = path + " does not exist", "";
+  const bool exists = fs::exists(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) throw CheckpointUnreadable(path + ": cannot read: " + ec.message());
+  if (!exists) return *problem = path + " does not exist", "";
   std::ifstream in(path);
+  if (!in) throw CheckpointUnreadable(path + ": cannot read: " + std::strerror(errno));
   std::string name;
   std::getline(in, name);
+  if (in.bad()) throw CheckpointUnreadable(path + ": cannot read: " + std::strerror(errno));
   if (!std::regex_match(name, step_dir_pattern()) || !fs::is_directory(dir + "/" + name, ec)) {
     std::string shown = name.substr(0, 40);
     for (char& c : shown)
@@ -107,6 +168,7 @@ void commit_checkpoint(const std::string& dir, const std::string& name, int keep
     fault.hit();
     fsync_path(dir);
     fault.hit();
+    fault.fill_at("before-latest");
     const std::string latest = dir + "/latest", latest_tmp = latest + ".tmp";
     {
       std::ofstream out(latest_tmp, std::ios::trunc);

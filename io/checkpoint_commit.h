@@ -11,16 +11,27 @@
 
 namespace fp8moe::ckpt {
 
-// FP8MOE_CKPT_KILL=RANK:K (io/checkpoint.h): on rank RANK, the K-th hit() sends SIGKILL to this
-// process.
+// Fault injection for the tests (io/checkpoint.h).
+//   FP8MOE_CKPT_KILL=RANK:K   on rank RANK, the K-th hit() sends SIGKILL to this process.
+//   FP8MOE_CKPT_FILL=RANK:P   on rank RANK, when the save reaches point P (fill_at(P): first-dataset,
+//                             middle, before-close, before-latest), fills the file system of the
+//                             checkpoint directory, as another job writing there would. Only on a
+//                             tmpfs; elsewhere it refuses with a warning.
 class FaultPoint {
  public:
-  explicit FaultPoint(int rank);
+  FaultPoint(int rank, std::string dir);
   void hit();
+  void fill_at(const char* point);
 
  private:
   long long k_ = -1, count_ = 0;
+  std::string fill_point_, dir_;
 };
+
+// Fails (CheckpointError naming the directory, the bytes needed and free) unless `bytes` can be
+// allocated in the file system of `dir` now: a scratch file is allocated (fallocate) and deleted;
+// where the file system cannot preallocate, its free space (statvfs) is compared instead.
+void check_space(const std::string& dir, int64_t bytes);
 
 // Committed checkpoints of a directory, newest (highest step) first.
 std::vector<std::pair<int64_t, std::string>> committed_checkpoints(const std::string& dir);

@@ -1,8 +1,10 @@
 #include "io/config.h"
 
 #include "io/read_file.h"
+#include "io/text.h"
 #include "parallel/grid.h"  // grid_layout_problem: the world-size rules
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -37,7 +39,7 @@ std::string describe(const YAML::Node& node) {
     case YAML::NodeType::Null: return "nothing (an empty value)";
     case YAML::NodeType::Map: return "a mapping";
     case YAML::NodeType::Sequence: return "a list";
-    case YAML::NodeType::Scalar: return "'" + node.Scalar() + "'";
+    case YAML::NodeType::Scalar: return "'" + shown(node.Scalar()) + "'";  // control bytes escaped, long values cut
     default: return "an undefined value";
   }
 }
@@ -440,7 +442,7 @@ const std::vector<Field>& schema() {
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "
-                     "call; 0 = no watchdog."));
+                     "call; 0 = no limit."));
     return v;
   }();
   return fields;
@@ -503,11 +505,26 @@ std::string suggestion(const std::string& unknown) {
   if (!hint.empty()) {
     msg += "; did you mean " + hint + "?";
   } else {
+    // The keys of the nearest section that exists: "model.foo.bar" lists model's keys (saying there
+    // is no section model.foo), "a.b" the top-level sections.
+    std::string sec = parent(path), missing;
+    auto children = [&](const std::string& s) {
+      std::vector<std::string> out;
+      for (const std::string& p : all_paths()) {
+        if (!s.empty() && p.rfind(s + ".", 0) != 0) continue;
+        const std::string rest = s.empty() ? p : p.substr(s.size() + 1);
+        const std::string child = rest.substr(0, rest.find('.'));
+        if (std::find(out.begin(), out.end(), child) == out.end()) out.push_back(child);
+      }
+      return out;
+    };
+    while (!sec.empty() && children(sec).empty()) missing = sec, sec = parent(sec);
     std::string keys;
-    const std::string sec = parent(path);
-    for (const std::string& p : all_paths())
-      if (parent(p) == sec) keys += (keys.empty() ? "" : ", ") + leaf(p);
-    msg += "; expected one of: " + keys;
+    for (const std::string& c : children(sec)) keys += (keys.empty() ? "" : ", ") + c;
+    if (!missing.empty())
+      msg += "; there is no section " + missing + (sec.empty() ? "; the sections are: " : "; " + sec + " has: ") + keys;
+    else
+      msg += "; expected one of: " + keys;
   }
   throw ConfigError(msg);
 }
@@ -716,8 +733,11 @@ Config load_config(const ConfigSource& source, int world_size) {
       throw ConfigError(location(source.file, docs[1].Mark()) + ": a config file holds one YAML document; found " +
                         std::to_string(docs.size()));
     if (!docs.empty()) root = docs[0];
+  } catch (const YAML::DeepRecursion& e) {
+    throw ConfigError(location(source.file, e.mark) +
+                      ": YAML nested too deeply (past the parser's recursion limit; a config nests three levels)");
   } catch (const YAML::ParserException& e) {
-    throw ConfigError(location(source.file, e.mark) + ": YAML syntax error: " + e.msg);
+    throw ConfigError(location(source.file, e.mark) + ": YAML syntax error: " + shown(e.msg, 200));
   }
   if (!root.IsNull() && !root.IsMap()) fail(location(source.file, root.Mark()), "(top level)", describe(root), "a mapping of keys");
   if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);

@@ -3,7 +3,11 @@
 // each rank writes and reads by rows.
 #include "io/hdf5_file.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -223,13 +227,28 @@ MPI_Info io_hints() {
 }
 
 // The checks a rank can make alone before opening: every rank makes them and they agree (with
-// first_error) before the collective open, so that no rank is left waiting in it alone.
-std::string file_problem(const std::string& path) {
+// first_error) before the collective open, so that no rank is left waiting in it alone. What is
+// wrong with the file at `path` ("" when it looks like HDF5); *unreadable: the problem is an I/O
+// or permission error, not damage.
+std::string file_problem(const std::string& path, bool* unreadable) {
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return path + ": no such file";
+  *unreadable = false;
+  if (!fs::is_regular_file(path, ec)) {
+    *unreadable = ec && ec != std::errc::no_such_file_or_directory;
+    return *unreadable ? path + ": cannot read: " + ec.message() : path + ": no such file";
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  char byte = 0;
+  const ssize_t got = fd < 0 ? -1 : ::pread(fd, &byte, 1, 0);
+  const int err = errno;
+  if (fd >= 0) ::close(fd);
+  if (got < 0) {
+    *unreadable = true;
+    return path + ": cannot read: " + std::strerror(err);
+  }
   if (H5Fis_hdf5(path.c_str()) <= 0) {
     H5Eclear2(H5E_DEFAULT);
-    return path + ": not an HDF5 file (or not readable)";
+    return path + ": not an HDF5 file";
   }
   return "";
 }
@@ -246,8 +265,14 @@ H5Handle create_file(const std::string& path, MPI_Comm comm) {
 }
 
 H5Handle open_file(const std::string& path, MPI_Comm comm) {
-  std::string problem = file_problem(path);
-  if (comm != MPI_COMM_NULL) problem = first_error(comm, problem);
+  bool unreadable = false;
+  std::string problem = file_problem(path, &unreadable);
+  if (comm != MPI_COMM_NULL) {
+    int kind = unreadable ? 1 : 0;
+    problem = first_error(comm, problem, &kind);
+    unreadable = kind == 1;
+  }
+  if (!problem.empty() && unreadable) throw CheckpointUnreadable(problem);
   if (!problem.empty()) throw CheckpointError(problem);
   H5Handle fapl(h5(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
   if (comm != MPI_COMM_NULL) {

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -32,10 +33,23 @@ struct State {
   bool stop = false;
   std::thread thread;
   std::vector<std::function<void()>> hooks;
+  // The innermost guard (WatchScope with a limit of its own): its limit (0: none), status, message.
+  int64_t guard_limit = 0;
+  int guard_exit = 0;
+  std::string guard_message;
 };
 State& state() {
   static State s;
   return s;
+}
+
+void run_abort_hooks() {
+  std::vector<std::function<void()>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(state().mu);
+    hooks = state().hooks;
+  }
+  for (auto& h : hooks) h();
 }
 
 [[noreturn]] void end_job(int rank, double limit, const char* which, double stuck_s) {
@@ -45,19 +59,16 @@ State& state() {
   const int64_t step = g_marks.step.load();
   char in[160] = "no collective";
   if (what) std::snprintf(in, sizeof in, "in %s%s%s", what, group ? " over " : "", group ? group : "");
-  char at[96] = "between steps";
-  if (step > 0) std::snprintf(at, sizeof at, "step %lld (%s)", (long long)step, phase ? phase : "?");
+  char at[128] = "before the first step";
+  if (step > 0)
+    std::snprintf(at, sizeof at, "%sstep %lld (%s)", g_marks.step_since.load() > 0 ? "" : "after ", (long long)step,
+                  phase ? phase : "?");
   std::fprintf(stderr,
                "fp8moe: error: rank %d: no progress for %.0f s (%s longer than runtime.timeout_s = %.0f s): %s, %s; "
                "a rank is stopped, dead or hung: ending the job (exit %d, requeue-able)\n",
                rank, stuck_s, which, limit, at, in, kWatchdogExit);
   std::fflush(stderr);
-  std::vector<std::function<void()>> hooks;
-  {
-    std::lock_guard<std::mutex> lock(state().mu);
-    hooks = state().hooks;
-  }
-  for (auto& h : hooks) h();
+  run_abort_hooks();
   MPI_Abort(MPI_COMM_WORLD, kWatchdogExit);
   std::_Exit(kWatchdogExit);  // NOTE: MPI_Abort does not return; should it, this rank still ends
 }
@@ -65,7 +76,6 @@ State& state() {
 }  // namespace
 
 Watchdog::Watchdog(double timeout_s, int rank) {
-  if (timeout_s <= 0) return;
   State& s = state();
   FP8MOE_ASSERT(!s.thread.joinable(), "one Watchdog per process");
   s.stop = false;
@@ -73,13 +83,20 @@ Watchdog::Watchdog(double timeout_s, int rank) {
   const int64_t limit = int64_t(timeout_s * 1e9);
   s.thread = std::thread([&s, limit, timeout_s, rank] {
     std::unique_lock<std::mutex> lock(s.mu);
-    while (!s.cv.wait_for(lock, std::chrono::milliseconds(500), [&s] { return s.stop; })) {
+    while (!s.cv.wait_for(lock, std::chrono::milliseconds(250), [&s] { return s.stop; })) {
       const int64_t t = now_ns(), since = g_marks.since.load(), step_since = g_marks.step_since.load();
+      if (s.guard_limit > 0 && since > 0 && t - since > s.guard_limit) {
+        const std::string message = s.guard_message;
+        const int code = s.guard_exit;
+        lock.unlock();
+        abort_job("rank " + std::to_string(rank) + ": " + message, code);
+      }
+      if (limit <= 0) continue;
       if (since > 0 && t - since > limit) {
         lock.unlock();
         end_job(rank, timeout_s, "one call", double(t - since) * 1e-9);
       }
-      if (g_marks.step.load() > 0 && step_since > 0 && t - step_since > limit) {
+      if (step_since > 0 && t - step_since > limit) {
         lock.unlock();
         end_job(rank, timeout_s, "one step", double(t - step_since) * 1e-9);
       }
@@ -108,7 +125,18 @@ WatchScope::WatchScope(const char* what, const char* group)
   g_marks.since.store(now_ns(), std::memory_order_release);
 }
 
+WatchScope::WatchScope(const char* what, double limit_s, int exit_code, const std::string& message)
+    : WatchScope(what) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  state().guard_limit = int64_t(limit_s * 1e9), state().guard_exit = exit_code, state().guard_message = message;
+  guard_ = true;
+}
+
 WatchScope::~WatchScope() {
+  if (guard_) {  // one guard at a time; its limit applies to the innermost call inside it
+    std::lock_guard<std::mutex> lock(state().mu);
+    state().guard_limit = 0;
+  }
   g_marks.since.store(0, std::memory_order_relaxed);
   g_marks.what.store(what_, std::memory_order_relaxed);
   g_marks.group.store(group_, std::memory_order_relaxed);
@@ -118,11 +146,25 @@ WatchScope::~WatchScope() {
 }
 
 void watch_step(int64_t step, const char* phase) {
-  if (step != g_marks.step.load(std::memory_order_relaxed)) {
-    g_marks.step_since.store(step > 0 ? now_ns() : 0, std::memory_order_relaxed);
+  if (step != g_marks.step.load(std::memory_order_relaxed) || g_marks.step_since.load(std::memory_order_relaxed) == 0) {
+    g_marks.step_since.store(0, std::memory_order_relaxed);
     g_marks.step.store(step, std::memory_order_relaxed);
+    g_marks.step_since.store(now_ns(), std::memory_order_relaxed);
   }
   g_marks.phase.store(phase, std::memory_order_release);
+}
+
+void watch_step_done(const char* phase) {
+  g_marks.step_since.store(0, std::memory_order_relaxed);
+  g_marks.phase.store(phase, std::memory_order_release);
+}
+
+void abort_job(const std::string& message, int exit_code) {
+  std::fprintf(stderr, "fp8moe: error: %s\n", message.c_str());
+  std::fflush(stderr);
+  run_abort_hooks();
+  MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
 }
 
 void watch_on_abort(std::function<void()> hook) {

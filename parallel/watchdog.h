@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 namespace fp8moe {
 
@@ -19,7 +20,8 @@ constexpr int kWatchdogExit = 4;
 
 class Watchdog {
  public:
-  // Starts the thread (timeout_s > 0; 0: no watchdog). One per process at a time.
+  // Starts the thread; one per process at a time. timeout_s 0: no limit on calls and steps (the
+  // guards below still hold).
   Watchdog(double timeout_s, int rank);
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
@@ -31,9 +33,14 @@ class Watchdog {
 
 // From construction to destruction the main thread is in `what` (a static string: "allreduce",
 // "checkpoint save") over `group` ("dp", "world", or nullptr). Nested scopes restore the outer one.
+// A guard (limit_s > 0) has its own limit, and past it the watchdog prints `message` instead of
+// its report and ends the job with `exit_code`: for calls that may never return after a failure
+// (closing an HDF5 file whose writes failed on some ranks), so that the job ends with the failure's
+// message and status rather than waiting. Needs a running Watchdog; without one it only marks.
 class WatchScope {
  public:
   explicit WatchScope(const char* what, const char* group = nullptr);
+  WatchScope(const char* what, double limit_s, int exit_code, const std::string& message);
   ~WatchScope();
   WatchScope(const WatchScope&) = delete;
   WatchScope& operator=(const WatchScope&) = delete;
@@ -41,11 +48,19 @@ class WatchScope {
  private:
   const char *what_, *group_;
   int64_t since_;
+  bool guard_ = false;
 };
 
-// In training step `step` (1-based), doing `phase` (a static string); step 0: between steps (the
-// step limit does not apply, e.g. during a checkpoint save whose calls are watched one by one).
+// Prints "fp8moe: error: MESSAGE" on stderr and ends the whole job with exit_code (MPI_Abort; the
+// watchdog's abort hooks run first). For a failure after which this rank cannot take part in the
+// collectives the others are in.
+[[noreturn]] void abort_job(const std::string& message, int exit_code);
+
+// In training step `step` (1-based), doing `phase` (a static string): the step limit applies from
+// the first mark of a step. watch_step_done: the step is over and `phase` follows it (a checkpoint
+// save, whose calls are watched one by one): no step limit, the report says "after step N".
 void watch_step(int64_t step, const char* phase);
+void watch_step_done(const char* phase);
 
 // Runs on the watchdog's thread just before MPI_Abort. Not removable: register objects that live
 // until the end of the job, or make the hook check their lifetime.

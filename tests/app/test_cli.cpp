@@ -162,6 +162,11 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
     EXPECT_EQ(ref.status, 0) << ref.all();
     std::printf("%s", ref.out.c_str());
   }
+  // A typo of a few zeros is refused, not run for days (output is streamed, so a long run shows).
+  r = run({exe(), "generate", "--checkpoint", tmp.path + "/ckpt", "--prompt", "x", "--tokens", "2000000000"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("fp8moe: error: --tokens: expected a number in [0, 1000000], got 2000000000"), std::string::npos)
+      << r.err;
   r = run({exe(), "generate", "--checkpoint", tmp.path + "/nothing", "--prompt", "x"});
   EXPECT_EQ(r.status, 2) << r.all();
   EXPECT_NE(r.err.find("fp8moe: error: --checkpoint: " + tmp.path + "/nothing: no such checkpoint directory"),
@@ -240,6 +245,10 @@ struct BadConfig {
 
 void PrintTo(const BadConfig& c, std::ostream* os) { *os << c.name; }
 
+// A 100,000-byte value, and a config nested far deeper than any (the parser's recursion limit).
+const std::string kLongValue = "model:\n  d_model: " + std::string(100000, 'x') + "\n";
+const std::string kDeepNesting = "model: " + std::string(10000, '[') + std::string(10000, ']') + "\n";
+
 const BadConfig kBadConfigs[] = {
     // unknown keys and structure
     {"unknown_section", "modle:\n  d_model: 64\n", "modle", "1:1", "did you mean model?"},
@@ -263,6 +272,12 @@ const BadConfig kBadConfigs[] = {
     // YAML syntax
     {"unclosed_flow_list", "model:\n  d_model: [64\n", "YAML syntax error", "", ""},
     {"tab_indentation", "model:\n\td_model: 64\n", "YAML syntax error", "", ""},
+    {"control_byte_in_yaml_error", "a: \"\\\x05\"\n", "YAML syntax error", "", "unknown escape character: \\x05"},
+    {"nested_too_deep", kDeepNesting.c_str(), "YAML nested too deeply", "", "a config nests three levels"},
+    // what the message shows of a value
+    {"long_value_cut", kLongValue.c_str(), "model.d_model", "2:12", "x... (100000 bytes)', expected an integer"},
+    {"control_bytes_escaped", "model:\n  d_model: \"\\x01\\x1b[31m\"\n", "model.d_model", "2:12",
+     "got the quoted string '\\x01\\x1B[31m'"},
     // types and ranges: model
     {"int_not_a_number", "model:\n  d_model: abc\n", "model.d_model", "2:12", "expected an integer in [1, 1048576]"},
     {"int_is_fractional", "model:\n  d_model: 64.5\n", "model.d_model", "2:12", "got '64.5'"},
@@ -344,6 +359,10 @@ const BadConfig kBadConfigs[] = {
     {"set_bad_type", "", "model.d_model", "", "--set model.d_model=abc: model.d_model: got 'abc'", {"model.d_model=abc"}},
     {"set_unknown_key", "", "model.d_modle", "", "--set model.d_modle=64: model.d_modle: unknown key; did you mean model.d_model?", {"model.d_modle=64"}},
     {"set_section", "", "model", "", "is a section", {"model=5"}},
+    {"set_unknown_sections", "", "a.b.c.d", "", "unknown key; there is no section a; the sections are: model, parallel, train",
+     {"a.b.c.d=1"}},
+    {"set_unknown_subsection", "", "model.foo.bar", "", "there is no section model.foo; model has: vocab_size, d_model",
+     {"model.foo.bar=1"}},
     {"set_without_equals", "", "--set model.d_model", "", "expected key.path=value", {"model.d_model"}},
     {"set_bad_yaml", "", "model.n_layers", "", "a YAML value", {"model.n_layers=[1"}},
     {"set_into_scalar_section", "model: 5\n", "model", "1:8", "expected a mapping of keys", {"model.d_model=64"}},

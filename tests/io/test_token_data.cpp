@@ -285,16 +285,6 @@ TEST(DataBlend, SamplesComeFromTheirDataSet) {
   }
 }
 
-TEST(TokenData, PrintableUtf8KeepsValidTextAndEscapesTheRest) {
-  EXPECT_EQ(printable_utf8("plain\ttext\n"), "plain\ttext\n");
-  EXPECT_EQ(printable_utf8("caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80"), "caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80");
-  EXPECT_EQ(printable_utf8("a\xFF" "b"), "a\\xFF" "b");            // not UTF-8 at all
-  EXPECT_EQ(printable_utf8("\xC3"), "\\xC3");                      // truncated sequence
-  EXPECT_EQ(printable_utf8("\xC0\xAF"), "\\xC0\\xAF");            // overlong '/'
-  EXPECT_EQ(printable_utf8("\xED\xA0\x80"), "\\xED\\xA0\\x80");  // a surrogate
-  EXPECT_EQ(printable_utf8("\x1B[2J\r"), "\\x1B[2J\\x0D");          // terminal control bytes
-}
-
 TEST(TokenData, BadInputsAreClearErrors) {
   test::TempDir dir;
   EXPECT_THROW(prepare_data({}, dir.path + "/x", 0.1, "", 1), DataError);
@@ -378,6 +368,12 @@ TEST(TokenData, DamagedFilesAreRefusedNamingFileAndField) {
   expect_refused(damaged(".idx", patch(17, "\x04")), ".idx", "sequence_pointers[0]: 0 (+ 12 tokens of int32): past the end");
   expect_refused(damaged(".idx", patch(18, le64(3))), ".idx", "size: 82 bytes, but the header's 3 sequences");
   expect_refused(damaged(".idx", patch(18, le64(int64_t(1) << 40))), ".idx", "sequence/document count: 1099511627776 sequences");
+  // Counts whose index size (12 bytes a sequence, 8 a document) overflows 64 bits: refused for the
+  // count, before any size arithmetic.
+  expect_refused(damaged(".idx", patch(18, le64((int64_t(1) << 62) + 1))), ".idx",
+                 "sequence/document count: 4611686018427387905 sequences, 3 document entries: impossible in 82 bytes");
+  expect_refused(damaged(".idx", patch(26, le64((int64_t(1) << 61) + 2))), ".idx",
+                 "sequence/document count: 2 sequences, 2305843009213693954 document entries: impossible in 82 bytes");
   expect_refused(damaged(".idx", patch(50, le64(4000))), ".idx", "sequence_pointers[1]: 4000 (+ 11 tokens of uint16): past the end");
   expect_refused(damaged(".idx", patch(50, le64(22))), ".idx",
                  "sequence_pointers[1]: 22, expected 24 (the end of the sequence before it)");

@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
     }
     fp8moe::watch_step(1, "forward and backward");
     std::this_thread::sleep_for(600ms);
-    fp8moe::watch_step(0, nullptr);
+    fp8moe::watch_step_done("after");
   }
   return 0;
 }

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# A full file system during a checkpoint save, on RANKS ranks (a small tmpfs as checkpoint.dir).
+# Each case: step_10 is committed, then the save of step 20 meets a full disk —
+#   static         the disk cannot hold a second checkpoint when the save starts;
+#   first-dataset, middle, before-close, before-latest
+#                  another writer fills it at that point of the save (FP8MOE_CKPT_FILL);
+# and every rank must exit 1 with the message within 10 s, `latest` must still name step_10 and
+# `ckpt verify` accept it, and once the space is freed the next run resumes from it and commits.
+# Skipped (77) where a tmpfs cannot be mounted (not root).
+#
+# usage: checkpoint_full.sh FP8MOE MPIEXEC RANKS
+set -uo pipefail
+exe=$1 mpiexec=$2 ranks=$3
+source "$(dirname "$0")/common.sh"
+tmp=$(mktemp -d /tmp/fp8moe-full-XXXXXX)
+ompi_session_dir "$tmp"
+mkdir -p "$tmp/fs"
+cleanup() {
+  umount "$tmp/fs" 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "FAIL ($case): $*" >&2; exit 1; }
+case=set-up
+if ! mount -t tmpfs -o size=1m tmpfs "$tmp/fs" 2>"$tmp/mount.err"; then
+  echo "SKIPPED: cannot mount a tmpfs for a full checkpoint directory: $(cat "$tmp/mount.err")"
+  exit 77
+fi
+umount "$tmp/fs"
+
+prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
+# Checkpoints of about 0.5 MB (the space check asks for about 0.7 MB).
+small_moe_config "$tmp/cfg.yaml" "$tmp/data/lic" 20 0 "{dir: $tmp/fs/ck, every: 10, keep_last: 1}"
+echo "runtime: {timeout_s: 5}" >>"$tmp/cfg.yaml"
+fill=()  # mpiexec's options for the failing run
+train() { "$mpiexec" -n "$ranks" "${fill[@]}" "$exe" train "$tmp/cfg.yaml" --set train.global_batch=6 "$@"; }
+
+summary=""
+for case in static first-dataset middle before-close before-latest; do
+  size=2000k
+  [[ $case == static ]] && size=900k
+  mount -t tmpfs -o size=$size tmpfs "$tmp/fs" || fail "mount"
+  fill=()
+  train --set train.steps=10 >"$tmp/a.txt" 2>&1 || fail "the run to step 10: $(tail -3 "$tmp/a.txt")"
+  [[ $case != static ]] && fill=(-x "FP8MOE_CKPT_FILL=0:$case")
+  t0=$(date +%s%N)
+  train >"$tmp/b.txt" 2>&1
+  status=$?
+  fill=()
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  [[ $status == 1 ]] || fail "exit $status, not 1: $(grep -m3 "error\|fatal" "$tmp/b.txt")"
+  message=$(grep -m1 "fp8moe: error: .*checkpoint save failed" "$tmp/b.txt") || fail "no message: $(tail -5 "$tmp/b.txt")"
+  grep -q "Segmentation\|core dumped" "$tmp/b.txt" && fail "a crash: $(grep -m1 "Segmentation\|core dumped" "$tmp/b.txt")"
+  # The run trains steps 11-20 (about 2 s here) before the save fails.
+  ((ms <= 12000)) || fail "the failing run took $ms ms"
+  [[ $(cat "$tmp/fs/ck/latest") == step_00000010 ]] || fail "latest names '$(cat "$tmp/fs/ck/latest")', not step_00000010"
+  "$exe" ckpt verify "$tmp/fs/ck" >"$tmp/v.txt" 2>&1 || fail "ckpt verify rejects latest: $(tail -3 "$tmp/v.txt")"
+  # Free the space: the other writer's file goes; the static case's file system grows.
+  rm -f "$tmp/fs/ck/fill.bin"
+  [[ $case == static ]] && { mount -o remount,size=2000k "$tmp/fs" || fail "remount"; }
+  train >"$tmp/c.txt" 2>&1 || fail "the rerun after freeing the space: $(grep -m2 "error" "$tmp/c.txt")"
+  grep -q "resumed from $tmp/fs/ck/step_00000010" "$tmp/c.txt" || fail "the rerun did not resume from step_10"
+  [[ $(cat "$tmp/fs/ck/latest") == step_00000020 ]] || fail "the rerun did not commit step_20"
+  summary+="  $case: exit 1 after $ms ms; ${message#fp8moe: error: }"$'\n'
+  umount "$tmp/fs"
+done
+echo "checkpoint_full on $ranks rank(s): latest named step_10 and verified after every failure; the reruns resumed"
+printf '%s' "$summary" | cut -c1-220
