@@ -69,8 +69,11 @@ void run_abort_hooks() {
                rank, stuck_s, which, limit, at, in, kWatchdogExit);
   std::fflush(stderr);
   run_abort_hooks();
+  // NOTE: MPI_Abort from this thread is outside what MPI_THREAD_FUNNELED promises; Open MPI 4.1
+  // ends the job from here (tests/app/watchdog.sh, test_mpi_abort). Should an MPI return, _Exit
+  // still ends this rank, and the launcher the job.
   MPI_Abort(MPI_COMM_WORLD, kWatchdogExit);
-  std::_Exit(kWatchdogExit);  // NOTE: MPI_Abort does not return; should it, this rank still ends
+  std::_Exit(kWatchdogExit);
 }
 
 }  // namespace
