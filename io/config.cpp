@@ -344,6 +344,18 @@ const std::vector<Field>& schema() {
                      B::open, "Aux-loss-free balancing: per-step change of the expert bias; 0 = off."));
     v.push_back(real("model.moe.capacity_factor", REF(model.moe.capacity_factor), 0, B::closed, kInf,
                      B::open, "Expert capacity as a multiple of the balanced load; 0 = never drop tokens."));
+    v.push_back(integer("model.moe.n_group", REF(model.moe.n_group), 1, 1 << 16,
+                        "Node-limited routing (DeepSeek-V3: 8): the routed experts in this many groups of "
+                        "consecutive experts; 1 = no limit."));
+    v.push_back(integer("model.moe.topk_group", REF(model.moe.topk_group), 1, 1 << 16,
+                        "Groups a token may route to (DeepSeek-V3: 4): those with the largest sum of their "
+                        "two best selection keys (score + bias)."));
+    v.push_back(real("model.moe.routed_scaling_factor", REF(model.moe.routed_scaling_factor), 0, B::open, kInf,
+                     B::open, "Multiplies the routed experts' gates (DeepSeek-V3: 2.5); the shared experts' "
+                     "output is not scaled."));
+    v.push_back(choice("model.moe.norm_topk_prob", REF(model.moe.norm_topk_prob),
+                       "Divide the chosen experts' scores by their sum: auto = true with sigmoid gating "
+                       "(DeepSeek-V3), false with softmax (DeepSeek-V2)."));
     // parallel
     v.push_back(integer("parallel.tensor", REF(parallel.tensor), 1, 1 << 16, "Tensor-parallel size."));
     v.push_back(integer("parallel.pipeline", REF(parallel.pipeline), 1, 1 << 16, "Pipeline stages."));
@@ -646,6 +658,15 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
        "at most model.n_layers = " + n(m.n_layers));
   rule(m.pad_id < m.vocab_size, "model.pad_id", "-1 or a token id below model.vocab_size = " + n(m.vocab_size));
   rule(m.moe.top_k <= m.moe.n_experts, "model.moe.top_k", "at most model.moe.n_experts = " + n(m.moe.n_experts));
+  rule(m.moe.n_experts % m.moe.n_group == 0, "model.moe.n_group",
+       "a divisor of model.moe.n_experts = " + n(m.moe.n_experts) + " (groups of equal size)");
+  rule(m.moe.n_group == 1 || m.moe.n_experts / m.moe.n_group >= 2, "model.moe.n_group",
+       "at most model.moe.n_experts / 2 = " + n(m.moe.n_experts / 2) +
+           " (a group is ranked by its two best experts)");
+  rule(m.moe.topk_group <= m.moe.n_group, "model.moe.topk_group", "at most model.moe.n_group = " + n(m.moe.n_group));
+  rule(m.moe.top_k <= int64_t(m.moe.topk_group) * (m.moe.n_experts / m.moe.n_group), "model.moe.top_k",
+       "at most model.moe.topk_group x experts per group = " + n(m.moe.topk_group) + " x " +
+           n(m.moe.n_experts / m.moe.n_group) + " (the experts a token may reach)");
   rule(c.train.min_lr <= c.train.lr, "train.min_lr", "at most train.lr = " + format_double(c.train.lr));
   rule(c.train.warmup_steps < c.train.steps, "train.warmup_steps",
        "fewer than train.steps = " + n(c.train.steps) + " (the schedule must reach its decay)");

@@ -12,6 +12,7 @@
 namespace fp8moe {
 
 enum class Gating { softmax, sigmoid };
+enum class NormTopk { automatic, yes, no };  // auto: with sigmoid gating (DeepSeek-V3), not softmax (V2)
 enum class Schedule { cosine, linear, constant };
 enum class MomentsDtype { fp32, bf16 };
 enum class Recompute { none, moe, full };
@@ -31,6 +32,16 @@ struct MoeConfig {
   double aux_loss_coef = 0.0;        // switch-style balance loss; 0 = off
   double bias_update_rate = 0.001;   // aux-loss-free balancing step (DeepSeek-V3 gamma); 0 = off
   double capacity_factor = 0.0;      // 0 = no token dropping
+  // Node-limited routing (DeepSeek-V3): the experts form n_group groups of n_experts / n_group
+  // consecutive experts; a token keeps the topk_group groups with the largest sum of their two
+  // best selection keys (score + bias), then takes its top_k experts inside them. 1 / 1: no limit.
+  int n_group = 1;
+  int topk_group = 1;
+  double routed_scaling_factor = 1.0;  // multiplies the routed experts' gates (DeepSeek-V3: 2.5)
+  NormTopk norm_topk_prob = NormTopk::automatic;  // gates divided by the sum of the chosen scores
+  bool normalises_gates() const {
+    return norm_topk_prob == NormTopk::yes || (norm_topk_prob == NormTopk::automatic && gating == Gating::sigmoid);
+  }
   bool operator==(const MoeConfig&) const = default;
 };
 
@@ -185,6 +196,7 @@ struct EnumNames;
     static constexpr std::string_view names[] = {__VA_ARGS__};     \
   }
 FP8MOE_ENUM_NAMES(Gating, "softmax", "sigmoid");
+FP8MOE_ENUM_NAMES(NormTopk, "auto", "true", "false");
 FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Recompute, "none", "moe", "full");

@@ -20,6 +20,12 @@ Routing route(const float* z, const float* bias, int64_t N, int64_t E, const Moe
   r.gate.assign(size_t(N * k), 0.0f);
   r.kept.assign(size_t(N * k), 1);
   prob->resize(size_t(N * E));
+  const int64_t G = cfg.n_group, per_group = E / G;
+  FP8MOE_ASSERT(E % G == 0 && cfg.topk_group >= 1 && cfg.topk_group <= G && k <= cfg.topk_group * per_group,
+                "node-limited routing: ", E, " experts in ", G, " groups, ", cfg.topk_group, " of them, top ", k);
+  const bool normalise = cfg.normalises_gates();
+  std::vector<float> key(static_cast<size_t>(E)), group_score(static_cast<size_t>(G));
+  std::vector<int32_t> order(static_cast<size_t>(E)), group_order(static_cast<size_t>(G));
   for (int64_t n = 0; n < N; ++n) {
     const float* zr = z + n * E;
     float* p = prob->data() + n * E;
@@ -31,15 +37,34 @@ Routing route(const float* z, const float* bias, int64_t N, int64_t E, const Moe
       for (int64_t e = 0; e < E; ++e) sum += std::exp(double(zr[e]) - m);
       for (int64_t e = 0; e < E; ++e) p[e] = float(std::exp(double(zr[e]) - m) / sum);
     }
-    // Top-k by score + bias; ties go to the lower expert index (a stable, deterministic order).
-    std::vector<int32_t> order(static_cast<size_t>(E));
+    // Selection keys: score + bias. Node-limited routing keeps the topk_group groups whose two
+    // best keys sum highest and takes the others out of the choice.
+    for (int64_t e = 0; e < E; ++e) key[e] = p[e] + bias[e];
+    if (G > 1) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* kg = key.data() + g * per_group;
+        float best = -INFINITY, second = -INFINITY;
+        for (int64_t e = 0; e < per_group; ++e) {
+          if (kg[e] > best) second = best, best = kg[e];
+          else if (kg[e] > second) second = kg[e];
+        }
+        group_score[g] = best + second;
+      }
+      std::iota(group_order.begin(), group_order.end(), 0);
+      std::stable_sort(group_order.begin(), group_order.end(),
+                       [&](int32_t a, int32_t b) { return group_score[a] > group_score[b]; });
+      for (int64_t j = cfg.topk_group; j < G; ++j)
+        std::fill_n(key.data() + group_order[j] * per_group, per_group, -INFINITY);
+    }
+    // Top-k by key; ties go to the lower expert index (a stable, deterministic order).
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] + bias[a] > p[b] + bias[b]; });
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return key[a] > key[b]; });
     double chosen = 0;
     for (int64_t j = 0; j < k; ++j) chosen += p[order[j]];
     for (int64_t j = 0; j < k; ++j) {
       r.expert[n * k + j] = order[j];
-      r.gate[n * k + j] = cfg.gating == Gating::sigmoid ? float(p[order[j]] / chosen) : p[order[j]];
+      const double g = normalise ? p[order[j]] / chosen : double(p[order[j]]);
+      r.gate[n * k + j] = float(g * cfg.routed_scaling_factor);
     }
   }
   // Capacity: assignments beyond it, in token order, are dropped.
@@ -226,14 +251,15 @@ void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeW
     const float* p = &s.prob[n * E];
     std::vector<double> dp(size_t(E), 0.0);
     const int32_t* chosen = &r.expert[n * k];  // dropped slots have dgate 0 but stay in the normalisation
-    if (cfg.gating == Gating::sigmoid) {
-      // g_i = s_i / S, S = sum of the chosen s:  ds_c = (dg_c - sum_j dg_j g_j) / S.
+    const double rsf = cfg.routed_scaling_factor;
+    if (cfg.normalises_gates()) {
+      // g_i = c s_i / S, S = sum of the chosen s:  ds_c = c (dg_c - sum_j dg_j s_j / S) / S.
       double S = 0, gsum = 0;
       for (int64_t j = 0; j < k; ++j) S += p[chosen[j]];
       for (int64_t j = 0; j < k; ++j) gsum += dgate[n * k + j] * (p[chosen[j]] / S);
-      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += (dgate[n * k + j] - gsum) / S;
+      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += rsf * ((dgate[n * k + j] - gsum) / S);
     } else {
-      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += dgate[n * k + j];
+      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += rsf * dgate[n * k + j];
     }
     if (cfg.aux_loss_coef > 0) {
       // d aux / d Pnorm_{n,e} = coef * E * f_e / N, through the normalisation to p.

@@ -41,6 +41,41 @@ TEST(Router, TopKTiesGoToTheLowerIndexAndGatesNormalise) {
   EXPECT_NEAR(rs.gate[0], std::exp(2.0) / zsum, 1e-6);
 }
 
+// DeepSeek-V3's node-limited routing on 6 experts in 3 groups of 2, one group allowed: the single
+// best expert (4, in group 2) loses because its group's two best keys sum lowest; group 0 wins
+// (0.9 + 0.8) over group 1 (0.85 + 0.1) and group 2 (0.95 + 0.0), so the top-2 are experts 0 and 1.
+TEST(Router, NodeLimitedRoutingRanksGroupsByTheirTwoBestKeys) {
+  const std::vector<float> bias = {0.9f, 0.8f, 0.85f, 0.1f, 0.95f, 0.0f};  // the keys, with zero logits
+  const std::vector<float> z(6, -40.0f);  // sigmoid scores ~4e-18: the keys are the biases
+  std::vector<float> prob;
+  MoeConfig c = moe_config(6, 2, Gating::sigmoid);
+  c.n_group = 3, c.topk_group = 1;
+  EXPECT_EQ(route(z.data(), bias.data(), 1, 6, c, &prob).expert, (std::vector<int32_t>{0, 1}));
+  c.topk_group = 2;  // groups 0 and 1: expert 2 (0.85) beats expert 1 (0.8)
+  EXPECT_EQ(route(z.data(), bias.data(), 1, 6, c, &prob).expert, (std::vector<int32_t>{0, 2}));
+  c.n_group = 1, c.topk_group = 1;  // no limit: the two best keys overall
+  EXPECT_EQ(route(z.data(), bias.data(), 1, 6, c, &prob).expert, (std::vector<int32_t>{4, 0}));
+}
+
+// routed_scaling_factor multiplies the gates after the normalisation; norm_topk_prob switches it.
+TEST(Router, RoutedScalingAndNormalisationOfTheGates) {
+  const std::vector<float> z = {1.0f, 0.0f, -1.0f, -2.0f};
+  const std::vector<float> bias(4, 0.0f);
+  std::vector<float> prob;
+  const double s1 = 1 / (1 + std::exp(-1.0)), s0 = 0.5;
+  MoeConfig c = moe_config(4, 2, Gating::sigmoid);
+  c.routed_scaling_factor = 2.5;
+  Routing r = route(z.data(), bias.data(), 1, 4, c, &prob);
+  EXPECT_NEAR(r.gate[0], 2.5 * s1 / (s1 + s0), 1e-6);
+  EXPECT_NEAR(r.gate[0] + r.gate[1], 2.5, 1e-6);
+  c.norm_topk_prob = NormTopk::no;  // sigmoid without normalisation: the scores themselves, scaled
+  r = route(z.data(), bias.data(), 1, 4, c, &prob);
+  EXPECT_NEAR(r.gate[1], 2.5 * s0, 1e-6);
+  c.gating = Gating::softmax, c.norm_topk_prob = NormTopk::yes;  // softmax normalised over the chosen two
+  r = route(z.data(), bias.data(), 1, 4, c, &prob);
+  EXPECT_NEAR(r.gate[0], 2.5 * std::exp(1.0) / (std::exp(1.0) + 1.0), 1e-6);
+}
+
 TEST(Router, BiasSteersTheChoiceButNotTheGates) {
   const std::vector<float> z = {1.0f, 0.0f, -1.0f};
   std::vector<float> prob;

@@ -85,7 +85,9 @@ Comparison compare_with_reference(const Config& cfg) {
       << ",\"norm_eps\":" << m.norm_eps << ",\"first_dense_layers\":" << m.first_dense_layers << ",\"pad_id\":" << m.pad_id
       << ",\"n_experts\":" << m.moe.n_experts << ",\"top_k\":" << m.moe.top_k << ",\"n_shared_experts\":"
       << m.moe.n_shared_experts << ",\"gating\":\"" << to_string(m.moe.gating) << "\",\"aux_loss_coef\":"
-      << m.moe.aux_loss_coef << ",\"capacity_factor\":" << m.moe.capacity_factor << "}}";
+      << m.moe.aux_loss_coef << ",\"capacity_factor\":" << m.moe.capacity_factor << ",\"n_group\":" << m.moe.n_group
+      << ",\"topk_group\":" << m.moe.topk_group << ",\"routed_scaling_factor\":" << m.moe.routed_scaling_factor
+      << ",\"norm_topk_prob\":\"" << to_string(m.moe.norm_topk_prob) << "\"}}";
   write(dir.path + "/tokens.bin", tokens);
   write(dir.path + "/targets.bin", targets);
   std::vector<int32_t> routing;
@@ -126,6 +128,27 @@ TEST(ModelReference, Fp32MatchesJax) {
     const Comparison c = compare_with_reference(small_config(Fp8Recipe::off, g));
     // Measured (2-core AVX512-BF16 VM, 2026-11-30): 7.2e-7 sigmoid, 9.7e-7 softmax; FP32 has no
     // rounding flips, so the bound is 10x the worst measured.
+    EXPECT_NEAR(c.loss, c.ref_loss, 1e-5 * std::abs(c.ref_loss));
+    EXPECT_LE(c.worst, 1e-5) << c.worst_name;
+  }
+}
+
+TEST(ModelReference, NodeLimitedRoutingAndRoutedScalingMatchJax) {
+  // DeepSeek-V3's router on 8 experts: 4 groups of 2, each token limited to the 2 groups whose two
+  // best keys sum highest, top-3 inside them, gates x 2.5; sigmoid (normalised, V3) and softmax
+  // both with and without normalisation (V2 normalises not). The reference applies the group limit
+  // on its own (routing_check: 0 tokens routed differently outside near-ties).
+  struct Case {
+    Gating gating;
+    NormTopk norm;
+  };
+  for (const Case k : {Case{Gating::sigmoid, NormTopk::automatic}, Case{Gating::softmax, NormTopk::automatic},
+                       Case{Gating::softmax, NormTopk::yes}}) {
+    Config cfg = small_config(Fp8Recipe::off, k.gating);
+    MoeConfig& moe = cfg.model.moe;
+    moe.n_experts = 8, moe.top_k = 3, moe.n_group = 4, moe.topk_group = 2, moe.routed_scaling_factor = 2.5;
+    moe.norm_topk_prob = k.norm;
+    const Comparison c = compare_with_reference(cfg);
     EXPECT_NEAR(c.loss, c.ref_loss, 1e-5 * std::abs(c.ref_loss));
     EXPECT_LE(c.worst, 1e-5) << c.worst_name;
   }

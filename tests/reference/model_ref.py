@@ -177,9 +177,36 @@ def capacity_mask(chosen, E, capacity_factor):
     return kept
 
 
-def top_k_routing(key, k):
-    """Each token's k largest selection keys (score + bias), ties to the lower expert index."""
-    return np.argsort(-np.asarray(key), axis=1, kind="stable")[:, :k]
+def group_limited_keys(key, m):
+    """Node-limited routing (DeepSeek-V3): each token keeps the topk_group groups (of n_experts /
+    n_group consecutive experts) with the largest sum of their two best keys, ties to the lower
+    group; the other groups' keys become -inf. Also returns each token's gap between the last kept
+    and the first dropped group score (inf without a limit), to tell near-ties apart."""
+    key = np.asarray(key, dtype=np.float64)
+    G, tg = m.get("n_group", 1), m.get("topk_group", 1)
+    N, E = key.shape
+    if G <= 1:
+        return key, np.full(N, np.inf)
+    grouped = key.reshape(N, G, E // G)
+    best2 = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # (N, G)
+    order = np.argsort(-best2, axis=1, kind="stable")
+    masked = grouped.copy()
+    for n in range(N):
+        masked[n, order[n, tg:], :] = -np.inf
+    gap = best2[np.arange(N), order[:, tg - 1]] - best2[np.arange(N), order[:, tg]] if tg < G else np.full(N, np.inf)
+    return masked.reshape(N, E), gap
+
+
+def top_k_routing(key, k, m):
+    """Each token's k largest selection keys (score + bias) among its allowed groups, ties to the
+    lower expert index."""
+    masked, _ = group_limited_keys(key, m)
+    return np.argsort(-masked, axis=1, kind="stable")[:, :k]
+
+
+def normalises_gates(m):
+    norm = m.get("norm_topk_prob", "auto")
+    return norm == "true" or (norm == "auto" and m["gating"] == "sigmoid")
 
 
 def forward(p, m, lin_for, tokens, B, T, routing=None):
@@ -211,11 +238,12 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
             prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
             key = prob + p[pre + "moe.router_bias"][0]
             keys.append(key)
-            chosen = routing[moe_i] if routing is not None else top_k_routing(key, k)  # (N, k)
+            chosen = routing[moe_i] if routing is not None else top_k_routing(key, k, m)  # (N, k)
             choices.append(chosen)
             kept = capacity_mask(chosen, E, m.get("capacity_factor", 0.0))
             sel = jnp.take_along_axis(prob, chosen, axis=1)
-            gates = sel / jnp.sum(sel, axis=1, keepdims=True) if m["gating"] == "sigmoid" else sel
+            gates = sel / jnp.sum(sel, axis=1, keepdims=True) if normalises_gates(m) else sel
+            gates = gates * m.get("routed_scaling_factor", 1.0)  # the routed experts' output only
             gates = gates * kept  # a dropped assignment's expert output is not added
             f = jnp.zeros_like(h)
             if m["n_shared_experts"] > 0:
@@ -271,12 +299,13 @@ def main(d):
     # Our own top-k against the C++ choice, outside near-ties.
     mismatches = 0
     for i, key in enumerate(keys):
-        key = np.asarray(key)
+        key, group_gap = group_limited_keys(key, m)
         order = np.argsort(-key, axis=1, kind="stable")  # stable: ties to the lower index
         for n in range(N):
             if sorted(order[n, :k]) != sorted(routing[i][n]):
                 gap = key[n, order[n, k - 1]] - key[n, order[n, k]] if k < E else np.inf
-                mismatches += int(gap > 1e-6)  # FP32 keys of size ~1 carry ~1e-7: a closer pair may swap
+                # FP32 keys of size ~1 carry ~1e-7: a closer pair (of experts or groups) may swap.
+                mismatches += int(gap > 1e-6 and group_gap[n] > 1e-6)
     with open(os.path.join(d, "routing_check.txt"), "w") as f:
         f.write(f"{mismatches}\n")
     with open(os.path.join(d, "loss.txt"), "w") as f:
