@@ -367,6 +367,9 @@ void apply(Staged& st, const TrainerState& s) {
 }  // namespace
 
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
+  // The watchdog's mark for the whole save: its limit applies between the watched calls inside too
+  // (the checksum reductions, HDF5's own collectives).
+  const WatchScope watch("checkpoint save");
   quiet_hdf5();
   int rank = 0, size = 1;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
@@ -460,16 +463,29 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     H5Handle file, dxpl;
     // Closing a file: HDF5's close runs collectives (metadata flush, MPI-IO close), and a close that
     // fails on one rank, or a write that failed on some, can leave the ranks in different ones. So
-    // every close is guarded: if it does not finish, the watchdog ends the job with the save's
-    // message (exit 1); a close that fails leaves HDF5 unable to shut down, so that ends the job too.
+    // every close is guarded. After a failed write, a close that does not finish ends the job with
+    // the save's message (exit 1). After none, it is a file system that filled during the close
+    // (exit 1, as for a failed write) or a rank that stopped (exit 4, requeue-able, as the
+    // watchdog would), told apart by the space left when the guard fires. A close that fails leaves
+    // HDF5 unable to shut down, so that ends the job too.
     auto close_file = [&](const std::string& failure, double guard_s) {
-      const std::string message = "checkpoint save failed: " + failure +
-                                  " (the previous checkpoint is intact); closing " + path +
-                                  " did not finish on every rank: ending the job";
-      const WatchScope guard("closing a checkpoint file", guard_s, kExitFailure, message);
+      const WatchScope guard("closing a checkpoint file", guard_s, [=]() -> WatchVerdict {
+        const std::string tail = " (the previous checkpoint is intact); closing " + path +
+                                 " did not finish on every rank: ending the job";
+        if (!failure.empty()) return {kExitFailure, "checkpoint save failed: " + failure + tail};
+        const int64_t left = free_bytes(tmp_dir);
+        if (left >= 0 && left < (int64_t(1) << 20))
+          return {kExitFailure, "checkpoint save failed: " + tmp_dir + ": the file system is full (" +
+                                    std::to_string(left) + " bytes free)" + tail};
+        return {kWatchdogExit, "checkpoint save failed: closing " + path + " took longer than " +
+                                   std::to_string(int(guard_s)) + " s, with space left: a rank is stopped, " +
+                                   "dead or hung (the previous checkpoint is intact): ending the job (exit " +
+                                   std::to_string(kWatchdogExit) + ", requeue-able)"};
+      });
       dxpl.reset();
       if (file.reset() < 0)
-        abort_job("rank " + std::to_string(rank) + ": checkpoint save failed: " + failure +
+        abort_job("rank " + std::to_string(rank) + ": checkpoint save failed: " +
+                      (failure.empty() ? "closing the file failed" : failure) +
                       " (the previous checkpoint is intact); HDF5 could not close " + path + " (" + h5_error_text() +
                       "): ending the job",
                   kExitFailure);
@@ -514,7 +530,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
       close_file(e.what(), failed_limit);
       throw;
     }
-    close_file(path + ": the file system may be full, or a rank stopped", limit);
+    close_file("", limit);
     on_every_rank(comm, [&] { fault.hit(); });
   }
 
@@ -581,6 +597,7 @@ std::string resolve_checkpoint_dir(const std::string& path) {
 std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
   const CheckpointConfig& c = s.cfg->checkpoint;
   if (c.resume == "none") return "";
+  const WatchScope watch("checkpoint load");  // as in save_checkpoint
   int rank = 0;
   MPI_CHECK(MPI_Comm_rank(comm, &rank));
   // Rank 0 lists the candidates, newest first; every rank tries them in that order.

@@ -29,11 +29,13 @@ namespace fs = std::filesystem;
 // ---------------------------------------------------------------- fault injection
 
 FaultPoint::FaultPoint(int rank, std::string dir) : dir_(std::move(dir)) {
-  const char* v = std::getenv("FP8MOE_CKPT_KILL");
   int r = -1;
   long long k = -1;
-  if (v && std::sscanf(v, "%d:%lld", &r, &k) == 2 && r == rank) k_ = k;
-  v = std::getenv("FP8MOE_CKPT_FILL");
+  for (const auto& [name, sig] : {std::pair{"FP8MOE_CKPT_KILL", SIGKILL}, std::pair{"FP8MOE_CKPT_STOP", SIGSTOP}}) {
+    const char* v = std::getenv(name);
+    if (v && std::sscanf(v, "%d:%lld", &r, &k) == 2 && r == rank) k_ = k, signal_ = sig;
+  }
+  const char* v = std::getenv("FP8MOE_CKPT_FILL");
   char point[32] = {};
   if (v && std::sscanf(v, "%d:%31s", &r, point) == 2 && r == rank) fill_point_ = point;
 }
@@ -57,7 +59,7 @@ void FaultPoint::fill_at(const char* point) {
 void FaultPoint::hit() {
   if (k_ > 0 && ++count_ == k_) {
     std::fflush(nullptr);
-    ::raise(SIGKILL);
+    ::raise(signal_);
   }
 }
 
@@ -86,6 +88,12 @@ const std::regex& step_dir_pattern() {
 }
 
 }  // namespace
+
+int64_t free_bytes(const std::string& dir) {
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) return -1;
+  return int64_t(st.f_bavail) * int64_t(st.f_frsize);
+}
 
 void check_space(const std::string& dir, int64_t bytes) {
   const std::string path = dir + "/space.check";

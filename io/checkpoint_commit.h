@@ -13,6 +13,7 @@ namespace fp8moe::ckpt {
 
 // Fault injection for the tests (io/checkpoint.h).
 //   FP8MOE_CKPT_KILL=RANK:K   on rank RANK, the K-th hit() sends SIGKILL to this process.
+//   FP8MOE_CKPT_STOP=RANK:K   the same with SIGSTOP: a rank frozen in the middle of a save.
 //   FP8MOE_CKPT_FILL=RANK:P   on rank RANK, when the save reaches point P (fill_at(P): first-dataset,
 //                             middle, before-close, before-latest), fills the file system of the
 //                             checkpoint directory, as another job writing there would. Only on a
@@ -25,6 +26,7 @@ class FaultPoint {
 
  private:
   long long k_ = -1, count_ = 0;
+  int signal_ = 0;
   std::string fill_point_, dir_;
 };
 
@@ -32,6 +34,9 @@ class FaultPoint {
 // allocated in the file system of `dir` now: a scratch file is allocated (fallocate) and deleted;
 // where the file system cannot preallocate, its free space (statvfs) is compared instead.
 void check_space(const std::string& dir, int64_t bytes);
+
+// Bytes an unprivileged writer can still put in the file system of `dir` (statvfs); -1 if unknown.
+int64_t free_bytes(const std::string& dir);
 
 // Committed checkpoints of a directory, newest (highest step) first.
 std::vector<std::pair<int64_t, std::string>> committed_checkpoints(const std::string& dir);

@@ -33,10 +33,9 @@ struct State {
   bool stop = false;
   std::thread thread;
   std::vector<std::function<void()>> hooks;
-  // The innermost guard (WatchScope with a limit of its own): its limit (0: none), status, message.
+  // The guard (WatchScope with a limit of its own): its limit (0: none) and verdict.
   int64_t guard_limit = 0;
-  int guard_exit = 0;
-  std::string guard_message;
+  std::function<WatchVerdict()> guard_verdict;
 };
 State& state() {
   static State s;
@@ -89,10 +88,10 @@ Watchdog::Watchdog(double timeout_s, int rank) {
     while (!s.cv.wait_for(lock, std::chrono::milliseconds(250), [&s] { return s.stop; })) {
       const int64_t t = now_ns(), since = g_marks.since.load(), step_since = g_marks.step_since.load();
       if (s.guard_limit > 0 && since > 0 && t - since > s.guard_limit) {
-        const std::string message = s.guard_message;
-        const int code = s.guard_exit;
+        const auto verdict_of = s.guard_verdict;
         lock.unlock();
-        abort_job("rank " + std::to_string(rank) + ": " + message, code);
+        const WatchVerdict v = verdict_of();
+        abort_job("rank " + std::to_string(rank) + ": " + v.message, v.exit_code);
       }
       if (limit <= 0) continue;
       if (since > 0 && t - since > limit) {
@@ -128,10 +127,9 @@ WatchScope::WatchScope(const char* what, const char* group)
   g_marks.since.store(now_ns(), std::memory_order_release);
 }
 
-WatchScope::WatchScope(const char* what, double limit_s, int exit_code, const std::string& message)
-    : WatchScope(what) {
+WatchScope::WatchScope(const char* what, double limit_s, std::function<WatchVerdict()> verdict) : WatchScope(what) {
   std::lock_guard<std::mutex> lock(state().mu);
-  state().guard_limit = int64_t(limit_s * 1e9), state().guard_exit = exit_code, state().guard_message = message;
+  state().guard_limit = int64_t(limit_s * 1e9), state().guard_verdict = std::move(verdict);
   guard_ = true;
 }
 

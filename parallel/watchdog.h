@@ -33,14 +33,19 @@ class Watchdog {
 
 // From construction to destruction the main thread is in `what` (a static string: "allreduce",
 // "checkpoint save") over `group` ("dp", "world", or nullptr). Nested scopes restore the outer one.
-// A guard (limit_s > 0) has its own limit, and past it the watchdog prints `message` instead of
-// its report and ends the job with `exit_code`: for calls that may never return after a failure
-// (closing an HDF5 file whose writes failed on some ranks), so that the job ends with the failure's
-// message and status rather than waiting. Needs a running Watchdog; without one it only marks.
+// A guard has a limit of its own, and past it the watchdog asks `verdict` (on its own thread) for
+// the status and the message to end the job with, instead of its report: for calls that may never
+// return after a failure (closing an HDF5 file whose writes failed on some ranks, or on a file
+// system that just filled), so that the job ends with the failure's message and status rather
+// than waiting. Needs a running Watchdog; without one it only marks.
+struct WatchVerdict {
+  int exit_code = kWatchdogExit;
+  std::string message;
+};
 class WatchScope {
  public:
   explicit WatchScope(const char* what, const char* group = nullptr);
-  WatchScope(const char* what, double limit_s, int exit_code, const std::string& message);
+  WatchScope(const char* what, double limit_s, std::function<WatchVerdict()> verdict);
   ~WatchScope();
   WatchScope(const WatchScope&) = delete;
   WatchScope& operator=(const WatchScope&) = delete;

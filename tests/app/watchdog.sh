@@ -53,3 +53,17 @@ last=$(sed -n 's/^checkpoint .*step_\([0-9]*\) committed$/\1/p' "$tmp/a.txt" | t
 grep -q "resumed from $tmp/ckpt/step_$last" "$tmp/b.txt" || fail "the rerun did not resume from step_$last"
 echo "watchdog: SIGSTOP of 1 of $ranks ranks after step 25 -> exit 4 after $took s" \
   "(runtime.timeout_s $limit); report: ${report#fp8moe: error: }; the rerun resumed from step_$last"
+
+# The last rank freezes itself in the middle of a checkpoint save (after its third dataset of the
+# save at step 10): the others wait inside HDF5's collectives; still exit 4 within the limit + 10 s.
+rm -rf "$tmp/ckpt"
+t0=$(date +%s%N)
+timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_CKPT_STOP=$((ranks - 1)):3 "$exe" train "$tmp/cfg.yaml" \
+  >"$tmp/c.txt" 2>"$tmp/c.err"
+status=$?
+ms=$((($(date +%s%N) - t0) / 1000000))
+pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
+[[ $status == 4 ]] || fail "a rank frozen mid-save: exit $status, not 4: $(tail -3 "$tmp/c.err")"
+report=$(grep -m1 "no progress for" "$tmp/c.err") || fail "no report for the frozen save: $(tail -3 "$tmp/c.err")"
+[[ $report == *"after step 10"* ]] || fail "the report does not place the freeze after step 10: $report"
+echo "  frozen mid-save (FP8MOE_CKPT_STOP, the save of step 10): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
