@@ -445,8 +445,8 @@ const std::vector<Field>& schema() {
     // runtime
     v.push_back(choice("runtime.device", REF(runtime.device),
                        "Where the ops run: cpu, cuda (rank -> GPU by its node-local rank), or auto (cuda when "
-                       "every rank sees a GPU, else cpu). The default is cpu because the CUDA backend is compiled "
-                       "but has not yet run on a GPU (README, CUDA backend)."));
+                       "every rank sees a GPU, else cpu). The default is cpu because the CUDA backend, which has run "
+                       "on one H200, still keeps tensors in host memory between ops (README, CUDA backend)."));
     v.push_back(choice("runtime.comm", REF(runtime.comm),
                        "Collectives of the tensor, data and expert groups: mpi, nccl (needs runtime.device cuda and "
                        "a GPU per rank), or auto (nccl when both hold, else mpi). The pipeline's point-to-point "

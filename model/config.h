@@ -158,7 +158,8 @@ struct CheckpointConfig {
 
 struct RuntimeConfig {
   // auto: cuda when every rank sees a GPU, else cpu. NOTE: the default is cpu until the CUDA
-  // backend has run on a GPU (README, CUDA backend): no config moves onto it unasked.
+  // backend keeps its tensors on the device and passes the device check (README, CUDA backend):
+  // no config moves onto it unasked.
   DeviceChoice device = DeviceChoice::cpu;
   CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda, mpi on cpu
   // Watchdog limit (parallel/watchdog.h): longer than this in one collective, checkpoint I/O call
