@@ -152,6 +152,29 @@ TEST_F(Layouts, SameLossOnEveryLayout) {
   }
 }
 
+// DeepSeek-V3's router (8 experts in 4 groups, 2 groups per token, gates x 2.5) under expert,
+// tensor and pipeline parallelism: each rank routes its own tokens over the global experts, so the
+// choice and the loss are those of one rank; the bounds of SameLossOnEveryLayout's recipe off.
+TEST_F(Layouts, NodeLimitedRoutingIsTheSameOnEveryLayout) {
+  const std::vector<std::string> router = {"model.moe.n_group=4", "model.moe.topk_group=2",
+                                           "model.moe.routed_scaling_factor=2.5", "fp8.recipe=off"};
+  const auto ref = train(1, router);
+  ASSERT_EQ(ref.size(), 20u);
+  for (const Layout& l : std::vector<Layout>{{"ep2 (dp2)", 2, {"parallel.expert=2"}},
+                                             {"ep4 (dp4)", 4, {"parallel.expert=4"}},
+                                             {"tp2 x ep2 (dp2)", 4, {"parallel.tensor=2", "parallel.expert=2"}},
+                                             {"pp2 x ep2 (dp2)", 4, {"parallel.pipeline=2", "parallel.expert=2"}}}) {
+    auto sets = l.sets;
+    sets.insert(sets.end(), router.begin(), router.end());
+    const auto got = train(l.ranks, sets);
+    const double w1 = worst({{1, ref.at(1)}}, got), w = worst(ref, got);
+    std::printf("node-limited routing  %-20s %d ranks: step 1 loss %.2e, 20 steps %.2e relative to 1 rank\n", l.name,
+                l.ranks, w1, w);
+    EXPECT_LE(w1, 1e-8) << l.name;
+    EXPECT_LE(w, 5e-6) << l.name;
+  }
+}
+
 // The per-tensor recipes under tensor, pipeline and expert parallelism. Their amax is reduced over
 // the tensor-parallel group (a shard's amax alone gives another scale), so a tensor-parallel layout
 // quantizes exactly like one rank; with fp8.power_of_two_scales off every amax difference changes
