@@ -82,12 +82,17 @@ std::string checkpoint_name(int64_t step);
 // Saves progress->step into cfg.checkpoint.dir with the commit protocol, then deletes committed
 // checkpoints beyond keep_last (oldest first, never the one `latest` names) and leftover *.tmp
 // directories. Collective over `comm` (every rank of the job); each rank writes its write_rows.
-// Returns the committed directory.
-// Throws CheckpointError on every rank when any rank failed; the previous checkpoint is intact.
+// Returns the committed directory. Before writing, checks that the file fits; after closing it,
+// every rank reads its rows back and the checksums must match before the commit.
+// Throws CheckpointError on every rank when any rank failed; the previous checkpoint is intact. A
+// close that fails or does not finish ends the job (exit 1; exit 4 when a rank stopped during a
+// close with space left): HDF5 cannot go on after it (docs/ARCHITECTURE.md, "Failures").
 //
 // Fault injection for tests: FP8MOE_CKPT_KILL=RANK:K makes rank RANK send itself SIGKILL at its
 // K-th save event (each dataset written; then, on rank 0, the file closed, the agreement, the
-// fsync, the rename, the directory fsync, latest.tmp written, latest renamed, each deletion).
+// fsync, the rename, the directory fsync, latest.tmp written, latest renamed, each deletion);
+// FP8MOE_CKPT_STOP=RANK:K the same with SIGSTOP; FP8MOE_CKPT_FILL=RANK:POINT fills the checkpoint
+// directory's file system (a tmpfs only) at a point of the save (io/checkpoint_commit.h).
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 
 // checkpoint.resume: "none" starts fresh; "auto" loads <dir>/latest when the directory holds
