@@ -9,9 +9,14 @@ namespace {
 constexpr const char* kGroupNames[5] = {"tp", "ep", "dp", "edp", "pp"};  // the order of counted_
 }
 
-CommAccounting::CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups)
-    : cfg_(cfg), model_(model), g_(groups), counted_{groups.tensor, groups.expert, groups.data, groups.expert_data,
-                                                     groups.pipeline} {}
+CommAccounting::CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups,
+                               int64_t sequences)
+    : cfg_(cfg), model_(model), g_(groups),
+      counted_{groups.tensor, groups.expert, groups.data, groups.expert_data, groups.pipeline}, sequences_(sequences) {
+  for (size_t i = 0; i < model.table().params.size(); ++i)
+    if (model.holds(i) && model.table().params[i].trainable)
+      (model.table().params[i].expert >= 0 ? expert_bytes_ : dense_bytes_) += double(model.shard(i).numel()) * 4;
+}
 
 void CommAccounting::start_step() {
   for (Communicator* c : counted_) c->reset_bytes_sent();
@@ -31,8 +36,7 @@ void CommAccounting::end_step(double rows_off) {
   const ModelConfig& m = cfg_.model;
   const Placement& place = model_.placement();
   const bool first = place.first_stage(), last = place.last_stage();
-  const int64_t mbs = cfg_.train.global_batch / (cfg_.parallel.micro_batches * g_.data->size());
-  const double N = double(mbs * cfg_.train.seq_len), D = m.d_model, Mb = cfg_.parallel.micro_batches;
+  const double N = double(sequences_ * cfg_.train.seq_len), D = m.d_model, Mb = cfg_.parallel.micro_batches;
   const int l0 = place.layer_begin(), l1 = place.layer_end();
   const double Ls = l1 - l0, Lm = std::max(0, l1 - std::max(l0, m.first_dense_layers));
   auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
@@ -42,12 +46,8 @@ void CommAccounting::end_step(double rows_off) {
              ((4 * Ls + (first ? 1 : 0) + (last ? 1 : 0)) * N * D * 4 + Lm * N * m.moe.top_k * 8 + (last ? N * 20 : 0));
   const int Pe = g_.expert->size(), Le = place.local_experts();
   local[6] = Pe > 1 ? 4 * rows_off * D * 4 + Mb * Lm * (Pe - 1) * Le * 8 : 0;
-  double dense = 0, experts = 0;
-  for (size_t i = 0; i < model_.table().params.size(); ++i)
-    if (model_.holds(i) && model_.table().params[i].trainable)
-      (model_.table().params[i].expert >= 0 ? experts : dense) += double(model_.shard(i).numel()) * 4;
-  local[7] = ring(g_.data->size()) * dense;
-  local[8] = ring(g_.expert_data->size()) * experts;
+  local[7] = ring(g_.data->size()) * dense_bytes_;
+  local[8] = ring(g_.expert_data->size()) * expert_bytes_;
   local[9] = Mb * N * D * 4 * ((last ? 0 : 1) + (first ? 0 : 1));
   g_.world->allreduce_sum(local, 10);
   for (int g = 0; g < 5; ++g) measured_[size_t(g)] = local[g], expected_[size_t(g)] = local[5 + g];

@@ -18,7 +18,8 @@ struct TrainGroups {
 
 class CommAccounting {
  public:
-  CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups);
+  // sequences: per data-parallel replica in each micro-batch (StageRunner::sequences()).
+  CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups, int64_t sequences);
   // Before a step: zero every group's byte counter.
   void start_step();
   // After a step (collective over the world): this step's measured and analytical bytes.
@@ -32,6 +33,8 @@ class CommAccounting {
   const Transformer& model_;
   TrainGroups g_;
   std::array<Communicator*, 5> counted_;
+  int64_t sequences_ = 0;
+  double dense_bytes_ = 0, expert_bytes_ = 0;  // the trainable parameters this rank holds, FP32
   std::array<double, 5> measured_{}, expected_{};
 };
 

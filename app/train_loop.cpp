@@ -189,7 +189,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   }
 
   StageRunner runner(cfg, model, pipe, *dp, world);
-  CommAccounting comm(cfg, model, groups);
+  CommAccounting comm(cfg, model, groups, runner.sequences());
   const Peak peak = training_peak(cfg, world.size());
   StepReporter reporter(cfg, world, jsonl, peak);
   const int64_t T = cfg.train.seq_len, first_step = progress.step;
