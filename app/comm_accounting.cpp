@@ -19,7 +19,7 @@ CommAccounting::CommAccounting(const Config& cfg, const Transformer& model, cons
 }
 
 void CommAccounting::start_step() {
-  for (Communicator* c : counted_) c->reset_bytes_sent();
+  for (const GroupPair& c : counted_) c.reset_bytes_sent();
 }
 
 // The analytical count, per step:
@@ -41,13 +41,13 @@ void CommAccounting::end_step(double rows_off) {
   const double Ls = l1 - l0, Lm = std::max(0, l1 - std::max(l0, m.first_dense_layers));
   auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
   double local[10] = {};
-  for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)]->bytes_sent());
-  local[5] = ring(g_.tensor->size()) * Mb *
+  for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)].bytes_sent());
+  local[5] = ring(g_.tensor.size()) * Mb *
              ((4 * Ls + (first ? 1 : 0) + (last ? 1 : 0)) * N * D * 4 + Lm * N * m.moe.top_k * 8 + (last ? N * 20 : 0));
-  const int Pe = g_.expert->size(), Le = place.local_experts();
+  const int Pe = g_.expert.size(), Le = place.local_experts();
   local[6] = Pe > 1 ? 4 * rows_off * D * 4 + Mb * Lm * (Pe - 1) * Le * 8 : 0;
-  local[7] = ring(g_.data->size()) * dense_bytes_;
-  local[8] = ring(g_.expert_data->size()) * expert_bytes_;
+  local[7] = ring(g_.data.size()) * dense_bytes_;
+  local[8] = ring(g_.expert_data.size()) * expert_bytes_;
   local[9] = Mb * N * D * 4 * ((last ? 0 : 1) + (first ? 0 : 1));
   g_.world->allreduce_sum(local, 10);
   for (int g = 0; g < 5; ++g) measured_[size_t(g)] = local[g], expected_[size_t(g)] = local[5 + g];

@@ -12,8 +12,21 @@
 
 namespace fp8moe {
 
+// A group's two communicators: on the backend's memory (the tensors) and on the host (the token
+// counts, losses, loads and the experts' row counts); the same object on the CPU backend.
+struct GroupPair {
+  Communicator *device = nullptr, *host = nullptr;
+  int size() const { return device->size(); }
+  int64_t bytes_sent() const { return device->bytes_sent() + (host != device ? host->bytes_sent() : 0); }
+  void reset_bytes_sent() const {
+    device->reset_bytes_sent();
+    host->reset_bytes_sent();
+  }
+};
+
 struct TrainGroups {
-  Communicator *tensor, *expert, *data, *expert_data, *pipeline, *world;
+  GroupPair tensor, expert, data, expert_data, pipeline;
+  Communicator* world;
 };
 
 class CommAccounting {
@@ -32,7 +45,7 @@ class CommAccounting {
   const Config& cfg_;
   const Transformer& model_;
   TrainGroups g_;
-  std::array<Communicator*, 5> counted_;
+  std::array<GroupPair, 5> counted_;
   int64_t sequences_ = 0;
   double dense_bytes_ = 0, expert_bytes_ = 0;  // the trainable parameters this rank holds, FP32
   std::array<double, 5> measured_{}, expected_{};

@@ -11,6 +11,7 @@
 #include "io/text.h"
 #include "io/checkpoint.h"
 #include "model/sampling.h"
+#include "kernels/backend.h"
 #include "model/transformer.h"
 
 namespace fp8moe {
@@ -32,8 +33,10 @@ int run_generate(const GenerateOptions& o) {
     return usage_error("--checkpoint: a vocabulary of " + std::to_string(cfg.model.vocab_size) +
                        " tokens; generate reads and writes bytes, so it samples byte-level models (vocabulary 256) "
                        "only: decoding through a tokenizer is not implemented");
-  Transformer model(cfg);
-  model.params() = std::move(params);
+  // One process, on the CPU backend: generation samples token by token.
+  const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
+  Transformer model(*be, cfg);
+  for (size_t i = 0; i < params.size(); ++i) model.set_param(i, params[i]);
 
   // A new document starts after token 0; the prompt's bytes follow (NUL bytes dropped).
   std::vector<int32_t> ctx = {0};

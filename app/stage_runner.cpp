@@ -8,104 +8,170 @@
 
 namespace fp8moe {
 
-StageRunner::StageRunner(const Config& cfg, Transformer& model, Communicator& pipe, Communicator& data,
-                         Communicator& world)
-    : cfg_(cfg), model_(model), pipe_(pipe), data_(data), world_(world) {
+StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGroups& groups)
+    : cfg_(cfg), model_(model), be_(model.backend()), g_(groups) {
   T_ = cfg.train.seq_len;
-  mbs_ = cfg.train.global_batch / (cfg.parallel.micro_batches * data.size());
+  mbs_ = cfg.train.global_batch / (cfg.parallel.micro_batches * g_.data_host->size());
   act_ = mbs_ * T_ * cfg.model.d_model;
+  moe_layers_ = cfg.model.n_layers - cfg.model.first_dense_layers;
   first_ = model.placement().first_stage(), last_ = model.placement().last_stage();
-  tokens_.resize(size_t(mbs_ * T_)), targets_.resize(size_t(mbs_ * T_));
-  x_in_.resize(first_ ? 0 : size_t(act_)), dy_in_.resize(last_ ? 0 : size_t(act_));
+  x_in_ = Tensor(be_, DType::f32, {first_ ? 0 : act_}), dy_in_ = Tensor(be_, DType::f32, {last_ ? 0 : act_});
+  counts_h_ = HostBuffer<uint64_t>(be_, 2);
 }
 
 // Each step's global batch is micro_batches micro-batches; the data-parallel replicas split each
 // micro-batch: replica r computes its sequences [r * mbs, (r + 1) * mbs). Sample positions are
 // global, so the step sees the same sequences on any number of replicas.
-void StageRunner::sample(DataBlend& data, uint64_t seed, int64_t first_sample, int64_t mb) {
-  const int64_t R = data_.size();
-  for (int64_t i = 0; i < mbs_; ++i)
-    data.sample(seed, first_sample + (mb * R + data_.rank()) * mbs_ + i, T_, &tokens_[i * T_], &targets_[i * T_]);
+void StageRunner::sample(DataBlend& data, uint64_t seed, int64_t first_sample, int64_t mb0, int64_t batches,
+                         bool count_all) {
+  const int64_t R = g_.data_host->size(), n = batches * mbs_ * T_;
+  if (tokens_h_.size() < n) tokens_h_ = HostBuffer<int32_t>(be_, n), targets_h_ = HostBuffer<int32_t>(be_, n);
+  counted_.assign(size_t(batches), 0);
+  for (int64_t b = 0; b < batches; ++b) {
+    for (int64_t i = 0; i < mbs_; ++i) {
+      const int64_t at = (b * mbs_ + i) * T_;
+      data.sample(seed, first_sample + ((mb0 + b) * R + g_.data_host->rank()) * mbs_ + i, T_, &tokens_h_[at],
+                  &targets_h_[at]);
+    }
+    const int32_t* t = targets_h_.data() + b * mbs_ * T_;
+    counted_[size_t(b)] = std::count_if(t, t + mbs_ * T_, [&](int32_t x) { return x != cfg_.model.pad_id; });
+  }
+  // The micro-batches' counted tokens over all replicas: each replica's loss is its share of the
+  // micro-batch's mean, so gradients have the 1-rank magnitudes and sum over the replicas.
+  counted_all_ = counted_;
+  if (count_all && R > 1) g_.data_host->allreduce_sum(counted_all_.data(), batches);
+}
+
+// One upload of the tokens (first stage) and targets (last stage) of every micro-batch. NOTE: from
+// pinned memory the copy runs later; the host rewrites these buffers only after the step's (or
+// the evaluation's) synchronisation, which the copy precedes.
+void StageRunner::upload_batches(int64_t batches) {
+  const int64_t n = batches * mbs_ * T_;
+  if (tokens_.numel() < n) tokens_ = Tensor(be_, DType::i32, {n}), targets_ = Tensor(be_, DType::i32, {n});
+  if (first_) be_.upload(tokens_.raw(), tokens_h_.data(), size_t(n) * sizeof(int32_t));
+  if (last_) be_.upload(targets_.raw(), targets_h_.data(), size_t(n) * sizeof(int32_t));
 }
 
 // Receives block; the time they block is the stage's share of the pipeline bubble. Sends are
 // non-blocking, collected once a step.
 void StageRunner::recv(float* buf, int peer, int tag, StepLocal* local) {
   const auto t0 = std::chrono::steady_clock::now();
-  pipe_.recv(buf, act_, peer, tag);
+  g_.pipe->recv(buf, act_, peer, tag);
   if (local) local->waited_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-StepTotals StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local) {
+void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local) {
   const ModelConfig& mc = cfg_.model;
-  const int M = cfg_.parallel.micro_batches, stage = pipe_.rank();
-  const int64_t R = data_.size();
+  const int M = cfg_.parallel.micro_batches, stage = g_.pipe->rank();
+  const int64_t R = g_.data_host->size();
   const Placement& place = model_.placement();
-  const int moe_layers = mc.n_layers - mc.first_dense_layers;
-  double loss_sum = 0, fp8[2] = {0, 0};  // loss; FP8 saturated, underflowed
-  std::vector<int64_t> load_flat(static_cast<size_t>(moe_layers * mc.moe.n_experts), 0);
+  model_.begin_step();
+  be_.zero(model_.fp8_counts(), 2 * sizeof(uint64_t));
+  losses_ = Tensor::zeros(be_, DType::f64, {M, slots()});
+  load_flat_.assign(size_t(moe_layers_ * mc.moe.n_experts), 0);
+  sample(data, uint64_t(cfg_.train.seed), first_sample, 0, M, true);
+  upload_batches(M);
   std::vector<StageRun> runs(static_cast<size_t>(M));
   *local = StepLocal{};
 
   auto forward = [&](int mb) {
-    sample(data, uint64_t(cfg_.train.seed), first_sample, mb);
-    // The micro-batch's counted tokens over all replicas: each replica's loss is its share of the
-    // micro-batch's mean, so gradients have the 1-rank magnitudes and sum over the replicas.
-    int64_t counted = std::count_if(targets_.begin(), targets_.end(), [&](int32_t t) { return t != mc.pad_id; });
-    if (R > 1) data_.allreduce_sum(&counted, 1);
-    if (!first_) recv(x_in_.data(), stage - 1, 2 * mb, local);
-    runs[size_t(mb)] = model_.stage_forward(tokens_.data(), targets_.data(), mbs_, T_, first_ ? nullptr : x_in_.data(),
-                                            true, loss_scale, counted, 1.0 / double(R));
-    if (!last_) pipe_.isend(runs[size_t(mb)].output(), act_, stage + 1, 2 * mb);
+    if (!first_) recv(x_in_.f32(), stage - 1, 2 * mb, local);
+    double* slot = losses_.data<double>() + mb * slots();
+    const int64_t at = int64_t(mb) * mbs_ * T_;
+    runs[size_t(mb)] = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
+                                            counted_[size_t(mb)], mbs_, T_, first_ ? nullptr : x_in_.f32(), true,
+                                            {slot, slot + 1}, loss_scale, counted_all_[size_t(mb)], 1.0 / double(R));
+    if (!last_) g_.pipe->isend(runs[size_t(mb)].output(), act_, stage + 1, 2 * mb);
     const StepResult& r = runs[size_t(mb)].result();
-    loss_sum += r.loss / double(M);
     for (size_t l = 0; l < r.expert_load.size(); ++l)
       for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
-        load_flat[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
+        load_flat_[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
         if (place.expert_owner(int(e)) != place.at().expert_rank) local->rows_off_rank += double(r.expert_load[l][e]);
       }
   };
   auto backward = [&](int mb) {
-    if (!last_) recv(dy_in_.data(), stage + 1, 2 * mb + 1, local);
-    model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.data());
-    if (!first_) pipe_.isend(runs[size_t(mb)].input_grad(), act_, stage - 1, 2 * mb + 1);
-    fp8[0] += double(runs[size_t(mb)].result().fp8_saturated), fp8[1] += double(runs[size_t(mb)].result().fp8_underflowed);
+    if (!last_) recv(dy_in_.f32(), stage + 1, 2 * mb + 1, local);
+    model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32());
+    if (!first_) g_.pipe->isend(runs[size_t(mb)].input_grad(), act_, stage - 1, 2 * mb + 1);
   };
-  for (const PipelineOp& op : one_f_one_b(pipe_.size(), stage, M)) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
-  pipe_.wait_sends();
-  runs.clear();
+  for (const PipelineOp& op : one_f_one_b(g_.pipe->size(), stage, M)) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
+  g_.pipe->wait_sends();
+}
 
+StepTotals StageRunner::finish_step(const double* grad_sq) {
+  const ModelConfig& mc = cfg_.model;
+  const int M = cfg_.parallel.micro_batches;
+  const double aux_weight = 1.0 / double(g_.data_host->size());
+  if (losses_h_.size() < M * slots()) losses_h_ = HostBuffer<double>(be_, M * slots() + 1);
+  double* losses = losses_h_.data();
+  double* sq = losses + M * slots();
+  uint64_t* counts = counts_h_.data();
+  be_.download(losses, losses_.raw(), losses_.bytes());
+  be_.download(counts, model_.fp8_counts(), 2 * sizeof(uint64_t));
+  be_.download(sq, grad_sq, sizeof(double));
+  be_.sync();  // the step's one synchronisation
+
+  // Each micro-batch's loss as the model defines it (model/transformer.h, StepResult): the last
+  // stage's mean cross-entropy plus the weighted aux losses of this stage's MoE layers.
+  double loss_sum = 0, fp8[2] = {double(counts[0]), double(counts[1])};
+  for (int mb = 0; mb < M; ++mb) {
+    const double* s = losses + mb * slots();
+    const int64_t denom = counted_all_[size_t(mb)];
+    const double ce = last_ && denom > 0 ? s[0] / double(denom) : 0.0;
+    double aux = 0;
+    for (int64_t l = 0; l < moe_layers_; ++l) aux += s[1 + l];
+    aux *= aux_weight;
+    loss_sum += (ce + aux) / double(M);
+  }
   // The loss (last stage; aux losses from every stage) and expert loads: summed over the replicas
-  // and the stages; FP8 counts over every rank.
+  // and the stages; FP8 counts and the gradient norm over every rank.
   StepTotals t;
-  data_.allreduce_sum(&loss_sum, 1);
-  pipe_.allreduce_sum(&loss_sum, 1);
-  world_.allreduce_sum(fp8, 2);
-  data_.allreduce_sum(load_flat.data(), int64_t(load_flat.size()));
-  pipe_.allreduce_sum(load_flat.data(), int64_t(load_flat.size()));
+  g_.data_host->allreduce_sum(&loss_sum, 1);
+  g_.pipe_host->allreduce_sum(&loss_sum, 1);
+  g_.world_host->allreduce_sum(fp8, 2);
+  g_.data_host->allreduce_sum(load_flat_.data(), int64_t(load_flat_.size()));
+  g_.pipe_host->allreduce_sum(load_flat_.data(), int64_t(load_flat_.size()));
+  t.grad_sq = sq[0];
+  g_.world_host->allreduce_sum(&t.grad_sq, 1);
   t.loss = loss_sum, t.fp8_saturated = int64_t(fp8[0]), t.fp8_underflowed = int64_t(fp8[1]);
-  t.expert_load.resize(static_cast<size_t>(moe_layers));
-  for (int l = 0; l < moe_layers; ++l)
-    t.expert_load[size_t(l)].assign(load_flat.begin() + l * mc.moe.n_experts, load_flat.begin() + (l + 1) * mc.moe.n_experts);
+  t.expert_load.resize(static_cast<size_t>(moe_layers_));
+  for (int64_t l = 0; l < moe_layers_; ++l)
+    t.expert_load[size_t(l)].assign(load_flat_.begin() + l * mc.moe.n_experts, load_flat_.begin() + (l + 1) * mc.moe.n_experts);
   return t;
 }
 
 double StageRunner::validation_loss(DataBlend& data) {
-  const int stage = pipe_.rank();
-  double sums[2] = {0, 0};  // sum of CE over tokens, tokens (the last stage's)
-  for (int b = 0; b < cfg_.eval.batches; ++b) {
-    sample(data, uint64_t(cfg_.train.seed) ^ 0x76616cull, 0, b);  // fixed sequences, their own seed
-    if (!first_) recv(x_in_.data(), stage - 1, 0, nullptr);
-    const StageRun run = model_.stage_forward(tokens_.data(), targets_.data(), mbs_, T_, first_ ? nullptr : x_in_.data(), false);
+  const int stage = g_.pipe->rank();
+  const int64_t B = cfg_.eval.batches;
+  sample(data, uint64_t(cfg_.train.seed) ^ 0x76616cull, 0, 0, B, false);  // fixed sequences, their own seed
+  upload_batches(B);
+  Tensor ce = Tensor::zeros(be_, DType::f64, {B});
+  std::vector<int64_t> tokens(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    if (!first_) recv(x_in_.f32(), stage - 1, 0, nullptr);
+    const int64_t at = b * mbs_ * T_;
+    const StageRun run = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
+                                              counted_[size_t(b)], mbs_, T_, first_ ? nullptr : x_in_.f32(), false,
+                                              {ce.data<double>() + b, nullptr});
     if (!last_) {
-      pipe_.isend(run.output(), act_, stage + 1, 0);
-      pipe_.wait_sends();
+      g_.pipe->isend(run.output(), act_, stage + 1, 0);
+      g_.pipe->wait_sends();
     } else {
-      sums[0] += run.result().ce * double(run.result().tokens), sums[1] += double(run.result().tokens);
+      tokens[size_t(b)] = run.result().tokens;
     }
   }
-  data_.allreduce_sum(sums, 2);
-  pipe_.allreduce_sum(sums, 2);
+  double sums[2] = {0, 0};  // sum of CE over tokens, tokens (the last stage's)
+  if (last_) {
+    const std::vector<double> h = to_host<double>(ce);  // the evaluation's one synchronisation
+    for (int64_t b = 0; b < B; ++b) {
+      const double mean = tokens[size_t(b)] > 0 ? h[size_t(b)] / double(tokens[size_t(b)]) : 0.0;
+      sums[0] += mean * double(tokens[size_t(b)]), sums[1] += double(tokens[size_t(b)]);
+    }
+  } else {
+    be_.sync();  // the uploaded batches are read before the host samples again
+  }
+  g_.data_host->allreduce_sum(sums, 2);
+  g_.pipe_host->allreduce_sum(sums, 2);
   return sums[1] > 0 ? sums[0] / sums[1] : NAN;
 }
 

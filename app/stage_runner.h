@@ -3,6 +3,11 @@
 // (parallel/pipeline_schedule.h) with activations sent to the next stage and their gradients to
 // the previous one, and sums what a step reports over the ranks. The model's gradients hold the
 // step's (scaled) sum afterwards; the optimizer is the caller's.
+//
+// The step's data goes to the device once (one upload of every micro-batch's tokens and targets);
+// what the host reads back is read at two kinds of points: each MoE layer's expert loads (in the
+// model, once per layer and micro-batch) and finish_step's one synchronisation for the losses, the
+// FP8 counters and the gradient norm.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +25,7 @@ struct StepTotals {
   double loss = 0;  // the global batch's loss: the micro-batches' mean, summed over replicas and stages
   int64_t fp8_saturated = 0, fp8_underflowed = 0;  // over every rank
   std::vector<std::vector<int64_t>> expert_load;   // per MoE layer and expert, over replicas and stages
+  double grad_sq = 0;                              // the squared global gradient norm (finish_step's argument, summed)
 };
 
 // This rank's part of the step, for the communication and bubble accounting.
@@ -28,35 +34,58 @@ struct StepLocal {
   double waited_s = 0;       // seconds blocked in pipeline receives
 };
 
+// The communicators of the runner: the pipeline on the backend's memory (the activations), and
+// host ones for the small numbers (token counts, losses, loads).
+struct RunnerGroups {
+  Communicator* pipe = nullptr;       // backend memory
+  Communicator* pipe_host = nullptr;  // host memory, the same group
+  Communicator* data_host = nullptr;  // host memory: the data-parallel replicas
+  Communicator* world_host = nullptr;
+};
+
 class StageRunner {
  public:
-  // pipe: the pipeline group (this rank's stage is its rank); data: the data-parallel replicas;
-  // world: every rank. The model is this rank's stage of it.
-  StageRunner(const Config& cfg, Transformer& model, Communicator& pipe, Communicator& data, Communicator& world);
+  StageRunner(const Config& cfg, Transformer& model, const RunnerGroups& groups);
 
   // Sequences per replica in each micro-batch: global_batch / (micro_batches x replicas).
   int64_t sequences() const { return mbs_; }
 
   // Forward and backward of one step's micro-batches, the samples [first_sample, first_sample +
-  // global_batch) of `data`, each micro-batch's loss scaled by loss_scale. Collective.
-  StepTotals train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local);
+  // global_batch) of `data`, each micro-batch's loss scaled by loss_scale (model.begin_step() and
+  // the FP8 counters zeroed first). Collective.
+  void train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local);
+  // The step's one host synchronisation, once the gradients are reduced: the losses the forwards
+  // wrote, the FP8 counters and *grad_sq (device: this rank's part of the squared gradient norm),
+  // then their sums over the ranks. Collective.
+  StepTotals finish_step(const double* grad_sq);
 
   // The mean cross-entropy over eval.batches fixed micro-batches of `data` (their own seed: the
   // same sequences on any layout). Collective; every rank returns it.
   double validation_loss(DataBlend& data);
 
  private:
-  // This replica's sequences of micro-batch `mb` (global micro-batch index) into tokens_, targets_.
-  void sample(DataBlend& data, uint64_t seed, int64_t first_sample, int64_t mb);
+  // This replica's sequences of `batches` micro-batches (global micro-batch index mb0 + i) into
+  // the host buffers, and their counted targets (this replica's; with count_all, also summed over
+  // the replicas).
+  void sample(DataBlend& data, uint64_t seed, int64_t first_sample, int64_t mb0, int64_t batches, bool count_all);
+  void upload_batches(int64_t batches);
   void recv(float* buf, int peer, int tag, StepLocal* local);
+  int64_t slots() const { return 1 + moe_layers_; }  // losses per micro-batch: CE, then each MoE layer's aux
 
   const Config& cfg_;
   Transformer& model_;
-  Communicator &pipe_, &data_, &world_;
-  int64_t T_ = 0, mbs_ = 0, act_ = 0;  // sequence length, sequences per replica, activation floats
-  bool first_ = false, last_ = false;  // first / last pipeline stage
-  std::vector<int32_t> tokens_, targets_;
-  std::vector<float> x_in_, dy_in_;  // from the previous stage, from the next one
+  Backend& be_;
+  RunnerGroups g_;
+  int64_t T_ = 0, mbs_ = 0, act_ = 0, moe_layers_ = 0;  // sequence length, sequences per replica, activation floats
+  bool first_ = false, last_ = false;                    // first / last pipeline stage
+  HostBuffer<int32_t> tokens_h_, targets_h_;             // (batches, mbs, T), pinned
+  std::vector<int64_t> counted_, counted_all_;           // per micro-batch: this replica's, every replica's
+  Tensor tokens_, targets_;                              // the same on the device
+  Tensor x_in_, dy_in_;                                  // from the previous stage, from the next one
+  Tensor losses_;                                        // (micro-batches, slots()) FP64
+  std::vector<int64_t> load_flat_;                       // (MoE layers, experts) this step, this rank
+  HostBuffer<double> losses_h_;                          // finish_step's read: losses_, then the norm part
+  HostBuffer<uint64_t> counts_h_;                        // and the FP8 counters
 };
 
 }  // namespace fp8moe

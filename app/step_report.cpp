@@ -9,7 +9,6 @@
 #include <numeric>
 #include <vector>
 
-#include "kernels/device.h"
 #include "kernels/gemm_fp8.h"
 
 namespace fp8moe {
@@ -63,35 +62,38 @@ double load_imbalance(const std::vector<std::vector<int64_t>>& expert_load) {
   return imbalance;
 }
 
-Peak training_peak(const Config& cfg, int ranks) {
-  if (cfg.runtime.device != DeviceChoice::cuda) return {measured_sgemm_flops() * double(ranks), "the measured FP32 SGEMM peak"};
+Peak training_peak(const Config& cfg, const Backend& be, int ranks) {
+  if (be.kind() != DeviceKind::cuda) return {measured_sgemm_flops() * double(ranks), "the measured FP32 SGEMM peak"};
   const bool fp8_gemms = cfg.fp8.recipe != Fp8Recipe::off;
-  return {gpu_dense_peak_flops(fp8_gemms) * double(ranks),
+  return {be.dense_peak_flops(fp8_gemms) * double(ranks),
           fp8_gemms ? "the GPU's dense FP8 peak" : "the GPU's FP32 peak (no TF32)"};
 }
 
-StepReporter::StepReporter(const Config& cfg, Communicator& world, MetricsLog& log, const Peak& peak)
-    : cfg_(cfg), world_(world), log_(log), peak_(peak), flops_per_token_(model_flops_per_token(cfg.model, cfg.train.seq_len)) {}
+StepReporter::StepReporter(const Config& cfg, const Backend& be, Communicator& world, MetricsLog& log, const Peak& peak)
+    : cfg_(cfg), be_(be), world_(world), log_(log), peak_(peak),
+      flops_per_token_(model_flops_per_token(cfg.model, cfg.train.seq_len)) {}
 
 void StepReporter::report(const StepSummary& s) {
-  const bool on_gpu = cfg_.runtime.device == DeviceChoice::cuda, pipeline = !std::isnan(s.bubble);
-  double mems[2] = {double(peak_rss_bytes()), double(device_memory_stats().peak)};  // host, device
-  world_.allreduce_max(mems, 2);
-  const double mem = mems[0], dmem = mems[1];
+  const bool on_device = be_.kind() != DeviceKind::cpu, pipeline = !std::isnan(s.bubble);
+  // The maxima over the ranks: host and device memory, host synchronisations and bytes each way.
+  double most[5] = {double(peak_rss_bytes()), double(be_.memory_stats().peak), double(s.transfers.host_syncs),
+                    double(s.transfers.h2d_bytes), double(s.transfers.d2h_bytes)};
+  world_.allreduce_max(most, 5);
+  const double mem = most[0], dmem = most[1];
   const double tokens_per_s = double(cfg_.train.global_batch) * double(cfg_.train.seq_len) / s.step_s;
   const double mfu = tokens_per_s * flops_per_token_ / peak_.flops;
   if (world_.rank() == 0) {
     char dmem_text[48] = "";
-    if (on_gpu) std::snprintf(dmem_text, sizeof dmem_text, "  dmem %.0f MB", dmem / 1e6);
+    if (on_device) std::snprintf(dmem_text, sizeof dmem_text, "  dmem %.0f MB", dmem / 1e6);
     char val[32] = "  -   ";
     if (!std::isnan(s.last_val_loss)) std::snprintf(val, sizeof val, "%.4f", s.last_val_loss);
     char bubble[64] = "";
     if (pipeline) std::snprintf(bubble, sizeof bubble, "  bubble %.2f (ideal %.2f)", s.bubble, s.bubble_ideal);
     // The loss also as its exact bits (%a): resumed and uninterrupted runs are compared bitwise.
     std::printf("step %5lld/%lld  loss %.4f  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
-                "mem %.0f MB%s  load %.2f  sat %lld  under %lld  skipped %lld%s  eta %.0f s  [%a]\n",
+                "mem %.0f MB%s  syncs %.0f  load %.2f  sat %lld  under %lld  skipped %lld%s  eta %.0f s  [%a]\n",
                 (long long)s.step, (long long)cfg_.train.steps, s.loss, val, s.lr, s.grad_norm, tokens_per_s, s.step_s,
-                mfu, mem / 1e6, dmem_text, s.expert_load_imbalance, (long long)s.fp8_saturated,
+                mfu, mem / 1e6, dmem_text, most[2], s.expert_load_imbalance, (long long)s.fp8_saturated,
                 (long long)s.fp8_underflowed, (long long)s.skipped_steps, bubble, s.eta_s, s.loss);
     std::fflush(stdout);
   }
@@ -99,10 +101,11 @@ void StepReporter::report(const StepSummary& s) {
   m.step = s.step, m.loss = s.loss, m.val_loss = s.val_loss, m.lr = s.lr;
   m.grad_norm = s.grad_norm, m.tokens_per_s = tokens_per_s, m.step_time_s = s.step_s, m.mfu = mfu;
   m.peak_mem_bytes = int64_t(mem);
-  if (on_gpu) m.peak_device_mem_bytes = int64_t(dmem);
+  if (on_device) m.peak_device_mem_bytes = int64_t(dmem);
   m.expert_load_imbalance = s.expert_load_imbalance, m.fp8_saturated = s.fp8_saturated;
   m.fp8_underflowed = s.fp8_underflowed, m.skipped_steps = s.skipped_steps, m.loss_scale = s.loss_scale;
   m.pipeline_bubble = s.bubble, m.pipeline_bubble_ideal = s.bubble_ideal;
+  m.host_syncs = int64_t(most[2]), m.h2d_bytes = int64_t(most[3]), m.d2h_bytes = int64_t(most[4]);
   log_.write(m);
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "io/metrics.h"
+#include "kernels/backend.h"
 #include "model/config.h"
 #include "parallel/communicator.h"
 
@@ -17,13 +18,14 @@ namespace fp8moe {
 // every matrix a token goes through (its k routed experts, not all of them) plus causal attention.
 double model_flops_per_token(const ModelConfig& m, int64_t T);
 
-// The peak FLOP/s of all `ranks` together: on the CPU this machine's FP32 SGEMM, measured; on a
-// GPU its dense FP8 (recipe other than off) or FP32 peak, NaN for a GPU fp8moe does not know.
+// The peak FLOP/s of all `ranks` together: on the CPU (and the emulated device) this machine's
+// FP32 SGEMM, measured; on a GPU its dense FP8 (recipe other than off) or FP32 peak, NaN for a GPU
+// fp8moe does not know.
 struct Peak {
   double flops = 0;
   std::string basis;  // what the peak is, for the start-up line
 };
-Peak training_peak(const Config& cfg, int ranks);
+Peak training_peak(const Config& cfg, const Backend& be, int ranks);
 
 // Max over MoE layers of (max load / mean load); NaN without a layer with any load.
 double load_imbalance(const std::vector<std::vector<int64_t>>& expert_load);
@@ -42,18 +44,20 @@ struct StepSummary {
   double step_s = 0;                 // the slowest rank's step time
   double bubble = 0, bubble_ideal = 0;  // NaN without pipeline parallelism
   double eta_s = 0;
+  TransferCounts transfers;          // this rank's host synchronisations and copies of the step
 };
 
 class StepReporter {
  public:
   // log: rank 0's metrics log (closed elsewhere: write() does nothing).
-  StepReporter(const Config& cfg, Communicator& world, MetricsLog& log, const Peak& peak);
-  // Collective (the peak memory is the maximum over the ranks): prints the step's line on rank 0
-  // and appends its record to the log.
+  StepReporter(const Config& cfg, const Backend& be, Communicator& world, MetricsLog& log, const Peak& peak);
+  // Collective (peak memory, host synchronisations and bytes copied are the maxima over the
+  // ranks): prints the step's line on rank 0 and appends its record to the log.
   void report(const StepSummary& s);
 
  private:
   const Config& cfg_;
+  const Backend& be_;
   Communicator& world_;
   MetricsLog& log_;
   Peak peak_;

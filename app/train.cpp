@@ -12,7 +12,7 @@
 #include "io/config.h"
 #include "kernels/backend_info.h"
 #include "kernels/check.h"
-#include "kernels/device.h"
+#include "kernels/backend.h"
 #include "parallel/grid.h"
 #include "parallel/mpi_session.h"
 #include "parallel/watchdog.h"
@@ -29,17 +29,17 @@ int set_threads_per_rank() {
   return omp_get_max_threads();
 }
 
-// runtime.device and runtime.comm resolved to what runs (every rank agrees), the CUDA device
-// selected by the node-local rank. Empty on success, else the message of a usage error.
-// Collective over MPI_COMM_WORLD.
-std::string resolve_runtime(Config& cfg, std::string* device_line) {
+// runtime.device and runtime.comm resolved to what runs (every rank agrees), and the CUDA device
+// of this rank (its node-local rank modulo the GPUs it sees). Empty on success, else the message
+// of a usage error. Collective over MPI_COMM_WORLD.
+std::string resolve_runtime(Config& cfg, int* ordinal, std::string* device_line) {
   const NodePlace place = node_place(MPI_COMM_WORLD);
   std::string why;
   const int gpus = cuda_device_count(&why);
   const bool all_have_gpu = !any_rank(MPI_COMM_WORLD, gpus == 0);
-  const int ordinal = gpus > 0 ? place.local_rank % gpus : -1;
+  *ordinal = gpus > 0 ? place.local_rank % gpus : -1;
   // NCCL refuses two ranks on one GPU.
-  const bool gpu_per_rank = distinct_gpus_per_node(MPI_COMM_WORLD, ordinal);
+  const bool gpu_per_rank = distinct_gpus_per_node(MPI_COMM_WORLD, *ordinal);
   RuntimeConfig& r = cfg.runtime;
   if (r.device == DeviceChoice::cuda && !all_have_gpu)
     return "runtime.device: cuda, but a rank sees no CUDA device" + (gpus == 0 ? " (" + why + ")" : std::string()) +
@@ -52,18 +52,20 @@ std::string resolve_runtime(Config& cfg, std::string* device_line) {
   if (r.comm == CommChoice::nccl && r.device == DeviceChoice::cuda && !gpu_per_rank)
     return "runtime.comm: nccl needs a GPU of its own for every rank (two ranks of a node use the same GPU); use mpi";
   if (r.comm == CommChoice::automatic)
-    r.comm = r.device == DeviceChoice::cuda && gpu_per_rank ? CommChoice::nccl : CommChoice::mpi;
+    r.comm = (r.device == DeviceChoice::cuda && gpu_per_rank) || r.device == DeviceChoice::emulated ? CommChoice::nccl
+                                                                                                     : CommChoice::mpi;
   if (const RuntimeProblem p = runtime_problem(cfg); !p.key.empty())  // the rules again, auto resolved
     return p.key + ": expected " + p.expected + resolved;
-  if (r.device == DeviceChoice::cuda) {
-    if (!set_compute_device(ComputeDevice::cuda, place.local_rank, &why))
-      fatal_error(__FILE__, __LINE__, "selecting the CUDA device: " + why);
-    *device_line = "device: cuda (rank 0: GPU " + std::to_string(ordinal) + " of the " + std::to_string(gpus) +
-                   " it sees, by node-local rank " + std::to_string(place.local_rank) + "), comm " +
-                   std::string(to_string(r.comm));
-  } else {
+  const std::string comm = r.comm == CommChoice::mpi ? (r.device == DeviceChoice::cpu ? "mpi" : "mpi (staged through pinned host memory)")
+                           : r.device == DeviceChoice::emulated ? "nccl (the emulated device's own collectives)"
+                                                                : "nccl";
+  if (r.device == DeviceChoice::cuda)
+    *device_line = "device: cuda (rank 0: GPU " + std::to_string(*ordinal) + " of the " + std::to_string(gpus) +
+                   " it sees, by node-local rank " + std::to_string(place.local_rank) + "), comm " + comm;
+  else if (r.device == DeviceChoice::emulated)
+    *device_line = "device: emulated (the CPU kernels on memory the host may not touch), comm " + comm;
+  else
     *device_line = "device: cpu, comm mpi";
-  }
   return "";
 }
 
@@ -99,7 +101,8 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   }
 
   std::string device_line;
-  error = resolve_runtime(config, &device_line);  // collective; the verdict is the same on every rank
+  int ordinal = -1;
+  error = resolve_runtime(config, &ordinal, &device_line);  // collective; the verdict is the same on every rank
   if (!error.empty()) {
     if (root) usage_error(error);
     return kExitUsage;
@@ -119,7 +122,11 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   }
   if (options.dry_run) return kExitOk;
   const Watchdog watchdog(config.runtime.timeout_s, mpi.rank());  // ends a job with a stuck rank (exit 4)
-  return train(config, grid);
+  const DeviceKind kind = config.runtime.device == DeviceChoice::cuda       ? DeviceKind::cuda
+                          : config.runtime.device == DeviceChoice::emulated ? DeviceKind::emulated
+                                                                           : DeviceKind::cpu;
+  const std::unique_ptr<Backend> backend = make_backend(kind, ordinal);
+  return train(config, grid, *backend);
 }
 
 }  // namespace

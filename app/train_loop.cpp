@@ -20,6 +20,7 @@
 #include "model/data_parallel.h"
 #include "model/optimizer.h"
 #include "model/transformer.h"
+#include "parallel/device_communicator.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_session.h"
 #include "parallel/watchdog.h"
@@ -134,15 +135,24 @@ void install_stop_handlers() {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
-int train(const Config& cfg, const ProcessGrid& grid) {
-  // The groups' collectives over MPI or NCCL (runtime.comm, resolved by app/train.cpp); the
-  // pipeline's point-to-point transfers over MPI also under NCCL (see runtime.comm).
-  MpiCommunicator world(grid.world(), "world"), pipe(grid.pipeline(), "pp");
+int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
+  // Host communicators for the small numbers every rank exchanges (token counts, losses, loads,
+  // agreements), and the same groups on the backend's memory for the tensors (runtime.comm,
+  // resolved by app/train.cpp: NCCL, MPI staged through pinned memory, or the emulated device's
+  // own; on the CPU backend the host ones themselves).
+  MpiCommunicator world(grid.world(), "world"), pipe_h(grid.pipeline(), "pp"), dp_h(grid.data(), "dp"),
+      tp_h(grid.tensor(), "tp"), ep_h(grid.expert(), "ep"), edp_h(grid.expert_data(), "edp");
   const bool nccl = cfg.runtime.comm == CommChoice::nccl;
-  const auto dp = make_group_communicator(grid.data(), nccl, "dp"), tp = make_group_communicator(grid.tensor(), nccl, "tp"),
-             ep = make_group_communicator(grid.expert(), nccl, "ep"),
-             edp = make_group_communicator(grid.expert_data(), nccl, "edp");
-  const TrainGroups groups{tp.get(), ep.get(), dp.get(), edp.get(), &pipe, &world};
+  std::vector<std::unique_ptr<Communicator>> owned;
+  auto on_device = [&](MpiCommunicator& host, MPI_Comm comm, const char* name) -> Communicator* {
+    if (be.host_accessible()) return &host;
+    owned.push_back(make_device_communicator(comm, be, nccl, name));
+    return owned.back().get();
+  };
+  Communicator *tp = on_device(tp_h, grid.tensor(), "tp"), *ep = on_device(ep_h, grid.expert(), "ep"),
+               *dp = on_device(dp_h, grid.data(), "dp"), *edp = on_device(edp_h, grid.expert_data(), "edp"),
+               *pipe = on_device(pipe_h, grid.pipeline(), "pp");
+  const TrainGroups groups{{tp, &tp_h}, {ep, &ep_h}, {dp, &dp_h}, {edp, &edp_h}, {pipe, &pipe_h}, &world};
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike: every rank returns the same status, only rank 0 speaks.
   auto fail = [&](const std::string& message) { return root ? usage_error(message) : kExitUsage; };
@@ -161,12 +171,11 @@ int train(const Config& cfg, const ProcessGrid& grid) {
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
-  Transformer model(cfg, ModelGroups{.pipeline = &pipe, .tensor = tp.get(), .data = dp.get(), .expert = ep.get(),
-                                     .expert_data = edp.get()});
-  std::vector<Shard> shards;
-  for (size_t i = 0; i < model.table().params.size(); ++i) shards.push_back(model.shard(i));
-  ReplicaSync sync(model.table(), shards, *dp, *edp, world, model.placement().at().tensor_rank, cfg.optim.zero == 1);
-  AdamW opt(sync.local_table(), cfg.train, sync.owned());
+  Transformer model(be, cfg, ModelGroups{.pipeline = pipe, .tensor = tp, .data = dp, .expert = ep,
+                                         .expert_counts = &ep_h, .expert_data = edp});
+  ReplicaSync sync(model.store(), *dp, *edp, model.placement().at().tensor_rank, cfg.optim.zero == 1);
+  const std::vector<bool> norm_mask = sync.norm_mask();
+  AdamW opt(be, sync.local_table(), cfg.train, sync.owned());
   LossScaler scaler(cfg.train);
   TrainProgress progress;
   const TrainerState state{&cfg, &model, &opt, &scaler, &progress, layout_text(grid.dims()), sync.write_rows(),
@@ -188,12 +197,12 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     return kExitOk;
   }
 
-  StageRunner runner(cfg, model, pipe, *dp, world);
+  StageRunner runner(cfg, model, {pipe, &pipe_h, &dp_h, &world});
   CommAccounting comm(cfg, model, groups, runner.sequences());
-  const Peak peak = training_peak(cfg, world.size());
-  StepReporter reporter(cfg, world, jsonl, peak);
+  const Peak peak = training_peak(cfg, be, world.size());
+  StepReporter reporter(cfg, be, world, jsonl, peak);
   const int64_t T = cfg.train.seq_len, first_step = progress.step;
-  const int P = pipe.size(), M = cfg.parallel.micro_batches;
+  const int P = pipe_h.size(), M = cfg.parallel.micro_batches;
   announce_run(cfg, model, opt, sync, runner, state.layout, first_step, peak, world);
   auto checkpoint = [&]() -> bool {
     try {
@@ -206,6 +215,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
       return false;
     }
   };
+  Tensor grad_sq(be, DType::f64, {1});
 
   const auto t_start = Clock::now();
   for (int64_t step = first_step; step < cfg.train.steps; ++step) {
@@ -213,22 +223,25 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     // Forward and backward of every micro-batch; gradients summed over the replicas, averaged
     // over the micro-batches and unscaled; AdamW; the router biases.
     watch_step(step + 1, "forward and backward");
+    const TransferCounts transfers0 = be.transfers();
     model.zero_grads();
     comm.start_step();
     StepLocal local;
     const float used_scale = scaler.scale();
-    const StepTotals totals = runner.train_step(*data.train, progress.samples, used_scale, &local);
+    runner.train_step(*data.train, progress.samples, used_scale, &local);
     watch_step(step + 1, "gradient sync and optimizer");
-    sync.reduce_gradients(model.grads());
+    sync.reduce_gradients(model.store());
+    // The gradients are divided by the micro-batch count and the loss scale inside the norm and
+    // the AdamW kernel (kernels/adamw.h), never rewritten.
     const float unscale = 1.0f / (float(M) * used_scale);
-    if (unscale != 1.0f)
-      for (auto& g : model.grads())
-        for (float& x : g) x *= unscale;
-    const OptimizerStats st = opt.step(model.params(), model.grads(), step, sync.norm());
-    if (!st.skipped) sync.gather_weights(model.params());
+    opt.grad_sq(model.store(), unscale, norm_mask, grad_sq.data<double>());
+    const StepTotals totals = runner.finish_step(grad_sq.data<double>());  // the step's host synchronisation
+    const OptimizerStats st = opt.step(model.store(), step, totals.grad_sq, unscale);
+    if (!st.skipped) sync.gather_weights(model.store());
     comm.end_step(local.rows_off_rank);
     scaler.update(!st.skipped);
     if (!st.skipped && !totals.expert_load.empty()) model.update_router_biases(totals.expert_load);
+    const TransferCounts transfers = be.transfers() - transfers0;
     progress.step = step + 1;
     progress.samples += cfg.train.global_batch;
     progress.tokens += int64_t(cfg.train.global_batch) * T;
@@ -239,7 +252,7 @@ int train(const Config& cfg, const ProcessGrid& grid) {
     double step_s = seconds_since(t0);
     world.allreduce_max(&step_s, 1);
     double bubble = step_s > 0 ? local.waited_s / step_s : 0;
-    pipe.allreduce_sum(&bubble, 1);
+    pipe_h.allreduce_sum(&bubble, 1);
     bubble /= double(P);
     const bool final_step = step + 1 == cfg.train.steps;
     const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || final_step);
@@ -252,7 +265,8 @@ int train(const Config& cfg, const ProcessGrid& grid) {
                        .fp8_underflowed = totals.fp8_underflowed,
                        .expert_load_imbalance = load_imbalance(totals.expert_load), .step_s = step_s,
                        .bubble = P > 1 ? bubble : NAN, .bubble_ideal = P > 1 ? double(P - 1) / double(M + P - 1) : NAN,
-                       .eta_s = seconds_since(t_start) / double(step + 1 - first_step) * double(cfg.train.steps - step - 1)});
+                       .eta_s = seconds_since(t_start) / double(step + 1 - first_step) * double(cfg.train.steps - step - 1),
+                       .transfers = transfers});
 
     // Checkpoints: every checkpoint.every steps, at the end, at train.exit_interval (then exit),
     // and after a stop signal on any rank (every rank stops after this same step; exit 3, requeue).

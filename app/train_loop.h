@@ -3,6 +3,7 @@
 // checkpoints and stop signals.
 #pragma once
 
+#include "kernels/backend.h"
 #include "model/config.h"
 #include "parallel/grid.h"
 
@@ -17,7 +18,9 @@ namespace fp8moe {
 // SIGUSR1 and SIGTERM (installed by install_stop_handlers) do not kill the run: the current step
 // finishes, all ranks agree on the stop step (one all-reduce per step), a checkpoint is committed
 // and train returns kExitRequeue. A second signal during that save changes nothing.
-int train(const Config& cfg, const ProcessGrid& grid);
+// `be`: this rank's backend (runtime.device), on which the model, the optimizer, the device
+// communicators and the checkpoint staging work.
+int train(const Config& cfg, const ProcessGrid& grid, Backend& be);
 
 // Installs the SIGUSR1 / SIGTERM handlers that request the stop above (call before training).
 void install_stop_handlers();

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "io/checkpoint.h"
+#include "kernels/backend.h"
 #include "parallel/mpi_session.h"
 
 using namespace fp8moe;
@@ -62,15 +63,19 @@ int main(int argc, char** argv) {
   cfg.checkpoint.keep_last = 1;
   cfg.checkpoint.resume = cfg.checkpoint.dir;
 
-  Transformer model(cfg);
-  AdamW opt(model.table(), cfg.train);
+  const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
+  Transformer model(*be, cfg);
+  AdamW opt(*be, model.table(), cfg.train);
   LossScaler scaler(cfg.train);
   TrainProgress progress;
-  for (size_t i = 0; i < model.params().size(); ++i)  // realistic, non-zero moments
+  for (size_t i = 0; i < model.table().params.size(); ++i) {  // realistic, non-zero moments
+    const std::vector<float> p = model.store().param_to_host(i);
     for (int w = 0; w < 2; ++w) {
-      auto& m = opt.moment_fp32(w, i);
-      for (size_t j = 0; j < m.size(); ++j) m[j] = model.params()[i][j] * (w == 0 ? 0.1f : 1e-4f);
+      std::vector<float> m(size_t(opt.moment(w, i).numel()));
+      for (size_t j = 0; j < m.size(); ++j) m[j] = p[j] * (w == 0 ? 0.1f : 1e-4f);
+      to_device(*be, m, opt.moment(w, i).f32());
     }
+  }
   const TrainerState state{&cfg, &model, &opt, &scaler, &progress, "bench", {}, {}};
   if (root) fs::create_directories(root_dir);
   MPI_Barrier(MPI_COMM_WORLD);

@@ -12,15 +12,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/backend_info.h"
 #include "kernels/check.h"
-#include "kernels/cuda/context.h"
+#include "kernels/cuda/backend.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/fp8.h"
+#include "kernels/tensor.h"
 
 using namespace fp8moe;
 
@@ -47,8 +50,7 @@ std::vector<uint16_t> bf16_values(int64_t n, uint64_t seed) {
 // Seconds per call of fn: captured once into a CUDA graph (so that host-side descriptor set-up
 // is not timed: the GPU runs the GEMMs back to back), then the median of 5 timings of `iters`
 // graph launches after a warm-up.
-double time_it(const std::function<void()>& fn, int iters) {
-  cudaStream_t s = cuda::context().compute;
+double time_it(cudaStream_t s, const std::function<void()>& fn, int iters) {
   fn();  // first call outside the capture: the heuristic's choice is cached
   CUDA_CHECK(cudaStreamSynchronize(s));
   cudaGraph_t graph;
@@ -83,42 +85,59 @@ struct Result {
   double bf16, fp8_tensor, fp8_block;  // TFLOP/s
 };
 
+// The cuBLASLt handle and workspace the benchmark's GEMMs use: the backend owns neither to lend,
+// so the benchmark makes its own on the backend's device (the workspace from the backend's arena).
+struct BenchLt {
+  explicit BenchLt(Backend& be) : workspace(be, DType::u8, {int64_t(kWorkspaceBytes)}) {
+    CUBLAS_CHECK(cublasLtCreate(&handle));
+  }
+  ~BenchLt() { cublasLtDestroy(handle); }
+  cuda::LtContext context(Backend& be) const {
+    return {handle, workspace.raw(), kWorkspaceBytes, cuda_backend(be).device()};
+  }
+  static constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // as the backend's
+  cublasLtHandle_t handle = nullptr;
+  Tensor workspace;
+};
+
 // `groups` GEMMs of (M, N, K) each (groups > 1: the experts of one MoE layer on one GPU).
-Result run_shape(int64_t groups, int64_t M, int64_t N, int64_t K, int iters) {
-  cudaStream_t s = cuda::context().compute;
-  auto a8 = cuda::to_device(fp8_values(groups * M * K, 1).data(), groups * M * K);
-  auto b8 = cuda::to_device(fp8_values(groups * N * K, 2).data(), groups * N * K);
-  auto a16 = cuda::to_device(bf16_values(groups * M * K, 3).data(), groups * M * K);
-  auto b16 = cuda::to_device(bf16_values(groups * N * K, 4).data(), groups * N * K);
-  cuda::Buffer<uint16_t> d16(groups * M * N);
+Result run_shape(Backend& be, const cuda::LtContext& lt, int64_t groups, int64_t M, int64_t N, int64_t K, int iters) {
+  const cudaStream_t s = cuda_backend(be).compute_stream();
+  const Tensor a8 = tensor_from(be, fp8_values(groups * M * K, 1), {groups * M * K});
+  const Tensor b8 = tensor_from(be, fp8_values(groups * N * K, 2), {groups * N * K});
+  const Tensor a16 = tensor_from(be, bf16_values(groups * M * K, 3), {groups * M * K});
+  const Tensor b16 = tensor_from(be, bf16_values(groups * N * K, 4), {groups * N * K});
+  Tensor d16(be, DType::bf16, {groups * M * N});
   // Scales: 1 per tensor; 2^-4 in every block (any value: the throughput does not depend on it).
-  const std::vector<float> one(1, 1.0f);
-  auto s1 = cuda::to_device(one.data(), 1);
+  const Tensor s1 = tensor_from(be, std::vector<float>(1, 1.0f), {1});
   const int64_t na = tn_scale_count(ScaleMode::vec128, M, K), nb = tn_scale_count(ScaleMode::blk128, N, K);
-  const std::vector<float> sa(static_cast<size_t>(groups * na), 0.0625f), sb(static_cast<size_t>(groups * nb), 0.0625f);
-  auto gsa = cuda::to_device(sa.data(), int64_t(sa.size())), gsb = cuda::to_device(sb.data(), int64_t(sb.size()));
+  const Tensor gsa = tensor_from(be, std::vector<float>(static_cast<size_t>(groups * na), 0.0625f), {groups * na});
+  const Tensor gsb = tensor_from(be, std::vector<float>(static_cast<size_t>(groups * nb), 0.0625f), {groups * nb});
+  const uint8_t *pa8 = a8.data<uint8_t>(), *pb8 = b8.data<uint8_t>();
+  const uint16_t *pa16 = a16.data<uint16_t>(), *pb16 = b16.data<uint16_t>();
+  uint16_t* pd16 = d16.data<uint16_t>();
   const double flops = 2.0 * double(groups) * double(M) * double(N) * double(K);
   Result r{};
-  r.bf16 = flops / time_it([&] {
+  r.bf16 = flops / time_it(s, [&] {
     for (int64_t g = 0; g < groups; ++g)
-      cuda::gemm_bf16_tn(a16.get() + g * M * K, b16.get() + g * N * K, d16.get() + g * M * N, M, N, K, s);
+      cuda::gemm_bf16_tn(lt, pa16 + g * M * K, pb16 + g * N * K, pd16 + g * M * N, M, N, K, s);
   }, iters) * 1e-12;
   r.fp8_tensor = r.fp8_block = std::nan("");  // printed as nan where the device cannot run them
   if (cuda::fp8_unsupported_reason(false).empty()) {
-    r.fp8_tensor = flops / time_it([&] {
+    r.fp8_tensor = flops / time_it(s, [&] {
       for (int64_t g = 0; g < groups; ++g) {
-        const cuda::Fp8Operand A{a8.get() + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
-        const cuda::Fp8Operand B{b8.get() + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.get()};
-        cuda::gemm_fp8_tn(A, B, 1.0f, 0.0f, d16.get() + g * M * N, N, cuda::OutType::bf16, true, s);
+        const cuda::Fp8Operand A{pa8 + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.f32()};
+        const cuda::Fp8Operand B{pb8 + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::per_tensor, s1.f32()};
+        cuda::gemm_fp8_tn(lt, A, B, 1.0f, 0.0f, pd16 + g * M * N, N, cuda::OutType::bf16, true, s);
       }
     }, iters) * 1e-12;
   }
   if (cuda::fp8_unsupported_reason(true).empty()) {
-    r.fp8_block = flops / time_it([&] {
+    r.fp8_block = flops / time_it(s, [&] {
       for (int64_t g = 0; g < groups; ++g) {
-        const cuda::Fp8Operand A{a8.get() + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::vec128, gsa.get() + g * na};
-        const cuda::Fp8Operand B{b8.get() + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::blk128, gsb.get() + g * nb};
-        cuda::gemm_fp8_tn(A, B, 1.0f, 0.0f, d16.get() + g * M * N, N, cuda::OutType::bf16, false, s);
+        const cuda::Fp8Operand A{pa8 + g * M * K, M, K, Fp8Dtype::e4m3, ScaleMode::vec128, gsa.f32() + g * na};
+        const cuda::Fp8Operand B{pb8 + g * N * K, N, K, Fp8Dtype::e4m3, ScaleMode::blk128, gsb.f32() + g * nb};
+        cuda::gemm_fp8_tn(lt, A, B, 1.0f, 0.0f, pd16 + g * M * N, N, cuda::OutType::bf16, false, s);
       }
     }, iters) * 1e-12;
   }
@@ -134,7 +153,9 @@ int main(int argc, char** argv) {
     return 77;
   }
   const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
-  cuda::context(0);
+  const std::unique_ptr<Backend> be = make_backend(DeviceKind::cuda, 0);
+  const BenchLt bench_lt(*be);
+  const cuda::LtContext lt = bench_lt.context(*be);
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("GEMM throughput on %s (sm_%d%d), cuBLASLt %zu; TFLOP/s, median of 5 x %d CUDA-graph launches\n", prop.name,
@@ -152,7 +173,7 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{1, 4096, 2048, 2048}, {1, 4096, 2048, 7168}, {1, 4096, 7168, 2048},
                           {1, 4096, 7168, 7168}, {16, 128, 4096, 7168}};
   for (const Shape& sh : shapes) {
-    const Result r = run_shape(sh.g, sh.M, sh.N, sh.K, iters);
+    const Result r = run_shape(*be, lt, sh.g, sh.M, sh.N, sh.K, iters);
     char name[64];
     std::snprintf(name, sizeof name, "%lld x %lld x %lld x %lld", (long long)sh.g, (long long)sh.M, (long long)sh.N,
                   (long long)sh.K);

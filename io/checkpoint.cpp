@@ -102,8 +102,8 @@ std::vector<std::string> model_differences(const Config& stored, const Config& c
 
 const char* const kScalingFields[3] = {"x", "w", "dy"};
 
-DelayedScaling& scaling_field(LinearScaling& s, int f) { return f == 0 ? s.x : f == 1 ? s.w : s.dy; }
-const DelayedScaling& scaling_field(const LinearScaling& s, int f) { return f == 0 ? s.x : f == 1 ? s.w : s.dy; }
+DelayedScaling& scaling_field(HostLinearScaling& s, int f) { return f == 0 ? s.x : f == 1 ? s.w : s.dy; }
+const DelayedScaling& scaling_field(const HostLinearScaling& s, int f) { return f == 0 ? s.x : f == 1 ? s.w : s.dy; }
 
 struct ScalingArrays {
   std::vector<std::string> names;  // "<weight>.<x|w|dy>"
@@ -114,10 +114,10 @@ struct ScalingArrays {
 
 // Every rank's delayed-scaling entries of the weights it holds, merged (replicas hold identical
 // copies: their amax values are reduced): each rank serialises its own, one allgather. Collective.
-std::map<std::string, LinearScaling> gather_scaling(MPI_Comm comm, Transformer& model) {
+std::map<std::string, HostLinearScaling> gather_scaling(MPI_Comm comm, Transformer& model) {
   std::string mine;
   auto put = [&](const void* p, size_t n) { mine.append(static_cast<const char*>(p), n); };
-  for (auto& [weight, s] : model.fp8_scaling()) {
+  for (auto& [weight, s] : model.fp8_scaling_to_host()) {
     const int64_t i = model.table().index_of(weight);
     if (i < 0 || !model.holds(size_t(i))) continue;
     for (int f = 0; f < 3; ++f) {
@@ -136,7 +136,7 @@ std::map<std::string, LinearScaling> gather_scaling(MPI_Comm comm, Transformer& 
   for (int r = 1; r < size; ++r) offs[size_t(r)] = offs[size_t(r - 1)] + lens[size_t(r - 1)];
   std::string all(size_t(offs.back() + lens.back()), '\0');
   MPI_CHECK(MPI_Allgatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), offs.data(), MPI_CHAR, comm));
-  std::map<std::string, LinearScaling> merged;
+  std::map<std::string, HostLinearScaling> merged;
   for (size_t at = 0; at < all.size();) {
     auto get = [&](void* p, size_t n) { std::memcpy(p, all.data() + at, n), at += n; };
     int64_t n = 0, hl = 0;
@@ -153,7 +153,7 @@ std::map<std::string, LinearScaling> gather_scaling(MPI_Comm comm, Transformer& 
   return merged;
 }
 
-ScalingArrays pack_scaling(const std::map<std::string, LinearScaling>& state) {
+ScalingArrays pack_scaling(const std::map<std::string, HostLinearScaling>& state) {
   ScalingArrays a;
   for (auto& [weight, s] : state)
     for (int f = 0; f < 3; ++f) {
@@ -178,16 +178,16 @@ std::string join_lines(const std::vector<std::string>& v) {
 
 // ---------------------------------------------------------------- the load
 
-// What a load reads. The tensors go straight into their destinations (no second copy of the
-// model in memory); everything else is applied only when the whole load verified. After a failed
-// load the destinations hold a mix: the caller loads another checkpoint over them or stops.
+// What a load reads, on the host; applied to the model (uploaded to its backend) only when the
+// whole load verified.
 struct Staged {
   Config stored;
-  std::vector<std::vector<float>>* params = nullptr;  // sized here for a weights-only load
+  std::vector<std::vector<float>> params;              // this rank's block of every parameter
+  std::vector<std::vector<unsigned char>> moments[2];  // the optimizer's rows, in its moments' dtype
   AdamW* opt = nullptr;                                // nullptr: no optimizer state (generation)
   const Transformer* model = nullptr;                  // which parameters are held (nullptr: all)
   std::vector<RowRange> write_rows, moment_rows;       // as TrainerState's (empty: the defaults)
-  std::map<std::string, LinearScaling> scaling;
+  std::map<std::string, HostLinearScaling> scaling;
   bool have_scaling = false;
   std::string note;  // said by rank 0 after the load
   size_t verified = 0;  // datasets whose checksum was compared
@@ -259,7 +259,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
     return r;
   };
 
-  auto& params = *st->params;
+  auto& params = st->params;
   params.resize(table.params.size());
   // This rank's block of each parameter (the whole tensor without a model: generation).
   auto shard = [&](size_t i) { return st->model ? st->model->shard(i) : Shard{0, table.params[i].rows, 0, table.params[i].cols}; };
@@ -274,6 +274,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   if (st->opt) {
     AdamW& opt = *st->opt;
     const bool bf16 = opt.bf16_moments();
+    for (auto& m : st->moments) m.resize(table.params.size());
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
@@ -283,12 +284,13 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
         const RowRange o = opt.owned(i);
         const Rows part{sh.r0 + o.begin, o.end - o.begin};
         const size_t n = size_t(part.n * sh.cols);
-        auto& m32 = opt.moment_fp32(which, i);
-        auto& m16 = opt.moment_bf16(which, i);
-        FP8MOE_ASSERT((bf16 ? m16.size() : m32.size()) == n, "moments of ", p.name, " not allocated");
+        FP8MOE_ASSERT(opt.moment(which, i).numel() == int64_t(n), "moments of ", p.name, " not allocated");
+        std::vector<unsigned char>& dest = st->moments[which][i];
+        dest.resize(n * (bf16 ? 2 : 4));
+        uint16_t* m16 = reinterpret_cast<uint16_t*>(dest.data());
+        float* m32 = reinterpret_cast<float*>(dest.data());
         const DatasetRead r = read(moment_dataset(which, p.name), p.rows, p.cols,
-                                   {Dt::f32, Dt::bf16}, bf16 ? Dt::bf16 : Dt::f32,
-                                   bf16 ? static_cast<void*>(m16.data()) : static_cast<void*>(m32.data()), part,
+                                   {Dt::f32, Dt::bf16}, bf16 ? Dt::bf16 : Dt::f32, dest.data(), part,
                                    !st->moment_rows.empty() ? rows_of(st->moment_rows[i])
                                    : opt.sharded()          ? part
                                                             : Rows{-1, 0},
@@ -353,14 +355,20 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   }
 }
 
-// The state besides the tensors (those are in place already).
+// A verified load into the model, its optimizer and the training state: the tensors uploaded to
+// the model's backend, the rest set.
 void apply(Staged& st, const TrainerState& s) {
+  Backend& be = s.model->backend();
+  for (size_t i = 0; i < st.params.size(); ++i)
+    if (s.model->holds(i)) s.model->set_param(i, st.params[i]);
+  for (int w = 0; w < 2; ++w)
+    for (size_t i = 0; i < st.moments[w].size(); ++i)
+      if (!st.moments[w][i].empty()) be.upload(s.opt->moment(w, i).raw(), st.moments[w][i].data(), st.moments[w][i].size());
   s.opt->restore_counts(st.updates, st.skipped);
   // A fixed or absent loss scale comes from the config; a dynamic one continues.
   if (s.cfg->train.loss_scale.mode == LossScaleMode::dynamic && st.stored.train.loss_scale.mode == LossScaleMode::dynamic)
     s.scaler->restore(st.loss_scale, st.good_steps);
-  s.model->fp8_scaling().clear();
-  if (st.have_scaling) s.model->fp8_scaling() = std::move(st.scaling);
+  s.model->set_fp8_scaling(st.have_scaling ? st.scaling : std::map<std::string, HostLinearScaling>{});
   *s.progress = st.progress;
 }
 
@@ -394,9 +402,19 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     if (ec) throw CheckpointError(tmp_dir + ": cannot create: " + ec.message());
   });
 
-  // The datasets, in file order, and their checksums (each rank sums its rows; one allreduce).
+  // The datasets, in file order, and their checksums (each rank sums its rows; one allreduce). The
+  // parameters and moments are copied from the model's backend first.
   const ParamTable& table = s.model->table();
-  std::vector<Tensor> tensors;
+  Backend& be = s.model->backend();
+  const std::vector<std::vector<float>> params = s.model->params_to_host();
+  std::vector<std::vector<unsigned char>> moments[2];
+  for (int w = 0; w < 2; ++w)
+    for (size_t i = 0; i < table.params.size(); ++i) {
+      const Tensor& m = s.opt->moment(w, i);
+      moments[w].push_back(m.bytes() > 0 ? to_host<unsigned char>(be, static_cast<const unsigned char*>(m.raw()), int64_t(m.bytes()))
+                                         : std::vector<unsigned char>());
+    }
+  std::vector<SavedDataset> tensors;
   auto whole = [&](std::string path, Dt dt, int64_t rows, int64_t cols, const void* data) {
     tensors.push_back({std::move(path), dt, rows, cols, data, 0, my_rows(rows, rank, size)});
   };
@@ -406,15 +424,14 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     const Rows mine = !sh.held() ? Rows{0, 0}
                       : s.write_rows.empty() ? my_rows(p.rows, rank, size)
                                              : rows_of(s.write_rows[i]);
-    tensors.push_back({param_dataset(p.name), Dt::f32, p.rows, p.cols, s.model->params()[i].data(), sh.r0, mine, sh.c0, sh.cols});
+    tensors.push_back({param_dataset(p.name), Dt::f32, p.rows, p.cols, params[i].data(), sh.r0, mine, sh.c0, sh.cols});
   }
   for (int w = 0; w < 2; ++w)
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
       const std::string dpath = moment_dataset(w, p.name);
-      const void* data = s.opt->bf16_moments() ? static_cast<const void*>(s.opt->moment_bf16(w, i).data())
-                                               : static_cast<const void*>(s.opt->moment_fp32(w, i).data());
+      const void* data = moments[w][i].data();
       const Dt dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;
       // The moments hold the optimizer's owned rows of this rank's block (global rows sh.r0 + ...);
       // sharded (ZeRO-1), each rank writes those.
@@ -436,7 +453,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   }
   std::vector<uint64_t> sums(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const Tensor& t = tensors[i];
+    const SavedDataset& t = tensors[i];
     sums[i] = t.mine.n > 0 ? checksum_block(t.at(t.mine.r0), t.dt, t.mine.r0, t.mine.n, t.c0, t.width(), t.cols) : 0;
   }
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
@@ -444,7 +461,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   // Room for the file, before any rank writes: the datasets' bytes, and for HDF5's metadata 2 KiB a
   // dataset (measured: about 520 bytes), the config text and 64 KiB.
   double need = 65536 + double(config_to_yaml(cfg).size() + 2048 * tensors.size());
-  for (const Tensor& t : tensors) need += double(t.rows) * double(t.cols) * double(dt_size(t.dt));
+  for (const SavedDataset& t : tensors) need += double(t.rows) * double(t.cols) * double(dt_size(t.dt));
   on_every_rank(comm, [&] {
     if (rank == 0) check_space(tmp_dir, int64_t(need));
   });
@@ -555,7 +572,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     });
     for (size_t i = 0; i < tensors.size(); ++i)
       on_every_rank(comm, [&] {
-        const Tensor& t = tensors[i];
+        const SavedDataset& t = tensors[i];
         reading_back([&] {
           const DatasetRead r = read_dataset(file.get(), dxpl.get(), t.path, t.rows, t.cols, t.mine, t.c0, t.width(),
                                              {t.dt}, path, t.dt, nullptr);
@@ -631,7 +648,6 @@ std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
   std::string failures;
   for (size_t i = 0; i < candidates.size(); ++i) {
     Staged st;
-    st.params = &s.model->params();
     st.opt = s.opt;
     st.model = s.model;
     st.write_rows = s.write_rows;
@@ -665,8 +681,8 @@ std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s) {
 
 Config load_checkpoint_weights(const std::string& dir, std::vector<std::vector<float>>* params) {
   Staged st;
-  st.params = params;
   load_into(resolve_checkpoint_dir(dir), MPI_COMM_NULL, nullptr, &st);
+  *params = std::move(st.params);
   return st.stored;
 }
 

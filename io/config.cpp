@@ -444,13 +444,16 @@ const std::vector<Field>& schema() {
     v.push_back(text("log.jsonl", REF(log.jsonl), true, "Path of the JSONL metrics file; empty = none."));
     // runtime
     v.push_back(choice("runtime.device", REF(runtime.device),
-                       "Where the ops run: cpu, cuda (rank -> GPU by its node-local rank), or auto (cuda when "
-                       "every rank sees a GPU, else cpu). The default is cpu because the CUDA backend, which has run "
-                       "on one H200, still keeps tensors in host memory between ops (README, CUDA backend)."));
+                       "Where the step runs: cpu, cuda (rank -> GPU by its node-local rank), auto (cuda when "
+                       "every rank sees a GPU, else cpu), or emulated (the CPU kernels on memory the host may not "
+                       "touch: proves without a GPU that the step keeps its tensors on the device). The default is "
+                       "cpu until the device-resident CUDA backend has passed the device check on a GPU (README, "
+                       "CUDA backend)."));
     v.push_back(choice("runtime.comm", REF(runtime.comm),
-                       "Collectives of the tensor, data and expert groups: mpi, nccl (needs runtime.device cuda and "
-                       "a GPU per rank), or auto (nccl when both hold, else mpi). The pipeline's point-to-point "
-                       "stays on MPI."));
+                       "Collectives and pipeline transfers on device memory: nccl (cuda with a GPU per rank; on the "
+                       "emulated device its own in-order collectives), mpi (staged through pinned host memory, one "
+                       "host synchronisation per call: ranks may share a GPU), or auto (nccl where it can run, else "
+                       "mpi). On cpu always mpi."));
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "

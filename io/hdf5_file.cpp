@@ -288,7 +288,7 @@ H5Handle collective_xfer(const std::string& where) {
   return dxpl;
 }
 
-void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, const std::string& where) {
+void write_dataset(hid_t file, hid_t dxpl, const SavedDataset& t, uint64_t checksum, const std::string& where) {
   const Rows mine = t.mine;
   const std::string at = where + ": dataset " + t.path;
   const hsize_t dims[2] = {hsize_t(t.rows), hsize_t(t.cols)};

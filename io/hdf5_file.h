@@ -130,7 +130,7 @@ struct Rows {
 };
 
 // One dataset of a save: a whole (rows, cols) tensor held by this rank.
-struct Tensor {
+struct SavedDataset {
   std::string path;
   Dt dt = Dt::f32;
   int64_t rows = 1, cols = 1;  // the global shape
@@ -145,7 +145,7 @@ struct Tensor {
 };
 
 // Creates the dataset with its checksum attribute and writes this rank's rows (collective).
-void write_dataset(hid_t file, hid_t dxpl, const Tensor& t, uint64_t checksum, const std::string& where);
+void write_dataset(hid_t file, hid_t dxpl, const SavedDataset& t, uint64_t checksum, const std::string& where);
 
 struct DatasetRead {
   Dt dt = Dt::f32;

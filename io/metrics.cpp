@@ -31,6 +31,9 @@ std::string metrics_json(const StepMetrics& m) {
   j["loss_scale"] = number(m.loss_scale);
   j["pipeline_bubble"] = number(m.pipeline_bubble);
   j["pipeline_bubble_ideal"] = number(m.pipeline_bubble_ideal);
+  j["host_syncs"] = m.host_syncs;
+  j["h2d_bytes"] = m.h2d_bytes;
+  j["d2h_bytes"] = m.d2h_bytes;
   return j.dump();
 }
 

@@ -19,6 +19,9 @@ struct StepMetrics {
   double expert_load_imbalance = 0;
   int64_t fp8_saturated = 0, fp8_underflowed = 0, skipped_steps = 0;
   double loss_scale = 1, pipeline_bubble = 0, pipeline_bubble_ideal = 0;  // bubble: NaN without a pipeline
+  // The step's host synchronisations (the host waited for the device) and bytes copied host to
+  // device and back, the maxima over the ranks (kernels/backend.h's TransferCounts).
+  int64_t host_syncs = 0, h2d_bytes = 0, d2h_bytes = 0;
 };
 
 // The JSON line of one step (no newline).

@@ -32,6 +32,16 @@ int cuda_device_count(std::string* why) {
 #endif
 }
 
+std::string cuda_device_pci_id(int ordinal) {
+#ifdef FP8MOE_HAVE_CUDA
+  char id[32] = {};
+  if (cudaDeviceGetPCIBusId(id, sizeof id, ordinal) == cudaSuccess) return id;
+  (void)cudaGetLastError();
+#endif
+  (void)ordinal;
+  return "";
+}
+
 std::string kernels_build_info() {
   std::string s;
   const int par = openblas_get_parallel();

@@ -42,9 +42,13 @@ struct GemmInfo {
 
 void gemm_fp8(const QuantTensor& A, bool trans_a, const QuantTensor& B, bool trans_b, float alpha, float beta,
               float* C, int64_t ldc, GemmPath path = GemmPath::automatic, GemmInfo* info = nullptr);
+// The same on views of host memory (the CPU backend's op).
+void gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha, float beta, float* C,
+              int64_t ldc, GemmPath path = GemmPath::automatic, GemmInfo* info = nullptr);
 
 // True when every scale_inv of q is a power of two in [2^-100, 2^100] (the dequant paths' condition).
 bool has_exact_pow2_scales(const QuantTensor& q);
+bool has_exact_pow2_scales(const QuantView& q);
 
 // Whether this CPU runs BF16 GEMMs in hardware (oneDNN's AVX512-BF16 or AMX), and its ISA name.
 bool cpu_has_bf16_gemm();

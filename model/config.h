@@ -20,7 +20,7 @@ enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
 enum class LossScaleMode { none, dynamic, fixed };
-enum class DeviceChoice { automatic, cpu, cuda };  // runtime.device
+enum class DeviceChoice { automatic, cpu, cuda, emulated };  // runtime.device
 enum class CommChoice { automatic, mpi, nccl };      // runtime.comm
 
 struct MoeConfig {
@@ -157,11 +157,11 @@ struct CheckpointConfig {
 };
 
 struct RuntimeConfig {
-  // auto: cuda when every rank sees a GPU, else cpu. NOTE: the default is cpu until the CUDA
-  // backend keeps its tensors on the device and passes the device check (README, CUDA backend):
-  // no config moves onto it unasked.
+  // auto: cuda when every rank sees a GPU, else cpu; emulated: the test device without a GPU
+  // (kernels/host_backend.h). NOTE: the default is cpu until the device-resident CUDA backend has
+  // passed the device check on a GPU (README, CUDA backend): no config moves onto it unasked.
   DeviceChoice device = DeviceChoice::cpu;
-  CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda, mpi on cpu
+  CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda (a GPU per rank) and emulated, mpi on cpu
   // Watchdog limit (parallel/watchdog.h): longer than this in one collective, checkpoint I/O call
   // or training step ends the job. Generous: a step of a large model, a save on a slow file system.
   double timeout_s = 600;
@@ -204,7 +204,7 @@ FP8MOE_ENUM_NAMES(Recompute, "none", "moe", "full");
 FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");
 FP8MOE_ENUM_NAMES(AmaxCompute, "max", "most_recent");
-FP8MOE_ENUM_NAMES(DeviceChoice, "auto", "cpu", "cuda");
+FP8MOE_ENUM_NAMES(DeviceChoice, "auto", "cpu", "cuda", "emulated");
 FP8MOE_ENUM_NAMES(CommChoice, "auto", "mpi", "nccl");
 #undef FP8MOE_ENUM_NAMES
 

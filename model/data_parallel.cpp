@@ -2,109 +2,90 @@
 
 #include <algorithm>
 
+#include "kernels/check.h"
+
 namespace fp8moe {
 
-DataParallel::DataParallel(const ParamTable& table, Communicator& group, bool zero, std::vector<bool> include)
-    : table_(table), group_(group), zero_(zero && group.size() > 1), include_(std::move(include)) {
-  for (size_t i = 0; i < table.params.size(); ++i) include_[i] = include_[i] && table.params[i].trainable;
+DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group,
+                           bool zero)
+    : segment_(segment), group_(group), zero_(zero && group.size() > 1) {
   const int R = group.size();
-  counts_.assign(size_t(R), 0);
-  for (int r = 0; r < R; ++r)
-    for (size_t i = 0; i < table.params.size(); ++i)
-      if (include_[i]) {
-        const ParamSpec& p = table.params[i];
-        const RowRange o = zero_ ? replica_rows(p.rows, r, R) : RowRange{0, p.rows};
-        counts_[size_t(r)] += (o.end - o.begin) * p.cols;
+  const ParamTable& t = store.table();
+  // ZeRO chunks: replica r's begins at the row boundary at or before begin + size r / R (the row
+  // containing that element starts it), so every chunk is whole rows of its parameters.
+  std::vector<int64_t> cut(size_t(R + 1), segment.end);
+  cut[0] = segment.begin;
+  for (int r = 1; r < R; ++r) {
+    const int64_t target = segment.begin + segment.size() * r / R;
+    int64_t at = segment.end;
+    for (size_t i : members) {
+      const int64_t off = store.offset(i), n = store.shard(i).numel(), cols = store.shard(i).cols;
+      if (target < off + n) {
+        at = off + (std::max<int64_t>(target, off) - off) / cols * cols;
+        break;
       }
+    }
+    cut[size_t(r)] = std::max(at, cut[size_t(r - 1)]);
+  }
+  counts_.resize(size_t(R));
+  for (int r = 0; r < R; ++r) counts_[size_t(r)] = zero_ ? cut[size_t(r + 1)] - cut[size_t(r)] : segment.size();
+  const int me = group.rank();
+  for (size_t i : members) {
+    const Shard& sh = store.shard(i);
+    FP8MOE_ASSERT(t.params[i].trainable && sh.held(), "DataParallel of ", t.params[i].name);
+    if (!zero_) {
+      rows_[i] = {0, sh.rows};
+      continue;
+    }
+    const int64_t off = store.offset(i), lo = std::clamp(cut[size_t(me)], off, off + sh.numel()),
+                  hi = std::clamp(cut[size_t(me + 1)], off, off + sh.numel());
+    rows_[i] = {(lo - off) / sh.cols, (hi - off) / sh.cols};
+  }
 }
 
 RowRange DataParallel::owned(size_t i) const {
-  const ParamSpec& p = table_.params[i];
-  return zero_ ? replica_rows(p.rows, group_.rank(), group_.size()) : RowRange{0, p.rows};
+  const auto it = rows_.find(i);
+  return it == rows_.end() ? RowRange{0, 0} : it->second;
 }
 
-// Bucket layout with ZeRO: replica 0's rows of every trainable parameter (table order), then
-// replica 1's, ...; without: every trainable parameter whole, in table order. Calls
-// fn(parameter, rows) for each block in that order: every replica's, or this replica's only.
-template <class Fn>
-void DataParallel::for_each_block(bool all_replicas, Fn&& fn) const {
-  const int R = group_.size();
-  for (int r = 0; r < (zero_ ? R : 1); ++r) {
-    if (!all_replicas && zero_ && r != group_.rank()) continue;
-    for (size_t i = 0; i < table_.params.size(); ++i)
-      if (include_[i]) fn(i, zero_ ? replica_rows(table_.params[i].rows, r, R) : RowRange{0, table_.params[i].rows});
+void DataParallel::reduce_gradients(ParamStore& store) {
+  if (group_.size() == 1 || segment_.size() == 0) return;
+  float* g = store.grads().f32() + segment_.begin;
+  if (!zero_) {
+    group_.allreduce_sum(g, segment_.size());
+    return;
   }
+  int64_t mine = 0;
+  for (int r = 0; r < group_.rank(); ++r) mine += counts_[size_t(r)];
+  Tensor chunk(store.backend(), DType::f32, {counts_[size_t(group_.rank())]});
+  group_.reduce_scatterv_sum(g, chunk.f32(), counts_.data());
+  if (!chunk.empty()) store.backend().copy(g + mine, chunk.f32(), chunk.bytes());
 }
 
-void DataParallel::pack(const std::vector<std::vector<float>>& t, bool all_replicas) {
-  std::vector<float>& buf = all_replicas ? bucket_ : mine_;
-  int64_t total = 0;
-  for (int64_t c : counts_) total += c;
-  buf.resize(size_t(all_replicas && zero_ ? total : counts_[size_t(zero_ ? group_.rank() : 0)]));
-  float* out = buf.data();
-  for_each_block(all_replicas, [&](size_t i, RowRange o) {
-    const int64_t cols = table_.params[i].cols;
-    out = std::copy_n(t[i].data() + o.begin * cols, (o.end - o.begin) * cols, out);
-  });
+void DataParallel::gather_weights(ParamStore& store) {
+  if (!zero_ || segment_.size() == 0) return;
+  float* w = store.params().f32() + segment_.begin;
+  int64_t mine = 0;
+  for (int r = 0; r < group_.rank(); ++r) mine += counts_[size_t(r)];
+  group_.allgatherv(w + mine, w, counts_.data());  // in place: this replica's chunk is its block of out
 }
 
-void DataParallel::unpack(std::vector<std::vector<float>>& t, bool all_replicas) {
-  const float* in = all_replicas ? bucket_.data() : mine_.data();
-  for_each_block(all_replicas, [&](size_t i, RowRange o) {
-    const int64_t cols = table_.params[i].cols, n = (o.end - o.begin) * cols;
-    std::copy_n(in, n, t[i].data() + o.begin * cols);
-    in += n;
-  });
-}
-
-void DataParallel::reduce_gradients(std::vector<std::vector<float>>& grads) {
-  if (group_.size() == 1) return;
-  pack(grads, true);
-  if (zero_) {
-    mine_.resize(size_t(counts_[size_t(group_.rank())]) + 1);
-    group_.reduce_scatterv_sum(bucket_.data(), mine_.data(), counts_.data());
-    unpack(grads, false);
-  } else {
-    group_.allreduce_sum(bucket_.data(), int64_t(bucket_.size()));
-    unpack(grads, true);
-  }
-}
-
-void DataParallel::gather_weights(std::vector<std::vector<float>>& params) {
-  if (!zero_) return;
-  pack(params, false);
-  int64_t total = 0;
-  for (int64_t c : counts_) total += c;
-  bucket_.resize(size_t(total) + 1);  // + 1: never a null buffer
-  group_.allgatherv(mine_.data(), bucket_.data(), counts_.data());
-  unpack(params, true);
-}
-
-
-}  // namespace fp8moe
-
-namespace fp8moe {
 namespace {
-std::vector<bool> select(const ParamTable& t, const std::vector<Shard>& shards, bool experts) {
-  std::vector<bool> v(t.params.size());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = shards[i].held() && ((t.params[i].expert >= 0) == experts);
-  return v;
-}
-ParamTable localise(ParamTable t, const std::vector<Shard>& shards) {
-  for (size_t i = 0; i < t.params.size(); ++i) t.params[i].rows = shards[i].rows, t.params[i].cols = shards[i].cols;
+ParamTable localise(ParamTable t, const ParamStore& s) {
+  for (size_t i = 0; i < t.params.size(); ++i) t.params[i].rows = s.shard(i).rows, t.params[i].cols = s.shard(i).cols;
   return t;
 }
 }  // namespace
 
-ReplicaSync::ReplicaSync(const ParamTable& table, const std::vector<Shard>& shards, Communicator& data,
-                         Communicator& expert_data, Communicator& world, int tensor_rank, bool zero)
-    : table_(table),
-      shards_(shards),
-      local_(localise(table, shards)),
-      world_(world),
+ReplicaSync::ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank,
+                         bool zero)
+    : table_(store.table()),
+      local_(localise(store.table(), store)),
       tensor_rank_(tensor_rank),
-      dense_(local_, data, zero, select(table, shards, false)),
-      experts_(local_, expert_data, zero, select(table, shards, true)) {}
+      dense_(store, store.dense(), store.dense_members(), data, zero),
+      experts_(store, store.experts(), store.expert_members(), expert_data, zero) {
+  for (size_t i = 0; i < table_.params.size(); ++i) shards_.push_back(store.shard(i));
+}
 
 std::vector<RowRange> ReplicaSync::owned() const {
   std::vector<RowRange> o;
@@ -140,26 +121,22 @@ std::vector<RowRange> ReplicaSync::moment_write_rows() const {
   return w;
 }
 
-void ReplicaSync::reduce_gradients(std::vector<std::vector<float>>& grads) {
-  dense_.reduce_gradients(grads);
-  experts_.reduce_gradients(grads);
+void ReplicaSync::reduce_gradients(ParamStore& store) {
+  dense_.reduce_gradients(store);
+  experts_.reduce_gradients(store);
 }
 
-void ReplicaSync::gather_weights(std::vector<std::vector<float>>& params) {
-  dense_.gather_weights(params);
-  experts_.gather_weights(params);
+void ReplicaSync::gather_weights(ParamStore& store) {
+  dense_.gather_weights(store);
+  experts_.gather_weights(store);
 }
 
-AdamW::NormReduce ReplicaSync::norm() {
-  return [this](const std::vector<double>& sq) {
-    double total = 0;
-    for (size_t i = 0; i < sq.size(); ++i)
-      if ((dense_.counts_in_norm(i) || experts_.counts_in_norm(i)) &&
-          (table_.params[i].tp != TpSplit::none || tensor_rank_ == 0))  // tp-replicated: counted once
-        total += sq[i];
-    world_.allreduce_sum(&total, 1);
-    return total;
-  };
+std::vector<bool> ReplicaSync::norm_mask() const {
+  std::vector<bool> m(table_.params.size());
+  for (size_t i = 0; i < m.size(); ++i)
+    m[i] = (dense_.counts_in_norm(i) || experts_.counts_in_norm(i)) &&
+           (table_.params[i].tp != TpSplit::none || tensor_rank_ == 0);  // tp-replicated: counted once
+  return m;
 }
 
 }  // namespace fp8moe

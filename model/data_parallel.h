@@ -1,16 +1,18 @@
 // Gradient and weight synchronisation over the data-parallel replicas of the trainable
-// parameters, in one flat bucket per step.
+// parameters, on one contiguous range of the flat buffers (model/param_store.h's Segment): no
+// packing, the collectives run on the parameters and gradients where they are.
 //   zero 0: allreduce the gradients; every replica updates every row.
-//   zero 1 (ZeRO-1): reduce-scatter the gradients so that replica r holds the sum for its rows
-//           (replica_rows(rows, r, R) of every parameter), AdamW updates those rows (moments for
-//           them only: 8 bytes x parameters / R per rank instead of 8 x parameters), then an
-//           all-gather gives every replica the updated weights.
+//   zero 1 (ZeRO-1): the segment is cut into one contiguous chunk per replica, at row boundaries;
+//           reduce-scatter the gradients so that replica r holds the sum over its chunk, AdamW
+//           updates those rows (moments for them only: about 8 bytes x parameters / R per rank
+//           instead of 8 x parameters), then an all-gather gives every replica the updated weights.
 #pragma once
 
-#include <functional>
+#include <unordered_map>
 #include <vector>
 
 #include "model/optimizer.h"
+#include "model/param_store.h"
 #include "model/param_table.h"
 #include "parallel/communicator.h"
 
@@ -20,33 +22,29 @@ namespace fp8moe {
 // rank's experts over the expert-data-parallel group (the replicas of the same experts).
 class DataParallel {
  public:
-  // include[i]: this object synchronises parameter i (trainable ones only).
-  DataParallel(const ParamTable& table, Communicator& group, bool zero, std::vector<bool> include);
+  // The parameters `members` (layout order) fill `segment` of `store`; `group` works on the
+  // store's backend memory.
+  DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group, bool zero);
   bool zero() const { return zero_; }
   Communicator& group() const { return group_; }
-  bool includes(size_t i) const { return include_[i]; }
-  // The rows of parameter i this replica updates: its share with ZeRO, else every row.
+  bool includes(size_t i) const { return rows_.count(i) > 0; }
+  // The rows of parameter i's block this replica updates: its chunk's share with ZeRO (possibly
+  // none), else every row.
   RowRange owned(size_t i) const;
-  // Sums the gradients over the replicas (zero: only this replica's rows receive the sum).
-  void reduce_gradients(std::vector<std::vector<float>>& grads);
-  // zero: every replica's updated rows to every replica; otherwise nothing to do.
-  void gather_weights(std::vector<std::vector<float>>& params);
+  // Sums the gradients over the replicas (zero: only this replica's chunk receives the sum).
+  void reduce_gradients(ParamStore& store);
+  // zero: every replica's updated chunk to every replica; otherwise nothing to do.
+  void gather_weights(ParamStore& store);
   // Whether this replica's owned rows of parameter i count in the global gradient norm: with ZeRO
   // every replica's (they are disjoint), otherwise replica 0's only (they are all the same).
-  bool counts_in_norm(size_t i) const { return include_[i] && (zero_ || group_.rank() == 0); }
+  bool counts_in_norm(size_t i) const { return includes(i) && (zero_ || group_.rank() == 0); }
 
  private:
-  template <class Fn>
-  void for_each_block(bool all_replicas, Fn&& fn) const;
-  void pack(const std::vector<std::vector<float>>& t, bool all_replicas);
-  void unpack(std::vector<std::vector<float>>& t, bool all_replicas);
-
-  const ParamTable& table_;
+  Segment segment_;
   Communicator& group_;
   bool zero_;
-  std::vector<bool> include_;
-  std::vector<int64_t> counts_;  // floats of each replica's block (ZeRO)
-  std::vector<float> bucket_, mine_;
+  std::vector<int64_t> counts_;                  // elements of each replica's chunk (ZeRO)
+  std::unordered_map<size_t, RowRange> rows_;    // this replica's owned rows per member
 };
 
 }  // namespace fp8moe
@@ -60,10 +58,9 @@ namespace fp8moe {
 // to a checkpoint.
 class ReplicaSync {
  public:
-  // shards: this rank's block of every parameter (Transformer::shard); tensor_rank: replicated
-  // parameters (TpSplit::none) count in the norm on tensor rank 0 only.
-  ReplicaSync(const ParamTable& table, const std::vector<Shard>& shards, Communicator& data, Communicator& expert_data,
-              Communicator& world, int tensor_rank, bool zero);
+  // data, expert_data: on the store's backend memory. tensor_rank: replicated parameters
+  // (TpSplit::none) count in the norm on tensor rank 0 only. Collective-free.
+  ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank, bool zero);
   bool zero() const { return dense_.zero(); }
   // The table with each parameter's shape replaced by this rank's block (what AdamW works on).
   const ParamTable& local_table() const { return local_; }
@@ -74,17 +71,17 @@ class ReplicaSync {
   // every element once. moment_write_rows: the same for the Adam moments (the owned rows with ZeRO).
   std::vector<RowRange> write_rows() const;
   std::vector<RowRange> moment_write_rows() const;
-  void reduce_gradients(std::vector<std::vector<float>>& grads);
-  void gather_weights(std::vector<std::vector<float>>& params);
-  // Global squared gradient norm from each parameter's owned-row partial: every element once.
-  AdamW::NormReduce norm();
+  void reduce_gradients(ParamStore& store);
+  void gather_weights(ParamStore& store);
+  // Per parameter: whether this rank's owned rows of it count in the global gradient norm, so
+  // that over the ranks every element counts once (the caller sums the parts over every rank).
+  std::vector<bool> norm_mask() const;
 
  private:
   bool writes(size_t i) const;  // whether this rank writes any of parameter i
   const ParamTable& table_;
   std::vector<Shard> shards_;
   ParamTable local_;
-  Communicator& world_;
   int tensor_rank_;
   DataParallel dense_, experts_;
 };

@@ -1,9 +1,7 @@
 // SwiGLU feed-forward: y = (silu(x W1^T) * (x W3^T)) W2^T, three linear layers (FP8 per recipe).
-// Used by the dense MLP, the shared experts and every routed expert.
+// Used by the dense MLP, the shared experts and every routed expert. Backend memory throughout.
 //   x (M, D), W1, W3 (F, D), W2 (D, F), y (M, D)
 #pragma once
-
-#include <vector>
 
 #include "model/linear.h"
 
@@ -15,30 +13,25 @@ struct FfnWeights {
 struct FfnGrads {
   float *w1, *w3, *w2;  // accumulated
 };
-// Per-linear FP8 contexts (their delayed-scaling states differ).
+// Per-linear FP8 contexts (their delayed-scaling states and weight caches differ).
 struct FfnFp8 {
   LinearFp8 w1, w3, w2;
 };
 
 struct FfnSaved {
-  FfnSaved() = default;
-  FfnSaved(const FfnSaved&) = delete;  // l2 points into a: a copy would point into the original
-  FfnSaved& operator=(const FfnSaved&) = delete;
-  FfnSaved(FfnSaved&&) = default;  // a moved vector keeps its buffer
-  FfnSaved& operator=(FfnSaved&&) = default;
-  LinearSaved l1, l3, l2;     // l1, l3 read the caller's x: it must outlive backward (unless cached)
-  std::vector<float> h1, h3;  // (M, F) pre-activation gate and up projections
-  std::vector<float> a;       // (M, F) swiglu output, the input of W2 (freed when cached in FP8)
+  LinearSaved l1, l3, l2;  // l1, l3 read the caller's x: it must outlive backward (unless cached)
+  Tensor h1, h3;           // (M, F) pre-activation gate and up projections
+  Tensor a;                // (M, F) swiglu output, the input of W2 (freed when cached in FP8)
   int64_t bytes() const {
-    return int64_t((h1.size() + h3.size() + a.size()) * sizeof(float)) + l1.fp8_activation_bytes() +
-           l3.fp8_activation_bytes() + l2.fp8_activation_bytes();
+    return int64_t(h1.bytes() + h3.bytes() + a.bytes()) + l1.fp8_activation_bytes() + l3.fp8_activation_bytes() +
+           l2.fp8_activation_bytes();
   }
 };
 
-void ffn_forward(const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8, float* y,
-                 FfnSaved* saved);
+void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
+                 float* y, FfnSaved* saved);
 // dx (M, D) written (may be nullptr); weight gradients accumulated.
-void ffn_backward(const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
+void ffn_backward(Backend& be, const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
                   const FfnGrads& g);
 
 }  // namespace fp8moe

@@ -1,103 +1,167 @@
 #include "model/linear.h"
 
-#include <cstring>
-
 #include "kernels/check.h"
-#include "kernels/dispatch.h"
 
 namespace fp8moe {
 namespace {
 
 Fp8Dtype grad_dtype(const Fp8Config& c) { return c.format == Fp8Format::hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3; }
 ScaleOptions scale_options(const Fp8Config& c) { return {c.margin, c.power_of_two_scales}; }
+DelayedScalingCompute compute_of(const Fp8Config& c) {
+  return c.amax_compute == AmaxCompute::max ? DelayedScalingCompute::max : DelayedScalingCompute::most_recent;
+}
 
-// One scale for the whole tensor, by the current or the delayed recipe.
-void quantize_per_tensor(const float* x, int64_t rows, int64_t cols, Fp8Dtype dt, const LinearFp8& f, DelayedScaling* st,
-                         QuantTensor* out) {
+void init_delayed(Backend& be, DelayedState* st, int history_len) {
+  *st = delayed_from_host(be, make_delayed_scaling(history_len));
+}
+
+// One scale for the whole tensor, by the current or the delayed recipe, into out (per-tensor).
+// The order of the delayed recipe is kernels/quantize.h's quantize_delayed: the scale in use
+// becomes the last used one, the tensor is quantized with it, then its amax (reduced) enters the
+// history and the next scale is computed from it.
+void quantize_per_tensor(Backend& be, const float* x, int64_t rows, int64_t cols, Fp8Dtype dt, const LinearFp8& f,
+                         DelayedState* st, uint64_t* counts, QTensor* out) {
   const Fp8Config& c = *f.cfg;
+  *out = QTensor(be, rows, cols, dt, Tiling::per_tensor, 1);
+  const int64_t n = rows * cols;
   if (c.recipe == Fp8Recipe::delayed) {
     FP8MOE_ASSERT(st, "delayed scaling needs the layer's LinearScaling state");
-    if (st->history.empty()) *st = make_delayed_scaling(c.amax_history_len);
-    const auto compute = c.amax_compute == AmaxCompute::max ? DelayedScaling::Compute::max
-                                                            : DelayedScaling::Compute::most_recent;
-    if (f.record)
-      quantize_delayed(x, rows, cols, dt, *st, compute, scale_options(c), f.reduce, out);
-    else  // recomputation: the forward's scale; evaluation: the current one; no history step either way
-      quantize_with_scale(x, rows, cols, dt, f.reuse_last_scale ? st->last_used : st->scale, out);
-  } else {
-    quantize_current(x, rows, cols, dt, scale_options(c), f.reduce, out);
+    if (st->empty()) init_delayed(be, st, c.amax_history_len);
+    float* scale = st->scale.f32();
+    if (!f.record) {  // recomputation: the forward's scale; evaluation: the current one; no history step
+      be.quantize_scaled(x, f.reuse_last_scale ? scale + 1 : scale, out->view(), counts);
+      return;
+    }
+    be.copy(scale + 1, scale, sizeof(float));
+    be.quantize_scaled(x, scale, out->view(), counts);
+    Tensor a(be, DType::f32, {1});
+    be.amax(x, n, a.f32());
+    if (f.reduce) f.reduce(a.f32(), 1);
+    be.delayed_update(st->history.f32(), st->history.numel(), st->steps, a.f32(), compute_of(c), dt, scale_options(c),
+                      scale);
+    ++st->steps;
+    return;
   }
+  Tensor a(be, DType::f32, {1}), s(be, DType::f32, {1});
+  be.amax(x, n, a.f32());
+  if (f.reduce) f.reduce(a.f32(), 1);
+  be.scale_from_amax(a.f32(), dt, scale_options(c), s.f32());
+  be.quantize_scaled(x, s.f32(), out->view(), counts);
+}
+
+void quantize_tiled(Backend& be, const float* x, int64_t rows, int64_t cols, Tiling tiling, const Fp8Config& c,
+                    uint64_t* counts, QTensor* out) {
+  *out = QTensor(be, rows, cols, Fp8Dtype::e4m3, tiling, c.tile);
+  be.quantize_tiled(x, scale_options(c), out->view(), counts);
+}
+
+// The weight's FP8 copy for this call: the step's cached one, or quantized now (into the cache
+// when there is one). Its counts are added when it is quantized, never on reuse.
+const QTensor* quantized_weight(Backend& be, const float* W, int64_t N, int64_t K, const LinearFp8& f,
+                                uint64_t* counts, QTensor* own) {
+  const Fp8Config& c = *f.cfg;
+  if (f.weight && f.weight->step == f.step) return &f.weight->q;
+  QTensor* out = f.weight ? &f.weight->q : own;
+  if (c.recipe == Fp8Recipe::blockwise)
+    quantize_tiled(be, W, N, K, Tiling::blocks_TxT, c, counts, out);
+  else
+    quantize_per_tensor(be, W, N, K, Fp8Dtype::e4m3, f, f.state ? &f.state->w : nullptr, counts, out);
+  if (f.weight) f.weight->step = f.step;
+  return out;
 }
 
 }  // namespace
 
-void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8, float* y,
-                    LinearSaved* saved) {
+LinearSaved& LinearSaved::operator=(LinearSaved&& o) noexcept {
+  if (this != &o) {
+    const bool own = o.wq == &o.own_wq;
+    x = o.x, xq = std::move(o.xq), own_wq = std::move(o.own_wq), M = o.M, K = o.K, N = o.N;
+    wq = own ? &own_wq : o.wq;
+    o.wq = nullptr, o.x = nullptr;
+  }
+  return *this;
+}
+
+void linear_forward(Backend& be, const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8,
+                    float* y, LinearSaved* saved) {
   LinearSaved local;
   LinearSaved& s = saved ? *saved : local;
   s.M = M, s.K = K, s.N = N;
   s.x = x;
   if (!fp8.enabled()) {
-    dev::sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
+    be.sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
     return;
   }
   const Fp8Config& c = *fp8.cfg;
-  if (c.recipe == Fp8Recipe::blockwise) {
-    quantize_tiled(x, M, K, Tiling::rows_1xT, c.tile, Fp8Dtype::e4m3, scale_options(c), &s.xq);
-    quantize_tiled(W, N, K, Tiling::blocks_TxT, c.tile, Fp8Dtype::e4m3, scale_options(c), &s.wq);
-  } else {
-    quantize_per_tensor(x, M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, &s.xq);
-    quantize_per_tensor(W, N, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->w : nullptr, &s.wq);
-  }
-  if (fp8.saturated && !fp8.reuse_last_scale) *fp8.saturated += s.xq.saturated + s.wq.saturated;
-  if (fp8.underflowed && !fp8.reuse_last_scale) *fp8.underflowed += s.xq.underflowed + s.wq.underflowed;
-  dev::gemm_fp8(dev::GemmRole::fprop, s.xq, false, s.wq, true, 1.0f, 0.0f, y, N);
+  // A recomputation quantizes again what its forward counted already.
+  uint64_t* counts = fp8.reuse_last_scale ? nullptr : fp8.counts;
+  if (c.recipe == Fp8Recipe::blockwise)
+    quantize_tiled(be, x, M, K, Tiling::rows_1xT, c, counts, &s.xq);
+  else
+    quantize_per_tensor(be, x, M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, counts, &s.xq);
+  s.wq = quantized_weight(be, W, N, K, fp8, counts, &s.own_wq);
+  be.gemm_fp8(GemmRole::fprop, s.xq.view(), false, s.wq->view(), true, 1.0f, 0.0f, y, N);
   // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
   // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
   if (c.recipe != Fp8Recipe::blockwise || c.cache_activations)
     s.x = nullptr;
   else
-    s.xq = QuantTensor{};
+    s.xq = QTensor{};
 }
 
-void linear_backward(const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx, float* dW) {
+void linear_backward(Backend& be, const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx,
+                     float* dW) {
   const int64_t M = s.M, K = s.K, N = s.N;
   if (!fp8.enabled()) {
-    if (dx) dev::sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, 0.0f, dx, K);
-    dev::sgemm(true, false, N, K, M, 1.0f, dy, N, s.x, K, 1.0f, dW, K);
+    if (dx) be.sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, 0.0f, dx, K);
+    be.sgemm(true, false, N, K, M, 1.0f, dy, N, s.x, K, 1.0f, dW, K);
     return;
   }
   const Fp8Config& c = *fp8.cfg;
+  FP8MOE_ASSERT(s.wq, "linear_backward without its forward's FP8 weight");
   if (c.recipe == Fp8Recipe::blockwise) {
-    const ScaleOptions opt = scale_options(c);
     if (dx) {
-      QuantTensor dyq;
-      quantize_tiled(dy, M, N, Tiling::rows_1xT, c.tile, Fp8Dtype::e4m3, opt, &dyq);
-      if (fp8.saturated) *fp8.saturated += dyq.saturated;
-      if (fp8.underflowed) *fp8.underflowed += dyq.underflowed;
-      dev::gemm_fp8(dev::GemmRole::dgrad, dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
+      QTensor dyq;
+      quantize_tiled(be, dy, M, N, Tiling::rows_1xT, c, fp8.counts, &dyq);
+      be.gemm_fp8(GemmRole::dgrad, dyq.view(), false, s.wq->view(), false, 1.0f, 0.0f, dx, K);
     }
     // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32 (x from its
     // FP8 cache when the FP32 input was not kept: 1 x T values re-tiled, as DeepSeek-V3 does).
-    QuantTensor dyt, xt;
-    quantize_tiled(dy, M, N, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &dyt);
-    std::vector<float> x_from_cache;
+    QTensor dyt, xt;
+    quantize_tiled(be, dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt);
+    Tensor x_from_cache;
     const float* x = s.x;
-    if (!x && M * K > 0) {
-      x_from_cache.resize(static_cast<size_t>(M * K));
-      dequantize(s.xq, x_from_cache.data());
-      x = x_from_cache.data();
+    if (!x) {
+      x_from_cache = Tensor(be, DType::f32, {M, K});
+      if (M * K > 0) be.dequantize(s.xq.view(), x_from_cache.f32());
+      x = x_from_cache.f32();
     }
-    quantize_tiled(x, M, K, Tiling::cols_Tx1, c.tile, Fp8Dtype::e4m3, opt, &xt);
-    dev::gemm_fp8(dev::GemmRole::wgrad, dyt, true, xt, false, 1.0f, 1.0f, dW, K);
+    quantize_tiled(be, x, M, K, Tiling::cols_Tx1, c, nullptr, &xt);
+    be.gemm_fp8(GemmRole::wgrad, dyt.view(), true, xt.view(), false, 1.0f, 1.0f, dW, K);
     return;
   }
-  QuantTensor dyq;
-  quantize_per_tensor(dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, &dyq);
-  if (fp8.saturated) *fp8.saturated += dyq.saturated;
-  if (fp8.underflowed) *fp8.underflowed += dyq.underflowed;
-  if (dx) dev::gemm_fp8(dev::GemmRole::dgrad, dyq, false, s.wq, false, 1.0f, 0.0f, dx, K);
-  dev::gemm_fp8(dev::GemmRole::wgrad, dyq, true, s.xq, false, 1.0f, 1.0f, dW, K);
+  QTensor dyq;
+  quantize_per_tensor(be, dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &dyq);
+  if (dx) be.gemm_fp8(GemmRole::dgrad, dyq.view(), false, s.wq->view(), false, 1.0f, 0.0f, dx, K);
+  be.gemm_fp8(GemmRole::wgrad, dyq.view(), true, s.xq.view(), false, 1.0f, 1.0f, dW, K);
+}
+
+DelayedScaling delayed_to_host(Backend& be, const DelayedState& s) {
+  DelayedScaling d;
+  if (s.empty()) return d;
+  d.history = to_host(be, s.history.data<float>(), s.history.numel());
+  const std::vector<float> sc = to_host(be, s.scale.data<float>(), 2);
+  d.scale = sc[0], d.last_used = sc[1], d.steps = s.steps;
+  return d;
+}
+
+DelayedState delayed_from_host(Backend& be, const DelayedScaling& d) {
+  DelayedState s;
+  if (d.history.empty()) return s;
+  s.history = tensor_from(be, d.history, {int64_t(d.history.size())});
+  s.scale = tensor_from(be, std::vector<float>{d.scale, d.last_used}, {2});
+  s.steps = d.steps;
+  return s;
 }
 
 }  // namespace fp8moe

@@ -1,59 +1,90 @@
 // A linear layer y = x W^T with its three GEMMs (forward, input gradient, weight gradient) in FP8
-// through the configured recipe, or in FP32 when FP8 is off for it.
+// through the configured recipe, or in FP32 when FP8 is off for it. Every pointer is memory of the
+// backend `be` (device memory on a GPU); nothing here reads it on the host.
 //   x (M, K), W (N, K), y (M, N)
 //   forward  y  = x W^T           x: 1xT tiles (or per-tensor), W: TxT blocks (or per-tensor)
 //   dgrad    dx = dy W            dy: 1xT tiles (E5M2 per-tensor with format hybrid)
 //   wgrad    dW += dy^T x         dy, x: Tx1 tiles, quantized again from FP32 (never transposed FP8)
+// The weight is quantized once per optimizer step (WeightCache) and reused by every micro-batch,
+// by recomputation and by dgrad. Per-tensor scales and amax values never leave device memory.
 #pragma once
 
-#include <map>
-#include <string>
+#include <cstdint>
 #include <vector>
 
-#include "kernels/gemm_fp8.h"
+#include "kernels/backend.h"
 #include "model/config.h"
 
 namespace fp8moe {
 
-// Delayed-scaling histories of one linear layer (checkpointed state).
+// One tensor's delayed-scaling state in device memory (kernels/quantize.h's DelayedScaling).
+struct DelayedState {
+  Tensor history;      // (history_len) amax ring buffer
+  Tensor scale;        // (2): [0] the scale the next quantization uses, [1] the one the last used
+  int64_t steps = 0;   // amax values recorded (the host counts them: no synchronisation)
+  bool empty() const { return history.empty(); }
+};
+// Delayed-scaling states of one linear layer (checkpointed state).
 struct LinearScaling {
+  DelayedState x, w, dy;
+};
+
+// The same in host form (checkpoints).
+struct HostLinearScaling {
   DelayedScaling x, w, dy;
+};
+
+// A linear weight's FP8 copy and the optimizer step it was made in.
+struct WeightCache {
+  QTensor q;
+  int64_t step = -1;
 };
 
 // What the FP8 GEMMs of one call need beyond the operands.
 struct LinearFp8 {
   const Fp8Config* cfg = nullptr;  // nullptr or recipe off: FP32 GEMMs
   LinearScaling* state = nullptr;  // delayed scaling only
-  AmaxReduce reduce;               // per-tensor amax over the tensor-parallel group (empty: local)
+  AmaxReduce reduce;               // per-tensor amax (device memory) over the tensor-parallel group (empty: local)
   bool record = true;              // false: quantize, but do not advance delayed-scaling histories
   bool reuse_last_scale = false;   // with record false: the scale the last recorded pass used
                                    // (recomputation), not the one the next pass will use (evaluation)
-  int64_t* saturated = nullptr;    // when set, counts elements clamped to the FP8 maximum
-  int64_t* underflowed = nullptr;  // when set, counts non-zero elements that became 0 in FP8
+  uint64_t* counts = nullptr;      // device [saturated, underflowed] counters (nullptr: not counted)
+  WeightCache* weight = nullptr;   // the step's FP8 weight (nullptr: quantized afresh, e.g. evaluation)
+  int64_t step = 0;                // the optimizer step the cache is valid for
   bool enabled() const { return cfg && cfg->recipe != Fp8Recipe::off; }
 };
 
-// What forward keeps for backward: the input and the quantized weight of this step.
+// What forward keeps for backward.
 struct LinearSaved {
+  LinearSaved() = default;
+  LinearSaved(const LinearSaved&) = delete;  // wq may point into own_wq
+  LinearSaved& operator=(const LinearSaved&) = delete;
+  LinearSaved(LinearSaved&& o) noexcept { *this = std::move(o); }
+  LinearSaved& operator=(LinearSaved&& o) noexcept;
   // (M, K) the FP32 input, NOT owned: the caller keeps it alive until backward (the layers share
   // their inputs: q, k and v read one normed x). nullptr when backward reads only xq: per-tensor
   // recipes always, blockwise with fp8.cache_activations.
   const float* x = nullptr;
-  QuantTensor wq;  // the weight as the forward GEMM used it (FP8 paths)
-  QuantTensor xq;  // the input as the forward GEMM used it (FP8 paths)
+  QTensor xq;                   // the input as the forward GEMM used it (FP8 paths)
+  const QTensor* wq = nullptr;  // the weight as the forward GEMM used it: the cache or own_wq
+  QTensor own_wq;               // the weight quantized for this call alone (no cache)
   int64_t M = 0, K = 0, N = 0;
   bool needs_fp32_input() const { return x != nullptr; }
   // Bytes this layer holds of its own: the FP8 input and its scales (the weight is not an activation).
-  int64_t fp8_activation_bytes() const { return int64_t(xq.data.size() + xq.scale_inv.size() * sizeof(float)); }
+  int64_t fp8_activation_bytes() const { return xq.empty() ? 0 : xq.bytes(); }
 };
 
 // y (M, N) written. `saved` may be nullptr (no backward); x must outlive it unless the input is
 // cached in FP8 (saved->x == nullptr afterwards).
-void linear_forward(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8, float* y,
-                    LinearSaved* saved);
+void linear_forward(Backend& be, const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8,
+                    float* y, LinearSaved* saved);
 
 // dx (M, K) written (may be nullptr), dW (N, K) accumulated.
-void linear_backward(const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8, float* dx,
-                     float* dW);
+void linear_backward(Backend& be, const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8,
+                     float* dx, float* dW);
+
+// Delayed-scaling state in device memory from its host form and back (checkpoints, tests).
+DelayedScaling delayed_to_host(Backend& be, const DelayedState& s);
+DelayedState delayed_from_host(Backend& be, const DelayedScaling& s);
 
 }  // namespace fp8moe

@@ -1,7 +1,9 @@
-// The MoE feed-forward of a block (DeepSeek-V3 style), on one rank:
+// The MoE feed-forward of a block (DeepSeek-V3 style), on one rank's backend:
 //   router   z = x Wr^T (FP32), scores s = sigmoid(z) (or p = softmax(z));
-//   choose   top-k experts by score + bias (the bias steers the choice only; ties -> lower index);
+//   choose   top-k experts by score + bias (the bias steers the choice only; ties -> lower index),
+//            node-limited to the best topk_group of n_group expert groups (kernels/router.h);
 //   gates    sigmoid: s_i / sum of the chosen s; softmax: p_i (top-k of softmax, not renormalised);
+//            norm_topk_prob overrides either; times routed_scaling_factor;
 //   dispatch tokens grouped per expert in token order (permute); optional capacity drops the
 //            assignments beyond ceil(capacity_factor * N * k / E) per expert, in token order;
 //   experts  SwiGLU FFNs (FP8 per recipe); combine: out[n] = sum over its slots of gate * expert
@@ -9,6 +11,8 @@
 //   aux loss coef * E * sum_e f_e P_e (switch style), f_e the fraction of the N * k assignments
 //            that expert e received after capacity drops (no gradient), P_e the mean over tokens
 //            of the normalised score of e.
+// Everything is backend memory. The one host synchronisation of a layer's forward reads its
+// expert loads (E counts): the experts' GEMM shapes and the expert-parallel exchange need them.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +41,42 @@ struct MoeFp8 {
   std::vector<FfnFp8> experts;
 };
 
-// The routing of one forward pass (what the permute/unpermute and the tests see).
+// One forward's routing (kernels/router.h's buffers) and what the host read of it.
+struct MoeRouting {
+  int64_t N = 0, E = 0, k = 0;
+  Tensor prob, expert, gate, kept, load, offsets, row_token, row_slot, slot_row;
+  std::vector<int64_t> load_host;  // (E) tokens each expert received: the layer's synchronisation
+  int64_t rows = 0;                // R = sum of load_host: the permuted rows
+  DispatchPlan plan;               // expert parallelism: the exchange of this forward
+  std::vector<int64_t> local_rows; // rows of each local expert (all experts without a dispatcher)
+  bool empty() const { return prob.backend() == nullptr; }
+  RoutingBuffers buffers() const;
+  int64_t dropped() const { return N * k - rows; }
+  int64_t bytes() const;
+};
+
+struct MoeSaved {
+  const float* x = nullptr;  // (N, D) the caller's input (the FP32 router's weight gradient needs it)
+  // Kept when the block is recomputed: the recomputation reuses the forward's routing (its loads
+  // and exchange plan included), so it needs no synchronisation of its own.
+  MoeRouting routing;
+  Tensor xr;          // (R, D) permuted inputs of the experts (freed when cached in FP8)
+  Tensor xl;          // expert parallelism: the local experts' input rows (freed when cached in FP8)
+  Tensor expert_out;  // (R, D) in permuted order: expert e's rows at offsets[e]
+  std::vector<FfnSaved> experts;
+  FfnSaved shared;
+  int64_t bytes() const {
+    int64_t b = int64_t(xr.bytes() + xl.bytes() + expert_out.bytes()) + routing.bytes() + shared.bytes();
+    for (const FfnSaved& e : experts) b += e.bytes();
+    return b;
+  }
+};
+
+// The router's rule of a config for N tokens (capacity resolved).
+RouterRule router_rule(const MoeConfig& cfg, int64_t N);
+
+// Top-k routing of router logits z (N, E) with the selection bias (E) on the host, for tests and
+// tools (the CPU kernel of kernels/router.h; the model runs the backend's).
 struct Routing {
   int64_t N = 0, E = 0, k = 0;
   std::vector<int32_t> expert;       // (N, k) chosen experts
@@ -49,53 +88,27 @@ struct Routing {
   std::vector<int64_t> load;         // (E) tokens each expert received
   int64_t dropped = 0;
 };
-
-struct MoeSaved {
-  MoeSaved() = default;
-  MoeSaved(const MoeSaved&) = delete;  // the experts point into xr
-  MoeSaved& operator=(const MoeSaved&) = delete;
-  MoeSaved(MoeSaved&&) = default;
-  MoeSaved& operator=(MoeSaved&&) = default;
-  const float* x = nullptr;   // (N, D) the caller's input (the FP32 router's weight gradient needs it)
-  std::vector<float> xr;      // (R, D) permuted inputs of the experts (freed when cached in FP8)
-  std::vector<float> z;       // (N, E) router logits
-  std::vector<float> prob;    // (N, E) sigmoid or softmax of z
-  Routing routing;
-  std::vector<float> expert_out;  // (rows, D) in permuted order: expert e's rows at offsets[e]
-  DispatchPlan plan;              // expert parallelism: the exchange of this forward
-  std::vector<float> xl;          // expert parallelism: the local experts' input rows (freed when cached in FP8)
-  std::vector<int64_t> local_rows;  // rows of each local expert (all experts without a dispatcher)
-  std::vector<FfnSaved> experts;
-  FfnSaved shared;
-  double aux_loss = 0;
-  int64_t bytes() const {
-    int64_t b = int64_t((xr.size() + xl.size() + z.size() + prob.size() + expert_out.size()) * sizeof(float)) + shared.bytes();
-    for (const FfnSaved& e : experts) b += e.bytes();
-    return b;
-  }
-};
-
-// Top-k routing of router logits z (N, E) with the selection bias (E). Pure: tested directly.
 Routing route(const float* z, const float* bias, int64_t N, int64_t E, const MoeConfig& cfg, std::vector<float>* prob);
-
 // Permute: rows (R, D), R = offsets[E], row i = x[row_token[i]] (grouped by expert, token order).
 void permute(const Routing& r, const float* x, int64_t D, float* rows);
 // Unpermute: out[row_token[i]] += gate of (token, row_slot[i]) * rows[i], for every row i.
 void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out);
 
-// out (N, D) written. Returns the auxiliary loss (0 when aux_loss_coef is 0). With `ep`, the
-// routed rows go to their experts' ranks and back (collective over the expert group).
-double moe_forward(const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const MoeFp8& fp8,
-                   float* out, MoeSaved* saved, ExpertDispatcher* ep = nullptr);
+// out (N, D) written; *aux (device, may be nullptr) the auxiliary loss (0 when aux_loss_coef is 0).
+// With `ep`, the routed rows go to their experts' ranks and back (collective over the expert
+// group). When saved->routing is filled (a recomputation), it is used instead of routing again.
+void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
+                 const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep = nullptr,
+                 double* aux = nullptr);
 // dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
 // With `tp` (tensor parallelism: expert and shared widths split, w1/w3 column- and w2 row-parallel;
 // router replicated), the gates' gradients and the experts' input gradients are summed over it
 // here (collective); the caller sums the forward output over it.
-void moe_backward(const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
+void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
                   float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep = nullptr,
                   Communicator* tp = nullptr);
 
-// Aux-loss-free balancing after a step: bias_e += rate * sign(mean load - load_e).
+// Aux-loss-free balancing after a step on the host: bias_e += rate * sign(mean load - load_e).
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate);
 
 }  // namespace fp8moe

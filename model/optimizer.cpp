@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "kernels/check.h"
-#include "kernels/dispatch.h"
 
 namespace fp8moe {
 
@@ -37,75 +35,68 @@ void LossScaler::update(bool finite) {
   }
 }
 
-AdamW::AdamW(ParamTable table, const TrainConfig& cfg, std::vector<RowRange> owned)
-    : table_(std::move(table)), cfg_(cfg), owned_(std::move(owned)), sharded_(!owned_.empty()) {
+AdamW::AdamW(Backend& be, ParamTable table, const TrainConfig& cfg, std::vector<RowRange> owned)
+    : be_(be), table_(std::move(table)), cfg_(cfg), owned_(std::move(owned)), sharded_(!owned_.empty()) {
   const bool bf16 = cfg.moments_dtype == MomentsDtype::bf16;
   if (owned_.empty())
     for (const ParamSpec& p : table_.params) owned_.push_back({0, p.rows});
   FP8MOE_ASSERT(owned_.size() == table_.params.size(), "AdamW: ", owned_.size(), " row ranges for ",
                 table_.params.size(), " parameters");
+  int64_t trainable = 0;
   for (size_t i = 0; i < table_.params.size(); ++i) {
     const ParamSpec& p = table_.params[i];
     FP8MOE_ASSERT(0 <= owned_[i].begin && owned_[i].begin <= owned_[i].end && owned_[i].end <= p.rows, "AdamW: rows [",
                   owned_[i].begin, ", ", owned_[i].end, ") of ", p.name);
-    const size_t n = p.trainable ? size_t((owned_[i].end - owned_[i].begin) * p.cols) : 0;
-    m_.emplace_back(bf16 ? 0 : n, 0.0f);
-    v_.emplace_back(bf16 ? 0 : n, 0.0f);
-    m16_.emplace_back(bf16 ? n : 0, uint16_t(0));
-    v16_.emplace_back(bf16 ? n : 0, uint16_t(0));
+    const int64_t n = p.trainable ? (owned_[i].end - owned_[i].begin) * p.cols : 0;
+    m_.push_back(Tensor::zeros(be, bf16 ? DType::bf16 : DType::f32, {n}));
+    v_.push_back(Tensor::zeros(be, bf16 ? DType::bf16 : DType::f32, {n}));
+    trainable += p.trainable;
   }
+  sq_parts_ = Tensor(be, DType::f64, {std::max<int64_t>(trainable, 1)});
 }
 
 int64_t AdamW::state_bytes() const {
   int64_t b = 0;
-  for (size_t i = 0; i < m_.size(); ++i)
-    b += int64_t((m_[i].size() + v_[i].size()) * sizeof(float) + (m16_[i].size() + v16_[i].size()) * sizeof(uint16_t));
+  for (size_t i = 0; i < m_.size(); ++i) b += int64_t(m_[i].bytes() + v_[i].bytes());
   return b;
 }
 
-std::vector<float> AdamW::first_moment(size_t i) const {
-  if (cfg_.moments_dtype == MomentsDtype::fp32) return m_[i];
-  std::vector<float> out(m16_[i].size());
-  for (size_t j = 0; j < out.size(); ++j) out[j] = bf16_decode(m16_[i][j]);
+namespace {
+std::vector<float> decoded(const Tensor& t, bool bf16) {
+  if (!bf16) return to_host<float>(t);
+  const std::vector<uint16_t> bits = to_host<uint16_t>(t);
+  std::vector<float> out(bits.size());
+  for (size_t j = 0; j < out.size(); ++j) out[j] = bf16_decode(bits[j]);
   return out;
 }
+}  // namespace
 
-std::vector<float> AdamW::second_moment(size_t i) const {
-  if (cfg_.moments_dtype == MomentsDtype::fp32) return v_[i];
-  std::vector<float> out(v16_[i].size());
-  for (size_t j = 0; j < out.size(); ++j) out[j] = bf16_decode(v16_[i][j]);
-  return out;
+std::vector<float> AdamW::first_moment(size_t i) const { return decoded(m_[i], bf16_moments()); }
+std::vector<float> AdamW::second_moment(size_t i) const { return decoded(v_[i], bf16_moments()); }
+
+void AdamW::grad_sq(const ParamStore& store, float unscale, const std::vector<bool>& counted, double* out) {
+  FP8MOE_ASSERT(store.table().params.size() == table_.params.size(), "AdamW: a store of ",
+                store.table().params.size(), " parameters, a table of ", table_.params.size());
+  // The global norm counts every element once, in double, in a fixed order whatever the thread
+  // count or backend: one partial per parameter (kernels/adamw.h), summed in parameter order.
+  int64_t parts = 0;
+  double* sq = sq_parts_.data<double>();
+  for (size_t i = 0; i < table_.params.size(); ++i) {
+    const ParamSpec& p = table_.params[i];
+    if (!p.trainable || !store.holds(i) || (!counted.empty() && !counted[i])) continue;
+    FP8MOE_ASSERT(store.shard(i).rows == p.rows && store.shard(i).cols == p.cols, "AdamW: ", p.name, " is ",
+                  store.shard(i).rows, " x ", store.shard(i).cols, " here, ", p.rows, " x ", p.cols, " in its table");
+    const int64_t n = (owned_[i].end - owned_[i].begin) * p.cols;
+    be_.sum_squares(store.grad(i) + owned_[i].begin * p.cols, n, unscale, sq + parts++);
+  }
+  if (parts == 0) be_.zero(out, sizeof(double));
+  else be_.sum(sq, parts, out);
 }
 
-OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step,
-                           const NormReduce& global_sq) {
-  FP8MOE_ASSERT(params.size() == table_.params.size() && grads.size() == params.size(), "AdamW: ", params.size(),
-                " parameters, ", grads.size(), " gradients, table of ", table_.params.size());
+OptimizerStats AdamW::step(ParamStore& store, int64_t step, double global_sq, float unscale) {
   OptimizerStats st;
   st.lr = learning_rate(cfg_, step);
-  // The global norm counts every element once, in double, in a fixed order whatever the thread
-  // count: partial sums of fixed chunks, added serially.
-  constexpr int64_t kChunk = 1 << 14;
-  std::vector<double> sq_param(grads.size(), 0.0);
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const ParamSpec& p = table_.params[i];
-    const int64_t want = owned_[i].begin == owned_[i].end && params[i].empty() ? 0 : p.numel();  // not held: nothing
-    FP8MOE_ASSERT(int64_t(params[i].size()) == want && int64_t(grads[i].size()) == want, "AdamW: ", p.name, " has ",
-                  params[i].size(), " values and ", grads[i].size(), " gradients, expected ", want);
-    if (!p.trainable) continue;
-    const int64_t n = (owned_[i].end - owned_[i].begin) * p.cols, chunks = (n + kChunk - 1) / kChunk;
-    std::vector<double> part(static_cast<size_t>(chunks), 0.0);
-    const float* g = grads[i].data() + owned_[i].begin * p.cols;
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) part[c] += double(g[j]) * g[j];
-    for (double x : part) sq_param[i] += x;
-  }
-  double sq = 0;
-  if (global_sq) sq = global_sq(sq_param);
-  else
-    for (double x : sq_param) sq += x;
-  st.grad_norm = std::sqrt(sq);
+  st.grad_norm = std::sqrt(global_sq);
   if (!std::isfinite(st.grad_norm)) {  // a NaN or inf anywhere: skip the step, touch nothing
     st.skipped = true;
     ++skipped_;
@@ -118,20 +109,19 @@ OptimizerStats AdamW::step(std::vector<std::vector<float>>& params, std::vector<
   const double b1 = cfg_.beta1, b2 = cfg_.beta2;
   const float bc1 = float(1.0 - std::pow(b1, double(updates_))), bc2 = float(1.0 - std::pow(b2, double(updates_)));
   const float lr = float(st.lr), eps = float(cfg_.eps), fb1 = float(b1), fb2 = float(b2);
-  const bool bf16 = cfg_.moments_dtype == MomentsDtype::bf16;
-  for (size_t i = 0; i < params.size(); ++i) {
+  const bool bf16 = bf16_moments();
+  for (size_t i = 0; i < table_.params.size(); ++i) {
     const ParamSpec& p = table_.params[i];
-    if (!p.trainable) continue;
+    if (!p.trainable || !store.holds(i)) continue;
     const float decay = p.weight_decay ? float(1.0 - st.lr * cfg_.weight_decay) : 1.0f;  // decoupled
-    float* w = params[i].data() + owned_[i].begin * p.cols;  // the owned rows; moments index from 0
-    float* g = grads[i].data() + owned_[i].begin * p.cols;
+    float* w = store.param(i) + owned_[i].begin * p.cols;  // the owned rows; moments index from 0
+    const float* g = store.grad(i) + owned_[i].begin * p.cols;
     const int64_t n = (owned_[i].end - owned_[i].begin) * p.cols;
-    const AdamWStep h{fb1, fb2, bc1, bc2, lr, eps, decay, clip};
-    // kernels/elem.h's adamw_elem on the CPU or the GPU (runtime.device)
+    const AdamWStep h{fb1, fb2, bc1, bc2, lr, eps, decay, clip, unscale};
     if (bf16)
-      dev::adamw(h, w, g, nullptr, nullptr, m16_[i].data(), v16_[i].data(), n);
+      be_.adamw(h, w, g, nullptr, nullptr, m_[i].data<uint16_t>(), v_[i].data<uint16_t>(), n);
     else
-      dev::adamw(h, w, g, m_[i].data(), v_[i].data(), nullptr, nullptr, n);
+      be_.adamw(h, w, g, m_[i].f32(), v_[i].f32(), nullptr, nullptr, n);
   }
   return st;
 }

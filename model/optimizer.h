@@ -1,17 +1,24 @@
 // AdamW on FP32 master weights, with FP32 (or BF16, as DeepSeek-V3) moments, global-norm
-// clipping, the learning-rate schedule and skipping of non-finite steps.
+// clipping, the learning-rate schedule and skipping of non-finite steps, on the backend's memory.
+//
+// A step is two calls with the host's one look at the gradients between them:
+//   grad_sq   this rank's part of the squared global norm of the unscaled gradients, into device
+//             memory (the caller reads it with the step's other numbers and sums it over the ranks);
+//   step      from the global squared norm: skip when it is not finite, else clip and update the
+//             owned rows. The gradient's unscale (1 / (micro-batches x loss scale)) and the clip
+//             factor are applied inside the AdamW kernel: the gradients are never rewritten.
 //
 // NOTE: the optimizer lives in model/ (docs/ARCHITECTURE.md): it is driven by the ParamTable (which
-// parameters train, which decay) and nothing in it knows about MPI or files; ZeRO-1 sharding will
-// hand it a slice of each parameter, which this interface (flat tensors per parameter) allows.
+// parameters train, which decay) and nothing in it knows about MPI or files.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/fp8.h"  // bf16_encode / bf16_decode
 #include "model/config.h"
+#include "model/param_store.h"
 #include "model/param_table.h"
 #include "model/placement.h"  // RowRange
 
@@ -49,19 +56,19 @@ class LossScaler {
 
 class AdamW {
  public:
-  // `owned`: per parameter, the rows this rank updates and keeps moments for (ZeRO-1: its share
-  // among the data-parallel replicas); empty: every row of every parameter.
-  AdamW(ParamTable table, const TrainConfig& cfg, std::vector<RowRange> owned = {});
+  // table: each parameter's shape is this rank's block of it (ReplicaSync::local_table). `owned`:
+  // per parameter, the rows of that block this rank updates and keeps moments for (ZeRO-1: its
+  // share among the data-parallel replicas); empty: every row of every parameter.
+  AdamW(Backend& be, ParamTable table, const TrainConfig& cfg, std::vector<RowRange> owned = {});
 
-  // One update of the owned rows of the trainable parameters from their gradients (clipped in
-  // place). `step` is the schedule's step; bias correction counts the updates actually applied.
-  // A parameter this rank does not hold (expert parallelism) has empty vectors and owns no rows.
-  // global_sq, when set, turns the squared norms of each parameter's owned rows (this rank's
-  // gradients) into the global squared norm, every element counted once over the ranks; unset,
-  // their sum is the global one.
-  using NormReduce = std::function<double(const std::vector<double>& sq_per_param)>;
-  OptimizerStats step(std::vector<std::vector<float>>& params, std::vector<std::vector<float>>& grads, int64_t step,
-                      const NormReduce& global_sq = {});
+  // *out (device) = the sum over the parameters with counted[i] (every one when empty) of the
+  // squares of (gradient x unscale) over their owned rows, in parameter order.
+  void grad_sq(const ParamStore& store, float unscale, const std::vector<bool>& counted, double* out);
+  // One update of the owned rows of the trainable parameters. `step` is the schedule's step; bias
+  // correction counts the updates actually applied. global_sq: the squared global norm over every
+  // rank (grad_sq's parts summed).
+  OptimizerStats step(ParamStore& store, int64_t step, double global_sq, float unscale);
+
   RowRange owned(size_t i) const { return owned_[i]; }
   bool sharded() const { return sharded_; }  // constructed with explicit row ranges
   // Bytes of optimizer state this rank holds (the moments; the FP32 masters are the model's weights).
@@ -69,23 +76,25 @@ class AdamW {
 
   int64_t updates() const { return updates_; }
   int64_t skipped() const { return skipped_; }
-  // The moments of parameter i's owned rows as FP32 (decoded from BF16 when stored so).
+  // The moments of parameter i's owned rows as FP32 (decoded from BF16 when stored so), on the host.
   std::vector<float> first_moment(size_t i) const;
   std::vector<float> second_moment(size_t i) const;
 
   // Checkpointing: the moments as stored (bf16_moments(): BF16 bits, else FP32), `which` 0 = first
-  // (m), 1 = second (v), of the owned rows; empty for parameters the optimizer does not train.
+  // (m), 1 = second (v), of the owned rows, in device memory; empty for parameters the optimizer
+  // does not train.
   bool bf16_moments() const { return cfg_.moments_dtype == MomentsDtype::bf16; }
-  std::vector<float>& moment_fp32(int which, size_t i) { return which == 0 ? m_[i] : v_[i]; }
-  std::vector<uint16_t>& moment_bf16(int which, size_t i) { return which == 0 ? m16_[i] : v16_[i]; }
+  Tensor& moment(int which, size_t i) { return which == 0 ? m_[i] : v_[i]; }
+  const Tensor& moment(int which, size_t i) const { return which == 0 ? m_[i] : v_[i]; }
   void restore_counts(int64_t updates, int64_t skipped) { updates_ = updates, skipped_ = skipped; }
 
  private:
+  Backend& be_;
   ParamTable table_;
   TrainConfig cfg_;
-  std::vector<std::vector<float>> m_, v_;          // fp32 moments
-  std::vector<std::vector<uint16_t>> m16_, v16_;   // bf16 moments
+  std::vector<Tensor> m_, v_;  // per parameter: FP32, or BF16 bits with train.moments_dtype bf16
   std::vector<RowRange> owned_;
+  Tensor sq_parts_;            // (trainable parameters) FP64: grad_sq's per-parameter partials
   bool sharded_ = false;
   int64_t updates_ = 0, skipped_ = 0;
 };

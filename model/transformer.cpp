@@ -4,35 +4,29 @@
 #include <cmath>
 
 #include "kernels/check.h"
-#include "kernels/dispatch.h"
-#include "kernels/ops.h"
+#include "kernels/rope.h"
 
 namespace fp8moe {
 
 struct Transformer::BlockSaved {
-  BlockSaved() = default;
-  BlockSaved(const BlockSaved&) = delete;  // the linears point into h1, attn, h2
-  BlockSaved& operator=(const BlockSaved&) = delete;
-  BlockSaved(BlockSaved&&) = default;
-  BlockSaved& operator=(BlockSaved&&) = default;
-  const float* x = nullptr;        // (N, D) block input, held by forward_backward
-  std::vector<float> h1, rstd1;    // attention norm output (N, D), (N)
-  std::vector<float> q, k, v;      // after RoPE: (N, H*hd), (N, KVH*hd)
-  std::vector<float> attn, lse;    // (N, H*hd), (B, H, T)
+  const float* x = nullptr;  // (N, D) block input, held by the stage run
+  Tensor h1, rstd1;          // attention norm output (N, D), (N)
+  Tensor q, k, v;            // after RoPE: (N, H*hd), (N, KVH*hd)
+  Tensor attn, lse;          // (N, H*hd), (B, H, T)
   LinearSaved lq, lk, lv, lo;
-  std::vector<float> x_mid;        // (N, D) after the attention residual
-  std::vector<float> h2, rstd2;    // FFN norm output, (N)
+  Tensor x_mid;              // (N, D) after the attention residual
+  Tensor h2, rstd2;          // FFN norm output, (N)
   FfnSaved dense;
   MoeSaved moe;
   int64_t B = 0, T = 0;
-  bool kept = false;               // false: recomputed in backward
+  bool kept = false;         // false: recomputed in backward
 
   // Activation bytes held for backward, the block input included.
   int64_t bytes(int64_t D) const {
-    const size_t floats = h1.size() + rstd1.size() + q.size() + k.size() + v.size() + attn.size() + lse.size() +
-                          x_mid.size() + h2.size() + rstd2.size();
-    return int64_t(floats * sizeof(float)) + B * T * D * int64_t(sizeof(float)) + lq.fp8_activation_bytes() +
-           lk.fp8_activation_bytes() + lv.fp8_activation_bytes() + lo.fp8_activation_bytes() + dense.bytes() + moe.bytes();
+    const size_t b = h1.bytes() + rstd1.bytes() + q.bytes() + k.bytes() + v.bytes() + attn.bytes() + lse.bytes() +
+                     x_mid.bytes() + h2.bytes() + rstd2.bytes();
+    return int64_t(b) + B * T * D * int64_t(sizeof(float)) + lq.fp8_activation_bytes() + lk.fp8_activation_bytes() +
+           lv.fp8_activation_bytes() + lo.fp8_activation_bytes() + dense.bytes() + moe.bytes();
   }
 };
 
@@ -44,25 +38,46 @@ GridPosition position_in(const ModelGroups& g) {
   if (g.expert) at.expert_rank = g.expert->rank(), at.experts = g.expert->size();
   return at;
 }
+
+int64_t count_targets(const int32_t* targets, int64_t N, int32_t pad) {
+  return std::count_if(targets, targets + N, [&](int32_t t) { return t != pad; });
+}
 }  // namespace
 
-Transformer::Transformer(const Config& cfg, ModelGroups groups)
-    : cfg_(cfg), table_(build_param_table(cfg.model)), groups_(groups), placement_(cfg.model, position_in(groups)) {
-  if (groups.expert && groups.expert->size() > 1)
-    dispatcher_ = std::make_unique<ExpertDispatcher>(*groups.expert, cfg.model.moe.n_experts);
-  for (const ParamSpec& p : table_.params) {
-    shards_.push_back(placement_.shard(p));
-    const Shard& sh = shards_.back();
-    params_.emplace_back(size_t(sh.numel()));
-    grads_.emplace_back(size_t(sh.numel()), 0.0f);
-    if (sh.held()) init_shard(p, uint64_t(cfg.train.seed), sh, params_.back().data());
+Transformer::Transformer(Backend& be, const Config& cfg, ModelGroups groups)
+    : be_(be), cfg_(cfg), table_(build_param_table(cfg.model)), groups_(groups),
+      placement_(cfg.model, position_in(groups)) {
+  if (groups.expert && groups.expert->size() > 1) {
+    FP8MOE_ASSERT(groups.expert_counts, "expert parallelism needs the expert group's host communicator");
+    dispatcher_ = std::make_unique<ExpertDispatcher>(be, *groups.expert, *groups.expert_counts, cfg.model.moe.n_experts);
   }
+  std::vector<Shard> shards;
+  for (const ParamSpec& p : table_.params) shards.push_back(placement_.shard(p));
+  store_ = std::make_unique<ParamStore>(be, table_, shards, uint64_t(cfg.train.seed));
+  weights_.resize(table_.params.size());
+  fp8_counts_ = Tensor::zeros(be, DType::u64, {2});
+  ensure_rope(cfg.train.seq_len);
 }
+
+Transformer::~Transformer() = default;
 
 size_t Transformer::slot(const std::string& name) const {
   const int64_t i = table_.index_of(name);
   FP8MOE_ASSERT(i >= 0, "no parameter named ", name);
   return size_t(i);
+}
+
+void Transformer::ensure_rope(int64_t T) {
+  const int64_t hd = cfg_.model.head_dim, half = hd / 2;
+  if (T <= rope_T_) return;
+  // Built once per length in double on the host (cpu::rope_table: the same table on every backend)
+  // and kept in device memory; a longer sequence rebuilds it (generation beyond train.seq_len).
+  std::vector<float> cs(size_t(T * half)), sn(cs.size()), csi(cs.size()), sni(cs.size());
+  cpu::rope_table(T, hd, cfg_.model.rope_theta, false, cs.data(), sn.data());
+  cpu::rope_table(T, hd, cfg_.model.rope_theta, true, csi.data(), sni.data());
+  rope_cs_ = tensor_from(be_, cs, {T, half}), rope_sn_ = tensor_from(be_, sn, {T, half});
+  rope_cs_inv_ = tensor_from(be_, csi, {T, half}), rope_sn_inv_ = tensor_from(be_, sni, {T, half});
+  rope_T_ = T;
 }
 
 void Transformer::tp_sum(float* x, int64_t n) {
@@ -71,71 +86,30 @@ void Transformer::tp_sum(float* x, int64_t n) {
 
 void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
   const int64_t D = local().d_model, Vl = local().vocab_size, v0 = placement_.vocab_first();
-  if (tp_size() == 1) return dev::embedding_forward(P("embed.weight"), tokens, N, D, out);
-  const float* table = P("embed.weight");
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t t = tokens[n] - v0;
-    if (t >= 0 && t < Vl) std::copy_n(table + t * D, D, out + n * D);
-    else std::fill_n(out + n * D, D, 0.0f);
-  }
+  be_.embedding_forward(P("embed.weight"), tokens, N, D, v0, Vl, out);
   tp_sum(out, N * D);  // each token's row comes from the one rank holding it
 }
 
 void Transformer::embed_backward(const float* dx, const int32_t* tokens, int64_t N) {
   const int64_t D = local().d_model, Vl = local().vocab_size, v0 = placement_.vocab_first();
-  if (tp_size() == 1) return dev::embedding_backward(dx, tokens, N, D, G("embed.weight"));
-  float* g = G("embed.weight");
-  for (int64_t n = 0; n < N; ++n) {  // serial: repeated tokens add in token order
-    const int64_t t = tokens[n] - v0;
-    if (t >= 0 && t < Vl)
-      for (int64_t d = 0; d < D; ++d) g[t * D + d] += dx[n * D + d];
-  }
+  be_.embedding_backward(dx, tokens, N, D, v0, Vl, G("embed.weight"));
 }
 
-double Transformer::cross_entropy(const float* logits, const int32_t* targets, int64_t N, float grad_scale,
-                                  float* dlogits, int64_t* count) {
+void Transformer::cross_entropy(const float* logits, const int32_t* targets, int64_t N, float grad_scale,
+                                float* dlogits, double* loss_sum) {
   const int64_t Vl = local().vocab_size, v0 = placement_.vocab_first();
   const int32_t pad = cfg_.model.pad_id;
-  if (tp_size() == 1) return dev::cross_entropy(logits, targets, N, Vl, pad, grad_scale, dlogits, count);
+  if (tp_size() == 1) return be_.cross_entropy(logits, targets, N, Vl, pad, grad_scale, dlogits, loss_sum);
   // Row max, sum of exponentials and the target's logit over the whole vocabulary: three
   // all-reduces of N values over the tensor group.
-  std::vector<float> mx(static_cast<size_t>(N));
-  std::vector<double> se(static_cast<size_t>(N), 0.0), tl(static_cast<size_t>(N), 0.0);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) mx[n] = *std::max_element(logits + n * Vl, logits + (n + 1) * Vl);
-  groups_.tensor->allreduce_max(mx.data(), N);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = logits + n * Vl;
-    for (int64_t v = 0; v < Vl; ++v) se[n] += std::exp(double(row[v]) - mx[n]);
-    const int64_t t = int64_t(targets[n]) - v0;
-    if (targets[n] != pad && t >= 0 && t < Vl) tl[n] = row[t];
-  }
-  groups_.tensor->allreduce_sum(se.data(), N);
-  groups_.tensor->allreduce_sum(tl.data(), N);
-  double total = 0;
-  int64_t counted = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    const int32_t t = targets[n];
-    if (t == pad) {
-      if (dlogits) std::fill_n(dlogits + n * Vl, Vl, 0.0f);
-      continue;
-    }
-    FP8MOE_ASSERT(t >= 0 && t < cfg_.model.vocab_size, "target ", t, " outside the vocabulary of ", cfg_.model.vocab_size);
-    const double lse = mx[n] + std::log(se[n]);
-    total += lse - tl[n];
-    ++counted;
-    if (dlogits)
-      for (int64_t v = 0; v < Vl; ++v)
-        dlogits[n * Vl + v] = float(grad_scale * (std::exp(double(logits[n * Vl + v]) - lse) - (v + v0 == t ? 1.0 : 0.0)));
-  }
-  *count = counted;
-  return total;
-}
-
-void Transformer::zero_grads() {
-  for (auto& g : grads_) std::fill(g.begin(), g.end(), 0.0f);
+  Tensor mx(be_, DType::f32, {N}), se(be_, DType::f64, {N}), tl(be_, DType::f64, {N});
+  be_.ce_row_max(logits, N, Vl, mx.f32());
+  groups_.tensor->allreduce_max(mx.f32(), N);
+  be_.ce_partials(logits, targets, N, Vl, v0, pad, mx.f32(), se.data<double>(), tl.data<double>());
+  groups_.tensor->allreduce_sum(se.data<double>(), N);
+  groups_.tensor->allreduce_sum(tl.data<double>(), N);
+  be_.ce_finish(logits, targets, N, Vl, v0, pad, mx.f32(), se.data<double>(), tl.data<double>(), grad_scale, dlogits,
+                loss_sum);
 }
 
 LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool record) {
@@ -146,8 +120,10 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
   if (enabled && cfg_.fp8.recipe != Fp8Recipe::off) {
     f.cfg = &cfg_.fp8;
     f.state = &scaling_[weight];
-    f.saturated = &saturated_;
-    f.underflowed = &underflowed_;
+    f.counts = fp8_counts();
+    // A training pass and its recomputation use the step's FP8 weight; an evaluation quantizes
+    // the current weights afresh and leaves the cache alone.
+    if (record || recompute_) f.weight = &weights_[slot(weight)], f.step = step_id_;
     // Per-tensor amax: over the tensor group (a split tensor's amax is the whole tensor's; the
     // quantization then does not depend on tp), and for delayed scaling also over the replicas.
     Communicator* tp = tp_size() > 1 ? groups_.tensor : nullptr;
@@ -191,50 +167,51 @@ bool Transformer::recomputed(int layer) const {
   }
 }
 
-void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record) {
+void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record,
+                                double* aux) {
   const ModelConfig& m = local();  // heads and widths of this tensor-parallel rank
   const int64_t N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
   s->B = B, s->T = T;
   s->x = x;
-  s->h1.resize(size_t(N * D));
-  s->rstd1.resize(static_cast<size_t>(N));
-  dev::rmsnorm_forward(x, P(p + "attn_norm.weight"), N, D, float(m.norm_eps), s->h1.data(), s->rstd1.data());
-  s->q.resize(size_t(N * H * hd));
-  s->k.resize(size_t(N * KVH * hd));
-  s->v.resize(size_t(N * KVH * hd));
-  linear_forward(s->h1.data(), N, D, P(p + "attn.wq"), H * hd, fp8_for(p + "attn.wq", LinearClass::attention, record), s->q.data(), &s->lq);
-  linear_forward(s->h1.data(), N, D, P(p + "attn.wk"), KVH * hd, fp8_for(p + "attn.wk", LinearClass::attention, record), s->k.data(), &s->lk);
-  linear_forward(s->h1.data(), N, D, P(p + "attn.wv"), KVH * hd, fp8_for(p + "attn.wv", LinearClass::attention, record), s->v.data(), &s->lv);
+  s->h1 = Tensor(be_, DType::f32, {N, D});
+  s->rstd1 = Tensor(be_, DType::f32, {N});
+  be_.rmsnorm_forward(x, P(p + "attn_norm.weight"), N, D, float(m.norm_eps), s->h1.f32(), s->rstd1.f32());
+  s->q = Tensor(be_, DType::f32, {N, H * hd});
+  s->k = Tensor(be_, DType::f32, {N, KVH * hd});
+  s->v = Tensor(be_, DType::f32, {N, KVH * hd});
+  linear_forward(be_, s->h1.f32(), N, D, P(p + "attn.wq"), H * hd, fp8_for(p + "attn.wq", LinearClass::attention, record), s->q.f32(), &s->lq);
+  linear_forward(be_, s->h1.f32(), N, D, P(p + "attn.wk"), KVH * hd, fp8_for(p + "attn.wk", LinearClass::attention, record), s->k.f32(), &s->lk);
+  linear_forward(be_, s->h1.f32(), N, D, P(p + "attn.wv"), KVH * hd, fp8_for(p + "attn.wv", LinearClass::attention, record), s->v.f32(), &s->lv);
   if (!s->lq.needs_fp32_input() && !s->lk.needs_fp32_input() && !s->lv.needs_fp32_input())
-    s->h1 = std::vector<float>();  // q, k, v keep their input in FP8
-  dev::rope(s->q.data(), B, T, H, hd, m.rope_theta, false);
-  dev::rope(s->k.data(), B, T, KVH, hd, m.rope_theta, false);
-  s->attn.resize(size_t(N * H * hd));
-  s->lse.resize(size_t(B * H * T));
-  dev::attention_forward(s->q.data(), s->k.data(), s->v.data(), B, T, H, KVH, hd, s->attn.data(), s->lse.data());
-  std::vector<float> o(size_t(N * D));
-  linear_forward(s->attn.data(), N, H * hd, P(p + "attn.wo"), D, fp8_for(p + "attn.wo", LinearClass::attention, record), o.data(), &s->lo);
-  tp_sum(o.data(), N * D);  // row-parallel: partial sums over the heads of each rank
-  s->x_mid.resize(size_t(N * D));
-  for (int64_t i = 0; i < N * D; ++i) s->x_mid[i] = x[i] + o[i];
+    s->h1.reset();  // q, k, v keep their input in FP8
+  be_.rope(s->q.f32(), B, T, H, hd, rope_cs_.f32(), rope_sn_.f32());
+  be_.rope(s->k.f32(), B, T, KVH, hd, rope_cs_.f32(), rope_sn_.f32());
+  s->attn = Tensor(be_, DType::f32, {N, H * hd});
+  s->lse = Tensor(be_, DType::f32, {B * H * T});
+  be_.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), B, T, H, KVH, hd, s->attn.f32(), s->lse.f32());
+  Tensor o(be_, DType::f32, {N, D});
+  linear_forward(be_, s->attn.f32(), N, H * hd, P(p + "attn.wo"), D, fp8_for(p + "attn.wo", LinearClass::attention, record), o.f32(), &s->lo);
+  tp_sum(o.f32(), N * D);  // row-parallel: partial sums over the heads of each rank
+  s->x_mid = Tensor(be_, DType::f32, {N, D});
+  be_.add(x, o.f32(), s->x_mid.f32(), N * D);
 
-  s->h2.resize(size_t(N * D));
-  s->rstd2.resize(static_cast<size_t>(N));
-  dev::rmsnorm_forward(s->x_mid.data(), P(p + "ffn_norm.weight"), N, D, float(m.norm_eps), s->h2.data(), s->rstd2.data());
-  std::vector<float> f(size_t(N * D));
+  s->h2 = Tensor(be_, DType::f32, {N, D});
+  s->rstd2 = Tensor(be_, DType::f32, {N});
+  be_.rmsnorm_forward(s->x_mid.f32(), P(p + "ffn_norm.weight"), N, D, float(m.norm_eps), s->h2.f32(), s->rstd2.f32());
+  Tensor f(be_, DType::f32, {N, D});
   if (l < m.first_dense_layers) {
-    ffn_forward(s->h2.data(), N, D, m.d_ff_dense, ffn_weights(p + "mlp."), ffn_fp8(p + "mlp.", LinearClass::mlp, record),
-                f.data(), &s->dense);
-    if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2 = std::vector<float>();
+    ffn_forward(be_, s->h2.f32(), N, D, m.d_ff_dense, ffn_weights(p + "mlp."), ffn_fp8(p + "mlp.", LinearClass::mlp, record),
+                f.f32(), &s->dense);
+    if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2.reset();
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, record), {}};
     for (int e = placement_.first_expert(); e < placement_.first_expert() + placement_.local_experts(); ++e)
       fp8.experts.push_back(ffn_fp8(p + "moe.experts." + std::to_string(e) + ".", LinearClass::experts, record));
-    moe_forward(s->h2.data(), N, D, m.moe, moe_weights(l), fp8, f.data(), &s->moe, dispatcher_.get());
+    moe_forward(be_, s->h2.f32(), N, D, m.moe, moe_weights(l), fp8, f.f32(), &s->moe, dispatcher_.get(), aux);
   }
-  tp_sum(f.data(), N * D);  // row-parallel W2 (dense, shared and routed experts alike)
-  for (int64_t i = 0; i < N * D; ++i) out[i] = s->x_mid[i] + f[i];
+  tp_sum(f.f32(), N * D);  // row-parallel W2 (dense, shared and routed experts alike)
+  be_.add(s->x_mid.f32(), f.f32(), out, N * D);
 }
 
 void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale) {
@@ -242,11 +219,11 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
   const std::string p = "layers." + std::to_string(l) + ".";
   // FFN branch: x_out = x_mid + FFN(RMSNorm(x_mid)).
-  std::vector<float> dh2(size_t(N * D)), dx_mid(size_t(N * D));
+  Tensor dh2(be_, DType::f32, {N, D}), dx_mid(be_, DType::f32, {N, D});
   if (l < m.first_dense_layers) {
-    ffn_backward(s.dense, ffn_weights(p + "mlp."), dout, ffn_fp8(p + "mlp.", LinearClass::mlp, true), dh2.data(),
+    ffn_backward(be_, s.dense, ffn_weights(p + "mlp."), dout, ffn_fp8(p + "mlp.", LinearClass::mlp, true), dh2.f32(),
                  ffn_grads(p + "mlp."));
-    tp_sum(dh2.data(), N * D);  // column-parallel W1, W3: partial input gradients
+    tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
   } else {
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, true), {}};
     MoeGrads g{G(p + "moe.router"), m.moe.n_shared_experts > 0 ? ffn_grads(p + "moe.shared.") : FfnGrads{}, {}};
@@ -255,30 +232,34 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
       fp8.experts.push_back(ffn_fp8(q, LinearClass::experts, true));
       g.experts.push_back(ffn_grads(q));
     }
-    moe_backward(s.moe, D, m.moe, moe_weights(l), dout, aux_grad_scale, fp8, dh2.data(), g, dispatcher_.get(),
+    moe_backward(be_, s.moe, D, m.moe, moe_weights(l), dout, aux_grad_scale, fp8, dh2.f32(), g, dispatcher_.get(),
                  tp_size() > 1 ? groups_.tensor : nullptr);
   }
-  dev::rmsnorm_backward(s.x_mid.data(), P(p + "ffn_norm.weight"), s.rstd2.data(), dh2.data(), N, D, dx_mid.data(),
-                        G(p + "ffn_norm.weight"));
-  for (int64_t i = 0; i < N * D; ++i) dx_mid[i] += dout[i];
+  be_.rmsnorm_backward(s.x_mid.f32(), P(p + "ffn_norm.weight"), s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(),
+                       G(p + "ffn_norm.weight"));
+  be_.add(dx_mid.f32(), dout, dx_mid.f32(), N * D);
 
   // Attention branch: x_mid = x + Wo(Attention(RoPE(Wq h1), RoPE(Wk h1), Wv h1)), h1 = RMSNorm(x).
-  std::vector<float> da(size_t(N * H * hd)), dq(size_t(N * H * hd)), dk(size_t(N * KVH * hd)), dv(size_t(N * KVH * hd));
-  linear_backward(s.lo, P(p + "attn.wo"), dx_mid.data(), fp8_for(p + "attn.wo", LinearClass::attention, true), da.data(),
-                  G(p + "attn.wo"));
-  dev::attention_backward(s.q.data(), s.k.data(), s.v.data(), s.attn.data(), s.lse.data(), da.data(), B, T, H, KVH, hd,
-                          dq.data(), dk.data(), dv.data());
-  dev::rope(dq.data(), B, T, H, hd, m.rope_theta, true);
-  dev::rope(dk.data(), B, T, KVH, hd, m.rope_theta, true);
-  std::vector<float> dh1(size_t(N * D)), part(size_t(N * D));
-  linear_backward(s.lq, P(p + "attn.wq"), dq.data(), fp8_for(p + "attn.wq", LinearClass::attention, true), dh1.data(), G(p + "attn.wq"));
-  linear_backward(s.lk, P(p + "attn.wk"), dk.data(), fp8_for(p + "attn.wk", LinearClass::attention, true), part.data(), G(p + "attn.wk"));
-  for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
-  linear_backward(s.lv, P(p + "attn.wv"), dv.data(), fp8_for(p + "attn.wv", LinearClass::attention, true), part.data(), G(p + "attn.wv"));
-  for (int64_t i = 0; i < N * D; ++i) dh1[i] += part[i];
-  tp_sum(dh1.data(), N * D);  // column-parallel q, k, v
-  dev::rmsnorm_backward(s.x, P(p + "attn_norm.weight"), s.rstd1.data(), dh1.data(), N, D, dx, G(p + "attn_norm.weight"));
-  for (int64_t i = 0; i < N * D; ++i) dx[i] += dx_mid[i];
+  Tensor da(be_, DType::f32, {N, H * hd}), dq(be_, DType::f32, {N, H * hd}), dk(be_, DType::f32, {N, KVH * hd}),
+      dv(be_, DType::f32, {N, KVH * hd});
+  linear_backward(be_, s.lo, P(p + "attn.wo"), dx_mid.f32(), fp8_for(p + "attn.wo", LinearClass::attention, true),
+                  da.f32(), G(p + "attn.wo"));
+  be_.attention_backward(s.q.f32(), s.k.f32(), s.v.f32(), s.attn.f32(), s.lse.f32(), da.f32(), B, T, H, KVH, hd,
+                         dq.f32(), dk.f32(), dv.f32());
+  be_.rope(dq.f32(), B, T, H, hd, rope_cs_inv_.f32(), rope_sn_inv_.f32());
+  be_.rope(dk.f32(), B, T, KVH, hd, rope_cs_inv_.f32(), rope_sn_inv_.f32());
+  Tensor dh1(be_, DType::f32, {N, D}), part(be_, DType::f32, {N, D});
+  linear_backward(be_, s.lq, P(p + "attn.wq"), dq.f32(), fp8_for(p + "attn.wq", LinearClass::attention, true), dh1.f32(),
+                  G(p + "attn.wq"));
+  linear_backward(be_, s.lk, P(p + "attn.wk"), dk.f32(), fp8_for(p + "attn.wk", LinearClass::attention, true),
+                  part.f32(), G(p + "attn.wk"));
+  be_.add(dh1.f32(), part.f32(), dh1.f32(), N * D);
+  linear_backward(be_, s.lv, P(p + "attn.wv"), dv.f32(), fp8_for(p + "attn.wv", LinearClass::attention, true),
+                  part.f32(), G(p + "attn.wv"));
+  be_.add(dh1.f32(), part.f32(), dh1.f32(), N * D);
+  tp_sum(dh1.f32(), N * D);  // column-parallel q, k, v
+  be_.rmsnorm_backward(s.x, P(p + "attn_norm.weight"), s.rstd1.f32(), dh1.f32(), N, D, dx, G(p + "attn_norm.weight"));
+  be_.add(dx, dx_mid.f32(), dx, N * D);
 }
 
 std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) {
@@ -287,34 +268,55 @@ std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t
   const int64_t D = m.d_model, V = m.vocab_size;
   for (int64_t i = 0; i < T; ++i)
     FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside the vocabulary of ", V);
-  std::vector<float> x(size_t(T * D)), y(size_t(T * D));
-  dev::embedding_forward(P("embed.weight"), tokens, T, D, x.data());
+  ensure_rope(T);
+  const Tensor ids = tensor_from(be_, std::vector<int32_t>(tokens, tokens + T), {T});
+  Tensor x(be_, DType::f32, {T, D}), y(be_, DType::f32, {T, D});
+  be_.embedding_forward(P("embed.weight"), ids.data<int32_t>(), T, D, 0, V, x.f32());
   for (int l = 0; l < m.n_layers; ++l) {
     BlockSaved s;
-    block_forward(l, x.data(), 1, T, y.data(), &s, /*record=*/false);
+    block_forward(l, x.f32(), 1, T, y.f32(), &s, /*record=*/false, nullptr);
     std::swap(x, y);
   }
-  std::vector<float> h(static_cast<size_t>(D)), rstd(1), logits(static_cast<size_t>(V));
-  dev::rmsnorm_forward(x.data() + (T - 1) * D, P("final_norm.weight"), 1, D, float(m.norm_eps), h.data(), rstd.data());
-  dev::sgemm(false, true, 1, V, D, 1.0f, h.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);
-  return logits;
+  Tensor h(be_, DType::f32, {D}), rstd(be_, DType::f32, {1}), logits(be_, DType::f32, {V});
+  be_.rmsnorm_forward(x.f32() + (T - 1) * D, P("final_norm.weight"), 1, D, float(m.norm_eps), h.f32(), rstd.f32());
+  be_.sgemm(false, true, 1, V, D, 1.0f, h.f32(), D, P("head.weight"), D, 0.0f, logits.f32(), V);
+  return to_host<float>(logits);
 }
 
 void Transformer::update_router_biases(const std::vector<std::vector<int64_t>>& expert_load) {
   const ModelConfig& m = cfg_.model;
   FP8MOE_ASSERT(int64_t(expert_load.size()) == m.n_layers - m.first_dense_layers, "expert loads of ",
                 expert_load.size(), " MoE layers");
-  for (int l = std::max(m.first_dense_layers, placement_.layer_begin()); l < placement_.layer_end(); ++l)
-    update_router_bias(param("layers." + std::to_string(l) + ".moe.router_bias").data(), expert_load[size_t(l - m.first_dense_layers)], m.moe.bias_update_rate);
+  for (int l = std::max(m.first_dense_layers, placement_.layer_begin()); l < placement_.layer_end(); ++l) {
+    const std::vector<int64_t>& load = expert_load[size_t(l - m.first_dense_layers)];
+    if (load.empty()) continue;
+    const Tensor d = tensor_from(be_, load, {int64_t(load.size())});
+    be_.bias_update(store_->param(slot("layers." + std::to_string(l) + ".moe.router_bias")), d.data<int64_t>(),
+                    int64_t(load.size()), m.moe.bias_update_rate);
+  }
+}
+
+std::map<std::string, HostLinearScaling> Transformer::fp8_scaling_to_host() const {
+  std::map<std::string, HostLinearScaling> out;
+  for (const auto& [name, s] : scaling_)
+    out[name] = {delayed_to_host(be_, s.x), delayed_to_host(be_, s.w), delayed_to_host(be_, s.dy)};
+  return out;
+}
+
+void Transformer::set_fp8_scaling(const std::map<std::string, HostLinearScaling>& scaling) {
+  scaling_.clear();
+  for (const auto& [name, s] : scaling)
+    scaling_[name] = {delayed_from_host(be_, s.x), delayed_from_host(be_, s.w), delayed_from_host(be_, s.dy)};
 }
 
 struct StageRun::Impl {
   int64_t B = 0, T = 0, N = 0;
-  std::vector<int32_t> tokens;              // first stage: for the embedding's backward
-  std::vector<std::vector<float>> xs;       // block inputs of this stage, then its output
+  const int32_t* tokens = nullptr;   // first stage: for the embedding's backward (the caller's memory)
+  std::vector<Tensor> xs;            // block inputs of this stage, then its output
   std::vector<Transformer::BlockSaved> saved;
-  std::vector<float> hf, rstd, dlogits;     // last stage
-  std::vector<float> dx;                    // after backward: the gradient of this stage's input
+  Tensor hf, rstd, dlogits;          // last stage
+  Tensor dx;                         // after backward: the gradient of this stage's input
+  Tensor own_tokens, own_targets;    // forward_backward: the batch uploaded
   StepResult result;
   bool backward = false;
   float aux_grad_scale = 1.0f;
@@ -325,41 +327,57 @@ StageRun::~StageRun() = default;
 StageRun::StageRun(StageRun&&) noexcept = default;
 StageRun& StageRun::operator=(StageRun&&) noexcept = default;
 const StepResult& StageRun::result() const { return impl_->result; }
-const float* StageRun::output() const { return impl_->xs.back().data(); }
-const float* StageRun::input_grad() const { return impl_->dx.data(); }
-int64_t StageRun::activation_size() const { return impl_->xs.back().size(); }
+const float* StageRun::output() const { return impl_->xs.back().f32(); }
+const float* StageRun::input_grad() const { return impl_->dx.f32(); }
+int64_t StageRun::activation_size() const { return impl_->xs.back().numel(); }
 
-StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
-                                         float loss_scale, int64_t mean_over, double aux_weight) {
+StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
+                                         bool backward, float loss_scale, int64_t mean_over, double aux_weight) {
   FP8MOE_ASSERT(placement_.first_stage() && placement_.last_stage(), "forward_backward on one pipeline stage of several");
-  StageRun run = stage_forward(tokens, targets, B, T, nullptr, backward, loss_scale, mean_over, aux_weight);
+  const ModelConfig& m = cfg_.model;
+  const int64_t N = B * T, moe_layers = m.n_layers - m.first_dense_layers;
+  for (int64_t i = 0; i < N; ++i)
+    FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < m.vocab_size, "token ", tokens[i], " outside the vocabulary of ",
+                  m.vocab_size);
+  Tensor ids = tensor_from(be_, std::vector<int32_t>(tokens, tokens + N), {N});
+  Tensor tgt = tensor_from(be_, std::vector<int32_t>(targets, targets + N), {N});
+  Tensor losses = Tensor::zeros(be_, DType::f64, {1 + moe_layers});
+  const int64_t counted = count_targets(targets, N, m.pad_id);
+  if (backward) begin_step();
+  StageRun run = stage_forward(ids.data<int32_t>(), tgt.data<int32_t>(), counted, B, T, nullptr, backward,
+                               {losses.data<double>(), losses.data<double>() + 1}, loss_scale, mean_over, aux_weight);
   if (backward) stage_backward(run, nullptr);
-  return run.result();
+  // The losses as the training loop combines them (app/stage_runner.cpp).
+  StepResult r = run.result();
+  const std::vector<double> h = to_host<double>(losses);
+  const int64_t denom = mean_over > 0 ? mean_over : counted;
+  r.ce = denom > 0 ? h[0] / double(denom) : 0.0;
+  for (int64_t l = 0; l < moe_layers; ++l) r.aux += h[size_t(1 + l)];
+  r.aux *= aux_weight;
+  r.loss = r.ce + r.aux;
+  return r;
 }
 
-StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-                                    const float* x_in, bool backward, float loss_scale, int64_t mean_over,
-                                    double aux_weight) {
+StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* targets, int64_t counted, int64_t B,
+                                    int64_t T, const float* x_in, bool backward, const LossSlots& slots,
+                                    float loss_scale, int64_t mean_over, double aux_weight) {
   const ModelConfig& m = cfg_.model;
   const int64_t N = B * T, D = m.d_model, V = local().vocab_size;  // V: this rank's vocabulary
   const int L0 = placement_.layer_begin(), L1 = placement_.layer_end();
+  ensure_rope(T);
   StageRun run;
   run.impl_ = std::make_unique<StageRun::Impl>();
   StageRun::Impl& st = *run.impl_;
   st.B = B, st.T = T, st.N = N, st.backward = backward;
   st.aux_grad_scale = float(loss_scale * aux_weight);
   StepResult& result = st.result;
-  saturated_ = 0, underflowed_ = 0;
 
-  st.xs.assign(size_t(L1 - L0 + 1), std::vector<float>(size_t(N * D)));
+  for (int l = L0; l <= L1; ++l) st.xs.emplace_back(be_, DType::f32, Shape{N, D});
   if (placement_.first_stage()) {
-    for (int64_t i = 0; i < N; ++i)
-      FP8MOE_ASSERT(tokens[i] >= 0 && tokens[i] < m.vocab_size, "token ", tokens[i], " outside the vocabulary of ",
-                    m.vocab_size);
-    embed_forward(tokens, N, st.xs[0].data());
-    st.tokens.assign(tokens, tokens + N);
+    embed_forward(tokens, N, st.xs[0].f32());
+    st.tokens = tokens;
   } else {
-    std::copy_n(x_in, N * D, st.xs[0].data());
+    be_.copy(st.xs[0].f32(), x_in, size_t(N * D) * sizeof(float));
   }
   st.saved.resize(size_t(L1 - L0));
   result.expert_load.resize(size_t(m.n_layers - m.first_dense_layers));
@@ -367,41 +385,42 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   int64_t saved_bytes = 0;
   for (int l = L0; l < L1; ++l) {
     BlockSaved& sv = st.saved[size_t(l - L0)];
-    block_forward(l, st.xs[size_t(l - L0)].data(), B, T, st.xs[size_t(l - L0 + 1)].data(), &sv, /*record=*/backward);
+    const int moe = l - m.first_dense_layers;
+    block_forward(l, st.xs[size_t(l - L0)].f32(), B, T, st.xs[size_t(l - L0 + 1)].f32(), &sv, /*record=*/backward,
+                  moe >= 0 && slots.aux ? slots.aux + moe : nullptr);
     sv.kept = !recomputed(l);
-    if (l >= m.first_dense_layers) {
-      result.aux += sv.moe.aux_loss;
-      result.expert_load[size_t(l - m.first_dense_layers)] = sv.moe.routing.load;
-      result.routing[size_t(l - m.first_dense_layers)] = sv.moe.routing.expert;
-      result.dropped += sv.moe.routing.dropped;
+    if (moe >= 0) {
+      result.expert_load[size_t(moe)] = sv.moe.routing.load_host;
+      result.dropped += sv.moe.routing.dropped();
+      if (keep_routing_) result.routing[size_t(moe)] = to_host<int32_t>(sv.moe.routing.expert);
     }
-    if (!sv.kept) {  // keep only the block input; the rest is recomputed in backward
+    if (!sv.kept) {  // keep only the block input and the MoE routing; the rest is recomputed in backward
+      MoeRouting routing = std::move(sv.moe.routing);
       const int64_t keepB = sv.B, keepT = sv.T;
       sv = BlockSaved{};
       sv.B = keepB, sv.T = keepT;
-      saved_bytes += N * D * int64_t(sizeof(float));
+      sv.moe.routing = std::move(routing);
+      saved_bytes += N * D * int64_t(sizeof(float)) + sv.moe.routing.bytes();
     } else {
       saved_bytes += sv.bytes(D);
     }
   }
   saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
-  result.aux *= aux_weight;
   if (placement_.last_stage()) {
-    st.hf.resize(size_t(N * D));
-    st.rstd.resize(static_cast<size_t>(N));
-    std::vector<float> logits(size_t(N * V));
-    dev::rmsnorm_forward(st.xs.back().data(), P("final_norm.weight"), N, D, float(m.norm_eps), st.hf.data(), st.rstd.data());
-    dev::sgemm(false, true, N, V, D, 1.0f, st.hf.data(), D, P("head.weight"), D, 0.0f, logits.data(), V);  // FP32 head
-    int64_t count = std::count_if(targets, targets + N, [&](int32_t t) { return t != m.pad_id; });
-    st.dlogits.resize(backward ? size_t(N * V) : 0);
-    const int64_t denom = mean_over > 0 ? mean_over : count;
+    st.hf = Tensor(be_, DType::f32, {N, D});
+    st.rstd = Tensor(be_, DType::f32, {N});
+    Tensor logits(be_, DType::f32, {N, V});
+    be_.rmsnorm_forward(st.xs.back().f32(), P("final_norm.weight"), N, D, float(m.norm_eps), st.hf.f32(), st.rstd.f32());
+    be_.sgemm(false, true, N, V, D, 1.0f, st.hf.f32(), D, P("head.weight"), D, 0.0f, logits.f32(), V);  // FP32 head
+    if (backward) st.dlogits = Tensor(be_, DType::f32, {N, V});
+    const int64_t denom = mean_over > 0 ? mean_over : counted;
     const float scale = denom > 0 ? loss_scale / float(denom) : 0.0f;  // d (scaled mean) / d logits
-    const double ce_sum = cross_entropy(logits.data(), targets, N, scale, backward ? st.dlogits.data() : nullptr, &count);
-    result.tokens = count;
-    result.ce = denom > 0 ? ce_sum / double(denom) : 0.0;
+    Tensor scratch;
+    double* loss_sum = slots.ce_sum;
+    if (!loss_sum) scratch = Tensor(be_, DType::f64, {1}), loss_sum = scratch.data<double>();
+    cross_entropy(logits.f32(), targets, N, scale, backward ? st.dlogits.f32() : nullptr, loss_sum);
+    result.tokens = counted;
   }
-  result.loss = result.ce + result.aux;
-  result.fp8_saturated = saturated_, result.fp8_underflowed = underflowed_;
   if (!backward) st.saved.clear(), st.xs.erase(st.xs.begin(), st.xs.end() - 1);
   return run;
 }
@@ -412,36 +431,34 @@ void Transformer::stage_backward(StageRun& run, const float* dy) {
   const ModelConfig& m = cfg_.model;
   const int64_t N = st.N, B = st.B, T = st.T, D = m.d_model, V = local().vocab_size;
   const int L0 = placement_.layer_begin(), L1 = placement_.layer_end();
-  saturated_ = 0, underflowed_ = 0;
-  std::vector<float> dx(size_t(N * D)), dnext(size_t(N * D));
+  Tensor dx(be_, DType::f32, {N, D}), dnext(be_, DType::f32, {N, D});
   if (placement_.last_stage()) {
-    std::vector<float> dh(size_t(N * D));
-    dev::sgemm(true, false, V, D, N, 1.0f, st.dlogits.data(), V, st.hf.data(), D, 1.0f, G("head.weight"), D);
-    dev::sgemm(false, false, N, D, V, 1.0f, st.dlogits.data(), V, P("head.weight"), D, 0.0f, dh.data(), D);
-    tp_sum(dh.data(), N * D);  // vocabulary-parallel head
-    dev::rmsnorm_backward(st.xs.back().data(), P("final_norm.weight"), st.rstd.data(), dh.data(), N, D, dx.data(),
-                          G("final_norm.weight"));
-    st.dlogits = std::vector<float>(), st.hf = std::vector<float>();
+    Tensor dh(be_, DType::f32, {N, D});
+    be_.sgemm(true, false, V, D, N, 1.0f, st.dlogits.f32(), V, st.hf.f32(), D, 1.0f, G("head.weight"), D);
+    be_.sgemm(false, false, N, D, V, 1.0f, st.dlogits.f32(), V, P("head.weight"), D, 0.0f, dh.f32(), D);
+    tp_sum(dh.f32(), N * D);  // vocabulary-parallel head
+    be_.rmsnorm_backward(st.xs.back().f32(), P("final_norm.weight"), st.rstd.f32(), dh.f32(), N, D, dx.f32(),
+                         G("final_norm.weight"));
+    st.dlogits.reset(), st.hf.reset();
   } else {
-    std::copy_n(dy, N * D, dx.data());
+    be_.copy(dx.f32(), dy, size_t(N * D) * sizeof(float));
   }
   for (int l = L1 - 1; l >= L0; --l) {
     BlockSaved& sv = st.saved[size_t(l - L0)];
-    if (!sv.kept) {  // recompute with the forward's scales, without advancing any history
-      std::vector<float> scratch(size_t(N * D));
+    if (!sv.kept) {  // recompute with the forward's scales, weights and routing, advancing no history
+      Tensor scratch(be_, DType::f32, {N, D});
       recompute_ = true;
-      block_forward(l, st.xs[size_t(l - L0)].data(), B, T, scratch.data(), &sv, false);
+      block_forward(l, st.xs[size_t(l - L0)].f32(), B, T, scratch.f32(), &sv, false, nullptr);
       recompute_ = false;
     }
-    block_backward(l, sv, dx.data(), dnext.data(), st.aux_grad_scale);
+    block_backward(l, sv, dx.f32(), dnext.f32(), st.aux_grad_scale);
     sv = BlockSaved{};
     std::swap(dx, dnext);
   }
-  if (placement_.first_stage()) embed_backward(dx.data(), st.tokens.data(), N);
+  if (placement_.first_stage()) embed_backward(dx.f32(), st.tokens, N);
   st.dx = std::move(dx);
   st.saved.clear();
   st.xs.erase(st.xs.begin(), st.xs.end() - 1);
-  st.result.fp8_saturated += saturated_, st.result.fp8_underflowed += underflowed_;
 }
 
 }  // namespace fp8moe

@@ -1,8 +1,9 @@
 // The communicator interface (docs/ARCHITECTURE.md): the collectives model/ and io/ use, over one
-// group of ranks. Implementations: MPI on host memory (parallel/mpi_communicator.h) and NCCL on
-// device memory (parallel/nccl_communicator.h, with the CUDA backend). Model and optimizer code
-// receive the communicators they need; nothing reads a global. Every call is collective over the
-// group: all members call it in the same order. No MPI here: model/ includes this header.
+// group of ranks. A communicator works on one kind of memory, all of its pointers: host memory
+// (MPI, parallel/mpi_communicator.h) or a backend's memory (parallel/device_communicator.h: NCCL
+// on a GPU's, or MPI staged through pinned host memory). Model and optimizer code receive the
+// communicators they need; nothing reads a global. Every call is collective over the group: all
+// members call it in the same order. No MPI here: model/ includes this header.
 #pragma once
 
 #include <cstdint>
@@ -32,8 +33,9 @@ class Communicator {
   // out (n) = the sum over ranks of block rank() (n values) of in (size() x n).
   virtual void reduce_scatter_sum(const float* in, float* out, int64_t n) = 0;
   // Uneven blocks: counts[j] values of rank j's block. reduce_scatterv: out (counts[rank()]) = the
-  // sum over ranks of block rank() of in (all blocks, in rank order). allgatherv: out (all
-  // blocks) = every rank's block, in rank order; in holds this rank's counts[rank()] values.
+  // sum over ranks of block rank() of in (all blocks, in rank order; out does not overlap in).
+  // allgatherv: out (all blocks) = every rank's block, in rank order; in holds this rank's
+  // counts[rank()] values, and may be that block of out itself (in place).
   virtual void reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) = 0;
   virtual void allgatherv(const float* in, float* out, const int64_t* counts) = 0;
   // recv (size() x n) = the n values every rank sent to this one: block j of send goes to rank j.

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/tensor.h"
 #include "parallel/communicator.h"
 
 namespace fp8moe {
@@ -36,24 +37,27 @@ struct DispatchPlan {
 
 class ExpertDispatcher {
  public:
-  // n_experts must be a multiple of group.size() (checked by the config).
-  ExpertDispatcher(Communicator& group, int n_experts);
+  // rows: the expert group's communicator on the backend's memory (the rows' all-to-all-v);
+  // counts: the same group over host memory (the counts' all-to-all: they are on the host
+  // already, read once per MoE layer and micro-batch). n_experts must be a multiple of the
+  // group's size (checked by the config).
+  ExpertDispatcher(Backend& be, Communicator& rows, Communicator& counts, int n_experts);
   int local_experts() const { return local_; }
 
-  // Collective: exchanges the row counts. counts: (n_experts) rows per GLOBAL expert on this rank.
+  // Collective: exchanges the row counts. counts: (n_experts) rows per GLOBAL expert on this rank (host).
   DispatchPlan plan(const int64_t* counts);
   // Collective. rows: (sum of counts, D) in global expert order. out: (plan.received, D) grouped
   // by local expert; within an expert, the rows of rank 0 first, then rank 1, ... each in its
-  // sender's order.
-  void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, std::vector<float>* out);
+  // sender's order. Backend memory.
+  void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, Tensor* out);
   // Collective, the reverse: rows (plan.received, D) laid out as dispatch's output; out: (sum of
-  // counts, D) in this rank's dispatch input order.
+  // counts, D) in this rank's dispatch input order. Backend memory.
   void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out);
 
  private:
-  Communicator& group_;
+  Backend& be_;
+  Communicator &rows_, &counts_;
   int experts_ = 0, local_ = 0;
-  std::vector<float> buf_;
 };
 
 }  // namespace fp8moe

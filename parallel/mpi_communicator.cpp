@@ -8,9 +8,6 @@
 #include "parallel/mpi_session.h"
 #include "parallel/watchdog.h"
 
-#ifdef FP8MOE_HAVE_CUDA
-#include "parallel/nccl_communicator.h"
-#endif
 
 namespace fp8moe {
 namespace {
@@ -92,7 +89,9 @@ void MpiCommunicator::allgatherv(const float* in, float* out, const int64_t* cou
   int64_t total = 0;
   for (int j = 0; j < size_; ++j) c[size_t(j)] = as_count(counts[j], "allgatherv"), d[size_t(j)] = as_count(total, "allgatherv"), total += counts[j];
   bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
-  MPI_CHECK(MPI_Allgatherv(in, c[size_t(rank_)], MPI_FLOAT, out, c.data(), d.data(), MPI_FLOAT, comm_));
+  // In place when this rank's block already sits where it belongs in out (the ZeRO weight gather).
+  const void* send = in == out + d[size_t(rank_)] ? MPI_IN_PLACE : in;
+  MPI_CHECK(MPI_Allgatherv(send, c[size_t(rank_)], MPI_FLOAT, out, c.data(), d.data(), MPI_FLOAT, comm_));
 }
 
 void MpiCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
@@ -142,15 +141,6 @@ void MpiCommunicator::wait_sends() {
   const WatchScope watch("wait for sends", name_);
   MPI_CHECK(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE));
   pending_.clear();
-}
-
-std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl, const char* name) {
-#ifdef FP8MOE_HAVE_CUDA
-  if (nccl) return std::make_unique<NcclCommunicator>(comm, name);
-#else
-  FP8MOE_ASSERT(!nccl, "NCCL communicators need the CUDA backend (this build has none)");
-#endif
-  return std::make_unique<MpiCommunicator>(comm, name);
 }
 
 }  // namespace fp8moe

@@ -1,5 +1,5 @@
-// The communicator over MPI (host memory), and the factory that picks MPI or NCCL for a process
-// group. app/, io/ and parallel/ use it; model/ sees only the interface (parallel/communicator.h).
+// The communicator over MPI (host memory). app/, io/ and parallel/ use it; model/ sees only the
+// interface (parallel/communicator.h). Communicators on device memory: parallel/device_communicator.h.
 #pragma once
 
 #include <mpi.h>
@@ -47,9 +47,5 @@ class MpiCommunicator final : public Communicator {
   const char* name_;
   int rank_ = 0, size_ = 1;
 };
-
-// The communicator of one process group: NCCL (nccl true; needs the CUDA backend and its device
-// chosen) or MPI. Collective over `comm`. `name`: as MpiCommunicator's.
-std::unique_ptr<Communicator> make_group_communicator(MPI_Comm comm, bool nccl, const char* name);
 
 }  // namespace fp8moe

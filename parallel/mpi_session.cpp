@@ -6,7 +6,7 @@
 #include <exception>
 
 #include "kernels/check.h"
-#include "kernels/device.h"
+#include "kernels/backend_info.h"
 #include "parallel/watchdog.h"
 
 #ifdef FP8MOE_HAVE_CUDA

@@ -10,24 +10,6 @@
 namespace fp8moe {
 namespace {
 
-// Host -> device (compute stream), then the comm stream waits for it.
-template <class T>
-cuda::Buffer<T> stage_in(const T* host, int64_t n) {
-  cuda::Buffer<T> b = cuda::to_device(host, n);
-  cuda::comm_waits_for_compute();
-  return b;
-}
-// The comm stream's work done, then device -> host.
-template <class T>
-void stage_out(const cuda::Buffer<T>& b, T* host, int64_t n) {
-  cuda::compute_waits_for_comm();
-  cuda::to_host(b, host, n);
-}
-
-}  // namespace
-
-namespace {
-
 // The live NCCL communicators, which the watchdog aborts before it ends the job: a rank blocked in
 // an NCCL operation does not return to MPI_Abort's signal otherwise.
 std::mutex g_live_mu;
@@ -41,39 +23,45 @@ void abort_live_comms() {
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(MPI_Comm comm, const char* name) : comm_(comm), name_(name) {
+NcclCommunicator::NcclCommunicator(MPI_Comm comm, CudaBackend& be, const char* name)
+    : comm_(comm), be_(be), name_(name) {
   MPI_CHECK(MPI_Comm_rank(comm, &rank_));
   MPI_CHECK(MPI_Comm_size(comm, &size_));
-  cuda::context();  // the device must be chosen first
+  CUDA_CHECK(cudaSetDevice(be.device()));  // NCCL binds the communicator to the current device
   ncclUniqueId id;
   if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
   MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, comm));
   NCCL_CHECK(ncclCommInitRank(&nccl_, size_, id, rank_));
   static std::once_flag hooked;
   std::call_once(hooked, [] { watch_on_abort(abort_live_comms); });
-  std::lock_guard<std::mutex> lock(g_live_mu);
-  g_live.insert(nccl_);
+  {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    g_live.insert(nccl_);
+  }
+  barrier_value_ = Tensor::zeros(be, DType::f32, {1});
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (nccl_) {
-    wait_sends();
-    {
-      std::lock_guard<std::mutex> lock(g_live_mu);
-      g_live.erase(nccl_);
-    }
-    ncclCommDestroy(nccl_);
+  if (!nccl_) return;
+  wait_sends();
+  // NOTE: the queued operations finish before the communicator goes (no fatal check while tearing
+  // down: the job may be failing already).
+  (void)cudaStreamSynchronize(be_.comm_stream());
+  {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    g_live.erase(nccl_);
   }
+  ncclCommDestroy(nccl_);
 }
 
 template <class T>
 void NcclCommunicator::allreduce(T* data, int64_t n, ncclDataType_t type, ncclRedOp_t op) {
   const WatchScope watch("allreduce", name_);
-  if (n == 0) return;
-  cuda::Buffer<T> d = stage_in(data, n);
-  NCCL_CHECK(ncclAllReduce(d.get(), d.get(), size_t(n), type, op, nccl_, cuda::context().comm));
-  stage_out(d, data, n);
   bytes_sent_ += ring_allreduce_bytes(size_, n * int64_t(sizeof(T)));
+  if (n == 0) return;
+  be_.comm_waits_for_compute();
+  NCCL_CHECK(ncclAllReduce(data, data, size_t(n), type, op, nccl_, be_.comm_stream()));
+  be_.compute_waits_for_comm();
 }
 
 void NcclCommunicator::allreduce_sum(float* d, int64_t n) { allreduce(d, n, ncclFloat32, ncclSum); }
@@ -94,101 +82,103 @@ void NcclCommunicator::broadcast(std::string& text, int root) {
 
 void NcclCommunicator::barrier() {
   const WatchScope watch("barrier", name_);
-  float one = 1.0f;
-  allreduce(&one, 1, ncclFloat32, ncclSum);
+  // NOTE: no bytes counted, as MpiCommunicator's MPI_Barrier. The value is 0 and stays 0.
+  be_.comm_waits_for_compute();
+  float* v = barrier_value_.f32();
+  NCCL_CHECK(ncclAllReduce(v, v, 1, ncclFloat32, ncclSum, nccl_, be_.comm_stream()));
+  be_.compute_waits_for_comm();
+  be_.sync();
 }
 
 void NcclCommunicator::allgather(const float* in, int64_t n, float* out) {
   const WatchScope watch("allgather", name_);
+  bytes_sent_ += int64_t(size_ - 1) * n * 4;
   if (n == 0) return;
-  cuda::Buffer<float> din = stage_in(in, n), dout(n * size_);
-  NCCL_CHECK(ncclAllGather(din.get(), dout.get(), size_t(n), ncclFloat32, nccl_, cuda::context().comm));
-  stage_out(dout, out, n * size_);
-  bytes_sent_ += (size_ - 1) * n * 4;
+  be_.comm_waits_for_compute();
+  NCCL_CHECK(ncclAllGather(in, out, size_t(n), ncclFloat32, nccl_, be_.comm_stream()));
+  be_.compute_waits_for_comm();
 }
 
 void NcclCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n) {
   const WatchScope watch("reduce_scatter", name_);
+  bytes_sent_ += int64_t(size_ - 1) * n * 4;
   if (n == 0) return;
-  cuda::Buffer<float> din = stage_in(in, n * size_), dout(n);
-  NCCL_CHECK(ncclReduceScatter(din.get(), dout.get(), size_t(n), ncclFloat32, ncclSum, nccl_, cuda::context().comm));
-  stage_out(dout, out, n);
-  bytes_sent_ += (size_ - 1) * n * 4;
+  be_.comm_waits_for_compute();
+  NCCL_CHECK(ncclReduceScatter(in, out, size_t(n), ncclFloat32, ncclSum, nccl_, be_.comm_stream()));
+  be_.compute_waits_for_comm();
 }
 
-// Uneven blocks: NCCL has no v-collectives; grouped reductions to each owner / broadcasts from it.
+// Uneven blocks: NCCL has no v-collectives; grouped reductions to each block's owner.
 void NcclCommunicator::reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
   const WatchScope watch("reduce_scatterv", name_);
   const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;  // as MpiCommunicator: the textbook ring
   if (total == 0) return;
-  cuda::Buffer<float> din = stage_in(in, total), dout(counts[rank_]);
-  cudaStream_t s = cuda::context().comm;
+  be_.comm_waits_for_compute();
+  cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   int64_t off = 0;
   for (int r = 0; r < size_; ++r) {
+    // recvbuff matters on the root only.
     if (counts[r] > 0)
-      NCCL_CHECK(ncclReduce(din.get() + off, r == rank_ ? dout.get() : nullptr, size_t(counts[r]), ncclFloat32, ncclSum,
-                            r, nccl_, s));
+      NCCL_CHECK(
+          ncclReduce(in + off, r == rank_ ? out : nullptr, size_t(counts[r]), ncclFloat32, ncclSum, r, nccl_, s));
     off += counts[r];
   }
   NCCL_CHECK(ncclGroupEnd());
-  stage_out(dout, out, counts[rank_]);
-  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
+  be_.compute_waits_for_comm();
 }
 
+// Uneven blocks: grouped broadcasts from each block's owner into its place in out. The owner's
+// send buffer is `in`: when in is that place already, the broadcast is in place.
 void NcclCommunicator::allgatherv(const float* in, float* out, const int64_t* counts) {
   const WatchScope watch("allgatherv", name_);
   const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
   if (total == 0) return;
-  cuda::Buffer<float> dout(total);
-  int64_t mine = 0;
-  for (int r = 0; r < rank_; ++r) mine += counts[r];
-  if (counts[rank_] > 0) cuda::upload(dout.get() + mine, in, size_t(counts[rank_]) * 4);
-  cuda::comm_waits_for_compute();
-  cudaStream_t s = cuda::context().comm;
+  be_.comm_waits_for_compute();
+  cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
-  int64_t off = 0;
+  int64_t at = 0;  // displacement of block r
   for (int r = 0; r < size_; ++r) {
-    if (counts[r] > 0) NCCL_CHECK(ncclBroadcast(dout.get() + off, dout.get() + off, size_t(counts[r]), ncclFloat32, r, nccl_, s));
-    off += counts[r];
+    if (counts[r] > 0)
+      NCCL_CHECK(ncclBroadcast(r == rank_ ? in : out + at, out + at, size_t(counts[r]), ncclFloat32, r, nccl_, s));
+    at += counts[r];
   }
   NCCL_CHECK(ncclGroupEnd());
-  stage_out(dout, out, total);
-  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;  // as MpiCommunicator: the textbook ring
+  be_.compute_waits_for_comm();
 }
 
 void NcclCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
   const WatchScope watch("alltoall", name_);
+  bytes_sent_ += int64_t(size_ - 1) * n * 8;
   if (n == 0) return;
-  cuda::Buffer<int64_t> ds = stage_in(send, n * size_), dr(n * size_);
-  cudaStream_t s = cuda::context().comm;
+  be_.comm_waits_for_compute();
+  cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < size_; ++r) {
-    NCCL_CHECK(ncclSend(ds.get() + r * n, size_t(n), ncclInt64, r, nccl_, s));
-    NCCL_CHECK(ncclRecv(dr.get() + r * n, size_t(n), ncclInt64, r, nccl_, s));
+    NCCL_CHECK(ncclSend(send + r * n, size_t(n), ncclInt64, r, nccl_, s));
+    NCCL_CHECK(ncclRecv(recv + r * n, size_t(n), ncclInt64, r, nccl_, s));
   }
   NCCL_CHECK(ncclGroupEnd());
-  stage_out(dr, recv, n * size_);
-  bytes_sent_ += (size_ - 1) * n * 8;
+  be_.compute_waits_for_comm();
 }
 
 void NcclCommunicator::alltoallv(const float* send, const int64_t* send_counts, float* recv,
                                  const int64_t* recv_counts) {
   const WatchScope watch("alltoallv", name_);
-  const int64_t ns = std::accumulate(send_counts, send_counts + size_, int64_t(0));
-  const int64_t nr = std::accumulate(recv_counts, recv_counts + size_, int64_t(0));
-  cuda::Buffer<float> ds = stage_in(send, ns), dr(nr);
-  cudaStream_t s = cuda::context().comm;
+  be_.comm_waits_for_compute();
+  cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   int64_t so = 0, ro = 0;
   for (int r = 0; r < size_; ++r) {
-    if (send_counts[r] > 0) NCCL_CHECK(ncclSend(ds.get() + so, size_t(send_counts[r]), ncclFloat32, r, nccl_, s));
-    if (recv_counts[r] > 0) NCCL_CHECK(ncclRecv(dr.get() + ro, size_t(recv_counts[r]), ncclFloat32, r, nccl_, s));
+    if (send_counts[r] > 0) NCCL_CHECK(ncclSend(send + so, size_t(send_counts[r]), ncclFloat32, r, nccl_, s));
+    if (recv_counts[r] > 0) NCCL_CHECK(ncclRecv(recv + ro, size_t(recv_counts[r]), ncclFloat32, r, nccl_, s));
     if (r != rank_) bytes_sent_ += send_counts[r] * 4;
     so += send_counts[r], ro += recv_counts[r];
   }
   NCCL_CHECK(ncclGroupEnd());
-  stage_out(dr, recv, nr);
+  be_.compute_waits_for_comm();
 }
 
 void NcclCommunicator::send(const float* data, int64_t n, int peer, int tag) {
@@ -200,12 +190,15 @@ void NcclCommunicator::send(const float* data, int64_t n, int peer, int tag) {
 // NOTE: NCCL runs a communicator's operations in order on its stream and a send blocks until the
 // peer's matching receive runs, so an isend posted at once followed by a recv would deadlock the
 // 1F1B pattern (stage s: send act, recv grad; stage s + 1: send grad, recv act). isend therefore
-// only stages its payload; the sends are posted in one NCCL group with the next recv, or by
-// wait_sends, so that each pair of ranks' sends and receives can progress together.
+// only records the caller's buffer; the sends are posted in one NCCL group with the next recv, or
+// by wait_sends, so that each pair of ranks' sends and receives can progress together. The
+// communication stream waits for the compute stream before they are posted (the payload is
+// computed there), and the compute stream for the communication stream after: the caller may
+// change or release the buffers once wait_sends() has returned.
 void NcclCommunicator::post_pending_sends() {
   for (PendingSend& p : pending_)
     if (!p.posted) {
-      NCCL_CHECK(ncclSend(p.data.get(), size_t(p.n), ncclFloat32, p.peer, nccl_, cuda::context().comm));
+      NCCL_CHECK(ncclSend(p.data, size_t(p.n), ncclFloat32, p.peer, nccl_, be_.comm_stream()));
       p.posted = true;
     }
 }
@@ -213,28 +206,30 @@ void NcclCommunicator::post_pending_sends() {
 void NcclCommunicator::recv(float* data, int64_t n, int peer, int /*tag: NCCL matches in call order*/) {
   const WatchScope watch("recv", name_);
   if (n == 0) return;
-  cuda::Buffer<float> d(n);
-  cuda::comm_waits_for_compute();
+  // Also orders the receive after the compute work that still reads `data`'s old contents.
+  be_.comm_waits_for_compute();
   NCCL_CHECK(ncclGroupStart());
   post_pending_sends();
-  NCCL_CHECK(ncclRecv(d.get(), size_t(n), ncclFloat32, peer, nccl_, cuda::context().comm));
+  NCCL_CHECK(ncclRecv(data, size_t(n), ncclFloat32, peer, nccl_, be_.comm_stream()));
   NCCL_CHECK(ncclGroupEnd());
-  stage_out(d, data, n);
+  be_.compute_waits_for_comm();
 }
 
 void NcclCommunicator::isend(const float* data, int64_t n, int peer, int /*tag*/) {
+  const WatchScope watch("isend", name_);
   if (n == 0) return;
-  pending_.push_back(PendingSend{stage_in(data, n), n, peer, false});
+  pending_.push_back(PendingSend{data, n, peer, false});
   bytes_sent_ += n * 4;
 }
 
 void NcclCommunicator::wait_sends() {
   const WatchScope watch("wait for sends", name_);
   if (pending_.empty()) return;
+  be_.comm_waits_for_compute();
   NCCL_CHECK(ncclGroupStart());
   post_pending_sends();
   NCCL_CHECK(ncclGroupEnd());
-  CUDA_CHECK(cudaStreamSynchronize(cuda::context().comm));
+  be_.compute_waits_for_comm();
   pending_.clear();
 }
 

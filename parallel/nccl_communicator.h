@@ -1,11 +1,21 @@
-// The communicator interface over NCCL (built with the CUDA backend only). One NCCL communicator
-// per group: rank 0 of the MPI communicator creates the unique id and broadcasts it over MPI.
+// The communicator interface over NCCL on one CUDA backend's device memory (built with the CUDA
+// backend only). One NCCL communicator per group: rank 0 of the MPI communicator creates the
+// unique id and broadcasts it over MPI.
 //
-// NOTE: the model's tensors live in host memory in this version of the CUDA backend (README
-// "CUDA backend"), so each call copies its host buffer to device memory from the arena, runs the
-// NCCL operation on the context's communication stream (which first waits, by an event, for the
-// work queued on the compute stream), and copies the result back. The byte counters count the
-// payload as the MPI implementation does. Errors go through NCCL_CHECK / CUDA_CHECK (rank, host).
+// Every collective runs in place on the caller's device pointers (memory of the backend the
+// communicator was made for), with no staging: the communication stream waits for the work queued
+// so far on the compute stream (an event), the NCCL call(s) are queued on the communication
+// stream, and the compute stream then waits for them (another event) before the call returns.
+// Nothing waits on the host: the host sees the results through Backend::download and sync().
+// NOTE: the compute stream waits for every collective right away (no overlap yet), so that the
+// arena's stream-ordered reuse on the compute stream stays safe: a buffer the caller releases
+// after the call is reused only by compute work that runs after the collective is done
+// (kernels/cuda/arena.h). Overlapping communication with computation is a later change.
+//
+// The byte counters count the payload as the MPI implementation does. Errors go through
+// NCCL_CHECK / CUDA_CHECK (rank, host). Every call is marked for the watchdog (WatchScope), which
+// aborts the live NCCL communicators before it ends a hung job (parallel/watchdog.h); since the
+// calls only queue work, a hang inside NCCL shows in the host synchronisation that waits for it.
 #pragma once
 
 #include <mpi.h>
@@ -13,18 +23,18 @@
 
 #include <vector>
 
-#include "kernels/cuda/context.h"
+#include "kernels/cuda/backend.h"
+#include "kernels/tensor.h"
 #include "parallel/communicator.h"
 
 namespace fp8moe {
 
 class NcclCommunicator final : public Communicator {
  public:
-  // Collective over `comm` (not owned; used for the id broadcast and for broadcast(string)).
-  // Needs the CUDA context (set_compute_device(cuda) first).
-  // `name` (static) names the group in the watchdog's report; the watchdog aborts the NCCL
-  // communicator before it ends a hung job (parallel/watchdog.h).
-  NcclCommunicator(MPI_Comm comm, const char* name);
+  // Collective over `comm` (not owned; used for the id broadcast and for broadcast(string)), on
+  // the device of `be`, which must outlive this communicator. `name` (static) names the group in
+  // the watchdog's report.
+  NcclCommunicator(MPI_Comm comm, CudaBackend& be, const char* name);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -37,16 +47,22 @@ class NcclCommunicator final : public Communicator {
   void allreduce_sum(uint64_t* data, int64_t n) override;
   void allreduce_max(float* data, int64_t n) override;
   void allreduce_max(double* data, int64_t n) override;
+  // Text over MPI (host memory).
   void broadcast(std::string& text, int root) override;
+  // Every rank has reached it and every operation queued before it has run: an NCCL all-reduce
+  // of one value, then a (counted) host synchronisation of the backend.
   void barrier() override;
   void allgather(const float* in, int64_t n, float* out) override;
   void reduce_scatter_sum(const float* in, float* out, int64_t n) override;
   void reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
+  // In place when in == out + this rank's displacement.
   void allgatherv(const float* in, float* out, const int64_t* counts) override;
+  // send, recv: device memory (n values per rank); counts of alltoallv: host memory.
   void alltoall(const int64_t* send, int64_t* recv, int64_t n) override;
   void alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
   void send(const float* data, int64_t n, int peer, int tag) override;
   void recv(float* data, int64_t n, int peer, int tag) override;
+  // Deferred (see nccl_communicator.cpp): `data` must stay unchanged until wait_sends().
   void isend(const float* data, int64_t n, int peer, int tag) override;
   void wait_sends() override;
 
@@ -56,16 +72,18 @@ class NcclCommunicator final : public Communicator {
   template <class T>
   void allreduce(T* data, int64_t n, ncclDataType_t type, ncclRedOp_t op);
   struct PendingSend {
-    cuda::Buffer<float> data;  // the staged payload, kept until wait_sends
+    const float* data;  // the caller's device memory, unchanged until wait_sends
     int64_t n;
     int peer;
-    bool posted;  // ncclSend issued (with a recv's group or by wait_sends)
+    bool posted;  // ncclSend queued (in a recv's group or by wait_sends)
   };
-  void post_pending_sends();
+  void post_pending_sends();  // inside an NCCL group
   MPI_Comm comm_;
+  CudaBackend& be_;
   const char* name_;
   ncclComm_t nccl_ = nullptr;
   int rank_ = 0, size_ = 1;
+  Tensor barrier_value_;  // one float of device memory for barrier()
   std::vector<PendingSend> pending_;
 };
 

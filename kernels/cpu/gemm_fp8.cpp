@@ -47,7 +47,7 @@ int pow2_exponent(float s) {
 
 // (rows, cols) of op(X) and where K lies in storage.
 struct Operand {
-  const QuantTensor& q;
+  QuantView q;
   bool trans;
   bool k_along_cols;  // storage dimension that is the reduction dimension
 };
@@ -58,21 +58,24 @@ void check_tiling(const Operand& op, const char* name) {
                   (t == Tiling::rows_1xT && op.k_along_cols) || (t == Tiling::cols_Tx1 && !op.k_along_cols);
   FP8MOE_ASSERT(ok, "gemm_fp8: operand ", name, " has ", to_string(t), " tiles across the reduction dimension (",
                 op.k_along_cols ? "K is its columns" : "K is its rows", "); quantize it with the other tiling");
-  FP8MOE_ASSERT(op.q.data.size() == size_t(op.q.rows * op.q.cols), "gemm_fp8: operand ", name, " has ",
-                op.q.data.size(), " bytes for shape ", op.q.rows, " x ", op.q.cols);
-  FP8MOE_ASSERT(op.q.scale_inv.size() == size_t(op.q.scale_rows() * op.q.scale_cols()), "gemm_fp8: operand ", name,
-                " has ", op.q.scale_inv.size(), " scales, its tiling needs ", op.q.scale_rows() * op.q.scale_cols());
+}
+
+void check_sizes(const QuantTensor& q, const char* name) {
+  FP8MOE_ASSERT(q.data.size() == size_t(q.rows * q.cols), "gemm_fp8: operand ", name, " has ", q.data.size(),
+                " bytes for shape ", q.rows, " x ", q.cols);
+  FP8MOE_ASSERT(q.scale_inv.size() == size_t(q.scale_rows() * q.scale_cols()), "gemm_fp8: operand ", name, " has ",
+                q.scale_inv.size(), " scales, its tiling needs ", q.scale_rows() * q.scale_cols());
 }
 
 // Dequantize to FP32 (exact for power-of-two scales).
-void dequant_fp32(const QuantTensor& q, std::vector<float>& out) {
+void dequant_fp32(const QuantView& q, std::vector<float>& out) {
   out.resize(size_t(q.rows * q.cols));
-  dequantize(q, out.data());
+  cpu::dequantize(q, out.data());
 }
 
 // Dequantize to BF16 bits: BF16 of an FP8 value is its FP32 bits >> 16 (<= 3 mantissa bits), and
 // times 2^k only its exponent field changes (values stay normal by the range check).
-void dequant_bf16(const QuantTensor& q, std::vector<uint16_t>& out) {
+void dequant_bf16(const QuantView& q, std::vector<uint16_t>& out) {
   out.resize(size_t(q.rows * q.cols));
   uint16_t table[256];
   const float* f = fp8_decode_table(q.dtype);
@@ -80,7 +83,7 @@ void dequant_bf16(const QuantTensor& q, std::vector<uint16_t>& out) {
   const int64_t cols = q.cols;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < q.rows; ++r) {
-    const uint8_t* src = &q.data[size_t(r * cols)];
+    const uint8_t* src = q.data + r * cols;
     uint16_t* dst = &out[size_t(r * cols)];
     q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
       const uint16_t add = uint16_t(pow2_exponent(s) * 128);
@@ -146,8 +149,8 @@ void block_scaled(const Operand& a, const Operand& b, int64_t M, int64_t N, int6
   thread_local std::vector<float> araw, braw, part;
   const float* fa = fp8_decode_table(a.q.dtype);
   const float* fb = fp8_decode_table(b.q.dtype);
-  araw.resize(a.q.data.size());
-  braw.resize(b.q.data.size());
+  araw.resize(size_t(a.q.rows * a.q.cols));
+  braw.resize(size_t(b.q.rows * b.q.cols));
   for (size_t i = 0; i < araw.size(); ++i) araw[i] = fa[a.q.data[i]];
   for (size_t i = 0; i < braw.size(); ++i) braw[i] = fb[b.q.data[i]];
   part.resize(size_t(M * N));
@@ -174,12 +177,13 @@ void block_scaled(const Operand& a, const Operand& b, int64_t M, int64_t N, int6
 
 }  // namespace
 
-bool has_exact_pow2_scales(const QuantTensor& q) {
-  return std::all_of(q.scale_inv.begin(), q.scale_inv.end(), [](float s) {
+bool has_exact_pow2_scales(const QuantView& q) {
+  return std::all_of(q.scale_inv, q.scale_inv + q.scale_count(), [](float s) {
     const int k = pow2_exponent(s);
     return k >= kMinExp && k <= kMaxExp;
   });
 }
+bool has_exact_pow2_scales(const QuantTensor& q) { return has_exact_pow2_scales(q.view()); }
 
 bool cpu_has_bf16_gemm() {
   // oneDNN's ISA values are bit sets in which each ISA contains the ones it extends.
@@ -202,6 +206,13 @@ std::string cpu_isa_name() {
 
 void gemm_fp8(const QuantTensor& A, bool trans_a, const QuantTensor& B, bool trans_b, float alpha, float beta,
               float* C, int64_t ldc, GemmPath path, GemmInfo* info) {
+  check_sizes(A, "A");
+  check_sizes(B, "B");
+  gemm_fp8(A.view(), trans_a, B.view(), trans_b, alpha, beta, C, ldc, path, info);
+}
+
+void gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha, float beta, float* C,
+              int64_t ldc, GemmPath path, GemmInfo* info) {
   const int64_t M = trans_a ? A.cols : A.rows, K = trans_a ? A.rows : A.cols;
   const int64_t N = trans_b ? B.rows : B.cols, Kb = trans_b ? B.cols : B.rows;
   FP8MOE_ASSERT(K == Kb, "gemm_fp8: op(A) is ", M, " x ", K, " but op(B) is ", Kb, " x ", N);

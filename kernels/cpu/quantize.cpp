@@ -17,22 +17,6 @@ const char* to_string(Tiling t) {
   }
 }
 
-int64_t QuantTensor::scale_rows() const {
-  switch (tiling) {
-    case Tiling::per_tensor: return 1;
-    case Tiling::rows_1xT: return rows;
-    default: return (rows + tile - 1) / tile;
-  }
-}
-
-int64_t QuantTensor::scale_cols() const {
-  switch (tiling) {
-    case Tiling::per_tensor: return 1;
-    case Tiling::cols_Tx1: return cols;
-    default: return (cols + tile - 1) / tile;
-  }
-}
-
 namespace {
 // max of |x| as FP32 bit patterns, serially. NOTE: for non-negative floats integer order is value
 // order, and NaN patterns sort above infinity, so a NaN anywhere gives NaN (as on the GPU).
@@ -115,17 +99,103 @@ void encode(Fp8Dtype f, const float* x, uint8_t* q, int64_t n, const float* scal
 
 }  // namespace
 
-void quantize_with_scale(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, float scale, QuantTensor* out) {
-  prepare(out, rows, cols, dtype, Tiling::per_tensor, 1);
-  out->scale_inv[0] = div_rn(1.0f, scale);
-  const int64_t n = rows * cols;
+namespace cpu {
+
+void quantize_scaled(const float* x, float scale, QuantView out, int64_t* saturated, int64_t* underflowed) {
+  FP8MOE_ASSERT(out.tiling == Tiling::per_tensor, "quantize_scaled into a ", to_string(out.tiling), " tensor");
+  out.scale_inv[0] = div_rn(1.0f, scale);
+  const int64_t n = out.rows * out.cols;
   constexpr int64_t kChunk = 1 << 14;
   int64_t sat = 0, under = 0;
 #pragma omp parallel for reduction(+ : sat, under) schedule(static)
   for (int64_t c0 = 0; c0 < n; c0 += kChunk)
-    encode<0>(dtype, x + c0, out->data.data() + c0, std::min(kChunk, n - c0), &scale, &sat, &under);
-  out->saturated = sat;
-  out->underflowed = under;
+    encode<0>(out.dtype, x + c0, out.data + c0, std::min(kChunk, n - c0), &scale, &sat, &under);
+  *saturated += sat;
+  *underflowed += under;
+}
+
+void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int64_t* saturated, int64_t* underflowed) {
+  const Tiling tiling = out.tiling;
+  const int tile = out.tile;
+  const int64_t rows = out.rows, cols = out.cols;
+  FP8MOE_ASSERT(tiling != Tiling::per_tensor, "quantize_tiled needs a tiling");
+  const int64_t sr = out.scale_rows(), sc = out.scale_cols();
+  // Tile (i, j) of the scale grid covers rows [r0, r1) x cols [c0, c1).
+  const int64_t tile_h = tiling == Tiling::rows_1xT ? 1 : tile;
+  const int64_t tile_w = tiling == Tiling::cols_Tx1 ? 1 : tile;
+  const float fmax = fp8_max(out.dtype);
+  const Fp8Dtype dtype = out.dtype;
+  uint8_t* q = out.data;
+  float* scale_inv = out.scale_inv;
+  int64_t sat = 0, under = 0;
+  if (tiling == Tiling::cols_Tx1) {
+    // Column tiles: walk each band of T rows once, keeping one amax per column (cache friendly).
+#pragma omp parallel for reduction(+ : sat, under) schedule(static)
+    for (int64_t i = 0; i < sr; ++i) {
+      const int64_t r0 = i * tile, r1 = std::min(rows, r0 + tile);
+      std::vector<uint32_t> m(static_cast<size_t>(cols), 0u);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < cols; ++c) m[c] = std::max(m[c], float_bits(x[r * cols + c]) & 0x7FFFFFFFu);
+      std::vector<float> scale(static_cast<size_t>(cols));
+      for (int64_t c = 0; c < cols; ++c) {
+        scale[c] = compute_scale(bits_float(m[c]), fmax, opt.margin, opt.power_of_two);
+        scale_inv[i * cols + c] = div_rn(1.0f, scale[c]);
+      }
+      for (int64_t r = r0; r < r1; ++r) encode<1>(dtype, &x[r * cols], &q[r * cols], cols, scale.data(), &sat, &under);
+    }
+  } else {
+#pragma omp parallel for collapse(2) reduction(+ : sat, under) schedule(static)
+    for (int64_t i = 0; i < sr; ++i)
+      for (int64_t j = 0; j < sc; ++j) {
+        const int64_t r0 = i * tile_h, r1 = std::min(rows, r0 + tile_h);
+        const int64_t c0 = j * tile_w, c1 = std::min(cols, c0 + tile_w);
+        uint32_t m = 0;
+        for (int64_t r = r0; r < r1; ++r) m = std::max(m, abs_bits_max(&x[r * cols + c0], c1 - c0));
+        const float a = bits_float(m);
+        const float scale = compute_scale(a, fmax, opt.margin, opt.power_of_two);
+        scale_inv[i * sc + j] = div_rn(1.0f, scale);
+        for (int64_t r = r0; r < r1; ++r)
+          encode<0>(dtype, &x[r * cols + c0], &q[r * cols + c0], c1 - c0, &scale, &sat, &under);
+      }
+  }
+  *saturated += sat;
+  *underflowed += under;
+}
+
+void dequantize(const QuantView& q, float* out) {
+  const float* table = fp8_decode_table(q.dtype);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q.rows; ++r) {
+    const uint8_t* src = q.data + r * q.cols;
+    float* dst = &out[r * q.cols];
+    q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
+      for (int64_t c = c0; c < c1; ++c) dst[c] = table[src[c]] * s;
+    });
+  }
+}
+
+float delayed_amax(const float* history, int64_t len, int64_t steps, DelayedScalingCompute compute) {
+  if (steps == 0) return 0.0f;
+  if (compute == DelayedScalingCompute::most_recent) return history[(steps - 1) % len];
+  float m = 0.0f;
+  for (int64_t i = 0; i < len; ++i) m = float_bits(history[i]) > float_bits(m) ? history[i] : m;  // NaN-propagating, as amax()
+  return m;
+}
+
+void delayed_update(float* history, int64_t len, int64_t steps, float amax, DelayedScalingCompute compute,
+                    Fp8Dtype dtype, const ScaleOptions& opt, float* scale) {
+  history[steps % len] = amax;
+  // NOTE: as Transformer Engine, keep the previous scale when the amax is 0 (an expert that got no
+  // tokens) or not finite (a NaN / inf step, which the optimizer skips and reports).
+  const float h = delayed_amax(history, len, steps + 1, compute);
+  if (h > 0.0f && h <= 3.402823466e38f) *scale = compute_scale(h, fp8_max(dtype), opt.margin, opt.power_of_two);
+}
+
+}  // namespace cpu
+
+void quantize_with_scale(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, float scale, QuantTensor* out) {
+  prepare(out, rows, cols, dtype, Tiling::per_tensor, 1);
+  cpu::quantize_scaled(x, scale, out->view(), &out->saturated, &out->underflowed);
 }
 
 float quantize_current(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, const ScaleOptions& opt,
@@ -140,45 +210,7 @@ void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, i
                     const ScaleOptions& opt, QuantTensor* out) {
   FP8MOE_ASSERT(tiling != Tiling::per_tensor, "quantize_tiled needs a tiling");
   prepare(out, rows, cols, dtype, tiling, tile);
-  const int64_t sr = out->scale_rows(), sc = out->scale_cols();
-  // Tile (i, j) of the scale grid covers rows [r0, r1) x cols [c0, c1).
-  const int64_t tile_h = tiling == Tiling::rows_1xT ? 1 : tile;
-  const int64_t tile_w = tiling == Tiling::cols_Tx1 ? 1 : tile;
-  const float fmax = fp8_max(dtype);
-  int64_t sat = 0, under = 0;
-  if (tiling == Tiling::cols_Tx1) {
-    // Column tiles: walk each band of T rows once, keeping one amax per column (cache friendly).
-#pragma omp parallel for reduction(+ : sat, under) schedule(static)
-    for (int64_t i = 0; i < sr; ++i) {
-      const int64_t r0 = i * tile, r1 = std::min(rows, r0 + tile);
-      std::vector<uint32_t> m(static_cast<size_t>(cols), 0u);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < cols; ++c) m[c] = std::max(m[c], float_bits(x[r * cols + c]) & 0x7FFFFFFFu);
-      std::vector<float> scale(static_cast<size_t>(cols));
-      for (int64_t c = 0; c < cols; ++c) {
-        scale[c] = compute_scale(bits_float(m[c]), fmax, opt.margin, opt.power_of_two);
-        out->scale_inv[i * cols + c] = div_rn(1.0f, scale[c]);
-      }
-      for (int64_t r = r0; r < r1; ++r)
-        encode<1>(dtype, &x[r * cols], &out->data[r * cols], cols, scale.data(), &sat, &under);
-    }
-  } else {
-#pragma omp parallel for collapse(2) reduction(+ : sat, under) schedule(static)
-    for (int64_t i = 0; i < sr; ++i)
-      for (int64_t j = 0; j < sc; ++j) {
-        const int64_t r0 = i * tile_h, r1 = std::min(rows, r0 + tile_h);
-        const int64_t c0 = j * tile_w, c1 = std::min(cols, c0 + tile_w);
-        uint32_t m = 0;
-        for (int64_t r = r0; r < r1; ++r) m = std::max(m, abs_bits_max(&x[r * cols + c0], c1 - c0));
-        const float a = bits_float(m);
-        const float scale = compute_scale(a, fmax, opt.margin, opt.power_of_two);
-        out->scale_inv[i * sc + j] = div_rn(1.0f, scale);
-        for (int64_t r = r0; r < r1; ++r)
-          encode<0>(dtype, &x[r * cols + c0], &out->data[r * cols + c0], c1 - c0, &scale, &sat, &under);
-      }
-  }
-  out->saturated = sat;
-  out->underflowed = under;
+  cpu::quantize_tiled(x, opt, out->view(), &out->saturated, &out->underflowed);
 }
 
 DelayedScaling make_delayed_scaling(int history_len) {
@@ -189,12 +221,7 @@ DelayedScaling make_delayed_scaling(int history_len) {
 }
 
 float delayed_amax(const DelayedScaling& state, DelayedScaling::Compute compute) {
-  if (state.steps == 0) return 0.0f;
-  const size_t len = state.history.size();
-  if (compute == DelayedScaling::Compute::most_recent) return state.history[(state.steps - 1) % len];
-  float m = 0.0f;
-  for (float v : state.history) m = float_bits(v) > float_bits(m) ? v : m;  // NaN-propagating, as amax()
-  return m;
+  return cpu::delayed_amax(state.history.data(), int64_t(state.history.size()), state.steps, compute);
 }
 
 float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtype, DelayedScaling& state,
@@ -205,25 +232,12 @@ float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtyp
   quantize_with_scale(x, rows, cols, dtype, state.scale, out);
   float a = amax(x, rows * cols);
   if (reduce) reduce(&a, 1);
-  state.history[state.steps % state.history.size()] = a;
+  cpu::delayed_update(state.history.data(), int64_t(state.history.size()), state.steps, a, compute, dtype, opt,
+                      &state.scale);
   ++state.steps;
-  // NOTE: as Transformer Engine, keep the previous scale when the amax is 0 (an expert that got no
-  // tokens) or not finite (a NaN / inf step, which the optimizer skips and reports).
-  const float h = delayed_amax(state, compute);
-  if (h > 0.0f && h <= 3.402823466e38f) state.scale = compute_scale(h, fp8_max(dtype), opt.margin, opt.power_of_two);
   return a;
 }
 
-void dequantize(const QuantTensor& q, float* out) {
-  const float* table = fp8_decode_table(q.dtype);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < q.rows; ++r) {
-    const uint8_t* src = &q.data[size_t(r * q.cols)];
-    float* dst = &out[r * q.cols];
-    q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
-      for (int64_t c = c0; c < c1; ++c) dst[c] = table[src[c]] * s;
-    });
-  }
-}
+void dequantize(const QuantTensor& q, float* out) { cpu::dequantize(q.view(), out); }
 
 }  // namespace fp8moe

@@ -1,35 +1,39 @@
+// FP8 quantization on the GPU (kernels/quantize.h).
+//
+// Against kernels/cpu/quantize.cpp: bitwise, every op: the same element code (kernels/fp8.h's
+// fp8_encode / fp8_decode, compute_scale, div_rn), maxima of FP32 bit patterns (exact and order
+// independent), and the same saturation and underflow definitions for the counters (integer
+// atomics: the same totals in any order).
 #include <cuda_fp8.h>
 
-#include "kernels/check.h"
 #include "kernels/cuda/block_reduce.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/quantize.h"
+#include "kernels/elem.h"
 
 namespace fp8moe::cuda {
 namespace {
 
-constexpr int kThreads = kBlockThreads;
-
-unsigned grid_for(int64_t n) {
-  const int64_t want = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(want < 4096 ? (want > 0 ? want : 1) : 4096);
-}
+static_assert(sizeof(uint64_t) == sizeof(unsigned long long), "the counters are updated with 64-bit atomics");
 
 // Block-wide max of non-negative float bit patterns (NaN sorts above inf, as on the CPU).
-__device__ uint32_t block_max(uint32_t v) { return block_reduce(v, MaxOp{}, 0u); }
+__device__ uint32_t block_max_bits(uint32_t v) { return block_reduce(v, MaxOp{}, 0u); }
 
 __global__ void amax_kernel(const float* __restrict__ x, int64_t n, uint32_t* out) {
   uint32_t m = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    m = max(m, float_bits(x[i]) & 0x7FFFFFFFu);
-  m = block_max(m);
+  FP8MOE_GRID_STRIDE(i, n) m = max(m, float_bits(x[i]) & 0x7FFFFFFFu);
+  m = block_max_bits(m);
   if (threadIdx.x == 0) atomicMax(out, m);
 }
 
+// One element, with kernels/cpu/quantize.cpp's encode_span counters: saturated beyond the value
+// that still rounds to max finite (E4M3: > 464, the tie at 464 rounds down to even 448; E5M2:
+// >= 61440, whose tie rounds up to infinity); underflowed when non-zero became +-0.
 template <Fp8Dtype F>
 __device__ void encode_one(float v, uint8_t* q, unsigned long long* sat, unsigned long long* under) {
   const uint8_t b = fp8_encode<F, true>(v);
   *q = b;
-  *sat += F == Fp8Dtype::e4m3 ? fabsf(v) > 464.0f : fabsf(v) >= 61440.0f;  // as kernels/cpu/quantize.cpp
+  *sat += F == Fp8Dtype::e4m3 ? fabsf(v) > 464.0f : fabsf(v) >= 61440.0f;
   *under += (v != 0.0f) && ((b & 0x7F) == 0);
 }
 
@@ -40,23 +44,27 @@ __device__ void encode_dispatch(Fp8Dtype f, float v, uint8_t* q, unsigned long l
     encode_one<Fp8Dtype::e5m2>(v, q, sat, under);
 }
 
-__global__ void quantize_scale_kernel(const float* __restrict__ x, int64_t n, Fp8Dtype f, const float* scale,
-                                      uint8_t* __restrict__ q, float* scale_inv, unsigned long long* counts) {
-  const float s = *scale;
-  unsigned long long sat = 0, under = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    encode_dispatch(f, x[i] * s, &q[i], &sat, &under);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = div_rn(1.0f, s);
+__device__ void add_counts(unsigned long long* counts, unsigned long long sat, unsigned long long under) {
   if (counts && (sat | under)) {
     atomicAdd(&counts[0], sat);
     atomicAdd(&counts[1], under);
   }
 }
 
-// One thread block per tile: (tile_h x tile_w) elements starting at (r0, c0).
+__global__ void quantize_scaled_kernel(const float* __restrict__ x, int64_t n, Fp8Dtype f, const float* scale,
+                                       uint8_t* __restrict__ q, float* scale_inv, unsigned long long* counts) {
+  const float s = *scale;
+  unsigned long long sat = 0, under = 0;
+  FP8MOE_GRID_STRIDE(i, n) encode_dispatch(f, mul_rn(x[i], s), &q[i], &sat, &under);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = div_rn(1.0f, s);
+  add_counts(counts, sat, under);
+}
+
+// One block per tile: (tile_h x tile_w) elements starting at (r0, c0); scale_inv[tile index] in
+// kernels/quantize.h's layout (row-major over the tile grid).
 __global__ void quantize_tiled_kernel(const float* __restrict__ x, int64_t rows, int64_t cols, int tile_h, int tile_w,
                                       int64_t scale_cols, Fp8Dtype f, int margin, bool pow2, uint8_t* __restrict__ q,
-                                      float* scale_inv, unsigned long long* counts) {
+                                      float* __restrict__ scale_inv, unsigned long long* counts) {
   const int64_t tile_index = blockIdx.x;
   const int64_t ti = tile_index / scale_cols, tj = tile_index % scale_cols;
   const int64_t r0 = ti * tile_h, c0 = tj * tile_w;
@@ -64,94 +72,105 @@ __global__ void quantize_tiled_kernel(const float* __restrict__ x, int64_t rows,
   uint32_t m = 0;
   for (int64_t i = threadIdx.x; i < h * w; i += blockDim.x)
     m = max(m, float_bits(x[(r0 + i / w) * cols + c0 + i % w]) & 0x7FFFFFFFu);
-  m = block_max(m);
+  m = block_max_bits(m);
   const float s = compute_scale(bits_float(m), fp8_max(f), margin, pow2);
   if (threadIdx.x == 0) scale_inv[tile_index] = div_rn(1.0f, s);
   unsigned long long sat = 0, under = 0;
   for (int64_t i = threadIdx.x; i < h * w; i += blockDim.x) {
     const int64_t idx = (r0 + i / w) * cols + c0 + i % w;
-    encode_dispatch(f, x[idx] * s, &q[idx], &sat, &under);
+    encode_dispatch(f, mul_rn(x[idx], s), &q[idx], &sat, &under);
   }
-  if (counts && (sat | under)) {
-    atomicAdd(&counts[0], sat);
-    atomicAdd(&counts[1], under);
-  }
+  add_counts(counts, sat, under);
 }
 
 __global__ void scale_from_amax_kernel(const float* amax, float fmax, int margin, bool pow2, float* scale) {
   *scale = compute_scale(*amax, fmax, margin, pow2);
 }
 
-// One thread: record this step's amax and update the scale, as quantize_delayed on the CPU.
-__global__ void delayed_update_kernel(float* history, int64_t len, int64_t step, const float* amax, bool most_recent,
+// One thread: cpu::delayed_update exactly (the max over the whole ring, as cpu::delayed_amax).
+__global__ void delayed_update_kernel(float* history, int64_t len, int64_t steps, const float* amax, bool most_recent,
                                       float fmax, int margin, bool pow2, float* scale) {
-  history[step % len] = *amax;
-  const int64_t filled = step + 1 < len ? step + 1 : len;
-  uint32_t m = 0;
+  history[steps % len] = *amax;
+  float h = 0.0f;
   if (most_recent) {
-    m = float_bits(history[step % len]);
+    h = history[steps % len];
   } else {
-    for (int64_t i = 0; i < filled; ++i) m = max(m, float_bits(history[i]));
+    for (int64_t i = 0; i < len; ++i) h = float_bits(history[i]) > float_bits(h) ? history[i] : h;  // NaN-propagating
   }
-  const float h = bits_float(m);
   if (h > 0.0f && h <= 3.402823466e38f) *scale = compute_scale(h, fmax, margin, pow2);
+}
+
+__global__ void dequantize_kernel(QuantView q, float* __restrict__ out) {
+  FP8MOE_GRID_STRIDE(i, q.rows * q.cols) {
+    const int64_t r = i / q.cols, c = i % q.cols;
+    out[i] = mul_rn(fp8_decode(q.data[i], q.dtype), q.scale_inv[q.scale_index(r, c)]);
+  }
 }
 
 __global__ void convert_hw_kernel(const float* __restrict__ x, int64_t n, __nv_fp8_interpretation_t interp,
                                   __nv_saturation_t sat, uint8_t* __restrict__ q) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    q[i] = __nv_cvt_float_to_fp8(x[i], sat, interp);
+  FP8MOE_GRID_STRIDE(i, n) q[i] = __nv_cvt_float_to_fp8(x[i], sat, interp);
 }
+
+unsigned long long* as_ull(uint64_t* p) { return reinterpret_cast<unsigned long long*>(p); }
 
 }  // namespace
 
-void amax(const float* x, int64_t n, float* amax_out, cudaStream_t stream) {
-  CUDA_CHECK(cudaMemsetAsync(amax_out, 0, sizeof(float), stream));
+void amax(const float* x, int64_t n, float* out, cudaStream_t stream) {
+  CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), stream));  // +0: the CPU's amax of nothing
   if (n == 0) return;
-  amax_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, reinterpret_cast<uint32_t*>(amax_out));
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void quantize_with_scale(const float* x, int64_t n, Fp8Dtype dtype, const float* scale, uint8_t* q,
-                         float* scale_inv_out, unsigned long long* counts, cudaStream_t stream) {
-  quantize_scale_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, dtype, scale, q, scale_inv_out, counts);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, int tile, Fp8Dtype dtype,
-                    const ScaleOptions& opt, uint8_t* q, float* scale_inv, unsigned long long* counts,
-                    cudaStream_t stream) {
-  FP8MOE_ASSERT(tiling != Tiling::per_tensor && tile >= 1, "cuda::quantize_tiled: tiling ", to_string(tiling));
-  if (rows == 0 || cols == 0) return;
-  const int tile_h = tiling == Tiling::rows_1xT ? 1 : tile;
-  const int tile_w = tiling == Tiling::cols_Tx1 ? 1 : tile;
-  const int64_t sr = (rows + tile_h - 1) / tile_h, sc = (cols + tile_w - 1) / tile_w;
-  FP8MOE_ASSERT(sr * sc < (int64_t(1) << 31), "too many tiles for one launch: ", sr * sc);
-  quantize_tiled_kernel<<<unsigned(sr * sc), kThreads, 0, stream>>>(x, rows, cols, tile_h, tile_w, sc, dtype, opt.margin,
-                                                                    opt.power_of_two, q, scale_inv, counts);
-  CUDA_CHECK(cudaGetLastError());
+  amax_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(x, n, reinterpret_cast<uint32_t*>(out));
+  check_launch();
 }
 
 void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale, cudaStream_t stream) {
   scale_from_amax_kernel<<<1, 1, 0, stream>>>(amax, fp8_max(dtype), opt.margin, opt.power_of_two, scale);
-  CUDA_CHECK(cudaGetLastError());
+  check_launch();
 }
 
-void delayed_update(float* history, int64_t history_len, int64_t step, const float* amax,
-                    DelayedScaling::Compute compute, Fp8Dtype dtype, const ScaleOptions& opt, float* scale,
+void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts, cudaStream_t stream) {
+  FP8MOE_ASSERT(out.tiling == Tiling::per_tensor, "quantize_scaled into a ", to_string(out.tiling), " tensor");
+  // NOTE: launched also for an empty tensor (one block), which then only writes scale_inv[0].
+  const int64_t n = out.rows * out.cols;
+  quantize_scaled_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(x, n, out.dtype, scale, out.data, out.scale_inv,
+                                                                    as_ull(counts));
+  check_launch();
+}
+
+void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts,
                     cudaStream_t stream) {
-  FP8MOE_ASSERT(history_len >= 1, "delayed scaling with an empty amax history");
-  delayed_update_kernel<<<1, 1, 0, stream>>>(history, history_len, step, amax,
-                                             compute == DelayedScaling::Compute::most_recent, fp8_max(dtype),
-                                             opt.margin, opt.power_of_two, scale);
-  CUDA_CHECK(cudaGetLastError());
+  FP8MOE_ASSERT(out.tiling != Tiling::per_tensor && out.tile >= 1, "quantize_tiled needs a tiling, got ",
+                to_string(out.tiling), " with tile ", out.tile);
+  if (out.rows == 0 || out.cols == 0) return;  // no tiles, no scales
+  const int tile_h = out.tiling == Tiling::rows_1xT ? 1 : out.tile;
+  const int tile_w = out.tiling == Tiling::cols_Tx1 ? 1 : out.tile;
+  const int64_t sc = out.scale_cols();
+  quantize_tiled_kernel<<<grid_of(out.scale_count(), "quantize_tiled"), kBlockThreads, 0, stream>>>(
+      x, out.rows, out.cols, tile_h, tile_w, sc, out.dtype, opt.margin, opt.power_of_two, out.data, out.scale_inv,
+      as_ull(counts));
+  check_launch();
+}
+
+void delayed_update(float* history, int64_t len, int64_t steps, const float* amax, DelayedScalingCompute compute,
+                    Fp8Dtype dtype, const ScaleOptions& opt, float* scale, cudaStream_t stream) {
+  FP8MOE_ASSERT(len >= 1, "delayed scaling with an empty amax history");
+  delayed_update_kernel<<<1, 1, 0, stream>>>(history, len, steps, amax, compute == DelayedScalingCompute::most_recent,
+                                             fp8_max(dtype), opt.margin, opt.power_of_two, scale);
+  check_launch();
+}
+
+void dequantize(const QuantView& q, float* out, cudaStream_t stream) {
+  const int64_t n = q.rows * q.cols;
+  if (n == 0) return;
+  dequantize_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(q, out);
+  check_launch();
 }
 
 void convert_hw(const float* x, int64_t n, Fp8Dtype dtype, bool saturate, uint8_t* q, cudaStream_t stream) {
   if (n == 0) return;
-  convert_hw_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2,
-                                                          saturate ? __NV_SATFINITE : __NV_NOSAT, q);
-  CUDA_CHECK(cudaGetLastError());
+  convert_hw_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(x, n, dtype == Fp8Dtype::e4m3 ? __NV_E4M3 : __NV_E5M2,
+                                                               saturate ? __NV_SATFINITE : __NV_NOSAT, q);
+  check_launch();
 }
 
 }  // namespace fp8moe::cuda

@@ -1,6 +1,7 @@
-// CUDA quantization: the same element code as the CPU (kernels/fp8.h, compute_scale in
-// kernels/quantize.h), so results are bit-identical to kernels/cpu/quantize.cpp.
-// All pointers are device pointers; sizes may be 0.
+// CUDA launchers for kernels/quantize.h's cores (cpu::quantize_scaled, ...): the same element code
+// (kernels/fp8.h, compute_scale), so that results are bit-identical to kernels/cpu/quantize.cpp.
+// Device memory, queued on `stream`; sizes may be 0. Scales and amax values stay on the device.
+// counts (2 uint64_t, may be null): saturated and underflowed elements, ACCUMULATED (atomics).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,29 +12,23 @@
 
 namespace fp8moe::cuda {
 
-// *amax_out = max |x| (NaN if any x is NaN; 0 for n == 0), x: (n).
-void amax(const float* x, int64_t n, float* amax_out, cudaStream_t stream);
-
-// Current scaling on the device: *scale = compute_scale(*amax, ...), no copy to the host.
+// x: (n) -> out: (1) = max |x| (NaN if any x is NaN; 0 for n == 0).
+void amax(const float* x, int64_t n, float* out, cudaStream_t stream);
+// amax: (1) -> scale: (1) = compute_scale(*amax, fp8_max(dtype), opt.margin, opt.power_of_two).
 void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale, cudaStream_t stream);
-
-// Delayed scaling on the device, as quantize_delayed after its quantization: writes *amax into
-// history[step % len] (step = amax values recorded before this one) and updates *scale from the
-// history's max or newest entry, keeping it when that amax is 0 or not finite.
-void delayed_update(float* history, int64_t history_len, int64_t step, const float* amax,
-                    DelayedScaling::Compute compute, Fp8Dtype dtype, const ScaleOptions& opt, float* scale,
+// x: (out.rows, out.cols), scale: (1) -> out.data = fp8(x * *scale), out.scale_inv[0] = 1 / *scale (written
+// also when out is empty). out per-tensor.
+void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts, cudaStream_t stream);
+// x: (out.rows, out.cols) -> out.data and one scale per tile of out.tiling (not per_tensor) from
+// the tile's own amax.
+void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts,
                     cudaStream_t stream);
-
-// q = fp8(x * *scale), x, q: (n); *scale_inv_out = 1 / *scale. counts (optional, 2 entries,
-// accumulated): saturated, underflowed.
-void quantize_with_scale(const float* x, int64_t n, Fp8Dtype dtype, const float* scale, uint8_t* q,
-                         float* scale_inv_out, unsigned long long* counts, cudaStream_t stream);
-
-// Blockwise: one scale per tile of the tiling (not per_tensor); x, q: (rows, cols), scale_inv in
-// the layout of QuantTensor (kernels/quantize.h).
-void quantize_tiled(const float* x, int64_t rows, int64_t cols, Tiling tiling, int tile, Fp8Dtype dtype,
-                    const ScaleOptions& opt, uint8_t* q, float* scale_inv, unsigned long long* counts,
-                    cudaStream_t stream);
+// cpu::delayed_update: history: (len) gets *amax (1) at steps % len, and *scale (1) the compute_scale of
+// the history's max or newest entry unless that is 0 or not finite.
+void delayed_update(float* history, int64_t len, int64_t steps, const float* amax, DelayedScalingCompute compute,
+                    Fp8Dtype dtype, const ScaleOptions& opt, float* scale, cudaStream_t stream);
+// q: (q.rows, q.cols) -> out: (q.rows, q.cols) = decode(q) * scale_inv.
+void dequantize(const QuantView& q, float* out, cudaStream_t stream);
 
 // The hardware conversion (cuda_fp8.h's __nv_cvt_float_to_fp8: cvt.rn.satfinite on sm_89+), for
 // checking it against kernels/fp8.h. x: (n) -> q: (n).

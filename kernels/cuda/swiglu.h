@@ -1,4 +1,4 @@
-// CUDA launchers for kernels/swiglu.h. All pointers are device pointers; n may be 0.
+// CUDA launchers for kernels/swiglu.h. Device memory, queued on `stream`; n may be 0.
 #pragma once
 
 #include <cuda_runtime_api.h>

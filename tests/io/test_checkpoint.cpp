@@ -12,6 +12,7 @@
 
 #include "io/checkpoint.h"
 #include "io/config.h"
+#include "kernels/backend.h"
 #include "parallel/mpi_session.h"
 
 namespace fp8moe {
@@ -46,58 +47,74 @@ float value(size_t tensor, size_t i, int salt) {
   return float(std::sin(double(tensor) * 1.37 + double(i) * 0.011 + salt)) * float(1 + salt);
 }
 
+// The model and optimizer on a backend: cpu, or the emulated device (whose memory the host cannot
+// read: the checkpoint code must stage it through the backend).
+Backend& backend_of(DeviceKind kind) {
+  static const std::unique_ptr<Backend> cpu = make_backend(DeviceKind::cpu), emulated = make_backend(DeviceKind::emulated);
+  return kind == DeviceKind::cpu ? *cpu : *emulated;
+}
+
 struct Trainer {
   Config cfg;
   Transformer model;
   AdamW opt;
   LossScaler scaler;
   TrainProgress progress;
-  explicit Trainer(const Config& c, std::vector<RowRange> owned = {})
-      : cfg(c), model(c), opt(model.table(), c.train, std::move(owned)), scaler(c.train) {}
+  explicit Trainer(const Config& c, std::vector<RowRange> owned = {}, DeviceKind kind = DeviceKind::cpu)
+      : cfg(c), model(backend_of(kind), c), opt(backend_of(kind), model.table(), c.train, std::move(owned)),
+        scaler(c.train) {}
   TrainerState state() { return {&cfg, &model, &opt, &scaler, &progress, "test layout", {}, {}}; }
+  Backend& be() { return model.backend(); }
 
   void fill(int salt) {
-    for (size_t t = 0; t < model.params().size(); ++t) {
-      auto& p = model.params()[t];
+    for (size_t t = 0; t < model.table().params.size(); ++t) {
+      std::vector<float> p(size_t(model.shard(t).numel()));
       for (size_t i = 0; i < p.size(); ++i) p[i] = value(t, i, salt);
+      model.set_param(t, p);
       const size_t first = size_t(opt.owned(t).begin * model.table().params[t].cols);  // global index of element 0
       for (int w = 0; w < 2; ++w) {
+        Tensor& m = opt.moment(w, t);
         if (opt.bf16_moments()) {
-          auto& m = opt.moment_bf16(w, t);
-          for (size_t i = 0; i < m.size(); ++i) m[i] = bf16_encode(std::fabs(value(t, first + i, salt + 1 + w)));
+          std::vector<uint16_t> h(size_t(m.numel()));
+          for (size_t i = 0; i < h.size(); ++i) h[i] = bf16_encode(std::fabs(value(t, first + i, salt + 1 + w)));
+          to_device(be(), h, m.data<uint16_t>());
         } else {
-          auto& m = opt.moment_fp32(w, t);
-          for (size_t i = 0; i < m.size(); ++i) m[i] = std::fabs(value(t, first + i, salt + 1 + w));
+          std::vector<float> h(size_t(m.numel()));
+          for (size_t i = 0; i < h.size(); ++i) h[i] = std::fabs(value(t, first + i, salt + 1 + w));
+          to_device(be(), h, m.f32());
         }
       }
     }
     opt.restore_counts(7 + salt, 2);
     scaler.restore(1024.0f * float(salt + 1), 3 + salt);
     if (cfg.fp8.recipe == Fp8Recipe::delayed) {
+      std::map<std::string, HostLinearScaling> scaling;
       const char* names[] = {"layers.0.attn.wq", "layers.1.moe.experts.2.w2"};
       for (int n = 0; n < 2; ++n) {
-        LinearScaling& s = model.fp8_scaling()[names[n]];
+        HostLinearScaling& s = scaling[names[n]];
         for (DelayedScaling* d : {&s.x, &s.w, &s.dy}) {
           *d = make_delayed_scaling(cfg.fp8.amax_history_len);
           for (size_t i = 0; i < d->history.size(); ++i) d->history[i] = value(size_t(n), i, salt + 5);
           d->steps = 11 + salt, d->scale = 0.5f + float(n), d->last_used = 0.25f + float(salt);
         }
       }
+      model.set_fp8_scaling(scaling);
     }
     progress = {12 + salt, 96 + salt, 3072 + salt, 1.5 + salt};
   }
 
   // Bitwise equality of everything a checkpoint holds.
   void expect_same(Trainer& o) {
-    ASSERT_EQ(model.params().size(), o.model.params().size());
-    for (size_t t = 0; t < model.params().size(); ++t) {
-      const auto& a = model.params()[t];
-      const auto& b = o.model.params()[t];
+    const auto params = model.params_to_host(), other = o.model.params_to_host();
+    ASSERT_EQ(params.size(), other.size());
+    for (size_t t = 0; t < params.size(); ++t) {
+      const auto& a = params[t];
+      const auto& b = other[t];
       ASSERT_EQ(a.size(), b.size());
       EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << model.table().params[t].name;
       for (int w = 0; w < 2; ++w) {
-        if (opt.bf16_moments()) EXPECT_EQ(opt.moment_bf16(w, t), o.opt.moment_bf16(w, t)) << w << " " << t;
-        else EXPECT_EQ(opt.moment_fp32(w, t), o.opt.moment_fp32(w, t)) << w << " " << t;
+        if (opt.bf16_moments()) EXPECT_EQ(to_host<uint16_t>(opt.moment(w, t)), to_host<uint16_t>(o.opt.moment(w, t))) << w << " " << t;
+        else EXPECT_EQ(to_host<float>(opt.moment(w, t)), to_host<float>(o.opt.moment(w, t))) << w << " " << t;
       }
     }
     EXPECT_EQ(opt.updates(), o.opt.updates());
@@ -108,9 +125,10 @@ struct Trainer {
     EXPECT_EQ(progress.samples, o.progress.samples);
     EXPECT_EQ(progress.tokens, o.progress.tokens);
     EXPECT_EQ(progress.last_val_loss, o.progress.last_val_loss);
-    ASSERT_EQ(model.fp8_scaling().size(), o.model.fp8_scaling().size());
-    for (auto& [name, s] : model.fp8_scaling()) {
-      const LinearScaling& t = o.model.fp8_scaling().at(name);
+    const auto scaling = model.fp8_scaling_to_host(), other_scaling = o.model.fp8_scaling_to_host();
+    ASSERT_EQ(scaling.size(), other_scaling.size());
+    for (auto& [name, s] : scaling) {
+      const HostLinearScaling& t = other_scaling.at(name);
       EXPECT_TRUE(s.x == t.x && s.w == t.w && s.dy == t.dy) << name;
     }
   }
@@ -138,13 +156,15 @@ void remove_shared(const std::string& d) {
   if (world_rank() == 0) fs::remove_all(fs::path(d).parent_path());
 }
 
-class CheckpointRoundTrip : public testing::TestWithParam<std::tuple<bool, Fp8Recipe>> {};
+// The saving and the all-ranks loading trainers on the device of the third parameter (the one-rank
+// loads on cpu): a checkpoint of the emulated device's memory is the CPU's, bit for bit.
+class CheckpointRoundTrip : public testing::TestWithParam<std::tuple<bool, Fp8Recipe, DeviceKind>> {};
 
 TEST_P(CheckpointRoundTrip, AllRanksSaveAndAnyLayoutLoadsBitExact) {
-  const auto [bf16, recipe] = GetParam();
+  const auto [bf16, recipe, kind] = GetParam();
   const std::string dir = shared_dir("all");
   const bool root = world_rank() == 0;
-  Trainer saved(small_config(dir, bf16, recipe));
+  Trainer saved(small_config(dir, bf16, recipe), {}, kind);
   saved.fill(1);
   const std::string committed = save_checkpoint(MPI_COMM_WORLD, saved.state());
   EXPECT_EQ(committed, dir + "/step_00000013");
@@ -157,7 +177,7 @@ TEST_P(CheckpointRoundTrip, AllRanksSaveAndAnyLayoutLoadsBitExact) {
     saved.expect_same(one);
   }
   // All ranks load it.
-  Trainer all(saved.cfg);
+  Trainer all(saved.cfg, {}, kind);
   all.fill(6);
   EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, all.state()), committed);
   saved.expect_same(all);
@@ -185,9 +205,11 @@ TEST_P(CheckpointRoundTrip, AllRanksSaveAndAnyLayoutLoadsBitExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Moments, CheckpointRoundTrip,
-                         testing::Values(std::make_tuple(false, Fp8Recipe::blockwise),
-                                         std::make_tuple(true, Fp8Recipe::delayed),
-                                         std::make_tuple(false, Fp8Recipe::delayed)));
+                         testing::Values(std::make_tuple(false, Fp8Recipe::blockwise, DeviceKind::cpu),
+                                         std::make_tuple(true, Fp8Recipe::delayed, DeviceKind::cpu),
+                                         std::make_tuple(false, Fp8Recipe::delayed, DeviceKind::cpu),
+                                         std::make_tuple(true, Fp8Recipe::delayed, DeviceKind::emulated),
+                                         std::make_tuple(false, Fp8Recipe::blockwise, DeviceKind::emulated)));
 
 TEST(Checkpoint, ShardedMomentsLoadWholeAndShardedAgain) {
   // ZeRO-1: each rank holds the moments of its rows only; the file holds the global tensors.

@@ -14,7 +14,11 @@
 #include <vector>
 
 #include "kernels/elem.h"
-#include "kernels/ops.h"
+#include "kernels/attention.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/embedding.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
 
 namespace fp8moe {
 namespace {
@@ -228,12 +232,12 @@ TEST(Ops, EmbeddingGatherAndScatterAdd) {
   const Vec table = random_vec(V * D, 11);
   const std::vector<int32_t> ids = {4, 0, 4, 2};
   Vec out(ids.size() * D);
-  cpu::embedding_forward(table.data(), ids.data(), int64_t(ids.size()), D, out.data());
+  cpu::embedding_forward(table.data(), ids.data(), int64_t(ids.size()), D, 0, V, out.data());
   for (size_t n = 0; n < ids.size(); ++n)
     for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[n * D + d], table[ids[n] * D + d]);
   Vec dtable(V * D, 1.0f);
   const Vec dout = random_vec(ids.size() * D, 12);
-  cpu::embedding_backward(dout.data(), ids.data(), int64_t(ids.size()), D, dtable.data());
+  cpu::embedding_backward(dout.data(), ids.data(), int64_t(ids.size()), D, 0, V, dtable.data());
   for (int64_t d = 0; d < D; ++d) {
     EXPECT_FLOAT_EQ(dtable[4 * D + d], 1.0f + dout[0 * D + d] + dout[2 * D + d]);  // id 4 twice
     EXPECT_FLOAT_EQ(dtable[0 * D + d], 1.0f + dout[1 * D + d]);

@@ -6,10 +6,17 @@
 #include <numeric>
 #include <random>
 
+#include "kernels/backend.h"
 #include "model/transformer.h"
 
 namespace fp8moe {
 namespace {
+
+// The tests run the model on the CPU backend, whose memory the host reads directly.
+Backend& cpu_backend() {
+  static const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
+  return *be;
+}
 
 // The fourth-order central difference (8 (f(v+h) - f(v-h)) - (f(v+2h) - f(v-2h))) / 12h: f[j] is
 // the function at v + kFourPointSteps[j] h.
@@ -199,16 +206,16 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
     for (Recompute rc : {Recompute::none, Recompute::moe, Recompute::full}) {
       Config c = model_config(recipe);
       c.train.recompute = rc;
-      Transformer model(c);
+      Transformer model(cpu_backend(), c);
       const Batch b = batch(16, 1, 40);
       for (int step = 0; step < 2; ++step) {  // two steps: delayed scaling has history by the second
         model.zero_grads();
         model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
       }
       if (rc == Recompute::none)
-        reference = model.grads();
+        reference = model.grads_to_host();
       else
-        EXPECT_EQ(model.grads(), reference) << to_string(recipe) << " recompute " << to_string(rc);
+        EXPECT_EQ(model.grads_to_host(), reference) << to_string(recipe) << " recompute " << to_string(rc);
     }
   }
 }
@@ -225,7 +232,7 @@ TEST(Model, SavedActivationBytesOfTiny) {
   auto measure = [&](Fp8Recipe recipe, bool cache) {
     c.fp8.recipe = recipe;
     c.fp8.cache_activations = cache;
-    Transformer model(c);
+    Transformer model(cpu_backend(), c);
     const Batch b = batch(256, 6, 256);
     model.forward_backward(b.tokens.data(), b.targets.data(), 1, 256, false);
     return model.saved_bytes_per_token_per_layer();
@@ -244,13 +251,13 @@ TEST(Model, SavedActivationBytesOfTiny) {
 TEST(Model, RouterBiasesMoveTowardsBalanceAfterAStep) {
   Config c = model_config(Fp8Recipe::off);
   c.model.moe.bias_update_rate = 0.01;
-  Transformer model(c);
+  Transformer model(cpu_backend(), c);
   const Batch b = batch(32, 7, 40);
   const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 4, 8, false);
   model.update_router_biases(r.expert_load);
   for (size_t layer = 0; layer < r.expert_load.size(); ++layer) {
     const auto& load = r.expert_load[layer];
-    const std::vector<float>& bias = model.param("layers." + std::to_string(layer + 1) + ".moe.router_bias");
+    const std::vector<float> bias = model.param_to_host("layers." + std::to_string(layer + 1) + ".moe.router_bias");
     const double mean = 32.0 * 2 / 4;
     for (size_t e = 0; e < load.size(); ++e)
       EXPECT_FLOAT_EQ(bias[e], load[e] > mean ? -0.01f : load[e] < mean ? 0.01f : 0.0f) << layer << " " << e;
@@ -281,22 +288,24 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
     MoeWeights w{router.data(), bias.data(), {ew[0].data(), ew[1].data(), ew[2].data()}, {}};
     for (int e = 0; e < E; ++e) w.experts.push_back({ew[3 + 3 * e].data(), ew[4 + 3 * e].data(), ew[5 + 3 * e].data()});
     MoeFp8 fp8{{}, std::vector<FfnFp8>(E)};
+    Backend& be = cpu_backend();  // its memory is host memory: the test's vectors are its tensors
     auto objective = [&](MoeSaved* s) {
       std::vector<float> out(N * D);
-      const double aux = moe_forward(x.data(), N, D, cfg, w, fp8, out.data(), s);
+      double aux = 0;
+      moe_forward(be, x.data(), N, D, cfg, w, fp8, out.data(), s, nullptr, &aux);
       double f = aux;
       for (int64_t i = 0; i < N * D; ++i) f += double(r[i]) * out[i];
       return f;
     };
     MoeSaved s;
     objective(&s);
-    ASSERT_GT(s.routing.dropped, 0) << "the test needs capacity drops";
+    ASSERT_GT(s.routing.dropped(), 0) << "the test needs capacity drops";
     std::vector<float> dx(N * D), drouter(E * D, 0.0f);
     std::vector<std::vector<float>> eg(ew.size());
     for (size_t i = 0; i < ew.size(); ++i) eg[i].assign(ew[i].size(), 0.0f);
     MoeGrads g{drouter.data(), {eg[0].data(), eg[1].data(), eg[2].data()}, {}};
     for (int e = 0; e < E; ++e) g.experts.push_back({eg[3 + 3 * e].data(), eg[4 + 3 * e].data(), eg[5 + 3 * e].data()});
-    moe_backward(s, D, cfg, w, r.data(), 1.0f, fp8, dx.data(), g);
+    moe_backward(be, s, D, cfg, w, r.data(), 1.0f, fp8, dx.data(), g);
     std::vector<std::pair<std::vector<float>*, std::vector<float>*>> checks = {{&x, &dx}, {&router, &drouter}};
     for (size_t i = 0; i < ew.size(); ++i) checks.push_back({&ew[i], &eg[i]});
     int checked = 0, total = 0;
@@ -311,7 +320,8 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
           MoeSaved p;
           v = keep + kFourPointSteps[j] * h;
           f[j] = objective(&p);
-          smooth = smooth && p.routing.expert == s.routing.expert && p.routing.kept == s.routing.kept;
+          smooth = smooth && to_host<int32_t>(p.routing.expert) == to_host<int32_t>(s.routing.expert) &&
+                   to_host<uint8_t>(p.routing.kept) == to_host<uint8_t>(s.routing.kept);
         }
         v = keep;
         if (!smooth) continue;  // the perturbation changed the routing: the function is not smooth there
@@ -333,7 +343,7 @@ TEST(Model, EvaluationDoesNotChangeTraining) {
   // gradients of a training step are the same with or without an evaluation before it.
   std::vector<std::vector<float>> reference;
   for (bool eval_first : {false, true}) {
-    Transformer model(model_config(Fp8Recipe::delayed));
+    Transformer model(cpu_backend(), model_config(Fp8Recipe::delayed));
     const Batch b = batch(16, 8, 40), other = batch(16, 9, 40);
     model.zero_grads();
     model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);  // histories have one step
@@ -341,9 +351,9 @@ TEST(Model, EvaluationDoesNotChangeTraining) {
     model.zero_grads();
     model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
     if (!eval_first)
-      reference = model.grads();
+      reference = model.grads_to_host();
     else
-      EXPECT_EQ(model.grads(), reference);
+      EXPECT_EQ(model.grads_to_host(), reference);
   }
 }
 
@@ -354,20 +364,21 @@ TEST(Model, LossScalingScalesEveryGradientExactly) {
     Config c = model_config(recipe);
     c.model.moe.aux_loss_coef = 0.01;
     const Batch b = batch(16, 10, 40);
-    Transformer plain(c), scaled(c);
+    Transformer plain(cpu_backend(), c), scaled(cpu_backend(), c);
     plain.zero_grads();
     scaled.zero_grads();
     plain.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true, 1.0f);
     scaled.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true, 1024.0f);
-    for (size_t i = 0; i < plain.grads().size(); ++i)
-      for (size_t j = 0; j < plain.grads()[i].size(); ++j)
-        ASSERT_EQ(scaled.grads()[i][j], 1024.0f * plain.grads()[i][j]) << to_string(recipe) << " " << plain.table().params[i].name;
+    const auto pg = plain.grads_to_host(), sg = scaled.grads_to_host();
+    for (size_t i = 0; i < pg.size(); ++i)
+      for (size_t j = 0; j < pg[i].size(); ++j)
+        ASSERT_EQ(sg[i][j], 1024.0f * pg[i][j]) << to_string(recipe) << " " << plain.table().params[i].name;
   }
 }
 
 TEST(Model, SgdOnAFixedBatchLowersTheLoss) {
   for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::current, Fp8Recipe::blockwise}) {
-    Transformer model(model_config(recipe));
+    Transformer model(cpu_backend(), model_config(recipe));
     const Batch b = batch(32, 2, 40);
     double first = 0, last = 0;
     for (int step = 0; step < 30; ++step) {
@@ -375,9 +386,12 @@ TEST(Model, SgdOnAFixedBatchLowersTheLoss) {
       const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 4, 8, true);
       if (step == 0) first = r.loss;
       last = r.loss;
-      for (size_t i = 0; i < model.params().size(); ++i) {
+      auto params = model.params_to_host();
+      const auto grads = model.grads_to_host();
+      for (size_t i = 0; i < params.size(); ++i) {
         if (!model.table().params[i].trainable) continue;
-        for (size_t j = 0; j < model.params()[i].size(); ++j) model.params()[i][j] -= 0.5f * model.grads()[i][j];
+        for (size_t j = 0; j < params[i].size(); ++j) params[i][j] -= 0.5f * grads[i][j];
+        model.set_param(i, params[i]);
       }
     }
     EXPECT_LT(last, first * 0.8) << to_string(recipe) << ": " << first << " -> " << last;
@@ -394,11 +408,13 @@ TEST(Model, FiniteDifferencesForEveryParameterKind) {
   // NOTE: top-k routing makes the loss piecewise smooth: a perturbation that changes any token's
   // choice of experts jumps the loss, so such a difference is retried with a smaller step.
   Config c = model_config(Fp8Recipe::off);
-  Transformer model(c);
+  Transformer model(cpu_backend(), c);
+  model.set_keep_routing(true);  // a routing flip is seen in StepResult::routing
   const Batch b = batch(16, 3, 40);
   model.zero_grads();
   const StepResult base = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
-  const std::vector<std::vector<float>> grads = model.grads();
+  const std::vector<std::vector<float>> grads = model.grads_to_host();
+  std::vector<std::vector<float>> params = model.params_to_host();
   int checked = 0;
   double worst = 0;
   std::string worst_name;
@@ -408,7 +424,7 @@ TEST(Model, FiniteDifferencesForEveryParameterKind) {
     // The element with the largest gradient of each tensor (the most informative one).
     const size_t j = size_t(std::max_element(grads[i].begin(), grads[i].end(),
                                              [](float a, float b) { return std::abs(a) < std::abs(b); }) - grads[i].begin());
-    float& w = model.params()[i][j];
+    float& w = params[i][j];
     const float keep = w;
     bool done = false;
     for (float h : {1e-2f, 2e-3f, 5e-4f}) {
@@ -416,11 +432,13 @@ TEST(Model, FiniteDifferencesForEveryParameterKind) {
       bool smooth = true;
       for (int k = 0; k < 4; ++k) {
         w = keep + kFourPointSteps[k] * h;
+        model.set_param(i, params[i]);
         const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, false);
         f[k] = r.loss;
         smooth = smooth && r.routing == base.routing;
       }
       w = keep;
+      model.set_param(i, params[i]);
       if (!smooth) continue;  // a routing flip
       const double numeric = four_point_derivative(f, h);
       const double err = std::abs(grads[i][j] - numeric) / (std::abs(numeric) + 1e-2);
@@ -438,7 +456,7 @@ TEST(Model, FiniteDifferencesForEveryParameterKind) {
 }
 
 TEST(Model, ExpertLoadIsReported) {
-  Transformer model(model_config(Fp8Recipe::off));
+  Transformer model(cpu_backend(), model_config(Fp8Recipe::off));
   const Batch b = batch(16, 4, 40);
   const StepResult r = model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, false);
   ASSERT_EQ(r.expert_load.size(), 2u);  // two MoE blocks

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 
+#include "kernels/backend.h"
 #include "model/optimizer.h"
 
 namespace fp8moe {
@@ -26,6 +27,30 @@ TrainConfig train_config() {
   return t;
 }
 
+// AdamW on the CPU backend over a store holding every parameter whole: host vectors in, one step
+// (the norm part, read back, then the update), the parameters back in the vectors.
+struct Harness {
+  std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
+  ParamTable table;
+  std::vector<Shard> shards;
+  ParamStore store;
+  explicit Harness(const ParamTable& t) : table(t), shards(whole(t)), store(*be, table, shards, 1) {}
+  static std::vector<Shard> whole(const ParamTable& t) {
+    std::vector<Shard> s;
+    for (const ParamSpec& p : t.params) s.push_back({0, p.rows, 0, p.cols});
+    return s;
+  }
+  OptimizerStats step(AdamW& opt, std::vector<std::vector<float>>& params, const std::vector<std::vector<float>>& grads,
+                      int64_t step) {
+    for (size_t i = 0; i < params.size(); ++i) store.param_from_host(i, params[i]), store.grad_from_host(i, grads[i]);
+    Tensor sq(*be, DType::f64, {1});
+    opt.grad_sq(store, 1.0f, {}, sq.data<double>());
+    const OptimizerStats st = opt.step(store, step, to_host<double>(sq)[0], 1.0f);
+    params = store.params_to_host();
+    return st;
+  }
+};
+
 std::vector<std::vector<float>> random_like(const ParamTable& t, uint64_t seed, float scale) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> d(0.0f, scale);
@@ -42,7 +67,8 @@ TEST(AdamW, MatchesTheFormulaOverSeveralStepsWithClippingAndDecayExclusions) {
     const ParamTable table = build_param_table(small_model());
     TrainConfig cfg = train_config();
     cfg.moments_dtype = md;
-    AdamW opt(table, cfg);
+    Harness h(table);
+    AdamW opt(*h.be, table, cfg);
     auto params = random_like(table, 1, 1.0f);
     // Reference state in FP64.
     std::vector<std::vector<double>> p(params.size()), m(params.size()), v(params.size());
@@ -75,7 +101,7 @@ TEST(AdamW, MatchesTheFormulaOverSeveralStepsWithClippingAndDecayExclusions) {
           if (md == MomentsDtype::bf16) v[i][j] = bf16_decode(bf16_encode(float(v[i][j])));
         }
       }
-      const OptimizerStats st = opt.step(params, grads, step);
+      const OptimizerStats st = h.step(opt, params, grads, step);
       EXPECT_FALSE(st.skipped);
       EXPECT_NEAR(st.grad_norm, norm, 1e-9 * norm);  // both sum squares in double: ~1e-14 apart
       EXPECT_DOUBLE_EQ(st.lr, lr);
@@ -96,11 +122,12 @@ TEST(AdamW, MatchesTheFormulaOverSeveralStepsWithClippingAndDecayExclusions) {
 TEST(AdamW, WeightDecaySkipsNormsAndTheRouterBias) {
   const ParamTable table = build_param_table(small_model());
   TrainConfig cfg = train_config();
-  AdamW opt(table, cfg);
+  Harness h(table);
+  AdamW opt(*h.be, table, cfg);
   auto params = random_like(table, 2, 1.0f);
   const auto before = params;
   auto zero = random_like(table, 3, 0.0f);  // zero gradients: only decay moves a parameter
-  opt.step(params, zero, 5);
+  h.step(opt, params, zero, 5);
   const double lr = learning_rate(cfg, 5);
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& s = table.params[i];
@@ -113,15 +140,16 @@ TEST(AdamW, WeightDecaySkipsNormsAndTheRouterBias) {
 
 TEST(AdamW, NonFiniteGradientsSkipTheStepAndTouchNothing) {
   const ParamTable table = build_param_table(small_model());
-  AdamW opt(table, train_config());
+  Harness h(table);
+  AdamW opt(*h.be, table, train_config());
   auto params = random_like(table, 4, 1.0f);
   auto grads = random_like(table, 5, 1.0f);
-  opt.step(params, grads, 0);
+  h.step(opt, params, grads, 0);
   const auto params_before = params;
   const auto m_before = opt.first_moment(1), v_before = opt.second_moment(1);
   auto bad = random_like(table, 6, 1.0f);
   bad[3][2] = NAN;
-  const OptimizerStats st = opt.step(params, bad, 1);
+  const OptimizerStats st = h.step(opt, params, bad, 1);
   EXPECT_TRUE(st.skipped);
   EXPECT_EQ(opt.skipped(), 1);
   EXPECT_EQ(opt.updates(), 1);
@@ -129,7 +157,7 @@ TEST(AdamW, NonFiniteGradientsSkipTheStepAndTouchNothing) {
   EXPECT_EQ(opt.first_moment(1), m_before);
   EXPECT_EQ(opt.second_moment(1), v_before);
   bad[3][2] = INFINITY;
-  EXPECT_TRUE(opt.step(params, bad, 1).skipped);
+  EXPECT_TRUE(h.step(opt, params, bad, 1).skipped);
   // The next good step is update number 2 for bias correction (not schedule step + 1 = 3).
   const TrainConfig cfg = train_config();
   auto good = random_like(table, 7, 0.001f);  // below the clip
@@ -144,7 +172,7 @@ TEST(AdamW, NonFiniteGradientsSkipTheStepAndTouchNothing) {
     want[j] = float(params[1][j] * decay - lr * mh / (std::sqrt(vh) + cfg.eps));
   }
   ASSERT_TRUE(table.params[1].trainable) << table.params[1].name;
-  EXPECT_FALSE(opt.step(params, good, 2).skipped);
+  EXPECT_FALSE(h.step(opt, params, good, 2).skipped);
   // One FP32 step from the same state: a few FP32 ulps of weights of size ~1 (1.2e-7 each).
   for (size_t j = 0; j < want.size(); ++j) ASSERT_NEAR(params[1][j], want[j], 1e-6) << j;
 }

@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <numeric>
 
-#include "parallel/mpi_communicator.h"
+#include "kernels/backend.h"
+#include "parallel/device_communicator.h"
 #include "parallel/expert_dispatch.h"
+#include "parallel/mpi_communicator.h"
 
 namespace fp8moe {
 namespace {
@@ -48,13 +50,25 @@ Routed route(int r, int T, int k, int E) {
 
 float payload(int r, int t, int d) { return float(r * 1000 + t) + 0.125f * float(d); }
 
-TEST(ExpertDispatch, SelfDescribingRowsRoundTrip) {
+// On the cpu backend (host memory), and on the emulated device with its own collectives and with
+// MPI staged through host memory: the rows never leave device memory but through the communicator.
+struct DispatchCase {
+  DeviceKind kind;
+  bool native;  // the emulated device's own collectives (runtime.comm nccl), else staged MPI
+};
+class ExpertDispatchOn : public testing::TestWithParam<DispatchCase> {};
+
+TEST_P(ExpertDispatchOn, SelfDescribingRowsRoundTrip) {
   MpiCommunicator world(MPI_COMM_WORLD);
+  const std::unique_ptr<Backend> be = make_backend(GetParam().kind);
+  const std::unique_ptr<Communicator> device =
+      be->host_accessible() ? nullptr : make_device_communicator(MPI_COMM_WORLD, *be, GetParam().native, "ep");
+  Communicator& rows_comm = device ? *device : world;
   const int P = world.size(), me = world.rank();
   for (int E : {P, 2 * P, 4 * P}) {
     for (int T : {0, 1, 13}) {
       const int k = std::min(2, E);
-      ExpertDispatcher disp(world, E);
+      ExpertDispatcher disp(*be, rows_comm, world, E);
       ASSERT_EQ(disp.local_experts(), E / P);
       const Routed rt = route(me, T, k, E);
       // Permute (token, slot) rows into global expert order, stable.
@@ -73,8 +87,10 @@ TEST(ExpertDispatch, SelfDescribingRowsRoundTrip) {
         row[4] = payload(me, t, 4), row[5] = payload(me, t, 5);
       }
       const DispatchPlan plan = disp.plan(counts.data());
-      std::vector<float> got;
-      disp.dispatch(plan, rows.data(), kD, &got);
+      const Tensor rows_d = tensor_from(*be, rows, {int64_t(rows.size())});
+      Tensor got_d;
+      disp.dispatch(plan, rows_d.f32(), kD, &got_d);
+      const std::vector<float> got = to_host<float>(got_d);
 
       // Every rank's routing, enumerated independently: rows per local expert, per source.
       const int L = E / P, first = me * L;
@@ -100,8 +116,9 @@ TEST(ExpertDispatch, SelfDescribingRowsRoundTrip) {
       }
 
       // Identity experts, combine, gate-weighted sum: x * sum(gates).
-      std::vector<float> back(rows.size());
-      disp.combine(plan, got.data(), kD, back.data());
+      Tensor back_d(*be, DType::f32, {int64_t(rows.size())});
+      disp.combine(plan, got_d.f32(), kD, back_d.f32());
+      const std::vector<float> back = to_host<float>(back_d);
       EXPECT_EQ(back, rows) << "combine must return every row to its place";
       std::vector<float> y(static_cast<size_t>(T * kD), 0.0f);
       for (size_t i = 0; i < order.size(); ++i) {
@@ -116,6 +133,15 @@ TEST(ExpertDispatch, SelfDescribingRowsRoundTrip) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, ExpertDispatchOn,
+                         testing::Values(DispatchCase{DeviceKind::cpu, false}, DispatchCase{DeviceKind::emulated, true},
+                                         DispatchCase{DeviceKind::emulated, false}),
+                         [](const testing::TestParamInfo<DispatchCase>& i) {
+                           return i.param.kind == DeviceKind::cpu ? std::string("cpu")
+                                  : i.param.native                ? std::string("emulated_native")
+                                                                  : std::string("emulated_staged");
+                         });
 
 TEST(ExpertDispatch, CollectivesCountTheirBytes) {
   MpiCommunicator world(MPI_COMM_WORLD);

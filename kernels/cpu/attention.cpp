@@ -1,4 +1,4 @@
-#include "kernels/ops.h"
+#include "kernels/attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,64 +6,9 @@
 #include <vector>
 
 #include "kernels/check.h"
-#include "kernels/elem.h"
 #include "kernels/gemm_fp8.h"  // sgemm
 
 namespace fp8moe::cpu {
-
-void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* xr = x + n * D;
-    double ss = 0;
-    for (int64_t d = 0; d < D; ++d) ss += double(xr[d]) * xr[d];
-    const float r = float(1.0 / std::sqrt(ss / double(D) + eps));
-    rstd[n] = r;
-    for (int64_t d = 0; d < D; ++d) y[n * D + d] = xr[d] * r * w[d];
-  }
-}
-
-void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
-                      float* dx, float* dw) {
-  // y = x r w with r = (mean(x^2) + eps)^-1/2:  dx = r (w dy) - x r^3 / D * sum(w dy x).
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float *xr = x + n * D, *g = dy + n * D;
-    const double r = rstd[n];
-    double dot = 0;
-    for (int64_t d = 0; d < D; ++d) dot += double(w[d]) * g[d] * xr[d];
-    const double c = dot * r * r * r / double(D);
-    for (int64_t d = 0; d < D; ++d) dx[n * D + d] = float(r * w[d] * g[d] - c * xr[d]);
-  }
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t d = 0; d < D; ++d) dw[d] += dy[n * D + d] * x[n * D + d] * rstd[n];
-}
-
-void rope_table(int64_t T, int64_t hd, double theta, bool inverse, float* cs, float* sn) {
-  const int64_t half = hd / 2;
-  // Angles in double: t * theta^(-2i / hd) for every position and pair.
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < half; ++i) {
-      const double a = double(t) * std::pow(theta, -2.0 * double(i) / double(hd));
-      cs[t * half + i] = float(std::cos(a));
-      sn[t * half + i] = float(inverse ? -std::sin(a) : std::sin(a));
-    }
-}
-
-void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, double theta, bool inverse) {
-  FP8MOE_ASSERT(hd % 2 == 0, "rope needs an even head_dim, got ", hd);
-  const int64_t half = hd / 2;
-  std::vector<float> cs(size_t(T * half)), sn(size_t(T * half));
-  rope_table(T, hd, theta, inverse, cs.data(), sn.data());
-#pragma omp parallel for schedule(static)
-  for (int64_t row = 0; row < B * T; ++row) {
-    const int64_t t = row % T;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + (row * heads + h) * hd;
-      for (int64_t i = 0; i < half; ++i) rope_rotate(&v[i], &v[i + half], cs[t * half + i], sn[t * half + i]);
-    }
-  }
-}
 
 namespace {
 // Scores S = Q K^T / sqrt(hd) of one (sequence, head) with the causal mask, (T, T).
@@ -138,50 +83,6 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
         sgemm(true, false, T, hd, T, scale, dp.data(), T, qb, qs, 1.0f, dkb, ks);                        // dK +=
       }
     }
-}
-
-double cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
-                     float grad_scale, float* dlogits, int64_t* count) {
-  // Per-row losses summed serially afterwards: the same bits for any thread count.
-  std::vector<double> loss(static_cast<size_t>(N), 0.0);
-  int64_t counted = 0;
-#pragma omp parallel for reduction(+ : counted) schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = logits + n * V;
-    const int32_t t = targets[n];
-    if (t == ignore) {
-      if (dlogits)
-        for (int64_t v = 0; v < V; ++v) dlogits[n * V + v] = 0.0f;
-      continue;
-    }
-    FP8MOE_ASSERT(t >= 0 && t < V, "target ", t, " outside the vocabulary of ", V);
-    float m = row[0];
-    for (int64_t v = 1; v < V; ++v) m = std::max(m, row[v]);
-    double sum = 0;
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - m);
-    const double lse = m + std::log(sum);
-    loss[size_t(n)] = lse - row[t];
-    ++counted;
-    if (dlogits)
-      for (int64_t v = 0; v < V; ++v)
-        dlogits[n * V + v] = float(grad_scale * (std::exp(double(row[v]) - lse) - (v == t ? 1.0 : 0.0)));
-  }
-  *count = counted;
-  double total = 0;
-  for (double x : loss) total += x;
-  return total;
-}
-
-void embedding_forward(const float* table, const int32_t* ids, int64_t N, int64_t D, float* out) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t d = 0; d < D; ++d) out[n * D + d] = table[int64_t(ids[n]) * D + d];
-}
-
-void embedding_backward(const float* dout, const int32_t* ids, int64_t N, int64_t D, float* dtable) {
-  // Serial over tokens: repeated ids add into the same row (deterministic order).
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t d = 0; d < D; ++d) dtable[int64_t(ids[n]) * D + d] += dout[n * D + d];
 }
 
 }  // namespace fp8moe::cpu

@@ -1,0 +1,38 @@
+#include "kernels/backend.h"
+
+#include "kernels/host_backend.h"
+
+#ifdef FP8MOE_HAVE_CUDA
+#include "kernels/cuda/backend.h"
+#endif
+
+namespace fp8moe {
+
+void Backend::upload(void* dst, const void* host, size_t bytes) {
+  if (bytes == 0) return;
+  counts_.h2d_bytes += int64_t(bytes);
+  upload_impl(dst, host, bytes);
+}
+
+void Backend::download(void* host, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  counts_.d2h_bytes += int64_t(bytes);
+  download_impl(host, src, bytes);
+}
+
+void Backend::sync() {
+  ++counts_.host_syncs;
+  sync_impl();
+}
+
+std::unique_ptr<Backend> make_backend(DeviceKind kind, int ordinal) {
+  if (kind != DeviceKind::cuda) return std::make_unique<HostBackend>(kind);
+#ifdef FP8MOE_HAVE_CUDA
+  return make_cuda_backend(ordinal);
+#else
+  (void)ordinal;
+  fatal_error(__FILE__, __LINE__, "runtime.device cuda: this fp8moe was built without CUDA");
+#endif
+}
+
+}  // namespace fp8moe

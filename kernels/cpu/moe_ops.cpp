@@ -1,0 +1,110 @@
+#include "kernels/moe_ops.h"
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+namespace fp8moe::cpu {
+
+void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) std::copy_n(x + row_token[i] * D, D, rows + i * D);
+}
+
+void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out) {
+  // Serial over rows: a token's k rows add into the same output row (deterministic order).
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t n = r.row_token[i];
+    if (gated) {
+      const float g = r.gate[n * r.k + r.row_slot[i]];
+      for (int64_t d = 0; d < D; ++d) out[n * D + d] += g * rows[i * D + d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) out[n * D + d] += rows[i * D + d];
+    }
+  }
+}
+
+void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
+               double* dgate) {
+  const int64_t k = r.k;
+  std::fill_n(dgate, r.N * k, 0.0);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t n = r.row_token[i];
+    const int64_t slot = n * k + r.row_slot[i];
+    double dg = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      dye[i * D + d] = r.gate[slot] * dout[n * D + d];
+      dg += double(dout[n * D + d]) * expert_out[i * D + d];
+    }
+    dgate[slot] = dg;
+  }
+}
+
+void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) {
+  const int64_t N = r.N, E = r.E, k = r.k;
+  std::vector<double> dp(static_cast<size_t>(E)), dpn(static_cast<size_t>(E));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* p = &r.prob[n * E];
+    std::fill(dp.begin(), dp.end(), 0.0);
+    const int32_t* chosen = &r.expert[n * k];  // dropped slots have dgate 0 but stay in the normalisation
+    const double rsf = rule.scaling;
+    if (rule.normalise) {
+      // g_i = c s_i / S, S = sum of the chosen s:  ds_c = c (dg_c - sum_j dg_j s_j / S) / S.
+      double S = 0, gsum = 0;
+      for (int64_t j = 0; j < k; ++j) S += p[chosen[j]];
+      for (int64_t j = 0; j < k; ++j) gsum += dgate[n * k + j] * (p[chosen[j]] / S);
+      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += rsf * ((dgate[n * k + j] - gsum) / S);
+    } else {
+      for (int64_t j = 0; j < k; ++j) dp[chosen[j]] += rsf * dgate[n * k + j];
+    }
+    if (rule.aux_coef > 0) {
+      // d aux / d Pnorm_{n,e} = coef * E * f_e / N, through the normalisation to p.
+      for (int64_t e = 0; e < E; ++e)
+        dpn[e] = rule.aux_grad_scale * rule.aux_coef * double(E) * (double(r.load[e]) / double(N * k)) / double(N);
+      if (!rule.sigmoid) {
+        for (int64_t e = 0; e < E; ++e) dp[e] += dpn[e];
+      } else {
+        double S = 0, dot = 0;
+        for (int64_t e = 0; e < E; ++e) S += p[e];
+        for (int64_t e = 0; e < E; ++e) dot += dpn[e] * p[e];
+        for (int64_t e = 0; e < E; ++e) dp[e] += (dpn[e] - dot / S) / S;
+      }
+    }
+    if (rule.sigmoid) {
+      for (int64_t e = 0; e < E; ++e) dz[n * E + e] = float(dp[e] * p[e] * (1.0 - p[e]));
+    } else {
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += dp[e] * p[e];
+      for (int64_t e = 0; e < E; ++e) dz[n * E + e] = float(p[e] * (dp[e] - dot));
+    }
+  }
+}
+
+double aux_loss(const RoutingBuffers& r, double coef, bool sigmoid) {
+  const int64_t N = r.N, E = r.E;
+  if (!(coef > 0) || N == 0) return 0.0;
+  // P_e normalisation: softmax probabilities as they are; sigmoid scores over their row's sum.
+  std::vector<double> pn(static_cast<size_t>(N * E));
+  for (int64_t n = 0; n < N; ++n) {
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += r.prob[n * E + e];
+    for (int64_t e = 0; e < E; ++e) pn[n * E + e] = sigmoid ? r.prob[n * E + e] / sum : r.prob[n * E + e];
+  }
+  double aux = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    double pe = 0;
+    for (int64_t n = 0; n < N; ++n) pe += pn[n * E + e];
+    const double fe = double(r.load[e]) / double(N * r.k);
+    aux += coef * double(E) * fe * pe / double(N);
+  }
+  return aux;
+}
+
+void bias_update(float* bias, const int64_t* load, int64_t E, double rate) {
+  if (E == 0) return;
+  const double mean = double(std::accumulate(load, load + E, int64_t(0))) / double(E);
+  for (int64_t e = 0; e < E; ++e) bias[e] = bias_update_elem(bias[e], mean, load[e], rate);
+}
+
+}  // namespace fp8moe::cpu

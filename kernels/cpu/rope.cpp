@@ -1,0 +1,41 @@
+#include "kernels/rope.h"
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/check.h"
+
+namespace fp8moe::cpu {
+
+void rope_table(int64_t T, int64_t hd, double theta, bool inverse, float* cs, float* sn) {
+  const int64_t half = hd / 2;
+  // Angles in double: t * theta^(-2i / hd) for every position and pair.
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = double(t) * std::pow(theta, -2.0 * double(i) / double(hd));
+      cs[t * half + i] = float(std::cos(a));
+      sn[t * half + i] = float(inverse ? -std::sin(a) : std::sin(a));
+    }
+}
+
+void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) {
+  FP8MOE_ASSERT(hd % 2 == 0, "rope needs an even head_dim, got ", hd);
+  const int64_t half = hd / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < B * T; ++row) {
+    const int64_t t = row % T;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + (row * heads + h) * hd;
+      for (int64_t i = 0; i < half; ++i) rope_rotate(&v[i], &v[i + half], cs[t * half + i], sn[t * half + i]);
+    }
+  }
+}
+
+void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, double theta, bool inverse) {
+  FP8MOE_ASSERT(hd % 2 == 0, "rope needs an even head_dim, got ", hd);
+  std::vector<float> cs(size_t(T * (hd / 2))), sn(cs.size());
+  rope_table(T, hd, theta, inverse, cs.data(), sn.data());
+  rope(x, B, T, heads, hd, cs.data(), sn.data());
+}
+
+}  // namespace fp8moe::cpu

@@ -1,0 +1,37 @@
+// CUDA launchers for kernels/moe_ops.h: the MoE layer's token movement and its gradients over a
+// routing (kernels/router.h) in device memory. Queued on `stream`; sizes may be 0. R: the
+// permuted rows in use (offsets[E], which the host knows).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/moe_ops.h"
+#include "kernels/router.h"
+
+namespace fp8moe::cuda {
+
+// x: (N, D), row_token: (R) -> rows: (R, D) = x[row_token].
+void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows, cudaStream_t stream);
+// rows: (R, D) -> out: (N, D) += g_i rows[i] (g_i the row's gate, or 1 when not gated), each token's
+// rows added in increasing row order (r.slot_row, r.gate; rows >= R are left out).
+void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out,
+                   cudaStream_t stream);
+// dout: (N, D), expert_out: (R, D) -> dye: (R, D) = gate dout[token], dgate: (N, k) doubles (0 for
+// dropped slots).
+void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
+               double* dgate, cudaStream_t stream);
+// dgate: (N, k) -> dz: (N, E). E <= kMoeMaxExperts.
+void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz,
+                 cudaStream_t stream);
+// *out (1 double) = the auxiliary loss (0 when coef <= 0 or N == 0). row_sum: (N), terms: (E)
+// doubles of scratch that the caller provides and keeps until the launches have run.
+void aux_loss(const RoutingBuffers& r, double coef, bool sigmoid, double* out, double* row_sum, double* terms,
+              cudaStream_t stream);
+// bias: (E) += rate sign(mean load - load), load: (E); the mean is computed on the device.
+void bias_update(float* bias, const int64_t* load, int64_t E, double rate, cudaStream_t stream);
+
+inline constexpr int64_t kMoeMaxExperts = 1024;
+
+}  // namespace fp8moe::cuda

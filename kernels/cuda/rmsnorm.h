@@ -1,0 +1,18 @@
+// CUDA launchers for kernels/rmsnorm.h. All pointers are device memory; every launch is queued on
+// `stream`; N or D may be 0 (nothing is written).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fp8moe::cuda {
+
+// x: (N, D), w: (D) -> y: (N, D), rstd: (N).
+void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd,
+                     cudaStream_t stream);
+// x, dy: (N, D), w: (D), rstd: (N) -> dx: (N, D) written, dw: (D) ACCUMULATED (tokens in order).
+void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                      float* dx, float* dw, cudaStream_t stream);
+
+}  // namespace fp8moe::cuda

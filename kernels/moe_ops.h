@@ -1,0 +1,48 @@
+// The MoE layer's token movement and its gradients (model/moe.h), over a routing (kernels/router.h)
+// whose R = offsets[E] permuted rows the host knows. Serial where rows add into one token, so the
+// order is fixed (row order) and the bits do not depend on threads or backend.
+//
+//   permute        rows (R, D) = x[row_token]
+//   unpermute_add  out[row_token[i]] += g_i rows[i] in row order; g_i the row's gate, or 1 when
+//                  not `gated` (the scatter-add of the experts' input gradients)
+//   gate_grad      per row i of token n and slot j: dye[i] = gate[n, j] dout[n] (the expert's
+//                  output gradient) and dgate[n, j] = dout[n] . expert_out[i] (double); dgate is
+//                  written for every slot, 0 for dropped ones
+//   router_grad    d loss / d z (N, E) from dgate through the gates (normalised or not, scaled) and
+//                  the scores, plus the auxiliary loss's gradient (aux_coef > 0)
+//   aux_loss       coef E sum_e f_e P_e (switch style): f_e = load_e / (N k), P_e the mean over
+//                  tokens of e's normalised score (softmax as it is, sigmoid over its row's sum)
+//   bias_update    bias_e += rate sign(mean load - load_e) (aux-loss-free balancing)
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/hd.h"
+#include "kernels/router.h"
+
+namespace fp8moe {
+
+struct RouterGradRule {
+  bool sigmoid = true, normalise = true;
+  double scaling = 1.0;
+  double aux_coef = 0.0;         // 0: no auxiliary loss
+  double aux_grad_scale = 1.0;   // multiplies the aux loss's gradient (loss scale x its weight)
+};
+
+// The aux-loss-free bias update of one expert: bias += rate * sign(mean load - load).
+FP8MOE_HD inline float bias_update_elem(float bias, double mean, int64_t load, double rate) {
+  const double diff = mean - double(load);
+  return bias + float(rate * double((diff > 0) - (diff < 0)));
+}
+
+namespace cpu {
+void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows);
+void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out);
+void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
+               double* dgate);
+void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz);
+double aux_loss(const RoutingBuffers& r, double coef, bool sigmoid);
+void bias_update(float* bias, const int64_t* load, int64_t E, double rate);
+}  // namespace cpu
+
+}  // namespace fp8moe

@@ -1,0 +1,15 @@
+// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, over rows of D (N = tokens). FP32 values, row sums
+// in double. CPU here; CUDA in kernels/cuda/rmsnorm.cu; the backend op in kernels/backend.h.
+#pragma once
+
+#include <cstdint>
+
+namespace fp8moe::cpu {
+
+// x, y: (N, D); w: (D); rstd: (N), saved for backward.
+void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd);
+// dx: (N, D) written; dw: (D) ACCUMULATED (micro-batches add up), tokens in order.
+void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                      float* dx, float* dw);
+
+}  // namespace fp8moe::cpu
