@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # End to end on the GPU: 20 steps of a small MoE from the same init and data on runtime.device cpu
-# and cuda, per FP8 recipe; the largest relative difference of the per-step losses (a non-finite
-# loss on either side fails) must stay within
-#   off        1e-4  FP32 everywhere: only summation order differs (cuBLASLt vs OpenBLAS, the GPU's
-#                    reductions and exp), ~1e-7 per step, amplified by 20 steps of training
-#   current,   2e-2  both sides quantize with the same code, but their inputs differ by that order
-#   blockwise        noise: where it moves a value across an FP8 rounding boundary the runs separate
-#                    at FP8 noise level (the bound of the layout tests, README)
+# and cuda, per FP8 recipe. Checked:
+#  - the per-step losses: relative difference at step s (a non-finite loss on either side fails)
+#      off        at most 1e-5 x s: FP32 everywhere, only summation order differs (cuBLASLt vs
+#                 OpenBLAS, the GPU's reductions and exp), and the runs drift apart as training
+#                 compounds it. Derived from the one H200 run of the first CUDA backend (2026-11-30):
+#                 1.15e-4 after 20 steps, 5.8e-6 per step on average; the allowance is 1e-5 per
+#                 step (1.7x). The table prints the measured worst drift per step (difference / s),
+#                 which refines the allowance once more GPU runs exist.
+#      current,   2e-2: both sides quantize with the same code, but their inputs differ by that
+#      blockwise  order noise: where it moves a value across an FP8 rounding boundary the runs
+#                 separate at FP8 noise level (the bound of the layout tests, README)
+#  - the cuda runs' host synchronisations and copies per step (the JSONL's host_syncs, h2d_bytes,
+#    d2h_bytes, steps 2 on): at most one per MoE layer and micro-batch plus one per step, and only
+#    the step's tokens, targets, loads, losses, counters and norm crossing PCIe (what
+#    tests/app/test_residency.cpp asserts on the emulated device).
 # Prints a table (with tokens/s and MFU of the cuda runs) and exits 77 (SKIPPED) without a GPU.
 #
 # usage: cuda_vs_cpu.sh FP8MOE SOURCE_DIR [steps=20]
@@ -25,6 +33,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$exe" prepare-data --output "$tmp/data/src" --val-fraction 0.1 --seed 3 \
   --input "$src"/README.md "$src"/kernels/*.h "$src"/kernels/cpu/*.cpp "$src"/model/*.cpp "$src"/io/*.cpp >/dev/null ||
   fail "prepare-data"
+# 4 blocks, 3 of them MoE (8 experts); 2 micro-batches of 8 x 256 tokens.
 cat >"$tmp/cfg.yaml" <<EOF2
 model: {vocab_size: 256, d_model: 256, n_layers: 4, n_heads: 4, n_kv_heads: 2, head_dim: 64, first_dense_layers: 1,
         d_ff_dense: 768, moe: {n_experts: 8, top_k: 2, n_shared_experts: 1, d_expert: 256}}
@@ -35,37 +44,61 @@ log: {every: 1}
 data: {path: $tmp/data/src.train, valid_path: $tmp/data/src.val}
 checkpoint: {dir: $tmp/ck, resume: none}
 EOF2
-printf '%-10s %14s %12s %10s %8s %s\n' recipe "max rel diff" bound "cuda tok/s" "mfu" "cpu tok/s"
-status=0
-for recipe in off current blockwise; do
-  bound=2e-2
-  [[ $recipe == off ]] && bound=1e-4
-  for dev in cpu cuda; do
-    "$exe" train "$tmp/cfg.yaml" --set fp8.recipe=$recipe --set runtime.device=$dev \
-      --set checkpoint.dir="$tmp/ck-$recipe-$dev" >"$tmp/$recipe-$dev.txt" 2>&1 ||
-      fail "$recipe on $dev: $(tail -5 "$tmp/$recipe-$dev.txt")"
-  done
-  grep -q "^device: cuda" "$tmp/$recipe-cuda.txt" || fail "runtime.device=cuda did not run on cuda"
-  diff=$(paste <(loss_bits <"$tmp/$recipe-cpu.txt") <(loss_bits <"$tmp/$recipe-cuda.txt") | python3 -c '
+
+# compare CPU_LOG CUDA_LOG BOUND PER_STEP: "worst ratio drift": the worst relative difference, the
+# worst of difference / max(BOUND, PER_STEP x step) (above 1 fails), the worst difference per step.
+compare() {
+  paste <(loss_bits <"$1") <(loss_bits <"$2") | python3 -c '
 import math, sys
-worst, n = 0.0, 0
+bound, per_step = float(sys.argv[1]), float(sys.argv[2])
+worst, ratio, drift, n = 0.0, 0.0, 0.0, 0
 for line in sys.stdin:
     s1, a, s2, b = line.split()
     assert s1 == s2, "step mismatch"
-    a, b = float.fromhex(a), float.fromhex(b)
+    a, b, s = float.fromhex(a), float.fromhex(b), int(s1)
     d = abs(a - b) / abs(a) if math.isfinite(a) and math.isfinite(b) else math.inf  # NaN never passes
-    worst, n = max(worst, d), n + 1
-print(f"{worst:.3e}" if n else "none")') || fail "$recipe: comparing the losses failed: ${diff:-no output}"
-  [[ $diff != none ]] || fail "$recipe: no losses to compare"
+    worst, ratio, drift, n = max(worst, d), max(ratio, d / max(bound, per_step * s)), max(drift, d / s), n + 1
+print(f"{worst:.3e} {ratio:.3f} {drift:.2e}" if n else "none none none")' "$3" "$4"
+}
+
+# traffic JSONL: "syncs h2d d2h ok|FAIL", the maxima over steps 2.. against the bounds: 3 MoE layers
+# x 2 micro-batches + 1; up, 16 x 256 tokens and targets (int32) and 3 x 8 loads (int64); back, the
+# loads of every layer and micro-batch, 2 x 4 loss slots, 2 counters and the norm part.
+traffic() {
+  python3 - "$1" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+syncs, up, down = (max(r[k] for r in rows) for k in ("host_syncs", "h2d_bytes", "d2h_bytes"))
+ok = syncs <= 3 * 2 + 1 and up <= 2 * 16 * 256 * 4 + 3 * 8 * 8 and down <= 3 * 2 * 8 * 8 + 2 * 4 * 8 + 3 * 8
+print(f"{syncs} {up} {down} {'ok' if ok else 'FAIL'}")
+PY
+}
+
+printf '%-10s %12s %-34s %10s %6s %9s %s\n' recipe "max rel diff" "bound" "cuda tok/s" "mfu" "cpu tok/s" "syncs h2d d2h /step"
+status=0
+for recipe in off current blockwise; do
+  bound=2e-2 per_step=0
+  [[ $recipe == off ]] && bound=0 per_step=1e-5
+  for dev in cpu cuda; do
+    "$exe" train "$tmp/cfg.yaml" --set fp8.recipe=$recipe --set runtime.device=$dev \
+      --set checkpoint.dir="$tmp/ck-$recipe-$dev" --set log.jsonl="$tmp/$recipe-$dev.jsonl" >"$tmp/$recipe-$dev.txt" 2>&1 ||
+      fail "$recipe on $dev: $(tail -5 "$tmp/$recipe-$dev.txt")"
+  done
+  grep -q "^device: cuda" "$tmp/$recipe-cuda.txt" || fail "runtime.device=cuda did not run on cuda"
+  read -r diff ratio drift < <(compare "$tmp/$recipe-cpu.txt" "$tmp/$recipe-cuda.txt" "$bound" "$per_step")
+  [[ ${diff:-none} != none ]] || fail "$recipe: no losses to compare"
   [[ $diff =~ ^[0-9.]+e[-+][0-9]+$|^inf$ ]] || fail "$recipe: the comparison printed '$diff', not a number"
+  moved=$(traffic "$tmp/$recipe-cuda.jsonl") || fail "$recipe: reading the cuda run's JSONL failed"
   last_cuda=$(grep '^step' "$tmp/$recipe-cuda.txt" | tail -1)
   last_cpu=$(grep '^step' "$tmp/$recipe-cpu.txt" | tail -1)
   tok=$(sed -n 's/.* \([0-9]*\) tok\/s.*/\1/p' <<<"$last_cuda")
   mfu=$(sed -n 's/.*mfu \([0-9.a-z]*\) .*/\1/p' <<<"$last_cuda")
   ctok=$(sed -n 's/.* \([0-9]*\) tok\/s.*/\1/p' <<<"$last_cpu")
-  ok=$(python3 -c "print(float('$diff') <= float('$bound'))")
-  printf '%-10s %14s %12s %10s %8s %s %s\n' $recipe "$diff" "$bound" "$tok" "$mfu" "$ctok" "$([[ $ok == True ]] && echo ok || echo FAIL)"
-  [[ $ok == True ]] || status=1
+  ok=$(python3 -c "print(float('$ratio') <= 1.0)")
+  [[ $recipe == off ]] && shown="$per_step x step (drift $drift/step)" || shown=$bound
+  verdict=ok
+  [[ $ok == True && $moved == *" ok" ]] || verdict=FAIL status=1
+  printf '%-10s %12s %-34s %10s %6s %9s %s %s\n' $recipe "$diff" "$shown" "$tok" "$mfu" "$ctok" "${moved% *}" $verdict
 done
 grep -h "dmem" "$tmp"/*-cuda.txt | tail -1 | sed 's/.*\(dmem [0-9]* MB\).*/peak device memory (arena) of the last run: \1/'
 exit $status

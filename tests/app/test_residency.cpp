@@ -18,6 +18,7 @@
 #include <regex>
 #include <sstream>
 #include <fstream>
+#include <ostream>
 
 #include "tests/test_util.h"
 
@@ -53,6 +54,7 @@ struct Case {
   bool staged = false;  // runtime.comm mpi: bits only, the synchronisations are the staging's
   bool pipeline = false;
 };
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }  // ctest's name of the case: "... # GetParam() = off"
 
 class Residency : public testing::TestWithParam<Case> {
  protected:

@@ -357,6 +357,31 @@ TEST(Model, EvaluationDoesNotChangeTraining) {
   }
 }
 
+TEST(Model, WeightsAreQuantizedOncePerOptimizerStep) {
+  // Delayed scaling over two micro-batches of one step: each activation's amax enters its history
+  // once per micro-batch, each weight's once per step (its FP8 copy is made at the first forward
+  // and reused by the second micro-batch and by dgrad); a new step quantizes the weights again.
+  Config c = model_config(Fp8Recipe::delayed);
+  Transformer model(cpu_backend(), c);
+  const Batch b = batch(16, 12, 40);
+  Backend& be = model.backend();
+  const Tensor ids = tensor_from(be, b.tokens, {16}), tgt = tensor_from(be, b.targets, {16});
+  for (int step = 1; step <= 2; ++step) {
+    model.begin_step();
+    for (int mb = 0; mb < 2; ++mb) {
+      StageRun run = model.stage_forward(ids.data<int32_t>(), tgt.data<int32_t>(), 16, 2, 8, nullptr, true, {});
+      model.stage_backward(run, nullptr);
+    }
+    const auto scaling = model.fp8_scaling_to_host();
+    ASSERT_FALSE(scaling.empty());
+    for (const auto& [name, s] : scaling) {
+      EXPECT_EQ(s.w.steps, step) << name;
+      EXPECT_EQ(s.x.steps, 2 * step) << name;
+      EXPECT_EQ(s.dy.steps, 2 * step) << name;
+    }
+  }
+}
+
 TEST(Model, LossScalingScalesEveryGradientExactly) {
   // A power-of-two loss scale multiplies every gradient exactly, also through the FP8 GEMMs
   // (their power-of-two scales follow the amax), and with the aux loss on.

@@ -177,6 +177,31 @@ TEST(AdamW, NonFiniteGradientsSkipTheStepAndTouchNothing) {
   for (size_t j = 0; j < want.size(); ++j) ASSERT_NEAR(params[1][j], want[j], 1e-6) << j;
 }
 
+TEST(AdamW, UnscaleIsTheGradientsDivisorInTheNormAndTheUpdate) {
+  // The training loop hands the optimizer the step's summed, loss-scaled gradients and the factor
+  // 1 / (micro-batches x loss scale): the norm and the update must be those of the gradients times
+  // that factor, bitwise (both round g * unscale to FP32 first). unscale = 1/8 is exact, so the
+  // comparison is with gradients divided beforehand.
+  const ParamTable table = build_param_table(small_model());
+  const TrainConfig cfg = train_config();
+  Harness a(table), b(table);
+  AdamW opt_a(*a.be, table, cfg), opt_b(*b.be, table, cfg);
+  auto pa = random_like(table, 8, 1.0f), pb = pa;
+  auto g = random_like(table, 9, 1.0f), g8 = g;
+  for (auto& t : g8)
+    for (float& x : t) x *= 0.125f;
+  for (int64_t step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < pa.size(); ++i) a.store.param_from_host(i, pa[i]), a.store.grad_from_host(i, g[i]);
+    Tensor sq(*a.be, DType::f64, {1});
+    opt_a.grad_sq(a.store, 0.125f, {}, sq.data<double>());
+    const OptimizerStats sa = opt_a.step(a.store, step, to_host<double>(sq)[0], 0.125f);
+    pa = a.store.params_to_host();
+    const OptimizerStats sb = b.step(opt_b, pb, g8, step);
+    EXPECT_EQ(sa.grad_norm, sb.grad_norm) << "step " << step;
+    ASSERT_EQ(pa, pb) << "step " << step;
+  }
+}
+
 TEST(LossScaler, NoneFixedAndDynamic) {
   TrainConfig t = train_config();
   EXPECT_EQ(LossScaler(t).scale(), 1.0f);  // none
