@@ -4,7 +4,10 @@ comparison with fp8moe (bench/compare-eager.sh). Same shapes: vocab 256, d_model
 (1 dense SwiGLU 1024, 3 MoE: 8 experts of 256, top-2 sigmoid gating normalised over the chosen,
 1 shared), 8 heads of 32, RoPE, RMSNorm; global batch 8 x 256 tokens in 4 micro-batches.
 
-Usage: eager_pytorch.py {fp32|bf16} STEPS   -> prints "tokens_per_s <value>" (steps after the first 2)
+Usage: eager_pytorch.py {fp32|bf16} STEPS [cpu|cuda]   -> prints "tokens_per_s <value>" (steps after
+the first 2). On cuda the model, its optimizer state and the data live on the GPU, BF16 autocast runs
+there, and each step ends with torch.cuda.synchronize() before it is timed (scripts/device-check.sh
+runs it beside fp8moe on the same GPU).
 """
 import math
 import sys
@@ -22,8 +25,8 @@ def rmsnorm(x, w, eps=1e-6):
 
 def rope(x):  # (b, t, h, d), halves rotated against each other
     half = HD // 2
-    inv = 10000.0 ** (-torch.arange(half, dtype=torch.float32) * 2 / HD)
-    ang = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * inv[None, :]
+    inv = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=x.device) * 2 / HD)
+    ang = torch.arange(x.shape[1], dtype=torch.float32, device=x.device)[:, None] * inv[None, :]
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
@@ -51,7 +54,7 @@ class Model(torch.nn.Module):
     def forward(self, tokens):
         b, t = tokens.shape
         x = self.embed[tokens]
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
         for l in range(L):
             h = rmsnorm(x, self.norms[2 * l])
             q = rope(F.linear(h, self.wq[l]).view(b, t, H, HD)).transpose(1, 2)
@@ -80,27 +83,31 @@ class Model(torch.nn.Module):
         return F.linear(rmsnorm(x, self.norms[2 * L]), self.head)
 
 
-def main(mode, steps):
+def main(mode, steps, device):
     torch.manual_seed(0)
-    model = Model()
+    model = Model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    data = torch.randint(0, V, (steps, B, T + 1))
+    data = torch.randint(0, V, (steps, B, T + 1), device=device)
     times = []
     for s in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         for mb in range(MB):
             chunk = data[s, mb * (B // MB):(mb + 1) * (B // MB)]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=(mode == "bf16")):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=(mode == "bf16")):
                 logits = model(chunk[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, V), chunk[:, 1:].reshape(-1)) / MB
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     per_step = sum(times[2:]) / max(1, len(times) - 2)
     print(f"tokens_per_s {B * T / per_step:.1f}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "cpu")

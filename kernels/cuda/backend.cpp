@@ -67,7 +67,6 @@ class CudaBackendImpl final : public CudaBackend {
     // for the compute stream before it frees its blocks.
     (void)cudaStreamSynchronize(comm_);
     (void)cudaStreamSynchronize(compute_);
-    retired_.clear();
     bounce_.reset();
     arena_.reset();
     if (lt_) (void)cublasLtDestroy(lt_);
@@ -284,8 +283,24 @@ class CudaBackendImpl final : public CudaBackend {
   // synchronisation behaviour): it is followed by sync(), counted, so that it shows as the host
   // synchronisation it is (the emulated device counts it the same way).
   void upload_impl(void* dst, const void* host, size_t bytes) override {
-    if (!is_pinned(host)) host = bounce(host, bytes);
-    CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, compute_));
+    if (is_pinned(host)) {
+      CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, compute_));
+      return;
+    }
+    // Through the bounce memory, in pieces of at most its size; when it is full, the host waits for
+    // the copies queued from it (a counted sync: at start-up, where the whole model is uploaded
+    // parameter by parameter, not in a training step, whose pageable uploads are a few loads).
+    for (size_t done = 0; done < bytes;) {
+      const size_t n = std::min(bytes - done, kBounceBytes);
+      if (!bounce_.data()) bounce_ = HostBuffer<unsigned char>(*this, int64_t(kBounceBytes));
+      size_t at = (bounce_used_ + 255) / 256 * 256;
+      if (at + n > kBounceBytes) sync(), at = 0;
+      std::memcpy(bounce_.data() + at, static_cast<const unsigned char*>(host) + done, n);
+      CUDA_CHECK(cudaMemcpyAsync(static_cast<unsigned char*>(dst) + done, bounce_.data() + at, n,
+                                 cudaMemcpyHostToDevice, compute_));
+      bounce_used_ = at + n;
+      done += n;
+    }
   }
   void download_impl(void* host, const void* src, size_t bytes) override {
     CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, compute_));
@@ -294,26 +309,10 @@ class CudaBackendImpl final : public CudaBackend {
   void sync_impl() override {
     CUDA_CHECK(cudaStreamSynchronize(compute_));
     bounce_used_ = 0;  // every upload from the bounce memory has run
-    retired_.clear();
   }
 
  private:
   cuda::LtContext lt() const { return {lt_, workspace_, kLtWorkspaceBytes, device_}; }
-
-  // `bytes` of pageable memory copied into pinned bounce memory (grown when it is short; the old
-  // chunk is kept until the next sync(), since queued copies may still read it).
-  const void* bounce(const void* host, size_t bytes) {
-    const size_t at = (bounce_used_ + 255) / 256 * 256;
-    if (at + bytes > bounce_.size()) {
-      if (bounce_.size() > 0) retired_.push_back(std::move(bounce_));
-      bounce_ = HostBuffer<unsigned char>(*this, int64_t(std::max(bytes, 2 * bounce_.size() + (size_t(64) << 20))));
-      bounce_used_ = 0;
-      return bounce(host, bytes);
-    }
-    std::memcpy(bounce_.data() + at, host, bytes);
-    bounce_used_ = at + bytes;
-    return bounce_.data() + at;
-  }
 
   int device_;
   cudaDeviceProp prop_{};
@@ -322,9 +321,9 @@ class CudaBackendImpl final : public CudaBackend {
   cublasLtHandle_t lt_ = nullptr;
   std::unique_ptr<cuda::Arena> arena_;
   void* workspace_ = nullptr;  // cuBLASLt's, from the arena (so in memory_stats)
-  HostBuffer<unsigned char> bounce_;               // pinned: uploads from pageable memory
-  std::vector<HostBuffer<unsigned char>> retired_;  // outgrown bounce chunks, freed at the next sync
-  size_t bounce_used_ = 0;
+  static constexpr size_t kBounceBytes = size_t(64) << 20;
+  HostBuffer<unsigned char> bounce_;  // pinned, kBounceBytes: uploads from pageable memory
+  size_t bounce_used_ = 0;            // bytes of it queued since the last sync
 };
 
 }  // namespace

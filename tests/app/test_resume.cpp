@@ -100,6 +100,33 @@ TEST_F(Resume, BitExactAfterExitAndRestart) {
   }
 }
 
+// The emulated device keeps the model in memory the host cannot read: its checkpoints are staged
+// through the backend, and a resume there, or from one device to the other, continues bit for bit
+// (the cuda backend saves and loads through the same staging).
+TEST_F(Resume, BitExactOnTheEmulatedDeviceAndAcrossDevices) {
+  for (int ranks : {1, 2}) {
+    const std::string tag = "devices" + std::to_string(ranks);
+    const RunResult straight = train(ranks, config(tag + "a"), {"runtime.device=cpu"});
+    ASSERT_EQ(straight.status, 0) << straight.all();
+    const auto a = losses(straight.out);
+    ASSERT_EQ(a.size(), 12u) << straight.out;
+    // Emulated throughout, and emulated then cpu.
+    for (const char* then : {"emulated", "cpu"}) {
+      const std::string name = tag + "-" + then;
+      const RunResult first = train(ranks, config(name), {"runtime.device=emulated", "train.exit_interval=6"});
+      ASSERT_EQ(first.status, 0) << first.all();
+      const RunResult second = train(ranks, config(name), {std::string("runtime.device=") + then});
+      ASSERT_EQ(second.status, 0) << second.all();
+      EXPECT_NE(second.out.find("resumed from " + ckpt(name) + "/step_00000006: step 6"), std::string::npos) << second.out;
+      const auto b1 = losses(first.out), b2 = losses(second.out);
+      ASSERT_EQ(b1.size(), 6u) << first.out;
+      ASSERT_EQ(b2.size(), 6u) << second.out;
+      for (int s = 1; s <= 12; ++s)
+        EXPECT_EQ(a.at(s), s <= 6 ? b1.at(s) : b2.at(s)) << "ranks " << ranks << " then " << then << " step " << s;
+    }
+  }
+}
+
 TEST_F(Resume, UnderAnotherDataParallelSize) {
   // Blockwise scaling quantizes per 1 x 32 row tile and per weight block, but an expert's 32 x 1
   // wgrad token tiles follow the replicas' token split, and an FP32 reduction-order difference can
