@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Collects what the GPU-side checks need into one self-contained folder for a machine that has a
 # GPU driver and CUDA but no Open MPI, HDF5, yaml-cpp, OpenBLAS or oneDNN (the device machine):
-#   bin/       fp8moe, test_cuda_ops, test_nccl, bench_gemm_cuda (RPATH $ORIGIN/../lib)
+#   bin/       fp8moe, test_kernels, test_nccl, bench_gemm_cuda (RPATH $ORIGIN/../lib)
 #   lib/       every shared library they load that is not glibc, the GPU driver, cuBLASLt or NCCL
 #              (RPATH $ORIGIN); cuBLASLt (~540 MB) and NCCL (~220 MB) are too large to carry and are
 #              found on the target by env.sh (CUDA's lib64 or the nvidia-* Python wheels)
@@ -14,7 +14,7 @@
 set -euo pipefail
 build=${1:-build} out=${2:-bundle}
 for tool in patchelf ldd xz; do command -v $tool >/dev/null || { echo "bundle.sh: needs $tool (scripts/setup.sh installs it)" >&2; exit 2; }; done
-bins=("$build/fp8moe" "$build/tests/test_cuda_ops" "$build/tests/test_nccl" "$build/bench/bench_gemm_cuda")
+bins=("$build/fp8moe" "$build/tests/test_kernels" "$build/tests/test_nccl" "$build/bench/bench_gemm_cuda")
 for b in "${bins[@]}"; do
   [[ -x $b ]] || { echo "bundle.sh: $b not built (a CUDA build: cmake --preset cuda, or FP8MOE_CUDA=ON)" >&2; exit 2; }
 done

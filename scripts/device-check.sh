@@ -2,8 +2,9 @@
 # Everything GPU-side in one run, for the device machine: unpacks the bundle made by
 # scripts/bundle.sh (no Open MPI, HDF5 or yaml-cpp needed there), then
 #   1. the device and its driver (nvidia-smi)
-#   2. test_cuda_ops: every CUDA op against the CPU op, the FP8 GEMMs against FP64 and the CPU;
-#      test_nccl as one rank (the NCCL communicator against MPI's)
+#   2. test_kernels' CUDA cases (DeviceOps.*/cuda, CudaOps.*): every CUDA op against the CPU op,
+#      the FP8 GEMMs against FP64 and the CPU, the hardware FP8 conversion, the arena (its CPU and
+#      emulated-device cases run in CI); test_nccl as one rank (the NCCL communicator against MPI's)
 #   3. bench_gemm_cuda: BF16 / FP8 per-tensor / FP8 block-scaled TFLOP/s at DeepSeek-V3 shapes
 #   4. tests/app/cuda_vs_cpu.sh: 20 training steps on cuda vs cpu per recipe, tokens/s and MFU
 # Each step has a time limit (340 s in all: the issue asks for under 6 minutes; the real duration
@@ -28,9 +29,10 @@ summary=$logs/summary.txt
 section() { printf '\n==== %s (%ds) ====\n' "$1" $(( $(date +%s) - start )); }
 note() { echo "$*" >>"$summary"; }
 failed=0
-# gtest_run NAME LIMIT: runs a gtest binary of the bundle; a failure or a skipped test fails the check.
+# gtest_run NAME LIMIT [ARGS...]: runs a gtest binary of the bundle (log $logs/NAME.txt); a failure or a
+# skipped test fails the check.
 gtest_run() {
-  timeout "$2" "$1" 2>&1 | tee "$logs/$1.txt" | grep -E "^\[ +(OK|FAILED) +\] |^\[ +(PASSED|SKIPPED) +\] [0-9]+ test"
+  timeout "$2" "$1" "${@:3}" 2>&1 | tee "$logs/$1.txt" | grep -E "^\[ +(OK|FAILED) +\] |^\[ +(PASSED|SKIPPED) +\] [0-9]+ test"
   local status=${PIPESTATUS[0]}
   local line
   line=$(grep -E "^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test" "$logs/$1.txt" | sed 's/, listed below://' | tr -s ' \n' ' ')
@@ -46,14 +48,14 @@ fp8moe --version 2>&1 | tee "$logs/version.txt"
 note "device:        $gpu"
 note "               $(sed -n 's/^ *CUDA: *//p' "$logs/version.txt"), NCCL $(sed -n 's/^ *NCCL: *//p' "$logs/version.txt")"
 
-section "test_cuda_ops"
-gtest_run test_cuda_ops 120
+section "test_kernels, the CUDA cases"
+gtest_run test_kernels 120 --gtest_filter='*/cuda:CudaOps.*'
 # The FP8 GEMMs' measured errors, worst per recipe and GEMM (their bounds are not yet measured).
 note "FP8 GEMM dissimilarity, worst over the shapes (bounds: vs FP64 1e-3, hybrid dgrad/wgrad 4e-3;
-               vs CPU 1e-6, per-tensor fprop with fast accumulation 1e-4):"
+               vs CPU 1e-6, fprop with fast accumulation 2e-6):"
 note "$(awk '/^\[ MEASURE  \] gemm/ { k = $5 " " $6; if (!(k in e) || $(NF-3) + 0 > e[k]) e[k] = $(NF-3) + 0;
   if (!(k in c) || $NF + 0 > c[k]) c[k] = $NF + 0 }
-  END { for (k in e) printf "  %-18s vs FP64 %.2e  vs CPU %.2e\n", k, e[k], c[k] }' "$logs/test_cuda_ops.txt" | sort)"
+  END { for (k in e) printf "  %-18s vs FP64 %.2e  vs CPU %.2e\n", k, e[k], c[k] }' "$logs/test_kernels.txt" | sort)"
 section "test_nccl (one rank: NCCL against MPI, self send/recv)"
 gtest_run test_nccl 30
 

@@ -3,9 +3,10 @@
 # bubblewrap sandbox whose /usr/lib/x86_64-linux-gnu holds glibc alone (no Open MPI, PMIx, HDF5,
 # yaml-cpp, OpenBLAS, oneDNN, libstdc++, ...; CUDA's own folder stays, as on the GPU machine).
 # There fp8moe starts, prepares data, trains as an MPI singleton and under the bundle's own
-# `mpirun -np 2`, and test_cuda_ops runs (all SKIPPED here, without a GPU). A library the bundle
-# failed to carry, loaded at start or later (dlopen), makes it fail. Exit 77 (SKIPPED) without
-# bubblewrap or where it cannot make a sandbox.
+# `mpirun -np 2`, and test_kernels runs: its CUDA cases (DeviceOps.*/cuda, CudaOps.*) must all
+# report SKIPPED here, without a GPU, and every other case (the CPU ops, the emulated device) must
+# pass. A library the bundle failed to carry, loaded at start or later (dlopen), makes it fail.
+# Exit 77 (SKIPPED) without bubblewrap or where it cannot make a sandbox.
 #
 # usage: bundle_check.sh BUNDLE_TAR_XZ SOURCE_DIR
 set -uo pipefail
@@ -42,10 +43,15 @@ run() { bwrap "${sandbox[@]}" --chdir "$tmp" "$@"; }
   echo "checkpoint: {resume: none}"
 } >"$tmp/cfg.yaml"
 out=$tmp/out.txt
+cuda_cases='*/cuda:CudaOps.*'
 (
   set -e
   run "$B/bin/fp8moe" --version
-  run "$B/bin/test_cuda_ops" --gtest_brief=1 | tail -3
+  run "$B/bin/test_kernels" --gtest_brief=1 --gtest_filter="$cuda_cases" >"$tmp/cuda_cases.txt" 2>&1 ||
+    { tail -20 "$tmp/cuda_cases.txt"; exit 1; }
+  run "$B/bin/test_kernels" --gtest_brief=1 --gtest_filter="-$cuda_cases" >"$tmp/host_cases.txt" 2>&1 ||
+    { grep -v MEASURE "$tmp/host_cases.txt" | tail -40; exit 1; }
+  grep -h -E '^\[ +(PASSED|SKIPPED|FAILED) +\] [0-9]+ test' "$tmp/cuda_cases.txt" "$tmp/host_cases.txt"
   run "$B/bin/fp8moe" prepare-data --output "$tmp/data/src" --val-fraction 0.2 \
     --input "$src"/README.md "$src"/kernels/*.h "$src"/model/*.cpp >/dev/null
   run "$B/bin/fp8moe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/ck1" | grep '^step'
@@ -55,6 +61,9 @@ out=$tmp/out.txt
 status=$?
 cat "$out"
 [[ $status == 0 ]] || fail "the bundle failed in the sandbox (exit $status)"
-grep -q "SKIPPED" "$out" || fail "test_cuda_ops did not report SKIPPED without a GPU"
+grep -Eq '^\[  SKIPPED \] [1-9][0-9]* tests?' "$tmp/cuda_cases.txt" && grep -q '^\[  PASSED  \] 0 tests' "$tmp/cuda_cases.txt" ||
+  fail "test_kernels' CUDA cases did not all report SKIPPED without a GPU"
+grep -Eq '^\[  PASSED  \] [1-9][0-9]* tests' "$tmp/host_cases.txt" && ! grep -q '^\[  SKIPPED \]' "$tmp/host_cases.txt" ||
+  fail "test_kernels' CPU and emulated-device cases did not all pass"
 [[ $(grep -c '^step *3/3' "$out") == 2 ]] || fail "the singleton and the mpirun -np 2 run did not both finish"
 echo "bundle_check: OK ($(du -sh "$tarball" | cut -f1) packed; ran with glibc alone in $libdir)"

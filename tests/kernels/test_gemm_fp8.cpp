@@ -7,16 +7,23 @@
 //  - non-power-of-two scales (block_scaled path) against the per-block definition in FP64;
 //  - outlier channels: blockwise error at least 10x below per-tensor error;
 //  - empty M / N / K, one-row inputs, K not a multiple of the tile, alpha / beta accumulation.
+// Then the three FP8 GEMMs of a linear layer per recipe, and the FP32 GEMM, through each device
+// backend against the CPU backend (backend_cases.h); on CUDA also against FP64 of the unquantized
+// inputs, with the measured dissimilarities printed for scripts/device-check.sh.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/gemm_fp8.h"
+#include "tests/kernels/backend_cases.h"
+#include "tests/test_random.h"
 
-namespace fp8moe {
+namespace fp8moe::test {
 namespace {
 
 using Matrix = std::vector<float>;
@@ -366,5 +373,187 @@ TEST(GemmFp8DeathTest, DequantPathsRefuseNonPowerOfTwoScales) {
   EXPECT_DEATH(gemm_fp8(a, false, a, true, 1.0f, 0.0f, c.data(), 32, GemmPath::dequant_bf16), "needs power-of-two scales");
 }
 
+// ---- each device backend against the CPU backend ------------------------------------------------
+
+// 1 - 2 sum(xy) / (sum(x^2) + sum(y^2)): DeepSeek-V3's similarity measure (0 when equal).
+double dissimilarity(const std::vector<float>& x, const std::vector<double>& y) {
+  double xy = 0, xx = 0, yy = 0;
+  for (size_t i = 0; i < x.size(); ++i) xy += x[i] * y[i], xx += double(x[i]) * x[i], yy += y[i] * y[i];
+  return xx + yy == 0 ? 0.0 : 1.0 - 2.0 * xy / (xx + yy);
+}
+std::vector<double> to_double(const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); }
+
+struct GemmCase {
+  const char* name;
+  int64_t M, N, K;
+};
+
+// The three GEMMs of a linear layer (kernels/gemm_fp8.h's table) for one recipe, on the CPU
+// backend, the device backend and the CPU GEMM called directly. exact (the emulated device): the
+// device's C bitwise the CPU backend's, no FP64 reference needed (the CPU GEMM's own is above).
+void check_linear_gemms(Backend& cpu_be, Backend& dev_be, bool exact, bool blockwise, bool hybrid, const GemmCase& c) {
+  SCOPED_TRACE(testing::Message() << c.name << " " << c.M << "x" << c.N << "x" << c.K << (blockwise ? " blockwise" : " per-tensor")
+                                  << (hybrid ? " hybrid" : ""));
+  const int64_t M = c.M, N = c.N, K = c.K;
+  // Magnitudes ramped over rows and 128-column blocks (2^-3..2^3), so that neighbouring tiles and
+  // blocks get different scales and a misplaced scale changes the product.
+  auto ramp = [](std::vector<float> v, int64_t cols) {
+    for (size_t i = 0; i < v.size(); ++i)
+      v[i] *= std::ldexp(1.0f, int((int64_t(i) / cols) % 5) - 2 + int((int64_t(i) % cols / 128) % 3) - 1);
+    return v;
+  };
+  const auto x = ramp(normal_vector(M * K, 71), K), w = ramp(normal_vector(N * K, 72, 0.05f), K), dy = ramp(normal_vector(M * N, 73, 1e-3f), N);
+  const Fp8Dtype gd = hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3;
+  auto q = [&](const std::vector<float>& a, int64_t r, int64_t cl, Tiling t, Fp8Dtype dt) {
+    QuantTensor out;
+    if (blockwise) quantize_tiled(a.data(), r, cl, t, 128, dt, {}, &out);
+    else quantize_current(a.data(), r, cl, dt, {}, {}, &out);
+    return out;
+  };
+  const QuantTensor xq = q(x, M, K, Tiling::rows_1xT, Fp8Dtype::e4m3), wq = q(w, N, K, Tiling::blocks_TxT, Fp8Dtype::e4m3);
+  const QuantTensor dyq = q(dy, M, N, Tiling::rows_1xT, gd);
+  const QuantTensor dyt = blockwise ? q(dy, M, N, Tiling::cols_Tx1, Fp8Dtype::e4m3) : dyq;
+  const QuantTensor xt = blockwise ? q(x, M, K, Tiling::cols_Tx1, Fp8Dtype::e4m3) : xq;
+  struct G {
+    const char* name;
+    GemmRole role;
+    const QuantTensor &a, &b;
+    bool ta, tb;
+    int64_t rows, cols;
+    std::vector<double> exact;  // FP64 of the unquantized inputs (not on the emulated device)
+  };
+  // FP64 references of the unquantized products.
+  std::vector<double> y, dx, dW;
+  if (!exact) {
+    y.assign(size_t(M * N), 0.0), dx.assign(size_t(M * K), 0.0), dW.assign(size_t(N * K), 0.0);
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double s = 0;
+        for (int64_t k = 0; k < K; ++k) s += double(x[m * K + k]) * w[n * K + k];
+        y[m * N + n] = s;
+      }
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) dx[m * K + k] += double(dy[m * N + n]) * w[n * K + k];
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) dW[n * K + k] += double(dy[m * N + n]) * x[m * K + k];
+  }
+  G gemms[] = {{"fprop", GemmRole::fprop, xq, wq, false, true, M, N, y},
+               {"dgrad", GemmRole::dgrad, dyq, wq, false, false, M, K, dx},
+               {"wgrad", GemmRole::wgrad, dyt, xt, true, false, N, K, dW}};
+  auto run = [](Backend& be, const G& gm, const std::vector<float>& c0, int64_t ldc, float alpha, float beta) {
+    QTensor a = up(be, gm.a), b = up(be, gm.b);
+    Tensor C = up(be, c0);
+    be.gemm_fp8(gm.role, a.view(), gm.ta, b.view(), gm.tb, alpha, beta, C.f32(), ldc);
+    expect_unchanged(a.data, gm.a.data, "A bytes");
+    expect_unchanged(b.scale_inv, gm.b.scale_inv, "B scales");
+    return down<float>(C);
+  };
+  // The CPU GEMM itself on host memory.
+  auto direct = [](const G& gm, std::vector<float> c0, int64_t ldc, float alpha, float beta) {
+    gemm_fp8(gm.a, gm.ta, gm.b, gm.tb, alpha, beta, c0.data(), ldc);
+    return c0;
+  };
+  for (G& g : gemms) {
+    SCOPED_TRACE(g.name);
+    // beta = 0 ignores what C held: poisoned (NaN) to start with.
+    const std::vector<float> c0 = poisoned_f32(g.rows * g.cols);
+    const std::vector<float> cpu = run(cpu_be, g, c0, g.cols, 1.0f, 0.0f), dev = run(dev_be, g, c0, g.cols, 1.0f, 0.0f);
+    expect_bitwise(cpu, direct(g, c0, g.cols, 1.0f, 0.0f), "cpu backend vs gemm_fp8");
+    if (exact) {
+      expect_bitwise(dev, cpu, "C");
+      continue;
+    }
+    if (g.rows * g.cols == 0) continue;
+    // Against FP64 of the unquantized inputs: the FP8 error budget (DeepSeek-V3's < 1e-3; E5M2
+    // gradients carry 2 mantissa bits, about 4x the error, as in the CPU GEMM's test above).
+    const double vs_exact = dissimilarity(dev, g.exact), vs_cpu = dissimilarity(dev, to_double(cpu));
+    // The measured figures, for scripts/device-check.sh's summary.
+    std::printf("[ MEASURE  ] gemm %-10s %-5s %-23s %5lldx%5lldx%5lld  vs FP64 %.2e  vs CPU %.2e\n",
+                blockwise ? "blockwise" : hybrid ? "hybrid" : "per-tensor", g.name, c.name, (long long)M,
+                (long long)N, (long long)K, vs_exact, vs_cpu);
+    const bool fast = g.role == GemmRole::fprop;
+    // Measured on an H200 (2026-11-30, scripts/device-check.sh): 7.0e-4 to 1.8e-3 over every case,
+    // recipe and role. The FP8 rounding of the inputs is most of it, so this bound cannot see a
+    // small scale error (a scale off by s adds about s^2 / 2); the comparison with the CPU can.
+    EXPECT_LT(vs_exact, hybrid && !fast ? 4e-3 : 1e-3);
+    // Against the CPU's exact emulation: the FP8 products are the same, only the accumulation
+    // differs. The measure is about e^2 / 2 for a relative RMS error e (and for a scale off by e).
+    // Hopper's FP8 tensor cores keep about 14 bits in their accumulator (DeepSeek-V3, section
+    // 3.3.2), which allowed up to 1e-4 with fast accumulation in the first form of this test.
+    // Measured on the H200 (2026-11-30): 1e-8 to 5.6e-7 over every case, recipe and role, fast
+    // accumulation included. Bounds: 1e-6 (promotion to FP32 every 128 of K) and 2e-6 (fast
+    // accumulation), 3.6x the worst measured: a scale off by 0.2% fails them.
+    // NOTE: these bounds have not yet run on a GPU in this form (the machine that measured them ran
+    // the earlier 1e-4); the next device check confirms them.
+    EXPECT_LT(vs_cpu, fast ? 2e-6 : 1e-6);
+  }
+  // beta = 1 accumulates (weight gradients over micro-batches) and a strided C keeps its padding.
+  if (M > 0 && N > 0) {
+    const std::vector<float> c0 = normal_vector(M * (N + 3), 74);
+    const G acc{"accumulate", GemmRole::wgrad, xq, wq, false, true, M, N, {}};
+    const std::vector<float> cpu = run(cpu_be, acc, c0, N + 3, 0.5f, 1.0f), dev = run(dev_be, acc, c0, N + 3, 0.5f, 1.0f);
+    expect_bitwise(cpu, direct(acc, c0, N + 3, 0.5f, 1.0f), "cpu backend vs gemm_fp8, accumulating");
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = N; j < N + 3; ++j) ASSERT_EQ(dev[m * (N + 3) + j], c0[m * (N + 3) + j]) << "padding written";
+    if (exact) expect_bitwise(dev, cpu, "C accumulated");
+    else EXPECT_LT(dissimilarity(dev, to_double(cpu)), 1e-6);
+  }
+}
+
+// "large" and "aligned" write C directly on CUDA (M, N multiples of 16, ldc == N); the others go
+// through the padded output. "large" per-tensor reads the forward's operands in place.
+const GemmCase kGemmCases[] = {{"one token", 1, 256, 128},
+                               {"empty expert", 0, 256, 128},
+                               {"K not a multiple of 128", 37, 300, 200},
+                               {"aligned M, N, K 200", 256, 512, 200},
+                               {"large", 1024, 1536, 2304}};
+
+TEST_P(DeviceOps, Fp8GemmPerTensorMatchesFp64AndCpu) {
+  if (!exact())
+    if (const std::string why = cuda_fp8_gemm_unsupported(false); !why.empty()) GTEST_SKIP() << why;
+  for (const GemmCase& c : kGemmCases)
+    for (bool hybrid : {false, true}) check_linear_gemms(cpu(), dev(), exact(), false, hybrid, c);
+}
+
+TEST_P(DeviceOps, Fp8GemmBlockwiseMatchesFp64AndCpu) {
+  if (!exact())
+    if (const std::string why = cuda_fp8_gemm_unsupported(true); !why.empty()) GTEST_SKIP() << why;
+  for (const GemmCase& c : kGemmCases) check_linear_gemms(cpu(), dev(), exact(), true, false, c);
+}
+
+TEST_P(DeviceOps, Fp32GemmMatchesCpu) {
+  struct S {
+    int64_t M, N, K;
+    float beta;
+  };
+  for (S s : {S{1, 1, 1, 1.0f}, S{37, 300, 200, 1.0f}, S{512, 768, 1024, 1.0f}, S{64, 48, 32, 0.0f}, S{5, 7, 0, 1.0f},
+              S{5, 7, 0, 0.5f}, S{5, 7, 0, 0.0f}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        SCOPED_TRACE(testing::Message() << s.M << "x" << s.N << "x" << s.K << " beta " << s.beta << " ta " << ta << " tb " << tb);
+        const auto a = normal_vector(s.M * s.K, 81), b = normal_vector(s.K * s.N, 82);
+        // beta = 0 ignores C: poisoned (NaN) then.
+        const auto c0 = s.beta == 0.0f ? poisoned_f32(s.M * s.N) : normal_vector(s.M * s.N, 83);
+        const int64_t lda = std::max<int64_t>(1, ta ? s.M : s.K), ldb = std::max<int64_t>(1, tb ? s.K : s.N);
+        auto [c, g] = both([&](Backend& be) {
+          Tensor ga = up(be, a), gb = up(be, b), gc = up(be, c0);
+          be.sgemm(ta, tb, s.M, s.N, s.K, 0.5f, ga.f32(), lda, gb.f32(), ldb, s.beta, gc.f32(), s.N);
+          expect_unchanged(ga, a, "A");
+          expect_unchanged(gb, b, "B");
+          return down<float>(gc);
+        });
+        std::vector<float> ref = c0;
+        sgemm(ta, tb, s.M, s.N, s.K, 0.5f, a.data(), lda, b.data(), ldb, s.beta, ref.data(), s.N);
+        expect_bitwise(c, ref, "cpu backend vs sgemm");
+        if (s.K == 0) expect_bitwise(g, c, "C = beta C");
+        else expect_match(g, c, 1e-5, "C");
+      }
+}
+
 }  // namespace
-}  // namespace fp8moe
+}  // namespace fp8moe::test

@@ -1,22 +1,29 @@
-// Quantization recipes: scales against their formula (computed here with log2/floor, not the
-// bit trick of compute_scale), round-trip error within the format's half-ulp, saturation and
-// underflow counts, zero / all-equal / NaN tensors, tile layouts with partial edge tiles, the
-// delayed-scaling history, and the amax reduction hook.
+// Quantization (kernels/quantize.h). The CPU recipes: scales against their formula (computed
+// here with log2/floor, not the bit trick of compute_scale), round-trip error within the format's
+// half-ulp, saturation and underflow counts, zero / all-equal / NaN tensors, tile layouts with
+// partial edge tiles, the delayed-scaling history, and the amax reduction hook. Then amax, the
+// scales, per-tensor and tiled quantization, the delayed-scaling history and dequantization through
+// each device backend against the CPU backend and the host library (backend_cases.h), bitwise; and
+// the GPU's hardware FP8 conversion against the CPU encoder.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kernels/quantize.h"
+#include "tests/kernels/backend_cases.h"
 #include "tests/test_random.h"
+#if FP8MOE_HAVE_CUDA
+#include "kernels/cuda/backend.h"
+#include "kernels/cuda/quantize.h"
+#endif
 
-namespace fp8moe {
+namespace fp8moe::test {
 namespace {
-
-using test::normal_vector;
 
 int mant_bits(Fp8Dtype f) { return f == Fp8Dtype::e4m3 ? 3 : 2; }
 double min_normal(Fp8Dtype f) { return f == Fp8Dtype::e4m3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14); }
@@ -309,5 +316,188 @@ TEST(DelayedScaling, StaleScaleSaturatesAndIsCounted) {
   for (uint8_t b : q.data) EXPECT_EQ(b, 0x7E);
 }
 
+// ---- each device backend against the CPU backend ------------------------------------------------
+
+std::vector<float> scaled_normal(int64_t rows, int64_t cols, uint64_t seed) {
+  std::vector<float> x = normal_vector(rows * cols, seed);
+  for (int64_t i = 0; i < rows * cols; ++i) x[i] *= std::ldexp(1.0f, int(i % 23) - 11);
+  return x;
+}
+
+std::vector<float> host_dequantize(const QuantTensor& q) {
+  std::vector<float> out = poisoned_f32(q.rows * q.cols);
+  dequantize(q, out.data());
+  return out;
+}
+
+TEST_P(DeviceOps, AmaxAndPerTensorQuantizeMatchCpuBitwise) {
+  for (Fp8Dtype f : {Fp8Dtype::e4m3, Fp8Dtype::e5m2})
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 16}, {1, 1}, {333, 129}, {2048, 1024}}) {
+      SCOPED_TRACE(testing::Message() << to_string(f) << " " << rows << "x" << cols);
+      const std::vector<float> x = scaled_normal(rows, cols, 5 + rows);
+      const ScaleOptions opt{1, true};
+      // Current scaling (amax -> scale -> quantize, on the device), and a fixed scale of 2^4 that
+      // saturates the largest values and underflows the smallest (both counters).
+      const float fixed = 16.0f;
+      struct Out {
+        std::vector<float> amax, scale, scale_inv, deq, fixed_scale_inv;
+        std::vector<uint8_t> q, fixed_q;
+        std::vector<uint64_t> counts, fixed_counts;
+      };
+      auto [c, g] = both([&](Backend& be) {
+        Tensor gx = up(be, x), amax = poisoned(be, DType::f32, 1), scale = poisoned(be, DType::f32, 1),
+               fs = up(be, std::vector<float>{fixed});
+        Tensor counts = Tensor::zeros(be, DType::u64, {2}), fixed_counts = Tensor::zeros(be, DType::u64, {2});
+        Tensor deq = poisoned(be, DType::f32, rows * cols);
+        QTensor q = poisoned(be, rows, cols, f, Tiling::per_tensor, 1), fq = poisoned(be, rows, cols, f, Tiling::per_tensor, 1);
+        be.amax(gx.f32(), rows * cols, amax.f32());
+        be.scale_from_amax(amax.f32(), f, opt, scale.f32());
+        be.quantize_scaled(gx.f32(), scale.f32(), q.view(), counts.data<uint64_t>());
+        be.dequantize(q.view(), deq.f32());
+        // Twice: the counters accumulate.
+        for (int i = 0; i < 2; ++i) be.quantize_scaled(gx.f32(), fs.f32(), fq.view(), fixed_counts.data<uint64_t>());
+        expect_unchanged(gx, x, "x");
+        return Out{down<float>(amax), down<float>(scale), down<float>(q.scale_inv), down<float>(deq),
+                   down<float>(fq.scale_inv), down<uint8_t>(q.data), down<uint8_t>(fq.data), down<uint64_t>(counts),
+                   down<uint64_t>(fixed_counts)};
+      });
+      // The CPU backend against the host library (quantize_current, quantize_with_scale).
+      QuantTensor ref, ref_fixed;
+      const float ref_amax = quantize_current(x.data(), rows, cols, f, opt, {}, &ref);
+      quantize_with_scale(x.data(), rows, cols, f, fixed, &ref_fixed);
+      EXPECT_EQ(float_bits(c.amax[0]), float_bits(ref_amax));
+      EXPECT_EQ(float_bits(c.scale[0]), float_bits(compute_scale(ref_amax, fp8_max(f), opt.margin, opt.power_of_two)));
+      expect_bitwise(c.q, ref.data, "cpu backend bytes vs quantize_current");
+      expect_bitwise(c.scale_inv, ref.scale_inv, "cpu backend scale_inv vs quantize_current");
+      expect_bitwise(c.deq, host_dequantize(ref), "cpu backend dequantize vs dequantize");
+      EXPECT_EQ(c.counts[0], uint64_t(ref.saturated));
+      EXPECT_EQ(c.counts[1], uint64_t(ref.underflowed));
+      expect_bitwise(c.fixed_q, ref_fixed.data, "cpu backend bytes vs quantize_with_scale");
+      expect_bitwise(c.fixed_scale_inv, ref_fixed.scale_inv, "cpu backend scale_inv vs quantize_with_scale");
+      EXPECT_EQ(c.fixed_counts[0], uint64_t(2 * ref_fixed.saturated));
+      EXPECT_EQ(c.fixed_counts[1], uint64_t(2 * ref_fixed.underflowed));
+      if (rows * cols > 1000) {
+        EXPECT_GT(ref_fixed.saturated, 0) << "the fixed scale saturates some values";
+      }
+      if (rows * cols > 1000000) {
+        EXPECT_GT(ref_fixed.underflowed, 0) << "the fixed scale underflows some values";
+      }
+      expect_bitwise(g.amax, c.amax, "amax");
+      expect_bitwise(g.scale, c.scale, "scale");
+      expect_bitwise(g.scale_inv, c.scale_inv, "scale_inv");
+      expect_bitwise(g.fixed_scale_inv, c.fixed_scale_inv, "scale_inv (fixed scale)");
+      expect_bitwise(g.q, c.q, "bytes");
+      expect_bitwise(g.fixed_q, c.fixed_q, "bytes (fixed scale)");
+      expect_bitwise(g.counts, c.counts, "counts");
+      expect_bitwise(g.fixed_counts, c.fixed_counts, "counts (fixed scale)");
+      expect_bitwise(g.deq, c.deq, "dequantize");
+    }
+}
+
+TEST_P(DeviceOps, TiledQuantizeMatchesCpuBitwise) {
+  struct Variant {
+    Fp8Dtype dtype;
+    ScaleOptions opt;
+  };
+  for (Variant v : {Variant{Fp8Dtype::e4m3, {0, true}}, Variant{Fp8Dtype::e5m2, {0, true}},
+                    Variant{Fp8Dtype::e4m3, {0, false}}, Variant{Fp8Dtype::e4m3, {3, true}}})
+    for (Tiling t : {Tiling::rows_1xT, Tiling::cols_Tx1, Tiling::blocks_TxT})
+      for (int tile : {128, 32})
+        for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 300}, {1, 300}, {257, 130}, {1024, 512}}) {
+          SCOPED_TRACE(testing::Message() << to_string(v.dtype) << " pow2 " << v.opt.power_of_two << " margin "
+                                          << v.opt.margin << " " << to_string(t) << " T" << tile << " " << rows << "x" << cols);
+          std::vector<float> x = scaled_normal(rows, cols, 7 + rows + tile);
+          // An all-zero first tile, a NaN, and a denormal-only region (amax near FLT_MIN: the clamp).
+          for (int64_t c = 0; c < std::min<int64_t>(cols, tile) && rows > 0; ++c) x[c] = 0.0f;
+          if (rows * cols > 400) x[400] = NAN;
+          if (rows > 40)
+            for (int64_t c = 0; c < cols; ++c) x[40 * cols + c] = 1e-39f * float(c % 3);
+          struct Out {
+            std::vector<uint8_t> q;
+            std::vector<float> scale_inv, deq;
+            std::vector<uint64_t> counts;
+          };
+          auto [c, g] = both([&](Backend& be) {
+            Tensor gx = up(be, x), counts = Tensor::zeros(be, DType::u64, {2}), deq = poisoned(be, DType::f32, rows * cols);
+            QTensor q = poisoned(be, rows, cols, v.dtype, t, tile);
+            be.quantize_tiled(gx.f32(), v.opt, q.view(), counts.data<uint64_t>());
+            be.dequantize(q.view(), deq.f32());
+            expect_unchanged(gx, x, "x");
+            return Out{down<uint8_t>(q.data), down<float>(q.scale_inv), down<float>(deq), down<uint64_t>(counts)};
+          });
+          QuantTensor ref;
+          quantize_tiled(x.data(), rows, cols, t, tile, v.dtype, v.opt, &ref);
+          expect_bitwise(c.q, ref.data, "cpu backend bytes vs quantize_tiled");
+          expect_bitwise(c.scale_inv, ref.scale_inv, "cpu backend scale_inv vs quantize_tiled");
+          expect_bitwise(c.deq, host_dequantize(ref), "cpu backend dequantize vs dequantize");
+          EXPECT_EQ(c.counts[0], uint64_t(ref.saturated));
+          EXPECT_EQ(c.counts[1], uint64_t(ref.underflowed));
+          expect_bitwise(g.q, c.q, "bytes");
+          expect_bitwise(g.scale_inv, c.scale_inv, "scale_inv");
+          expect_bitwise(g.counts, c.counts, "counts");
+          expect_bitwise(g.deq, c.deq, "dequantize");
+        }
+}
+
+TEST_P(DeviceOps, DeviceScalesMatchCpu) {
+  // Current scaling and the delayed-scaling history, computed by each backend, against each other
+  // and the host library's DelayedScaling.
+  const std::vector<float> steps = {2.0f, 0.0f, 50.0f, NAN, 3.0f, 1e-30f, 7.0f};
+  for (auto compute : {DelayedScalingCompute::max, DelayedScalingCompute::most_recent})
+    for (Fp8Dtype f : {Fp8Dtype::e4m3, Fp8Dtype::e5m2}) {
+      SCOPED_TRACE(testing::Message() << to_string(f) << (compute == DelayedScalingCompute::max ? " max" : " most recent"));
+      const ScaleOptions opt{1, true};
+      DelayedScaling ref = make_delayed_scaling(3);
+      Backend* bes[2] = {&cpu(), &dev()};
+      Tensor hist[2] = {Tensor::zeros(cpu(), DType::f32, {3}), Tensor::zeros(dev(), DType::f32, {3})};
+      Tensor scale[2] = {up(cpu(), std::vector<float>{1.0f}), up(dev(), std::vector<float>{1.0f})};
+      for (size_t s = 0; s < steps.size(); ++s) {
+        std::vector<float> x(16, steps[s] * 0.5f);
+        x[3] = steps[s];
+        QuantTensor q;
+        quantize_delayed(x.data(), 4, 4, f, ref, compute, opt, {}, &q);
+        std::vector<float> got_scale[2], got_hist[2], current[2];
+        for (int b = 0; b < 2; ++b) {
+          Backend& be = *bes[b];
+          Tensor amax = up(be, std::vector<float>{steps[s]}), cur = poisoned(be, DType::f32, 1);
+          be.delayed_update(hist[b].f32(), 3, int64_t(s), amax.f32(), compute, f, opt, scale[b].f32());
+          be.scale_from_amax(amax.f32(), f, opt, cur.f32());
+          got_scale[b] = down<float>(scale[b]), got_hist[b] = down<float>(hist[b]), current[b] = down<float>(cur);
+        }
+        EXPECT_EQ(float_bits(got_scale[0][0]), float_bits(ref.scale)) << "step " << s;
+        expect_bitwise(got_hist[0], ref.history, "cpu backend amax history vs DelayedScaling");
+        expect_bitwise(got_scale[1], got_scale[0], "delayed scale");
+        expect_bitwise(got_hist[1], got_hist[0], "amax history");
+        EXPECT_EQ(float_bits(current[0][0]), float_bits(compute_scale(steps[s], fp8_max(f), 1, true))) << "step " << s;
+        expect_bitwise(current[1], current[0], "current scale");
+      }
+    }
+}
+
+TEST_F(CudaOps, HardwareConversionMatchesEncoder) {
+#if FP8MOE_HAVE_CUDA
+  // cvt.rn.satfinite (sm_89+) for saturating mode; cuda_fp8.h's software path otherwise: both
+  // against kernels/fp8.h on 2^24 random bit patterns and every boundary-heavy exponent.
+  const int64_t n = int64_t(1) << 24;
+  std::mt19937 rng(99);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = rng();
+    if (i & 1) u = (u & 0x807FFFFFu) | ((100u + (u >> 23) % 60u) << 23);
+    x[i] = bits_float(u);
+  }
+  Tensor dx = up(gpu(), x), dq = poisoned(gpu(), DType::u8, n);
+  const cudaStream_t stream = cuda_backend(gpu()).compute_stream();
+  for (Fp8Dtype f : {Fp8Dtype::e4m3, Fp8Dtype::e5m2})
+    for (bool sat : {true, false}) {
+      cuda::convert_hw(dx.f32(), n, f, sat, dq.data<uint8_t>(), stream);
+      const std::vector<uint8_t> q = down<uint8_t>(dq);
+      int64_t mismatches = 0;
+      for (int64_t i = 0; i < n; ++i) mismatches += q[i] != fp8_encode(x[i], f, sat);
+      EXPECT_EQ(mismatches, 0) << to_string(f) << (sat ? " satfinite" : " nosat");
+    }
+#endif
+}
+
 }  // namespace
-}  // namespace fp8moe
+}  // namespace fp8moe::test

@@ -4,7 +4,7 @@
 // cuBLAS documentation gives (documented_slot, written here independently of tn_scale_slot), and
 // the result must equal an FP64 GEMM of the
 // unpacked QuantTensors' dequantized values. A wrong transpose, padding or scale slot changes the
-// product. (Whether cuBLASLt reads the slots as documented is for test_cuda_ops on a GPU.)
+// product. (Whether cuBLASLt reads the slots as documented is for DeviceOps.Fp8Gemm*/cuda on a GPU.)
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,0 +1,164 @@
+// The MoE ops (kernels/moe_ops.h): permute, unpermute_add (gated and not), gate_grad,
+// router_grad (with and without the aux loss), aux_loss and the router bias update, through each
+// device backend against the CPU backend (backend_cases.h) on the routings of routing_cases.h:
+// capacity drops, every assignment dropped, one token and none. Their finite-difference checks run
+// through the model, in tests/model/test_moe.cpp (Moe.*).
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "kernels/moe_ops.h"
+#include "tests/kernels/backend_cases.h"
+#include "tests/kernels/routing_cases.h"
+#include "tests/test_random.h"
+
+namespace fp8moe::test {
+namespace {
+
+// The CPU backend's routing of case s (logits from `seed`, expert 3's bias -10 when `steer`).
+HostRouting cpu_routing(Backend& cpu_be, const RouterCase& s, uint64_t seed, bool steer) {
+  const auto z = router_logits(s, seed);
+  std::vector<float> bias(static_cast<size_t>(s.E), 0.0f);
+  if (steer) bias[3] = -10.0f;
+  Tensor cz = up(cpu_be, z), cb = up(cpu_be, bias);
+  Routing cr(cpu_be, s.N, s.E, s.k);
+  cpu_be.route(cz.f32(), cb.f32(), rule_of(s), cr.buffers());
+  return HostRouting(cr);
+}
+
+TEST_P(DeviceOps, PermuteUnpermuteMatchCpu) {
+  for (const RouterCase& s : kRouterCases) {
+    SCOPED_TRACE(testing::Message() << "N" << s.N << " E" << s.E << " k" << s.k << " cap " << s.capacity);
+    HostRouting h = cpu_routing(cpu(), s, 40 + s.N + s.E, true);
+    // permute / unpermute_add on the CPU's routing in each backend's memory (bitwise).
+    const int64_t D = 72, R = h.R;
+    const auto x = normal_vector(s.N * D, 41), rows = normal_vector(R * D, 42), out0 = normal_vector(s.N * D, 43);
+    struct Out {
+      std::vector<float> perm, gated, ungated;
+    };
+    auto [c, g] = both([&](Backend& be) {
+      Routing r = copy_routing(h, be);
+      const RoutingBuffers rb = r.buffers();
+      Tensor gx = up(be, x), grows = up(be, rows), gated = up(be, out0), ungated = up(be, out0),
+             perm = poisoned(be, DType::f32, R * D);
+      be.permute(gx.f32(), rb.row_token, R, D, perm.f32());
+      be.unpermute_add(rb, R, grows.f32(), D, true, gated.f32());
+      be.unpermute_add(rb, R, grows.f32(), D, false, ungated.f32());
+      expect_unchanged(gx, x, "x");
+      expect_unchanged(grows, rows, "rows");
+      return Out{down<float>(perm), down<float>(gated), down<float>(ungated)};
+    });
+    // The CPU backend is the CPU kernel.
+    Out ref{poisoned_f32(R * D), out0, out0};
+    cpu::permute(x.data(), h.row_token.data(), R, D, ref.perm.data());
+    cpu::unpermute_add(h.buffers(), R, rows.data(), D, true, ref.gated.data());
+    cpu::unpermute_add(h.buffers(), R, rows.data(), D, false, ref.ungated.data());
+    expect_bitwise(c.perm, ref.perm, "cpu backend vs cpu::permute");
+    expect_bitwise(c.gated, ref.gated, "cpu backend vs cpu::unpermute_add gated");
+    expect_bitwise(c.ungated, ref.ungated, "cpu backend vs cpu::unpermute_add ungated");
+    if (R > 0) {
+      EXPECT_NE(ref.ungated, out0) << "the kept rows were added";
+    }
+    expect_bitwise(g.perm, c.perm, "permute");
+    expect_bitwise(g.gated, c.gated, "unpermute_add gated");
+    expect_bitwise(g.ungated, c.ungated, "unpermute_add ungated");
+  }
+}
+
+TEST_P(DeviceOps, MoeGradientsMatchCpu) {
+  for (const RouterCase& s : kRouterCases) {
+    SCOPED_TRACE(testing::Message() << "N" << s.N << " E" << s.E << " k" << s.k << (s.sigmoid ? " sigmoid" : " softmax")
+                                    << " normalise " << s.normalise << " scaling " << s.scaling << " cap " << s.capacity);
+    HostRouting h = cpu_routing(cpu(), s, 50 + s.N + s.E, false);
+    const int64_t D = 72, R = h.R;
+    const auto dout = normal_vector(s.N * D, 61), expert_out = normal_vector(R * D, 62);
+    const auto bias0 = normal_vector(s.E, 63, 0.01f);
+    struct Out {
+      std::vector<float> dye;
+      std::vector<double> dgate;
+      std::vector<float> dz_plain, dz_aux, bias;
+      std::vector<double> aux, aux_off;
+    };
+    RouterGradRule rule;
+    rule.sigmoid = s.sigmoid, rule.normalise = s.normalise, rule.scaling = s.scaling;
+    RouterGradRule rule_aux = rule;
+    rule_aux.aux_coef = 0.01, rule_aux.aux_grad_scale = 3.0;
+    // router_grad from the CPU's dgate on both backends (bitwise given the same dgate).
+    std::vector<double> cpu_dgate;
+    auto [c, g] = both([&](Backend& be) {
+      Routing r = copy_routing(h, be);
+      const RoutingBuffers rb = r.buffers();
+      Tensor gdo = up(be, dout), geo = up(be, expert_out), dye = poisoned(be, DType::f32, R * D),
+             dgate = poisoned(be, DType::f64, s.N * s.k);
+      be.gate_grad(rb, R, gdo.f32(), geo.f32(), D, dye.f32(), dgate.data<double>());
+      Out o;
+      o.dye = down<float>(dye), o.dgate = down<double>(dgate);
+      if (is_cpu(be)) cpu_dgate = o.dgate;
+      Tensor dg = up(be, cpu_dgate), dz = poisoned(be, DType::f32, s.N * s.E);
+      be.router_grad(rb, dg.data<double>(), rule, dz.f32());
+      o.dz_plain = down<float>(dz);
+      be.router_grad(rb, dg.data<double>(), rule_aux, dz.f32());
+      o.dz_aux = down<float>(dz);
+      Tensor aux = poisoned(be, DType::f64, 1);
+      be.aux_loss(rb, 0.01, s.sigmoid, aux.data<double>());
+      o.aux = down<double>(aux);
+      be.aux_loss(rb, 0.0, s.sigmoid, aux.data<double>());
+      o.aux_off = down<double>(aux);
+      Tensor b = up(be, bias0);
+      be.bias_update(b.f32(), rb.load, s.E, 1e-3);
+      o.bias = down<float>(b);
+      expect_unchanged(gdo, dout, "dout");
+      expect_unchanged(geo, expert_out, "expert_out");
+      expect_unchanged(r.load, h.load, "load");
+      return o;
+    });
+    // The CPU backend is the CPU kernel.
+    Out ref{poisoned_f32(R * D), poisoned_f64(s.N * s.k), poisoned_f32(s.N * s.E), poisoned_f32(s.N * s.E), bias0,
+            {}, {}};
+    cpu::gate_grad(h.buffers(), R, dout.data(), expert_out.data(), D, ref.dye.data(), ref.dgate.data());
+    cpu::router_grad(h.buffers(), ref.dgate.data(), rule, ref.dz_plain.data());
+    cpu::router_grad(h.buffers(), ref.dgate.data(), rule_aux, ref.dz_aux.data());
+    ref.aux = {cpu::aux_loss(h.buffers(), 0.01, s.sigmoid)};
+    cpu::bias_update(ref.bias.data(), h.load.data(), s.E, 1e-3);
+    expect_bitwise(c.dye, ref.dye, "cpu backend vs cpu::gate_grad dye");
+    expect_bitwise(c.dgate, ref.dgate, "cpu backend vs cpu::gate_grad dgate");
+    expect_bitwise(c.dz_plain, ref.dz_plain, "cpu backend vs cpu::router_grad");
+    expect_bitwise(c.dz_aux, ref.dz_aux, "cpu backend vs cpu::router_grad with the aux loss");
+    expect_bitwise(c.aux, ref.aux, "cpu backend vs cpu::aux_loss");
+    expect_bitwise(c.bias, ref.bias, "cpu backend vs cpu::bias_update");
+    if (R > 0) {
+      EXPECT_NE(c.dz_aux, c.dz_plain) << "the aux loss has a gradient";
+    }
+    expect_bitwise(g.dye, c.dye, "dye");
+    // CUDA: each row's dot product in double: a warp tree on the GPU, serial on the CPU.
+    expect_match(g.dgate, c.dgate, 1e-12, "dgate");
+    expect_bitwise(g.dz_plain, c.dz_plain, "router_grad");
+    expect_bitwise(g.dz_aux, c.dz_aux, "router_grad with the aux loss");
+    expect_bitwise(g.aux, c.aux, "aux_loss");
+    EXPECT_EQ(g.aux_off[0], 0.0);
+    EXPECT_EQ(c.aux_off[0], 0.0);
+    expect_bitwise(g.bias, c.bias, "router bias");
+  }
+}
+
+TEST_P(DeviceOps, BiasUpdateMatchesCpuBitwise) {
+  const std::vector<float> bias = normal_vector(64, 55);
+  std::vector<int64_t> load(64);
+  for (int e = 0; e < 64; ++e) load[e] = (e * 37) % 11;
+  auto [c, g] = both([&](Backend& be) {
+    Tensor gb = up(be, bias), gl = up(be, load);
+    be.bias_update(gb.f32(), gl.data<int64_t>(), 64, 1e-3);
+    expect_unchanged(gl, load, "load");
+    return down<float>(gb);
+  });
+  // Each bias moves by the rate towards balance: up when its load is below the mean, down above.
+  std::vector<float> ref = bias;
+  const double mean = double(std::accumulate(load.begin(), load.end(), int64_t(0))) / 64.0;
+  for (int e = 0; e < 64; ++e) ref[e] = bias[e] + (load[e] < mean ? 1e-3f : load[e] > mean ? -1e-3f : 0.0f);
+  expect_bitwise(c, ref, "cpu backend router bias vs the rule");
+  expect_bitwise(g, c, "router bias");
+}
+
+}  // namespace
+}  // namespace fp8moe::test
