@@ -7,7 +7,8 @@
 // protocol, fsync included), `dd if=/dev/zero of=... bs=64M conv=fsync` of the same size, load
 // (open, read, checksums), `dd of=/dev/null` of dd's file. Both reads come from the page cache
 // when it holds the file (the machine's memory decides; both are treated alike). Prints GB/s for
-// each and the ratios checkpoint / dd, best of REPS.
+// each and the ratios checkpoint / dd, best of REPS. The tensors go through the checkpoint code's
+// staging buffer (io/checkpoint.h: 64 MiB per rank; FP8MOE_CKPT_STAGING_BYTES sets another).
 #include <mpi.h>
 
 #include <algorithm>
@@ -108,6 +109,9 @@ int main(int argc, char** argv) {
     const double dw = dd_bytes / best_ddw / 1e9, dr = dd_bytes / best_ddr / 1e9;
     std::printf("checkpoint of %lld parameters: %.2f GB (FP32 masters + FP32 Adam moments), %d rank(s), best of %d\n",
                 (long long)model.table().trainable_numel(), bytes / 1e9, mpi.size(), reps);
+    const char* staging = std::getenv("FP8MOE_CKPT_STAGING_BYTES");
+    std::printf("  staged through %s bytes of host memory per rank\n",
+                staging && *staging ? staging : std::to_string(kCheckpointStagingBytes).c_str());
     std::printf("  %-34s %8s %8s\n", "", "GB/s", "vs dd");
     std::printf("  %-34s %8.2f %8.2f\n", "save (commit protocol, fsync)", gs, gs / dw);
     std::printf("  %-34s %8.2f\n", "dd write (conv=fsync)", dw);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <iterator>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -176,16 +177,114 @@ std::string join_lines(const std::vector<std::string>& v) {
   return s;
 }
 
+// ---------------------------------------------------------------- staging
+
+// The bound on the host buffer a save or a load stages tensors through (io/checkpoint.h).
+int64_t staging_bytes() {
+  const char* e = std::getenv("FP8MOE_CKPT_STAGING_BYTES");
+  if (!e || !*e) return kCheckpointStagingBytes;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 10);
+  if (*end != '\0' || v <= 0) return kCheckpointStagingBytes;
+  return std::max<int64_t>(v, 8);  // one element of every type
+}
+
+// A block of one dataset (rows `rows` of the global tensor, `width` columns) cut into chunks that
+// fit a staging buffer of `buffer` bytes: as many whole rows as fit, or, when one row does not
+// fit, every row in pieces of the buffer's size. A chunk is a rectangle, contiguous in the
+// block's row-major memory, and so one hyperslab.
+struct Chunks {
+  Rows rows;
+  int64_t width = 0;
+  int64_t rows_per = 1;  // whole rows per chunk (pieces == 1)
+  int64_t pieces = 1;    // pieces per row, of `piece` elements (the last one shorter)
+  int64_t piece = 0;
+  int64_t count = 0;
+};
+struct Chunk {
+  Rows rows;              // global rows
+  int64_t col = 0, w = 0; // columns [col, col + w) of the block
+  bool empty() const { return rows.n <= 0 || w <= 0; }
+};
+
+Chunks chunks_of(Rows rows, int64_t width, size_t elem, int64_t buffer) {
+  Chunks c{rows, width};
+  if (rows.n <= 0 || width <= 0) return c;
+  const int64_t cap = std::max<int64_t>(1, buffer / int64_t(elem));  // elements per chunk
+  if (width <= cap) {
+    c.rows_per = cap / width, c.piece = width;
+    c.count = (rows.n + c.rows_per - 1) / c.rows_per;
+  } else {
+    c.pieces = (width + cap - 1) / cap, c.piece = cap;
+    c.count = rows.n * c.pieces;
+  }
+  return c;
+}
+
+// Chunk k; k >= c.count (a rank with fewer chunks than the others): an empty one.
+Chunk chunk_at(const Chunks& c, int64_t k) {
+  if (k >= c.count) return {};
+  if (c.pieces == 1) {
+    const int64_t r = c.rows.r0 + k * c.rows_per;
+    return {{r, std::min(c.rows_per, c.rows.r0 + c.rows.n - r)}, 0, c.width};
+  }
+  const int64_t col = (k % c.pieces) * c.piece;
+  return {{c.rows.r0 + k / c.pieces, 1}, col, std::min(c.piece, c.width - col)};
+}
+
+// The bytes of the largest chunk (the first).
+int64_t largest_chunk(const Chunks& c, size_t elem) {
+  const Chunk ch = chunk_at(c, 0);
+  return ch.empty() ? 0 : ch.rows.n * ch.w * int64_t(elem);
+}
+
+// The checksum terms of the rows of chunk `ch` (held in buf, (ch.rows.n, ch.w) row-major) that lie
+// in `mine`; c0: the block's first global column, cols the tensor's.
+uint64_t checksum_chunk(const void* buf, Dt t, const Chunk& ch, Rows mine, int64_t c0, int64_t cols) {
+  const int64_t lo = std::max(ch.rows.r0, mine.r0), hi = std::min(ch.rows.r0 + ch.rows.n, mine.r0 + mine.n);
+  if (ch.empty() || mine.n <= 0 || lo >= hi) return 0;
+  return checksum_block(static_cast<const unsigned char*>(buf) + size_t((lo - ch.rows.r0) * ch.w) * dt_size(t), t, lo,
+                        hi - lo, c0 + ch.col, ch.w, cols);
+}
+
+// Moments stored in the other dtype than train.moments_dtype, converted in place in the staging
+// buffer (n elements; it holds n FP32 values): FP32 -> BF16 round-to-nearest-even front to back
+// (each BF16 lands at or before its FP32), BF16 -> FP32 exactly back to front.
+void convert_in_place(unsigned char* buf, Dt from, Dt to, int64_t n) {
+  if (from == to) return;
+  FP8MOE_ASSERT((from == Dt::f32 && to == Dt::bf16) || (from == Dt::bf16 && to == Dt::f32), "checkpoint: no conversion from ",
+                dt_name(from), " to ", dt_name(to));
+  if (from == Dt::f32) {
+    for (int64_t j = 0; j < n; ++j) {
+      float f;
+      std::memcpy(&f, buf + 4 * j, 4);
+      const uint16_t b = bf16_encode(f);
+      std::memcpy(buf + 2 * j, &b, 2);
+    }
+  } else {
+    for (int64_t j = n; j-- > 0;) {
+      uint16_t b;
+      std::memcpy(&b, buf + 2 * j, 2);
+      const float f = bf16_decode(b);
+      std::memcpy(buf + 4 * j, &f, 4);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- the load
 
-// What a load reads, on the host; applied to the model (uploaded to its backend) only when the
-// whole load verified.
+// What a load keeps besides the tensors, applied (apply) only when the whole load verified. The
+// tensors go straight into their destinations, chunk by chunk through the staging buffer: the
+// model's parameter shards and the optimizer's moments (no second copy of the model in host
+// memory), or `params` (generation). So a load that fails (a checksum, a missing dataset) leaves
+// the tensors a mix of the checkpoint and what they held: resume_from_checkpoint then loads an
+// older checkpoint over every one of them, or throws and the job stops (app/train_loop.cpp) —
+// training never starts from a mix.
 struct Staged {
   Config stored;
-  std::vector<std::vector<float>> params;              // this rank's block of every parameter
-  std::vector<std::vector<unsigned char>> moments[2];  // the optimizer's rows, in its moments' dtype
+  std::vector<std::vector<float>> params;              // without a model (generation): every parameter, whole
   AdamW* opt = nullptr;                                // nullptr: no optimizer state (generation)
-  const Transformer* model = nullptr;                  // which parameters are held (nullptr: all)
+  Transformer* model = nullptr;                        // the destination (nullptr: `params`)
   std::vector<RowRange> write_rows, moment_rows;       // as TrainerState's (empty: the defaults)
   std::map<std::string, HostLinearScaling> scaling;
   bool have_scaling = false;
@@ -194,6 +293,18 @@ struct Staged {
   TrainProgress progress;
   float loss_scale = 1;
   int64_t good_steps = 0, updates = 0, skipped = 0;
+};
+
+// One tensor dataset of a load and where it goes.
+struct TensorLoad {
+  std::string path;
+  int64_t rows = 1, cols = 1;  // the global shape
+  bool moment = false;         // stored as float32 or bfloat16; else float32
+  Rows part;                   // the rows read: this rank's block (its optimizer's rows, for a moment)
+  Rows mine;                   // the rows whose checksum terms this rank adds (inside part)
+  int64_t c0 = 0, nc = 0;      // the block's columns
+  Dt dest_dt = Dt::f32;
+  void* dest = nullptr;        // (part.n, nc) row-major: backend memory, or host memory without a model
 };
 
 // Reads one checkpoint into `st` (collective over comm; MPI_COMM_NULL: serial, this process holds
@@ -236,73 +347,121 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   const hid_t xfer = comm != MPI_COMM_NULL ? dxpl.get() : H5P_DEFAULT;
   std::vector<std::string> names;
   std::vector<uint64_t> stored, partial;
-  // One dataset: read, keep this rank's checksum part, agree that every rank read it.
-  // part: the rows to read (default: all); mine: the rows whose checksum terms this rank adds
-  // (default: its even share; they must lie inside part and cover the tensor once over the ranks).
-  // (c0, nc): the columns (nc -1: all).
-  auto read = [&](const std::string& dpath, int64_t rows, int64_t cols, std::initializer_list<Dt> allowed,
-                  Dt dest_dt = Dt::f32, void* dest = nullptr, Rows part = {-1, 0}, Rows mine = {-1, 0},
-                  int64_t c0 = 0, int64_t nc = -1) {
-    if (part.r0 < 0) part = {0, rows};
-    if (mine.r0 < 0) mine = comm != MPI_COMM_NULL ? my_rows(rows, rank, size) : Rows{0, rows};
-    if (nc < 0) nc = cols;
+  // The even share of a tensor's rows whose checksum terms this rank adds (all of them alone).
+  auto default_mine = [&](int64_t rows) { return comm != MPI_COMM_NULL ? my_rows(rows, rank, size) : Rows{0, rows}; };
+
+  // The tensors: every parameter's block, then the optimizer's rows of both moments.
+  std::vector<TensorLoad> loads;
+  // This rank's block of each parameter (the whole tensor without a model: generation).
+  auto shard = [&](size_t i) { return st->model ? st->model->shard(i) : Shard{0, table.params[i].rows, 0, table.params[i].cols}; };
+  if (!st->model) st->params.resize(table.params.size());
+  for (size_t i = 0; i < table.params.size(); ++i) {
+    const ParamSpec& p = table.params[i];
+    const Shard sh = shard(i);
+    TensorLoad t;
+    t.path = param_dataset(p.name), t.rows = p.rows, t.cols = p.cols;
+    t.part = sh.held() ? Rows{sh.r0, sh.rows} : Rows{0, 0};
+    t.mine = !sh.held() ? Rows{0, 0} : st->write_rows.empty() ? default_mine(p.rows) : rows_of(st->write_rows[i]);
+    t.c0 = sh.c0, t.nc = sh.cols;
+    if (st->model) {
+      t.dest = st->model->store().param(i);
+    } else {
+      st->params[i].resize(size_t(sh.numel()));
+      t.dest = st->params[i].data();
+    }
+    loads.push_back(std::move(t));
+  }
+  if (st->opt) {
+    AdamW& opt = *st->opt;
+    for (int which = 0; which < 2; ++which)
+      for (size_t i = 0; i < table.params.size(); ++i) {
+        const ParamSpec& p = table.params[i];
+        if (!p.trainable) continue;
+        // The rows of this rank's block its optimizer owns (all of them without ZeRO).
+        const Shard sh = shard(i);
+        const RowRange o = opt.owned(i);
+        TensorLoad t;
+        t.path = moment_dataset(which, p.name), t.rows = p.rows, t.cols = p.cols, t.moment = true;
+        t.part = {sh.r0 + o.begin, o.end - o.begin};
+        t.mine = !st->moment_rows.empty() ? rows_of(st->moment_rows[i]) : opt.sharded() ? t.part : default_mine(p.rows);
+        t.c0 = sh.c0, t.nc = sh.cols;
+        t.dest_dt = opt.bf16_moments() ? Dt::bf16 : Dt::f32;
+        t.dest = opt.moment(which, i).raw();
+        FP8MOE_ASSERT(opt.moment(which, i).numel() == t.part.n * t.nc, "moments of ", p.name, " not allocated");
+        loads.push_back(std::move(t));
+      }
+  }
+  // Into a model: through the staging buffer, in chunks of whole FP32 elements (a moment's chunk
+  // holds either dtype), the same number of reads per dataset on every rank (one allreduce of the
+  // counts); without one (serial), each block in one read into its host vector.
+  const int64_t bound = staging_bytes();
+  std::vector<Chunks> chunks(loads.size());
+  std::vector<int64_t> counts(loads.size(), 1);
+  int64_t stage_bytes = 0;
+  if (st->model) {
+    for (size_t j = 0; j < loads.size(); ++j) {
+      chunks[j] = chunks_of(loads[j].part, loads[j].nc, 4, bound);
+      counts[j] = chunks[j].count;
+      stage_bytes = std::max(stage_bytes, largest_chunk(chunks[j], 4));
+    }
+    if (comm != MPI_COMM_NULL && !counts.empty())
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, counts.data(), int(counts.size()), MPI_INT64_T, MPI_MAX, comm));
+  }
+  Backend* be = st->model ? &st->model->backend() : nullptr;
+  HostBuffer<unsigned char> stage = be ? HostBuffer<unsigned char>(*be, stage_bytes) : HostBuffer<unsigned char>();
+  for (size_t j = 0; j < loads.size(); ++j) {
+    const TensorLoad& t = loads[j];
+    OpenDataset d;
+    uint64_t sum = 0;
+    const int64_t steps = std::max<int64_t>(1, counts[j]);  // every rank opens the dataset, even with no rows
+    for (int64_t k = 0; k < steps; ++k)
+      on_every_rank(comm, [&] {  // agreed after every chunk: no rank goes on into the next read alone
+        if (k == 0)
+          d = t.moment ? open_dataset(file.get(), t.path, t.rows, t.cols, {Dt::f32, Dt::bf16}, path)
+                       : open_dataset(file.get(), t.path, t.rows, t.cols, {Dt::f32}, path);
+        if (be) {
+          const Chunk ch = chunk_at(chunks[j], k);
+          read_block(d, xfer, ch.rows, t.c0 + ch.col, ch.w, stage.data());
+          if (!ch.empty()) {
+            sum += checksum_chunk(stage.data(), d.dt, ch, t.mine, t.c0, t.cols);
+            const int64_t n = ch.rows.n * ch.w;
+            convert_in_place(stage.data(), d.dt, t.dest_dt, n);
+            const size_t es = dt_size(t.dest_dt);
+            be->upload(static_cast<unsigned char*>(t.dest) + size_t((ch.rows.r0 - t.part.r0) * t.nc + ch.col) * es,
+                       stage.data(), size_t(n) * es);
+            be->sync();  // the upload has read the buffer before the next chunk overwrites it
+          }
+        } else {
+          FP8MOE_ASSERT(d.dt == t.dest_dt, t.path, ": a host destination of another dtype");
+          read_block(d, xfer, t.part, t.c0, t.nc, t.dest);
+          sum += checksum_chunk(t.dest, d.dt, {t.part, 0, t.nc}, t.mine, t.c0, t.cols);
+        }
+        if (k + 1 == steps) {
+          names.push_back(t.path);
+          stored.push_back(d.stored_checksum);
+          partial.push_back(sum);
+        }
+      });
+  }
+  stage.reset();
+
+  // Delayed scaling: used when this run uses delayed scaling with the same history length. Small
+  // host state: read whole.
+  auto read = [&](const std::string& dpath, int64_t rows, int64_t cols, std::initializer_list<Dt> allowed) {
+    const Rows mine = default_mine(rows);
     DatasetRead r;
     on_every_rank(comm, [&] {
-      r = read_dataset(file.get(), xfer, dpath, rows, cols, part, c0, nc, allowed, path, dest_dt, dest);
+      r = read_dataset(file.get(), xfer, dpath, rows, cols, {0, rows}, allowed, path);
       names.push_back(dpath);
       stored.push_back(r.stored_checksum);
       partial.push_back(mine.n == 0 ? 0
                                     : checksum_block(static_cast<const unsigned char*>(r.data()) +
-                                                         size_t((mine.r0 - part.r0) * nc) * dt_size(r.dt),
-                                                     r.dt, mine.r0, mine.n, c0, nc, cols));
+                                                         size_t(mine.r0 * cols) * dt_size(r.dt),
+                                                     r.dt, mine.r0, mine.n, 0, cols, cols));
     });
     return r;
   };
-
-  auto& params = st->params;
-  params.resize(table.params.size());
-  // This rank's block of each parameter (the whole tensor without a model: generation).
-  auto shard = [&](size_t i) { return st->model ? st->model->shard(i) : Shard{0, table.params[i].rows, 0, table.params[i].cols}; };
-  for (size_t i = 0; i < table.params.size(); ++i) {
-    const ParamSpec& p = table.params[i];
-    const Shard sh = shard(i);
-    params[i].resize(size_t(sh.numel()));
-    read(param_dataset(p.name), p.rows, p.cols, {Dt::f32}, Dt::f32, params[i].data(),
-         sh.held() ? Rows{sh.r0, sh.rows} : Rows{0, 0},
-         !sh.held() ? Rows{0, 0} : st->write_rows.empty() ? Rows{-1, 0} : rows_of(st->write_rows[i]), sh.c0, sh.cols);
-  }
   if (st->opt) {
-    AdamW& opt = *st->opt;
-    const bool bf16 = opt.bf16_moments();
-    for (auto& m : st->moments) m.resize(table.params.size());
-    for (size_t i = 0; i < table.params.size(); ++i) {
-      const ParamSpec& p = table.params[i];
-      if (!p.trainable) continue;
-      for (int which = 0; which < 2; ++which) {
-        // The rows of this rank's block its optimizer owns (all of them without ZeRO).
-        const Shard sh = shard(i);
-        const RowRange o = opt.owned(i);
-        const Rows part{sh.r0 + o.begin, o.end - o.begin};
-        const size_t n = size_t(part.n * sh.cols);
-        FP8MOE_ASSERT(opt.moment(which, i).numel() == int64_t(n), "moments of ", p.name, " not allocated");
-        std::vector<unsigned char>& dest = st->moments[which][i];
-        dest.resize(n * (bf16 ? 2 : 4));
-        uint16_t* m16 = reinterpret_cast<uint16_t*>(dest.data());
-        float* m32 = reinterpret_cast<float*>(dest.data());
-        const DatasetRead r = read(moment_dataset(which, p.name), p.rows, p.cols,
-                                   {Dt::f32, Dt::bf16}, bf16 ? Dt::bf16 : Dt::f32, dest.data(), part,
-                                   !st->moment_rows.empty() ? rows_of(st->moment_rows[i])
-                                   : opt.sharded()          ? part
-                                                            : Rows{-1, 0},
-                                   sh.c0, sh.cols);
-        // Stored in the other dtype than train.moments_dtype: decode exactly, encode round-to-nearest-even.
-        if (bf16 && r.dt == Dt::f32)
-          for (size_t j = 0; j < n; ++j) m16[j] = bf16_encode(r.f32[j]);
-        else if (!bf16 && r.dt == Dt::bf16)
-          for (size_t j = 0; j < n; ++j) m32[j] = bf16_decode(r.bf16[j]);
-      }
-    }
-    // Delayed scaling: used when this run uses delayed scaling with the same history length.
     const bool has_fp8 = H5Lexists(file.get(), "/fp8", H5P_DEFAULT) > 0;
     H5Eclear2(H5E_DEFAULT);
     if (has_fp8 && cfg.fp8.recipe == Fp8Recipe::delayed) {
@@ -355,15 +514,8 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   }
 }
 
-// A verified load into the model, its optimizer and the training state: the tensors uploaded to
-// the model's backend, the rest set.
+// A verified load: the state besides the tensors (those are in place already).
 void apply(Staged& st, const TrainerState& s) {
-  Backend& be = s.model->backend();
-  for (size_t i = 0; i < st.params.size(); ++i)
-    if (s.model->holds(i)) s.model->set_param(i, st.params[i]);
-  for (int w = 0; w < 2; ++w)
-    for (size_t i = 0; i < st.moments[w].size(); ++i)
-      if (!st.moments[w][i].empty()) be.upload(s.opt->moment(w, i).raw(), st.moments[w][i].data(), st.moments[w][i].size());
   s.opt->restore_counts(st.updates, st.skipped);
   // A fixed or absent loss scale comes from the config; a dynamic one continues.
   if (s.cfg->train.loss_scale.mode == LossScaleMode::dynamic && st.stored.train.loss_scale.mode == LossScaleMode::dynamic)
@@ -371,6 +523,26 @@ void apply(Staged& st, const TrainerState& s) {
   s.model->set_fp8_scaling(st.have_scaling ? st.scaling : std::map<std::string, HostLinearScaling>{});
   *s.progress = st.progress;
 }
+
+// ---------------------------------------------------------------- the save
+
+// One dataset of a save: this rank's block of a (rows, cols) tensor, in backend memory (staged
+// through the host buffer) or host memory (the delayed-scaling arrays).
+struct SavedDataset {
+  std::string path;
+  Dt dt = Dt::f32;
+  int64_t rows = 1, cols = 1;  // the global shape
+  const void* data = nullptr;  // the block: rows [row0, ...) x columns [c0, c0 + nc), row-major
+  bool device = false;         // data is backend memory: never dereferenced here
+  int64_t row0 = 0;
+  Rows mine;                   // the rows of the block this rank writes
+  int64_t c0 = 0, nc = -1;     // nc -1: every column
+  int64_t width() const { return nc < 0 ? cols : nc; }
+  // The address of (row, column c0 + col) of the block (arithmetic only).
+  const unsigned char* at(int64_t row, int64_t col = 0) const {
+    return static_cast<const unsigned char*>(data) + size_t((row - row0) * width() + col) * dt_size(dt);
+  }
+};
 
 }  // namespace
 
@@ -402,21 +574,15 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     if (ec) throw CheckpointError(tmp_dir + ": cannot create: " + ec.message());
   });
 
-  // The datasets, in file order, and their checksums (each rank sums its rows; one allreduce). The
-  // parameters and moments are copied from the model's backend first.
+  // The datasets, in file order. The parameters and moments stay in the model's backend memory
+  // and are staged through one host buffer of at most staging_bytes() (io/checkpoint.h), chunk by
+  // chunk; the ranks agree on each dataset's number of chunks (the most any rank has: one
+  // allreduce), since a collective write needs the same number of calls on every rank.
   const ParamTable& table = s.model->table();
   Backend& be = s.model->backend();
-  const std::vector<std::vector<float>> params = s.model->params_to_host();
-  std::vector<std::vector<unsigned char>> moments[2];
-  for (int w = 0; w < 2; ++w)
-    for (size_t i = 0; i < table.params.size(); ++i) {
-      const Tensor& m = s.opt->moment(w, i);
-      moments[w].push_back(m.bytes() > 0 ? to_host<unsigned char>(be, static_cast<const unsigned char*>(m.raw()), int64_t(m.bytes()))
-                                         : std::vector<unsigned char>());
-    }
   std::vector<SavedDataset> tensors;
   auto whole = [&](std::string path, Dt dt, int64_t rows, int64_t cols, const void* data) {
-    tensors.push_back({std::move(path), dt, rows, cols, data, 0, my_rows(rows, rank, size)});
+    tensors.push_back({std::move(path), dt, rows, cols, data, false, 0, my_rows(rows, rank, size)});
   };
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
@@ -424,14 +590,14 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     const Rows mine = !sh.held() ? Rows{0, 0}
                       : s.write_rows.empty() ? my_rows(p.rows, rank, size)
                                              : rows_of(s.write_rows[i]);
-    tensors.push_back({param_dataset(p.name), Dt::f32, p.rows, p.cols, params[i].data(), sh.r0, mine, sh.c0, sh.cols});
+    tensors.push_back({param_dataset(p.name), Dt::f32, p.rows, p.cols, s.model->store().param(i), true, sh.r0, mine,
+                       sh.c0, sh.cols});
   }
   for (int w = 0; w < 2; ++w)
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
       const std::string dpath = moment_dataset(w, p.name);
-      const void* data = moments[w][i].data();
       const Dt dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;
       // The moments hold the optimizer's owned rows of this rank's block (global rows sh.r0 + ...);
       // sharded (ZeRO-1), each rank writes those.
@@ -442,7 +608,7 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
                                                      : my_rows(p.rows, rank, size);
       FP8MOE_ASSERT(mine.n == 0 || (mine.r0 >= sh.r0 + o.begin && mine.r0 + mine.n <= sh.r0 + o.end), "checkpoint: ",
                     dpath, " rows to write outside the optimizer's rows");
-      tensors.push_back({dpath, dt, p.rows, p.cols, data, sh.r0 + o.begin, mine, sh.c0, sh.cols});
+      tensors.push_back({dpath, dt, p.rows, p.cols, s.opt->moment(w, i).raw(), true, sh.r0 + o.begin, mine, sh.c0, sh.cols});
     }
   const ScalingArrays sc = pack_scaling(gather_scaling(comm, *s.model));
   const int64_t n_sc = int64_t(sc.names.size());
@@ -451,12 +617,21 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
     whole("/fp8/scale", Dt::f32, n_sc, 2, sc.scale.data());
     whole("/fp8/steps", Dt::i64, n_sc, 1, sc.steps.data());
   }
-  std::vector<uint64_t> sums(tensors.size());
+  const int64_t bound = staging_bytes();
+  std::vector<Chunks> chunks(tensors.size());
+  std::vector<int64_t> counts(tensors.size());
+  int64_t stage_bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const SavedDataset& t = tensors[i];
-    sums[i] = t.mine.n > 0 ? checksum_block(t.at(t.mine.r0), t.dt, t.mine.r0, t.mine.n, t.c0, t.width(), t.cols) : 0;
+    chunks[i] = chunks_of(t.mine, t.width(), dt_size(t.dt), bound);
+    counts[i] = chunks[i].count;
+    stage_bytes = std::max(stage_bytes, largest_chunk(chunks[i], dt_size(t.dt)));
   }
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, counts.data(), int(counts.size()), MPI_INT64_T, MPI_MAX, comm));
+  // Each dataset's checksum, summed chunk by chunk over what was staged (the terms add up), then
+  // over the ranks (one allreduce once every dataset is written).
+  std::vector<uint64_t> sums(tensors.size(), 0);
+  HostBuffer<unsigned char> stage(be, stage_bytes);  // pinned under CUDA; the write's and the read-back's
 
   // Room for the file, before any rank writes: the datasets' bytes, and for HDF5's metadata 2 KiB a
   // dataset (measured: about 520 bytes), the config text and 64 KiB.
@@ -530,18 +705,44 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
         write_attr(f, "created", created, path);  // rank 0's clock: attribute data must agree
       });
       for (size_t i = 0; i < tensors.size(); ++i) {
-        on_every_rank(comm, [&] {
-          write_dataset(file.get(), dxpl.get(), tensors[i], sums[i], path);
-          if (i + 1 == tensors.size() && n_sc > 0) {
-            H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), path, "cannot open group /fp8"), H5Gclose);
-            write_attr(g.get(), "tensors", join_lines(sc.names), path + ": /fp8");
-            write_attr(g.get(), "history_len", sc.len, path + ": /fp8");
-          }
-        });
+        const SavedDataset& t = tensors[i];
+        const size_t es = dt_size(t.dt);
+        const std::string at = path + ": dataset " + t.path;
+        H5Handle ds;
+        const int64_t steps = std::max<int64_t>(1, counts[i]);  // every rank creates the dataset, even with no rows
+        for (int64_t k = 0; k < steps; ++k)
+          on_every_rank(comm, [&] {  // agreed after every chunk: no rank goes on into the next write alone
+            if (k == 0) ds = create_dataset(file.get(), t.path, t.dt, t.rows, t.cols, path);
+            const Chunk ch = chunk_at(chunks[i], k);
+            const void* buf = nullptr;
+            if (!ch.empty()) {
+              const size_t bytes = size_t(ch.rows.n * ch.w) * es;
+              if (t.device) {
+                be.download(stage.data(), t.at(ch.rows.r0, ch.col), bytes);
+                be.sync();
+                buf = stage.data();
+              } else {
+                buf = t.at(ch.rows.r0, ch.col);
+              }
+              sums[i] += checksum_chunk(buf, t.dt, ch, t.mine, t.c0, t.cols);
+            }
+            write_block(ds.get(), dxpl.get(), t.dt, t.rows, t.cols, ch.rows, t.c0 + ch.col, ch.w, buf, at);
+            if (k + 1 == steps) ds.reset();
+            if (k + 1 == steps && i + 1 == tensors.size() && n_sc > 0) {
+              H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), path, "cannot open group /fp8"), H5Gclose);
+              write_attr(g.get(), "tensors", join_lines(sc.names), path + ": /fp8");
+              write_attr(g.get(), "history_len", sc.len, path + ": /fp8");
+            }
+          });
         fault.hit();
         if (i == 0) fault.fill_at("first-dataset");
         if (i == tensors.size() / 2) fault.fill_at("middle");
       }
+      // The checksums, once the sums are global: every rank writes the same values.
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
+      on_every_rank(comm, [&] {
+        for (size_t i = 0; i < tensors.size(); ++i) write_checksum(file.get(), tensors[i].path, sums[i], path);
+      });
       fault.fill_at("before-close");
     } catch (const CheckpointError& e) {  // every rank is here: on_every_rank agreed
       close_file(e.what(), failed_limit);
@@ -570,16 +771,21 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
         dxpl = collective_xfer(path);
       });
     });
-    for (size_t i = 0; i < tensors.size(); ++i)
-      on_every_rank(comm, [&] {
-        const SavedDataset& t = tensors[i];
-        reading_back([&] {
-          const DatasetRead r = read_dataset(file.get(), dxpl.get(), t.path, t.rows, t.cols, t.mine, t.c0, t.width(),
-                                             {t.dt}, path, t.dt, nullptr);
-          back[i] = t.mine.n > 0 ? checksum_block(r.data(), t.dt, t.mine.r0, t.mine.n, t.c0, t.width(), t.cols) : 0;
-          attr[i] = r.stored_checksum;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const SavedDataset& t = tensors[i];
+      OpenDataset d;
+      const int64_t steps = std::max<int64_t>(1, counts[i]);
+      for (int64_t k = 0; k < steps; ++k)
+        on_every_rank(comm, [&] {
+          reading_back([&] {
+            if (k == 0) d = open_dataset(file.get(), t.path, t.rows, t.cols, {t.dt}, path);
+            const Chunk ch = chunk_at(chunks[i], k);
+            read_block(d, dxpl.get(), ch.rows, t.c0 + ch.col, ch.w, stage.data());
+            back[i] += checksum_chunk(stage.data(), t.dt, ch, t.mine, t.c0, t.cols);
+            attr[i] = d.stored_checksum;
+          });
         });
-      });
+    }
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, back.data(), int(back.size()), MPI_UINT64_T, MPI_SUM, comm));
     for (size_t i = 0; i < tensors.size(); ++i)
       if (back[i] != sums[i] || attr[i] != sums[i])

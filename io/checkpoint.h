@@ -79,9 +79,18 @@ struct TrainerState {
 // "step_00000042"
 std::string checkpoint_name(int64_t step);
 
+// The host memory a save or a load moves tensors through, per rank, whatever the model's size: one
+// buffer of at most this many bytes (Backend::allocate_host: pinned under CUDA). Each dataset's
+// rows go through it in chunks (as many whole rows as fit; a row that does not fit, in pieces).
+// FP8MOE_CKPT_STAGING_BYTES=N (bytes, at least 8) replaces it, for tests.
+constexpr int64_t kCheckpointStagingBytes = int64_t(64) << 20;
+
 // Saves progress->step into cfg.checkpoint.dir with the commit protocol, then deletes committed
 // checkpoints beyond keep_last (oldest first, never the one `latest` names) and leftover *.tmp
-// directories. Collective over `comm` (every rank of the job); each rank writes its write_rows.
+// directories. Collective over `comm` (every rank of the job); each rank writes its write_rows,
+// downloaded from the model's backend chunk by chunk through the staging buffer (above); the ranks
+// agree beforehand on every dataset's number of chunks (collective writes), and write the checksum
+// attributes once every dataset's data is written and the sums are global.
 // Returns the committed directory. Before writing, checks that the file fits; after closing it,
 // every rank reads its rows back and the checksums must match before the commit.
 // Throws CheckpointError on every rank when any rank failed; the previous checkpoint is intact. A
@@ -92,7 +101,8 @@ std::string checkpoint_name(int64_t step);
 // K-th save event (each dataset written; then, on rank 0, the file closed, the agreement, the
 // fsync, the rename, the directory fsync, latest.tmp written, latest renamed, each deletion);
 // FP8MOE_CKPT_STOP=RANK:K the same with SIGSTOP; FP8MOE_CKPT_FILL=RANK:POINT fills the checkpoint
-// directory's file system (a tmpfs only) at a point of the save (io/checkpoint_commit.h).
+// directory's file system (a tmpfs only) at a point of the save (io/checkpoint_commit.h);
+// FP8MOE_CKPT_STAGING_BYTES=N bounds the staging buffer at N bytes (above; a load's too).
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 
 // checkpoint.resume: "none" starts fresh; "auto" loads <dir>/latest when the directory holds
@@ -100,9 +110,13 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 // newest older valid one (a directory, `latest` or file that cannot be read is an error:
 // CheckpointUnreadable, never a fresh start or a fall-back); a path loads that checkpoint (a step directory, or a checkpoint.dir with
 // a `latest`). Verifies the format version, the model's shape keys (CheckpointMismatch naming each
-// differing key) and every dataset's checksum. Collective over `comm`. Returns the directory
-// loaded, or "" for a fresh start. Throws CheckpointError when nothing usable is found (auto) or
-// the named checkpoint is unusable (path).
+// differing key) and every dataset's checksum. Collective over `comm`. The tensors are read chunk
+// by chunk through the staging buffer and uploaded straight into the model's parameters and the
+// optimizer's moments; the rest (progress, loss scale, Adam counts, delayed scaling) is set only
+// once the whole checkpoint verified. A checkpoint that fails may leave the tensors a mix: the
+// next older one is then loaded over all of them, or this throws (the caller stops). Returns the
+// directory loaded, or "" for a fresh start (nothing touched). Throws CheckpointError when nothing
+// usable is found (auto) or the named checkpoint is unusable (path).
 std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s);
 
 // ---- serial tools (no MPI needed) ----

@@ -288,76 +288,108 @@ H5Handle collective_xfer(const std::string& where) {
   return dxpl;
 }
 
-void write_dataset(hid_t file, hid_t dxpl, const SavedDataset& t, uint64_t checksum, const std::string& where) {
-  const Rows mine = t.mine;
-  const std::string at = where + ": dataset " + t.path;
-  const hsize_t dims[2] = {hsize_t(t.rows), hsize_t(t.cols)};
+namespace {
+
+// The file and memory selections of a block: rows [part.r0, +part.n) x columns [c0, +nc) of the
+// dataset's space, (part.n, nc) in memory; nothing when the block is empty.
+H5Handle select_block(hid_t space, Rows part, int64_t c0, int64_t nc, const std::string& at) {
+  const hsize_t start[2] = {hsize_t(part.r0), hsize_t(c0)}, count[2] = {hsize_t(part.n), hsize_t(nc)};
+  const hsize_t one[2] = {1, 1};
+  const bool empty = part.n <= 0 || nc <= 0;
+  H5Handle mem(h5(H5Screate_simple(2, empty ? one : count, nullptr), at, "H5Screate_simple"), H5Sclose);
+  if (!empty) {
+    h5(H5Sselect_hyperslab(space, H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
+  } else {
+    h5(H5Sselect_none(space), at, "H5Sselect_none");
+    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
+  }
+  return mem;
+}
+
+}  // namespace
+
+H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t rows, int64_t cols, const std::string& where) {
+  const std::string at = where + ": dataset " + path;
+  const hsize_t dims[2] = {hsize_t(rows), hsize_t(cols)};
   H5Handle space(h5(H5Screate_simple(2, dims, nullptr), at, "H5Screate_simple"), H5Sclose);
   H5Handle lcpl(h5(H5Pcreate(H5P_LINK_CREATE), at, "H5Pcreate"), H5Pclose);
   h5(H5Pset_create_intermediate_group(lcpl.get(), 1), at, "H5Pset_create_intermediate_group");
   H5Handle dcpl(h5(H5Pcreate(H5P_DATASET_CREATE), at, "H5Pcreate"), H5Pclose);
   h5(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), at, "H5Pset_fill_time");
-  H5Handle ds(h5(H5Dcreate2(file, t.path.c_str(), file_type(t.dt), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT), at,
+  H5Handle ds(h5(H5Dcreate2(file, path.c_str(), file_type(t), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT), at,
                  "cannot create"),
               H5Dclose);
-  write_attr_u64(ds.get(), "checksum", checksum, at);
-  if (t.dt == Dt::bf16) write_attr(ds.get(), "encoding", std::string("bfloat16"), at);
-  const hsize_t start[2] = {hsize_t(mine.r0), hsize_t(t.c0)}, count[2] = {hsize_t(mine.n), hsize_t(t.width())};
-  H5Handle mem(h5(H5Screate_simple(2, mine.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
-  const unsigned char dummy = 0;
-  const void* buf = &dummy;
-  if (mine.n > 0 && t.width() > 0) {
-    h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
-    buf = t.at(mine.r0);
-  } else {
-    h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
-    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
-  }
-  h5(H5Dwrite(ds.get(), file_type(t.dt), mem.get(), space.get(), dxpl, buf), at, "write failed");
+  // The attributes now, as they have always been laid out; the checksum's value comes later.
+  write_attr_u64(ds.get(), "checksum", 0, at);
+  if (t == Dt::bf16) write_attr(ds.get(), "encoding", std::string("bfloat16"), at);
+  return ds;
 }
 
-DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
-                         int64_t c0, int64_t nc, std::initializer_list<Dt> allowed, const std::string& where, Dt dest_dt,
-                         void* dest) {
+void write_block(hid_t ds, hid_t dxpl, Dt t, int64_t rows, int64_t cols, Rows part, int64_t c0, int64_t nc,
+                 const void* buf, const std::string& at) {
+  FP8MOE_ASSERT(part.n <= 0 || nc <= 0 || (part.r0 >= 0 && part.r0 + part.n <= rows && c0 >= 0 && c0 + nc <= cols),
+                at, ": block outside the dataset");
+  H5Handle space(h5(H5Dget_space(ds), at, "H5Dget_space"), H5Sclose);
+  const H5Handle mem = select_block(space.get(), part, c0, nc, at);
+  const unsigned char dummy = 0;  // never a null buffer, even for an empty selection
+  h5(H5Dwrite(ds, file_type(t), mem.get(), space.get(), dxpl, part.n > 0 && nc > 0 ? buf : &dummy), at,
+     "write failed");
+}
+
+void write_checksum(hid_t file, const std::string& path, uint64_t checksum, const std::string& where) {
   const std::string at = where + ": dataset " + path;
+  H5Handle ds(h5(H5Dopen2(file, path.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
+  H5Handle a(h5(H5Aopen(ds.get(), "checksum", H5P_DEFAULT), at, "cannot open attribute checksum"), H5Aclose);
+  h5(H5Awrite(a.get(), H5T_NATIVE_UINT64, &checksum), at, "cannot write attribute checksum");
+}
+
+OpenDataset open_dataset(hid_t file, const std::string& path, int64_t rows, int64_t cols,
+                         std::initializer_list<Dt> allowed, const std::string& where) {
+  OpenDataset d;
+  d.at = where + ": dataset " + path;
+  d.rows = rows, d.cols = cols;
   if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) {
     H5Eclear2(H5E_DEFAULT);
-    throw CheckpointError(at + " is missing");
+    throw CheckpointError(d.at + " is missing");
   }
-  H5Handle ds(h5(H5Dopen2(file, path.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
-  H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
+  d.ds = H5Handle(h5(H5Dopen2(file, path.c_str(), H5P_DEFAULT), d.at, "cannot open"), H5Dclose);
+  H5Handle space(h5(H5Dget_space(d.ds.get()), d.at, "H5Dget_space"), H5Sclose);
   hsize_t dims[2] = {0, 0};
   if (H5Sget_simple_extent_ndims(space.get()) != 2 || H5Sget_simple_extent_dims(space.get(), dims, nullptr) < 0 ||
       int64_t(dims[0]) != rows || int64_t(dims[1]) != cols)
-    throw CheckpointError(at + ": shape (" + std::to_string(dims[0]) + ", " + std::to_string(dims[1]) +
+    throw CheckpointError(d.at + ": shape (" + std::to_string(dims[0]) + ", " + std::to_string(dims[1]) +
                           "), expected (" + std::to_string(rows) + ", " + std::to_string(cols) + ")");
-  H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
+  H5Handle type(h5(H5Dget_type(d.ds.get()), d.at, "H5Dget_type"), H5Tclose);
+  if (!dt_of(type.get(), &d.dt) || std::find(allowed.begin(), allowed.end(), d.dt) == allowed.end())
+    throw CheckpointError(d.at + ": unexpected element type");
+  d.stored_checksum = read_attr_u64(d.ds.get(), "checksum", d.at);
+  return d;
+}
+
+void read_block(const OpenDataset& d, hid_t dxpl, Rows part, int64_t c0, int64_t nc, void* buf) {
+  FP8MOE_ASSERT(part.n <= 0 || nc <= 0 || (part.r0 >= 0 && part.r0 + part.n <= d.rows && c0 >= 0 && c0 + nc <= d.cols),
+                d.at, ": block outside the dataset");
+  H5Handle space(h5(H5Dget_space(d.ds.get()), d.at, "H5Dget_space"), H5Sclose);
+  const H5Handle mem = select_block(space.get(), part, c0, nc, d.at);
+  unsigned char dummy = 0;
+  h5(H5Dread(d.ds.get(), file_type(d.dt), mem.get(), space.get(), dxpl, part.n > 0 && nc > 0 ? buf : &dummy), d.at,
+     "read failed");
+}
+
+DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
+                         std::initializer_list<Dt> allowed, const std::string& where) {
+  const OpenDataset d = open_dataset(file, path, rows, cols, allowed, where);
   DatasetRead r;
-  if (!dt_of(type.get(), &r.dt) || std::find(allowed.begin(), allowed.end(), r.dt) == allowed.end())
-    throw CheckpointError(at + ": unexpected element type");
-  r.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
-  const size_t n = size_t(part.n * nc);
-  const hsize_t start[2] = {hsize_t(part.r0), hsize_t(c0)}, count[2] = {hsize_t(part.n), hsize_t(nc)};
-  H5Handle mem(h5(H5Screate_simple(2, part.n > 0 ? count : dims, nullptr), at, "H5Screate_simple"), H5Sclose);
-  if (n > 0) {
-    h5(H5Sselect_hyperslab(space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
-  } else {
-    h5(H5Sselect_none(space.get()), at, "H5Sselect_none");
-    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
-  }
+  r.dt = d.dt;
+  r.stored_checksum = d.stored_checksum;
+  const size_t n = size_t(std::max<int64_t>(0, part.n) * cols);
   void* buf = nullptr;
-  if (dest && r.dt == dest_dt && n > 0) {
-    r.dest = dest;
-    h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, dest), at, "read failed");
-    return r;
-  }
   switch (r.dt) {
-    case Dt::f32: r.f32.resize(n + 1), buf = r.f32.data(); break;  // + 1: never a null buffer
-    case Dt::bf16: r.bf16.resize(n + 1), buf = r.bf16.data(); break;
-    case Dt::i64: r.i64.resize(n + 1), buf = r.i64.data(); break;
+    case Dt::f32: r.f32.resize(n), buf = r.f32.data(); break;
+    case Dt::bf16: r.bf16.resize(n), buf = r.bf16.data(); break;
+    case Dt::i64: r.i64.resize(n), buf = r.i64.data(); break;
   }
-  h5(H5Dread(ds.get(), file_type(r.dt), mem.get(), space.get(), dxpl, buf), at, "read failed");
-  r.f32.resize(r.f32.empty() ? 0 : n), r.bf16.resize(r.bf16.empty() ? 0 : n), r.i64.resize(r.i64.empty() ? 0 : n);
+  read_block(d, dxpl, part, 0, cols, buf);
   return r;
 }
 

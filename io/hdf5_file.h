@@ -1,6 +1,7 @@
 // The HDF5 layer of the checkpoints (io/checkpoint.h has the file layout): handles and errors, the
 // element types (bfloat16 as an HDF5 float), the dataset checksums, attributes, parallel files
-// (MPI-IO, collective transfers) and the datasets that each rank writes and reads by rows.
+// (MPI-IO, collective transfers) and the datasets that each rank writes and reads in blocks of
+// rows (io/checkpoint.cpp stages them through a bounded host buffer).
 // Internal to io/checkpoint*.cpp. Every failure throws CheckpointError naming the file.
 #pragma once
 
@@ -129,45 +130,57 @@ struct Rows {
   int64_t r0 = 0, n = 0;
 };
 
-// One dataset of a save: a whole (rows, cols) tensor held by this rank.
-struct SavedDataset {
-  std::string path;
-  Dt dt = Dt::f32;
-  int64_t rows = 1, cols = 1;  // the global shape
-  const void* data = nullptr;  // this rank's block: rows [row0, ...) x columns [c0, c0 + nc), row-major
-  int64_t row0 = 0;
-  Rows mine;                   // the rows of the block this rank writes
-  int64_t c0 = 0, nc = -1;     // nc -1: every column
-  int64_t width() const { return nc < 0 ? cols : nc; }
-  const unsigned char* at(int64_t row) const {
-    return static_cast<const unsigned char*>(data) + size_t((row - row0) * width()) * dt_size(dt);
-  }
-};
+// ---------------------------------------------------------------- datasets, in blocks of rows
 
-// Creates the dataset with its checksum attribute and writes this rank's rows (collective).
-void write_dataset(hid_t file, hid_t dxpl, const SavedDataset& t, uint64_t checksum, const std::string& where);
+// A dataset of a save, created collectively with its global (rows, cols) shape, no fill and its
+// attributes (`checksum` 0 for now, `encoding` for bfloat16); its data are written block by block
+// (write_block), its checksum once every rank has written (write_checksum).
+H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t rows, int64_t cols, const std::string& where);
+
+// Writes rows [part.r0, part.r0 + part.n) x columns [c0, c0 + nc) of dataset ds (global shape
+// (rows, cols), element type t) from buf, which holds them row-major (part.n, nc). Collective:
+// every rank makes the same number of calls per dataset; part.n == 0 or nc == 0 selects nothing
+// (a rank with less to write than the others).
+void write_block(hid_t ds, hid_t dxpl, Dt t, int64_t rows, int64_t cols, Rows part, int64_t c0, int64_t nc,
+                 const void* buf, const std::string& at);
+
+// Sets the `checksum` attribute of a written dataset to the global sum (every rank passes the same
+// value). Collective.
+void write_checksum(hid_t file, const std::string& path, uint64_t checksum, const std::string& where);
+
+// A dataset opened for reading, its shape and element type checked, its checksum attribute read.
+struct OpenDataset {
+  H5Handle ds;
+  std::string at;  // "<file>: dataset <path>", for messages
+  Dt dt = Dt::f32;
+  int64_t rows = 0, cols = 0;
+  uint64_t stored_checksum = 0;
+};
+// Throws when the dataset is missing, its shape is not (rows, cols) or its type not in `allowed`.
+OpenDataset open_dataset(hid_t file, const std::string& path, int64_t rows, int64_t cols,
+                         std::initializer_list<Dt> allowed, const std::string& where);
+
+// Reads rows [part.r0, part.r0 + part.n) x columns [c0, c0 + nc) into buf, row-major (part.n, nc),
+// in the stored element type (no conversion: collective transfers stay collective). Collective as
+// write_block; part.n == 0 or nc == 0 selects nothing.
+void read_block(const OpenDataset& d, hid_t dxpl, Rows part, int64_t c0, int64_t nc, void* buf);
 
 struct DatasetRead {
   Dt dt = Dt::f32;
   uint64_t stored_checksum = 0;
-  // The whole tensor as stored, in the vector of its type.
+  // The rows read, as stored, in the vector of their type.
   std::vector<float> f32;
   std::vector<uint16_t> bf16;
   std::vector<int64_t> i64;
-  void* dest = nullptr;  // set when read into the caller's buffer instead
   const void* data() const {
-    if (dest) return dest;
     return dt == Dt::f32 ? static_cast<const void*>(f32.data())
                          : dt == Dt::bf16 ? static_cast<const void*>(bf16.data()) : static_cast<const void*>(i64.data());
   }
 };
 
-// Reads rows [part.r0, part.r0 + part.n) x columns [c0, c0 + nc) of a (rows, cols) dataset in its
-// stored element type (no conversion: collective transfers stay collective). `allowed` lists the
-// types it may have. When it is stored as dest_dt and dest is set, the data goes straight into
-// dest (part.n x nc).
+// open_dataset, then read_block of rows `part`, all columns, into host vectors (the small
+// host-side datasets: /fp8/*).
 DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
-                         int64_t c0, int64_t nc, std::initializer_list<Dt> allowed, const std::string& where, Dt dest_dt,
-                         void* dest);
+                         std::initializer_list<Dt> allowed, const std::string& where);
 
 }  // namespace fp8moe::ckpt

@@ -1,14 +1,21 @@
 // Checkpoint save/load under MPI (np 1, 2, 3): a state with predictable, distinct values in every
 // tensor is saved by all ranks (each writing its rows), then loaded by one rank alone and by all
 // ranks, and must come back bit for bit; a save by one rank alone gives the same file contents
-// and checksums as the save by all ranks (the checksum does not depend on the layout).
+// and checksums as the save by all ranks (the checksum does not depend on the layout). With a
+// staging buffer of a few hundred bytes (FP8MOE_CKPT_STAGING_BYTES), every dataset goes through
+// it in several chunks, ranks write unequal numbers of rows, and the backend's host allocations
+// stay within the bound.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "io/checkpoint.h"
 #include "io/config.h"
@@ -60,10 +67,12 @@ struct Trainer {
   AdamW opt;
   LossScaler scaler;
   TrainProgress progress;
+  std::vector<RowRange> write_rows, moment_write_rows;  // TrainerState's (empty: the defaults)
   explicit Trainer(const Config& c, std::vector<RowRange> owned = {}, DeviceKind kind = DeviceKind::cpu)
-      : cfg(c), model(backend_of(kind), c), opt(backend_of(kind), model.table(), c.train, std::move(owned)),
-        scaler(c.train) {}
-  TrainerState state() { return {&cfg, &model, &opt, &scaler, &progress, "test layout", {}, {}}; }
+      : Trainer(c, std::move(owned), backend_of(kind)) {}
+  Trainer(const Config& c, std::vector<RowRange> owned, Backend& be)
+      : cfg(c), model(be, c), opt(be, model.table(), c.train, std::move(owned)), scaler(c.train) {}
+  TrainerState state() { return {&cfg, &model, &opt, &scaler, &progress, "test layout", write_rows, moment_write_rows}; }
   Backend& be() { return model.backend(); }
 
   void fill(int salt) {
@@ -156,6 +165,14 @@ void remove_shared(const std::string& d) {
   if (world_rank() == 0) fs::remove_all(fs::path(d).parent_path());
 }
 
+// FP8MOE_CKPT_STAGING_BYTES for a scope (every rank sets its own).
+struct StagingBound {
+  explicit StagingBound(int64_t bytes) { ::setenv("FP8MOE_CKPT_STAGING_BYTES", std::to_string(bytes).c_str(), 1); }
+  ~StagingBound() { ::unsetenv("FP8MOE_CKPT_STAGING_BYTES"); }
+  StagingBound(const StagingBound&) = delete;
+  StagingBound& operator=(const StagingBound&) = delete;
+};
+
 // The saving and the all-ranks loading trainers on the device of the third parameter (the one-rank
 // loads on cpu): a checkpoint of the emulated device's memory is the CPU's, bit for bit.
 class CheckpointRoundTrip : public testing::TestWithParam<std::tuple<bool, Fp8Recipe, DeviceKind>> {};
@@ -211,8 +228,12 @@ INSTANTIATE_TEST_SUITE_P(Moments, CheckpointRoundTrip,
                                          std::make_tuple(true, Fp8Recipe::delayed, DeviceKind::emulated),
                                          std::make_tuple(false, Fp8Recipe::blockwise, DeviceKind::emulated)));
 
-TEST(Checkpoint, ShardedMomentsLoadWholeAndShardedAgain) {
+class CheckpointSharded : public testing::TestWithParam<int64_t> {};  // the staging bound (0: the default)
+
+TEST_P(CheckpointSharded, ShardedMomentsLoadWholeAndShardedAgain) {
   // ZeRO-1: each rank holds the moments of its rows only; the file holds the global tensors.
+  std::unique_ptr<StagingBound> staging;
+  if (GetParam() > 0) staging = std::make_unique<StagingBound>(GetParam());
   const std::string dir = shared_dir("zero");
   const Config cfg = small_config(dir, false, Fp8Recipe::off);
   int rank = 0, size = 1;
@@ -230,11 +251,13 @@ TEST(Checkpoint, ShardedMomentsLoadWholeAndShardedAgain) {
     want.fill(2);
     want.expect_same(whole);
   }
-  Trainer again(cfg, owned);
+  Trainer again(cfg, owned, DeviceKind::emulated);
   resume_from_checkpoint(MPI_COMM_WORLD, again.state());
   sharded.expect_same(again);
   remove_shared(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(Staging, CheckpointSharded, testing::Values(int64_t(0), int64_t(256)));
 
 TEST(Checkpoint, ProtocolKeepsTheNewestAndNamesLatest) {
   const std::string dir = shared_dir("ring");
@@ -296,6 +319,321 @@ TEST(Checkpoint, ChecksumTermIsTheDocumentedFormula) {
   EXPECT_EQ(checksum_term(0, 0), splitmix(splitmix(0)));
   EXPECT_EQ(checksum_term(5, 0x3f800000u), splitmix(splitmix(5) ^ 0x3f800000u));
 }
+
+// ---------------------------------------------------------------- the staging buffer
+
+// The emulated device, watched: its host allocations (Backend::allocate_host, where the checkpoint
+// code's staging buffer comes from) are recorded; everything else is forwarded. The transfers are
+// counted by the emulated device itself (inner()), which also synchronises by itself on a
+// download into memory that is not allocate_host's.
+class WatchedDevice final : public Backend {
+ public:
+  struct HostStats {
+    int64_t live = 0, peak = 0, largest = 0, allocations = 0;
+  };
+  WatchedDevice() : Backend(DeviceKind::emulated), d_(make_backend(DeviceKind::emulated)) {}
+  Backend& inner() { return *d_; }
+  HostStats host() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return host_;
+  }
+  void reset_host() {
+    std::lock_guard<std::mutex> lock(mu_);
+    host_.peak = host_.live, host_.largest = 0, host_.allocations = 0;
+  }
+
+  void* allocate_host(size_t bytes) override {
+    void* p = d_->allocate_host(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p) sizes_[p] = bytes;
+    host_.live += int64_t(bytes);
+    host_.peak = std::max(host_.peak, host_.live);
+    host_.largest = std::max(host_.largest, int64_t(bytes));
+    ++host_.allocations;
+    return p;
+  }
+  void release_host(void* p) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto it = sizes_.find(p);
+      if (it != sizes_.end()) host_.live -= int64_t(it->second), sizes_.erase(it);
+    }
+    d_->release_host(p);
+  }
+
+  std::string describe() const override { return "watched " + d_->describe(); }
+  double dense_peak_flops(bool fp8) const override { return d_->dense_peak_flops(fp8); }
+  void* allocate(size_t bytes) override { return d_->allocate(bytes); }
+  void release(void* p) override { d_->release(p); }
+  MemoryStats memory_stats() const override { return d_->memory_stats(); }
+  void reset_peak() override { d_->reset_peak(); }
+  void copy(void* dst, const void* src, size_t bytes) override { d_->copy(dst, src, bytes); }
+  void zero(void* dst, size_t bytes) override { d_->zero(dst, bytes); }
+  void* host_address(const void* p) const override { return d_->host_address(p); }
+  void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float beta, float* C, int64_t ldc) override {
+    d_->sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void gemm_fp8(GemmRole role, const QuantView& A, bool ta, const QuantView& B, bool tb, float alpha, float beta,
+                float* C, int64_t ldc) override {
+    d_->gemm_fp8(role, A, ta, B, tb, alpha, beta, C, ldc);
+  }
+  void amax(const float* x, int64_t n, float* out) override { d_->amax(x, n, out); }
+  void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override {
+    d_->scale_from_amax(amax, dtype, opt, scale);
+  }
+  void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) override {
+    d_->quantize_scaled(x, scale, out, counts);
+  }
+  void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts) override {
+    d_->quantize_tiled(x, opt, out, counts);
+  }
+  void delayed_update(float* history, int64_t len, int64_t steps, const float* amax, DelayedScalingCompute compute,
+                      Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override {
+    d_->delayed_update(history, len, steps, amax, compute, dtype, opt, scale);
+  }
+  void dequantize(const QuantView& q, float* out) override { d_->dequantize(q, out); }
+  void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd) override {
+    d_->rmsnorm_forward(x, w, N, D, eps, y, rstd);
+  }
+  void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                        float* dx, float* dw) override {
+    d_->rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw);
+  }
+  void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) override {
+    d_->rope(x, B, T, heads, hd, cs, sn);
+  }
+  void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                         int64_t hd, float* out, float* lse) override {
+    d_->attention_forward(q, k, v, B, T, H, KVH, hd, out, lse);
+  }
+  void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                          const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, float* dq,
+                          float* dk, float* dv) override {
+    d_->attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, dq, dk, dv);
+  }
+  void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
+                     float grad_scale, float* dlogits, double* loss_sum) override {
+    d_->cross_entropy(logits, targets, N, V, ignore, grad_scale, dlogits, loss_sum);
+  }
+  void ce_row_max(const float* logits, int64_t N, int64_t Vl, float* mx) override { d_->ce_row_max(logits, N, Vl, mx); }
+  void ce_partials(const float* logits, const int32_t* targets, int64_t N, int64_t Vl, int64_t v0, int32_t ignore,
+                   const float* mx, double* se, double* tl) override {
+    d_->ce_partials(logits, targets, N, Vl, v0, ignore, mx, se, tl);
+  }
+  void ce_finish(const float* logits, const int32_t* targets, int64_t N, int64_t Vl, int64_t v0, int32_t ignore,
+                 const float* mx, const double* se, const double* tl, float grad_scale, float* dlogits,
+                 double* loss_sum) override {
+    d_->ce_finish(logits, targets, N, Vl, v0, ignore, mx, se, tl, grad_scale, dlogits, loss_sum);
+  }
+  void embedding_forward(const float* table, const int32_t* ids, int64_t N, int64_t D, int64_t v0, int64_t Vl,
+                         float* out) override {
+    d_->embedding_forward(table, ids, N, D, v0, Vl, out);
+  }
+  void embedding_backward(const float* dout, const int32_t* ids, int64_t N, int64_t D, int64_t v0, int64_t Vl,
+                          float* dtable) override {
+    d_->embedding_backward(dout, ids, N, D, v0, Vl, dtable);
+  }
+  void swiglu_forward(const float* a, const float* b, float* y, int64_t n) override { d_->swiglu_forward(a, b, y, n); }
+  void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n) override {
+    d_->swiglu_backward(a, b, dy, da, db, n);
+  }
+  void add(const float* a, const float* b, float* out, int64_t n) override { d_->add(a, b, out, n); }
+  void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) override {
+    d_->route(z, bias, rule, out);
+  }
+  void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows) override {
+    d_->permute(x, row_token, R, D, rows);
+  }
+  void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out) override {
+    d_->unpermute_add(r, R, rows, D, gated, out);
+  }
+  void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
+                 double* dgate) override {
+    d_->gate_grad(r, R, dout, expert_out, D, dye, dgate);
+  }
+  void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) override {
+    d_->router_grad(r, dgate, rule, dz);
+  }
+  void aux_loss(const RoutingBuffers& r, double coef, bool sigmoid, double* out) override {
+    d_->aux_loss(r, coef, sigmoid, out);
+  }
+  void bias_update(float* bias, const int64_t* load, int64_t E, double rate) override { d_->bias_update(bias, load, E, rate); }
+  void adamw(const AdamWStep& h, float* w, const float* g, float* m, float* v, uint16_t* m16, uint16_t* v16,
+             int64_t n) override {
+    d_->adamw(h, w, g, m, v, m16, v16, n);
+  }
+  void sum_squares(const float* g, int64_t n, float unscale, double* out) override { d_->sum_squares(g, n, unscale, out); }
+  void sum(const double* x, int64_t n, double* out) override { d_->sum(x, n, out); }
+
+ protected:
+  void upload_impl(void* dst, const void* host, size_t bytes) override { d_->upload(dst, host, bytes); }
+  void download_impl(void* host, const void* src, size_t bytes) override { d_->download(host, src, bytes); }
+  void sync_impl() override { d_->sync(); }
+
+ private:
+  std::unique_ptr<Backend> d_;
+  mutable std::mutex mu_;
+  HostStats host_;
+  std::unordered_map<void*, size_t> sizes_;
+};
+
+// Unequal shares of a tensor's rows: parts of weights 1, 3, 6, ... over the ranks, rank r taking
+// part (r + shift) % size; every row exactly once.
+RowRange skewed_rows(int64_t rows, int rank, int size, size_t shift) {
+  std::vector<int64_t> cum{0};
+  for (int p = 0; p < size; ++p) cum.push_back(cum.back() + (p + 1) * (p + 2) / 2);
+  const int p = int((size_t(rank) + shift) % size_t(size));
+  return {rows * cum[size_t(p)] / cum.back(), rows * cum[size_t(p) + 1] / cum.back()};
+}
+
+// The chunks of n rows of `width` elements of `elem` bytes through a buffer of `bound` bytes
+// (io/checkpoint.h): as many whole rows as fit, or each row in pieces.
+int64_t chunk_count(int64_t n, int64_t width, int64_t elem, int64_t bound) {
+  if (n <= 0 || width <= 0) return 0;
+  const int64_t cap = std::max<int64_t>(1, bound / elem);
+  return width <= cap ? (n + cap / width - 1) / (cap / width) : n * ((width + cap - 1) / cap);
+}
+
+// (bound in bytes, BF16 moments, recipe). Rows are 32 FP32 values (128 bytes): 256 stages 2 whole
+// rows a chunk, 96 cuts each FP32 row into pieces of 24 elements (and takes 1 BF16 row a chunk).
+class CheckpointStaging : public testing::TestWithParam<std::tuple<int64_t, bool, Fp8Recipe>> {};
+
+TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExact) {
+  const auto [bound, bf16, recipe] = GetParam();
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const std::string dir = shared_dir("staging");
+  const Config cfg = small_config(dir, bf16, recipe);
+  const ParamTable table = build_param_table(cfg.model);
+  const int64_t elem_m = bf16 ? 2 : 4;
+  std::string committed;
+  {
+    const StagingBound staging(bound);
+    WatchedDevice dev;
+    Trainer saved(cfg, {}, dev);
+    saved.fill(1);
+    // Rows written: unequal shares, the moments' another than the parameters'.
+    for (size_t i = 0; i < table.params.size(); ++i) {
+      saved.write_rows.push_back(skewed_rows(table.params[i].rows, rank, size, i));
+      saved.moment_write_rows.push_back(skewed_rows(table.params[i].rows, rank, size, i + 1));
+    }
+    // What the save must download: this rank's rows, every dataset in chunks (one synchronisation
+    // each), besides the delayed-scaling state (fp8_scaling_to_host, measured alone).
+    int64_t down = 0, chunks = 0, datasets = 0;
+    for (size_t i = 0; i < table.params.size(); ++i) {
+      const ParamSpec& p = table.params[i];
+      const int64_t n = saved.write_rows[i].end - saved.write_rows[i].begin;
+      down += n * p.cols * 4, chunks += chunk_count(n, p.cols, 4, bound), datasets += n > 0;
+      if (!p.trainable) continue;
+      const int64_t nm = saved.moment_write_rows[i].end - saved.moment_write_rows[i].begin;
+      down += 2 * nm * p.cols * elem_m, chunks += 2 * chunk_count(nm, p.cols, elem_m, bound), datasets += 2 * (nm > 0);
+    }
+    Backend& emu = dev.inner();
+    TransferCounts t0 = emu.transfers();
+    (void)saved.model.fp8_scaling_to_host();
+    const TransferCounts scaling = emu.transfers() - t0;
+    dev.reset_host();
+    const int64_t live = dev.host().live;
+    t0 = emu.transfers();
+    committed = save_checkpoint(MPI_COMM_WORLD, saved.state());
+    const TransferCounts moved = emu.transfers() - t0;
+    EXPECT_EQ(moved.d2h_bytes, down + scaling.d2h_bytes);
+    EXPECT_EQ(moved.host_syncs, chunks + scaling.host_syncs);  // a download not into the staging buffer would add one
+    EXPECT_EQ(moved.h2d_bytes, 0);
+    EXPECT_GT(chunks, 3 * datasets) << "the bound does not make several chunks a dataset";
+    EXPECT_LE(dev.host().largest, bound);
+    EXPECT_LE(dev.host().peak - live, bound);
+    EXPECT_EQ(dev.host().live, live);
+
+    // One rank alone on cpu, with the default rows.
+    if (rank == 0) {
+      Trainer one(cfg);
+      one.fill(4);
+      EXPECT_EQ(resume_from_checkpoint(MPI_COMM_SELF, one.state()), committed);
+      saved.expect_same(one);
+      std::vector<std::vector<float>> weights;
+      load_checkpoint_weights(committed, &weights);
+      EXPECT_EQ(weights, saved.model.params_to_host());
+    }
+    // All ranks on the watched device, with the rows the save used: every block uploaded once,
+    // one chunk (and synchronisation) at a time, within the bound.
+    {
+      WatchedDevice dev2;
+      Trainer all(cfg, {}, dev2);
+      all.write_rows = saved.write_rows, all.moment_write_rows = saved.moment_write_rows;
+      all.fill(6);
+      Backend& emu2 = dev2.inner();
+      const auto state = saved.model.fp8_scaling_to_host();
+      t0 = emu2.transfers();
+      all.model.set_fp8_scaling(state);  // what the load does last, measured alone
+      const TransferCounts set_scaling = emu2.transfers() - t0;
+      int64_t up = 0, load_chunks = 0;
+      for (size_t i = 0; i < table.params.size(); ++i) {
+        const ParamSpec& p = table.params[i];
+        up += p.numel() * 4, load_chunks += chunk_count(p.rows, p.cols, 4, bound);
+        if (p.trainable) up += 2 * p.numel() * elem_m, load_chunks += 2 * chunk_count(p.rows, p.cols, 4, bound);
+      }
+      dev2.reset_host();
+      const int64_t live2 = dev2.host().live;
+      t0 = emu2.transfers();
+      EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, all.state()), committed);
+      const TransferCounts loaded = emu2.transfers() - t0;
+      EXPECT_EQ(loaded.h2d_bytes, up + set_scaling.h2d_bytes);
+      EXPECT_EQ(loaded.host_syncs, load_chunks + set_scaling.host_syncs);
+      EXPECT_LE(dev2.host().largest, bound);
+      EXPECT_LE(dev2.host().peak - live2, bound);
+      saved.expect_same(all);
+    }
+    // The rows in pieces (bound 96): the save and the two loads above suffice.
+    if (bound >= 128) {
+      // All ranks on cpu, with the default rows (other checksum parts).
+      Trainer cpu(cfg);
+      EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, cpu.state()), committed);
+      saved.expect_same(cpu);
+      // The other moments dtype, converted chunk by chunk on the emulated device: BF16 decoded
+      // exactly, FP32 encoded round-to-nearest-even.
+      Config other = cfg;
+      other.train.moments_dtype = bf16 ? MomentsDtype::fp32 : MomentsDtype::bf16;
+      Trainer conv(other, {}, DeviceKind::emulated);
+      EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, conv.state()), committed);
+      EXPECT_EQ(conv.model.params_to_host(), saved.model.params_to_host());
+      for (size_t i = 0; i < table.params.size(); ++i)
+        for (int w = 0; w < 2; ++w) {
+          if (bf16) {
+            EXPECT_EQ(to_host<float>(conv.opt.moment(w, i)), w == 0 ? saved.opt.first_moment(i) : saved.opt.second_moment(i));
+          } else {
+            std::vector<uint16_t> want;
+            for (float x : to_host<float>(saved.opt.moment(w, i))) want.push_back(bf16_encode(x));
+            EXPECT_EQ(to_host<uint16_t>(conv.opt.moment(w, i)), want) << table.params[i].name;
+          }
+        }
+    }
+  }
+  // The file does not depend on the chunks: rank 0 alone saves the same state with the default
+  // buffer (each dataset in one piece); every dataset has the same checksum, and is verified.
+  if (rank == 0) {
+    const std::string dir1 = dir + "-whole";
+    Trainer one(small_config(dir1, bf16, recipe));
+    one.fill(1);
+    save_checkpoint(MPI_COMM_SELF, one.state());
+    const CheckpointReport a = inspect_checkpoint(committed, true), b = inspect_checkpoint(dir1, true);
+    EXPECT_TRUE(a.problems.empty()) << a.problems.front();
+    EXPECT_TRUE(b.problems.empty()) << b.problems.front();
+    ASSERT_EQ(a.datasets.size(), b.datasets.size());
+    for (size_t i = 0; i < a.datasets.size(); ++i) {
+      EXPECT_EQ(a.datasets[i].path, b.datasets[i].path);
+      EXPECT_EQ(a.datasets[i].stored_checksum, b.datasets[i].stored_checksum) << a.datasets[i].path;
+    }
+  }
+  remove_shared(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Bounds, CheckpointStaging,
+                         testing::Values(std::make_tuple(int64_t(256), false, Fp8Recipe::delayed),
+                                         std::make_tuple(int64_t(256), true, Fp8Recipe::blockwise),
+                                         std::make_tuple(int64_t(96), true, Fp8Recipe::delayed)));
 
 }  // namespace
 }  // namespace fp8moe
