@@ -3,7 +3,7 @@
 //
 // Against kernels/cpu/attention.cpp: close. The CPU forms the scores with SGEMM and the softmax in
 // double; here the dot products are warp trees in FP32 (with fused multiply-adds), the softmax is
-// online in FP32 and exp is the device expf. tests/kernels/test_cuda_ops.cpp bounds the difference
+// online in FP32 and exp is the device expf. tests/kernels/test_attention.cpp bounds the difference
 // relative to the largest element (1e-5 forward, 1e-4 backward, with an absolute floor for dq and
 // dk at T = 1, where they cancel to rounding noise).
 #include <cfloat>
