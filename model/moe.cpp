@@ -92,7 +92,7 @@ bool has_shared(const MoeWeights& w) { return w.shared.w1 != nullptr; }
 // Routes the N tokens on the device and reads the loads back (the layer's one synchronisation);
 // with expert parallelism, exchanges them into the plan.
 void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
-                  ExpertDispatcher* ep, MoeRouting* r) {
+                  ExpertDispatcher* ep, HostBuffer<int64_t>* staging, MoeRouting* r) {
   const int64_t E = cfg.n_experts, k = cfg.top_k;
   r->N = N, r->E = E, r->k = k;
   Tensor z(be, DType::f32, {N, E});
@@ -107,10 +107,13 @@ void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeCo
   r->row_slot = Tensor(be, DType::i32, {N * k});
   r->slot_row = Tensor(be, DType::i32, {N, k});
   be.route(z.f32(), w.router_bias, router_rule(cfg, N), r->buffers());
-  HostBuffer<int64_t> load(be, E);
-  be.download(load.data(), r->load.data<int64_t>(), size_t(E) * sizeof(int64_t));
+  // The caller's pinned buffer (a fresh one per routing would be a pinned allocation, which CUDA may
+  // synchronise on, in every MoE layer of every micro-batch).
+  HostBuffer<int64_t> local;
+  if (!staging || staging->size() < E) staging = &(local = HostBuffer<int64_t>(be, E));
+  be.download(staging->data(), r->load.data<int64_t>(), size_t(E) * sizeof(int64_t));
   be.sync();
-  r->load_host.assign(load.data(), load.data() + E);
+  r->load_host.assign(staging->data(), staging->data() + E);
   r->rows = std::accumulate(r->load_host.begin(), r->load_host.end(), int64_t(0));
   if (ep) {
     r->plan = ep->plan(r->load_host.data());
@@ -122,12 +125,13 @@ void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeCo
 }  // namespace
 
 void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
-                 const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep, double* aux) {
+                 const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep, double* aux,
+                 HostBuffer<int64_t>* load_staging) {
   MoeSaved local;
   MoeSaved& s = saved ? *saved : local;
   const int64_t F = cfg.d_expert;
   s.x = x;
-  if (s.routing.empty()) route_tokens(be, x, N, D, cfg, w, ep, &s.routing);
+  if (s.routing.empty()) route_tokens(be, x, N, D, cfg, w, ep, load_staging, &s.routing);
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
 

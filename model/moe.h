@@ -97,9 +97,11 @@ void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out);
 // out (N, D) written; *aux (device, may be nullptr) the auxiliary loss (0 when aux_loss_coef is 0).
 // With `ep`, the routed rows go to their experts' ranks and back (collective over the expert
 // group). When saved->routing is filled (a recomputation), it is used instead of routing again.
+// load_staging: pinned host memory of at least n_experts counts for the loads' download (nullptr:
+// allocated here).
 void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                  const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep = nullptr,
-                 double* aux = nullptr);
+                 double* aux = nullptr, HostBuffer<int64_t>* load_staging = nullptr);
 // dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
 // With `tp` (tensor parallelism: expert and shared widths split, w1/w3 column- and w2 row-parallel;
 // router replicated), the gates' gradients and the experts' input gradients are summed over it

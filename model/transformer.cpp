@@ -56,6 +56,7 @@ Transformer::Transformer(Backend& be, const Config& cfg, ModelGroups groups)
   store_ = std::make_unique<ParamStore>(be, table_, shards, uint64_t(cfg.train.seed));
   weights_.resize(table_.params.size());
   fp8_counts_ = Tensor::zeros(be, DType::u64, {2});
+  loads_h_ = HostBuffer<int64_t>(be, cfg.model.moe.n_experts);
   ensure_rope(cfg.train.seq_len);
 }
 
@@ -208,7 +209,8 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
     MoeFp8 fp8{ffn_fp8(p + "moe.shared.", LinearClass::shared_experts, record), {}};
     for (int e = placement_.first_expert(); e < placement_.first_expert() + placement_.local_experts(); ++e)
       fp8.experts.push_back(ffn_fp8(p + "moe.experts." + std::to_string(e) + ".", LinearClass::experts, record));
-    moe_forward(be_, s->h2.f32(), N, D, m.moe, moe_weights(l), fp8, f.f32(), &s->moe, dispatcher_.get(), aux);
+    moe_forward(be_, s->h2.f32(), N, D, m.moe, moe_weights(l), fp8, f.f32(), &s->moe, dispatcher_.get(), aux,
+                &loads_h_);
   }
   tp_sum(f.f32(), N * D);  // row-parallel W2 (dense, shared and routed experts alike)
   be_.add(s->x_mid.f32(), f.f32(), out, N * D);

@@ -190,6 +190,7 @@ class Transformer {
   std::vector<WeightCache> weights_;              // per parameter: its FP8 copy of the step
   int64_t step_id_ = 0;
   Tensor fp8_counts_;                             // (2) uint64
+  HostBuffer<int64_t> loads_h_;                   // (n_experts) pinned: each MoE layer's loads, read back
   Tensor rope_cs_, rope_sn_, rope_cs_inv_, rope_sn_inv_;  // (rope_T_, head_dim / 2)
   int64_t rope_T_ = 0;
   double saved_bytes_per_token_ = 0;

@@ -133,17 +133,20 @@ class StagedCommunicator final : public Communicator {
     counted([&] { mpi_.recv(s, n, peer, tag); });
     stage_out(d, s, n);
   }
-  // The payload is copied to its own pinned buffer, kept until wait_sends().
+  // The payload is copied to a pinned buffer of its own until wait_sends(); the buffers are kept
+  // and reused by later sends (a pinned allocation may synchronise the device).
   void isend(const float* d, int64_t n, int peer, int tag) override {
-    sends_.emplace_back(be_, n);
-    if (n > 0) be_.download(sends_.back().data(), d, size_t(n) * sizeof(float));
+    if (in_flight_ == sends_.size()) sends_.emplace_back();
+    HostBuffer<float>& b = sends_[in_flight_++];
+    if (b.size() < n) b = HostBuffer<float>(be_, n);
+    if (n > 0) be_.download(b.data(), d, size_t(n) * sizeof(float));
     be_.sync();
     upload_pending_ = false;
-    counted([&] { mpi_.isend(sends_.back().data(), n, peer, tag); });
+    counted([&] { mpi_.isend(b.data(), n, peer, tag); });
   }
   void wait_sends() override {
     mpi_.wait_sends();
-    sends_.clear();
+    in_flight_ = 0;
   }
 
  private:
@@ -183,7 +186,8 @@ class StagedCommunicator final : public Communicator {
   MpiCommunicator mpi_;
   Backend& be_;
   HostBuffer<unsigned char> staging_;
-  std::vector<HostBuffer<float>> sends_;
+  std::vector<HostBuffer<float>> sends_;  // [0, in_flight_): payloads of sends not yet waited for
+  size_t in_flight_ = 0;
   bool upload_pending_ = false;  // an upload from staging_ may not have run yet
 };
 

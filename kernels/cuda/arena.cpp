@@ -1,5 +1,7 @@
 #include "kernels/cuda/arena.h"
 
+#include <algorithm>
+
 #include "kernels/check.h"
 
 namespace fp8moe::cuda {
@@ -41,16 +43,27 @@ void* Arena::allocate(size_t bytes) {
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mu_);
   void* p = nullptr;
-  auto it = free_.find(size);
-  if (it != free_.end() && !it->second.empty()) {
+  // Best fit: the smallest cached block at least this size, unless it wastes more than a quarter
+  // (at least one large granule): the MoE's tensors change size with every routing, and reuse of
+  // exactly one size alone would make every new expert row count a new cudaMalloc in the step.
+  auto it = free_.lower_bound(size);
+  while (it != free_.end() && it->second.empty()) ++it;
+  if (it != free_.end() && it->first <= size + std::max(size / 4, kLargeGranule)) {
     p = it->second.back();
     it->second.pop_back();
+    live_[p] = it->first;
+    stats_.in_use += int64_t(it->first);
+    if (stats_.in_use > stats_.peak) stats_.peak = stats_.in_use;
+    return p;
   } else {
     cudaError_t err = cudaMalloc(&p, size);
     if (err == cudaErrorMemoryAllocation) {
       // Give the cache back and try once more. The cached blocks may still be read by queued
       // work (stream-ordered reuse), so the stream is finished first.
       (void)cudaGetLastError();  // clear the (non-sticky) allocation error
+      // NOTE: a host wait outside Backend::sync, so not counted: an arena out of memory, never a
+      // step of a run that fits. The compute stream covers the communication stream's work, which
+      // every collective joins back into it (arena.h).
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       free_cached_locked();
       err = cudaMalloc(&p, size);

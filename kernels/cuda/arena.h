@@ -1,6 +1,8 @@
 // The caching device-memory arena of one CudaBackend (kernels/cuda/backend.h): cudaMalloc is called
 // only when no cached block fits, and blocks go back to a free list on release. Blocks are rounded
-// up (512 B below 1 MiB, 2 MiB from 1 MiB on) and cached per rounded size. When cudaMalloc fails,
+// up (512 B below 1 MiB, 2 MiB from 1 MiB on) and cached per rounded size; a request takes the
+// smallest cached block at least its size that wastes at most a quarter of it (or one 2 MiB
+// granule), so tensors whose size changes from step to step (the MoE's) reuse blocks. When cudaMalloc fails,
 // the cache is given back to the driver and the allocation retried once; a second failure is fatal
 // with the arena's figures. Never managed memory. Thread-safe.
 //

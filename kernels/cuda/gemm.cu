@@ -275,6 +275,10 @@ Fp8GemmPlan plan_gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, 
                 to_string(A.tiling), " x ", to_string(B.tiling));
   p.empty = p.M == 0 || p.N == 0;
   if (p.empty) return p;  // an expert with no tokens
+  // K = 0 (the weight gradient of an expert with no tokens): the product is empty, C = beta C;
+  // no operand is packed and no GEMM runs.
+  p.k_empty = p.K == 0;
+  if (p.k_empty) return p;
   const bool block = A.tiling != Tiling::per_tensor;
   p.M_p = round_up(p.M, kPadOuter), p.N_p = round_up(p.N, kPadOuter);
   p.K_p = round_up(std::max<int64_t>(p.K, 1), block ? kTnBlock : kPadK);
@@ -289,6 +293,13 @@ Fp8GemmPlan plan_gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, 
 void gemm_fp8(const LtContext& lt, const Fp8GemmPlan& p, const QuantView& A, const QuantView& B, float alpha,
               float beta, float* C, int64_t ldc, const Fp8GemmScratch& s, bool fast_accum, cudaStream_t stream) {
   if (p.empty) return;
+  if (p.k_empty) {
+    if (beta != 1.0f) {
+      scale_matrix_kernel<<<grid_for(p.M * p.N), kBlockThreads, 0, stream>>>(C, p.M, p.N, ldc, beta);
+      CUDA_CHECK(cudaGetLastError());
+    }
+    return;
+  }
   const Fp8Operand a = operand(p.a, A, p.K_p, s.a_data, s.a_scale, stream);
   const Fp8Operand b = operand(p.b, B, p.K_p, s.b_data, s.b_scale, stream);
   if (p.direct_out) {

@@ -71,6 +71,7 @@ struct Fp8GemmPlan {
   int64_t M = 0, N = 0, K = 0, M_p = 0, N_p = 0, K_p = 0;
   Side a, b;
   bool empty = true;           // M or N is 0: nothing to compute
+  bool k_empty = false;        // K is 0: C = beta C, no operand packed (no scratch)
   bool direct_out = false;     // cuBLASLt writes C itself
   int64_t out_count = 0;       // else the floats (M_p x N_p) of the padded output
 };
