@@ -36,3 +36,15 @@ prepare_licence_data() {
 
 # loss_bits < LOG: "STEP LOSS" per metrics line, the loss as its exact bits (%a).
 loss_bits() { sed -n 's/^step *\([0-9]*\)\/.*\[\(.*\)\]$/\1 \2/p'; }
+
+# gpu_work_dir FP8MOE TAG: exits 77 (SKIPPED, with the reason) unless FP8MOE sees a CUDA device;
+# else sets $tmp to a fresh directory (removed on exit) with its own Open MPI session directory.
+gpu_work_dir() {
+  if ! "$1" --version 2>/dev/null | grep -q "GPUs: *[0-9]* visible"; then
+    echo "[  SKIPPED ] no CUDA device visible ($("$1" --version 2>&1 | sed -n 's/^ *GPUs: *//p'))"
+    exit 77
+  fi
+  tmp=$(mktemp -d "/tmp/fp8moe-$2-XXXXXX")
+  ompi_session_dir "$tmp"
+  trap 'rm -rf "$tmp"' EXIT
+}

@@ -23,13 +23,7 @@ exe=$1 src=$2 steps=${3:-20}
 fail() { echo "FAIL: $*" >&2; exit 1; }
 source "$(dirname "$0")/common.sh"
 unset OMP_NUM_THREADS  # one process: every core
-if ! "$exe" --version 2>/dev/null | grep -q "GPUs: *[0-9]* visible"; then
-  echo "[  SKIPPED ] no CUDA device visible ($("$exe" --version 2>&1 | sed -n 's/^ *GPUs: *//p'))"
-  exit 77
-fi
-tmp=$(mktemp -d /tmp/fp8moe-cuda-XXXXXX)
-ompi_session_dir "$tmp"
-trap 'rm -rf "$tmp"' EXIT
+gpu_work_dir "$exe" cuda
 "$exe" prepare-data --output "$tmp/data/src" --val-fraction 0.1 --seed 3 \
   --input "$src"/README.md "$src"/kernels/*.h "$src"/kernels/cpu/*.cpp "$src"/model/*.cpp "$src"/io/*.cpp >/dev/null ||
   fail "prepare-data"
