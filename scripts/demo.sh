@@ -6,7 +6,14 @@
 #  3. configs/tiny.yaml trained afresh on that layout (8 ranks, oversubscribed here), a metrics line
 #     per 10 steps and logs/tiny.jsonl, checkpoints at steps 100 and 200 in checkpoints/tiny/, the
 #     communication per group; then `ckpt verify` and a sample from the last checkpoint (1 process).
+# usage: scripts/demo.sh [--set key=value ...]   (the overrides go to the training run of step 3;
+#        scripts/fresh-check.sh trains 30 steps with them: the whole path, a seventh of the time)
 set -euo pipefail
+overrides=("$@")
+for ((i = 0; i < ${#overrides[@]}; i += 2)); do
+  [[ ${overrides[i]} == --set && -n ${overrides[i + 1]:-} ]] ||
+    { echo "demo: usage: scripts/demo.sh [--set key=value ...]" >&2; exit 2; }
+done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh
 source scripts/mpi-env.sh
@@ -23,7 +30,7 @@ if [[ ! -f data/fortunes.train.idx ]]; then
   build/fp8moe prepare-data --input "${inputs[@]}" --output data/fortunes --split-on % --val-fraction 0.05
 fi
 
-echo "demo: mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml"
-mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml --set checkpoint.resume=none
+echo "demo: mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml ${overrides[*]}"
+mpirun -np 8 --oversubscribe build/fp8moe train configs/tiny.yaml --set checkpoint.resume=none "${overrides[@]}"
 build/fp8moe ckpt verify checkpoints/tiny
 build/fp8moe generate --checkpoint checkpoints/tiny --prompt "The " --tokens 120
