@@ -271,9 +271,9 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
     // Checkpoints: every checkpoint.every steps, at the end, at train.exit_interval (then exit),
     // and after a stop signal on any rank (every rank stops after this same step; exit 3, requeue).
     watch_step_done("checkpoint and stop signal");  // watched call by call, not as part of the step
-    const bool periodic = cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
+    const bool periodic = cfg.checkpoint.save && cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
     const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !final_step;
-    if ((periodic || final_step || exit_now) && !checkpoint()) return kExitFailure;
+    if ((periodic || (final_step && cfg.checkpoint.save) || exit_now) && !checkpoint()) return kExitFailure;
     if (exit_now) {
       if (root) std::printf("exit: step %lld is a multiple of train.exit_interval\n", (long long)step + 1);
       break;
@@ -282,6 +282,11 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
       if (root)
         std::printf("signal %d (%s): stopping after step %lld with a checkpoint\n", signal,
                     signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "?", (long long)step + 1);
+      if (!cfg.checkpoint.save) {
+        if (root) std::printf("exit %d: checkpoint.save is false: nothing saved\n", kExitRequeue);
+        std::fflush(stdout);
+        return kExitRequeue;
+      }
       if (!periodic && !checkpoint()) return kExitFailure;
       if (root) std::printf("exit %d: checkpointed at step %lld; requeue to continue\n", kExitRequeue, (long long)step + 1);
       std::fflush(stdout);
@@ -290,11 +295,11 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
   }
   if (root) {
     comm.print();
-    std::printf("done: %lld steps in %.1f s; final validation loss %s; sample with: fp8moe generate --checkpoint %s "
-                "--prompt ...\n",
+    std::printf("done: %lld steps in %.1f s; final validation loss %s; %s%s%s\n",
                 (long long)(progress.step - first_step), seconds_since(t_start),
                 number_or_null(progress.last_val_loss).c_str(),
-                cfg.checkpoint.dir.c_str());
+                cfg.checkpoint.save ? "sample with: fp8moe generate --checkpoint " : "no checkpoint (checkpoint.save false)",
+                cfg.checkpoint.save ? cfg.checkpoint.dir.c_str() : "", cfg.checkpoint.save ? " --prompt ..." : "");
   }
   return kExitOk;
 }

@@ -437,6 +437,9 @@ const std::vector<Field>& schema() {
                         "Save every this many steps; 0 = only at the end."));
     v.push_back(integer("checkpoint.keep_last", REF(checkpoint.keep_last), 1, 1 << 20,
                         "Committed checkpoints kept; older ones are deleted after a newer one commits."));
+    v.push_back(boolean("checkpoint.save", REF(checkpoint.save),
+                        "false: write no checkpoint, not even at the end (benchmarks); a stop signal then ends "
+                        "the job after its step with exit 3 and nothing saved."));
     v.push_back(text("checkpoint.resume", REF(checkpoint.resume), false,
                      "auto: resume from <dir>/latest if present; none: start fresh; or a checkpoint path."));
     // log
@@ -670,6 +673,8 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
   rule(m.moe.top_k <= int64_t(m.moe.topk_group) * (m.moe.n_experts / m.moe.n_group), "model.moe.top_k",
        "at most model.moe.topk_group x experts per group = " + n(m.moe.topk_group) + " x " +
            n(m.moe.n_experts / m.moe.n_group) + " (the experts a token may reach)");
+  rule(c.checkpoint.save || c.train.exit_interval == 0, "train.exit_interval",
+       "0 with checkpoint.save false (exiting at an interval is for resuming from its checkpoint)");
   rule(c.train.min_lr <= c.train.lr, "train.min_lr", "at most train.lr = " + format_double(c.train.lr));
   rule(c.train.warmup_steps < c.train.steps, "train.warmup_steps",
        "fewer than train.steps = " + n(c.train.steps) + " (the schedule must reach its decay)");

@@ -152,6 +152,7 @@ struct CheckpointConfig {
   std::string dir = "checkpoints";
   int64_t every = 0;   // 0 = only at the end of training
   int keep_last = 3;
+  bool save = true;  // false: never write one (benchmarks of models whose checkpoint fills the disk)
   std::string resume = "auto";  // auto | none | path of a checkpoint
   bool operator==(const CheckpointConfig&) const = default;
 };

@@ -12,8 +12,10 @@
 #      against the 1-rank losses
 #   6. bench/gpu-vs-eager.sh: tokens/s of configs/tiny.yaml on cuda beside eager PyTorch (FP32,
 #      BF16) on the same GPU
-# Each step has a time limit (460 s in all; the first form of this check, steps 1-4, took 192 s on
-# an H200; steps 5 and 6 have not run on a GPU yet). The summary grows after every step in $OUT/summary.txt (the
+#   7. bench/gpu-moe.sh: configs/moe-3b.yaml (3.2B MoE) in blockwise FP8 beside bench/torch_moe.py
+#      (PyTorch BF16 with torch._grouped_mm, eager and torch.compile): tokens/s, MFU, device memory
+# Each step has a time limit (640 s in all; the whole check must stay under 6 minutes: the first
+# form of this check, steps 1-4, took 192 s on an H200; steps 5-7 have not run on a GPU yet). The summary grows after every step in $OUT/summary.txt (the
 # device tool's output folder, when set) and is printed last. On a GPU a skipped test is a failure.
 #
 # usage: scripts/device-check.sh [BUNDLE=bundle/fp8moe-bundle.tar.xz]
@@ -49,9 +51,9 @@ gtest_run() {
 section "device"
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)
 echo "$gpu"
-fp8moe --version 2>&1 | tee "$logs/version.txt"
+fp8moe --version 2>&1 | tee "$work/version.txt"  # $OUT holds at most 8 files: 8 logs below
 note "device:        $gpu"
-note "               $(sed -n 's/^ *CUDA: *//p' "$logs/version.txt"), NCCL $(sed -n 's/^ *NCCL: *//p' "$logs/version.txt")"
+note "               $(sed -n 's/^ *CUDA: *//p' "$work/version.txt"), NCCL $(sed -n 's/^ *NCCL: *//p' "$work/version.txt")"
 
 section "test_kernels, the CUDA cases"
 gtest_run test_kernels 120 --gtest_filter='*/cuda:CudaOps.*'
@@ -90,6 +92,13 @@ timeout 60 bash "$src/bench/gpu-vs-eager.sh" "$(command -v fp8moe)" 12 2>&1 | te
 status=${PIPESTATUS[0]}
 note "throughput (exit $status):"
 note "$(sed -n '/^tiny.yaml/,$p' "$logs/eager.txt" | sed 's/^/  /')"
+[[ $status == 0 ]] || failed=1
+
+section "configs/moe-3b.yaml beside PyTorch BF16"
+GPU_MOE_RUN_LIMIT=60 timeout 180 bash "$src/bench/gpu-moe.sh" "$(command -v fp8moe)" 8 2>&1 | tee "$logs/moe3b.txt"
+status=${PIPESTATUS[0]}
+note "3.2B MoE (exit $status):"
+note "$(sed -n '/^configs\/moe-3b.yaml/,$p' "$logs/moe3b.txt" | sed 's/^/  /')"
 [[ $status == 0 ]] || failed=1
 
 note "total $(( $(date +%s) - start )) s; $([[ $failed == 0 ]] && echo "all passed" || echo "FAILED")"

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -130,8 +131,11 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   // Dynamic loss scaling trains too, and reports its scale.
   r = run({exe(), "train", cfg, "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", "train.loss_scale=dynamic",
            "--set", "log.jsonl=" + tmp.path + "/logs/dyn.jsonl", "--set", "eval.every=0",
-           "--set", "checkpoint.dir=" + tmp.path + "/ckpt-dyn"}, 300);
+           "--set", "checkpoint.dir=" + tmp.path + "/ckpt-dyn", "--set", "checkpoint.save=false"}, 300);
   ASSERT_EQ(r.status, 0) << r.all();
+  // checkpoint.save false (this run): not even the final checkpoint is written.
+  EXPECT_FALSE(std::filesystem::exists(tmp.path + "/ckpt-dyn")) << r.out;
+  EXPECT_NE(r.out.find("no checkpoint (checkpoint.save false)"), std::string::npos) << r.out;
   {
     std::ifstream dyn(tmp.path + "/logs/dyn.jsonl");
     std::string line;
@@ -337,6 +341,8 @@ const BadConfig kBadConfigs[] = {
     {"top_k_above_experts", "model:\n  moe:\n    top_k: 9\n", "model.moe.top_k", "3:12", "at most model.moe.n_experts = 8"},
     {"min_lr_above_lr", "train:\n  min_lr: 1.0\n", "train.min_lr", "2:11", "at most train.lr = 0.0003"},
     {"warmup_not_below_steps", "train:\n  steps: 10\n  warmup_steps: 10\n", "train.warmup_steps", "3:17", "fewer than train.steps = 10"},
+    {"exit_interval_without_saving", "train:\n  exit_interval: 5\ncheckpoint:\n  save: false\n", "train.exit_interval", "2:18",
+     "0 with checkpoint.save false"},
     {"bf16_moments_with_slow_beta2", "train:\n  moments_dtype: bf16\n  beta2: 0.999\n", "train.beta2", "3:10", "at most 0.996 with train.moments_dtype bf16"},
     {"hybrid_with_blockwise", "fp8:\n  format: hybrid\n", "fp8.format", "2:11", "e4m3 with fp8.recipe blockwise"},
     {"default_value_breaks_rule", "model:\n  n_heads: 6\n", "model.n_kv_heads", "", "(the default)"},
