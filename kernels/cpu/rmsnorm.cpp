@@ -1,6 +1,8 @@
 #include "kernels/rmsnorm.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace fp8moe::cpu {
 
@@ -28,8 +30,18 @@ void rmsnorm_backward(const float* x, const float* w, const float* rstd, const f
     const double c = dot * r * r * r / double(D);
     for (int64_t d = 0; d < D; ++d) dx[n * D + d] = float(r * w[d] * g[d] - c * xr[d]);
   }
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t d = 0; d < D; ++d) dw[d] += dy[n * D + d] * x[n * D + d] * rstd[n];
+  // dw in kRmsNormDwChunk-token chunks (kernels/rmsnorm.h), the CUDA kernels' order.
+  const int64_t chunks = rmsnorm_dw_chunks(N);
+  std::vector<float> part(size_t(chunks * D));
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    float* p = part.data() + c * D;
+    for (int64_t d = 0; d < D; ++d) p[d] = 0.0f;
+    for (int64_t n = c * kRmsNormDwChunk; n < std::min(N, (c + 1) * kRmsNormDwChunk); ++n)
+      for (int64_t d = 0; d < D; ++d) p[d] += dy[n * D + d] * x[n * D + d] * rstd[n];
+  }
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t d = 0; d < D; ++d) dw[d] += part[size_t(c * D + d)];
 }
 
 }  // namespace fp8moe::cpu

@@ -24,6 +24,7 @@
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/cuda/quantize.h"
 #include "kernels/cuda/rmsnorm.h"
+#include "kernels/rmsnorm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/swiglu.h"
@@ -184,7 +185,9 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                         float* dx, float* dw) override {
-    cuda::rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw, compute_);
+    if (N == 0 || D == 0) return;
+    Tensor partials(*this, DType::f32, {rmsnorm_dw_chunks(N) * D});
+    cuda::rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw, partials.f32(), compute_);
   }
   void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) override {
     cuda::rope(x, B, T, heads, hd, cs, sn, compute_);
@@ -225,7 +228,9 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void embedding_backward(const float* dout, const int32_t* ids, int64_t N, int64_t D, int64_t v0, int64_t Vl,
                           float* dtable) override {
-    cuda::embedding_backward(dout, ids, N, D, v0, Vl, dtable, compute_);
+    if (N * D == 0 || Vl == 0) return;
+    Tensor scratch(*this, DType::u8, {int64_t(cuda::embedding_backward_scratch_bytes(N))});
+    cuda::embedding_backward(dout, ids, N, D, v0, Vl, dtable, scratch.data<uint8_t>(), compute_);
   }
   void swiglu_forward(const float* a, const float* b, float* y, int64_t n) override {
     cuda::swiglu_forward(a, b, y, n, compute_);

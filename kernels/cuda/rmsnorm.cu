@@ -1,15 +1,17 @@
-// RMSNorm on the GPU (kernels/rmsnorm.h): one block per token row for y and dx, one thread per
-// column for dw.
+// RMSNorm on the GPU (kernels/rmsnorm.h): one block per token row for y and dx; dw in two passes,
+// a thread per (column, chunk of kRmsNormDwChunk tokens) for the partial sums, then a thread per
+// column adding them in chunk order (parallel over tokens, and the same bits on every run).
 //
 // Against kernels/cpu/rmsnorm.cpp:
 //   close    rstd, y, dx: the row sums (double) are a block tree here and serial on the CPU, so
 //            rstd may differ in its last bit; every other operation is the CPU's, in its order,
 //            with the IEEE round-to-nearest intrinsics (y is bitwise given the same rstd)
-//   bitwise  dw given the same rstd: one thread per column adds the tokens in order, as the CPU
+//   bitwise  dw given the same rstd: the CPU's chunked order of addition (kernels/rmsnorm.h)
 #include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/elem.h"
+#include "kernels/rmsnorm.h"
 
 namespace fp8moe::cuda {
 namespace {
@@ -43,12 +45,25 @@ __global__ void rmsnorm_bwd_dx_kernel(const float* __restrict__ x, const float* 
     dx[n * D + d] = float(__dsub_rn(dmul_rn(dmul_rn(r, double(w[d])), double(g[d])), dmul_rn(c, double(xr[d]))));
 }
 
-// One thread per column, tokens in order: the CPU's operation order exactly.
-__global__ void rmsnorm_bwd_dw_kernel(const float* __restrict__ x, const float* __restrict__ rstd,
-                                      const float* __restrict__ dy, int64_t N, int64_t D, float* __restrict__ dw) {
+// part[c D + d] = the chunk c's tokens in order, from 0 (grid: column blocks x chunks).
+__global__ void rmsnorm_dw_partial_kernel(const float* __restrict__ x, const float* __restrict__ rstd,
+                                          const float* __restrict__ dy, int64_t N, int64_t D,
+                                          float* __restrict__ part) {
+  const int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, c = blockIdx.y;
+  if (d >= D) return;
+  const int64_t end = (c + 1) * kRmsNormDwChunk < N ? (c + 1) * kRmsNormDwChunk : N;
+  float acc = 0.0f;
+  for (int64_t n = c * kRmsNormDwChunk; n < end; ++n)
+    acc = add_rn(acc, mul_rn(mul_rn(dy[n * D + d], x[n * D + d]), rstd[n]));
+  part[c * D + d] = acc;
+}
+
+// dw[d] += the partials in chunk order.
+__global__ void rmsnorm_dw_sum_kernel(const float* __restrict__ part, int64_t chunks, int64_t D,
+                                      float* __restrict__ dw) {
   FP8MOE_GRID_STRIDE(d, D) {
     float acc = dw[d];
-    for (int64_t n = 0; n < N; ++n) acc = add_rn(acc, mul_rn(mul_rn(dy[n * D + d], x[n * D + d]), rstd[n]));
+    for (int64_t c = 0; c < chunks; ++c) acc = add_rn(acc, part[c * D + d]);
     dw[d] = acc;
   }
 }
@@ -63,11 +78,17 @@ void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float
 }
 
 void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
-                      float* dx, float* dw, cudaStream_t stream) {
+                      float* dx, float* dw, float* dw_partials, cudaStream_t stream) {
   if (N == 0 || D == 0) return;
   rmsnorm_bwd_dx_kernel<<<grid_of(N, "rmsnorm_backward"), kBlockThreads, 0, stream>>>(x, w, rstd, dy, D, dx);
   check_launch();
-  rmsnorm_bwd_dw_kernel<<<grid_for(D), kBlockThreads, 0, stream>>>(x, rstd, dy, N, D, dw);
+  const int64_t chunks = rmsnorm_dw_chunks(N), column_blocks = (D + kBlockThreads - 1) / kBlockThreads;
+  FP8MOE_ASSERT(chunks <= 65535 && column_blocks <= (int64_t(1) << 31) - 1, "rmsnorm_backward: ", N, " tokens x ", D,
+                " columns exceed the grid");
+  rmsnorm_dw_partial_kernel<<<dim3(unsigned(column_blocks), unsigned(chunks)), kBlockThreads, 0, stream>>>(
+      x, rstd, dy, N, D, dw_partials);
+  check_launch();
+  rmsnorm_dw_sum_kernel<<<grid_for(D), kBlockThreads, 0, stream>>>(dw_partials, chunks, D, dw);
   check_launch();
 }
 

@@ -11,8 +11,9 @@ namespace fp8moe::cuda {
 // x: (N, D), w: (D) -> y: (N, D), rstd: (N).
 void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd,
                      cudaStream_t stream);
-// x, dy: (N, D), w: (D), rstd: (N) -> dx: (N, D) written, dw: (D) ACCUMULATED (tokens in order).
+// x, dy: (N, D), w: (D), rstd: (N) -> dx: (N, D) written, dw: (D) ACCUMULATED in the order of
+// kernels/rmsnorm.h; dw_partials: scratch of rmsnorm_dw_chunks(N) x D floats.
 void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
-                      float* dx, float* dw, cudaStream_t stream);
+                      float* dx, float* dw, float* dw_partials, cudaStream_t stream);
 
 }  // namespace fp8moe::cuda

@@ -40,8 +40,10 @@ TEST(Ops, EmbeddingGatherAndScatterAdd) {
 
 TEST_P(DeviceOps, EmbeddingMatchesCpuBitwise) {
   const int64_t V = 1000, D = 96;
-  // The whole vocabulary, then this rank's rows [300, 700) of it (tensor parallelism).
-  for (auto [N, v0, Vl] : {std::tuple<int64_t, int64_t, int64_t>{4097, 0, V}, {4097, 300, 400}, {1, 0, V}, {0, 0, V}}) {
+  // The whole vocabulary, then this rank's rows [300, 700) of it (tensor parallelism); more tokens
+  // than the CUDA backward's 65,535 position blocks (its grid-stride loop).
+  for (auto [N, v0, Vl] : {std::tuple<int64_t, int64_t, int64_t>{4097, 0, V}, {4097, 300, 400}, {1, 0, V}, {0, 0, V},
+                           {70001, 0, V}}) {
     SCOPED_TRACE(testing::Message() << "N " << N << " rows [" << v0 << ", " << v0 + Vl << ")");
     const auto table = normal_vector(Vl * D, 31), dout = normal_vector(N * D, 32), dtable0 = normal_vector(Vl * D, 33);
     std::vector<int32_t> ids(static_cast<size_t>(N));

@@ -4,6 +4,7 @@
 // a block, DeepSeek-V3's width.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -44,6 +45,30 @@ TEST(Ops, RmsNormForwardAndBackward) {
   expect_close(dw, dw_want, 5e-5, "dw");
 }
 
+// dw over several chunks of kRmsNormDwChunk tokens (the last one partial): the FP64 sum, and
+// bitwise the documented order (kernels/rmsnorm.h), which the CUDA kernels follow too.
+TEST(Ops, RmsNormWeightGradientInChunks) {
+  const int64_t N = 2 * kRmsNormDwChunk + 88, D = 40;
+  ASSERT_EQ(rmsnorm_dw_chunks(N), 3);
+  const Vec x = random_vec(N * D, 11), w = random_vec(D, 12), dy = random_vec(N * D, 13);
+  Vec y(N * D), rstd(N), dx(N * D), dw(D, 0.25f);
+  cpu::rmsnorm_forward(x.data(), w.data(), N, D, 1e-6f, y.data(), rstd.data());
+  cpu::rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), N, D, dx.data(), dw.data());
+  DVec exact(D, 0.25);
+  Vec ordered(D, 0.25f);
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t n = 0; n < N; ++n) exact[d] += double(dy[n * D + d]) * x[n * D + d] * rstd[n];
+    for (int64_t c = 0; c < 3; ++c) {
+      float part = 0.0f;
+      for (int64_t n = c * kRmsNormDwChunk; n < std::min(N, (c + 1) * kRmsNormDwChunk); ++n)
+        part += dy[n * D + d] * x[n * D + d] * rstd[n];
+      ordered[d] += part;
+    }
+  }
+  expect_close(dw, exact, 1e-5, "dw vs FP64");
+  expect_bitwise(dw, ordered, "dw vs the chunked order");
+}
+
 // ---- each device backend against the CPU backend ------------------------------------------------
 
 TEST_P(DeviceOps, RmsNormMatchesCpu) {
@@ -82,7 +107,7 @@ TEST_P(DeviceOps, RmsNormMatchesCpu) {
     expect_match(g.y, c.y, 1e-6, "y");
     expect_match(g.rstd, c.rstd, 1e-6, "rstd");
     expect_match(g.dx, c.dx, 1e-5, "dx");
-    // dw: one thread per column, tokens in order: the CPU's operation order (bitwise, same rstd).
+    // dw: the chunked order of kernels/rmsnorm.h on both (bitwise, same rstd).
     expect_bitwise(g.dw, c.dw, "dw");
   }
 }
