@@ -51,7 +51,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.footer(
       "Exit status: 0 success (also after train.exit_interval); 1 internal error (the job is aborted with\n"
-      "MPI_Abort) or a checkpoint save that failed (the previous one is intact); 2 bad command line,\n"
+      "MPI_Abort), a checkpoint save that failed (the previous one is intact), or a stop signal with\n"
+      "checkpoint.save false (nothing saved); 2 bad command line,\n"
       "config, file, checkpoint to resume from or world size (reported once by rank 0, every rank exits 2);\n"
       "3 stopped by SIGUSR1 or SIGTERM after committing a checkpoint: run again (requeue) to continue;\n"
       "4 a rank made no progress for runtime.timeout_s (the watchdog aborted the job): requeue to resume.\n"

@@ -280,12 +280,14 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
     }
     if (const int signal = agreed_stop_signal(grid.world()); signal != 0 && !final_step) {
       if (root)
-        std::printf("signal %d (%s): stopping after step %lld with a checkpoint\n", signal,
-                    signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "?", (long long)step + 1);
+        std::printf("signal %d (%s): stopping after step %lld %s\n", signal,
+                    signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "?", (long long)step + 1,
+                    cfg.checkpoint.save ? "with a checkpoint" : "without one (checkpoint.save is false)");
       if (!cfg.checkpoint.save) {
-        if (root) std::printf("exit %d: checkpoint.save is false: nothing saved\n", kExitRequeue);
+        // Not exit 3: a requeued job would find nothing to resume from and start again from step 0.
+        if (root) std::printf("exit %d: nothing saved, nothing to requeue\n", kExitFailure);
         std::fflush(stdout);
-        return kExitRequeue;
+        return kExitFailure;
       }
       if (!periodic && !checkpoint()) return kExitFailure;
       if (root) std::printf("exit %d: checkpointed at step %lld; requeue to continue\n", kExitRequeue, (long long)step + 1);

@@ -46,6 +46,6 @@ for k in torch_fp32 torch_bf16 off blockwise; do
     off) name="fp8moe cuda, fp8.recipe off";;
     blockwise) name="fp8moe cuda, fp8.recipe blockwise";;
   esac
-  awk -v n="$name" -v t="${tps[$k]}" -v b="$base" -v m="${mem[$k]:--}" 'BEGIN { printf "%-34s %10d %13.2fx %10s\n", n, t, b > 0 ? t / b : 0, m }'
+  awk -v n="$name" -v t="${tps[$k]}" -v b="$base" -v m="${mem[$k]:--}" 'BEGIN { printf "%-34s %10d %13.2fx %10s\n", n, t, (b > 0 ? t / b : 0), m }'
 done
 exit $status

@@ -9,7 +9,9 @@ RMSNorm, RoPE (halves rotated against each other), a dense SwiGLU for the first
 model.first_dense_layers blocks and an MoE for the rest: sigmoid (or softmax) scores, top-k of the
 scores plus the aux-loss-free bias, gates normalised over the chosen k (model.moe.norm_topk_prob),
 model.moe.routed_scaling_factor, the bias moved by model.moe.bias_update_rate after every step
-towards balance, shared experts always on. The routed experts run as
+towards balance, shared experts always on; fp8moe's initialisation (output projections at
+init_std / sqrt(2 n_layers)) and learning-rate schedule (train.warmup_steps, schedule, min_lr,
+over train.steps). The routed experts run as
   grouped  one torch._grouped_mm per projection over the tokens sorted by expert (the default
            where it exists: PyTorch >= 2.8 on a GPU with BF16), or
   loop     a Python loop over the experts (what MoE code without a grouped GEMM does).
@@ -50,8 +52,21 @@ M_DEFAULTS = {"vocab_size": 256, "d_model": 256, "n_layers": 4, "n_heads": 8, "n
 MOE_DEFAULTS = {"n_experts": 8, "top_k": 2, "n_shared_experts": 1, "d_expert": 256, "gating": "sigmoid",
                 "bias_update_rate": 0.001, "routed_scaling_factor": 1.0, "norm_topk_prob": "auto", "n_group": 1,
                 "capacity_factor": 0.0, "aux_loss_coef": 0.0}
-T_DEFAULTS = {"global_batch": 8, "seq_len": 256, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+T_DEFAULTS = {"global_batch": 8, "seq_len": 256, "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 100,
+              "schedule": "cosine", "steps": 1000, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
               "weight_decay": 0.1, "grad_clip": 1.0, "seed": 1234}
+
+
+def learning_rate(t, step):  # model/optimizer.cpp, learning_rate (step from 0)
+    if t["warmup_steps"] > 0 and step < t["warmup_steps"]:
+        return t["lr"] * (step + 1) / t["warmup_steps"]
+    if t["schedule"] == "constant":
+        return t["lr"]
+    decay = t["steps"] - t["warmup_steps"]
+    progress = 1.0 if decay <= 1 else min(1.0, (step - t["warmup_steps"]) / (decay - 1))
+    if t["schedule"] == "linear":
+        return t["lr"] - (t["lr"] - t["min_lr"]) * progress
+    return t["min_lr"] + 0.5 * (t["lr"] - t["min_lr"]) * (1.0 + math.cos(math.pi * progress))
 
 
 def load_config(path, sets):
@@ -130,24 +145,27 @@ class Block(torch.nn.Module):
     def __init__(self, m, dense, std):
         super().__init__()
         D, H, KVH, HD = m["d_model"], m["n_heads"], m["n_kv_heads"], m["head_dim"]
+        # fp8moe's init (model/param_table.cpp): the output projections (wo, w2) at std / sqrt(2 L).
+        out_std = std / math.sqrt(2.0 * m["n_layers"])
         p = lambda *s: torch.nn.Parameter(torch.randn(*s) * std)
+        po = lambda *s: torch.nn.Parameter(torch.randn(*s) * out_std)
         self.m, self.dense = m, dense
         self.attn_norm, self.mlp_norm = torch.nn.Parameter(torch.ones(D)), torch.nn.Parameter(torch.ones(D))
         self.wqkv = p((H + 2 * KVH) * HD, D)
-        self.wo = p(D, H * HD)
+        self.wo = po(D, H * HD)
         moe = m["moe"]
         if dense:
             F_ = m["d_ff_dense"]
-            self.w13, self.w2 = p(2 * F_, D), p(D, F_)
+            self.w13, self.w2 = p(2 * F_, D), po(D, F_)
         else:
             E, DE, S = moe["n_experts"], moe["d_expert"], moe["n_shared_experts"]
             self.router = p(E, D)
             self.register_buffer("bias", torch.zeros(E))
             self.register_buffer("load", torch.zeros(E))
             self.e13 = p(E, D, 2 * DE)  # grouped layout: x (rows, D) @ e13[e] (D, 2 DE)
-            self.e2 = p(E, DE, D)
+            self.e2 = po(E, DE, D)
             if S:
-                self.s13, self.s2 = p(2 * S * DE, D), p(D, S * DE)
+                self.s13, self.s2 = p(2 * S * DE, D), po(D, S * DE)
 
     def attention(self, x, rope):
         m = self.m
@@ -182,23 +200,23 @@ class Block(torch.nn.Module):
             gates = gates / gates.sum(-1, keepdim=True)
         gates = gates * moe["routed_scaling_factor"]
         flat = chosen.reshape(-1)
+        # Counts by scatter_add (a static shape, which torch.compile keeps in one graph; bincount's is not).
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         with torch.no_grad():
-            self.load += torch.bincount(flat, minlength=E).float()
+            self.load += counts.float()
         order = torch.argsort(flat, stable=True)
         rows = x[order // K]
         if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not autocast: its operands in BF16
             rows = rows.to(torch.get_autocast_dtype(x.device.type))
         DE = moe["d_expert"]
         if experts_mode == "grouped":
-            counts = torch.bincount(flat, minlength=E)
             offs = torch.cumsum(counts, 0).to(torch.int32)
             h = torch._grouped_mm(rows, self.e13.to(rows.dtype), offs=offs)
             h = F.silu(h[:, :DE]) * h[:, DE:]
             y = torch._grouped_mm(h, self.e2.to(rows.dtype), offs=offs)
         else:
-            counts = torch.bincount(flat, minlength=E).tolist()
             outs, start = [], 0
-            for e, c in enumerate(counts):
+            for e, c in enumerate(counts.tolist()):
                 r = rows[start:start + c]
                 h = r @ self.e13[e].to(r.dtype)
                 outs.append((F.silu(h[:, :DE]) * h[:, DE:]) @ self.e2[e].to(r.dtype))
@@ -303,7 +321,7 @@ def main():
     fused = dev.type == "cuda"
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=t["eps"], fused=fused)
+                            lr=learning_rate(t, 0), betas=(t["beta1"], t["beta2"]), eps=t["eps"], fused=fused)
     HD = m["head_dim"]
     inv = m["rope_theta"] ** (-torch.arange(HD // 2, dtype=torch.float32, device=dev) * 2 / HD)
     ang = torch.arange(T, dtype=torch.float32, device=dev)[:, None] * inv[None, :]
@@ -331,6 +349,8 @@ def main():
     times, losses = [], []
     moe_blocks = [b for b in model.blocks if not b.dense]
     for step in range(a.steps):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(t, step)
         sync()
         t0 = time.perf_counter()
         total = 0.0

@@ -439,7 +439,7 @@ const std::vector<Field>& schema() {
                         "Committed checkpoints kept; older ones are deleted after a newer one commits."));
     v.push_back(boolean("checkpoint.save", REF(checkpoint.save),
                         "false: write no checkpoint, not even at the end (benchmarks); a stop signal then ends "
-                        "the job after its step with exit 3 and nothing saved."));
+                        "the job after its step with exit 1 (nothing saved, nothing to requeue)."));
     v.push_back(text("checkpoint.resume", REF(checkpoint.resume), false,
                      "auto: resume from <dir>/latest if present; none: start fresh; or a checkpoint path."));
     // log
