@@ -54,6 +54,9 @@ std::string resolve_runtime(Config& cfg, int* ordinal, std::string* device_line)
   if (r.comm == CommChoice::automatic)
     r.comm = (r.device == DeviceChoice::cuda && gpu_per_rank) || r.device == DeviceChoice::emulated ? CommChoice::nccl
                                                                                                      : CommChoice::mpi;
+  if (r.attention == AttentionChoice::cudnn && r.device == DeviceChoice::cuda && !cudnn_attention_built())
+    return "runtime.attention: cudnn, but this fp8moe was built without cuDNN's fused attention (no cuDNN frontend "
+           "at configure time: scripts/fetch-headers.sh, then configure again); use auto or reference";
   if (const RuntimeProblem p = runtime_problem(cfg); !p.key.empty())  // the rules again, auto resolved
     return p.key + ": expected " + p.expected + resolved;
   const std::string comm = r.comm == CommChoice::mpi ? (r.device == DeviceChoice::cpu ? "mpi" : "mpi (staged through pinned host memory)")
@@ -61,7 +64,9 @@ std::string resolve_runtime(Config& cfg, int* ordinal, std::string* device_line)
                                                                 : "nccl";
   if (r.device == DeviceChoice::cuda)
     *device_line = "device: cuda (rank 0: GPU " + std::to_string(*ordinal) + " of the " + std::to_string(gpus) +
-                   " it sees, by node-local rank " + std::to_string(place.local_rank) + "), comm " + comm;
+                   " it sees, by node-local rank " + std::to_string(place.local_rank) + "), comm " + comm +
+                   ", attention " + std::string(EnumNames<AttentionChoice>::names[size_t(r.attention)]) +
+                   (cudnn_attention_built() ? "" : " (cuDNN's fused attention not built: reference)");
   else if (r.device == DeviceChoice::emulated)
     *device_line = "device: emulated (the CPU kernels on memory the host may not touch), comm " + comm;
   else
@@ -125,7 +130,12 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const DeviceKind kind = config.runtime.device == DeviceChoice::cuda       ? DeviceKind::cuda
                           : config.runtime.device == DeviceChoice::emulated ? DeviceKind::emulated
                                                                            : DeviceKind::cpu;
-  const std::unique_ptr<Backend> backend = make_backend(kind, ordinal);
+  BackendOptions backend_options;
+  backend_options.attention = config.runtime.attention == AttentionChoice::cudnn       ? AttentionKernel::cudnn
+                              : config.runtime.attention == AttentionChoice::reference ? AttentionKernel::reference
+                                                                                        : AttentionKernel::automatic;
+  backend_options.verbose = root;
+  const std::unique_ptr<Backend> backend = make_backend(kind, ordinal, backend_options);
   return train(config, grid, *backend);
 }
 

@@ -457,6 +457,11 @@ const std::vector<Field>& schema() {
                        "emulated device its own in-order collectives), mpi (staged through pinned host memory, one "
                        "host synchronisation per call: ranks may share a GPU), or auto (nccl where it can run, else "
                        "mpi). On cpu always mpi."));
+    v.push_back(choice("runtime.attention", REF(runtime.attention),
+                       "Attention kernel: cudnn (cuDNN's fused flash attention, forward and deterministic "
+                       "backward: BF16 operands, FP32 statistics, O(T) memory; runtime.device cuda), reference "
+                       "(fp8moe's own FP32 kernel, one warp per query row), or auto (cudnn on cuda where cuDNN "
+                       "loads and has plans for the shape, with a warning naming why where not; else reference)."));
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "
@@ -636,6 +641,10 @@ std::string show_value(const Field& f, const Config& c) {
 RuntimeProblem runtime_problem(const Config& c) {
   if (c.runtime.comm == CommChoice::nccl && c.runtime.device == DeviceChoice::cpu)
     return {"runtime.comm", "mpi or auto with runtime.device cpu (NCCL needs the CUDA backend)"};
+  if (c.runtime.attention == AttentionChoice::cudnn && c.runtime.device != DeviceChoice::cuda &&
+      c.runtime.device != DeviceChoice::automatic)
+    return {"runtime.attention", "auto or reference unless runtime.device is cuda (cuDNN's fused attention runs on "
+                                 "the GPU)"};
   if (c.runtime.device == DeviceChoice::cuda && c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.tile != 128)
     return {"fp8.tile", "128 with runtime.device cuda and fp8.recipe blockwise (cuBLASLt's block-scaled GEMMs use "
                         "1 x 128 and 128 x 128 blocks)"};

@@ -1,5 +1,6 @@
 #include "kernels/backend.h"
 
+#include "kernels/check.h"
 #include "kernels/host_backend.h"
 
 #ifdef FP8MOE_HAVE_CUDA
@@ -25,10 +26,13 @@ void Backend::sync() {
   sync_impl();
 }
 
-std::unique_ptr<Backend> make_backend(DeviceKind kind, int ordinal) {
-  if (kind != DeviceKind::cuda) return std::make_unique<HostBackend>(kind);
+std::unique_ptr<Backend> make_backend(DeviceKind kind, int ordinal, const BackendOptions& options) {
+  if (kind != DeviceKind::cuda) {
+    FP8MOE_ASSERT(options.attention != AttentionKernel::cudnn, "cuDNN's fused attention needs the CUDA backend");
+    return std::make_unique<HostBackend>(kind);
+  }
 #ifdef FP8MOE_HAVE_CUDA
-  return make_cuda_backend(ordinal);
+  return make_cuda_backend(ordinal, options);
 #else
   (void)ordinal;
   fatal_error(__FILE__, __LINE__, "runtime.device cuda: this fp8moe was built without CUDA");

@@ -64,6 +64,9 @@ class Backend {
   // the devices whose datasheet figures are known (H100 / H200 SXM: 1979 / 67 TFLOP/s); NaN
   // otherwise (the CPU's is measured by app/step_report).
   virtual double dense_peak_flops(bool fp8) const = 0;
+  // The attention kernel each shape ran so far ("B 4 T 2048 H 16 KVH 16 head_dim 128: cudnn; ..."),
+  // or "reference" where that is the only one (the host backends).
+  virtual std::string attention_kernels() const { return "reference"; }
 
   // ---- memory -----------------------------------------------------------------------------------
   // Device memory, uninitialised, 256-byte aligned; nullptr for 0 bytes. release() may be called
@@ -170,6 +173,18 @@ class Backend {
 
 // The backend of runtime.device: cpu or emulated (host kinds), or cuda on device `ordinal`
 // (fatal when CUDA is not built in; the caller checks that a device is visible).
-std::unique_ptr<Backend> make_backend(DeviceKind kind, int ordinal = 0);
+// Which attention kernel a backend runs (runtime.attention).
+enum class AttentionKernel {
+  automatic,  // cuda: cuDNN's fused attention where cuDNN loads and has plans for the shape (a
+              // warning gives the reason where not), else the reference kernel; host: the reference
+  cudnn,      // cuda only: cuDNN's fused attention, fatal where it cannot run
+  reference,  // kernels/attention.h's kernel (FP32 softmax), on every backend
+};
+struct BackendOptions {
+  AttentionKernel attention = AttentionKernel::automatic;
+  bool verbose = false;  // print what the backend decides (the attention kernel of each shape) on stdout
+};
+
+std::unique_ptr<Backend> make_backend(DeviceKind kind, int ordinal = 0, const BackendOptions& options = {});
 
 }  // namespace fp8moe

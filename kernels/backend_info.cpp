@@ -6,6 +6,9 @@
 
 #include <string>
 
+#if FP8MOE_HAVE_CUDNN
+#include "kernels/cuda/attention_cudnn.h"
+#endif
 #ifdef FP8MOE_HAVE_CUDA
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -32,6 +35,22 @@ int cuda_device_count(std::string* why) {
 #endif
 }
 
+bool cudnn_attention_built() {
+#if FP8MOE_HAVE_CUDNN
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string cudnn_attention_unavailable() {
+#if FP8MOE_HAVE_CUDNN
+  return cuda::cudnn_library_error();
+#else
+  return "cuDNN's fused attention is not built in (no cuDNN frontend at configure time)";
+#endif
+}
+
 std::string cuda_device_pci_id(int ordinal) {
 #ifdef FP8MOE_HAVE_CUDA
   char id[32] = {};
@@ -41,6 +60,17 @@ std::string cuda_device_pci_id(int ordinal) {
   (void)ordinal;
   return "";
 }
+
+namespace {
+std::string cudnn_version_text() {
+#if FP8MOE_HAVE_CUDNN
+  const int64_t v = cuda::cudnn_library_version();  // 91900 = 9.19.0
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+#else
+  return "";
+#endif
+}
+}  // namespace
 
 std::string kernels_build_info() {
   std::string s;
@@ -58,6 +88,12 @@ std::string kernels_build_info() {
   std::string why;
   const int n = cuda_device_count(&why);
   s += "  GPUs:       " + (n > 0 ? std::to_string(n) + " visible" : "none visible (" + why + ")") + "\n";
+  s += std::string("  cuDNN:      ") +
+       (!cudnn_attention_built() ? "fused attention not built (no cuDNN frontend at configure time)"
+        : cudnn_attention_unavailable().empty()
+            ? "fused attention built (cuDNN frontend 1.32.0), library " + cudnn_version_text()
+            : "fused attention built (cuDNN frontend 1.32.0), library not found: " + cudnn_attention_unavailable()) +
+       "\n";
 #else
   s += "  CUDA:       not built (CPU backend only)\n";
 #endif

@@ -22,6 +22,7 @@ enum class AmaxCompute { max, most_recent };
 enum class LossScaleMode { none, dynamic, fixed };
 enum class DeviceChoice { automatic, cpu, cuda, emulated };  // runtime.device
 enum class CommChoice { automatic, mpi, nccl };      // runtime.comm
+enum class AttentionChoice { automatic, cudnn, reference };  // runtime.attention
 
 struct MoeConfig {
   int n_experts = 8;
@@ -163,6 +164,8 @@ struct RuntimeConfig {
   // passed the device check on a GPU (README, CUDA backend): no config moves onto it unasked.
   DeviceChoice device = DeviceChoice::cpu;
   CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda (a GPU per rank) and emulated, mpi on cpu
+  // auto: cuDNN's fused attention on cuda where it has plans for the shape, else the reference kernel.
+  AttentionChoice attention = AttentionChoice::automatic;
   // Watchdog limit (parallel/watchdog.h): longer than this in one collective, checkpoint I/O call
   // or training step ends the job. Generous: a step of a large model, a save on a slow file system.
   double timeout_s = 600;
@@ -206,6 +209,7 @@ FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");
 FP8MOE_ENUM_NAMES(AmaxCompute, "max", "most_recent");
 FP8MOE_ENUM_NAMES(DeviceChoice, "auto", "cpu", "cuda", "emulated");
+FP8MOE_ENUM_NAMES(AttentionChoice, "auto", "cudnn", "reference");
 FP8MOE_ENUM_NAMES(CommChoice, "auto", "mpi", "nccl");
 #undef FP8MOE_ENUM_NAMES
 

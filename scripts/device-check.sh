@@ -3,7 +3,8 @@
 # scripts/bundle.sh (no Open MPI, HDF5 or yaml-cpp needed there), then
 #   1. the device and its driver (nvidia-smi)
 #   2. test_kernels' CUDA cases (DeviceOps.*/cuda, CudaOps.*): every CUDA op against the CPU op,
-#      the FP8 GEMMs against FP64 and the CPU, the hardware FP8 conversion, the arena (its CPU and
+#      cuDNN's fused attention against the reference kernel (libcudnn from the image's
+#      nvidia-cudnn-cu13 wheel), the FP8 GEMMs against FP64 and the CPU, the hardware FP8 conversion, the arena (its CPU and
 #      emulated-device cases run in CI); test_nccl as one rank (the NCCL communicator against MPI's)
 #   3. bench_gemm_cuda: BF16 / FP8 per-tensor / FP8 block-scaled TFLOP/s at DeepSeek-V3 shapes
 #   4. tests/app/cuda_vs_cpu.sh: 20 training steps on cuda vs cpu per recipe, tokens/s and MFU, and
@@ -32,6 +33,9 @@ work=$(mktemp -d /tmp/fp8moe-dev-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 tar -C "$work" -xJf "$tarball" || { echo "device-check: cannot unpack $tarball" >&2; exit 2; }
 source "$work/fp8moe-bundle/env.sh"
+# cuDNN's fused attention opens libcudnn.so.9 at run time: the image's nvidia-cudnn-cu13 wheel has it.
+cudnn_lib=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2>/dev/null)
+[[ -n $cudnn_lib && -d $cudnn_lib ]] && export LD_LIBRARY_PATH="$cudnn_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 start=$(date +%s)
 summary=$logs/summary.txt
 : >"$summary"
@@ -56,6 +60,7 @@ echo "$gpu"
 fp8moe --version 2>&1 | tee "$work/version.txt"  # $OUT holds at most 8 files: 8 logs below
 note "device:        $gpu"
 note "               $(sed -n 's/^ *CUDA: *//p' "$work/version.txt"), NCCL $(sed -n 's/^ *NCCL: *//p' "$work/version.txt")"
+note "               cuDNN: $(sed -n 's/^ *cuDNN: *//p' "$work/version.txt")"
 
 section "test_kernels, the CUDA cases"
 gtest_run test_kernels 120 --gtest_filter='*/cuda:CudaOps.*'

@@ -69,6 +69,11 @@ else
   echo "setup: $venv matches $requirements"
 fi
 
+# The CUDA backend's header-only libraries (cuDNN frontend), pinned, into build/third_party.
+if command -v nvcc >/dev/null || [[ -n ${CUDACXX:-} ]]; then
+  scripts/fetch-headers.sh
+fi
+
 echo "setup: configuring build/ (cmake --preset release)"
 cmake --preset release -DFP8MOE_PYTHON="$PWD/$venv/bin/python3" >/dev/null
 echo "setup: building build/ (cmake --build --preset release)"

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +19,9 @@
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/arena.h"
 #include "kernels/cuda/attention.h"
+#if FP8MOE_HAVE_CUDNN
+#include "kernels/cuda/attention_cudnn.h"
+#endif
 #include "kernels/cuda/cross_entropy.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embedding.h"
@@ -51,7 +56,8 @@ bool is_pinned(const void* p) {
 
 class CudaBackendImpl final : public CudaBackend {
  public:
-  explicit CudaBackendImpl(int ordinal) : CudaBackend(DeviceKind::cuda), device_(ordinal) {
+  CudaBackendImpl(int ordinal, const BackendOptions& options)
+      : CudaBackend(DeviceKind::cuda), device_(ordinal), options_(options) {
     CUDA_CHECK(cudaSetDevice(device_));
     CUDA_CHECK(cudaGetDeviceProperties(&prop_, device_));
     CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
@@ -69,6 +75,9 @@ class CudaBackendImpl final : public CudaBackend {
     (void)cudaStreamSynchronize(comm_);
     (void)cudaStreamSynchronize(compute_);
     bounce_.reset();
+#if FP8MOE_HAVE_CUDNN
+    cudnn_.reset();
+#endif
     arena_.reset();
     if (lt_) (void)cublasLtDestroy(lt_);
     if (comm_done_) (void)cudaEventDestroy(comm_done_);
@@ -194,11 +203,47 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
                          int64_t hd, float* out, float* lse) override {
+#if FP8MOE_HAVE_CUDNN
+    if (const cuda::AttnDims d{B, T, H, KVH, hd}; fused_attention(d)) {
+      // BF16 copies in, BF16 out (kept only for the call): cuDNN's operands.
+      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd;
+      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nk});
+      Tensor o16(*this, DType::bf16, {nq}), ws(*this, DType::u8, {cudnn_->forward_workspace(d)});
+      cuda::to_bf16(q, q16.data<uint16_t>(), nq, compute_);
+      cuda::to_bf16(k, k16.data<uint16_t>(), nk, compute_);
+      cuda::to_bf16(v, v16.data<uint16_t>(), nk, compute_);
+      cudnn_->forward(d, q16.raw(), k16.raw(), v16.raw(), o16.raw(), lse, ws.raw());
+      cuda::from_bf16(o16.data<uint16_t>(), out, nq, compute_);
+      return;
+    }
+#endif
     cuda::attention_forward(q, k, v, B, T, H, KVH, hd, out, lse, compute_);
   }
   void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                           const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, float* dq,
                           float* dk, float* dv) override {
+#if FP8MOE_HAVE_CUDNN
+    // The forward of this shape ran fused (the decision is made once per shape): so does backward,
+    // from the same BF16 operands (out is exactly the BF16 output, widened).
+    if (const cuda::AttnDims d{B, T, H, KVH, hd}; fused_attention(d)) {
+      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd;
+      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nk});
+      Tensor o16(*this, DType::bf16, {nq}), do16(*this, DType::bf16, {nq});
+      cuda::to_bf16(q, q16.data<uint16_t>(), nq, compute_);
+      cuda::to_bf16(k, k16.data<uint16_t>(), nk, compute_);
+      cuda::to_bf16(v, v16.data<uint16_t>(), nk, compute_);
+      cuda::to_bf16(out, o16.data<uint16_t>(), nq, compute_);
+      cuda::to_bf16(dout, do16.data<uint16_t>(), nq, compute_);
+      Tensor dq16(*this, DType::bf16, {nq}), dk16(*this, DType::bf16, {nk}), dv16(*this, DType::bf16, {nk});
+      Tensor ws(*this, DType::u8, {cudnn_->backward_workspace(d)});
+      cudnn_->backward(d, q16.raw(), k16.raw(), v16.raw(), o16.raw(), do16.raw(), lse, dq16.raw(), dk16.raw(),
+                       dv16.raw(), ws.raw());
+      cuda::from_bf16(dq16.data<uint16_t>(), dq, nq, compute_);
+      cuda::from_bf16(dk16.data<uint16_t>(), dk, nk, compute_);
+      cuda::from_bf16(dv16.data<uint16_t>(), dv, nk, compute_);
+      return;
+    }
+#endif
     Tensor delta(*this, DType::f32, {B * H * T});
     cuda::attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, dq, dk, dv, delta.f32(), compute_);
   }
@@ -316,10 +361,50 @@ class CudaBackendImpl final : public CudaBackend {
     bounce_used_ = 0;  // every upload from the bounce memory has run
   }
 
+  std::string attention_kernels() const override {
+#if FP8MOE_HAVE_CUDNN
+    std::string s;
+    for (const auto& [d, fused] : fused_)
+      s += detail::concat(s.empty() ? "" : "; ", "B ", d.B, " T ", d.T, " H ", d.H, " KVH ", d.KVH, " head_dim ", d.hd,
+                          ": ", fused ? "cudnn" : "reference");
+    return s.empty() ? Backend::attention_kernels() : s;
+#else
+    return Backend::attention_kernels();
+#endif
+  }
+
  private:
+#if FP8MOE_HAVE_CUDNN
+  // Whether attention of this shape runs fused: decided at its first call and kept, so that
+  // forward and backward of a shape always use the same kernel.
+  bool fused_attention(const cuda::AttnDims& d) {
+    if (options_.attention == AttentionKernel::reference || d.B * d.T * d.H == 0) return false;
+    if (const auto it = fused_.find(d); it != fused_.end()) return it->second;
+    std::string why;
+    if (!cudnn_ && cudnn_error_.empty()) {
+      cudnn_ = cuda::CudnnAttention::create(compute_, &why);
+      if (!cudnn_) cudnn_error_ = why;
+    }
+    const bool ok = cudnn_ ? cudnn_->prepare(d, &why) : (why = cudnn_error_, false);
+    const std::string shape = detail::concat("B ", d.B, ", T ", d.T, ", H ", d.H, ", KVH ", d.KVH, ", head_dim ", d.hd);
+    if (!ok && options_.attention == AttentionKernel::cudnn)
+      fatal_error(__FILE__, __LINE__, "runtime.attention cudnn: cuDNN's fused attention cannot run " + shape + ": " + why);
+    if (!ok)
+      std::fprintf(stderr, "fp8moe: warning: attention of %s runs on the reference kernel: %s\n", shape.c_str(), why.c_str());
+    else if (options_.verbose)
+      std::printf("attention of %s: %s fused SDPA (BF16 operands, FP32 statistics)\n", shape.c_str(),
+                  cudnn_->version().c_str());
+    fused_.emplace(d, ok);
+    return ok;
+  }
+  std::unique_ptr<cuda::CudnnAttention> cudnn_;
+  std::string cudnn_error_;                 // why cuDNN could not be opened (then it is not tried again)
+  std::map<cuda::AttnDims, bool> fused_;    // per shape: cuDNN (true) or the reference kernel
+#endif
   cuda::LtContext lt() const { return {lt_, workspace_, kLtWorkspaceBytes, device_}; }
 
   int device_;
+  BackendOptions options_;
   cudaDeviceProp prop_{};
   cudaStream_t compute_ = nullptr, comm_ = nullptr;
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
@@ -333,12 +418,12 @@ class CudaBackendImpl final : public CudaBackend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int ordinal) {
+std::unique_ptr<Backend> make_cuda_backend(int ordinal, const BackendOptions& options) {
   std::string why;
   const int n = cuda_device_count(&why);
   if (n == 0) fatal_error(__FILE__, __LINE__, "runtime.device cuda: no CUDA device visible: " + why);
   FP8MOE_ASSERT(ordinal >= 0 && ordinal < n, "CUDA device ", ordinal, " asked for; ", n, " visible");
-  return std::make_unique<CudaBackendImpl>(ordinal);
+  return std::make_unique<CudaBackendImpl>(ordinal, options);
 }
 
 CudaBackend& cuda_backend(Backend& be) {

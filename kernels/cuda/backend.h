@@ -20,7 +20,7 @@ namespace fp8moe {
 class CudaBackend;
 
 // Creates the backend of CUDA device `ordinal` (fatal when it cannot be used).
-std::unique_ptr<Backend> make_cuda_backend(int ordinal);
+std::unique_ptr<Backend> make_cuda_backend(int ordinal, const BackendOptions& options = {});
 
 // The CUDA backend behind a Backend (fatal when be is not one).
 CudaBackend& cuda_backend(Backend& be);

@@ -4,6 +4,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/elem.h"
+#include "kernels/fp8.h"
 
 namespace fp8moe::cuda {
 namespace {
@@ -13,7 +14,27 @@ __global__ void add_kernel(const float* a, const float* b, float* out, int64_t n
   FP8MOE_GRID_STRIDE(i, n) out[i] = add_rn(a[i], b[i]);
 }
 
+__global__ void to_bf16_kernel(const float* __restrict__ x, uint16_t* __restrict__ y, int64_t n) {
+  FP8MOE_GRID_STRIDE(i, n) y[i] = bf16_encode(x[i]);
+}
+
+__global__ void from_bf16_kernel(const uint16_t* __restrict__ x, float* __restrict__ y, int64_t n) {
+  FP8MOE_GRID_STRIDE(i, n) y[i] = bf16_decode(x[i]);
+}
+
 }  // namespace
+
+void to_bf16(const float* x, uint16_t* y, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  to_bf16_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(x, y, n);
+  check_launch();
+}
+
+void from_bf16(const uint16_t* x, float* y, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  from_bf16_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(x, y, n);
+  check_launch();
+}
 
 void add(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream) {
   if (n == 0) return;

@@ -4,7 +4,9 @@
 # step's loss against the 1-rank cuda run of the same model, data and init. Bounds, relative to the
 # 1-rank loss at step s: off 1e-5 x s (summation order only: the tp shards' GEMMs and the
 # replicas' reductions; the per-step allowance of cuda_vs_cpu.sh), blockwise 2e-2 (FP8 noise, the
-# layout tests' bound). Prints a table with the staged runs' host synchronisations per step; exits
+# layout tests' bound). Attention is the reference kernel on both sides (runtime.attention
+# reference): the FP32 bound is of the engine's summation order, not of BF16 roundings that a tp
+# shard's inputs may move (cuDNN's fused attention is checked against it in test_kernels). Prints a table with the staged runs' host synchronisations per step; exits
 # 77 (SKIPPED) without a GPU.
 #
 # usage: cuda_layouts.sh FP8MOE SOURCE_DIR [steps=6]
@@ -25,7 +27,7 @@ eval: {every: 0}
 log: {every: 1}
 data: {path: $tmp/data/src.train}
 checkpoint: {dir: $tmp/ck, resume: none}
-runtime: {device: cuda, comm: mpi}
+runtime: {device: cuda, comm: mpi, attention: reference}
 EOF2
 # worst_ratio REF_LOG LOG PER_STEP BOUND: "worst ratio": the worst relative difference and the worst
 # of difference / max(BOUND, PER_STEP x step) (above 1 fails).

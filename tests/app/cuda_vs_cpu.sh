@@ -11,6 +11,10 @@
 #      current,   2e-2: both sides quantize with the same code, but their inputs differ by that
 #      blockwise  order noise: where it moves a value across an FP8 rounding boundary the runs
 #                 separate at FP8 noise level (the bound of the layout tests, README)
+#      off+cudnn  2e-2: FP32 GEMMs, cuDNN's fused attention (BF16 operands) on cuda against the CPU's
+#                 FP32 attention; BF16 noise of the same order as FP8's (not yet run on a GPU)
+#    The first three run the reference attention kernel on cuda (runtime.attention reference), so
+#    that the FP32 comparison is of the engine alone.
 #  - the cuda runs' host synchronisations and copies per step (the JSONL's host_syncs, h2d_bytes,
 #    d2h_bytes, steps 2 on): at most one per MoE layer and micro-batch plus one per step, and only
 #    the step's tokens, targets, loads, losses, counters and norm crossing PCIe (what
@@ -70,29 +74,40 @@ PY
 
 printf '%-10s %12s %-34s %10s %6s %9s %s\n' recipe "max rel diff" "bound" "cuda tok/s" "mfu" "cpu tok/s" "syncs h2d d2h /step"
 status=0
-for recipe in off current blockwise; do
+for run in off current blockwise off+cudnn; do
+  recipe=${run%+*} attention=reference
+  [[ $run == *+cudnn ]] && attention=cudnn
   bound=2e-2 per_step=0
-  [[ $recipe == off ]] && bound=0 per_step=1e-5
+  [[ $run == off ]] && bound=0 per_step=1e-5
   for dev in cpu cuda; do
-    "$exe" train "$tmp/cfg.yaml" --set fp8.recipe=$recipe --set runtime.device=$dev \
-      --set checkpoint.dir="$tmp/ck-$recipe-$dev" --set log.jsonl="$tmp/$recipe-$dev.jsonl" >"$tmp/$recipe-$dev.txt" 2>&1 ||
-      fail "$recipe on $dev: $(tail -5 "$tmp/$recipe-$dev.txt")"
+    att=$attention
+    if [[ $dev == cpu ]]; then
+      att=reference
+      # The CPU side of off+cudnn is off's CPU run.
+      [[ $run == off+cudnn ]] && { cp "$tmp/off-cpu.txt" "$tmp/$run-cpu.txt"; continue; }
+    fi
+    "$exe" train "$tmp/cfg.yaml" --set fp8.recipe=$recipe --set runtime.device=$dev --set runtime.attention=$att \
+      --set checkpoint.dir="$tmp/ck-$run-$dev" --set log.jsonl="$tmp/$run-$dev.jsonl" >"$tmp/$run-$dev.txt" 2>&1 ||
+      fail "$run on $dev: $(tail -5 "$tmp/$run-$dev.txt")"
   done
-  grep -q "^device: cuda" "$tmp/$recipe-cuda.txt" || fail "runtime.device=cuda did not run on cuda"
-  read -r diff ratio drift < <(compare "$tmp/$recipe-cpu.txt" "$tmp/$recipe-cuda.txt" "$bound" "$per_step")
-  [[ ${diff:-none} != none ]] || fail "$recipe: no losses to compare"
-  [[ $diff =~ ^[0-9.]+e[-+][0-9]+$|^inf$ ]] || fail "$recipe: the comparison printed '$diff', not a number"
-  moved=$(traffic "$tmp/$recipe-cuda.jsonl") || fail "$recipe: reading the cuda run's JSONL failed"
-  last_cuda=$(grep '^step' "$tmp/$recipe-cuda.txt" | tail -1)
-  last_cpu=$(grep '^step' "$tmp/$recipe-cpu.txt" | tail -1)
+  if [[ $attention == cudnn ]]; then
+    grep -q "^attention of .*: cuDNN .* fused SDPA" "$tmp/$run-cuda.txt" || fail "$run: the cuda run did not say it ran cuDNN's attention"
+  fi
+  grep -q "^device: cuda" "$tmp/$run-cuda.txt" || fail "runtime.device=cuda did not run on cuda"
+  read -r diff ratio drift < <(compare "$tmp/$run-cpu.txt" "$tmp/$run-cuda.txt" "$bound" "$per_step")
+  [[ ${diff:-none} != none ]] || fail "$run: no losses to compare"
+  [[ $diff =~ ^[0-9.]+e[-+][0-9]+$|^inf$ ]] || fail "$run: the comparison printed '$diff', not a number"
+  moved=$(traffic "$tmp/$run-cuda.jsonl") || fail "$run: reading the cuda run's JSONL failed"
+  last_cuda=$(grep '^step' "$tmp/$run-cuda.txt" | tail -1)
+  last_cpu=$(grep '^step' "$tmp/$run-cpu.txt" | tail -1)
   tok=$(sed -n 's/.* \([0-9]*\) tok\/s.*/\1/p' <<<"$last_cuda")
   mfu=$(sed -n 's/.*mfu \([0-9.a-z]*\) .*/\1/p' <<<"$last_cuda")
   ctok=$(sed -n 's/.* \([0-9]*\) tok\/s.*/\1/p' <<<"$last_cpu")
   ok=$(python3 -c "print(float('$ratio') <= 1.0)")
-  [[ $recipe == off ]] && shown="$per_step x step (drift $drift/step)" || shown=$bound
+  [[ $run == off ]] && shown="$per_step x step (drift $drift/step)" || shown=$bound
   verdict=ok
   [[ $ok == True && $moved == *" ok" ]] || verdict=FAIL status=1
-  printf '%-10s %12s %-34s %10s %6s %9s %s %s\n' $recipe "$diff" "$shown" "$tok" "$mfu" "$ctok" "${moved% *}" $verdict
+  printf '%-10s %12s %-34s %10s %6s %9s %s %s\n' $run "$diff" "$shown" "$tok" "$mfu" "$ctok" "${moved% *}" $verdict
 done
 grep -h "dmem" "$tmp"/*-cuda.txt | tail -1 | sed 's/.*\(dmem [0-9]* MB\).*/peak device memory (arena) of the last run: \1/'
 exit $status

@@ -384,6 +384,9 @@ const BadConfig kBadConfigs[] = {
     {"nccl_on_cpu", "runtime:\n  device: cpu\n  comm: nccl\n", "runtime.comm", "", "NCCL needs the CUDA backend"},
     {"cuda_blockwise_tile", "runtime:\n  device: cuda\nfp8:\n  tile: 64\n", "fp8.tile", "",
      "128 with runtime.device cuda and fp8.recipe blockwise"},
+    {"attention_bad_choice", "runtime:\n  attention: flash\n", "runtime.attention", "2:14", "one of auto, cudnn, reference"},
+    {"cudnn_attention_on_cpu", "runtime:\n  device: cpu\n  attention: cudnn\n", "runtime.attention", "",
+     "auto or reference unless runtime.device is cuda"},
     {"np2_tile_vs_shard", "model:\n  d_ff_dense: 640\nparallel:\n  tensor: 2\n", "fp8.tile", "", "model.d_ff_dense / parallel.tensor = 640 / 2 = 320", {}, 2},
 };
 

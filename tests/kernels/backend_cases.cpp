@@ -22,7 +22,11 @@ std::map<DeviceKind, std::unique_ptr<Backend>>& backends() {
 
 Backend& backend_of(DeviceKind kind) {
   std::unique_ptr<Backend>& b = backends()[kind];
-  if (!b) b = make_backend(kind, 0);
+  // The CUDA cases check fp8moe's own kernels: attention is the reference kernel there (cuDNN's
+  // fused attention has its own cases, CudaOps.FusedAttention*).
+  BackendOptions options;
+  options.attention = AttentionKernel::reference;
+  if (!b) b = make_backend(kind, 0, options);
   return *b;
 }
 

@@ -8,7 +8,12 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "kernels/backend_info.h"
+#include "kernels/fp8.h"
 #include "tests/kernels/backend_cases.h"
+#if FP8MOE_HAVE_CUDNN
+#include "kernels/cuda/attention_cudnn.h"
+#endif
 #include "tests/kernels/fp64_reference.h"
 #include "tests/test_random.h"
 
@@ -117,6 +122,97 @@ TEST_P(DeviceOps, AttentionMatchesCpu) {
     expect_match(g.dk, c.dk, 1e-4, "dk", 1e-6 * terms * max_abs(q));
     expect_match(g.dv, c.dv, 1e-4, "dv");
   }
+}
+
+// ---- cuDNN's fused attention (kernels/cuda/attention_cudnn.h) against the reference kernel ---------
+
+// Values a BF16 holds exactly: both kernels then see the same operands, and what differs is how
+// they compute (cuDNN rounds the probabilities to BF16 for the P V product and writes BF16 out).
+std::vector<float> bf16_exact(std::vector<float> v) {
+  for (float& x : v) x = bf16_decode(bf16_encode(x));
+  return v;
+}
+
+TEST_F(CudaOps, FusedAttentionMatchesTheReferenceKernel) {
+  if (const std::string why = cudnn_attention_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  BackendOptions options;
+  options.attention = AttentionKernel::cudnn;  // fatal where cuDNN has no plan: never a silent fallback
+  const std::unique_ptr<Backend> fused = make_backend(DeviceKind::cuda, 0, options);
+  Backend& ref = gpu();  // the reference kernel (backend_cases.cpp)
+  for (AttnShape s : {AttnShape{2, 256, 4, 2, 64}, AttnShape{1, 257, 4, 4, 128}, AttnShape{1, 4096, 8, 2, 128},
+                      AttnShape{4, 512, 16, 16, 128}}) {
+    SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd);
+    const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nl = s.B * s.H * s.T;
+    const auto q = bf16_exact(normal_vector(nq, 21, 2.0f)), k = bf16_exact(normal_vector(nk, 22, 2.0f)),
+               v = bf16_exact(normal_vector(nk, 23)), dout = bf16_exact(normal_vector(nq, 24));
+    struct Out {
+      std::vector<float> out, lse, dq, dk, dv;
+    };
+    auto run = [&](Backend& be) {
+      Tensor gq = up(be, q), gk = up(be, k), gv = up(be, v), gd = up(be, dout);
+      Tensor o = poisoned(be, DType::f32, nq), l = poisoned(be, DType::f32, nl), dq = poisoned(be, DType::f32, nq),
+             dk = poisoned(be, DType::f32, nk), dv = poisoned(be, DType::f32, nk);
+      be.attention_forward(gq.f32(), gk.f32(), gv.f32(), s.B, s.T, s.H, s.KVH, s.hd, o.f32(), l.f32());
+      be.attention_backward(gq.f32(), gk.f32(), gv.f32(), o.f32(), l.f32(), gd.f32(), s.B, s.T, s.H, s.KVH, s.hd,
+                            dq.f32(), dk.f32(), dv.f32());
+      expect_unchanged(gq, q, "q");
+      expect_unchanged(gd, dout, "dout");
+      return Out{down<float>(o), down<float>(l), down<float>(dq), down<float>(dk), down<float>(dv)};
+    };
+    const Out r = run(ref), f = run(*fused), again = run(*fused);
+    // NOTE: bounds from BF16's unit roundoff (2^-8 relative), not yet measured on a GPU: the output
+    // is BF16 (2^-9) of a sum of BF16 probabilities times v; the statistics are FP32 of the same
+    // BF16 scores (only summation order differs); the gradients pass through BF16 dO, P and dS.
+    expect_near_rel(f.out, r.out, 1e-2, "out");
+    expect_near_rel(f.lse, r.lse, 1e-5, "lse", 1e-5);
+    expect_near_rel(f.dq, r.dq, 3e-2, "dq");
+    expect_near_rel(f.dk, r.dk, 3e-2, "dk");
+    expect_near_rel(f.dv, r.dv, 3e-2, "dv");
+    // The backward graph is cuDNN's deterministic algorithm: the same bits run to run.
+    expect_bitwise(again.out, f.out, "out, second run");
+    expect_bitwise(again.dq, f.dq, "dq, second run");
+    expect_bitwise(again.dk, f.dk, "dk, second run");
+    expect_bitwise(again.dv, f.dv, "dv, second run");
+  }
+  const std::string kernels = fused->attention_kernels();
+  EXPECT_EQ(kernels.find("reference"), std::string::npos) << kernels;
+  EXPECT_NE(kernels.find("B 1 T 4096 H 8 KVH 2 head_dim 128: cudnn"), std::string::npos) << kernels;
+}
+
+// runtime.attention auto on a GPU: cuDNN where it loads (the shape above), and the CUDA backend
+// says which kernel ran; reference asked for, the reference kernel alone.
+TEST_F(CudaOps, AttentionKernelChoiceIsReported) {
+  if (const std::string why = cudnn_attention_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  for (AttentionKernel kind : {AttentionKernel::automatic, AttentionKernel::reference}) {
+    BackendOptions options;
+    options.attention = kind;
+    const std::unique_ptr<Backend> be = make_backend(DeviceKind::cuda, 0, options);
+    const AttnShape s{1, 128, 2, 2, 64};
+    const int64_t nq = s.T * s.H * s.hd;
+    Tensor q = up(*be, normal_vector(nq, 31)), o(*be, DType::f32, {nq}), l(*be, DType::f32, {s.H * s.T});
+    be->attention_forward(q.f32(), q.f32(), q.f32(), s.B, s.T, s.H, s.KVH, s.hd, o.f32(), l.f32());
+    be->sync();
+    const std::string kernels = be->attention_kernels();
+    if (kind == AttentionKernel::automatic)
+      EXPECT_EQ(kernels, "B 1 T 128 H 2 KVH 2 head_dim 64: cudnn");
+    else
+      EXPECT_EQ(kernels, "reference");
+  }
+}
+
+// Without a GPU (this CI): libcudnn opens and reports its version, and making the handle fails
+// with the reason instead of ending the process, so that auto falls back to the reference kernel.
+TEST(CudnnAttention, WithoutADeviceTheHandleFailsWithItsReason) {
+#if FP8MOE_HAVE_CUDNN
+  if (cuda_unavailable_reason().empty()) GTEST_SKIP() << "a CUDA device is visible: CudaOps.FusedAttention* run instead";
+  if (const std::string why = cudnn_attention_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  EXPECT_GE(cuda::cudnn_library_version(), 90000);
+  std::string why;
+  EXPECT_EQ(cuda::CudnnAttention::create(nullptr, &why), nullptr);
+  EXPECT_NE(why.find("cudnnCreate"), std::string::npos) << why;
+#else
+  GTEST_SKIP() << "cuDNN's fused attention is not built in (no cuDNN frontend at configure time)";
+#endif
 }
 
 }  // namespace
