@@ -2,7 +2,10 @@
 // fast accumulation, as a forward GEMM) and FP8 block-scaled (1x128 activations x 128x128 weights,
 // split accumulation), at DeepSeek-V3-like shapes (M = 4096 tokens; N, K in {2048, 7168}) and one
 // grouped expert shape (a loop over the local experts' GEMMs), with the fraction of the dense FP8
-// peak (1979 TFLOP/s on H100 / H200 SXM). Prints a table; exits 77 (SKIPPED) without a GPU.
+// peak (1979 TFLOP/s on H100 / H200 SXM); beside them CUTLASS's grouped block-scaled FP8 GEMM
+// (kernels/cuda/grouped_gemm.h: every group in one launch, FP32 output where the loop writes BF16)
+// and its ratio to the loop of cuBLASLt block-scaled calls. Prints a table; exits 77 (SKIPPED)
+// without a GPU.
 //   bench_gemm_cuda [iterations]
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -22,6 +25,9 @@
 #include "kernels/check.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/gemm.h"
+#if FP8MOE_HAVE_CUTLASS
+#include "kernels/cuda/grouped_gemm.h"
+#endif
 #include "kernels/fp8.h"
 #include "kernels/tensor.h"
 
@@ -82,7 +88,7 @@ double time_it(cudaStream_t s, const std::function<void()>& fn, int iters) {
 }
 
 struct Result {
-  double bf16, fp8_tensor, fp8_block;  // TFLOP/s
+  double bf16, fp8_tensor, fp8_block, grouped;  // TFLOP/s
 };
 
 // The cuBLASLt handle and workspace the benchmark's GEMMs use: the backend owns neither to lend,
@@ -141,6 +147,26 @@ Result run_shape(Backend& be, const cuda::LtContext& lt, int64_t groups, int64_t
       }
     }, iters) * 1e-12;
   }
+  r.grouped = std::nan("");
+#if FP8MOE_HAVE_CUTLASS
+  const int device = cuda_backend(be).device();
+  if (cuda::grouped_gemm_unsupported_reason(device).empty()) {
+    std::vector<int64_t> off(static_cast<size_t>(groups + 1));
+    for (int64_t g = 0; g <= groups; ++g) off[size_t(g)] = g * M;
+    const Tensor goff = tensor_from(be, off, {groups + 1});
+    const int64_t kb = K / 128, nbk = (N / 128) * kb;
+    const Tensor sa = tensor_from(be, std::vector<float>(static_cast<size_t>(groups * M * kb), 0.0625f), {groups * M * kb});
+    const Tensor sb = tensor_from(be, std::vector<float>(static_cast<size_t>(groups * nbk), 0.0625f), {groups * nbk});
+    Tensor d32(be, DType::f32, {groups * M * N});
+    cuda::GroupedGemmFp8 p;
+    p.groups = groups, p.rows = groups * M, p.N = N, p.K = K, p.offsets = goff.data<int64_t>();
+    p.A = pa8, p.a_scale_inv = sa.f32(), p.B = pb8, p.b_stride = N * K, p.b_scale_inv = sb.f32(), p.b_scale_stride = nbk;
+    p.D = d32.f32();
+    const size_t bytes = cuda::grouped_gemm_fp8_scratch_bytes(p, device);
+    Tensor scratch(be, DType::u8, {int64_t(bytes)});
+    r.grouped = flops / time_it(s, [&] { cuda::grouped_gemm_fp8(p, scratch.raw(), bytes, device, s); }, iters) * 1e-12;
+  }
+#endif
   return r;
 }
 
@@ -163,23 +189,31 @@ int main(int argc, char** argv) {
   for (bool block : {false, true})
     if (const std::string why = cuda::fp8_unsupported_reason(block); !why.empty())
       std::printf("FP8 %s: not run (nan below): %s\n", block ? "block-scaled" : "per-tensor", why.c_str());
-  std::printf("%-28s %8s %10s %7s %10s %7s %9s\n", "shape (groups x M x N x K)", "BF16", "FP8 tensor", "%peak",
-              "FP8 block", "%peak", "block/bf16");
+#if FP8MOE_HAVE_CUTLASS
+  if (const std::string why = cuda::grouped_gemm_unsupported_reason(0); !why.empty())
+    std::printf("grouped (CUTLASS): not run (nan below): %s\n", why.c_str());
+#else
+  std::printf("grouped (CUTLASS): not built (nan below): no CUTLASS at configure time\n");
+#endif
+  std::printf("%-28s %8s %10s %7s %10s %7s %9s %8s %7s %12s\n", "shape (groups x M x N x K)", "BF16", "FP8 tensor",
+              "%peak", "FP8 block", "%peak", "block/bf16", "grouped", "%peak", "grouped/block");
   struct Shape {
     int64_t g, M, N, K;
   };
   // DeepSeek-V3: d_model 7168, expert width 2048 (w1|w3 fused: 4096), 256 experts, 8 per token;
   // the grouped shape: 16 local experts of one GPU with 128 tokens each (their fused w1|w3 GEMMs).
+  // configs/moe-3b.yaml's experts: 64 on one GPU, 4 x 2048 x 6 / 64 = 768 rows each, w2's 2048 x 1024.
   const Shape shapes[] = {{1, 4096, 2048, 2048}, {1, 4096, 2048, 7168}, {1, 4096, 7168, 2048},
-                          {1, 4096, 7168, 7168}, {16, 128, 4096, 7168}};
+                          {1, 4096, 7168, 7168}, {16, 128, 4096, 7168}, {64, 768, 2048, 1024}};
   for (const Shape& sh : shapes) {
     const Result r = run_shape(*be, lt, sh.g, sh.M, sh.N, sh.K, iters);
     char name[64];
     std::snprintf(name, sizeof name, "%lld x %lld x %lld x %lld", (long long)sh.g, (long long)sh.M, (long long)sh.N,
                   (long long)sh.K);
-    std::printf("%-28s %8.0f %10.0f %6.1f%% %10.0f %6.1f%% %9.2f\n", name, r.bf16, r.fp8_tensor,
+    std::printf("%-28s %8.0f %10.0f %6.1f%% %10.0f %6.1f%% %9.2f %8.0f %6.1f%% %12.2f\n", name, r.bf16, r.fp8_tensor,
                 100 * r.fp8_tensor * 1e12 / kFp8Peak, r.fp8_block, 100 * r.fp8_block * 1e12 / kFp8Peak,
-                r.bf16 > 0 ? r.fp8_block / r.bf16 : 0.0);
+                r.bf16 > 0 ? r.fp8_block / r.bf16 : 0.0, r.grouped, 100 * r.grouped * 1e12 / kFp8Peak,
+                r.fp8_block > 0 ? r.grouped / r.fp8_block : std::nan(""));
   }
   return 0;
 }
