@@ -158,10 +158,20 @@ Result run_shape(Backend& be, const cuda::LtContext& lt, int64_t groups, int64_t
     const Tensor sa = tensor_from(be, std::vector<float>(static_cast<size_t>(groups * M * kb), 0.0625f), {groups * M * kb});
     const Tensor sb = tensor_from(be, std::vector<float>(static_cast<size_t>(groups * nbk), 0.0625f), {groups * nbk});
     Tensor d32(be, DType::f32, {groups * M * N});
+    std::vector<uint64_t> pa, psa, pb, psb, pd;  // the groups' argument arrays
+    for (int64_t g = 0; g < groups; ++g) {
+      pa.push_back(uint64_t(pa8 + g * M * K)), psa.push_back(uint64_t(sa.f32() + g * M * kb));
+      pb.push_back(uint64_t(pb8 + g * N * K)), psb.push_back(uint64_t(sb.f32() + g * nbk));
+      pd.push_back(uint64_t(d32.f32() + g * M * N));
+    }
+    const Tensor dpa = tensor_from(be, pa, {groups}), dpsa = tensor_from(be, psa, {groups}),
+                 dpb = tensor_from(be, pb, {groups}), dpsb = tensor_from(be, psb, {groups}),
+                 dpd = tensor_from(be, pd, {groups});
     cuda::GroupedGemmFp8 p;
-    p.groups = groups, p.rows = groups * M, p.N = N, p.K = K, p.offsets = goff.data<int64_t>();
-    p.A = pa8, p.a_scale_inv = sa.f32(), p.B = pb8, p.b_stride = N * K, p.b_scale_inv = sb.f32(), p.b_scale_stride = nbk;
-    p.D = d32.f32();
+    p.groups = groups, p.rows = groups * M, p.N = N, p.K = K, p.row_offsets = goff.data<int64_t>();
+    p.A = reinterpret_cast<const uint8_t* const*>(dpa.raw()), p.a_scale = reinterpret_cast<const float* const*>(dpsa.raw());
+    p.B = reinterpret_cast<const uint8_t* const*>(dpb.raw()), p.b_scale = reinterpret_cast<const float* const*>(dpsb.raw());
+    p.D = reinterpret_cast<float* const*>(dpd.raw());
     const size_t bytes = cuda::grouped_gemm_fp8_scratch_bytes(p, device);
     Tensor scratch(be, DType::u8, {int64_t(bytes)});
     r.grouped = flops / time_it(s, [&] { cuda::grouped_gemm_fp8(p, scratch.raw(), bytes, device, s); }, iters) * 1e-12;

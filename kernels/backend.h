@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/adamw.h"
 #include "kernels/moe_ops.h"
@@ -102,6 +103,13 @@ class Backend {
   // kernels/gemm_fp8.h's contract on FP8 operands in this backend's memory.
   virtual void gemm_fp8(GemmRole role, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                         float beta, float* C, int64_t ldc) = 0;
+  // The GEMMs of a group of experts: gemm_fp8(role, A[g], trans_a, B[g], trans_b, alpha, beta, C[g],
+  // ldc) for every g, in any order (they write disjoint C). Here that loop; the CUDA backend runs the
+  // block-scaled forward form (A 1 x 128, B 128 x 128 transposed, 2 groups or more, N and K in
+  // whole blocks) as one CUTLASS launch (kernels/cuda/grouped_gemm.h) and the rest as the loop.
+  virtual void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a,
+                                const std::vector<QuantView>& B, bool trans_b, float alpha, float beta,
+                                const std::vector<float*>& C, int64_t ldc);
 
   // ---- quantization (kernels/quantize.h); scales and amax values stay in device memory ----------
   // counts (2 entries, may be null): saturated and underflowed elements, accumulated.

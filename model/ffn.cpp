@@ -4,16 +4,34 @@ namespace fp8moe {
 
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
                  float* y, FfnSaved* saved) {
-  FfnSaved local;
-  FfnSaved& s = saved ? *saved : local;
-  s.h1 = Tensor(be, DType::f32, {M, F});
-  s.h3 = Tensor(be, DType::f32, {M, F});
-  linear_forward(be, x, M, D, w.w1, F, fp8.w1, s.h1.f32(), &s.l1);
-  linear_forward(be, x, M, D, w.w3, F, fp8.w3, s.h3.f32(), &s.l3);
-  s.a = Tensor(be, DType::f32, {M, F});
-  be.swiglu_forward(s.h1.f32(), s.h3.f32(), s.a.f32(), M * F);
-  linear_forward(be, s.a.f32(), M, F, w.w2, D, fp8.w2, y, &s.l2);
-  if (!s.l2.needs_fp32_input()) s.a.reset();  // kept in FP8 by the W2 layer
+  ffn_forward_grouped(be, D, F, {FfnGroup{x, M, &w, &fp8, y, saved}});
+}
+
+void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups) {
+  std::vector<FfnSaved> local(groups.size());
+  std::vector<LinearGroup> l1, l3, l2;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const FfnGroup& f = groups[g];
+    FfnSaved& s = f.saved ? *f.saved : local[g];
+    s.h1 = Tensor(be, DType::f32, {f.M, F});
+    s.h3 = Tensor(be, DType::f32, {f.M, F});
+    l1.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1});
+    l3.push_back({f.x, f.M, f.w->w3, &f.fp8->w3, s.h3.f32(), &s.l3});
+  }
+  linear_forward_grouped(be, D, F, l1);
+  linear_forward_grouped(be, D, F, l3);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const FfnGroup& f = groups[g];
+    FfnSaved& s = f.saved ? *f.saved : local[g];
+    s.a = Tensor(be, DType::f32, {f.M, F});
+    be.swiglu_forward(s.h1.f32(), s.h3.f32(), s.a.f32(), f.M * F);
+    l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
+  }
+  linear_forward_grouped(be, F, D, l2);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    FfnSaved& s = groups[g].saved ? *groups[g].saved : local[g];
+    if (!s.l2.needs_fp32_input()) s.a.reset();  // kept in FP8 by the W2 layer
+  }
 }
 
 void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,

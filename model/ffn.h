@@ -30,6 +30,18 @@ struct FfnSaved {
 
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
                  float* y, FfnSaved* saved);
+// One FFN per group (the routed experts of a MoE layer), each as ffn_forward, with each of the
+// three layers' GEMMs grouped over them (linear_forward_grouped).
+struct FfnGroup {
+  const float* x = nullptr;
+  int64_t M = 0;
+  const FfnWeights* w = nullptr;
+  const FfnFp8* fp8 = nullptr;
+  float* y = nullptr;
+  FfnSaved* saved = nullptr;  // may be nullptr
+};
+void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups);
+
 // dx (M, D) written (may be nullptr); weight gradients accumulated.
 void ffn_backward(Backend& be, const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
                   const FfnGrads& g);

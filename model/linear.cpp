@@ -84,29 +84,45 @@ LinearSaved& LinearSaved::operator=(LinearSaved&& o) noexcept {
 
 void linear_forward(Backend& be, const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8,
                     float* y, LinearSaved* saved) {
-  LinearSaved local;
-  LinearSaved& s = saved ? *saved : local;
-  s.M = M, s.K = K, s.N = N;
-  s.x = x;
-  if (!fp8.enabled()) {
-    be.sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
-    return;
+  linear_forward_grouped(be, K, N, {LinearGroup{x, M, W, &fp8, y, saved}});
+}
+
+void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector<LinearGroup>& groups) {
+  std::vector<LinearSaved> local(groups.size());  // for the groups without a saved (no backward)
+  std::vector<QuantView> A, B;
+  std::vector<float*> C;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const LinearGroup& l = groups[g];
+    const LinearFp8& fp8 = *l.fp8;
+    LinearSaved& s = l.saved ? *l.saved : local[g];
+    s.M = l.M, s.K = K, s.N = N;
+    s.x = l.x;
+    if (!fp8.enabled()) {
+      be.sgemm(false, true, l.M, N, K, 1.0f, l.x, K, l.W, K, 0.0f, l.y, N);
+      continue;
+    }
+    const Fp8Config& c = *fp8.cfg;
+    // A recomputation quantizes again what its forward counted already.
+    uint64_t* counts = fp8.reuse_last_scale ? nullptr : fp8.counts;
+    if (c.recipe == Fp8Recipe::blockwise)
+      quantize_tiled(be, l.x, l.M, K, Tiling::rows_1xT, c, counts, &s.xq);
+    else
+      quantize_per_tensor(be, l.x, l.M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, counts, &s.xq);
+    s.wq = quantized_weight(be, l.W, N, K, fp8, counts, &s.own_wq);
+    A.push_back(s.xq.view()), B.push_back(s.wq->view()), C.push_back(l.y);
   }
-  const Fp8Config& c = *fp8.cfg;
-  // A recomputation quantizes again what its forward counted already.
-  uint64_t* counts = fp8.reuse_last_scale ? nullptr : fp8.counts;
-  if (c.recipe == Fp8Recipe::blockwise)
-    quantize_tiled(be, x, M, K, Tiling::rows_1xT, c, counts, &s.xq);
-  else
-    quantize_per_tensor(be, x, M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, counts, &s.xq);
-  s.wq = quantized_weight(be, W, N, K, fp8, counts, &s.own_wq);
-  be.gemm_fp8(GemmRole::fprop, s.xq.view(), false, s.wq->view(), true, 1.0f, 0.0f, y, N);
-  // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
-  // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
-  if (c.recipe != Fp8Recipe::blockwise || c.cache_activations)
-    s.x = nullptr;
-  else
-    s.xq = QTensor{};
+  if (!A.empty()) be.grouped_gemm_fp8(GemmRole::fprop, A, false, B, true, 1.0f, 0.0f, C, N);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const LinearFp8& fp8 = *groups[g].fp8;
+    if (!fp8.enabled()) continue;
+    LinearSaved& s = groups[g].saved ? *groups[g].saved : local[g];
+    // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
+    // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
+    if (fp8.cfg->recipe != Fp8Recipe::blockwise || fp8.cfg->cache_activations)
+      s.x = nullptr;
+    else
+      s.xq = QTensor{};
+  }
 }
 
 void linear_backward(Backend& be, const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx,

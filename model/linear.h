@@ -79,6 +79,18 @@ struct LinearSaved {
 void linear_forward(Backend& be, const float* x, int64_t M, int64_t K, const float* W, int64_t N, const LinearFp8& fp8,
                     float* y, LinearSaved* saved);
 
+// One layer per group (the experts of a MoE layer): group g is linear_forward(x, M, K, W, N, *fp8,
+// y, saved) of its own, with their FP8 GEMMs in one Backend::grouped_gemm_fp8 call.
+struct LinearGroup {
+  const float* x = nullptr;
+  int64_t M = 0;
+  const float* W = nullptr;
+  const LinearFp8* fp8 = nullptr;
+  float* y = nullptr;
+  LinearSaved* saved = nullptr;  // may be nullptr
+};
+void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector<LinearGroup>& groups);
+
 // dx (M, K) written (may be nullptr), dW (N, K) accumulated.
 void linear_backward(Backend& be, const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8,
                      float* dx, float* dW);

@@ -159,9 +159,11 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   Tensor y(be, DType::f32, {rows_in, D});
   s.experts.clear();
   s.experts.resize(static_cast<size_t>(L));
+  std::vector<FfnGroup> groups;  // one FFN per local expert, their GEMMs grouped
   for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e)
-    ffn_forward(be, xin + r0 * D, r.local_rows[size_t(e)], D, F, w.experts[size_t(e)], fp8.experts[size_t(e)],
-                y.f32() + r0 * D, &s.experts[size_t(e)]);
+    groups.push_back({xin + r0 * D, r.local_rows[size_t(e)], &w.experts[size_t(e)], &fp8.experts[size_t(e)],
+                      y.f32() + r0 * D, &s.experts[size_t(e)]});
+  ffn_forward_grouped(be, D, F, groups);
   if (ep) {
     s.expert_out = Tensor(be, DType::f32, {R, D});
     ep->combine(r.plan, y.f32(), D, s.expert_out.f32());

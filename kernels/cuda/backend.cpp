@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,9 @@
 #include "kernels/cuda/attention.h"
 #if FP8MOE_HAVE_CUDNN
 #include "kernels/cuda/attention_cudnn.h"
+#endif
+#if FP8MOE_HAVE_CUTLASS
+#include "kernels/cuda/grouped_gemm.h"
 #endif
 #include "kernels/cuda/cross_entropy.h"
 #include "kernels/cuda/elementwise.h"
@@ -168,6 +172,17 @@ class CudaBackendImpl final : public CudaBackend {
     // Fast accumulation for the forward GEMM only (Transformer Engine's split accumulator for
     // dgrad and wgrad); gemm_fp8_tn also never uses it with block scaling.
     cuda::gemm_fp8(lt(), p, A, B, alpha, beta, C, ldc, s, role == GemmRole::fprop, compute_);
+  }
+
+  void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B,
+                        bool trans_b, float alpha, float beta, const std::vector<float*>& C, int64_t ldc) override {
+#if FP8MOE_HAVE_CUTLASS
+    if (grouped_form(A, trans_a, B, trans_b, beta, ldc)) {
+      grouped_cutlass(A, B, alpha, beta, C);
+      return;
+    }
+#endif
+    Backend::grouped_gemm_fp8(role, A, trans_a, B, trans_b, alpha, beta, C, ldc);
   }
 
   // ---- quantization -----------------------------------------------------------------------------
@@ -361,6 +376,66 @@ class CudaBackendImpl final : public CudaBackend {
     bounce_used_ = 0;  // every upload from the bounce memory has run
   }
 
+#if FP8MOE_HAVE_CUTLASS
+  // Whether CUTLASS's grouped kernel computes these GEMMs exactly as the loop of gemm_fp8 would
+  // define them: C_g = alpha A_g B_g^T + beta C_g, A_g 1 x 128 and B_g 128 x 128 E4M3, every B_g
+  // of one (N, K) in whole blocks, C_g dense (ldc = N), 16-byte aligned.
+  bool grouped_form(const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B, bool trans_b,
+                    float beta, int64_t ldc) {
+    if (A.size() < 2 || trans_a || !trans_b || (beta != 0.0f && beta != 1.0f)) return false;
+    if (!grouped_unsupported_) grouped_unsupported_ = cuda::grouped_gemm_unsupported_reason(device_);
+    if (!grouped_unsupported_->empty()) return false;
+    const int64_t N = B[0].rows, K = B[0].cols;
+    if (N % 128 || K % 128 || ldc != N) return false;
+    for (size_t g = 0; g < A.size(); ++g) {
+      const QuantView &a = A[g], &b = B[g];
+      if (a.tiling != Tiling::rows_1xT || a.tile != 128 || a.dtype != Fp8Dtype::e4m3 || a.cols != K) return false;
+      if (b.tiling != Tiling::blocks_TxT || b.tile != 128 || b.dtype != Fp8Dtype::e4m3 || b.rows != N || b.cols != K)
+        return false;
+      if ((a.rows > 0 && reinterpret_cast<uintptr_t>(a.data) % 16) || reinterpret_cast<uintptr_t>(b.data) % 16)
+        return false;
+    }
+    return true;
+  }
+  // The argument arrays go up in one transfer from pageable memory (the bounce buffer: no wait).
+  // Groups without rows are left out (nothing to write).
+  void grouped_cutlass(const std::vector<QuantView>& A, const std::vector<QuantView>& B, float alpha, float beta,
+                       const std::vector<float*>& C) {
+    std::vector<size_t> live;
+    for (size_t g = 0; g < A.size(); ++g)
+      if (A[g].rows > 0) live.push_back(g);
+    if (live.empty()) return;
+    const int64_t G = int64_t(live.size());
+    std::vector<uint64_t> args(size_t(G + 1 + 5 * G));
+    uint64_t* off = args.data();
+    off[0] = 0;
+    for (int64_t i = 0; i < G; ++i) {
+      const size_t g = live[size_t(i)];
+      off[i + 1] = off[i] + uint64_t(A[g].rows);
+      args[size_t(G + 1 + i)] = reinterpret_cast<uintptr_t>(A[g].data);
+      args[size_t(G + 1 + G + i)] = reinterpret_cast<uintptr_t>(A[g].scale_inv);
+      args[size_t(G + 1 + 2 * G + i)] = reinterpret_cast<uintptr_t>(B[g].data);
+      args[size_t(G + 1 + 3 * G + i)] = reinterpret_cast<uintptr_t>(B[g].scale_inv);
+      args[size_t(G + 1 + 4 * G + i)] = reinterpret_cast<uintptr_t>(C[g]);
+    }
+    Tensor dev(*this, DType::u64, {int64_t(args.size())});
+    upload(dev.raw(), args.data(), args.size() * sizeof(uint64_t));
+    const uint64_t* d = dev.data<uint64_t>();
+    cuda::GroupedGemmFp8 p;
+    p.groups = G, p.rows = int64_t(off[G]), p.N = B[0].rows, p.K = B[0].cols;
+    p.row_offsets = reinterpret_cast<const int64_t*>(d);
+    p.A = reinterpret_cast<const uint8_t* const*>(d + G + 1);
+    p.a_scale = reinterpret_cast<const float* const*>(d + G + 1 + G);
+    p.B = reinterpret_cast<const uint8_t* const*>(d + G + 1 + 2 * G);
+    p.b_scale = reinterpret_cast<const float* const*>(d + G + 1 + 3 * G);
+    p.D = reinterpret_cast<float* const*>(d + G + 1 + 4 * G);
+    p.alpha = alpha, p.beta = beta;
+    const size_t bytes = cuda::grouped_gemm_fp8_scratch_bytes(p, device_);
+    Tensor scratch(*this, DType::u8, {int64_t(bytes)});
+    cuda::grouped_gemm_fp8(p, scratch.raw(), bytes, device_, compute_);
+  }
+#endif
+
   std::string attention_kernels() const override {
 #if FP8MOE_HAVE_CUDNN
     std::string s;
@@ -374,6 +449,9 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
  private:
+#if FP8MOE_HAVE_CUTLASS
+  std::optional<std::string> grouped_unsupported_;  // why CUTLASS's grouped GEMM cannot run here ("": it can)
+#endif
 #if FP8MOE_HAVE_CUDNN
   // Whether attention of this shape runs fused: decided at its first call and kept, so that
   // forward and backward of a shape always use the same kernel.

@@ -121,14 +121,14 @@ size_t carve(const GroupedGemmFp8& p, char* base, GroupArrays* g) {
 __global__ void setup_kernel(GroupedGemmFp8 p, GroupArrays g) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= p.groups) return;
-  const int64_t r0 = p.offsets[e];
-  const int M = int(p.offsets[e + 1] - r0), N = int(p.N), K = int(p.K);
+  const int64_t r0 = p.row_offsets[e];
+  const int M = int(p.row_offsets[e + 1] - r0), N = int(p.N), K = int(p.K);
   const int64_t kb = p.K / kBlock, nb = p.N / kBlock;
   g.problem[e] = Shape3(M, N, K);
-  g.a[e] = reinterpret_cast<const ElementA*>(p.A + r0 * p.K);
-  g.b[e] = reinterpret_cast<const ElementB*>(p.B + e * p.b_stride);
-  g.c[e] = p.D + r0 * p.N;
-  g.d[e] = p.D + r0 * p.N;
+  g.a[e] = reinterpret_cast<const ElementA*>(p.A[e]);
+  g.b[e] = reinterpret_cast<const ElementB*>(p.B[e]);
+  g.c[e] = p.D[e];
+  g.d[e] = p.D[e];
   g.sfa[e] = g.packed_sfa + r0 * kb;
   g.sfb[e] = g.packed_sfb + e * nb * kb;
   g.stride_a[e] = cutlass::make_cute_packed_stride(StrideA{}, {M, K, 1});
@@ -139,18 +139,19 @@ __global__ void setup_kernel(GroupedGemmFp8 p, GroupArrays g) {
   g.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(M, N, K, 1));
 }
 
-// A's scales: (rows, K/128) row-major -> per group (K/128, M_g), M contiguous.
+// A's scales: per group (M_g, K/128) row-major -> (K/128, M_g), M contiguous, group g at
+// row_offsets[g] * K/128.
 __global__ void pack_sfa_kernel(GroupedGemmFp8 p, float* out) {
   const int64_t kb = p.K / kBlock, n = p.rows * kb;
   FP8MOE_GRID_STRIDE(i, n) {
     const int64_t r = i / kb, k = i % kb;
-    int64_t lo = 0, hi = p.groups;  // the group holding row r: offsets[lo] <= r < offsets[lo + 1]
+    int64_t lo = 0, hi = p.groups;  // the group holding row r: row_offsets[lo] <= r < row_offsets[lo + 1]
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
-      if (p.offsets[mid] <= r) lo = mid; else hi = mid;
+      if (p.row_offsets[mid] <= r) lo = mid; else hi = mid;
     }
-    const int64_t r0 = p.offsets[lo], M = p.offsets[lo + 1] - r0;
-    out[r0 * kb + k * M + (r - r0)] = p.a_scale_inv[i];
+    const int64_t r0 = p.row_offsets[lo], M = p.row_offsets[lo + 1] - r0;
+    out[r0 * kb + k * M + (r - r0)] = p.a_scale[lo][(r - r0) * kb + k];
   }
 }
 
@@ -159,7 +160,7 @@ __global__ void pack_sfb_kernel(GroupedGemmFp8 p, float* out) {
   const int64_t kb = p.K / kBlock, nb = p.N / kBlock, n = p.groups * nb * kb;
   FP8MOE_GRID_STRIDE(i, n) {
     const int64_t e = i / (nb * kb), j = i % (nb * kb), nr = j / kb, k = j % kb;
-    out[e * nb * kb + k * nb + nr] = p.b_scale_inv[e * p.b_scale_stride + nr * kb + k];
+    out[e * nb * kb + k * nb + nr] = p.b_scale[e][nr * kb + k];
   }
 }
 
@@ -198,7 +199,6 @@ void check_shape(const GroupedGemmFp8& p) {
                 p.rows, ", N ", p.N, ", K ", p.K);
   FP8MOE_ASSERT(p.N % kBlock == 0 && p.K % kBlock == 0, "grouped FP8 GEMM: N ", p.N, " and K ", p.K,
                 " must be multiples of 128 (the weight blocks)");
-  FP8MOE_ASSERT(p.b_stride % 16 == 0, "grouped FP8 GEMM: B's group stride ", p.b_stride, " is not 16-byte aligned");
 }
 
 }  // namespace
@@ -235,10 +235,7 @@ size_t grouped_gemm_fp8_scratch_bytes(const GroupedGemmFp8& p, int device) {
 
 void grouped_gemm_fp8(const GroupedGemmFp8& p, void* scratch, size_t scratch_bytes, int device, cudaStream_t stream) {
   check_shape(p);
-  if (p.groups == 0 || p.rows == 0) {
-    if (p.rows > 0 && p.beta == 0) CUDA_CHECK(cudaMemsetAsync(p.D, 0, size_t(p.rows * p.N) * sizeof(float), stream));
-    return;
-  }
+  if (p.groups == 0 || p.rows == 0) return;  // nothing to write
 #ifdef FP8MOE_GROUPED_GEMM
   const size_t need = grouped_gemm_fp8_scratch_bytes(p, device);
   FP8MOE_ASSERT(scratch && scratch_bytes >= need, "grouped FP8 GEMM: scratch of ", scratch_bytes, " bytes, ", need,

@@ -599,11 +599,23 @@ TEST_F(CudaOps, GroupedGemmMatchesFp64) {
     Tensor ga = up(be, a.data), gsa = up(be, a.scale_inv), gb = up(be, b_bytes), gsb = up(be, b_scales),
            goff = up(be, off);
     Tensor d = beta == 0 ? poisoned(be, DType::f32, R * N) : up(be, c0);
+    // The groups' argument arrays in device memory: A and its scales as row ranges of one tensor,
+    // the weights one after another.
+    const int64_t kb = K / 128, nbk = (N / 128) * kb;
+    std::vector<uint64_t> pa, psa, pb, psb, pd;
+    for (int64_t g = 0; g < G; ++g) {
+      pa.push_back(uint64_t(ga.data<uint8_t>() + off[size_t(g)] * K));
+      psa.push_back(uint64_t(gsa.f32() + off[size_t(g)] * kb));
+      pb.push_back(uint64_t(gb.data<uint8_t>() + g * N * K));
+      psb.push_back(uint64_t(gsb.f32() + g * nbk));
+      pd.push_back(uint64_t(d.f32() + off[size_t(g)] * N));
+    }
+    Tensor dpa = up(be, pa), dpsa = up(be, psa), dpb = up(be, pb), dpsb = up(be, psb), dpd = up(be, pd);
     cuda::GroupedGemmFp8 p;
-    p.groups = G, p.rows = R, p.N = N, p.K = K, p.offsets = goff.data<int64_t>();
-    p.A = ga.data<uint8_t>(), p.a_scale_inv = gsa.f32();
-    p.B = gb.data<uint8_t>(), p.b_stride = N * K, p.b_scale_inv = gsb.f32(), p.b_scale_stride = (N / 128) * (K / 128);
-    p.D = d.f32(), p.beta = beta;
+    p.groups = G, p.rows = R, p.N = N, p.K = K, p.row_offsets = goff.data<int64_t>();
+    p.A = reinterpret_cast<const uint8_t* const*>(dpa.raw()), p.a_scale = reinterpret_cast<const float* const*>(dpsa.raw());
+    p.B = reinterpret_cast<const uint8_t* const*>(dpb.raw()), p.b_scale = reinterpret_cast<const float* const*>(dpsb.raw());
+    p.D = reinterpret_cast<float* const*>(dpd.raw()), p.beta = beta;
     Tensor scratch(be, DType::u8, {int64_t(cuda::grouped_gemm_fp8_scratch_bytes(p, cb.device()))});
     cuda::grouped_gemm_fp8(p, scratch.raw(), size_t(scratch.bytes()), cb.device(), cb.compute_stream());
     const std::vector<float> got = down<float>(d);
