@@ -17,7 +17,8 @@
 #    that the FP32 comparison is of the engine alone.
 #  - the cuda runs' host synchronisations and copies per step (the JSONL's host_syncs, h2d_bytes,
 #    d2h_bytes, steps 2 on): at most one per MoE layer and micro-batch plus one per step, and only
-#    the step's tokens, targets, loads, losses, counters and norm crossing PCIe (what
+#    the step's tokens, targets, loads, losses, counters and norm crossing PCIe (blockwise: and the
+#    grouped expert GEMMs' argument arrays, uploaded without a wait) (what
 #    tests/app/test_residency.cpp asserts on the emulated device).
 # Prints a table (with tokens/s and MFU of the cuda runs) and exits 77 (SKIPPED) without a GPU.
 #
@@ -61,13 +62,16 @@ print(f"{worst:.3e} {ratio:.3f} {drift:.2e}" if n else "none none none")' "$3" "
 
 # traffic JSONL: "syncs h2d d2h ok|FAIL", the maxima over steps 2.. against the bounds: 3 MoE layers
 # x 2 micro-batches + 1; up, 16 x 256 tokens and targets (int32) and 3 x 8 loads (int64); back, the
-# loads of every layer and micro-batch, 2 x 4 loss slots, 2 counters and the norm part.
+# loads of every layer and micro-batch, 2 x 4 loss slots, 2 counters and the norm part; blockwise
+# also the grouped expert GEMMs' argument arrays (6 G + 1 words for G experts; w1, w3, w2 of 3 MoE
+# layers x 2 micro-batches).
 traffic() {
-  python3 - "$1" <<'PY'
+  python3 - "$1" "$2" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+grouped = 3 * 3 * 2 * (6 * 8 + 1) * 8 if sys.argv[2] == "blockwise" else 0
 syncs, up, down = (max(r[k] for r in rows) for k in ("host_syncs", "h2d_bytes", "d2h_bytes"))
-ok = syncs <= 3 * 2 + 1 and up <= 2 * 16 * 256 * 4 + 3 * 8 * 8 and down <= 3 * 2 * 8 * 8 + 2 * 4 * 8 + 3 * 8
+ok = syncs <= 3 * 2 + 1 and up <= 2 * 16 * 256 * 4 + 3 * 8 * 8 + grouped and down <= 3 * 2 * 8 * 8 + 2 * 4 * 8 + 3 * 8
 print(f"{syncs} {up} {down} {'ok' if ok else 'FAIL'}")
 PY
 }
@@ -97,7 +101,7 @@ for run in off current blockwise off+cudnn; do
   read -r diff ratio drift < <(compare "$tmp/$run-cpu.txt" "$tmp/$run-cuda.txt" "$bound" "$per_step")
   [[ ${diff:-none} != none ]] || fail "$run: no losses to compare"
   [[ $diff =~ ^[0-9.]+e[-+][0-9]+$|^inf$ ]] || fail "$run: the comparison printed '$diff', not a number"
-  moved=$(traffic "$tmp/$run-cuda.jsonl") || fail "$run: reading the cuda run's JSONL failed"
+  moved=$(traffic "$tmp/$run-cuda.jsonl" "$recipe") || fail "$run: reading the cuda run's JSONL failed"
   last_cuda=$(grep '^step' "$tmp/$run-cuda.txt" | tail -1)
   last_cpu=$(grep '^step' "$tmp/$run-cpu.txt" | tail -1)
   tok=$(sed -n 's/.* \([0-9]*\) tok\/s.*/\1/p' <<<"$last_cuda")
