@@ -134,6 +134,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   backend_options.attention = config.runtime.attention == AttentionChoice::cudnn       ? AttentionKernel::cudnn
                               : config.runtime.attention == AttentionChoice::reference ? AttentionKernel::reference
                                                                                         : AttentionKernel::automatic;
+  backend_options.grouped_gemm = config.runtime.grouped_gemm;
   backend_options.verbose = root;
   const std::unique_ptr<Backend> backend = make_backend(kind, ordinal, backend_options);
   return train(config, grid, *backend);

@@ -382,7 +382,7 @@ class CudaBackendImpl final : public CudaBackend {
   // of one (N, K) in whole blocks, C_g dense (ldc = N), 16-byte aligned.
   bool grouped_form(const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B, bool trans_b,
                     float beta, int64_t ldc) {
-    if (A.size() < 2 || trans_a || !trans_b || (beta != 0.0f && beta != 1.0f)) return false;
+    if (!options_.grouped_gemm || A.size() < 2 || trans_a || !trans_b || (beta != 0.0f && beta != 1.0f)) return false;
     if (!grouped_unsupported_) grouped_unsupported_ = cuda::grouped_gemm_unsupported_reason(device_);
     if (!grouped_unsupported_->empty()) return false;
     const int64_t N = B[0].rows, K = B[0].cols;
