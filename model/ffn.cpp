@@ -36,14 +36,38 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
 
 void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
                   const FfnGrads& g) {
-  const int64_t M = s.l1.M, D = s.l1.K, F = s.l1.N;
-  Tensor da(be, DType::f32, {M, F}), dh1(be, DType::f32, {M, F}), dh3(be, DType::f32, {M, F});
-  linear_backward(be, s.l2, w.w2, dy, fp8.w2, da.f32(), g.w2);
-  be.swiglu_backward(s.h1.f32(), s.h3.f32(), da.f32(), dh1.f32(), dh3.f32(), M * F);
-  Tensor dx3(be, DType::f32, {dx ? M : 0, D});
-  linear_backward(be, s.l1, w.w1, dh1.f32(), fp8.w1, dx, g.w1);
-  linear_backward(be, s.l3, w.w3, dh3.f32(), fp8.w3, dx ? dx3.f32() : nullptr, g.w3);
-  if (dx) be.add(dx, dx3.f32(), dx, M * D);
+  ffn_backward_grouped(be, {FfnGradGroup{&s, &w, dy, &fp8, dx, &g}});
+}
+
+void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) {
+  struct Scratch {
+    Tensor da, dh1, dh3, dx3;
+  };
+  std::vector<Scratch> t(groups.size());
+  std::vector<LinearGradGroup> l2, l1, l3;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const FfnGradGroup& f = groups[i];
+    const FfnSaved& s = *f.saved;
+    const int64_t M = s.l1.M, D = s.l1.K, F = s.l1.N;
+    t[i].da = Tensor(be, DType::f32, {M, F});
+    t[i].dh1 = Tensor(be, DType::f32, {M, F});
+    t[i].dh3 = Tensor(be, DType::f32, {M, F});
+    t[i].dx3 = Tensor(be, DType::f32, {f.dx ? M : 0, D});
+    l2.push_back({&s.l2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2});
+    l1.push_back({&s.l1, f.w->w1, t[i].dh1.f32(), &f.fp8->w1, f.dx, f.g->w1});
+    l3.push_back({&s.l3, f.w->w3, t[i].dh3.f32(), &f.fp8->w3, f.dx ? t[i].dx3.f32() : nullptr, f.g->w3});
+  }
+  linear_backward_grouped(be, l2);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const FfnSaved& s = *groups[i].saved;
+    be.swiglu_backward(s.h1.f32(), s.h3.f32(), t[i].da.f32(), t[i].dh1.f32(), t[i].dh3.f32(), s.l1.M * s.l1.N);
+  }
+  linear_backward_grouped(be, l1);
+  linear_backward_grouped(be, l3);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const FfnGradGroup& f = groups[i];
+    if (f.dx) be.add(f.dx, t[i].dx3.f32(), f.dx, f.saved->l1.M * f.saved->l1.K);
+  }
 }
 
 }  // namespace fp8moe

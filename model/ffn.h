@@ -46,4 +46,15 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
 void ffn_backward(Backend& be, const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
                   const FfnGrads& g);
 
+// ffn_backward of each group (the routed experts), each layer's dgrad GEMMs grouped over them.
+struct FfnGradGroup {
+  const FfnSaved* saved = nullptr;
+  const FfnWeights* w = nullptr;
+  const float* dy = nullptr;
+  const FfnFp8* fp8 = nullptr;
+  float* dx = nullptr;  // may be nullptr
+  const FfnGrads* g = nullptr;
+};
+void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups);
+
 }  // namespace fp8moe

@@ -127,24 +127,52 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
 
 void linear_backward(Backend& be, const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx,
                      float* dW) {
-  const int64_t M = s.M, K = s.K, N = s.N;
-  if (!fp8.enabled()) {
-    if (dx) be.sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, 0.0f, dx, K);
-    be.sgemm(true, false, N, K, M, 1.0f, dy, N, s.x, K, 1.0f, dW, K);
-    return;
+  linear_backward_grouped(be, {LinearGradGroup{&s, W, dy, &fp8, dx, dW}});
+}
+
+void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups) {
+  // dgrad: every group's gradient quantized, then one grouped call; wgrad after it, per group.
+  std::vector<QTensor> dyq(groups.size());
+  std::vector<QuantView> A, B;
+  std::vector<float*> C;
+  int64_t ldc = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const LinearGradGroup& l = groups[g];
+    const LinearSaved& s = *l.saved;
+    const LinearFp8& fp8 = *l.fp8;
+    const int64_t M = s.M, K = s.K, N = s.N;
+    if (!fp8.enabled()) {
+      if (l.dx) be.sgemm(false, false, M, K, N, 1.0f, l.dy, N, l.W, K, 0.0f, l.dx, K);
+      be.sgemm(true, false, N, K, M, 1.0f, l.dy, N, s.x, K, 1.0f, l.dW, K);
+      continue;
+    }
+    const Fp8Config& c = *fp8.cfg;
+    FP8MOE_ASSERT(s.wq, "linear_backward without its forward's FP8 weight");
+    if (c.recipe == Fp8Recipe::blockwise) {
+      if (!l.dx) continue;
+      quantize_tiled(be, l.dy, M, N, Tiling::rows_1xT, c, fp8.counts, &dyq[g]);
+    } else {
+      quantize_per_tensor(be, l.dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &dyq[g]);
+      if (!l.dx) continue;
+    }
+    A.push_back(dyq[g].view()), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
   }
-  const Fp8Config& c = *fp8.cfg;
-  FP8MOE_ASSERT(s.wq, "linear_backward without its forward's FP8 weight");
-  if (c.recipe == Fp8Recipe::blockwise) {
-    if (dx) {
-      QTensor dyq;
-      quantize_tiled(be, dy, M, N, Tiling::rows_1xT, c, fp8.counts, &dyq);
-      be.gemm_fp8(GemmRole::dgrad, dyq.view(), false, s.wq->view(), false, 1.0f, 0.0f, dx, K);
+  if (!A.empty()) be.grouped_gemm_fp8(GemmRole::dgrad, A, false, B, false, 1.0f, 0.0f, C, ldc);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const LinearGradGroup& l = groups[g];
+    const LinearSaved& s = *l.saved;
+    const LinearFp8& fp8 = *l.fp8;
+    if (!fp8.enabled()) continue;
+    const int64_t M = s.M, K = s.K, N = s.N;
+    if (fp8.cfg->recipe != Fp8Recipe::blockwise) {  // per-tensor: the same FP8 gradient, the forward's FP8 input
+      be.gemm_fp8(GemmRole::wgrad, dyq[g].view(), true, s.xq.view(), false, 1.0f, 1.0f, l.dW, K);
+      continue;
     }
     // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32 (x from its
     // FP8 cache when the FP32 input was not kept: 1 x T values re-tiled, as DeepSeek-V3 does).
+    const Fp8Config& c = *fp8.cfg;
     QTensor dyt, xt;
-    quantize_tiled(be, dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt);
+    quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt);
     Tensor x_from_cache;
     const float* x = s.x;
     if (!x) {
@@ -153,13 +181,8 @@ void linear_backward(Backend& be, const LinearSaved& s, const float* W, const fl
       x = x_from_cache.f32();
     }
     quantize_tiled(be, x, M, K, Tiling::cols_Tx1, c, nullptr, &xt);
-    be.gemm_fp8(GemmRole::wgrad, dyt.view(), true, xt.view(), false, 1.0f, 1.0f, dW, K);
-    return;
+    be.gemm_fp8(GemmRole::wgrad, dyt.view(), true, xt.view(), false, 1.0f, 1.0f, l.dW, K);
   }
-  QTensor dyq;
-  quantize_per_tensor(be, dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &dyq);
-  if (dx) be.gemm_fp8(GemmRole::dgrad, dyq.view(), false, s.wq->view(), false, 1.0f, 0.0f, dx, K);
-  be.gemm_fp8(GemmRole::wgrad, dyq.view(), true, s.xq.view(), false, 1.0f, 1.0f, dW, K);
 }
 
 DelayedScaling delayed_to_host(Backend& be, const DelayedState& s) {

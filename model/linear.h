@@ -95,6 +95,18 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
 void linear_backward(Backend& be, const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8,
                      float* dx, float* dW);
 
+// linear_backward of each group, their dgrad GEMMs in one Backend::grouped_gemm_fp8 call (the
+// weight gradients one GEMM per group). Every group's layer has the same K and N.
+struct LinearGradGroup {
+  const LinearSaved* saved = nullptr;
+  const float* W = nullptr;
+  const float* dy = nullptr;
+  const LinearFp8* fp8 = nullptr;
+  float* dx = nullptr;  // may be nullptr
+  float* dW = nullptr;
+};
+void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);
+
 // Delayed-scaling state in device memory from its host form and back (checkpoints, tests).
 DelayedScaling delayed_to_host(Backend& be, const DelayedState& s);
 DelayedState delayed_from_host(Backend& be, const DelayedScaling& s);

@@ -178,7 +178,7 @@ class CudaBackendImpl final : public CudaBackend {
                         bool trans_b, float alpha, float beta, const std::vector<float*>& C, int64_t ldc) override {
 #if FP8MOE_HAVE_CUTLASS
     if (grouped_form(A, trans_a, B, trans_b, beta, ldc)) {
-      grouped_cutlass(A, B, alpha, beta, C);
+      grouped_cutlass(A, B, !trans_b, alpha, beta, C);
       return;
     }
 #endif
@@ -378,19 +378,21 @@ class CudaBackendImpl final : public CudaBackend {
 
 #if FP8MOE_HAVE_CUTLASS
   // Whether CUTLASS's grouped kernel computes these GEMMs exactly as the loop of gemm_fp8 would
-  // define them: C_g = alpha A_g B_g^T + beta C_g, A_g 1 x 128 and B_g 128 x 128 E4M3, every B_g
-  // of one (N, K) in whole blocks, C_g dense (ldc = N), 16-byte aligned.
+  // define them: C_g = alpha A_g op(B_g) + beta C_g, A_g 1 x 128 and B_g 128 x 128 E4M3, B_g
+  // transposed (forward: B_g is (N, K)) or not (dgrad: (K, N)), every B_g of one shape in whole
+  // blocks, C_g dense (ldc = N), 16-byte aligned.
   bool grouped_form(const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B, bool trans_b,
                     float beta, int64_t ldc) {
-    if (!options_.grouped_gemm || A.size() < 2 || trans_a || !trans_b || (beta != 0.0f && beta != 1.0f)) return false;
+    if (!options_.grouped_gemm || A.size() < 2 || trans_a || (beta != 0.0f && beta != 1.0f)) return false;
     if (!grouped_unsupported_) grouped_unsupported_ = cuda::grouped_gemm_unsupported_reason(device_);
     if (!grouped_unsupported_->empty()) return false;
-    const int64_t N = B[0].rows, K = B[0].cols;
+    const int64_t N = trans_b ? B[0].rows : B[0].cols, K = trans_b ? B[0].cols : B[0].rows;
     if (N % 128 || K % 128 || ldc != N) return false;
     for (size_t g = 0; g < A.size(); ++g) {
       const QuantView &a = A[g], &b = B[g];
       if (a.tiling != Tiling::rows_1xT || a.tile != 128 || a.dtype != Fp8Dtype::e4m3 || a.cols != K) return false;
-      if (b.tiling != Tiling::blocks_TxT || b.tile != 128 || b.dtype != Fp8Dtype::e4m3 || b.rows != N || b.cols != K)
+      if (b.tiling != Tiling::blocks_TxT || b.tile != 128 || b.dtype != Fp8Dtype::e4m3 || b.rows != B[0].rows ||
+          b.cols != B[0].cols)
         return false;
       if ((a.rows > 0 && reinterpret_cast<uintptr_t>(a.data) % 16) || reinterpret_cast<uintptr_t>(b.data) % 16)
         return false;
@@ -399,8 +401,8 @@ class CudaBackendImpl final : public CudaBackend {
   }
   // The argument arrays go up in one transfer from pageable memory (the bounce buffer: no wait).
   // Groups without rows are left out (nothing to write).
-  void grouped_cutlass(const std::vector<QuantView>& A, const std::vector<QuantView>& B, float alpha, float beta,
-                       const std::vector<float*>& C) {
+  void grouped_cutlass(const std::vector<QuantView>& A, const std::vector<QuantView>& B, bool b_rows_are_k,
+                       float alpha, float beta, const std::vector<float*>& C) {
     std::vector<size_t> live;
     for (size_t g = 0; g < A.size(); ++g)
       if (A[g].rows > 0) live.push_back(g);
@@ -422,7 +424,9 @@ class CudaBackendImpl final : public CudaBackend {
     upload(dev.raw(), args.data(), args.size() * sizeof(uint64_t));
     const uint64_t* d = dev.data<uint64_t>();
     cuda::GroupedGemmFp8 p;
-    p.groups = G, p.rows = int64_t(off[G]), p.N = B[0].rows, p.K = B[0].cols;
+    p.groups = G, p.rows = int64_t(off[G]);
+    p.N = b_rows_are_k ? B[0].cols : B[0].rows, p.K = b_rows_are_k ? B[0].rows : B[0].cols;
+    p.b_rows_are_k = b_rows_are_k;
     p.row_offsets = reinterpret_cast<const int64_t*>(d);
     p.A = reinterpret_cast<const uint8_t* const*>(d + G + 1);
     p.a_scale = reinterpret_cast<const float* const*>(d + G + 1 + G);

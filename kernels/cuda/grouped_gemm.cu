@@ -92,6 +92,7 @@ struct GroupArrays {
   LayoutSFB* layout_sfb;
   float* packed_sfa;  // rows x K/128: group g's (K/128, M_g) M-major at offsets[g] * K/128
   float* packed_sfb;  // groups x (K/128, N/128) N-major
+  uint8_t* transposed_b;  // b_rows_are_k: groups x (N, K)
   void* workspace;
 };
 
@@ -111,7 +112,8 @@ size_t carve(const GroupedGemmFp8& p, char* base, GroupArrays* g) {
   take(g->stride_a, G), take(g->stride_b, G), take(g->stride_c, G), take(g->stride_d, G);
   take(g->layout_sfa, G), take(g->layout_sfb, G);
   take(g->packed_sfa, size_t(p.rows) * kb);
-  take(g->packed_sfb, G * nb * kb);
+  take(g->packed_sfb, p.b_rows_are_k ? 0 : G * nb * kb);
+  take(g->transposed_b, p.b_rows_are_k ? G * size_t(p.N) * size_t(p.K) : 0);
   g->workspace = base ? base + at : nullptr;
   return at;
 }
@@ -126,11 +128,11 @@ __global__ void setup_kernel(GroupedGemmFp8 p, GroupArrays g) {
   const int64_t kb = p.K / kBlock, nb = p.N / kBlock;
   g.problem[e] = Shape3(M, N, K);
   g.a[e] = reinterpret_cast<const ElementA*>(p.A[e]);
-  g.b[e] = reinterpret_cast<const ElementB*>(p.B[e]);
+  g.b[e] = reinterpret_cast<const ElementB*>(p.b_rows_are_k ? g.transposed_b + e * p.N * p.K : p.B[e]);
   g.c[e] = p.D[e];
   g.d[e] = p.D[e];
   g.sfa[e] = g.packed_sfa + r0 * kb;
-  g.sfb[e] = g.packed_sfb + e * nb * kb;
+  g.sfb[e] = p.b_rows_are_k ? p.b_scale[e] : g.packed_sfb + e * nb * kb;
   g.stride_a[e] = cutlass::make_cute_packed_stride(StrideA{}, {M, K, 1});
   g.stride_b[e] = cutlass::make_cute_packed_stride(StrideB{}, {N, K, 1});
   g.stride_c[e] = cutlass::make_cute_packed_stride(StrideC{}, {M, N, 1});
@@ -162,6 +164,20 @@ __global__ void pack_sfb_kernel(GroupedGemmFp8 p, float* out) {
     const int64_t e = i / (nb * kb), j = i % (nb * kb), nr = j / kb, k = j % kb;
     out[e * nb * kb + k * nb + nr] = p.b_scale[e][nr * kb + k];
   }
+}
+
+// b_rows_are_k: B[g] (K, N) -> (N, K), through 32 x 32 tiles in shared memory (both sides coalesced).
+constexpr int kTransposeTile = 32, kTransposeRows = 8;
+__global__ void transpose_b_kernel(const uint8_t* const* in, int64_t K, int64_t N, uint8_t* out) {
+  __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 1];
+  const uint8_t* src = in[blockIdx.z];
+  uint8_t* dst = out + int64_t(blockIdx.z) * N * K;
+  const int64_t n0 = int64_t(blockIdx.x) * kTransposeTile, k0 = int64_t(blockIdx.y) * kTransposeTile;
+  for (int j = threadIdx.y; j < kTransposeTile; j += kTransposeRows)
+    if (k0 + j < K && n0 + threadIdx.x < N) tile[j][threadIdx.x] = src[(k0 + j) * N + n0 + threadIdx.x];
+  __syncthreads();
+  for (int j = threadIdx.y; j < kTransposeTile; j += kTransposeRows)
+    if (n0 + j < N && k0 + threadIdx.x < K) dst[(n0 + j) * K + k0 + threadIdx.x] = tile[threadIdx.x][j];
 }
 
 cutlass::KernelHardwareInfo hardware_info(int device) {
@@ -246,7 +262,13 @@ void grouped_gemm_fp8(const GroupedGemmFp8& p, void* scratch, size_t scratch_byt
   check_launch();
   pack_sfa_kernel<<<grid_for(p.rows * (p.K / kBlock)), kBlockThreads, 0, stream>>>(p, g.packed_sfa);
   check_launch();
-  pack_sfb_kernel<<<grid_for(p.groups * (p.N / kBlock) * (p.K / kBlock)), kBlockThreads, 0, stream>>>(p, g.packed_sfb);
+  if (p.b_rows_are_k) {
+    FP8MOE_ASSERT(p.groups <= 65535, "grouped FP8 GEMM: ", p.groups, " groups to transpose in one launch");
+    const dim3 grid(unsigned(p.N / kTransposeTile), unsigned(p.K / kTransposeTile), unsigned(p.groups));
+    transpose_b_kernel<<<grid, dim3(kTransposeTile, kTransposeRows), 0, stream>>>(p.B, p.K, p.N, g.transposed_b);
+  } else {
+    pack_sfb_kernel<<<grid_for(p.groups * (p.N / kBlock) * (p.K / kBlock)), kBlockThreads, 0, stream>>>(p, g.packed_sfb);
+  }
   check_launch();
   Gemm gemm;
   const typename Gemm::Arguments args = arguments(p, g, device);

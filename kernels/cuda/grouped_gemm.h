@@ -10,6 +10,9 @@
 //   B[g]         (N, K) E4M3 row-major
 //   b_scale[g]   (N / 128, K / 128) row-major (Tiling::blocks_TxT, tile 128)
 //   D[g]         (M_g, N) FP32 row-major
+// b_rows_are_k: B[g] is stored (K, N) instead (the weight of a dgrad, dx = dy W): its bytes are
+// transposed into the scratch (the FP8 tensor cores read K-major operands only) and its scales,
+// (K / 128, N / 128) row-major, are already what CUTLASS reads.
 // N and K multiples of 128; pointers 16-byte aligned. NOT YET RUN ON A GPU: its case
 // (CudaOps.GroupedGemmMatchesFp64) and benchmark (bench_gemm_cuda) run in scripts/device-check.sh.
 #pragma once
@@ -30,6 +33,7 @@ struct GroupedGemmFp8 {
   const uint8_t* const* B = nullptr;
   const float* const* b_scale = nullptr;
   float* const* D = nullptr;
+  bool b_rows_are_k = false;
   float alpha = 1.0f, beta = 0.0f;
 };
 

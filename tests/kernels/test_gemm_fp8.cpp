@@ -559,41 +559,48 @@ TEST_P(DeviceOps, Fp32GemmMatchesCpu) {
       }
 }
 
-// Backend::grouped_gemm_fp8: the experts' forward GEMMs (A 1 x 128, B 128 x 128 transposed) as
-// one call, against the loop of gemm_fp8 on the CPU backend. On CUDA this is the CUTLASS kernel
-// (groups with no rows included), with the bound of GroupedGemmMatchesFp64 below.
+// Backend::grouped_gemm_fp8: the experts' forward GEMMs (A 1 x 128, B 128 x 128 transposed) and
+// dgrad GEMMs (B not transposed) as one call each, against the loop of gemm_fp8 on the CPU backend.
+// On CUDA this is the CUTLASS kernel (groups with no rows included), with the bound of
+// GroupedGemmMatchesFp64 below.
 TEST_P(DeviceOps, GroupedGemmMatchesTheLoop) {
   if (!exact())
     if (const std::string why = cuda_fp8_gemm_unsupported(true); !why.empty()) GTEST_SKIP() << why;
   const std::vector<int64_t> rows = {3, 0, 130, 128, 1};
   const int64_t N = 256, K = 384, G = int64_t(rows.size());
-  std::vector<QuantTensor> a(static_cast<size_t>(G)), b(static_cast<size_t>(G));
-  int64_t R = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    quantize_tiled(normal_vector(rows[size_t(g)] * K, 200 + g, 2.0f).data(), rows[size_t(g)], K, Tiling::rows_1xT, 128,
-                   Fp8Dtype::e4m3, {}, &a[size_t(g)]);
-    quantize_tiled(normal_vector(N * K, 300 + g, 0.1f).data(), N, K, Tiling::blocks_TxT, 128, Fp8Dtype::e4m3, {},
-                   &b[size_t(g)]);
-    R += rows[size_t(g)];
-  }
-  auto run = [&](Backend& be, bool grouped) {
-    std::vector<QTensor> qa, qb;
-    std::vector<QuantView> va, vb;
-    std::vector<float*> c;
-    Tensor out = poisoned(be, DType::f32, R * N);
-    for (int64_t g = 0, r0 = 0; g < G; r0 += rows[size_t(g)], ++g) {
-      qa.push_back(up(be, a[size_t(g)])), qb.push_back(up(be, b[size_t(g)]));
-      va.push_back(qa.back().view()), vb.push_back(qb.back().view()), c.push_back(out.f32() + r0 * N);
+  for (bool trans_b : {true, false}) {
+    SCOPED_TRACE(trans_b ? "forward form (B transposed)" : "dgrad form (B as stored)");
+    const int64_t b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
+    std::vector<QuantTensor> a(static_cast<size_t>(G)), b(static_cast<size_t>(G));
+    int64_t R = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      quantize_tiled(normal_vector(rows[size_t(g)] * K, 200 + g, 2.0f).data(), rows[size_t(g)], K, Tiling::rows_1xT,
+                     128, Fp8Dtype::e4m3, {}, &a[size_t(g)]);
+      quantize_tiled(normal_vector(b_rows * b_cols, 300 + g, 0.1f).data(), b_rows, b_cols, Tiling::blocks_TxT, 128,
+                     Fp8Dtype::e4m3, {}, &b[size_t(g)]);
+      R += rows[size_t(g)];
     }
-    if (grouped)
-      be.grouped_gemm_fp8(GemmRole::fprop, va, false, vb, true, 1.0f, 0.0f, c, N);
-    else
-      for (int64_t g = 0; g < G; ++g) be.gemm_fp8(GemmRole::fprop, va[size_t(g)], false, vb[size_t(g)], true, 1.0f, 0.0f, c[size_t(g)], N);
-    return down<float>(out);
-  };
-  const std::vector<float> loop = run(cpu(), false), c = run(cpu(), true), g = run(dev(), true);
-  expect_bitwise(c, loop, "cpu backend: grouped vs the loop");
-  expect_match(g, c, 2e-3, "grouped");
+    auto run = [&](Backend& be, bool grouped) {
+      std::vector<QTensor> qa, qb;
+      std::vector<QuantView> va, vb;
+      std::vector<float*> c;
+      Tensor out = poisoned(be, DType::f32, R * N);
+      for (int64_t g = 0, r0 = 0; g < G; r0 += rows[size_t(g)], ++g) {
+        qa.push_back(up(be, a[size_t(g)])), qb.push_back(up(be, b[size_t(g)]));
+        va.push_back(qa.back().view()), vb.push_back(qb.back().view()), c.push_back(out.f32() + r0 * N);
+      }
+      const GemmRole role = trans_b ? GemmRole::fprop : GemmRole::dgrad;
+      if (grouped)
+        be.grouped_gemm_fp8(role, va, false, vb, trans_b, 1.0f, 0.0f, c, N);
+      else
+        for (int64_t g = 0; g < G; ++g)
+          be.gemm_fp8(role, va[size_t(g)], false, vb[size_t(g)], trans_b, 1.0f, 0.0f, c[size_t(g)], N);
+      return down<float>(out);
+    };
+    const std::vector<float> loop = run(cpu(), false), c = run(cpu(), true), g = run(dev(), true);
+    expect_bitwise(c, loop, "cpu backend: grouped vs the loop");
+    expect_match(g, c, 2e-3, "grouped");
+  }
 }
 
 // ---- the grouped block-scaled FP8 GEMM (kernels/cuda/grouped_gemm.h) ------------------------------
