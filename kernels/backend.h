@@ -105,9 +105,9 @@ class Backend {
                         float beta, float* C, int64_t ldc) = 0;
   // The GEMMs of a group of experts: gemm_fp8(role, A[g], trans_a, B[g], trans_b, alpha, beta, C[g],
   // ldc) for every g, in any order (they write disjoint C). Here that loop; the CUDA backend runs the
-  // block-scaled forward and dgrad forms (A 1 x 128 not transposed, B 128 x 128 either way, 2 groups
-  // or more, N and K in whole blocks) as one CUTLASS launch (kernels/cuda/grouped_gemm.h) and the
-  // rest (wgrad, per-tensor recipes) as the loop.
+  // block-scaled forms (forward and dgrad: A 1 x 128, B 128 x 128 either way; wgrad: A^T B in
+  // 128 x 1 tiles; 2 groups or more, N and K in whole blocks) as one CUTLASS launch
+  // (kernels/cuda/grouped_gemm.h) and the rest (per-tensor recipes) as the loop.
   virtual void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a,
                                 const std::vector<QuantView>& B, bool trans_b, float alpha, float beta,
                                 const std::vector<float*>& C, int64_t ldc);

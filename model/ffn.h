@@ -46,7 +46,7 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
 void ffn_backward(Backend& be, const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
                   const FfnGrads& g);
 
-// ffn_backward of each group (the routed experts), each layer's dgrad GEMMs grouped over them.
+// ffn_backward of each group (the routed experts), each layer's dgrad and wgrad GEMMs grouped over them.
 struct FfnGradGroup {
   const FfnSaved* saved = nullptr;
   const FfnWeights* w = nullptr;

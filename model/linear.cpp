@@ -131,7 +131,7 @@ void linear_backward(Backend& be, const LinearSaved& s, const float* W, const fl
 }
 
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups) {
-  // dgrad: every group's gradient quantized, then one grouped call; wgrad after it, per group.
+  // dgrad: every group's gradient quantized, then one grouped call; wgrad after it, likewise.
   std::vector<QTensor> dyq(groups.size());
   std::vector<QuantView> A, B;
   std::vector<float*> C;
@@ -158,21 +158,24 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     A.push_back(dyq[g].view()), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
   }
   if (!A.empty()) be.grouped_gemm_fp8(GemmRole::dgrad, A, false, B, false, 1.0f, 0.0f, C, ldc);
+  // wgrad, dW += dy^T x: per-tensor from the same FP8 gradient and the forward's FP8 input;
+  // blockwise from both re-tiled T x 1 (the reduction runs over tokens), from FP32 (x from its FP8
+  // cache when the FP32 input was not kept: 1 x T values re-tiled, as DeepSeek-V3 does).
+  std::vector<QTensor> dyt(groups.size()), xt(groups.size());
+  A.clear(), B.clear(), C.clear();
   for (size_t g = 0; g < groups.size(); ++g) {
     const LinearGradGroup& l = groups[g];
     const LinearSaved& s = *l.saved;
     const LinearFp8& fp8 = *l.fp8;
     if (!fp8.enabled()) continue;
     const int64_t M = s.M, K = s.K, N = s.N;
-    if (fp8.cfg->recipe != Fp8Recipe::blockwise) {  // per-tensor: the same FP8 gradient, the forward's FP8 input
-      be.gemm_fp8(GemmRole::wgrad, dyq[g].view(), true, s.xq.view(), false, 1.0f, 1.0f, l.dW, K);
+    ldc = K;
+    if (fp8.cfg->recipe != Fp8Recipe::blockwise) {
+      A.push_back(dyq[g].view()), B.push_back(s.xq.view()), C.push_back(l.dW);
       continue;
     }
-    // The weight gradient reduces over tokens: both operands re-tiled T x 1 from FP32 (x from its
-    // FP8 cache when the FP32 input was not kept: 1 x T values re-tiled, as DeepSeek-V3 does).
     const Fp8Config& c = *fp8.cfg;
-    QTensor dyt, xt;
-    quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt);
+    quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt[g]);
     Tensor x_from_cache;
     const float* x = s.x;
     if (!x) {
@@ -180,9 +183,10 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
       if (M * K > 0) be.dequantize(s.xq.view(), x_from_cache.f32());
       x = x_from_cache.f32();
     }
-    quantize_tiled(be, x, M, K, Tiling::cols_Tx1, c, nullptr, &xt);
-    be.gemm_fp8(GemmRole::wgrad, dyt.view(), true, xt.view(), false, 1.0f, 1.0f, l.dW, K);
+    quantize_tiled(be, x, M, K, Tiling::cols_Tx1, c, nullptr, &xt[g]);
+    A.push_back(dyt[g].view()), B.push_back(xt[g].view()), C.push_back(l.dW);
   }
+  if (!A.empty()) be.grouped_gemm_fp8(GemmRole::wgrad, A, true, B, false, 1.0f, 1.0f, C, ldc);
 }
 
 DelayedScaling delayed_to_host(Backend& be, const DelayedState& s) {

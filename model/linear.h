@@ -95,8 +95,8 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
 void linear_backward(Backend& be, const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8,
                      float* dx, float* dW);
 
-// linear_backward of each group, their dgrad GEMMs in one Backend::grouped_gemm_fp8 call (the
-// weight gradients one GEMM per group). Every group's layer has the same K and N.
+// linear_backward of each group, their dgrad GEMMs in one Backend::grouped_gemm_fp8 call and their
+// wgrad GEMMs in another. Every group's layer has the same K and N.
 struct LinearGradGroup {
   const LinearSaved* saved = nullptr;
   const float* W = nullptr;

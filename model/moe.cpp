@@ -203,7 +203,7 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   const int64_t L = int64_t(r.local_rows.size());
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
   Tensor dxl(be, DType::f32, {rows_in, D});
-  std::vector<FfnGradGroup> groups;  // one FFN per local expert, their dgrad GEMMs grouped
+  std::vector<FfnGradGroup> groups;  // one FFN per local expert, their GEMMs grouped
   for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e)
     groups.push_back({&s.experts[size_t(e)], &w.experts[size_t(e)], dyin + r0 * D, &fp8.experts[size_t(e)],
                       dxl.f32() + r0 * D, &g.experts[size_t(e)]});

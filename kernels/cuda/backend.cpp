@@ -177,8 +177,8 @@ class CudaBackendImpl final : public CudaBackend {
   void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B,
                         bool trans_b, float alpha, float beta, const std::vector<float*>& C, int64_t ldc) override {
 #if FP8MOE_HAVE_CUTLASS
-    if (grouped_form(A, trans_a, B, trans_b, beta, ldc)) {
-      grouped_cutlass(A, B, !trans_b, alpha, beta, C);
+    if (const auto form = grouped_form(A, trans_a, B, trans_b, beta, C, ldc)) {
+      grouped_cutlass(*form, A, B, alpha, beta, C);
       return;
     }
 #endif
@@ -377,35 +377,51 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
 #if FP8MOE_HAVE_CUTLASS
-  // Whether CUTLASS's grouped kernel computes these GEMMs exactly as the loop of gemm_fp8 would
-  // define them: C_g = alpha A_g op(B_g) + beta C_g, A_g 1 x 128 and B_g 128 x 128 E4M3, B_g
-  // transposed (forward: B_g is (N, K)) or not (dgrad: (K, N)), every B_g of one shape in whole
-  // blocks, C_g dense (ldc = N), 16-byte aligned.
-  bool grouped_form(const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B, bool trans_b,
-                    float beta, int64_t ldc) {
-    if (!options_.grouped_gemm || A.size() < 2 || trans_a || (beta != 0.0f && beta != 1.0f)) return false;
+  // The form of kernels/cuda/grouped_gemm.h that computes these GEMMs exactly as the loop of
+  // gemm_fp8 defines them, if any: E4M3 throughout, every group of one shape, N and K in whole
+  // 128-blocks, C dense and 16-byte aligned; forward: A 1 x 128, B (N, K) 128 x 128 transposed;
+  // dgrad: the same with B (K, N) as stored; wgrad: A^T B with A (T_g, N) and B (T_g, K) in
+  // 128 x 1 tiles. Two groups or more (one GEMM stays on cuBLASLt).
+  std::optional<cuda::GroupedForm> grouped_form(const std::vector<QuantView>& A, bool trans_a,
+                                                const std::vector<QuantView>& B, bool trans_b, float beta,
+                                                const std::vector<float*>& C, int64_t ldc) {
+    if (!options_.grouped_gemm || A.size() < 2 || (beta != 0.0f && beta != 1.0f)) return std::nullopt;
     if (!grouped_unsupported_) grouped_unsupported_ = cuda::grouped_gemm_unsupported_reason(device_);
-    if (!grouped_unsupported_->empty()) return false;
-    const int64_t N = trans_b ? B[0].rows : B[0].cols, K = trans_b ? B[0].cols : B[0].rows;
-    if (N % 128 || K % 128 || ldc != N) return false;
+    if (!grouped_unsupported_->empty()) return std::nullopt;
+    auto is = [](const QuantView& q, Tiling t) { return q.tiling == t && q.tile == 128 && q.dtype == Fp8Dtype::e4m3; };
+    cuda::GroupedForm form;
+    int64_t N = 0, K = 0;
+    if (!trans_a && is(A[0], Tiling::rows_1xT) && is(B[0], Tiling::blocks_TxT)) {
+      form = trans_b ? cuda::GroupedForm::forward : cuda::GroupedForm::dgrad;
+      N = trans_b ? B[0].rows : B[0].cols, K = trans_b ? B[0].cols : B[0].rows;
+    } else if (trans_a && !trans_b && is(A[0], Tiling::cols_Tx1) && is(B[0], Tiling::cols_Tx1)) {
+      form = cuda::GroupedForm::wgrad;
+      N = A[0].cols, K = B[0].cols;
+    } else {
+      return std::nullopt;
+    }
+    if (N % 128 || K % 128 || ldc != (form == cuda::GroupedForm::wgrad ? K : N)) return std::nullopt;
     for (size_t g = 0; g < A.size(); ++g) {
       const QuantView &a = A[g], &b = B[g];
-      if (a.tiling != Tiling::rows_1xT || a.tile != 128 || a.dtype != Fp8Dtype::e4m3 || a.cols != K) return false;
-      if (b.tiling != Tiling::blocks_TxT || b.tile != 128 || b.dtype != Fp8Dtype::e4m3 || b.rows != B[0].rows ||
-          b.cols != B[0].cols)
-        return false;
-      if ((a.rows > 0 && reinterpret_cast<uintptr_t>(a.data) % 16) || reinterpret_cast<uintptr_t>(b.data) % 16)
-        return false;
+      if (!is(a, A[0].tiling) || !is(b, B[0].tiling) || b.rows != B[0].rows || b.cols != B[0].cols) return std::nullopt;
+      if (reinterpret_cast<uintptr_t>(C[g]) % 16) return std::nullopt;
+      if (form == cuda::GroupedForm::wgrad) {
+        if (a.cols != N || b.cols != K || a.rows != b.rows) return std::nullopt;
+      } else if (a.cols != K || (a.rows > 0 && reinterpret_cast<uintptr_t>(a.data) % 16) ||
+                 reinterpret_cast<uintptr_t>(b.data) % 16) {
+        return std::nullopt;
+      }
     }
-    return true;
+    return form;
   }
   // The argument arrays go up in one transfer from pageable memory (the bounce buffer: no wait).
-  // Groups without rows are left out (nothing to write).
-  void grouped_cutlass(const std::vector<QuantView>& A, const std::vector<QuantView>& B, bool b_rows_are_k,
+  // Groups without rows are left out (nothing to write, or nothing to add).
+  void grouped_cutlass(cuda::GroupedForm form, const std::vector<QuantView>& A, const std::vector<QuantView>& B,
                        float alpha, float beta, const std::vector<float*>& C) {
     std::vector<size_t> live;
+    int64_t max_rows = 0;
     for (size_t g = 0; g < A.size(); ++g)
-      if (A[g].rows > 0) live.push_back(g);
+      if (A[g].rows > 0) live.push_back(g), max_rows = std::max(max_rows, A[g].rows);
     if (live.empty()) return;
     const int64_t G = int64_t(live.size());
     std::vector<uint64_t> args(size_t(G + 1 + 5 * G));
@@ -424,9 +440,10 @@ class CudaBackendImpl final : public CudaBackend {
     upload(dev.raw(), args.data(), args.size() * sizeof(uint64_t));
     const uint64_t* d = dev.data<uint64_t>();
     cuda::GroupedGemmFp8 p;
-    p.groups = G, p.rows = int64_t(off[G]);
-    p.N = b_rows_are_k ? B[0].cols : B[0].rows, p.K = b_rows_are_k ? B[0].rows : B[0].cols;
-    p.b_rows_are_k = b_rows_are_k;
+    p.form = form, p.groups = G, p.rows = int64_t(off[G]), p.max_rows = max_rows;
+    const QuantView& b = B[live[0]];
+    p.N = form == cuda::GroupedForm::forward ? b.rows : form == cuda::GroupedForm::dgrad ? b.cols : A[live[0]].cols;
+    p.K = form == cuda::GroupedForm::dgrad ? b.rows : b.cols;
     p.row_offsets = reinterpret_cast<const int64_t*>(d);
     p.A = reinterpret_cast<const uint8_t* const*>(d + G + 1);
     p.a_scale = reinterpret_cast<const float* const*>(d + G + 1 + G);

@@ -35,72 +35,35 @@ constexpr int64_t kBlock = 128;
 #endif
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
-using ElementA = cutlass::float_e4m3_t;
-using ElementB = cutlass::float_e4m3_t;
-using ElementC = float;
-using ElementD = float;
-using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
-using LayoutB = cutlass::layout::ColumnMajor;  // (K, N) column-major = our (N, K) row-major
-using LayoutC = cutlass::layout::RowMajor;
-using LayoutD = cutlass::layout::RowMajor;
-constexpr int kAlignA = 16, kAlignB = 16, kAlignC = 4, kAlignD = 4;  // 16 bytes
-using ElementAccumulator = float;
-using ArchTag = cutlass::arch::Sm90;
-using OperatorClass = cutlass::arch::OpClassTensorOp;
-using TileShape = Shape<_128, _128, _128>;
-using ClusterShape = Shape<_1, _2, _1>;
-using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;  // 1 x 128 (A), 128 x 128 (B)
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator>;
-
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    ArchTag, OperatorClass, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
-    ElementAccumulator, ElementAccumulator, ElementC, LayoutC*, kAlignC, ElementD, LayoutD*, kAlignD,
-    EpilogueSchedule, Fusion>::CollectiveOp;
-
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    ArchTag, OperatorClass, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignA, ElementB,
-    cute::tuple<LayoutB*, LayoutSFB*>, kAlignB, ElementAccumulator, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    KernelSchedule>::CollectiveOp;
-
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-using StrideA = typename Gemm::GemmKernel::InternalStrideA;
-using StrideB = typename Gemm::GemmKernel::InternalStrideB;
-using StrideC = typename Gemm::GemmKernel::InternalStrideC;
-using StrideD = typename Gemm::GemmKernel::InternalStrideD;
 using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 
-// The per-group arrays CUTLASS reads, carved out of the scratch in this order.
-struct GroupArrays {
-  Shape3* problem;
-  const ElementA** a;
-  const ElementB** b;
-  const ElementC** c;
-  ElementD** d;
-  const float** sfa;
-  const float** sfb;
-  StrideA* stride_a;
-  StrideB* stride_b;
-  StrideC* stride_c;
-  StrideD* stride_d;
-  LayoutSFA* layout_sfa;
-  LayoutSFB* layout_sfb;
-  float* packed_sfa;  // rows x K/128: group g's (K/128, M_g) M-major at offsets[g] * K/128
-  float* packed_sfb;  // groups x (K/128, N/128) N-major
-  uint8_t* transposed_b;  // b_rows_are_k: groups x (N, K)
-  void* workspace;
-};
+// The two kernel instances (kernels/cuda/grouped_gemm_kernel.inc, included once per scale
+// granularity along N, at namespace scope: nvcc's host pass rejects these CUTLASS builders inside a
+// class template): 128 (B in 128 x 128 blocks: forward and dgrad) and 1 (B in 1 x 128 tiles along
+// K: the weight gradient's x, tiled along tokens). A is 1 x 128 in both.
+#define FP8MOE_GROUPED_NS blocks
+#define FP8MOE_GROUPED_SCALE_N 128
+#include "kernels/cuda/grouped_gemm_kernel.inc"
+#undef FP8MOE_GROUPED_NS
+#undef FP8MOE_GROUPED_SCALE_N
+#define FP8MOE_GROUPED_NS tiles
+#define FP8MOE_GROUPED_SCALE_N 1
+#include "kernels/cuda/grouped_gemm_kernel.inc"
+#undef FP8MOE_GROUPED_NS
+#undef FP8MOE_GROUPED_SCALE_N
+using Blocks = blocks::Kernel;  // forward, dgrad
+using Tiles = tiles::Kernel;    // wgrad
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
+__host__ __device__ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
 // Carves the arrays out of `base` (nullptr: only counts); returns the bytes used before the workspace.
-size_t carve(const GroupedGemmFp8& p, char* base, GroupArrays* g) {
+template <class Kn>
+size_t carve(const GroupedGemmFp8& p, char* base, typename Kn::Arrays* g) {
+  const bool wgrad = p.form == GroupedForm::wgrad;
   const size_t G = size_t(p.groups), kb = size_t(p.K / kBlock), nb = size_t(p.N / kBlock);
+  const size_t padded_rows = size_t(p.rows) + 15 * G;  // every group's tokens rounded up to 16
   size_t at = 0;
   auto take = [&](auto*& ptr, size_t count) {
     using T = std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>;
@@ -111,34 +74,50 @@ size_t carve(const GroupedGemmFp8& p, char* base, GroupArrays* g) {
   take(g->a, G), take(g->b, G), take(g->c, G), take(g->d, G), take(g->sfa, G), take(g->sfb, G);
   take(g->stride_a, G), take(g->stride_b, G), take(g->stride_c, G), take(g->stride_d, G);
   take(g->layout_sfa, G), take(g->layout_sfb, G);
-  take(g->packed_sfa, size_t(p.rows) * kb);
-  take(g->packed_sfb, p.b_rows_are_k ? 0 : G * nb * kb);
-  take(g->transposed_b, p.b_rows_are_k ? G * size_t(p.N) * size_t(p.K) : 0);
+  take(g->packed_sfa, wgrad ? 0 : size_t(p.rows) * kb);
+  take(g->packed_sfb, p.form == GroupedForm::forward ? G * nb * kb : 0);
+  take(g->t_a, wgrad ? padded_rows * size_t(p.N) : 0);
+  take(g->t_b, wgrad ? padded_rows * size_t(p.K) : p.form == GroupedForm::dgrad ? G * size_t(p.N) * size_t(p.K) : 0);
   g->workspace = base ? base + at : nullptr;
   return at;
 }
 
 #ifdef FP8MOE_GROUPED_GEMM
 // One thread per group: its problem size, pointers, strides and scale layouts from the offsets.
-__global__ void setup_kernel(GroupedGemmFp8 p, GroupArrays g) {
+template <class Kn>
+__global__ void setup_kernel(GroupedGemmFp8 p, typename Kn::Arrays g) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= p.groups) return;
-  const int64_t r0 = p.row_offsets[e];
-  const int M = int(p.row_offsets[e + 1] - r0), N = int(p.N), K = int(p.K);
+  const int64_t r0 = p.row_offsets[e], rows = p.row_offsets[e + 1] - r0;
   const int64_t kb = p.K / kBlock, nb = p.N / kBlock;
-  g.problem[e] = Shape3(M, N, K);
-  g.a[e] = reinterpret_cast<const ElementA*>(p.A[e]);
-  g.b[e] = reinterpret_cast<const ElementB*>(p.b_rows_are_k ? g.transposed_b + e * p.N * p.K : p.B[e]);
+  int M = int(rows), N = int(p.N), K = int(p.K);
+  if (p.form == GroupedForm::wgrad) {  // D_g (N, K) += dy_g^T x_g: the tokens are the reduction
+    M = int(p.N), N = int(p.K), K = int(round16(rows));
+    const int64_t slot = r0 + 15 * e;
+    g.a[e] = reinterpret_cast<const typename Kn::ElementA*>(g.t_a + slot * p.N);
+    g.b[e] = reinterpret_cast<const typename Kn::ElementB*>(g.t_b + slot * p.K);
+    g.sfa[e] = p.a_scale[e];  // (ceil(T_g / 128), N): M contiguous, CUTLASS's layout
+    g.sfb[e] = p.b_scale[e];  // (ceil(T_g / 128), K): N contiguous, likewise
+  } else {
+    g.a[e] = reinterpret_cast<const typename Kn::ElementA*>(p.A[e]);
+    g.sfa[e] = g.packed_sfa + r0 * kb;
+    if (p.form == GroupedForm::dgrad) {
+      g.b[e] = reinterpret_cast<const typename Kn::ElementB*>(g.t_b + e * p.N * p.K);
+      g.sfb[e] = p.b_scale[e];  // (K/128, N/128) row-major: N contiguous, CUTLASS's layout
+    } else {
+      g.b[e] = reinterpret_cast<const typename Kn::ElementB*>(p.B[e]);
+      g.sfb[e] = g.packed_sfb + e * nb * kb;
+    }
+  }
   g.c[e] = p.D[e];
   g.d[e] = p.D[e];
-  g.sfa[e] = g.packed_sfa + r0 * kb;
-  g.sfb[e] = p.b_rows_are_k ? p.b_scale[e] : g.packed_sfb + e * nb * kb;
-  g.stride_a[e] = cutlass::make_cute_packed_stride(StrideA{}, {M, K, 1});
-  g.stride_b[e] = cutlass::make_cute_packed_stride(StrideB{}, {N, K, 1});
-  g.stride_c[e] = cutlass::make_cute_packed_stride(StrideC{}, {M, N, 1});
-  g.stride_d[e] = cutlass::make_cute_packed_stride(StrideD{}, {M, N, 1});
-  g.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(M, N, K, 1));
-  g.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(M, N, K, 1));
+  g.problem[e] = Shape3(M, N, K);
+  g.stride_a[e] = cutlass::make_cute_packed_stride(typename Kn::StrideA{}, {M, K, 1});
+  g.stride_b[e] = cutlass::make_cute_packed_stride(typename Kn::StrideB{}, {N, K, 1});
+  g.stride_c[e] = cutlass::make_cute_packed_stride(typename Kn::StrideC{}, {M, N, 1});
+  g.stride_d[e] = cutlass::make_cute_packed_stride(typename Kn::StrideD{}, {M, N, 1});
+  g.layout_sfa[e] = Kn::ScaleConfig::tile_atom_to_shape_SFA(make_shape(M, N, K, 1));
+  g.layout_sfb[e] = Kn::ScaleConfig::tile_atom_to_shape_SFB(make_shape(M, N, K, 1));
 }
 
 // A's scales: per group (M_g, K/128) row-major -> (K/128, M_g), M contiguous, group g at
@@ -166,20 +145,38 @@ __global__ void pack_sfb_kernel(GroupedGemmFp8 p, float* out) {
   }
 }
 
-// b_rows_are_k: B[g] (K, N) -> (N, K), through 32 x 32 tiles in shared memory (both sides coalesced).
+// Group z's (R_z, C) row-major bytes -> (C, ld_z) row-major, zero in columns R_z .. ld_z, through
+// 32 x 32 tiles in shared memory (both sides coalesced). dgrad: every group (K, N) -> (N, K) at
+// z N K; wgrad: (T_z, C) -> (C, round16(T_z)) at (offsets[z] + 15 z) C.
 constexpr int kTransposeTile = 32, kTransposeRows = 8;
-__global__ void transpose_b_kernel(const uint8_t* const* in, int64_t K, int64_t N, uint8_t* out) {
+__global__ void transpose_kernel(const uint8_t* const* in, const int64_t* row_offsets, int64_t fixed_rows, int64_t C,
+                                 uint8_t* out) {
   __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 1];
-  const uint8_t* src = in[blockIdx.z];
-  uint8_t* dst = out + int64_t(blockIdx.z) * N * K;
-  const int64_t n0 = int64_t(blockIdx.x) * kTransposeTile, k0 = int64_t(blockIdx.y) * kTransposeTile;
+  const int64_t z = blockIdx.z;
+  const int64_t R = row_offsets ? row_offsets[z + 1] - row_offsets[z] : fixed_rows;
+  const int64_t ld = row_offsets ? round16(R) : R;
+  const int64_t r0 = int64_t(blockIdx.y) * kTransposeTile, c0 = int64_t(blockIdx.x) * kTransposeTile;
+  if (r0 >= ld) return;
+  const uint8_t* src = in[z];
+  uint8_t* dst = out + (row_offsets ? (row_offsets[z] + 15 * z) * C : z * fixed_rows * C);
   for (int j = threadIdx.y; j < kTransposeTile; j += kTransposeRows)
-    if (k0 + j < K && n0 + threadIdx.x < N) tile[j][threadIdx.x] = src[(k0 + j) * N + n0 + threadIdx.x];
+    tile[j][threadIdx.x] = (r0 + j < R && c0 + threadIdx.x < C) ? src[(r0 + j) * C + c0 + threadIdx.x] : uint8_t(0);
   __syncthreads();
   for (int j = threadIdx.y; j < kTransposeTile; j += kTransposeRows)
-    if (n0 + j < N && k0 + threadIdx.x < K) dst[(n0 + j) * K + k0 + threadIdx.x] = tile[threadIdx.x][j];
+    if (c0 + j < C && r0 + threadIdx.x < ld) dst[(c0 + j) * ld + r0 + threadIdx.x] = tile[threadIdx.x][j];
 }
 
+void transpose(const uint8_t* const* in, const int64_t* row_offsets, int64_t rows, int64_t C, int64_t groups,
+               uint8_t* out, cudaStream_t stream) {
+  FP8MOE_ASSERT(groups <= 65535 && (rows + kTransposeTile - 1) / kTransposeTile <= 65535,
+                "grouped FP8 GEMM: a transpose of ", groups, " groups of up to ", rows, " rows in one launch");
+  const dim3 grid(unsigned((C + kTransposeTile - 1) / kTransposeTile),
+                  unsigned((rows + kTransposeTile - 1) / kTransposeTile), unsigned(groups));
+  transpose_kernel<<<grid, dim3(kTransposeTile, kTransposeRows), 0, stream>>>(in, row_offsets, rows, C, out);
+  check_launch();
+}
+
+template <class Kn>
 cutlass::KernelHardwareInfo hardware_info(int device) {
   // NOTE: a process-wide cache of a fixed property of each device (its SM count and how many
   // clusters of this kernel fit), under a mutex.
@@ -188,17 +185,18 @@ cutlass::KernelHardwareInfo hardware_info(int device) {
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(device);
   if (it == cache.end())
-    it = cache.emplace(device, cutlass::KernelHardwareInfo::make_kernel_hardware_info<GemmKernel>(device)).first;
+    it = cache.emplace(device, cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Kn::GemmKernel>(device)).first;
   return it->second;
 }
 
-typename Gemm::Arguments arguments(const GroupedGemmFp8& p, const GroupArrays& g, int device) {
-  typename Gemm::Arguments args{
+template <class Kn>
+typename Kn::Gemm::Arguments arguments(const GroupedGemmFp8& p, const typename Kn::Arrays& g, int device) {
+  typename Kn::Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {int(p.groups), g.problem, nullptr},  // problem sizes in device memory only
       {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
       {{}, g.c, g.stride_c, g.d, g.stride_d},
-      hardware_info(device)};
+      hardware_info<Kn>(device)};
   auto& f = args.epilogue.thread;
   f.alpha = p.alpha, f.beta = p.beta;
   f.alpha_ptr = nullptr, f.beta_ptr = nullptr, f.alpha_ptr_array = nullptr, f.beta_ptr_array = nullptr;
@@ -208,6 +206,47 @@ typename Gemm::Arguments arguments(const GroupedGemmFp8& p, const GroupArrays& g
 }
 
 const char* status_text(cutlass::Status s) { return cutlassGetStatusString(s); }
+
+template <class Kn>
+size_t scratch_bytes(const GroupedGemmFp8& p, int device) {
+  typename Kn::Arrays g{};
+  const size_t arrays = carve<Kn>(p, nullptr, &g);
+  return arrays + align256(Kn::Gemm::get_workspace_size(arguments<Kn>(p, g, device)));
+}
+
+template <class Kn>
+void run(const GroupedGemmFp8& p, void* scratch, size_t bytes, int device, cudaStream_t stream) {
+  const size_t need = scratch_bytes<Kn>(p, device);
+  FP8MOE_ASSERT(scratch && bytes >= need, "grouped FP8 GEMM: scratch of ", bytes, " bytes, ", need, " needed");
+  typename Kn::Arrays g{};
+  carve<Kn>(p, static_cast<char*>(scratch), &g);
+  const int64_t kb = p.K / kBlock;
+  if (p.form == GroupedForm::wgrad) {
+    // The tokens become K: both operands transposed, each group's rows padded to 16 (zeros).
+    transpose(p.A, p.row_offsets, p.max_rows, p.N, p.groups, g.t_a, stream);
+    transpose(p.B, p.row_offsets, p.max_rows, p.K, p.groups, g.t_b, stream);
+  } else {
+    pack_sfa_kernel<<<grid_for(p.rows * kb), kBlockThreads, 0, stream>>>(p, g.packed_sfa);
+    check_launch();
+    if (p.form == GroupedForm::dgrad)
+      transpose(p.B, nullptr, p.K, p.N, p.groups, g.t_b, stream);
+    else {
+      pack_sfb_kernel<<<grid_for(p.groups * (p.N / kBlock) * kb), kBlockThreads, 0, stream>>>(p, g.packed_sfb);
+      check_launch();
+    }
+  }
+  setup_kernel<Kn><<<grid_for(p.groups), kBlockThreads, 0, stream>>>(p, g);
+  check_launch();
+  typename Kn::Gemm gemm;
+  const typename Kn::Gemm::Arguments args = arguments<Kn>(p, g, device);
+  if (const cutlass::Status s = gemm.can_implement(args); s != cutlass::Status::kSuccess)
+    fatal_error(__FILE__, __LINE__, std::string("grouped FP8 GEMM: CUTLASS cannot run it: ") + status_text(s));
+  if (const cutlass::Status s = gemm.initialize(args, g.workspace, stream); s != cutlass::Status::kSuccess)
+    fatal_error(__FILE__, __LINE__, std::string("grouped FP8 GEMM: initialize: ") + status_text(s));
+  if (const cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess)
+    fatal_error(__FILE__, __LINE__, std::string("grouped FP8 GEMM: run: ") + status_text(s));
+  check_launch();
+}
 #endif
 
 void check_shape(const GroupedGemmFp8& p) {
@@ -215,6 +254,7 @@ void check_shape(const GroupedGemmFp8& p) {
                 p.rows, ", N ", p.N, ", K ", p.K);
   FP8MOE_ASSERT(p.N % kBlock == 0 && p.K % kBlock == 0, "grouped FP8 GEMM: N ", p.N, " and K ", p.K,
                 " must be multiples of 128 (the weight blocks)");
+  FP8MOE_ASSERT(p.form != GroupedForm::wgrad || p.max_rows >= 0, "grouped FP8 GEMM: wgrad needs max_rows");
 }
 
 }  // namespace
@@ -239,13 +279,11 @@ std::string grouped_gemm_unsupported_reason(int device) {
 
 size_t grouped_gemm_fp8_scratch_bytes(const GroupedGemmFp8& p, int device) {
   check_shape(p);
-  GroupArrays g{};
-  const size_t arrays = carve(p, nullptr, &g);
 #ifdef FP8MOE_GROUPED_GEMM
-  return arrays + align256(Gemm::get_workspace_size(arguments(p, g, device)));
+  return p.form == GroupedForm::wgrad ? scratch_bytes<Tiles>(p, device) : scratch_bytes<Blocks>(p, device);
 #else
   (void)device;
-  return arrays;
+  return 0;
 #endif
 }
 
@@ -253,34 +291,12 @@ void grouped_gemm_fp8(const GroupedGemmFp8& p, void* scratch, size_t scratch_byt
   check_shape(p);
   if (p.groups == 0 || p.rows == 0) return;  // nothing to write
 #ifdef FP8MOE_GROUPED_GEMM
-  const size_t need = grouped_gemm_fp8_scratch_bytes(p, device);
-  FP8MOE_ASSERT(scratch && scratch_bytes >= need, "grouped FP8 GEMM: scratch of ", scratch_bytes, " bytes, ", need,
-                " needed");
-  GroupArrays g{};
-  carve(p, static_cast<char*>(scratch), &g);
-  setup_kernel<<<grid_for(p.groups), kBlockThreads, 0, stream>>>(p, g);
-  check_launch();
-  pack_sfa_kernel<<<grid_for(p.rows * (p.K / kBlock)), kBlockThreads, 0, stream>>>(p, g.packed_sfa);
-  check_launch();
-  if (p.b_rows_are_k) {
-    FP8MOE_ASSERT(p.groups <= 65535, "grouped FP8 GEMM: ", p.groups, " groups to transpose in one launch");
-    const dim3 grid(unsigned(p.N / kTransposeTile), unsigned(p.K / kTransposeTile), unsigned(p.groups));
-    transpose_b_kernel<<<grid, dim3(kTransposeTile, kTransposeRows), 0, stream>>>(p.B, p.K, p.N, g.transposed_b);
-  } else {
-    pack_sfb_kernel<<<grid_for(p.groups * (p.N / kBlock) * (p.K / kBlock)), kBlockThreads, 0, stream>>>(p, g.packed_sfb);
-  }
-  check_launch();
-  Gemm gemm;
-  const typename Gemm::Arguments args = arguments(p, g, device);
-  if (const cutlass::Status s = gemm.can_implement(args); s != cutlass::Status::kSuccess)
-    fatal_error(__FILE__, __LINE__, std::string("grouped FP8 GEMM: CUTLASS cannot run it: ") + status_text(s));
-  if (const cutlass::Status s = gemm.initialize(args, g.workspace, stream); s != cutlass::Status::kSuccess)
-    fatal_error(__FILE__, __LINE__, std::string("grouped FP8 GEMM: initialize: ") + status_text(s));
-  if (const cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess)
-    fatal_error(__FILE__, __LINE__, std::string("grouped FP8 GEMM: run: ") + status_text(s));
-  check_launch();
+  if (p.form == GroupedForm::wgrad)
+    run<Tiles>(p, scratch, scratch_bytes, device, stream);
+  else
+    run<Blocks>(p, scratch, scratch_bytes, device, stream);
 #else
-  (void)scratch, (void)scratch_bytes, (void)device, (void)stream;
+  (void)scratch, (void)scratch_bytes, (void)stream;
   fatal_error(__FILE__, __LINE__, "grouped FP8 GEMM: " + grouped_gemm_unsupported_reason(device));
 #endif
 }

@@ -3,18 +3,21 @@
 // CUTLASS 4.2's Hopper warp-specialized ptr-array kernel (its example 68). For every group g:
 //   D_g (M_g, N) = alpha A_g (M_g, K) . B_g (N, K)^T + beta D_g
 // Every argument array is in device memory, `groups` entries each (row_offsets: groups + 1, from
-// 0 to rows), so that the host computes nothing from the groups' sizes and never waits:
-//   row_offsets  M_g = row_offsets[g + 1] - row_offsets[g] (a group may have no rows)
-//   A[g]         (M_g, K) E4M3 row-major
-//   a_scale[g]   (M_g, K / 128) row-major: one per row per 128 of K (Tiling::rows_1xT, tile 128)
-//   B[g]         (N, K) E4M3 row-major
-//   b_scale[g]   (N / 128, K / 128) row-major (Tiling::blocks_TxT, tile 128)
-//   D[g]         (M_g, N) FP32 row-major
-// b_rows_are_k: B[g] is stored (K, N) instead (the weight of a dgrad, dx = dy W): its bytes are
-// transposed into the scratch (the FP8 tensor cores read K-major operands only) and its scales,
-// (K / 128, N / 128) row-major, are already what CUTLASS reads.
-// N and K multiples of 128; pointers 16-byte aligned. NOT YET RUN ON A GPU: its case
-// (CudaOps.GroupedGemmMatchesFp64) and benchmark (bench_gemm_cuda) run in scripts/device-check.sh.
+// 0 to rows), so that the host computes nothing from the groups' sizes and never waits. Three forms:
+//   forward  A[g] (M_g, K) 1 x 128, scales a_scale[g] (M_g, K/128) row-major (Tiling::rows_1xT);
+//            B[g] (N, K) 128 x 128 blocks, b_scale[g] (N/128, K/128) row-major (Tiling::blocks_TxT);
+//            D[g] (M_g, N) = alpha A_g B_g^T + beta D_g
+//   dgrad    as forward, but B[g] stored (K, N) (dx = dy W): its bytes are transposed into the
+//            scratch (the FP8 tensor cores read K-major operands only); its block scales,
+//            (K/128, N/128) row-major, are already what CUTLASS reads
+//   wgrad    the weight gradient, reducing over each group's T_g = M_g tokens: A[g] = dy_g (T_g, N)
+//            and B[g] = x_g (T_g, K), both in 128 x 1 tiles along the tokens (Tiling::cols_Tx1,
+//            scales (ceil(T_g/128), N) and (ceil(T_g/128), K)); D[g] (N, K) = alpha dy_g^T x_g +
+//            beta D_g. Both are transposed into the scratch, the tokens zero-padded to 16; max_rows
+//            bounds the T_g (host). A second kernel instance: 1 x 128 scales on both operands.
+// M_g may be 0. N and K multiples of 128; pointers 16-byte aligned. NOT YET RUN ON A GPU: its
+// cases (CudaOps.GroupedGemmMatchesFp64, DeviceOps.GroupedGemmMatchesTheLoop/cuda) and benchmark
+// (bench_gemm_cuda) run in scripts/device-check.sh.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,7 +28,10 @@
 
 namespace fp8moe::cuda {
 
+enum class GroupedForm : uint8_t { forward, dgrad, wgrad };
+
 struct GroupedGemmFp8 {
+  GroupedForm form = GroupedForm::forward;
   int64_t groups = 0, rows = 0, N = 0, K = 0;  // rows: the sum of the groups' rows (host)
   const int64_t* row_offsets = nullptr;
   const uint8_t* const* A = nullptr;
@@ -33,7 +39,7 @@ struct GroupedGemmFp8 {
   const uint8_t* const* B = nullptr;
   const float* const* b_scale = nullptr;
   float* const* D = nullptr;
-  bool b_rows_are_k = false;
+  int64_t max_rows = 0;  // wgrad: the largest M_g (host)
   float alpha = 1.0f, beta = 0.0f;
 };
 

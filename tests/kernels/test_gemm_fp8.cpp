@@ -559,8 +559,9 @@ TEST_P(DeviceOps, Fp32GemmMatchesCpu) {
       }
 }
 
-// Backend::grouped_gemm_fp8: the experts' forward GEMMs (A 1 x 128, B 128 x 128 transposed) and
-// dgrad GEMMs (B not transposed) as one call each, against the loop of gemm_fp8 on the CPU backend.
+// Backend::grouped_gemm_fp8: the experts' forward GEMMs (A 1 x 128, B 128 x 128 transposed), dgrad
+// GEMMs (B not transposed) and wgrad GEMMs (A^T B, 128 x 1 tiles) as one call each, against the
+// loop of gemm_fp8 on the CPU backend.
 // On CUDA this is the CUTLASS kernel (groups with no rows included), with the bound of
 // GroupedGemmMatchesFp64 below.
 TEST_P(DeviceOps, GroupedGemmMatchesTheLoop) {
@@ -601,6 +602,36 @@ TEST_P(DeviceOps, GroupedGemmMatchesTheLoop) {
     expect_bitwise(c, loop, "cpu backend: grouped vs the loop");
     expect_match(g, c, 2e-3, "grouped");
   }
+  // The wgrad form: dW_g (N, K) += dy_g^T x_g over each group's tokens, both in 128 x 1 tiles
+  // (token counts that are not multiples of 16 or 128 included: CUTLASS pads them).
+  SCOPED_TRACE("wgrad form");
+  std::vector<QuantTensor> dy(static_cast<size_t>(G)), x(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) {
+    quantize_tiled(normal_vector(rows[size_t(g)] * N, 400 + g, 1.5f).data(), rows[size_t(g)], N, Tiling::cols_Tx1, 128,
+                   Fp8Dtype::e4m3, {}, &dy[size_t(g)]);
+    quantize_tiled(normal_vector(rows[size_t(g)] * K, 500 + g).data(), rows[size_t(g)], K, Tiling::cols_Tx1, 128,
+                   Fp8Dtype::e4m3, {}, &x[size_t(g)]);
+  }
+  const std::vector<float> dw0 = normal_vector(G * N * K, 600);
+  auto wgrad = [&](Backend& be, bool grouped) {
+    std::vector<QTensor> qa, qb;
+    std::vector<QuantView> va, vb;
+    std::vector<float*> c;
+    Tensor dw = up(be, dw0);
+    for (int64_t g = 0; g < G; ++g) {
+      qa.push_back(up(be, dy[size_t(g)])), qb.push_back(up(be, x[size_t(g)]));
+      va.push_back(qa.back().view()), vb.push_back(qb.back().view()), c.push_back(dw.f32() + g * N * K);
+    }
+    if (grouped)
+      be.grouped_gemm_fp8(GemmRole::wgrad, va, true, vb, false, 1.0f, 1.0f, c, K);
+    else
+      for (int64_t g = 0; g < G; ++g)
+        be.gemm_fp8(GemmRole::wgrad, va[size_t(g)], true, vb[size_t(g)], false, 1.0f, 1.0f, c[size_t(g)], K);
+    return down<float>(dw);
+  };
+  const std::vector<float> loop = wgrad(cpu(), false), c = wgrad(cpu(), true), g = wgrad(dev(), true);
+  expect_bitwise(c, loop, "cpu backend: grouped wgrad vs the loop");
+  expect_match(g, c, 2e-3, "grouped wgrad");
 }
 
 // ---- the grouped block-scaled FP8 GEMM (kernels/cuda/grouped_gemm.h) ------------------------------
