@@ -463,9 +463,10 @@ const std::vector<Field>& schema() {
                        "(fp8moe's own FP32 kernel, one warp per query row), or auto (cudnn on cuda where cuDNN "
                        "loads and has plans for the shape, with a warning naming why where not; else reference)."));
     v.push_back(boolean("runtime.grouped_gemm", REF(runtime.grouped_gemm),
-                        "The routed experts' forward GEMMs of a layer as one grouped kernel (CUTLASS's block-scaled "
-                        "FP8 grouped GEMM on cuda with fp8.recipe blockwise; the other recipes and devices loop over "
-                        "the experts either way); false: one cuBLASLt GEMM per expert."));
+                        "The routed experts' GEMMs of a layer (forward, dgrad, wgrad) as one grouped kernel each "
+                        "(CUTLASS's block-scaled FP8 grouped GEMM on cuda with fp8.recipe blockwise; the other "
+                        "recipes and devices loop over the experts either way); false: one cuBLASLt GEMM per "
+                        "expert."));
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "

@@ -191,7 +191,7 @@ enum class AttentionKernel {
 };
 struct BackendOptions {
   AttentionKernel attention = AttentionKernel::automatic;
-  // false: grouped_gemm_fp8 is the loop of gemm_fp8 on CUDA too (cuBLASLt per expert), not CUTLASS's kernel
+  // false: grouped_gemm_fp8 is the loop of gemm_fp8 on CUDA too (cuBLASLt per expert), not CUTLASS's kernels
   bool grouped_gemm = true;
   bool verbose = false;  // print what the backend decides (the attention kernel of each shape) on stdout
 };

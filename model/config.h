@@ -166,8 +166,8 @@ struct RuntimeConfig {
   CommChoice comm = CommChoice::automatic;        // auto: nccl on cuda (a GPU per rank) and emulated, mpi on cpu
   // auto: cuDNN's fused attention on cuda where it has plans for the shape, else the reference kernel.
   AttentionChoice attention = AttentionChoice::automatic;
-  // The routed experts' forward GEMMs as one grouped kernel (CUTLASS, block-scaled FP8 on cuda);
-  // false: one cuBLASLt GEMM per expert.
+  // The routed experts' GEMMs (forward, dgrad, wgrad) as one grouped kernel each (CUTLASS,
+  // block-scaled FP8 on cuda); false: one cuBLASLt GEMM per expert.
   bool grouped_gemm = true;
   // Watchdog limit (parallel/watchdog.h): longer than this in one collective, checkpoint I/O call
   // or training step ends the job. Generous: a step of a large model, a save on a slow file system.
