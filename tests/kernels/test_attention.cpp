@@ -76,6 +76,27 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
 
 // ---- each device backend against the CPU backend ------------------------------------------------
 
+// Forward then backward from the forward's output and statistics (the pipeline a step runs) on
+// one backend, every output poisoned first and every input checked unchanged.
+struct AttnOut {
+  std::vector<float> out, lse, dq, dk, dv;
+};
+AttnOut attention_on(Backend& be, const AttnShape& s, const std::vector<float>& q, const std::vector<float>& k,
+                     const std::vector<float>& v, const std::vector<float>& dout) {
+  const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nl = s.B * s.H * s.T;
+  Tensor gq = up(be, q), gk = up(be, k), gv = up(be, v), gd = up(be, dout);
+  Tensor o = poisoned(be, DType::f32, nq), l = poisoned(be, DType::f32, nl), dq = poisoned(be, DType::f32, nq),
+         dk = poisoned(be, DType::f32, nk), dv = poisoned(be, DType::f32, nk);
+  be.attention_forward(gq.f32(), gk.f32(), gv.f32(), s.B, s.T, s.H, s.KVH, s.hd, o.f32(), l.f32());
+  be.attention_backward(gq.f32(), gk.f32(), gv.f32(), o.f32(), l.f32(), gd.f32(), s.B, s.T, s.H, s.KVH, s.hd, dq.f32(),
+                        dk.f32(), dv.f32());
+  expect_unchanged(gq, q, "q");
+  expect_unchanged(gk, k, "k");
+  expect_unchanged(gv, v, "v");
+  expect_unchanged(gd, dout, "dout");
+  return AttnOut{down<float>(o), down<float>(l), down<float>(dq), down<float>(dk), down<float>(dv)};
+}
+
 TEST_P(DeviceOps, AttentionMatchesCpu) {
   for (AttnShape s : {AttnShape{1, 1, 1, 1, 2}, AttnShape{2, 17, 4, 1, 16}, AttnShape{1, 64, 4, 2, 64},
                       AttnShape{2, 256, 8, 8, 128}, AttnShape{1, 40, 2, 1, 192}, AttnShape{0, 8, 2, 1, 16}}) {
@@ -83,25 +104,9 @@ TEST_P(DeviceOps, AttentionMatchesCpu) {
     const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nl = s.B * s.H * s.T;
     const auto q = normal_vector(nq, 11, 2.0f), k = normal_vector(nk, 12, 2.0f), v = normal_vector(nk, 13),
                dout = normal_vector(nq, 14);
-    struct Out {
-      std::vector<float> out, lse, dq, dk, dv;
-    };
-    // Each backend's backward from its own forward (the pipeline a step runs).
-    auto [c, g] = both([&](Backend& be) {
-      Tensor gq = up(be, q), gk = up(be, k), gv = up(be, v), gd = up(be, dout);
-      Tensor o = poisoned(be, DType::f32, nq), l = poisoned(be, DType::f32, nl), dq = poisoned(be, DType::f32, nq),
-             dk = poisoned(be, DType::f32, nk), dv = poisoned(be, DType::f32, nk);
-      be.attention_forward(gq.f32(), gk.f32(), gv.f32(), s.B, s.T, s.H, s.KVH, s.hd, o.f32(), l.f32());
-      be.attention_backward(gq.f32(), gk.f32(), gv.f32(), o.f32(), l.f32(), gd.f32(), s.B, s.T, s.H, s.KVH, s.hd,
-                            dq.f32(), dk.f32(), dv.f32());
-      expect_unchanged(gq, q, "q");
-      expect_unchanged(gk, k, "k");
-      expect_unchanged(gv, v, "v");
-      expect_unchanged(gd, dout, "dout");
-      return Out{down<float>(o), down<float>(l), down<float>(dq), down<float>(dk), down<float>(dv)};
-    });
+    auto [c, g] = both([&](Backend& be) { return attention_on(be, s, q, k, v, dout); });
     // The CPU backend is the CPU kernel.
-    Out ref{poisoned_f32(nq), poisoned_f32(nl), poisoned_f32(nq), poisoned_f32(nk), poisoned_f32(nk)};
+    AttnOut ref{poisoned_f32(nq), poisoned_f32(nl), poisoned_f32(nq), poisoned_f32(nk), poisoned_f32(nk)};
     cpu::attention_forward(q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.hd, ref.out.data(), ref.lse.data());
     cpu::attention_backward(q.data(), k.data(), v.data(), ref.out.data(), ref.lse.data(), dout.data(), s.B, s.T, s.H,
                             s.KVH, s.hd, ref.dq.data(), ref.dk.data(), ref.dv.data());
@@ -142,24 +147,11 @@ TEST_F(CudaOps, FusedAttentionMatchesTheReferenceKernel) {
   for (AttnShape s : {AttnShape{2, 256, 4, 2, 64}, AttnShape{1, 257, 4, 4, 128}, AttnShape{1, 4096, 8, 2, 128},
                       AttnShape{4, 512, 16, 16, 128}}) {
     SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd);
-    const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nl = s.B * s.H * s.T;
+    const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd;
     const auto q = bf16_exact(normal_vector(nq, 21, 2.0f)), k = bf16_exact(normal_vector(nk, 22, 2.0f)),
                v = bf16_exact(normal_vector(nk, 23)), dout = bf16_exact(normal_vector(nq, 24));
-    struct Out {
-      std::vector<float> out, lse, dq, dk, dv;
-    };
-    auto run = [&](Backend& be) {
-      Tensor gq = up(be, q), gk = up(be, k), gv = up(be, v), gd = up(be, dout);
-      Tensor o = poisoned(be, DType::f32, nq), l = poisoned(be, DType::f32, nl), dq = poisoned(be, DType::f32, nq),
-             dk = poisoned(be, DType::f32, nk), dv = poisoned(be, DType::f32, nk);
-      be.attention_forward(gq.f32(), gk.f32(), gv.f32(), s.B, s.T, s.H, s.KVH, s.hd, o.f32(), l.f32());
-      be.attention_backward(gq.f32(), gk.f32(), gv.f32(), o.f32(), l.f32(), gd.f32(), s.B, s.T, s.H, s.KVH, s.hd,
-                            dq.f32(), dk.f32(), dv.f32());
-      expect_unchanged(gq, q, "q");
-      expect_unchanged(gd, dout, "dout");
-      return Out{down<float>(o), down<float>(l), down<float>(dq), down<float>(dk), down<float>(dv)};
-    };
-    const Out r = run(ref), f = run(*fused), again = run(*fused);
+    const AttnOut r = attention_on(ref, s, q, k, v, dout), f = attention_on(*fused, s, q, k, v, dout),
+                  again = attention_on(*fused, s, q, k, v, dout);
     // NOTE: bounds from BF16's unit roundoff (2^-8 relative), not yet measured on a GPU: the output
     // is BF16 (2^-9) of a sum of BF16 probabilities times v; the statistics are FP32 of the same
     // BF16 scores (only summation order differs); the gradients pass through BF16 dO, P and dS.
