@@ -176,6 +176,8 @@ class CudaBackendImpl final : public CudaBackend {
 
   void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B,
                         bool trans_b, float alpha, float beta, const std::vector<float*>& C, int64_t ldc) override {
+    FP8MOE_ASSERT(A.size() == B.size() && A.size() == C.size(), "grouped_gemm_fp8: ", A.size(), " A, ", B.size(),
+                  " B, ", C.size(), " C");
 #if FP8MOE_HAVE_CUTLASS
     if (const auto form = grouped_form(A, trans_a, B, trans_b, beta, C, ldc)) {
       grouped_cutlass(*form, A, B, alpha, beta, C);
@@ -380,7 +382,7 @@ class CudaBackendImpl final : public CudaBackend {
   // The form of kernels/cuda/grouped_gemm.h that computes these GEMMs exactly as the loop of
   // gemm_fp8 defines them, if any: E4M3 throughout, every group of one shape, N and K in whole
   // 128-blocks, C dense and 16-byte aligned; forward: A 1 x 128, B (N, K) 128 x 128 transposed;
-  // dgrad: the same with B (K, N) as stored; wgrad: A^T B with A (T_g, N) and B (T_g, K) in
+  // dgrad: the same with B (K, N) as stored; wgrad: C += A^T B with A (T_g, N) and B (T_g, K) in
   // 128 x 1 tiles. Two groups or more (one GEMM stays on cuBLASLt).
   std::optional<cuda::GroupedForm> grouped_form(const std::vector<QuantView>& A, bool trans_a,
                                                 const std::vector<QuantView>& B, bool trans_b, float beta,
@@ -401,14 +403,15 @@ class CudaBackendImpl final : public CudaBackend {
       return std::nullopt;
     }
     if (N % 128 || K % 128 || ldc != (form == cuda::GroupedForm::wgrad ? K : N)) return std::nullopt;
+    // wgrad adds into C: experts without tokens are left out, which is C = 1 C only.
+    if (form == cuda::GroupedForm::wgrad && beta != 1.0f) return std::nullopt;
     for (size_t g = 0; g < A.size(); ++g) {
       const QuantView &a = A[g], &b = B[g];
-      if (!is(a, A[0].tiling) || !is(b, B[0].tiling) || b.rows != B[0].rows || b.cols != B[0].cols) return std::nullopt;
-      if (reinterpret_cast<uintptr_t>(C[g]) % 16) return std::nullopt;
-      if (form == cuda::GroupedForm::wgrad) {
+      if (!is(a, A[0].tiling) || !is(b, B[0].tiling) || reinterpret_cast<uintptr_t>(C[g]) % 16) return std::nullopt;
+      if (form == cuda::GroupedForm::wgrad) {  // each expert's own tokens: the rows differ
         if (a.cols != N || b.cols != K || a.rows != b.rows) return std::nullopt;
-      } else if (a.cols != K || (a.rows > 0 && reinterpret_cast<uintptr_t>(a.data) % 16) ||
-                 reinterpret_cast<uintptr_t>(b.data) % 16) {
+      } else if (b.rows != B[0].rows || b.cols != B[0].cols || a.cols != K ||
+                 (a.rows > 0 && reinterpret_cast<uintptr_t>(a.data) % 16) || reinterpret_cast<uintptr_t>(b.data) % 16) {
         return std::nullopt;
       }
     }

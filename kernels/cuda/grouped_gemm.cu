@@ -92,7 +92,9 @@ __global__ void setup_kernel(GroupedGemmFp8 p, typename Kn::Arrays g) {
   const int64_t kb = p.K / kBlock, nb = p.N / kBlock;
   int M = int(rows), N = int(p.N), K = int(p.K);
   if (p.form == GroupedForm::wgrad) {  // D_g (N, K) += dy_g^T x_g: the tokens are the reduction
-    M = int(p.N), N = int(p.K), K = int(round16(rows));
+    // No tokens: no tiles at all (M = 0), not tiles of an empty reduction, whose accumulators the
+    // kernel would never clear.
+    M = rows > 0 ? int(p.N) : 0, N = int(p.K), K = int(round16(rows));
     const int64_t slot = r0 + 15 * e;
     g.a[e] = reinterpret_cast<const typename Kn::ElementA*>(g.t_a + slot * p.N);
     g.b[e] = reinterpret_cast<const typename Kn::ElementB*>(g.t_b + slot * p.K);
@@ -260,7 +262,12 @@ void check_shape(const GroupedGemmFp8& p) {
 }  // namespace
 
 std::string grouped_gemm_unsupported_reason(int device) {
-#ifdef FP8MOE_GROUPED_GEMM
+#if !FP8MOE_SM90A
+  // NOTE: without an sm_90a target the kernel body is CUTLASS's "arch conditional MMA" stub, which
+  // returns without writing D: refuse instead.
+  (void)device;
+  return "built without an sm_90a target (CMAKE_CUDA_ARCHITECTURES has no 90a): CUTLASS's FP8 kernels need it";
+#elif defined(FP8MOE_GROUPED_GEMM)
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {

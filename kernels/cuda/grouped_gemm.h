@@ -15,7 +15,9 @@
 //            scales (ceil(T_g/128), N) and (ceil(T_g/128), K)); D[g] (N, K) = alpha dy_g^T x_g +
 //            beta D_g. Both are transposed into the scratch, the tokens zero-padded to 16; max_rows
 //            bounds the T_g (host). A second kernel instance: 1 x 128 scales on both operands.
-// M_g may be 0. N and K multiples of 128; pointers 16-byte aligned. NOT YET RUN ON A GPU: its
+// M_g may be 0 (that group's D is left as it is, whatever beta). N and K multiples of 128; pointers
+// 16-byte aligned. The dgrad form transposes every group's weight on every call (a cached
+// transposed copy per optimizer step would save it). NOT YET RUN ON A GPU: its
 // cases (CudaOps.GroupedGemmMatchesFp64, DeviceOps.GroupedGemmMatchesTheLoop/cuda) and benchmark
 // (bench_gemm_cuda) run in scripts/device-check.sh.
 #pragma once
