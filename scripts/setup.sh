@@ -69,7 +69,7 @@ else
   echo "setup: $venv matches $requirements"
 fi
 
-# The CUDA backend's header-only libraries (cuDNN frontend), pinned, into build/third_party.
+# The CUDA backend's header-only libraries (cuDNN frontend, CUTLASS), pinned, into build/third_party.
 if command -v nvcc >/dev/null || [[ -n ${CUDACXX:-} ]]; then
   scripts/fetch-headers.sh
 fi
