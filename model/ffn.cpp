@@ -61,8 +61,10 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnSaved& s = *groups[i].saved;
     be.swiglu_backward(s.h1.f32(), s.h3.f32(), t[i].da.f32(), t[i].dh1.f32(), t[i].dh3.f32(), s.l1.M * s.l1.N);
+    t[i].da.reset();  // every expert's temporaries are alive at once: each freed when it is read
   }
   linear_backward_grouped(be, l1);
+  for (Scratch& x : t) x.dh1.reset();
   linear_backward_grouped(be, l3);
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnGradGroup& f = groups[i];
