@@ -21,11 +21,16 @@ void Backend::download(void* host, const void* src, size_t bytes) {
   download_impl(host, src, bytes);
 }
 
+void Backend::check_groups(const std::vector<QuantView>& A, const std::vector<QuantView>& B,
+                           const std::vector<float*>& C) {
+  FP8MOE_ASSERT(A.size() == B.size() && A.size() == C.size(), "grouped_gemm_fp8: ", A.size(), " A, ", B.size(), " B, ",
+                C.size(), " C");
+}
+
 void Backend::grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a,
                                const std::vector<QuantView>& B, bool trans_b, float alpha, float beta,
                                const std::vector<float*>& C, int64_t ldc) {
-  FP8MOE_ASSERT(A.size() == B.size() && A.size() == C.size(), "grouped_gemm_fp8: ", A.size(), " A, ", B.size(), " B, ",
-                C.size(), " C");
+  check_groups(A, B, C);
   for (size_t g = 0; g < A.size(); ++g) gemm_fp8(role, A[g], trans_a, B[g], trans_b, alpha, beta, C[g], ldc);
 }
 

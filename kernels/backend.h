@@ -171,6 +171,9 @@ class Backend {
   virtual void sum(const double* x, int64_t n, double* out) = 0;
 
  protected:
+  // grouped_gemm_fp8's operands: one A, B and C per group (fatal otherwise).
+  static void check_groups(const std::vector<QuantView>& A, const std::vector<QuantView>& B,
+                           const std::vector<float*>& C);
   virtual void upload_impl(void* dst, const void* host, size_t bytes) = 0;
   virtual void download_impl(void* host, const void* src, size_t bytes) = 0;
   virtual void sync_impl() = 0;

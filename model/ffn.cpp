@@ -8,11 +8,13 @@ void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, c
 }
 
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups) {
-  std::vector<FfnSaved> local(groups.size());
+  std::vector<FfnSaved> local(groups.size());  // for the groups without a saved (no backward)
+  std::vector<FfnSaved*> saved(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) saved[g] = groups[g].saved ? groups[g].saved : &local[g];
   std::vector<LinearGroup> l1, l3, l2;
   for (size_t g = 0; g < groups.size(); ++g) {
     const FfnGroup& f = groups[g];
-    FfnSaved& s = f.saved ? *f.saved : local[g];
+    FfnSaved& s = *saved[g];
     s.h1 = Tensor(be, DType::f32, {f.M, F});
     s.h3 = Tensor(be, DType::f32, {f.M, F});
     l1.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1});
@@ -22,16 +24,14 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
   linear_forward_grouped(be, D, F, l3);
   for (size_t g = 0; g < groups.size(); ++g) {
     const FfnGroup& f = groups[g];
-    FfnSaved& s = f.saved ? *f.saved : local[g];
+    FfnSaved& s = *saved[g];
     s.a = Tensor(be, DType::f32, {f.M, F});
     be.swiglu_forward(s.h1.f32(), s.h3.f32(), s.a.f32(), f.M * F);
     l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
   }
   linear_forward_grouped(be, F, D, l2);
-  for (size_t g = 0; g < groups.size(); ++g) {
-    FfnSaved& s = groups[g].saved ? *groups[g].saved : local[g];
-    if (!s.l2.needs_fp32_input()) s.a.reset();  // kept in FP8 by the W2 layer
-  }
+  for (FfnSaved* s : saved)
+    if (!s->l2.needs_fp32_input()) s->a.reset();  // kept in FP8 by the W2 layer
 }
 
 void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,

@@ -89,12 +89,14 @@ void linear_forward(Backend& be, const float* x, int64_t M, int64_t K, const flo
 
 void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector<LinearGroup>& groups) {
   std::vector<LinearSaved> local(groups.size());  // for the groups without a saved (no backward)
+  std::vector<LinearSaved*> saved(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) saved[g] = groups[g].saved ? groups[g].saved : &local[g];
   std::vector<QuantView> A, B;
   std::vector<float*> C;
   for (size_t g = 0; g < groups.size(); ++g) {
     const LinearGroup& l = groups[g];
     const LinearFp8& fp8 = *l.fp8;
-    LinearSaved& s = l.saved ? *l.saved : local[g];
+    LinearSaved& s = *saved[g];
     s.M = l.M, s.K = K, s.N = N;
     s.x = l.x;
     if (!fp8.enabled()) {
@@ -115,7 +117,7 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
   for (size_t g = 0; g < groups.size(); ++g) {
     const LinearFp8& fp8 = *groups[g].fp8;
     if (!fp8.enabled()) continue;
-    LinearSaved& s = groups[g].saved ? *groups[g].saved : local[g];
+    LinearSaved& s = *saved[g];
     // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
     // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
     if (fp8.cfg->recipe != Fp8Recipe::blockwise || fp8.cfg->cache_activations)

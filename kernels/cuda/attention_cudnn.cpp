@@ -77,12 +77,13 @@ std::string build(Graph& g, cudnnHandle_t handle) {
   return "";
 }
 
-std::string shape_text(const AttnDims& d) {
-  return "B " + std::to_string(d.B) + ", T " + std::to_string(d.T) + ", H " + std::to_string(d.H) + ", KVH " +
-         std::to_string(d.KVH) + ", head_dim " + std::to_string(d.hd);
-}
 
 }  // namespace
+
+std::string to_string(const AttnDims& d) {
+  return "B " + std::to_string(d.B) + " T " + std::to_string(d.T) + " H " + std::to_string(d.H) + " KVH " +
+         std::to_string(d.KVH) + " head_dim " + std::to_string(d.hd);
+}
 
 std::string cudnn_library_error() {
   std::string why;
@@ -108,7 +109,7 @@ struct CudnnAttention::Impl {
   std::map<AttnDims, Plans> plans;
   const Plans& at(const AttnDims& d) const {
     const auto it = plans.find(d);
-    FP8MOE_ASSERT(it != plans.end(), "cuDNN attention: shape not prepared: ", shape_text(d));
+    FP8MOE_ASSERT(it != plans.end(), "cuDNN attention: shape not prepared: ", to_string(d));
     return it->second;
   }
 };
@@ -171,7 +172,7 @@ bool CudnnAttention::prepare(const AttnDims& d, std::string* why) {
     stats->set_output(true).set_name("stats").set_uid(kStats).set_data_type(fe::DataType_t::FLOAT)
         .set_dim({d.B, d.H, d.T, 1}).set_stride({d.H * d.T, d.T, 1, 1});
     if (const std::string e = build(f, impl_->handle); !e.empty()) {
-      *why = "forward, " + shape_text(d) + ": " + e;
+      *why = "forward, " + to_string(d) + ": " + e;
       return false;
     }
     // Backward: dq, dk, dv from q, k, v, o, do and the statistics; deterministic.
@@ -191,13 +192,13 @@ bool CudnnAttention::prepare(const AttnDims& d, std::string* why) {
     as_output(dk, "dk", kDK, d, true);
     as_output(dv, "dv", kDV, d, true);
     if (const std::string e = build(b, impl_->handle); !e.empty()) {
-      *why = "backward, " + shape_text(d) + ": " + e;
+      *why = "backward, " + to_string(d) + ": " + e;
       return false;
     }
     if (auto e = f.get_workspace_size(p.fwd_ws); e.is_bad()) return *why = "forward workspace: " + e.get_message(), false;
     if (auto e = b.get_workspace_size(p.bwd_ws); e.is_bad()) return *why = "backward workspace: " + e.get_message(), false;
   } catch (const std::exception& e) {
-    *why = "cuDNN, " + shape_text(d) + ": " + e.what();
+    *why = "cuDNN, " + to_string(d) + ": " + e.what();
     return false;
   }
   impl_->plans.emplace(d, std::move(p));
@@ -211,7 +212,7 @@ namespace {
 void run(const Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack, void* workspace,
          const char* what, const AttnDims& d) {
   fe::error_t e = g.execute(handle, pack, workspace);
-  if (e.is_bad()) fatal_error(__FILE__, __LINE__, std::string("cuDNN attention ") + what + ", " + shape_text(d) + ": " + e.get_message());
+  if (e.is_bad()) fatal_error(__FILE__, __LINE__, std::string("cuDNN attention ") + what + ", " + to_string(d) + ": " + e.get_message());
 }
 }  // namespace
 

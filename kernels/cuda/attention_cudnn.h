@@ -23,6 +23,8 @@ struct AttnDims {
   int64_t B = 0, T = 0, H = 0, KVH = 0, hd = 0;
   auto operator<=>(const AttnDims&) const = default;
 };
+// "B 4 T 2048 H 16 KVH 16 head_dim 128" (messages, Backend::attention_kernels()).
+std::string to_string(const AttnDims& d);
 
 // Why libcudnn cannot be opened in this process ("" when it can), and its version (0 when not).
 // Neither needs a GPU.

@@ -176,8 +176,7 @@ class CudaBackendImpl final : public CudaBackend {
 
   void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B,
                         bool trans_b, float alpha, float beta, const std::vector<float*>& C, int64_t ldc) override {
-    FP8MOE_ASSERT(A.size() == B.size() && A.size() == C.size(), "grouped_gemm_fp8: ", A.size(), " A, ", B.size(),
-                  " B, ", C.size(), " C");
+    check_groups(A, B, C);
 #if FP8MOE_HAVE_CUTLASS
     if (const auto form = grouped_form(A, trans_a, B, trans_b, beta, C, ldc)) {
       grouped_cutlass(*form, A, B, alpha, beta, C);
@@ -464,8 +463,7 @@ class CudaBackendImpl final : public CudaBackend {
 #if FP8MOE_HAVE_CUDNN
     std::string s;
     for (const auto& [d, fused] : fused_)
-      s += detail::concat(s.empty() ? "" : "; ", "B ", d.B, " T ", d.T, " H ", d.H, " KVH ", d.KVH, " head_dim ", d.hd,
-                          ": ", fused ? "cudnn" : "reference");
+      s += detail::concat(s.empty() ? "" : "; ", cuda::to_string(d), ": ", fused ? "cudnn" : "reference");
     return s.empty() ? Backend::attention_kernels() : s;
 #else
     return Backend::attention_kernels();
@@ -488,7 +486,7 @@ class CudaBackendImpl final : public CudaBackend {
       if (!cudnn_) cudnn_error_ = why;
     }
     const bool ok = cudnn_ ? cudnn_->prepare(d, &why) : (why = cudnn_error_, false);
-    const std::string shape = detail::concat("B ", d.B, ", T ", d.T, ", H ", d.H, ", KVH ", d.KVH, ", head_dim ", d.hd);
+    const std::string shape = cuda::to_string(d);
     if (!ok && options_.attention == AttentionKernel::cudnn)
       fatal_error(__FILE__, __LINE__, "runtime.attention cudnn: cuDNN's fused attention cannot run " + shape + ": " + why);
     if (!ok)
