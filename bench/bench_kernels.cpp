@@ -21,7 +21,7 @@ void BM_SwigluForward(benchmark::State& state) {
   const auto a = random_vector(n, 1), b = random_vector(n, 2);
   std::vector<float> y(n);
   for (auto _ : state) {
-    fp8moe::cpu::swiglu_forward(a.data(), b.data(), y.data(), n);
+    fp8moe::cpu::swiglu_forward(a.data(), b.data(), n, y.data(), 1, n);
     benchmark::DoNotOptimize(y.data());
   }
   state.SetBytesProcessed(state.iterations() * n * 3 * int64_t(sizeof(float)));  // 2 reads + 1 write
@@ -32,7 +32,7 @@ void BM_SwigluBackward(benchmark::State& state) {
   const auto a = random_vector(n, 1), b = random_vector(n, 2), dy = random_vector(n, 3);
   std::vector<float> da(n), db(n);
   for (auto _ : state) {
-    fp8moe::cpu::swiglu_backward(a.data(), b.data(), dy.data(), da.data(), db.data(), n);
+    fp8moe::cpu::swiglu_backward(a.data(), b.data(), n, dy.data(), da.data(), db.data(), 1, n);
     benchmark::DoNotOptimize(da.data());
   }
   state.SetBytesProcessed(state.iterations() * n * 5 * int64_t(sizeof(float)));  // 3 reads + 2 writes

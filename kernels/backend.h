@@ -149,8 +149,10 @@ class Backend {
                                  float* out) = 0;
   virtual void embedding_backward(const float* dout, const int32_t* ids, int64_t N, int64_t D, int64_t v0, int64_t Vl,
                                   float* dtable) = 0;
-  virtual void swiglu_forward(const float* a, const float* b, float* y, int64_t n) = 0;
-  virtual void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n) = 0;
+  // (rows, cols); a, b, da, db with row stride ld (the halves of a fused W1|W3 output), y, dy contiguous.
+  virtual void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) = 0;
+  virtual void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db,
+                               int64_t rows, int64_t cols) = 0;
   virtual void add(const float* a, const float* b, float* out, int64_t n) = 0;
 
   // ---- MoE (kernels/router.h, kernels/moe_ops.h) -------------------------------------------------

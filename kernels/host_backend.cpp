@@ -253,12 +253,13 @@ void HostBackend::embedding_backward(const float* dout, const int32_t* ids, int6
   cpu::embedding_backward(h(dout), h(ids), N, D, v0, Vl, h(dtable));
 }
 
-void HostBackend::swiglu_forward(const float* a, const float* b, float* y, int64_t n) {
-  cpu::swiglu_forward(h(a), h(b), h(y), n);
+void HostBackend::swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) {
+  cpu::swiglu_forward(h(a), h(b), ld, h(y), rows, cols);
 }
 
-void HostBackend::swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n) {
-  cpu::swiglu_backward(h(a), h(b), h(dy), h(da), h(db), n);
+void HostBackend::swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db,
+                                  int64_t rows, int64_t cols) {
+  cpu::swiglu_backward(h(a), h(b), ld, h(dy), h(da), h(db), rows, cols);
 }
 
 void HostBackend::add(const float* a, const float* b, float* out, int64_t n) { cpu::add(h(a), h(b), h(out), n); }

@@ -71,8 +71,9 @@ class HostBackend final : public Backend {
                          float* out) override;
   void embedding_backward(const float* dout, const int32_t* ids, int64_t N, int64_t D, int64_t v0, int64_t Vl,
                           float* dtable) override;
-  void swiglu_forward(const float* a, const float* b, float* y, int64_t n) override;
-  void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n) override;
+  void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) override;
+  void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
+                       int64_t cols) override;
   void add(const float* a, const float* b, float* out, int64_t n) override;
   void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) override;
   void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows) override;

@@ -23,11 +23,13 @@ FP8MOE_HD inline void swiglu_backward_elem(float a, float b, float dy, float* da
   *db = dy * a * s;
 }
 
+// Both ops take (rows, cols) matrices. a, b (and da, db) are read (written) with row stride ld >= cols,
+// so that they may be the two halves of one fused GEMM output [x W1^T | x W3^T] (ld = 2 cols, b = a +
+// cols) as well as two separate tensors (ld = cols). y and dy are contiguous (rows, cols).
 namespace cpu {
-// a, b, y: (n)
-void swiglu_forward(const float* a, const float* b, float* y, int64_t n);
-// a, b, dy, da, db: (n)
-void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n);
+void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols);
+void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
+                     int64_t cols);
 }  // namespace cpu
 
 }  // namespace fp8moe

@@ -1,5 +1,7 @@
 #include "model/ffn.h"
 
+#include "kernels/check.h"
+
 namespace fp8moe {
 
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
@@ -7,26 +9,45 @@ void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, c
   ffn_forward_grouped(be, D, F, {FfnGroup{x, M, &w, &fp8, y, saved}});
 }
 
+bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D) {
+  if (w.w3 != w.w1 + F * D) return false;
+  if (!fp8.w1.enabled()) return !fp8.w3.enabled();
+  const Fp8Config& c = *fp8.w1.cfg;
+  return fp8.w3.enabled() && fp8.w3.cfg == &c && c.recipe == Fp8Recipe::blockwise && F % c.tile == 0;
+}
+
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups) {
   std::vector<FfnSaved> local(groups.size());  // for the groups without a saved (no backward)
   std::vector<FfnSaved*> saved(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) saved[g] = groups[g].saved ? groups[g].saved : &local[g];
-  std::vector<LinearGroup> l1, l3, l2;
+  // The fused groups' W13 layers in one grouped call; the others' W1 and W3 in one each.
+  std::vector<LinearGroup> l13, l1, l3, l2;
   for (size_t g = 0; g < groups.size(); ++g) {
     const FfnGroup& f = groups[g];
     FfnSaved& s = *saved[g];
+    s.fused = fuses_w13(*f.w, *f.fp8, F, D);
+    s.h3.reset(), s.l3 = LinearSaved{};
+    if (s.fused) {
+      s.h1 = Tensor(be, DType::f32, {f.M, 2 * F});
+      l13.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1});
+      continue;
+    }
     s.h1 = Tensor(be, DType::f32, {f.M, F});
     s.h3 = Tensor(be, DType::f32, {f.M, F});
     l1.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1});
     l3.push_back({f.x, f.M, f.w->w3, &f.fp8->w3, s.h3.f32(), &s.l3});
   }
-  linear_forward_grouped(be, D, F, l1);
-  linear_forward_grouped(be, D, F, l3);
+  if (!l13.empty()) linear_forward_grouped(be, D, 2 * F, l13);
+  if (!l1.empty()) linear_forward_grouped(be, D, F, l1);
+  if (!l3.empty()) linear_forward_grouped(be, D, F, l3);
   for (size_t g = 0; g < groups.size(); ++g) {
     const FfnGroup& f = groups[g];
     FfnSaved& s = *saved[g];
     s.a = Tensor(be, DType::f32, {f.M, F});
-    be.swiglu_forward(s.h1.f32(), s.h3.f32(), s.a.f32(), f.M * F);
+    if (s.fused) {
+      if (f.M > 0) be.swiglu_forward(s.h1.f32(), s.h1.f32() + F, 2 * F, s.a.f32(), f.M, F);  // (no rows: no memory)
+    } else
+      be.swiglu_forward(s.h1.f32(), s.h3.f32(), F, s.a.f32(), f.M, F);
     l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
   }
   linear_forward_grouped(be, F, D, l2);
@@ -41,34 +62,45 @@ void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const flo
 
 void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) {
   struct Scratch {
-    Tensor da, dh1, dh3, dx3;
+    Tensor da, dh1, dh3, dx3;  // fused: dh1 is (M, 2F), [d gate | d up] per row
   };
   std::vector<Scratch> t(groups.size());
-  std::vector<LinearGradGroup> l2, l1, l3;
+  std::vector<LinearGradGroup> l2, l13, l1, l3;
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnGradGroup& f = groups[i];
     const FfnSaved& s = *f.saved;
-    const int64_t M = s.l1.M, D = s.l1.K, F = s.l1.N;
+    const int64_t M = s.l1.M, D = s.l1.K, F = s.l2.K;
     t[i].da = Tensor(be, DType::f32, {M, F});
+    l2.push_back({&s.l2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2});
+    if (s.fused) {
+      FP8MOE_ASSERT(f.g->w3 == f.g->w1 + F * D, "ffn_backward: fused W1|W3 needs W3's gradient after W1's");
+      t[i].dh1 = Tensor(be, DType::f32, {M, 2 * F});
+      l13.push_back({&s.l1, f.w->w1, t[i].dh1.f32(), &f.fp8->w1, f.dx, f.g->w1});
+      continue;
+    }
     t[i].dh1 = Tensor(be, DType::f32, {M, F});
     t[i].dh3 = Tensor(be, DType::f32, {M, F});
     t[i].dx3 = Tensor(be, DType::f32, {f.dx ? M : 0, D});
-    l2.push_back({&s.l2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2});
     l1.push_back({&s.l1, f.w->w1, t[i].dh1.f32(), &f.fp8->w1, f.dx, f.g->w1});
     l3.push_back({&s.l3, f.w->w3, t[i].dh3.f32(), &f.fp8->w3, f.dx ? t[i].dx3.f32() : nullptr, f.g->w3});
   }
   linear_backward_grouped(be, l2);
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnSaved& s = *groups[i].saved;
-    be.swiglu_backward(s.h1.f32(), s.h3.f32(), t[i].da.f32(), t[i].dh1.f32(), t[i].dh3.f32(), s.l1.M * s.l1.N);
+    const int64_t M = s.l1.M, F = s.l2.K;
+    if (s.fused) {
+      if (M > 0) be.swiglu_backward(s.h1.f32(), s.h1.f32() + F, 2 * F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh1.f32() + F, M, F);
+    } else
+      be.swiglu_backward(s.h1.f32(), s.h3.f32(), F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh3.f32(), M, F);
     t[i].da.reset();  // every expert's temporaries are alive at once: each freed when it is read
   }
-  linear_backward_grouped(be, l1);
+  if (!l13.empty()) linear_backward_grouped(be, l13);
+  if (!l1.empty()) linear_backward_grouped(be, l1);
   for (Scratch& x : t) x.dh1.reset();
-  linear_backward_grouped(be, l3);
+  if (!l3.empty()) linear_backward_grouped(be, l3);
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnGradGroup& f = groups[i];
-    if (f.dx) be.add(f.dx, t[i].dx3.f32(), f.dx, f.saved->l1.M * f.saved->l1.K);
+    if (f.dx && !f.saved->fused) be.add(f.dx, t[i].dx3.f32(), f.dx, f.saved->l1.M * f.saved->l1.K);
   }
 }
 

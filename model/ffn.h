@@ -1,6 +1,13 @@
 // SwiGLU feed-forward: y = (silu(x W1^T) * (x W3^T)) W2^T, three linear layers (FP8 per recipe).
 // Used by the dense MLP, the shared experts and every routed expert. Backend memory throughout.
 //   x (M, D), W1, W3 (F, D), W2 (D, F), y (M, D)
+//
+// W1 and W3 run as ONE linear layer W13 = [W1; W3] (2F, D) (fused: one GEMM of N = 2F forward, one
+// of K = 2F for dgrad, one wgrad, and x quantized once instead of twice) when that changes no
+// quantization: W3 follows W1 in memory (the parameter store lays them out so, per rank's shard),
+// and the layer is FP32 or blockwise FP8 with F a multiple of the tile (each T x T weight block and
+// each 1 x T gradient tile then lies inside W1 or inside W3). Per-tensor recipes keep two layers:
+// one scale for both would change W1's and W3's quantization and their delayed-scaling states.
 #pragma once
 
 #include "model/linear.h"
@@ -22,11 +29,17 @@ struct FfnSaved {
   LinearSaved l1, l3, l2;  // l1, l3 read the caller's x: it must outlive backward (unless cached)
   Tensor h1, h3;           // (M, F) pre-activation gate and up projections
   Tensor a;                // (M, F) swiglu output, the input of W2 (freed when cached in FP8)
+  // W1|W3 fused: l1 is the W13 layer (N = 2F) and h1 its (M, 2F) output, row m = [gate | up];
+  // l3 and h3 are empty.
+  bool fused = false;
   int64_t bytes() const {
     return int64_t(h1.bytes() + h3.bytes() + a.bytes()) + l1.fp8_activation_bytes() + l3.fp8_activation_bytes() +
            l2.fp8_activation_bytes();
   }
 };
+
+// Whether an FFN of width F runs W1|W3 as one layer (above).
+bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D);
 
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
                  float* y, FfnSaved* saved);
@@ -42,7 +55,8 @@ struct FfnGroup {
 };
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups);
 
-// dx (M, D) written (may be nullptr); weight gradients accumulated.
+// dx (M, D) written (may be nullptr); weight gradients accumulated (fused: W3's gradient must follow
+// W1's in memory, as in the parameter store; asserted).
 void ffn_backward(Backend& be, const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
                   const FfnGrads& g);
 

@@ -293,11 +293,12 @@ class CudaBackendImpl final : public CudaBackend {
     Tensor scratch(*this, DType::u8, {int64_t(cuda::embedding_backward_scratch_bytes(N))});
     cuda::embedding_backward(dout, ids, N, D, v0, Vl, dtable, scratch.data<uint8_t>(), compute_);
   }
-  void swiglu_forward(const float* a, const float* b, float* y, int64_t n) override {
-    cuda::swiglu_forward(a, b, y, n, compute_);
+  void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) override {
+    cuda::swiglu_forward(a, b, ld, y, rows, cols, compute_);
   }
-  void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n) override {
-    cuda::swiglu_backward(a, b, dy, da, db, n, compute_);
+  void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
+                       int64_t cols) override {
+    cuda::swiglu_backward(a, b, ld, dy, da, db, rows, cols, compute_);
   }
   void add(const float* a, const float* b, float* out, int64_t n) override { cuda::add(a, b, out, n, compute_); }
 

@@ -10,29 +10,39 @@
 namespace fp8moe::cuda {
 namespace {
 
-__global__ void swiglu_forward_kernel(const float* __restrict__ a, const float* __restrict__ b,
-                                      float* __restrict__ y, int64_t n) {
-  FP8MOE_GRID_STRIDE(i, n) y[i] = swiglu_forward_elem(a[i], b[i]);
+// Element i of the contiguous (rows, cols) y / dy is (i / cols, i % cols) of the strided a, b.
+__global__ void swiglu_forward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
+                                      float* __restrict__ y, int64_t n, int64_t cols) {
+  FP8MOE_GRID_STRIDE(i, n) {
+    const int64_t j = (i / cols) * ld + i % cols;
+    y[i] = swiglu_forward_elem(a[j], b[j]);
+  }
 }
 
-__global__ void swiglu_backward_kernel(const float* __restrict__ a, const float* __restrict__ b,
+__global__ void swiglu_backward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
                                        const float* __restrict__ dy, float* __restrict__ da,
-                                       float* __restrict__ db, int64_t n) {
-  FP8MOE_GRID_STRIDE(i, n) swiglu_backward_elem(a[i], b[i], dy[i], &da[i], &db[i]);
+                                       float* __restrict__ db, int64_t n, int64_t cols) {
+  FP8MOE_GRID_STRIDE(i, n) {
+    const int64_t j = (i / cols) * ld + i % cols;
+    swiglu_backward_elem(a[j], b[j], dy[i], &da[j], &db[j]);
+  }
 }
 
 }  // namespace
 
-void swiglu_forward(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
+void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols,
+                    cudaStream_t stream) {
+  const int64_t n = rows * cols;
   if (n == 0) return;
-  swiglu_forward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, y, n);
+  swiglu_forward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, y, n, cols);
   check_launch();
 }
 
-void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n,
-                     cudaStream_t stream) {
+void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
+                     int64_t cols, cudaStream_t stream) {
+  const int64_t n = rows * cols;
   if (n == 0) return;
-  swiglu_backward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, dy, da, db, n);
+  swiglu_backward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, dy, da, db, n, cols);
   check_launch();
 }
 

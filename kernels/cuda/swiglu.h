@@ -1,4 +1,4 @@
-// CUDA launchers for kernels/swiglu.h. Device memory, queued on `stream`; n may be 0.
+// CUDA launchers for kernels/swiglu.h. Device memory, queued on `stream`; rows or cols may be 0.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -6,9 +6,9 @@
 #include <cstdint>
 
 namespace fp8moe::cuda {
-// a, b, y: (n)
-void swiglu_forward(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
-// a, b, dy, da, db: (n)
-void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n,
-                     cudaStream_t stream);
+// (rows, cols); a, b, da, db with row stride ld, y and dy contiguous (kernels/swiglu.h).
+void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols,
+                    cudaStream_t stream);
+void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
+                     int64_t cols, cudaStream_t stream);
 }  // namespace fp8moe::cuda

@@ -434,9 +434,12 @@ class WatchedDevice final : public Backend {
                           float* dtable) override {
     d_->embedding_backward(dout, ids, N, D, v0, Vl, dtable);
   }
-  void swiglu_forward(const float* a, const float* b, float* y, int64_t n) override { d_->swiglu_forward(a, b, y, n); }
-  void swiglu_backward(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n) override {
-    d_->swiglu_backward(a, b, dy, da, db, n);
+  void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) override {
+    d_->swiglu_forward(a, b, ld, y, rows, cols);
+  }
+  void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
+                       int64_t cols) override {
+    d_->swiglu_backward(a, b, ld, dy, da, db, rows, cols);
   }
   void add(const float* a, const float* b, float* out, int64_t n) override { d_->add(a, b, out, n); }
   void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) override {

@@ -48,8 +48,8 @@ TEST_P(SwigluCpu, ForwardAndBackwardMatchFp64) {
   const int64_t n = GetParam();
   const Inputs in = random_inputs(n, 1000 + n);
   std::vector<float> y(n), da(n), db(n);
-  cpu::swiglu_forward(in.a.data(), in.b.data(), y.data(), n);
-  cpu::swiglu_backward(in.a.data(), in.b.data(), in.dy.data(), da.data(), db.data(), n);
+  cpu::swiglu_forward(in.a.data(), in.b.data(), n, y.data(), 1, n);
+  cpu::swiglu_backward(in.a.data(), in.b.data(), n, in.dy.data(), da.data(), db.data(), 1, n);
   double worst = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double a = in.a[i], b = in.b[i], dy = in.dy[i], s = sigmoid64(a);
@@ -71,7 +71,7 @@ TEST_P(SwigluCpu, BackwardIsTheDerivativeOfForward) {
   const int64_t n = std::min<int64_t>(GetParam(), 64);
   const Inputs in = random_inputs(n, 7 + n);
   std::vector<float> da(n), db(n);
-  cpu::swiglu_backward(in.a.data(), in.b.data(), in.dy.data(), da.data(), db.data(), n);
+  cpu::swiglu_backward(in.a.data(), in.b.data(), n, in.dy.data(), da.data(), db.data(), 1, n);
   auto f = [](double a, double b) { return a * sigmoid64(a) * b; };
   double worst = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -103,37 +103,57 @@ void expect_close_to_terms(bool exact, const std::vector<float>& got, const std:
 }
 
 TEST_P(DeviceOps, SwigluMatchesCpu) {
-  for (int64_t n : {int64_t(0), int64_t(1), int64_t(1000), int64_t(1 << 22) + 5}) {
-    SCOPED_TRACE(n);
-    std::mt19937_64 rng(42 + n);
-    std::normal_distribution<float> normal(0.0f, 3.0f);
-    std::vector<float> a(n), b(n), dy(n);
-    for (int64_t i = 0; i < n; ++i) a[i] = normal(rng), b[i] = normal(rng), dy[i] = normal(rng);
-    auto [c, g] = both([&](Backend& be) {
-      Tensor ga = up(be, a), gb = up(be, b), gdy = up(be, dy), y = poisoned(be, DType::f32, n),
-             da = poisoned(be, DType::f32, n), db = poisoned(be, DType::f32, n);
-      be.swiglu_forward(ga.f32(), gb.f32(), y.f32(), n);
-      be.swiglu_backward(ga.f32(), gb.f32(), gdy.f32(), da.f32(), db.f32(), n);
-      expect_unchanged(ga, a, "a");
-      expect_unchanged(gb, b, "b");
-      expect_unchanged(gdy, dy, "dy");
-      return std::make_tuple(down<float>(y), down<float>(da), down<float>(db));
-    });
-    // The CPU backend is the CPU kernel.
-    std::vector<float> y = poisoned_f32(n), da = poisoned_f32(n), db = poisoned_f32(n);
-    cpu::swiglu_forward(a.data(), b.data(), y.data(), n);
-    cpu::swiglu_backward(a.data(), b.data(), dy.data(), da.data(), db.data(), n);
-    expect_bitwise(std::get<0>(c), y, "cpu backend y vs cpu::swiglu_forward");
-    expect_bitwise(std::get<1>(c), da, "cpu backend da vs cpu::swiglu_backward");
-    expect_bitwise(std::get<2>(c), db, "cpu backend db vs cpu::swiglu_backward");
-    // Term sizes as in the FP64 test above: |a b|, |dy b| (1 + |a|), |dy a|.
-    std::vector<float> sy(n), sda(n), sdb(n);
-    for (int64_t i = 0; i < n; ++i)
-      sy[i] = std::abs(a[i] * b[i]), sda[i] = std::abs(dy[i] * b[i]) * (1 + std::abs(a[i])), sdb[i] = std::abs(dy[i] * a[i]);
-    expect_close_to_terms(exact(), std::get<0>(g), std::get<0>(c), sy, "y");
-    expect_close_to_terms(exact(), std::get<1>(g), std::get<1>(c), sda, "da");
-    expect_close_to_terms(exact(), std::get<2>(g), std::get<2>(c), sdb, "db");
-  }
+  // Both layouts of the inputs: two tensors (ld = cols), and the two halves of one fused W1|W3
+  // output (ld = 2 cols, b = a + cols), whose gradients go to the same two halves of one buffer.
+  // The reference is the CPU kernel on contiguous copies of the halves.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 8}, {1, 1}, {10, 100}, {1025, 4093}};
+  for (auto [rows, cols] : shapes)
+    for (bool fused : {false, true}) {
+      SCOPED_TRACE(testing::Message() << rows << " x " << cols << (fused ? " fused" : " separate"));
+      const int64_t n = rows * cols, ld = fused ? 2 * cols : cols;
+      std::mt19937_64 rng(42 + n + fused);
+      std::normal_distribution<float> normal(0.0f, 3.0f);
+      std::vector<float> a(n), b(n), dy(n);
+      for (int64_t i = 0; i < n; ++i) a[i] = normal(rng), b[i] = normal(rng), dy[i] = normal(rng);
+      // The device inputs in their layout: fused, row r is [a(r, :) | b(r, :)].
+      std::vector<float> ab(size_t(2 * n));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          ab[size_t(r * ld + c)] = a[size_t(r * cols + c)], ab[size_t(r * ld + c + (fused ? cols : n))] = b[size_t(r * cols + c)];
+      auto [c, g] = both([&](Backend& be) {
+        Tensor gab = up(be, ab), gdy = up(be, dy), y = poisoned(be, DType::f32, n), dab = poisoned(be, DType::f32, 2 * n);
+        const float* pa = gab.f32();
+        float* pda = dab.f32();
+        // (No elements: no memory, and no pointer into it.)
+        const float* pb = n ? pa + (fused ? cols : n) : nullptr;
+        float* pdb = n ? pda + (fused ? cols : n) : nullptr;
+        be.swiglu_forward(pa, pb, ld, y.f32(), rows, cols);
+        be.swiglu_backward(pa, pb, ld, gdy.f32(), pda, pdb, rows, cols);
+        expect_unchanged(gab, ab, "a, b");
+        expect_unchanged(gdy, dy, "dy");
+        // Back to separate (rows, cols) gradients: every element of dab is one of them.
+        const std::vector<float> d = down<float>(dab);
+        std::vector<float> da(n), db(n);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < cols; ++k)
+            da[size_t(r * cols + k)] = d[size_t(r * ld + k)], db[size_t(r * cols + k)] = d[size_t(r * ld + k + (fused ? cols : n))];
+        return std::make_tuple(down<float>(y), da, db);
+      });
+      // The CPU backend is the CPU kernel.
+      std::vector<float> y = poisoned_f32(n), da = poisoned_f32(n), db = poisoned_f32(n);
+      cpu::swiglu_forward(a.data(), b.data(), cols, y.data(), rows, cols);
+      cpu::swiglu_backward(a.data(), b.data(), cols, dy.data(), da.data(), db.data(), rows, cols);
+      expect_bitwise(std::get<0>(c), y, "cpu backend y vs cpu::swiglu_forward");
+      expect_bitwise(std::get<1>(c), da, "cpu backend da vs cpu::swiglu_backward");
+      expect_bitwise(std::get<2>(c), db, "cpu backend db vs cpu::swiglu_backward");
+      // Term sizes as in the FP64 test above: |a b|, |dy b| (1 + |a|), |dy a|.
+      std::vector<float> sy(n), sda(n), sdb(n);
+      for (int64_t i = 0; i < n; ++i)
+        sy[i] = std::abs(a[i] * b[i]), sda[i] = std::abs(dy[i] * b[i]) * (1 + std::abs(a[i])), sdb[i] = std::abs(dy[i] * a[i]);
+      expect_close_to_terms(exact(), std::get<0>(g), std::get<0>(c), sy, "y");
+      expect_close_to_terms(exact(), std::get<1>(g), std::get<1>(c), sda, "da");
+      expect_close_to_terms(exact(), std::get<2>(g), std::get<2>(c), sdb, "db");
+    }
 }
 
 }  // namespace
