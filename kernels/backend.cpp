@@ -34,6 +34,20 @@ void Backend::grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, b
   for (size_t g = 0; g < A.size(); ++g) gemm_fp8(role, A[g], trans_a, B[g], trans_b, alpha, beta, C[g], ldc);
 }
 
+void Backend::quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantView& rows_out,
+                                  uint64_t* rows_counts, const QuantView& cols_out, uint64_t* cols_counts) {
+  check_tiled_pair(rows_out, cols_out);
+  quantize_tiled(x, opt, rows_out, rows_counts);
+  quantize_tiled(x, opt, cols_out, cols_counts);
+}
+
+void Backend::check_tiled_pair(const QuantView& rows_out, const QuantView& cols_out) {
+  FP8MOE_ASSERT(rows_out.tiling == Tiling::rows_1xT && cols_out.tiling == Tiling::cols_Tx1 &&
+                    rows_out.rows == cols_out.rows && rows_out.cols == cols_out.cols,
+                "quantize_tiled_pair: a ", to_string(rows_out.tiling), " ", rows_out.rows, " x ", rows_out.cols,
+                " and a ", to_string(cols_out.tiling), " ", cols_out.rows, " x ", cols_out.cols, " tensor");
+}
+
 void Backend::sync() {
   ++counts_.host_syncs;
   sync_impl();

@@ -119,6 +119,12 @@ class Backend {
   // out (per-tensor) = fp8(x * *scale), out.scale_inv[0] = 1 / *scale.
   virtual void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) = 0;
   virtual void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts) = 0;
+  // Both tilings of one (rows, cols) tensor that the blockwise recipe uses: rows_out 1 x T (the
+  // forward or dgrad operand) and cols_out T x 1 (wgrad's), each exactly quantize_tiled's, with
+  // their own counters. Here the two calls; the CUDA backend reads x once for both (one T x T
+  // region per block in shared memory: the cast and the transposed cast fused).
+  virtual void quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantView& rows_out,
+                                   uint64_t* rows_counts, const QuantView& cols_out, uint64_t* cols_counts);
   // Delayed scaling's history step after a quantization (cpu::delayed_update).
   virtual void delayed_update(float* history, int64_t len, int64_t steps, const float* amax,
                               DelayedScalingCompute compute, Fp8Dtype dtype, const ScaleOptions& opt,
@@ -176,6 +182,8 @@ class Backend {
   // grouped_gemm_fp8's operands: one A, B and C per group (fatal otherwise).
   static void check_groups(const std::vector<QuantView>& A, const std::vector<QuantView>& B,
                            const std::vector<float*>& C);
+  // quantize_tiled_pair's outputs: a 1 x T and a T x 1 tensor of one shape (fatal otherwise).
+  static void check_tiled_pair(const QuantView& rows_out, const QuantView& cols_out);
   virtual void upload_impl(void* dst, const void* host, size_t bytes) = 0;
   virtual void download_impl(void* host, const void* src, size_t bytes) = 0;
   virtual void sync_impl() = 0;

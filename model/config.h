@@ -125,7 +125,7 @@ struct Fp8Config {
   int margin = 0;
   int tile = 128;  // blockwise: 1 x tile activation/gradient tiles, tile x tile weight blocks
   bool power_of_two_scales = true;
-  bool cache_activations = false;  // blockwise: keep linear inputs for backward in FP8, not FP32
+  bool cache_activations = false;  // blockwise: keep the 1xT FP8 inputs (wgrad re-tiles them), not T x 1 copies from FP32
   Fp8Layers layers;
   bool operator==(const Fp8Config&) const = default;
 };

@@ -75,7 +75,7 @@ const QTensor* quantized_weight(Backend& be, const float* W, int64_t N, int64_t 
 LinearSaved& LinearSaved::operator=(LinearSaved&& o) noexcept {
   if (this != &o) {
     const bool own = o.wq == &o.own_wq;
-    x = o.x, xq = std::move(o.xq), own_wq = std::move(o.own_wq), M = o.M, K = o.K, N = o.N;
+    x = o.x, xq = std::move(o.xq), xt = std::move(o.xt), own_wq = std::move(o.own_wq), M = o.M, K = o.K, N = o.N;
     wq = own ? &own_wq : o.wq;
     o.wq = nullptr, o.x = nullptr;
   }
@@ -99,6 +99,7 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     LinearSaved& s = *saved[g];
     s.M = l.M, s.K = K, s.N = N;
     s.x = l.x;
+    s.xt = QTensor{};
     if (!fp8.enabled()) {
       be.sgemm(false, true, l.M, N, K, 1.0f, l.x, K, l.W, K, 0.0f, l.y, N);
       continue;
@@ -106,7 +107,14 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     const Fp8Config& c = *fp8.cfg;
     // A recomputation quantizes again what its forward counted already.
     uint64_t* counts = fp8.reuse_last_scale ? nullptr : fp8.counts;
-    if (c.recipe == Fp8Recipe::blockwise)
+    // Blockwise wgrad's T x 1 copy of x is made now, from the same read of x (a backward follows
+    // a recording pass and a recomputation; not an evaluation), so the FP32 x is not kept.
+    const bool backward_follows = fp8.record || fp8.reuse_last_scale;
+    if (c.recipe == Fp8Recipe::blockwise && !c.cache_activations && backward_follows) {
+      s.xq = QTensor(be, l.M, K, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
+      s.xt = QTensor(be, l.M, K, Fp8Dtype::e4m3, Tiling::cols_Tx1, c.tile);
+      be.quantize_tiled_pair(l.x, scale_options(c), s.xq.view(), counts, s.xt.view(), nullptr);
+    } else if (c.recipe == Fp8Recipe::blockwise)
       quantize_tiled(be, l.x, l.M, K, Tiling::rows_1xT, c, counts, &s.xq);
     else
       quantize_per_tensor(be, l.x, l.M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, counts, &s.xq);
@@ -118,12 +126,10 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     const LinearFp8& fp8 = *groups[g].fp8;
     if (!fp8.enabled()) continue;
     LinearSaved& s = *saved[g];
-    // What backward reads: per-tensor wgrad uses this FP8 input as it is, so the FP32 one is never
-    // needed; blockwise wgrad re-tiles x to T x 1, from FP32 or (cache_activations) from this copy.
-    if (fp8.cfg->recipe != Fp8Recipe::blockwise || fp8.cfg->cache_activations)
-      s.x = nullptr;
-    else
-      s.xq = QTensor{};
+    // What backward reads: per-tensor wgrad uses this FP8 input as it is; blockwise wgrad the T x 1
+    // copy made above, or (cache_activations) this copy re-tiled. The FP32 input is never needed.
+    s.x = nullptr;
+    if (fp8.cfg->recipe == Fp8Recipe::blockwise && !fp8.cfg->cache_activations) s.xq = QTensor{};
   }
 }
 
@@ -134,7 +140,8 @@ void linear_backward(Backend& be, const LinearSaved& s, const float* W, const fl
 
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups) {
   // dgrad: every group's gradient quantized, then one grouped call; wgrad after it, likewise.
-  std::vector<QTensor> dyq(groups.size());
+  // Blockwise: dy's 1 x T (dgrad) and T x 1 (wgrad) copies from one read of it.
+  std::vector<QTensor> dyq(groups.size()), dyt(groups.size());
   std::vector<QuantView> A, B;
   std::vector<float*> C;
   int64_t ldc = 0;
@@ -151,8 +158,13 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     const Fp8Config& c = *fp8.cfg;
     FP8MOE_ASSERT(s.wq, "linear_backward without its forward's FP8 weight");
     if (c.recipe == Fp8Recipe::blockwise) {
-      if (!l.dx) continue;
-      quantize_tiled(be, l.dy, M, N, Tiling::rows_1xT, c, fp8.counts, &dyq[g]);
+      if (!l.dx) {
+        quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt[g]);
+        continue;
+      }
+      dyq[g] = QTensor(be, M, N, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
+      dyt[g] = QTensor(be, M, N, Fp8Dtype::e4m3, Tiling::cols_Tx1, c.tile);
+      be.quantize_tiled_pair(l.dy, scale_options(c), dyq[g].view(), fp8.counts, dyt[g].view(), nullptr);
     } else {
       quantize_per_tensor(be, l.dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &dyq[g]);
       if (!l.dx) continue;
@@ -161,32 +173,32 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
   }
   if (!A.empty()) be.grouped_gemm_fp8(GemmRole::dgrad, A, false, B, false, 1.0f, 0.0f, C, ldc);
   // wgrad, dW += dy^T x: per-tensor from the same FP8 gradient and the forward's FP8 input;
-  // blockwise from both re-tiled T x 1 (the reduction runs over tokens), from FP32 (x from its FP8
-  // cache when the FP32 input was not kept: 1 x T values re-tiled, as DeepSeek-V3 does).
-  std::vector<QTensor> dyt(groups.size()), xt(groups.size());
+  // blockwise from both in T x 1 tiles (the reduction runs over tokens), quantized from FP32 (x
+  // with cache_activations from its 1 x T FP8 copy, re-tiled, as DeepSeek-V3 does).
+  std::vector<QTensor> xt(groups.size());
   A.clear(), B.clear(), C.clear();
   for (size_t g = 0; g < groups.size(); ++g) {
     const LinearGradGroup& l = groups[g];
     const LinearSaved& s = *l.saved;
     const LinearFp8& fp8 = *l.fp8;
     if (!fp8.enabled()) continue;
-    const int64_t M = s.M, K = s.K, N = s.N;
+    const int64_t M = s.M, K = s.K;
     ldc = K;
     if (fp8.cfg->recipe != Fp8Recipe::blockwise) {
       A.push_back(dyq[g].view()), B.push_back(s.xq.view()), C.push_back(l.dW);
       continue;
     }
     const Fp8Config& c = *fp8.cfg;
-    quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt[g]);
-    Tensor x_from_cache;
-    const float* x = s.x;
-    if (!x) {
-      x_from_cache = Tensor(be, DType::f32, {M, K});
+    const QTensor* x = &s.xt;
+    if (!c.cache_activations) {
+      FP8MOE_ASSERT(s.xt.rows == M && s.xt.cols == K, "linear_backward: the forward kept no T x 1 input (an evaluation's?)");
+    } else {
+      Tensor x_from_cache(be, DType::f32, {M, K});
       if (M * K > 0) be.dequantize(s.xq.view(), x_from_cache.f32());
-      x = x_from_cache.f32();
+      quantize_tiled(be, x_from_cache.f32(), M, K, Tiling::cols_Tx1, c, nullptr, &xt[g]);
+      x = &xt[g];
     }
-    quantize_tiled(be, x, M, K, Tiling::cols_Tx1, c, nullptr, &xt[g]);
-    A.push_back(dyt[g].view()), B.push_back(xt[g].view()), C.push_back(l.dW);
+    A.push_back(dyt[g].view()), B.push_back(x->view()), C.push_back(l.dW);
   }
   if (!A.empty()) be.grouped_gemm_fp8(GemmRole::wgrad, A, true, B, false, 1.0f, 1.0f, C, ldc);
 }

@@ -4,7 +4,9 @@
 //   x (M, K), W (N, K), y (M, N)
 //   forward  y  = x W^T           x: 1xT tiles (or per-tensor), W: TxT blocks (or per-tensor)
 //   dgrad    dx = dy W            dy: 1xT tiles (E5M2 per-tensor with format hybrid)
-//   wgrad    dW += dy^T x         dy, x: Tx1 tiles, quantized again from FP32 (never transposed FP8)
+//   wgrad    dW += dy^T x         dy, x: Tx1 tiles, quantized from FP32 (never transposed FP8): x's
+//                                 in the forward beside its 1xT tiles, dy's beside dgrad's, each
+//                                 from one read of the FP32 tensor (Backend::quantize_tiled_pair)
 // The weight is quantized once per optimizer step (WeightCache) and reused by every micro-batch,
 // by recomputation and by dgrad. Per-tensor scales and amax values never leave device memory.
 #pragma once
@@ -62,16 +64,17 @@ struct LinearSaved {
   LinearSaved(LinearSaved&& o) noexcept { *this = std::move(o); }
   LinearSaved& operator=(LinearSaved&& o) noexcept;
   // (M, K) the FP32 input, NOT owned: the caller keeps it alive until backward (the layers share
-  // their inputs: q, k and v read one normed x). nullptr when backward reads only xq: per-tensor
-  // recipes always, blockwise with fp8.cache_activations.
+  // their inputs: q, k and v read one normed x). Only FP32 layers need it: per-tensor recipes read
+  // xq, blockwise reads xt (or, with fp8.cache_activations, xq).
   const float* x = nullptr;
   QTensor xq;                   // the input as the forward GEMM used it (FP8 paths)
+  QTensor xt;                   // blockwise without cache_activations: the input in T x 1 tiles for wgrad
   const QTensor* wq = nullptr;  // the weight as the forward GEMM used it: the cache or own_wq
   QTensor own_wq;               // the weight quantized for this call alone (no cache)
   int64_t M = 0, K = 0, N = 0;
   bool needs_fp32_input() const { return x != nullptr; }
   // Bytes this layer holds of its own: the FP8 input and its scales (the weight is not an activation).
-  int64_t fp8_activation_bytes() const { return xq.empty() ? 0 : xq.bytes(); }
+  int64_t fp8_activation_bytes() const { return (xq.empty() ? 0 : xq.bytes()) + (xt.empty() ? 0 : xt.bytes()); }
 };
 
 // y (M, N) written. `saved` may be nullptr (no backward); x must outlive it unless the input is

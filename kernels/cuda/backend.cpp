@@ -197,6 +197,11 @@ class CudaBackendImpl final : public CudaBackend {
   void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts) override {
     cuda::quantize_tiled(x, opt, out, counts, compute_);
   }
+  void quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantView& rows_out, uint64_t* rows_counts,
+                           const QuantView& cols_out, uint64_t* cols_counts) override {
+    check_tiled_pair(rows_out, cols_out);
+    cuda::quantize_tiled_pair(x, opt, rows_out, rows_counts, cols_out, cols_counts, compute_);
+  }
   void delayed_update(float* history, int64_t len, int64_t steps, const float* amax, DelayedScalingCompute compute,
                       Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override {
     cuda::delayed_update(history, len, steps, amax, compute, dtype, opt, scale, compute_);

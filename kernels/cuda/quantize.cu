@@ -83,6 +83,48 @@ __global__ void quantize_tiled_kernel(const float* __restrict__ x, int64_t rows,
   add_counts(counts, sat, under);
 }
 
+// One block per T x T region at (r0, c0) (h x w where the tensor ends): the region is read once
+// into shared memory (coalesced), then each of the h rows gets its 1 x T scale from its own amax
+// (a warp per row) and each of the w columns its T x 1 scale (a thread per column, reading shared
+// memory down the column), and both copies are encoded from the staged values.
+__global__ void quantize_tiled_pair_kernel(const float* __restrict__ x, int64_t rows, int64_t cols, int tile,
+                                           int64_t region_cols, Fp8Dtype f, int margin, bool pow2,
+                                           uint8_t* __restrict__ qr, float* __restrict__ sr, int64_t sr_cols,
+                                           unsigned long long* cr, uint8_t* __restrict__ qc, float* __restrict__ sc,
+                                           unsigned long long* cc) {
+  extern __shared__ float region[];  // (h, tile)
+  const int64_t ti = blockIdx.x / region_cols, tj = blockIdx.x % region_cols;
+  const int64_t r0 = ti * tile, c0 = tj * tile;
+  const int h = int(min(int64_t(tile), rows - r0)), w = int(min(int64_t(tile), cols - c0));
+  for (int i = threadIdx.x; i < h * w; i += blockDim.x) region[(i / w) * tile + i % w] = x[(r0 + i / w) * cols + c0 + i % w];
+  __syncthreads();
+  const float fmax = fp8_max(f);
+  unsigned long long sat = 0, under = 0;
+  // Rows: warp `wid` takes rows wid, wid + warps, ...; its lanes stride the row's w values.
+  const int lane = threadIdx.x % kWarpThreads, wid = threadIdx.x / kWarpThreads, warps = blockDim.x / kWarpThreads;
+  for (int r = wid; r < h; r += warps) {
+    uint32_t m = 0;
+    for (int c = lane; c < w; c += kWarpThreads) m = max(m, float_bits(region[r * tile + c]) & 0x7FFFFFFFu);
+    for (int o = kWarpThreads / 2; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    const float s = compute_scale(bits_float(m), fmax, margin, pow2);
+    if (lane == 0) sr[(r0 + r) * sr_cols + tj] = div_rn(1.0f, s);
+    for (int c = lane; c < w; c += kWarpThreads)
+      encode_dispatch(f, mul_rn(region[r * tile + c], s), &qr[(r0 + r) * cols + c0 + c], &sat, &under);
+  }
+  add_counts(cr, sat, under);
+  sat = 0, under = 0;
+  // Columns: thread c takes column c (consecutive threads read consecutive banks, write
+  // consecutive bytes of each row).
+  for (int c = threadIdx.x; c < w; c += blockDim.x) {
+    uint32_t m = 0;
+    for (int r = 0; r < h; ++r) m = max(m, float_bits(region[r * tile + c]) & 0x7FFFFFFFu);
+    const float s = compute_scale(bits_float(m), fmax, margin, pow2);
+    sc[ti * cols + c0 + c] = div_rn(1.0f, s);
+    for (int r = 0; r < h; ++r) encode_dispatch(f, mul_rn(region[r * tile + c], s), &qc[(r0 + r) * cols + c0 + c], &sat, &under);
+  }
+  add_counts(cc, sat, under);
+}
+
 __global__ void scale_from_amax_kernel(const float* amax, float fmax, int margin, bool pow2, float* scale) {
   *scale = compute_scale(*amax, fmax, margin, pow2);
 }
@@ -148,6 +190,31 @@ void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& ou
   quantize_tiled_kernel<<<grid_of(out.scale_count(), "quantize_tiled"), kBlockThreads, 0, stream>>>(
       x, out.rows, out.cols, tile_h, tile_w, sc, out.dtype, opt.margin, opt.power_of_two, out.data, out.scale_inv,
       as_ull(counts));
+  check_launch();
+}
+
+void quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantView& rows_out, uint64_t* rows_counts,
+                         const QuantView& cols_out, uint64_t* cols_counts, cudaStream_t stream) {
+  const int T = rows_out.tile;
+  constexpr int kMaxTile = 128;  // 64 KiB of staged region
+  if (T != cols_out.tile || T > kMaxTile || rows_out.dtype != cols_out.dtype) {
+    quantize_tiled(x, opt, rows_out, rows_counts, stream);
+    quantize_tiled(x, opt, cols_out, cols_counts, stream);
+    return;
+  }
+  if (rows_out.rows == 0 || rows_out.cols == 0) return;
+  const size_t smem = size_t(T) * size_t(T) * sizeof(float);
+  static const bool opted_in = [] {  // above 48 KiB a kernel's dynamic shared memory is opt-in
+    CUDA_CHECK(cudaFuncSetAttribute(quantize_tiled_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(size_t(kMaxTile) * kMaxTile * sizeof(float))));
+    return true;
+  }();
+  (void)opted_in;
+  const int64_t region_rows = (rows_out.rows + T - 1) / T, region_cols = (rows_out.cols + T - 1) / T;
+  quantize_tiled_pair_kernel<<<grid_of(region_rows * region_cols, "quantize_tiled_pair"), kBlockThreads, smem, stream>>>(
+      x, rows_out.rows, rows_out.cols, T, region_cols, rows_out.dtype, opt.margin, opt.power_of_two, rows_out.data,
+      rows_out.scale_inv, rows_out.scale_cols(), as_ull(rows_counts), cols_out.data, cols_out.scale_inv,
+      as_ull(cols_counts));
   check_launch();
 }
 

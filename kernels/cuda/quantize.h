@@ -23,6 +23,11 @@ void quantize_scaled(const float* x, const float* scale, const QuantView& out, u
 // the tile's own amax.
 void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts,
                     cudaStream_t stream);
+// rows_out (1 x T) and cols_out (T x 1) of one x, each bit-identical to quantize_tiled's, from one
+// read of x: a block per T x T region, staged in shared memory (T <= 128; otherwise the two
+// quantize_tiled launches). Same T for both.
+void quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantView& rows_out, uint64_t* rows_counts,
+                         const QuantView& cols_out, uint64_t* cols_counts, cudaStream_t stream);
 // cpu::delayed_update: history: (len) gets *amax (1) at steps % len, and *scale (1) the compute_scale of
 // the history's max or newest entry unless that is 0 or not finite.
 void delayed_update(float* history, int64_t len, int64_t steps, const float* amax, DelayedScalingCompute compute,

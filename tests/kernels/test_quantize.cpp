@@ -439,6 +439,57 @@ TEST_P(DeviceOps, TiledQuantizeMatchesCpuBitwise) {
         }
 }
 
+TEST_P(DeviceOps, TiledQuantizePairIsTheTwoTilings) {
+  // quantize_tiled_pair (the 1 x T and T x 1 copies of one tensor from one read: fused on CUDA)
+  // against the host quantize_tiled of each tiling, bitwise, with their own counters: tiles of
+  // 128 (the staged 64 KiB region) and 16, partial regions on both edges, a region of zeros, a
+  // NaN (its tiles' scales), denormals (underflow counts), with and without a margin.
+  struct Variant {
+    Fp8Dtype dtype;
+    ScaleOptions opt;
+  };
+  for (Variant v : {Variant{Fp8Dtype::e4m3, {0, true}}, Variant{Fp8Dtype::e5m2, {0, true}},
+                    Variant{Fp8Dtype::e4m3, {0, false}}, Variant{Fp8Dtype::e4m3, {3, true}}})
+    for (int tile : {128, 16})
+      for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 300}, {1, 300}, {257, 130}, {1024, 512}, {300, 7}}) {
+        SCOPED_TRACE(testing::Message() << to_string(v.dtype) << " pow2 " << v.opt.power_of_two << " margin "
+                                        << v.opt.margin << " T" << tile << " " << rows << "x" << cols);
+        std::vector<float> x = scaled_normal(rows, cols, 11 + rows + tile);
+        for (int64_t r = 0; r < std::min<int64_t>(rows, tile); ++r)
+          for (int64_t c = 0; c < std::min<int64_t>(cols, tile); ++c) x[r * cols + c] = 0.0f;
+        if (rows * cols > 2000) x[2000] = NAN;
+        if (rows > 40)
+          for (int64_t c = 0; c < cols; ++c) x[40 * cols + c] = 1e-39f * float(c % 3);
+        struct Out {
+          std::vector<uint8_t> qr, qc;
+          std::vector<float> sr, sc;
+          std::vector<uint64_t> counts;
+        };
+        auto [c, g] = both([&](Backend& be) {
+          Tensor gx = up(be, x), counts = Tensor::zeros(be, DType::u64, {4});
+          QTensor qr = poisoned(be, rows, cols, v.dtype, Tiling::rows_1xT, tile);
+          QTensor qc = poisoned(be, rows, cols, v.dtype, Tiling::cols_Tx1, tile);
+          be.quantize_tiled_pair(gx.f32(), v.opt, qr.view(), counts.data<uint64_t>(), qc.view(),
+                                 counts.data<uint64_t>() + 2);
+          expect_unchanged(gx, x, "x");
+          return Out{down<uint8_t>(qr.data), down<uint8_t>(qc.data), down<float>(qr.scale_inv), down<float>(qc.scale_inv),
+                     down<uint64_t>(counts)};
+        });
+        QuantTensor rr, rc;
+        quantize_tiled(x.data(), rows, cols, Tiling::rows_1xT, tile, v.dtype, v.opt, &rr);
+        quantize_tiled(x.data(), rows, cols, Tiling::cols_Tx1, tile, v.dtype, v.opt, &rc);
+        const std::vector<uint64_t> ref_counts = {uint64_t(rr.saturated), uint64_t(rr.underflowed),
+                                                  uint64_t(rc.saturated), uint64_t(rc.underflowed)};
+        for (const Out* o : {&c, &g}) {
+          expect_bitwise(o->qr, rr.data, "1 x T bytes");
+          expect_bitwise(o->sr, rr.scale_inv, "1 x T scale_inv");
+          expect_bitwise(o->qc, rc.data, "T x 1 bytes");
+          expect_bitwise(o->sc, rc.scale_inv, "T x 1 scale_inv");
+          expect_bitwise(o->counts, ref_counts, "counts");
+        }
+      }
+}
+
 TEST_P(DeviceOps, DeviceScalesMatchCpu) {
   // Current scaling and the delayed-scaling history, computed by each backend, against each other
   // and the host library's DelayedScaling.
