@@ -417,9 +417,9 @@ const std::vector<Field>& schema() {
     v.push_back(boolean("fp8.power_of_two_scales", REF(fp8.power_of_two_scales),
                         "Round scales down to powers of two (exact rescaling)."));
     v.push_back(boolean("fp8.cache_activations", REF(fp8.cache_activations),
-                        "Blockwise: keep the inputs of FP8 linear layers for backward as FP8 (with their scales) "
-                        "instead of FP32, re-tiling the cached 1 x T values to T x 1 for the weight gradient "
-                        "(per-tensor recipes always keep them in FP8)."));
+                        "Blockwise: keep the inputs of FP8 linear layers for backward as their 1 x T FP8 copy, "
+                        "re-tiled to T x 1 for the weight gradient (DeepSeek-V3), instead of the T x 1 copy "
+                        "quantized from FP32 in the forward (either way FP8, never FP32)."));
     v.push_back(fp8_layers_field());
     // data
     v.push_back(data_sources_field("data.path", REF(data.path),

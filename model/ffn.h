@@ -26,7 +26,7 @@ struct FfnFp8 {
 };
 
 struct FfnSaved {
-  LinearSaved l1, l3, l2;  // l1, l3 read the caller's x: it must outlive backward (unless cached)
+  LinearSaved l1, l3, l2;  // FP32 layers read the caller's x in backward: it must outlive it
   Tensor h1, h3;           // (M, F) pre-activation gate and up projections
   Tensor a;                // (M, F) swiglu output, the input of W2 (freed when cached in FP8)
   // W1|W3 fused: l1 is the W13 layer (N = 2F) and h1 its (M, 2F) output, row m = [gate | up];

@@ -107,10 +107,9 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     const Fp8Config& c = *fp8.cfg;
     // A recomputation quantizes again what its forward counted already.
     uint64_t* counts = fp8.reuse_last_scale ? nullptr : fp8.counts;
-    // Blockwise wgrad's T x 1 copy of x is made now, from the same read of x (a backward follows
-    // a recording pass and a recomputation; not an evaluation), so the FP32 x is not kept.
-    const bool backward_follows = fp8.record || fp8.reuse_last_scale;
-    if (c.recipe == Fp8Recipe::blockwise && !c.cache_activations && backward_follows) {
+    // Blockwise wgrad's T x 1 copy of x is made now, from the same read of x, when a backward
+    // will read it, so that the FP32 x is not kept.
+    if (c.recipe == Fp8Recipe::blockwise && !c.cache_activations && fp8.backward_follows) {
       s.xq = QTensor(be, l.M, K, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
       s.xt = QTensor(be, l.M, K, Fp8Dtype::e4m3, Tiling::cols_Tx1, c.tile);
       be.quantize_tiled_pair(l.x, scale_options(c), s.xq.view(), counts, s.xt.view(), nullptr);
@@ -191,7 +190,7 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     const Fp8Config& c = *fp8.cfg;
     const QTensor* x = &s.xt;
     if (!c.cache_activations) {
-      FP8MOE_ASSERT(s.xt.rows == M && s.xt.cols == K, "linear_backward: the forward kept no T x 1 input (an evaluation's?)");
+      FP8MOE_ASSERT(s.xt.rows == M && s.xt.cols == K, "linear_backward: its forward kept no T x 1 input (LinearFp8::backward_follows was false)");
     } else {
       Tensor x_from_cache(be, DType::f32, {M, K});
       if (M * K > 0) be.dequantize(s.xq.view(), x_from_cache.f32());

@@ -50,6 +50,8 @@ struct LinearFp8 {
   bool record = true;              // false: quantize, but do not advance delayed-scaling histories
   bool reuse_last_scale = false;   // with record false: the scale the last recorded pass used
                                    // (recomputation), not the one the next pass will use (evaluation)
+  bool backward_follows = true;    // false: no backward reads this forward's LinearSaved (an
+                                   // evaluation, the first pass of a recomputed block): no wgrad copy
   uint64_t* counts = nullptr;      // device [saturated, underflowed] counters (nullptr: not counted)
   WeightCache* weight = nullptr;   // the step's FP8 weight (nullptr: quantized afresh, e.g. evaluation)
   int64_t step = 0;                // the optimizer step the cache is valid for

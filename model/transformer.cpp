@@ -138,6 +138,7 @@ LinearFp8 Transformer::fp8_for(const std::string& weight, LinearClass cls, bool 
   }
   f.record = record;
   f.reuse_last_scale = !record && recompute_;
+  f.backward_follows = saving_;
   return f;
 }
 
@@ -175,6 +176,9 @@ void Transformer::block_forward(int l, const float* x, int64_t B, int64_t T, flo
   const std::string p = "layers." + std::to_string(l) + ".";
   s->B = B, s->T = T;
   s->x = x;
+  // A backward reads this pass's state after a recomputation, or after a training forward of a
+  // block that is not recomputed (otherwise the state is dropped at the end of the forward).
+  saving_ = recompute_ || (record && !recomputed(l));
   s->h1 = Tensor(be_, DType::f32, {N, D});
   s->rstd1 = Tensor(be_, DType::f32, {N});
   be_.rmsnorm_forward(x, P(p + "attn_norm.weight"), N, D, float(m.norm_eps), s->h1.f32(), s->rstd1.f32());

@@ -195,6 +195,7 @@ class Transformer {
   int64_t rope_T_ = 0;
   double saved_bytes_per_token_ = 0;
   bool recompute_ = false;  // inside a recomputation (see fp8_for)
+  bool saving_ = false;     // the running block_forward keeps its state for a backward (see fp8_for)
   bool keep_routing_ = false;
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // expert parallelism (ep > 1)
   const ModelConfig& local() const { return placement_.local(); }  // this tensor-parallel rank's dims

@@ -204,12 +204,10 @@ void quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantVie
   }
   if (rows_out.rows == 0 || rows_out.cols == 0) return;
   const size_t smem = size_t(T) * size_t(T) * sizeof(float);
-  static const bool opted_in = [] {  // above 48 KiB a kernel's dynamic shared memory is opt-in
-    CUDA_CHECK(cudaFuncSetAttribute(quantize_tiled_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(size_t(kMaxTile) * kMaxTile * sizeof(float))));
-    return true;
-  }();
-  (void)opted_in;
+  // Above 48 KiB a kernel's dynamic shared memory is opt-in, per device context: set at every
+  // launch (a host-side attribute, no synchronisation).
+  CUDA_CHECK(cudaFuncSetAttribute(quantize_tiled_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(size_t(kMaxTile) * kMaxTile * sizeof(float))));
   const int64_t region_rows = (rows_out.rows + T - 1) / T, region_cols = (rows_out.cols + T - 1) / T;
   quantize_tiled_pair_kernel<<<grid_of(region_rows * region_cols, "quantize_tiled_pair"), kBlockThreads, smem, stream>>>(
       x, rows_out.rows, rows_out.cols, T, region_cols, rows_out.dtype, opt.margin, opt.power_of_two, rows_out.data,
