@@ -13,7 +13,8 @@ bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D) {
   if (w.w3 != w.w1 + F * D) return false;
   if (!fp8.w1.enabled()) return !fp8.w3.enabled();
   const Fp8Config& c = *fp8.w1.cfg;
-  return fp8.w3.enabled() && fp8.w3.cfg == &c && c.recipe == Fp8Recipe::blockwise && F % c.tile == 0;
+  if (!fp8.w3.enabled() || fp8.w3.cfg != &c) return false;
+  return c.recipe != Fp8Recipe::blockwise || F % c.tile == 0;
 }
 
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups) {

@@ -3,11 +3,13 @@
 //   x (M, D), W1, W3 (F, D), W2 (D, F), y (M, D)
 //
 // W1 and W3 run as ONE linear layer W13 = [W1; W3] (2F, D) (fused: one GEMM of N = 2F forward, one
-// of K = 2F for dgrad, one wgrad, and x quantized once instead of twice) when that changes no
-// quantization: W3 follows W1 in memory (the parameter store lays them out so, per rank's shard),
-// and the layer is FP32 or blockwise FP8 with F a multiple of the tile (each T x T weight block and
-// each 1 x T gradient tile then lies inside W1 or inside W3). Per-tensor recipes keep two layers:
-// one scale for both would change W1's and W3's quantization and their delayed-scaling states.
+// of K = 2F for dgrad, one wgrad, and x quantized once instead of twice) when W3 follows W1 in
+// memory (the parameter store lays them out so, per rank's shard), in every recipe but blockwise
+// FP8 with F not a multiple of the tile. Blockwise (F a multiple of T): each T x T weight block and
+// each 1 x T gradient tile lies inside W1 or inside W3, so the quantization is the two layers'.
+// Per-tensor recipes: one scale for W13 and one for its output gradient (as Transformer Engine's
+// fused gate/up projection); delayed scaling keeps that layer's state under W1's name (W3's stays
+// empty).
 #pragma once
 
 #include "model/linear.h"

@@ -33,6 +33,7 @@ struct Comparison {
   double worst = 0;  // max over tensors of max|g - r| / max|r|
   std::string worst_name;
   int64_t elements = 0, off = 0;  // gradient elements, and those with |g - r| > 1e-3 max|r| of their tensor
+  int64_t off_fine = 0;             // those with |g - r| > 1e-5 max|r|
   int64_t dropped = 0;              // expert assignments fp8moe dropped by capacity
 };
 
@@ -49,7 +50,8 @@ std::vector<float> read_floats(const std::string& path) {
   return v;
 }
 
-Comparison compare_with_reference(const Config& cfg) {
+// w3_scale multiplies every FFN's w3 (so that its amax lies in another binade than w1's).
+Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f) {
   const int64_t B = 2, T = 8, N = B * T;
   const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
   Transformer model(*be, cfg);
@@ -60,6 +62,13 @@ Comparison compare_with_reference(const Config& cfg) {
     std::vector<float> bias = model.param_to_host(name);
     for (size_t e = 0; e < bias.size(); ++e) bias[e] = 0.05f * float(e % 3);
     model.set_param(size_t(model.table().index_of(name)), bias);
+  }
+  for (size_t i = 0; w3_scale != 1.0f && i < model.table().params.size(); ++i) {
+    const std::string& name = model.table().params[i].name;
+    if (name.size() < 2 || name.compare(name.size() - 2, 2, "w3") != 0) continue;
+    std::vector<float> w = model.param_to_host(name);
+    for (float& v : w) v *= w3_scale;
+    model.set_param(i, w);
   }
   std::mt19937 rng(5);
   std::vector<int32_t> tokens(N), targets(N);
@@ -119,13 +128,15 @@ Comparison compare_with_reference(const Config& cfg) {
     for (size_t j = 0; j < ref.size(); ++j) diff = std::max(diff, double(std::abs(got[j] - ref[j]))), scale = std::max(scale, double(std::abs(ref[j])));
     const double rel = scale > 0 ? diff / scale : diff;
     if (rel >= c.worst) c.worst = rel, c.worst_name = t.params[i].name;
-    for (size_t j = 0; j < ref.size(); ++j) c.off += std::abs(got[j] - ref[j]) > 1e-3 * scale;
+    for (size_t j = 0; j < ref.size(); ++j)
+      c.off += std::abs(got[j] - ref[j]) > 1e-3 * scale, c.off_fine += std::abs(got[j] - ref[j]) > 1e-5 * scale;
     c.elements += int64_t(ref.size());
   }
   std::printf("recipe %s gating %s: loss %.9g (reference %.9g), worst gradient %s rel error %.3e; "
-              "%lld of %lld elements off by > 1e-3 of their tensor's max; %lld assignments dropped\n",
+              "%lld of %lld elements off by > 1e-3 of their tensor's max (%lld by > 1e-5); %lld assignments dropped\n",
               to_string(cfg.fp8.recipe).data(), to_string(cfg.model.moe.gating).data(), c.loss, c.ref_loss,
-              c.worst_name.c_str(), c.worst, (long long)c.off, (long long)c.elements, (long long)c.dropped);
+              c.worst_name.c_str(), c.worst, (long long)c.off, (long long)c.elements, (long long)c.off_fine,
+              (long long)c.dropped);
   return c;
 }
 
@@ -198,11 +209,16 @@ TEST(ModelReference, BlockwiseFp8MatchesJaxWithTheSameQuantization) {
 
 TEST(ModelReference, CurrentScalingFp8MatchesJax) {
   // Per-tensor current scaling, E4M3 everywhere and hybrid (E5M2 gradients through ml_dtypes'
-  // float8_e5m2). Same reasoning and bounds as the blockwise test.
+  // float8_e5m2). Same reasoning and bounds as the blockwise test. Every w3 is scaled by 1024, so
+  // that under the fused w1|w3 layer's one scale (model/ffn.h) w1's values fall where E4M3 is
+  // subnormal: a reference with two layers (a scale each) then fails (measured, 2-core VM,
+  // 2026-12-01: 26,462 of 33,568 gradient elements off by > 1e-3; the fused reference: none, worst
+  // 3.4e-7). With w1 and w3 alike the scales coincide at powers of two, and a floating format's
+  // scale only matters at its range's ends (x8: 78 elements off by > 1e-5, none by 1e-3).
   for (Fp8Format format : {Fp8Format::e4m3, Fp8Format::hybrid}) {
     Config cfg = small_config(Fp8Recipe::current, Gating::softmax);
     cfg.fp8.format = format;
-    const Comparison c = compare_with_reference(cfg);
+    const Comparison c = compare_with_reference(cfg, 1024.0f);
     EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << to_string(format);
     EXPECT_LE(c.worst, 1e-2) << c.worst_name << " " << to_string(format);
     EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements, " << to_string(format);

@@ -154,8 +154,15 @@ def attention(q, k, v):
     return jnp.einsum("bhij,bjhd->bihd", p, v)
 
 
-def swiglu_ffn(x, w1, w3, w2, lin):
-    return lin(jax.nn.silu(lin(x, w1)) * lin(x, w3), w2)
+def swiglu_ffn(x, w1, w3, w2, lin, fused):
+    """fused: fp8moe runs w1 and w3 as one linear layer [w1; w3] (model/ffn.h): one quantization
+    of the pair and one of its output gradient (per-tensor: one scale each; blockwise with F a
+    multiple of the tile: the two layers' tiles)."""
+    if not fused:
+        return lin(jax.nn.silu(lin(x, w1)) * lin(x, w3), w2)
+    F = w1.shape[0]
+    h = lin(x, jnp.concatenate([w1, w3], axis=0))
+    return lin(jax.nn.silu(h[:, :F]) * h[:, F:], w2)
 
 
 def capacity_mask(chosen, E, capacity_factor):
@@ -232,7 +239,9 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
         x = x + la(a, p[pre + "attn.wo"])
         h = rmsnorm(x, p[pre + "ffn_norm.weight"][0], m["norm_eps"])
         if l < m["first_dense_layers"]:
-            f = swiglu_ffn(h, p[pre + "mlp.w1"], p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"))
+            w1 = p[pre + "mlp.w1"]
+            f = swiglu_ffn(h, w1, p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"),
+                           lin_for.fuses_w13("mlp", w1.shape[0]))
         else:
             z = h @ p[pre + "moe.router"].T
             prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
@@ -247,14 +256,16 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
             gates = gates * kept  # a dropped assignment's expert output is not added
             f = jnp.zeros_like(h)
             if m["n_shared_experts"] > 0:
-                f = f + swiglu_ffn(h, p[pre + "moe.shared.w1"], p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
-                                   lin_for("shared_experts"))
+                w1 = p[pre + "moe.shared.w1"]
+                f = f + swiglu_ffn(h, w1, p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
+                                   lin_for("shared_experts"), lin_for.fuses_w13("shared_experts", w1.shape[0]))
             for e in range(E):
                 rows, slots = np.nonzero((chosen == e) & kept)
                 if len(rows) == 0:
                     continue
                 q_ = f"{pre}moe.experts.{e}."
-                ye = swiglu_ffn(h[rows], p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_for("experts"))
+                ye = swiglu_ffn(h[rows], p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_for("experts"),
+                                lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]))
                 f = f.at[rows].add(gates[rows, slots][:, None] * ye)
             if m["aux_loss_coef"] > 0:
                 counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
@@ -270,7 +281,17 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
 def linear_for(cfg):
     """The linear layer of each class: the recipe's quantized one where FP8 is on, else FP64."""
     lin = make_linear(cfg["recipe"], cfg["tile"], cfg.get("cache_activations", False), cfg.get("format") == "hybrid")
-    return lambda cls: lin if cls in cfg["fp8_layers"] else (lambda x, w: x @ w.T)
+
+    def lin_for(cls):
+        return lin if cls in cfg["fp8_layers"] else (lambda x, w: x @ w.T)
+
+    def fuses_w13(cls, F):
+        """Whether fp8moe fuses an FFN's w1 and w3 (model/ffn.h's fuses_w13): always, but for
+        blockwise FP8 with a width F that is not a multiple of the tile."""
+        return not (cls in cfg["fp8_layers"] and cfg["recipe"] == "blockwise" and F % cfg["tile"] != 0)
+
+    lin_for.fuses_w13 = fuses_w13
+    return lin_for
 
 
 def main(d):
