@@ -55,6 +55,14 @@ void quantize_tiled(Backend& be, const float* x, int64_t rows, int64_t cols, Til
   be.quantize_tiled(x, scale_options(c), out->view(), counts);
 }
 
+// Blockwise: x's 1 x T copy (counted) and T x 1 copy (not counted) from one read of it.
+void quantize_tiled_pair(Backend& be, const float* x, int64_t rows, int64_t cols, const Fp8Config& c,
+                         uint64_t* counts, QTensor* rows_out, QTensor* cols_out) {
+  *rows_out = QTensor(be, rows, cols, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
+  *cols_out = QTensor(be, rows, cols, Fp8Dtype::e4m3, Tiling::cols_Tx1, c.tile);
+  be.quantize_tiled_pair(x, scale_options(c), rows_out->view(), counts, cols_out->view(), nullptr);
+}
+
 // The weight's FP8 copy for this call: the step's cached one, or quantized now (into the cache
 // when there is one). Its counts are added when it is quantized, never on reuse.
 const QTensor* quantized_weight(Backend& be, const float* W, int64_t N, int64_t K, const LinearFp8& f,
@@ -110,9 +118,7 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     // Blockwise wgrad's T x 1 copy of x is made now, from the same read of x, when a backward
     // will read it, so that the FP32 x is not kept.
     if (c.recipe == Fp8Recipe::blockwise && !c.cache_activations && fp8.backward_follows) {
-      s.xq = QTensor(be, l.M, K, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
-      s.xt = QTensor(be, l.M, K, Fp8Dtype::e4m3, Tiling::cols_Tx1, c.tile);
-      be.quantize_tiled_pair(l.x, scale_options(c), s.xq.view(), counts, s.xt.view(), nullptr);
+      quantize_tiled_pair(be, l.x, l.M, K, c, counts, &s.xq, &s.xt);
     } else if (c.recipe == Fp8Recipe::blockwise)
       quantize_tiled(be, l.x, l.M, K, Tiling::rows_1xT, c, counts, &s.xq);
     else
@@ -161,9 +167,7 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
         quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt[g]);
         continue;
       }
-      dyq[g] = QTensor(be, M, N, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
-      dyt[g] = QTensor(be, M, N, Fp8Dtype::e4m3, Tiling::cols_Tx1, c.tile);
-      be.quantize_tiled_pair(l.dy, scale_options(c), dyq[g].view(), fp8.counts, dyt[g].view(), nullptr);
+      quantize_tiled_pair(be, l.dy, M, N, c, fp8.counts, &dyq[g], &dyt[g]);
     } else {
       quantize_per_tensor(be, l.dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &dyq[g]);
       if (!l.dx) continue;

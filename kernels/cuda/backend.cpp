@@ -64,6 +64,7 @@ class CudaBackendImpl final : public CudaBackend {
       : CudaBackend(DeviceKind::cuda), device_(ordinal), options_(options) {
     CUDA_CHECK(cudaSetDevice(device_));
     CUDA_CHECK(cudaGetDeviceProperties(&prop_, device_));
+    cuda::prepare_quantize_kernels();
     CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));

@@ -156,7 +156,14 @@ __global__ void convert_hw_kernel(const float* __restrict__ x, int64_t n, __nv_f
 
 unsigned long long* as_ull(uint64_t* p) { return reinterpret_cast<unsigned long long*>(p); }
 
+constexpr int kMaxPairTile = 128;  // quantize_tiled_pair's largest staged region: 64 KiB
+
 }  // namespace
+
+void prepare_quantize_kernels() {
+  CUDA_CHECK(cudaFuncSetAttribute(quantize_tiled_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(size_t(kMaxPairTile) * kMaxPairTile * sizeof(float))));
+}
 
 void amax(const float* x, int64_t n, float* out, cudaStream_t stream) {
   CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), stream));  // +0: the CPU's amax of nothing
@@ -196,18 +203,13 @@ void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& ou
 void quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantView& rows_out, uint64_t* rows_counts,
                          const QuantView& cols_out, uint64_t* cols_counts, cudaStream_t stream) {
   const int T = rows_out.tile;
-  constexpr int kMaxTile = 128;  // 64 KiB of staged region
-  if (T != cols_out.tile || T > kMaxTile || rows_out.dtype != cols_out.dtype) {
+  if (T != cols_out.tile || T > kMaxPairTile || rows_out.dtype != cols_out.dtype) {
     quantize_tiled(x, opt, rows_out, rows_counts, stream);
     quantize_tiled(x, opt, cols_out, cols_counts, stream);
     return;
   }
   if (rows_out.rows == 0 || rows_out.cols == 0) return;
-  const size_t smem = size_t(T) * size_t(T) * sizeof(float);
-  // Above 48 KiB a kernel's dynamic shared memory is opt-in, per device context: set at every
-  // launch (a host-side attribute, no synchronisation).
-  CUDA_CHECK(cudaFuncSetAttribute(quantize_tiled_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  int(size_t(kMaxTile) * kMaxTile * sizeof(float))));
+  const size_t smem = size_t(T) * size_t(T) * sizeof(float);  // opted in by prepare_quantize_kernels
   const int64_t region_rows = (rows_out.rows + T - 1) / T, region_cols = (rows_out.cols + T - 1) / T;
   quantize_tiled_pair_kernel<<<grid_of(region_rows * region_cols, "quantize_tiled_pair"), kBlockThreads, smem, stream>>>(
       x, rows_out.rows, rows_out.cols, T, region_cols, rows_out.dtype, opt.margin, opt.power_of_two, rows_out.data,

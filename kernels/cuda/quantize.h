@@ -23,6 +23,9 @@ void quantize_scaled(const float* x, const float* scale, const QuantView& out, u
 // the tile's own amax.
 void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts,
                     cudaStream_t stream);
+// Once per device context, before any launch below (the backend's set-up): quantize_tiled_pair's
+// kernel stages more than 48 KiB of shared memory, which is opt-in.
+void prepare_quantize_kernels();
 // rows_out (1 x T) and cols_out (T x 1) of one x, each bit-identical to quantize_tiled's, from one
 // read of x: a block per T x T region, staged in shared memory (T <= 128; otherwise the two
 // quantize_tiled launches). Same T for both.

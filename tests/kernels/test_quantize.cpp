@@ -394,13 +394,16 @@ TEST_P(DeviceOps, AmaxAndPerTensorQuantizeMatchCpuBitwise) {
     }
 }
 
+// The formats and scale options the tiled quantization tests run.
+struct TiledVariant {
+  Fp8Dtype dtype;
+  ScaleOptions opt;
+};
+const TiledVariant kTiledVariants[] = {{Fp8Dtype::e4m3, {0, true}}, {Fp8Dtype::e5m2, {0, true}},
+                                       {Fp8Dtype::e4m3, {0, false}}, {Fp8Dtype::e4m3, {3, true}}};
+
 TEST_P(DeviceOps, TiledQuantizeMatchesCpuBitwise) {
-  struct Variant {
-    Fp8Dtype dtype;
-    ScaleOptions opt;
-  };
-  for (Variant v : {Variant{Fp8Dtype::e4m3, {0, true}}, Variant{Fp8Dtype::e5m2, {0, true}},
-                    Variant{Fp8Dtype::e4m3, {0, false}}, Variant{Fp8Dtype::e4m3, {3, true}}})
+  for (const TiledVariant& v : kTiledVariants)
     for (Tiling t : {Tiling::rows_1xT, Tiling::cols_Tx1, Tiling::blocks_TxT})
       for (int tile : {128, 32})
         for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 300}, {1, 300}, {257, 130}, {1024, 512}}) {
@@ -444,12 +447,7 @@ TEST_P(DeviceOps, TiledQuantizePairIsTheTwoTilings) {
   // against the host quantize_tiled of each tiling, bitwise, with their own counters: tiles of
   // 128 (the staged 64 KiB region) and 16, partial regions on both edges, a region of zeros, a
   // NaN (its tiles' scales), denormals (underflow counts), with and without a margin.
-  struct Variant {
-    Fp8Dtype dtype;
-    ScaleOptions opt;
-  };
-  for (Variant v : {Variant{Fp8Dtype::e4m3, {0, true}}, Variant{Fp8Dtype::e5m2, {0, true}},
-                    Variant{Fp8Dtype::e4m3, {0, false}}, Variant{Fp8Dtype::e4m3, {3, true}}})
+  for (const TiledVariant& v : kTiledVariants)
     for (int tile : {128, 16})
       for (auto [rows, cols] : {std::pair<int64_t, int64_t>{0, 300}, {1, 300}, {257, 130}, {1024, 512}, {300, 7}}) {
         SCOPED_TRACE(testing::Message() << to_string(v.dtype) << " pow2 " << v.opt.power_of_two << " margin "
