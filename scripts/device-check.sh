@@ -16,9 +16,10 @@
 #   7. bench/gpu-moe.sh: configs/moe-3b.yaml (3.2B MoE) in blockwise FP8 beside bench/torch_moe.py
 #      (PyTorch BF16 with torch._grouped_mm, eager only here: a cold torch.compile of this model
 #      would not fit; run bench/gpu-moe.sh alone for it): tokens/s, MFU, device memory
-# Each step has a time limit (590 s in all, within the device tool's 600 s per command; the whole
-# check should stay under 6 minutes: the first form of this check, steps 1-4, took 192 s on an
-# H200; steps 5-7 have not run on a GPU yet). The summary grows after every step in $OUT/summary.txt (the
+# Each step has a time limit, and the whole check a deadline of 6 minutes (DEVICE_CHECK_BUDGET,
+# seconds): a step gets at most what is left of it, and a step with under 10 s left is not started
+# and counts as a failure, so the check never runs past 6 minutes (the first form of this check,
+# steps 1-4, took 192 s on an H200; steps 5-7 have not run on a GPU yet). The summary grows after every step in $OUT/summary.txt (the
 # device tool's output folder, when set) and is printed last. On a GPU a skipped test is a failure.
 #
 # usage: scripts/device-check.sh [BUNDLE=bundle/fp8moe-bundle.tar.xz]
@@ -39,18 +40,48 @@ cudnn_lib=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.
 start=$(date +%s)
 summary=$logs/summary.txt
 : >"$summary"
+budget=${DEVICE_CHECK_BUDGET:-360}
+# limit SECONDS: the step's limit, cut to what is left of the budget (0: no time left).
+limit() {
+  local left=$(( budget - ($(date +%s) - start) ))
+  (( left < 10 )) && { echo 0; return; }
+  echo $(( $1 < left ? $1 : left ))
+}
+# out_of_time NAME LIMIT: true (and a failure noted) when LIMIT is 0.
+out_of_time() {
+  [[ $2 == 0 ]] || return 1
+  note "$(printf '%-14s not run: the check used its %d s' "$1:" "$budget")"
+  failed=1
+}
 section() { printf '\n==== %s (%ds) ====\n' "$1" $(( $(date +%s) - start )); }
 note() { echo "$*" >>"$summary"; }
 failed=0
 # gtest_run NAME LIMIT [ARGS...]: runs a gtest binary of the bundle (log $logs/NAME.txt); a failure or a
 # skipped test fails the check.
 gtest_run() {
-  timeout "$2" "$1" "${@:3}" 2>&1 | tee "$logs/$1.txt" | grep -E "^\[ +(OK|FAILED) +\] |^\[ +(PASSED|SKIPPED) +\] [0-9]+ test"
+  local t
+  t=$(limit "$2")
+  out_of_time "$1" "$t" && return
+  timeout "$t" "$1" "${@:3}" 2>&1 | tee "$logs/$1.txt" | grep -E "^\[ +(OK|FAILED) +\] |^\[ +(PASSED|SKIPPED) +\] [0-9]+ test"
   local status=${PIPESTATUS[0]}
   local line
   line=$(grep -E "^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ test" "$logs/$1.txt" | sed 's/, listed below://' | tr -s ' \n' ' ')
   grep -q "^\[  SKIPPED \]" "$logs/$1.txt" && status=${status/#0/skipped}
   note "$(printf '%-14s exit %s: %s' "$1:" "$status" "$line")"
+  [[ $status == 0 ]] || failed=1
+}
+
+# script_run LOG LIMIT TITLE FROM CMD...: runs CMD within the budget (log $logs/LOG.txt) and notes TITLE,
+# its exit status and its log from the first line matching FROM.
+script_run() {
+  local log=$1 title=$3 from=$4 t status
+  t=$(limit "$2")
+  shift 4
+  out_of_time "$log" "$t" && return
+  timeout "$t" "$@" 2>&1 | tee "$logs/$log.txt"
+  status=${PIPESTATUS[0]}
+  note "$title (exit $status):"
+  note "$(sed -n "\\|$from|,\$p" "$logs/$log.txt" | sed 's/^/  /')"
   [[ $status == 0 ]] || failed=1
 }
 
@@ -74,39 +105,21 @@ section "test_nccl (one rank: NCCL against MPI, self send/recv)"
 gtest_run test_nccl 30
 
 section "bench_gemm_cuda"
-timeout 60 bench_gemm_cuda 20 2>&1 | tee "$logs/bench_gemm.txt"
-status=${PIPESTATUS[0]}
-note "GEMMs (exit $status), dense FP8 peak 1979 TFLOP/s:"
-note "$(sed -n '/^shape/,$p' "$logs/bench_gemm.txt" | sed 's/^/  /')"
-[[ $status == 0 ]] || failed=1
+script_run bench_gemm 60 "GEMMs, dense FP8 peak 1979 TFLOP/s" '^shape' bench_gemm_cuda 20
 
 section "cuda vs cpu, 20 steps"
-timeout 130 bash "$src/tests/app/cuda_vs_cpu.sh" "$(command -v fp8moe)" "$src" 20 2>&1 | tee "$logs/e2e.txt"
-status=${PIPESTATUS[0]}
-note "end to end, cuda vs cpu (exit $status):"
-note "$(sed -n '/^recipe/,$p' "$logs/e2e.txt" | sed 's/^/  /')"
-[[ $status == 0 ]] || failed=1
+script_run e2e 130 "end to end, cuda vs cpu" '^recipe' bash "$src/tests/app/cuda_vs_cpu.sh" "$(command -v fp8moe)" "$src" 20
 
 section "layouts on one GPU, 2 ranks with runtime.comm mpi"
-timeout 60 bash "$src/tests/app/cuda_layouts.sh" "$(command -v fp8moe)" "$src" 6 2>&1 | tee "$logs/layouts.txt"
-status=${PIPESTATUS[0]}
-note "layouts on one GPU vs 1 rank (exit $status):"
-note "$(sed -n '/^recipe/,$p' "$logs/layouts.txt" | sed 's/^/  /')"
-[[ $status == 0 ]] || failed=1
+script_run layouts 60 "layouts on one GPU vs 1 rank" '^recipe' \
+  bash "$src/tests/app/cuda_layouts.sh" "$(command -v fp8moe)" "$src" 6
 
 section "tiny.yaml on cuda beside eager PyTorch"
-timeout 60 bash "$src/bench/gpu-vs-eager.sh" "$(command -v fp8moe)" 12 2>&1 | tee "$logs/eager.txt"
-status=${PIPESTATUS[0]}
-note "throughput (exit $status):"
-note "$(sed -n '/^tiny.yaml/,$p' "$logs/eager.txt" | sed 's/^/  /')"
-[[ $status == 0 ]] || failed=1
+script_run eager 60 "throughput" '^tiny.yaml' bash "$src/bench/gpu-vs-eager.sh" "$(command -v fp8moe)" 12
 
 section "configs/moe-3b.yaml beside PyTorch BF16"
-GPU_MOE_COMPILE=0 GPU_MOE_RUN_LIMIT=55 timeout 130 bash "$src/bench/gpu-moe.sh" "$(command -v fp8moe)" 8 2>&1 | tee "$logs/moe3b.txt"
-status=${PIPESTATUS[0]}
-note "3.2B MoE (exit $status):"
-note "$(sed -n '/^configs\/moe-3b.yaml/,$p' "$logs/moe3b.txt" | sed 's/^/  /')"
-[[ $status == 0 ]] || failed=1
+script_run moe3b 130 "3.2B MoE" '^configs/moe-3b.yaml' \
+  env GPU_MOE_COMPILE=0 GPU_MOE_RUN_LIMIT=55 bash "$src/bench/gpu-moe.sh" "$(command -v fp8moe)" 8
 
 note "total $(( $(date +%s) - start )) s; $([[ $failed == 0 ]] && echo "all passed" || echo "FAILED")"
 section "summary"
