@@ -34,11 +34,16 @@ int report(const std::string& dir, bool verbose) {
     try {
       const Config c = load_config(ConfigSource{r.file + " (stored config)", r.config_yaml, {}}, 0);
       const ModelConfig& m = c.model;
-      std::printf("  model: vocab %d, d_model %d, %d layers (%d dense), %d heads (%d kv) x %d, %d routed experts "
+      char attn[160];
+      if (m.mla())
+        std::snprintf(attn, sizeof attn, "%d MLA heads (q_lora %d, kv_lora %d, qk %d + %d rotary, v %d)", m.n_heads,
+                      m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim);
+      else
+        std::snprintf(attn, sizeof attn, "%d heads (%d kv) x %d", m.n_heads, m.n_kv_heads, m.head_dim);
+      std::printf("  model: vocab %d, d_model %d, %d layers (%d dense), %s, %d routed experts "
                   "top-%d + %d shared, d_expert %d; %lld trainable parameters\n",
-                  m.vocab_size, m.d_model, m.n_layers, m.first_dense_layers, m.n_heads, m.n_kv_heads, m.head_dim,
-                  m.moe.n_experts, m.moe.top_k, m.moe.n_shared_experts, m.moe.d_expert,
-                  (long long)build_param_table(m).trainable_numel());
+                  m.vocab_size, m.d_model, m.n_layers, m.first_dense_layers, attn, m.moe.n_experts, m.moe.top_k,
+                  m.moe.n_shared_experts, m.moe.d_expert, (long long)build_param_table(m).trainable_numel());
       std::printf("  train: %lld steps, global batch %d x %d tokens, lr %g; fp8 recipe %s; moments %s\n",
                   (long long)c.train.steps, c.train.global_batch, c.train.seq_len, c.train.lr,
                   std::string(to_string(c.fp8.recipe)).c_str(), std::string(to_string(c.train.moments_dtype)).c_str());

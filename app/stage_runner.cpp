@@ -13,9 +13,12 @@ StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGrou
   T_ = cfg.train.seq_len;
   mbs_ = cfg.train.global_batch / (cfg.parallel.micro_batches * g_.data_host->size());
   act_ = mbs_ * T_ * cfg.model.d_model;
-  moe_layers_ = cfg.model.n_layers - cfg.model.first_dense_layers;
+  moe_layers_ = cfg.model.moe_layers();
+  depth_ = cfg.model.mtp_depth;
   first_ = model.placement().first_stage(), last_ = model.placement().last_stage();
   x_in_ = Tensor(be_, DType::f32, {first_ ? 0 : act_}), dy_in_ = Tensor(be_, DType::f32, {last_ ? 0 : act_});
+  mtp_in_ = Tensor(be_, DType::f32, {first_ ? 0 : depth_ * act_});
+  d_mtp_in_ = Tensor(be_, DType::f32, {last_ ? 0 : depth_ * act_});
   counts_h_ = HostBuffer<uint64_t>(be_, 2);
 }
 
@@ -40,23 +43,44 @@ void StageRunner::sample(DataBlend& data, uint64_t seed, int64_t first_sample, i
   // micro-batch's mean, so gradients have the 1-rank magnitudes and sum over the replicas.
   counted_all_ = counted_;
   if (count_all && R > 1) g_.data_host->allreduce_sum(counted_all_.data(), batches);
+  if (!count_all || depth_ == 0) return;  // the modules train; an evaluation leaves them out
+  // The modules' tokens and targets (model/transformer.h, mtp_shift), counted the same way.
+  const int64_t per = mbs_ * T_;
+  if (mtp_tokens_h_.size() < depth_ * n)
+    mtp_tokens_h_ = HostBuffer<int32_t>(be_, depth_ * n), mtp_targets_h_ = HostBuffer<int32_t>(be_, depth_ * n);
+  mtp_counted_.assign(size_t(batches * depth_), 0);
+  for (int64_t b = 0; b < batches; ++b) {
+    int32_t* tg = mtp_targets_h_.data() + b * depth_ * per;
+    mtp_shift(tokens_h_.data() + b * per, mbs_, T_, depth_, 0, mtp_tokens_h_.data() + b * depth_ * per);
+    mtp_shift(targets_h_.data() + b * per, mbs_, T_, depth_, cfg_.model.pad_id, tg);
+    for (int k = 0; k < depth_; ++k)
+      mtp_counted_[size_t(b * depth_ + k)] =
+          std::count_if(tg + k * per, tg + (k + 1) * per, [&](int32_t x) { return x != cfg_.model.pad_id; });
+  }
+  mtp_counted_all_ = mtp_counted_;
+  if (R > 1) g_.data_host->allreduce_sum(mtp_counted_all_.data(), batches * depth_);
 }
 
 // One upload of the tokens (first stage) and targets (last stage) of every micro-batch. NOTE: from
 // pinned memory the copy runs later; the host rewrites these buffers only after the step's (or
 // the evaluation's) synchronisation, which the copy precedes.
-void StageRunner::upload_batches(int64_t batches) {
+void StageRunner::upload_batches(int64_t batches, bool with_mtp) {
   const int64_t n = batches * mbs_ * T_;
   if (tokens_.numel() < n) tokens_ = Tensor(be_, DType::i32, {n}), targets_ = Tensor(be_, DType::i32, {n});
   if (first_) be_.upload(tokens_.raw(), tokens_h_.data(), size_t(n) * sizeof(int32_t));
   if (last_) be_.upload(targets_.raw(), targets_h_.data(), size_t(n) * sizeof(int32_t));
+  if (!with_mtp || depth_ == 0) return;
+  if (mtp_tokens_.numel() < depth_ * n)
+    mtp_tokens_ = Tensor(be_, DType::i32, {depth_ * n}), mtp_targets_ = Tensor(be_, DType::i32, {depth_ * n});
+  if (first_) be_.upload(mtp_tokens_.raw(), mtp_tokens_h_.data(), size_t(depth_ * n) * sizeof(int32_t));
+  if (last_) be_.upload(mtp_targets_.raw(), mtp_targets_h_.data(), size_t(depth_ * n) * sizeof(int32_t));
 }
 
 // Receives block; the time they block is the stage's share of the pipeline bubble. Sends are
 // non-blocking, collected once a step.
-void StageRunner::recv(float* buf, int peer, int tag, StepLocal* local) {
+void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* local) {
   const auto t0 = std::chrono::steady_clock::now();
-  g_.pipe->recv(buf, act_, peer, tag);
+  g_.pipe->recv(buf, n, peer, tag);
   if (local) local->waited_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -70,18 +94,32 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   losses_ = Tensor::zeros(be_, DType::f64, {M, slots()});
   load_flat_.assign(size_t(moe_layers_ * mc.moe.n_experts), 0);
   sample(data, uint64_t(cfg_.train.seed), first_sample, 0, M, true);
-  upload_batches(M);
+  upload_batches(M, true);
   std::vector<StageRun> runs(static_cast<size_t>(M));
   *local = StepLocal{};
 
   auto forward = [&](int mb) {
-    if (!first_) recv(x_in_.f32(), stage - 1, 2 * mb, local);
+    if (!first_) recv(x_in_.f32(), act_, stage - 1, 2 * mb, local);
     double* slot = losses_.data<double>() + mb * slots();
     const int64_t at = int64_t(mb) * mbs_ * T_;
+    // Multi-token prediction: the first stage embeds the modules' tokens and sends the embeddings
+    // to the last stage, which returns their gradient in backward (tags after the activations').
+    MtpBatch mtp;
+    if (depth_ > 0) {
+      mtp.tokens = mtp_tokens_.data<int32_t>() + depth_ * at, mtp.targets = mtp_targets_.data<int32_t>() + depth_ * at;
+      mtp.mean_over.assign(mtp_counted_all_.begin() + mb * depth_, mtp_counted_all_.begin() + (mb + 1) * depth_);
+      if (last_ && !first_) {
+        recv(mtp_in_.f32(), depth_ * act_, 0, 2 * M + 2 * mb, local);
+        mtp.embeddings = mtp_in_.f32();
+      }
+    }
     runs[size_t(mb)] = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
                                             counted_[size_t(mb)], mbs_, T_, first_ ? nullptr : x_in_.f32(), true,
-                                            {slot, slot + 1}, loss_scale, counted_all_[size_t(mb)], 1.0 / double(R));
+                                            {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale,
+                                            counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr);
     if (!last_) g_.pipe->isend(runs[size_t(mb)].output(), act_, stage + 1, 2 * mb);
+    if (depth_ > 0 && first_ && !last_)
+      g_.pipe->isend(runs[size_t(mb)].mtp_output(), depth_ * act_, g_.pipe->size() - 1, 2 * M + 2 * mb);
     const StepResult& r = runs[size_t(mb)].result();
     for (size_t l = 0; l < r.expert_load.size(); ++l)
       for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
@@ -90,9 +128,13 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
       }
   };
   auto backward = [&](int mb) {
-    if (!last_) recv(dy_in_.f32(), stage + 1, 2 * mb + 1, local);
-    model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32());
+    if (!last_) recv(dy_in_.f32(), act_, stage + 1, 2 * mb + 1, local);
+    const bool mtp_in = depth_ > 0 && first_ && !last_;
+    if (mtp_in) recv(d_mtp_in_.f32(), depth_ * act_, g_.pipe->size() - 1, 2 * M + 2 * mb + 1, local);
+    model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? d_mtp_in_.f32() : nullptr);
     if (!first_) g_.pipe->isend(runs[size_t(mb)].input_grad(), act_, stage - 1, 2 * mb + 1);
+    if (depth_ > 0 && last_ && !first_)
+      g_.pipe->isend(runs[size_t(mb)].mtp_input_grad(), depth_ * act_, 0, 2 * M + 2 * mb + 1);
   };
   for (const PipelineOp& op : one_f_one_b(g_.pipe->size(), stage, M)) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
   g_.pipe->wait_sends();
@@ -113,7 +155,7 @@ StepTotals StageRunner::finish_step(const double* grad_sq) {
 
   // Each micro-batch's loss as the model defines it (model/transformer.h, StepResult): the last
   // stage's mean cross-entropy plus the weighted aux losses of this stage's MoE layers.
-  double loss_sum = 0, fp8[2] = {double(counts[0]), double(counts[1])};
+  double loss_sum = 0, mtp_sum = 0, fp8[2] = {double(counts[0]), double(counts[1])};
   for (int mb = 0; mb < M; ++mb) {
     const double* s = losses + mb * slots();
     const int64_t denom = counted_all_[size_t(mb)];
@@ -122,7 +164,13 @@ StepTotals StageRunner::finish_step(const double* grad_sq) {
     for (int64_t l = 0; l < moe_layers_; ++l) aux += s[1 + l];
     aux *= aux_weight;
     loss_sum += (ce + aux) / double(M);
+    for (int k = 0; last_ && k < depth_; ++k) {
+      const int64_t d = mtp_counted_all_[size_t(mb * depth_ + k)];
+      mtp_sum += d > 0 ? s[1 + moe_layers_ + k] / double(d) / double(depth_ * M) : 0.0;
+    }
   }
+  g_.data_host->allreduce_sum(&mtp_sum, 1);
+  g_.pipe_host->allreduce_sum(&mtp_sum, 1);
   // The loss (last stage; aux losses from every stage) and expert loads: summed over the replicas
   // and the stages; FP8 counts and the gradient norm over every rank.
   StepTotals t;
@@ -134,6 +182,7 @@ StepTotals StageRunner::finish_step(const double* grad_sq) {
   t.grad_sq = sq[0];
   g_.world_host->allreduce_sum(&t.grad_sq, 1);
   t.loss = loss_sum, t.fp8_saturated = int64_t(fp8[0]), t.fp8_underflowed = int64_t(fp8[1]);
+  t.mtp_loss = depth_ > 0 ? mtp_sum : NAN;
   t.expert_load.resize(static_cast<size_t>(moe_layers_));
   for (int64_t l = 0; l < moe_layers_; ++l)
     t.expert_load[size_t(l)].assign(load_flat_.begin() + l * mc.moe.n_experts, load_flat_.begin() + (l + 1) * mc.moe.n_experts);
@@ -144,11 +193,11 @@ double StageRunner::validation_loss(DataBlend& data) {
   const int stage = g_.pipe->rank();
   const int64_t B = cfg_.eval.batches;
   sample(data, uint64_t(cfg_.train.seed) ^ 0x76616cull, 0, 0, B, false);  // fixed sequences, their own seed
-  upload_batches(B);
+  upload_batches(B, false);
   Tensor ce = Tensor::zeros(be_, DType::f64, {B});
   std::vector<int64_t> tokens(static_cast<size_t>(B), 0);
   for (int64_t b = 0; b < B; ++b) {
-    if (!first_) recv(x_in_.f32(), stage - 1, 0, nullptr);
+    if (!first_) recv(x_in_.f32(), act_, stage - 1, 0, nullptr);
     const int64_t at = b * mbs_ * T_;
     const StageRun run = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
                                               counted_[size_t(b)], mbs_, T_, first_ ? nullptr : x_in_.f32(), false,

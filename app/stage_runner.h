@@ -26,6 +26,10 @@ struct StepTotals {
   int64_t fp8_saturated = 0, fp8_underflowed = 0;  // over every rank
   std::vector<std::vector<int64_t>> expert_load;   // per MoE layer and expert, over replicas and stages
   double grad_sq = 0;                              // the squared global gradient norm (finish_step's argument, summed)
+  // The multi-token prediction modules' mean cross-entropy (the micro-batches' mean, each module's
+  // over its counted targets); NaN without them. Not in `loss` (Megatron's "lm loss" and
+  // "mtp_1 loss"): the objective adds model.mtp_loss_weight x mtp_loss.
+  double mtp_loss = 0;
 };
 
 // This rank's part of the step, for the communication and bubble accounting.
@@ -68,20 +72,28 @@ class StageRunner {
   // the host buffers, and their counted targets (this replica's; with count_all, also summed over
   // the replicas).
   void sample(DataBlend& data, uint64_t seed, int64_t first_sample, int64_t mb0, int64_t batches, bool count_all);
-  void upload_batches(int64_t batches);
-  void recv(float* buf, int peer, int tag, StepLocal* local);
-  int64_t slots() const { return 1 + moe_layers_; }  // losses per micro-batch: CE, then each MoE layer's aux
+  void upload_batches(int64_t batches, bool with_mtp);
+  void recv(float* buf, int64_t n, int peer, int tag, StepLocal* local);
+  // Losses per micro-batch: CE, each MoE layer's aux, each multi-token prediction module's CE.
+  int64_t slots() const { return 1 + moe_layers_ + depth_; }
 
   const Config& cfg_;
   Transformer& model_;
   Backend& be_;
   RunnerGroups g_;
   int64_t T_ = 0, mbs_ = 0, act_ = 0, moe_layers_ = 0;  // sequence length, sequences per replica, activation floats
+  int depth_ = 0;                                        // multi-token prediction modules
   bool first_ = false, last_ = false;                    // first / last pipeline stage
   HostBuffer<int32_t> tokens_h_, targets_h_;             // (batches, mbs, T), pinned
   std::vector<int64_t> counted_, counted_all_;           // per micro-batch: this replica's, every replica's
   Tensor tokens_, targets_;                              // the same on the device
   Tensor x_in_, dy_in_;                                  // from the previous stage, from the next one
+  // Multi-token prediction (training): the modules' shifted tokens and targets (batches, depth,
+  // mbs, T), their counted targets per micro-batch and module (this replica's, every replica's),
+  // and across stages the embeddings (last stage) and their gradient (first stage) received.
+  HostBuffer<int32_t> mtp_tokens_h_, mtp_targets_h_;
+  std::vector<int64_t> mtp_counted_, mtp_counted_all_;
+  Tensor mtp_tokens_, mtp_targets_, mtp_in_, d_mtp_in_;
   Tensor losses_;                                        // (micro-batches, slots()) FP64
   std::vector<int64_t> load_flat_;                       // (MoE layers, experts) this step, this rank
   HostBuffer<double> losses_h_;                          // finish_step's read: losses_, then the norm part

@@ -39,8 +39,18 @@ int64_t peak_rss_bytes() {
 }  // namespace
 
 double model_flops_per_token(const ModelConfig& m, int64_t T) {
-  const double D = m.d_model, q = double(m.n_heads) * m.head_dim, kv = double(m.n_kv_heads) * m.head_dim;
-  double per_layer = 2 * (D * q + 2 * D * kv + q * D) + 2.0 * q * double(T);  // projections; QK^T and PV (causal: T/2 each)
+  const double D = m.d_model, H = m.n_heads;
+  // Projections; then QK^T and PV, causal: T/2 keys per query on average.
+  double per_layer = 0;
+  if (m.mla()) {
+    const double qk = m.qk_head_dim(), v = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
+    const double q_proj = ql > 0 ? D * ql + ql * H * qk : D * H * qk;
+    per_layer = 2 * (q_proj + D * (kvl + m.qk_rope_head_dim) + kvl * H * (m.qk_nope_head_dim + v) + H * v * D) +
+                H * (qk + v) * double(T);
+  } else {
+    const double q = H * m.head_dim, kv = double(m.n_kv_heads) * m.head_dim;
+    per_layer = 2 * (D * q + 2 * D * kv + q * D) + 2.0 * q * double(T);
+  }
   double total = 0;
   for (int l = 0; l < m.n_layers; ++l) {
     const double ffn = l < m.first_dense_layers
@@ -87,18 +97,20 @@ void StepReporter::report(const StepSummary& s) {
     if (on_device) std::snprintf(dmem_text, sizeof dmem_text, "  dmem %.0f MB", dmem / 1e6);
     char val[32] = "  -   ";
     if (!std::isnan(s.last_val_loss)) std::snprintf(val, sizeof val, "%.4f", s.last_val_loss);
+    char mtp[32] = "";
+    if (!std::isnan(s.mtp_loss)) std::snprintf(mtp, sizeof mtp, "  mtp %.4f", s.mtp_loss);
     char bubble[64] = "";
     if (pipeline) std::snprintf(bubble, sizeof bubble, "  bubble %.2f (ideal %.2f)", s.bubble, s.bubble_ideal);
     // The loss also as its exact bits (%a): resumed and uninterrupted runs are compared bitwise.
-    std::printf("step %5lld/%lld  loss %.4f  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
+    std::printf("step %5lld/%lld  loss %.4f%s  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
                 "mem %.0f MB%s  syncs %.0f  load %.2f  sat %lld  under %lld  skipped %lld%s  eta %.0f s  [%a]\n",
-                (long long)s.step, (long long)cfg_.train.steps, s.loss, val, s.lr, s.grad_norm, tokens_per_s, s.step_s,
+                (long long)s.step, (long long)cfg_.train.steps, s.loss, mtp, val, s.lr, s.grad_norm, tokens_per_s, s.step_s,
                 mfu, mem / 1e6, dmem_text, most[2], s.expert_load_imbalance, (long long)s.fp8_saturated,
                 (long long)s.fp8_underflowed, (long long)s.skipped_steps, bubble, s.eta_s, s.loss);
     std::fflush(stdout);
   }
   StepMetrics m;
-  m.step = s.step, m.loss = s.loss, m.val_loss = s.val_loss, m.lr = s.lr;
+  m.step = s.step, m.loss = s.loss, m.mtp_loss = s.mtp_loss, m.val_loss = s.val_loss, m.lr = s.lr;
   m.grad_norm = s.grad_norm, m.tokens_per_s = tokens_per_s, m.step_time_s = s.step_s, m.mfu = mfu;
   m.peak_mem_bytes = int64_t(mem);
   if (on_device) m.peak_device_mem_bytes = int64_t(dmem);

@@ -3,6 +3,7 @@
 // record (io/metrics.h).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,7 +34,8 @@ double load_imbalance(const std::vector<std::vector<int64_t>>& expert_load);
 // One finished step, as every rank knows it after the step's reductions.
 struct StepSummary {
   int64_t step = 0;                  // 1-based
-  double loss = 0;
+  double loss = 0;                   // cross-entropy and aux losses (the multi-token prediction's apart)
+  double mtp_loss = NAN;             // the multi-token prediction modules' mean cross-entropy (NaN: none)
   double val_loss = 0;               // NaN: this step did not evaluate
   double last_val_loss = 0;          // the latest validation loss (NaN: none yet)
   double lr = 0, grad_norm = 0;

@@ -13,6 +13,7 @@
 #include "kernels/backend_info.h"
 #include "kernels/check.h"
 #include "kernels/backend.h"
+#include "model/param_table.h"
 #include "parallel/grid.h"
 #include "parallel/mpi_session.h"
 #include "parallel/watchdog.h"
@@ -120,6 +121,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
                 options.config_path.c_str(), mpi.size(), mpi.size() == 1 ? "" : "s",
                 config_to_yaml(config).c_str(), table.c_str());
     std::printf("%s\n", device_line.c_str());
+    std::printf("%s\n", param_count_table(config.model).c_str());
     std::printf("OpenMP threads per rank: %d%s\n", threads,
                 std::getenv("OMP_NUM_THREADS") ? " (OMP_NUM_THREADS)" : " (the node's cores / its ranks)");
     if (options.dry_run) std::printf("dry run: the config is valid and the process grid is built; nothing was trained.\n");

@@ -259,7 +259,7 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
     watch_step(step + 1, "evaluation and metrics");
     if (evaluated) progress.last_val_loss = runner.validation_loss(*data.val);
     if ((step + 1) % cfg.log.every == 0 || final_step)
-      reporter.report({.step = step + 1, .loss = totals.loss, .val_loss = evaluated ? progress.last_val_loss : NAN,
+      reporter.report({.step = step + 1, .loss = totals.loss, .mtp_loss = totals.mtp_loss, .val_loss = evaluated ? progress.last_val_loss : NAN,
                        .last_val_loss = progress.last_val_loss, .lr = st.lr, .grad_norm = st.grad_norm,
                        .loss_scale = used_scale, .skipped_steps = opt.skipped(), .fp8_saturated = totals.fp8_saturated,
                        .fp8_underflowed = totals.fp8_underflowed,

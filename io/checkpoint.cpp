@@ -6,6 +6,7 @@
 #include <hdf5.h>
 
 #include <algorithm>
+#include <cctype>
 #include <iterator>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <ctime>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -97,6 +99,41 @@ std::vector<std::string> model_differences(const Config& stored, const Config& c
     if (k.rfind("model.", 0) == 0 && k != "model.init_std" && b.count(k) && b.at(k) != v)
       diff.push_back(k + ": checkpoint " + v + ", config " + b.at(k));
   return diff;
+}
+
+// The parameter names of one model but not the other, with layer and expert numbers as `*` and
+// a count ("\n  only in the checkpoint: layers.*.attn.wk (4 tensors)"); "" when both have the same.
+std::string tensor_differences(const ModelConfig& stored, const ModelConfig& current) {
+  auto pattern = [](const std::string& name) {
+    std::string out;
+    for (size_t i = 0; i < name.size();) {
+      const bool number = std::isdigit(static_cast<unsigned char>(name[i])) && (i == 0 || name[i - 1] == '.');
+      if (!number) {
+        out += name[i++];
+        continue;
+      }
+      while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) ++i;
+      out += '*';
+    }
+    return out;
+  };
+  auto names = [](const ModelConfig& m) {
+    std::set<std::string> out;
+    for (const ParamSpec& p : build_param_table(m).params) out.insert(p.name);
+    return out;
+  };
+  const std::set<std::string> a = names(stored), b = names(current);
+  auto only = [&](const std::set<std::string>& x, const std::set<std::string>& y, const char* where) {
+    std::map<std::string, int64_t> groups;
+    for (const std::string& n : x)
+      if (!y.count(n)) ++groups[pattern(n)];
+    std::string out;
+    for (const auto& [g, count] : groups)
+      out += "\n  only in the " + std::string(where) + ": " + g + " (" + std::to_string(count) +
+             (count == 1 ? " tensor)" : " tensors)");
+    return out;
+  };
+  return only(a, b, "checkpoint") + only(b, a, "config's model");
 }
 
 // ---------------------------------------------------------------- delayed-scaling state
@@ -337,6 +374,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
       if (!diff.empty()) {
         std::string m = path + ": the checkpoint is of another model; differing keys:";
         for (const auto& d : diff) m += "\n  " + d;
+        m += tensor_differences(st->stored.model, current->model);
         throw CheckpointMismatch(m);
       }
     }

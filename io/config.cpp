@@ -317,9 +317,25 @@ const std::vector<Field>& schema() {
     v.push_back(integer("model.d_model", REF(model.d_model), 1, 1 << 20, "Hidden size."));
     v.push_back(integer("model.n_layers", REF(model.n_layers), 1, 4096, "Transformer blocks."));
     v.push_back(integer("model.n_heads", REF(model.n_heads), 1, 4096, "Attention (query) heads."));
+    v.push_back(choice("model.attention", REF(model.attention),
+                       "gqa: grouped-query attention (n_kv_heads, head_dim); mla: DeepSeek-V2/V3's multi-head "
+                       "latent attention (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+                       "v_head_dim)."));
     v.push_back(integer("model.n_kv_heads", REF(model.n_kv_heads), 1, 4096,
-                        "Key/value heads (grouped-query attention); divides n_heads."));
-    v.push_back(integer("model.head_dim", REF(model.head_dim), 2, 4096, "Size of one head; even (RoPE)."));
+                        "gqa: key/value heads (grouped-query attention); divides n_heads."));
+    v.push_back(integer("model.head_dim", REF(model.head_dim), 2, 4096, "gqa: size of one head; even (RoPE)."));
+    v.push_back(integer("model.q_lora_rank", REF(model.q_lora_rank), 0, 1 << 20,
+                        "mla: rank of the queries' down-projection (DeepSeek-V3: 1536); 0 = one projection "
+                        "(DeepSeek-V2-Lite)."));
+    v.push_back(integer("model.kv_lora_rank", REF(model.kv_lora_rank), 1, 1 << 20,
+                        "mla: rank of the latent shared by keys and values (DeepSeek-V3: 512)."));
+    v.push_back(integer("model.qk_nope_head_dim", REF(model.qk_nope_head_dim), 0, 4096,
+                        "mla: channels of each query/key head without RoPE (DeepSeek-V3: 128)."));
+    v.push_back(integer("model.qk_rope_head_dim", REF(model.qk_rope_head_dim), 2, 4096,
+                        "mla: RoPE channels of each query head and of the one key shared by all heads; even "
+                        "(DeepSeek-V3: 64)."));
+    v.push_back(integer("model.v_head_dim", REF(model.v_head_dim), 1, 4096,
+                        "mla: size of one value head (DeepSeek-V3: 128)."));
     v.push_back(real("model.rope_theta", REF(model.rope_theta), 0, B::open, kInf, B::open, "RoPE base."));
     v.push_back(real("model.norm_eps", REF(model.norm_eps), 0, B::open, 1, B::open, "RMSNorm epsilon."));
     v.push_back(integer("model.first_dense_layers", REF(model.first_dense_layers), 0, 4096,
@@ -329,6 +345,12 @@ const std::vector<Field>& schema() {
                      "Standard deviation of the initial weights (DeepSeek-V3: 0.006)."));
     v.push_back(integer("model.pad_id", REF(model.pad_id), -1, 1 << 24,
                         "Targets equal to this token id are ignored by the loss; -1 = none."));
+    v.push_back(integer("model.mtp_depth", REF(model.mtp_depth), 0, 64,
+                        "Multi-token prediction modules (DeepSeek-V3: 1), each predicting one token further "
+                        "with one MoE block and the shared embedding and head; 0 = off."));
+    v.push_back(real("model.mtp_loss_weight", REF(model.mtp_loss_weight), 0, B::closed, kInf, B::open,
+                     "Weight of the mean of the multi-token prediction losses in the training loss "
+                     "(DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1)."));
     v.push_back(integer("model.moe.n_experts", REF(model.moe.n_experts), 1, 1 << 16, "Routed experts per MoE layer."));
     v.push_back(integer("model.moe.top_k", REF(model.moe.top_k), 1, 1 << 16, "Routed experts chosen per token."));
     v.push_back(integer("model.moe.n_shared_experts", REF(model.moe.n_shared_experts), 0, 64,
@@ -671,11 +693,17 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
   const ModelConfig& m = c.model;
   const ParallelConfig& p = c.parallel;
 
-  rule(m.n_kv_heads <= m.n_heads && m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
-       "a divisor of model.n_heads = " + n(m.n_heads) + " (grouped-query attention)");
-  rule(m.head_dim % 2 == 0, "model.head_dim", "an even number (RoPE rotates pairs of channels)");
+  if (!m.mla()) {
+    rule(m.n_kv_heads <= m.n_heads && m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+         "a divisor of model.n_heads = " + n(m.n_heads) + " (grouped-query attention)");
+    rule(m.head_dim % 2 == 0, "model.head_dim", "an even number (RoPE rotates pairs of channels)");
+  } else {
+    rule(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", "an even number (RoPE rotates pairs of channels)");
+  }
   rule(m.first_dense_layers <= m.n_layers, "model.first_dense_layers",
        "at most model.n_layers = " + n(m.n_layers));
+  rule(m.mtp_depth < c.train.seq_len, "model.mtp_depth",
+       "fewer than train.seq_len = " + n(c.train.seq_len) + " (module k predicts the token k + 1 ahead in a sequence)");
   rule(m.pad_id < m.vocab_size, "model.pad_id", "-1 or a token id below model.vocab_size = " + n(m.vocab_size));
   rule(m.moe.top_k <= m.moe.n_experts, "model.moe.top_k", "at most model.moe.n_experts = " + n(m.moe.n_experts));
   rule(m.moe.n_experts % m.moe.n_group == 0, "model.moe.n_group",
@@ -703,7 +731,7 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
   const std::string tp = " (parallel.tensor = " + n(p.tensor) + ")";
   rule(m.n_heads % p.tensor == 0, "parallel.tensor",
        "a divisor of model.n_heads = " + n(m.n_heads) + " (heads are split over tensor-parallel ranks)");
-  rule(m.n_kv_heads % p.tensor == 0, "parallel.tensor",
+  rule(m.mla() || m.n_kv_heads % p.tensor == 0, "parallel.tensor",
        "a divisor of model.n_kv_heads = " + n(m.n_kv_heads) + " (kv heads are split over tensor-parallel ranks)");
   rule(m.vocab_size % p.tensor == 0, "parallel.tensor",
        "a divisor of model.vocab_size = " + n(m.vocab_size) + " (vocabulary-parallel embedding and head)");
@@ -723,12 +751,20 @@ void check_rules(const Config& c, const Loader& L, int world_size) {
 
   // Blockwise FP8: a weight block or activation tile may not straddle a tensor-parallel shard.
   if (c.fp8.recipe == Fp8Recipe::blockwise && p.tensor > 1) {
-    const std::pair<const char*, int64_t> widths[] = {
-        {"model.n_heads x model.head_dim", int64_t(m.n_heads) * m.head_dim},
-        {"model.n_kv_heads x model.head_dim", int64_t(m.n_kv_heads) * m.head_dim},
+    std::vector<std::pair<const char*, int64_t>> widths = {
         {"model.d_ff_dense", m.d_ff_dense},
         {"model.moe.d_expert", m.moe.d_expert},
     };
+    const int64_t H = m.n_heads;
+    if (m.mla()) {  // q (or q_b), kv_b and o split by heads
+      widths.push_back({"model.n_heads x (model.qk_nope_head_dim + model.qk_rope_head_dim)", H * m.qk_head_dim()});
+      widths.push_back({"model.n_heads x (model.qk_nope_head_dim + model.v_head_dim)",
+                        H * (m.qk_nope_head_dim + m.v_head_dim)});
+      widths.push_back({"model.n_heads x model.v_head_dim", H * m.v_head_dim});
+    } else {
+      widths.push_back({"model.n_heads x model.head_dim", H * m.head_dim});
+      widths.push_back({"model.n_kv_heads x model.head_dim", int64_t(m.n_kv_heads) * m.head_dim});
+    }
     for (const auto& [name, width] : widths) {
       const int64_t shard = width / p.tensor;
       rule(shard % c.fp8.tile == 0, "fp8.tile",

@@ -17,6 +17,7 @@ std::string metrics_json(const StepMetrics& m) {
   j["step"] = m.step;
   j["loss"] = number(m.loss);
   j["val_loss"] = number(m.val_loss);
+  j["mtp_loss"] = number(m.mtp_loss);
   j["lr"] = number(m.lr);
   j["grad_norm"] = number(m.grad_norm);
   j["tokens_per_s"] = number(m.tokens_per_s);

@@ -3,6 +3,7 @@
 // training loop closes it. The line printed to the terminal stays in app/.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <optional>
@@ -13,6 +14,7 @@ namespace fp8moe {
 struct StepMetrics {
   int64_t step = 0;
   double loss = 0, val_loss = 0;  // val_loss: NaN when this step did not evaluate
+  double mtp_loss = NAN;          // the multi-token prediction modules' mean cross-entropy; NaN without them
   double lr = 0, grad_norm = 0, tokens_per_s = 0, step_time_s = 0, mfu = 0;
   int64_t peak_mem_bytes = 0;
   std::optional<int64_t> peak_device_mem_bytes;  // on a GPU only

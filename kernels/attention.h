@@ -1,9 +1,12 @@
 // Causal grouped-query attention with softmax in FP32 (row sums in double on the CPU): query head
-// h reads kv head h / (H / KVH).
-//   q, out: (B*T, H, hd); k, v: (B*T, KVH, hd); lse: (B, H, T) log-sum-exp of each score row,
-//   saved so that backward recomputes the probabilities instead of storing (T, T) per head.
+// h reads kv head h / (H / KVH). The value head size hdv may differ from the query/key head size
+// hd (DeepSeek-V3's multi-head latent attention: hd = qk_nope + qk_rope = 192, hdv = 128); the
+// scores are scaled by 1/sqrt(hd) either way.
+//   q: (B*T, H, hd); k: (B*T, KVH, hd); v: (B*T, KVH, hdv); out: (B*T, H, hdv);
+//   lse: (B, H, T) log-sum-exp of each score row, saved so that backward recomputes the
+//   probabilities instead of storing (T, T) per head.
 // CPU here; CUDA in kernels/cuda/attention.cu (one warp per row, online softmax: the reference
-// that a fused kernel will be checked against).
+// that the fused kernel, kernels/cuda/attention_cudnn.h, is checked against).
 #pragma once
 
 #include <cstdint>
@@ -11,10 +14,10 @@
 namespace fp8moe::cpu {
 
 void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                       int64_t hd, float* out, float* lse);
-// dq: (B*T, H, hd), dk, dv: (B*T, KVH, hd), all written.
+                       int64_t hd, int64_t hdv, float* out, float* lse);
+// dout: (B*T, H, hdv); dq: (B*T, H, hd), dk: (B*T, KVH, hd), dv: (B*T, KVH, hdv), all written.
 void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
-                        const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, float* dq,
-                        float* dk, float* dv);
+                        const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
+                        float* dq, float* dk, float* dv);
 
 }  // namespace fp8moe::cpu

@@ -65,8 +65,9 @@ class Backend {
   // the devices whose datasheet figures are known (H100 / H200 SXM: 1979 / 67 TFLOP/s); NaN
   // otherwise (the CPU's is measured by app/step_report).
   virtual double dense_peak_flops(bool fp8) const = 0;
-  // The attention kernel each shape ran so far ("B 4 T 2048 H 16 KVH 16 head_dim 128: cudnn; ..."),
-  // or "reference" where that is the only one (the host backends).
+  // The attention kernel each shape ran so far ("B 4 T 2048 H 16 KVH 16 head_dim 128: cudnn; ...",
+  // "... head_dim 192 value_head_dim 128: ..." where the value head size differs), or "reference"
+  // where that is the only one (the host backends).
   virtual std::string attention_kernels() const { return "reference"; }
 
   // ---- memory -----------------------------------------------------------------------------------
@@ -88,6 +89,10 @@ class Backend {
   // next sync().
   void download(void* host, const void* src, size_t bytes);
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // device -> device
+  // A pitched copy, device -> device: dst[r ld_dst + c] = src[r ld_src + c] for r < rows, c < cols
+  // (ld_dst, ld_src >= cols; the two regions do not overlap). rows or cols 0 is nothing, the
+  // pointers untouched. CUDA: cudaMemcpy2DAsync.
+  virtual void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) = 0;
   virtual void zero(void* dst, size_t bytes) = 0;
   // The host waits for everything queued so far. Counted.
   void sync();
@@ -136,12 +141,20 @@ class Backend {
                                float* rstd) = 0;
   virtual void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N,
                                 int64_t D, float* dx, float* dw) = 0;
-  virtual void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) = 0;
+  // hd elements of each head rotated, heads head_stride apart (head_stride = hd: contiguous heads).
+  virtual void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
+                    int64_t head_stride) = 0;
+  // hd: the query/key head size, hdv: the value head size (kernels/attention.h).
   virtual void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H,
-                                 int64_t KVH, int64_t hd, float* out, float* lse) = 0;
+                                 int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) = 0;
   virtual void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                                   const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd,
-                                  float* dq, float* dk, float* dv) = 0;
+                                  int64_t hdv, float* dq, float* dk, float* dv) = 0;
+  // MLA's keys and values from the kv projection and the shared rotary key (kernels/mla.h).
+  virtual void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope,
+                             int64_t vd, float* k, float* v) = 0;
+  virtual void mla_expand_kv_backward(const float* dk, const float* dv, int64_t N, int64_t H, int64_t nope,
+                                      int64_t rope, int64_t vd, float* dkv, float* dkpe) = 0;
   // The sum of the counted rows' losses goes to *loss_sum (device).
   virtual void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
                              float grad_scale, float* dlogits, double* loss_sum) = 0;

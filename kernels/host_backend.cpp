@@ -9,6 +9,7 @@
 #include "kernels/elementwise.h"
 #include "kernels/embedding.h"
 #include "kernels/gemm_fp8.h"
+#include "kernels/mla.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"
@@ -152,6 +153,15 @@ void HostBackend::copy(void* dst, const void* src, size_t bytes) {
   if (bytes) std::memmove(h(dst), h(src), bytes);
 }
 
+void HostBackend::copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) {
+  FP8MOE_ASSERT(rows >= 0 && cols >= 0 && ld_dst >= cols && ld_src >= cols, "copy_2d of ", rows, " x ", cols,
+                " with row strides ", ld_dst, " (dst) and ", ld_src, " (src)");
+  if (rows == 0 || cols == 0) return;  // zero-size tensors are nullptr
+  float* d = h(dst);
+  const float* s = h(src);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ld_dst, s + r * ld_src, size_t(cols) * sizeof(float));
+}
+
 void HostBackend::zero(void* dst, size_t bytes) {
   if (bytes) std::memset(h(dst), 0, bytes);
 }
@@ -207,19 +217,33 @@ void HostBackend::rmsnorm_backward(const float* x, const float* w, const float* 
   cpu::rmsnorm_backward(h(x), h(w), h(rstd), h(dy), N, D, h(dx), h(dw));
 }
 
-void HostBackend::rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) {
-  cpu::rope(h(x), B, T, heads, hd, h(cs), h(sn));
+void HostBackend::rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
+                       int64_t head_stride) {
+  // NOTE: nothing to rotate, nothing translated: x may then be an offset from an empty tensor's
+  // nullptr (the rotated part of a head, x = q + nope), which h() would take for host memory.
+  if (B * T * heads * (hd / 2) == 0) return;
+  cpu::rope(h(x), B, T, heads, hd, h(cs), h(sn), head_stride);
 }
 
 void HostBackend::attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H,
-                                    int64_t KVH, int64_t hd, float* out, float* lse) {
-  cpu::attention_forward(h(q), h(k), h(v), B, T, H, KVH, hd, h(out), h(lse));
+                                    int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) {
+  cpu::attention_forward(h(q), h(k), h(v), B, T, H, KVH, hd, hdv, h(out), h(lse));
 }
 
 void HostBackend::attention_backward(const float* q, const float* k, const float* v, const float* out,
                                      const float* lse, const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                                     int64_t hd, float* dq, float* dk, float* dv) {
-  cpu::attention_backward(h(q), h(k), h(v), h(out), h(lse), h(dout), B, T, H, KVH, hd, h(dq), h(dk), h(dv));
+                                     int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) {
+  cpu::attention_backward(h(q), h(k), h(v), h(out), h(lse), h(dout), B, T, H, KVH, hd, hdv, h(dq), h(dk), h(dv));
+}
+
+void HostBackend::mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope,
+                                int64_t vd, float* k, float* v) {
+  cpu::mla_expand_kv(h(kv), h(kpe), N, H, nope, rope, vd, h(k), h(v));
+}
+
+void HostBackend::mla_expand_kv_backward(const float* dk, const float* dv, int64_t N, int64_t H, int64_t nope,
+                                         int64_t rope, int64_t vd, float* dkv, float* dkpe) {
+  cpu::mla_expand_kv_backward(h(dk), h(dv), N, H, nope, rope, vd, h(dkv), h(dkpe));
 }
 
 void HostBackend::cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,

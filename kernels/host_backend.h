@@ -36,6 +36,7 @@ class HostBackend final : public Backend {
   MemoryStats memory_stats() const override;
   void reset_peak() override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override;
   void zero(void* dst, size_t bytes) override;
   void* host_address(const void* p) const override;
 
@@ -53,12 +54,17 @@ class HostBackend final : public Backend {
   void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd) override;
   void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                         float* dx, float* dw) override;
-  void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) override;
+  void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
+            int64_t head_stride) override;
   void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                         int64_t hd, float* out, float* lse) override;
+                         int64_t hd, int64_t hdv, float* out, float* lse) override;
   void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
-                          const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, float* dq,
-                          float* dk, float* dv) override;
+                          const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
+                          float* dq, float* dk, float* dv) override;
+  void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t vd,
+                     float* k, float* v) override;
+  void mla_expand_kv_backward(const float* dk, const float* dv, int64_t N, int64_t H, int64_t nope, int64_t rope,
+                              int64_t vd, float* dkv, float* dkpe) override;
   void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
                      float grad_scale, float* dlogits, double* loss_sum) override;
   void ce_row_max(const float* logits, int64_t N, int64_t Vl, float* mx) override;

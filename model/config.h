@@ -12,6 +12,7 @@
 namespace fp8moe {
 
 enum class Gating { softmax, sigmoid };
+enum class AttentionKind { gqa, mla };  // model.attention
 enum class NormTopk { automatic, yes, no };  // auto: with sigmoid gating (DeepSeek-V3), not softmax (V2)
 enum class Schedule { cosine, linear, constant };
 enum class MomentsDtype { fp32, bf16 };
@@ -51,8 +52,19 @@ struct ModelConfig {
   int d_model = 256;
   int n_layers = 4;
   int n_heads = 8;
+  // Grouped-query attention (attention: gqa): n_kv_heads key/value heads of head_dim each.
+  AttentionKind attention = AttentionKind::gqa;
   int n_kv_heads = 8;
   int head_dim = 32;
+  // Multi-head latent attention (attention: mla, DeepSeek-V2/V3): queries through a rank-q_lora_rank
+  // latent (0: one projection), keys and values through one shared rank-kv_lora_rank latent; each
+  // query/key head is qk_nope_head_dim channels without position plus qk_rope_head_dim rotated ones
+  // (the rotated key shared by all heads), each value head v_head_dim channels.
+  int q_lora_rank = 0;
+  int kv_lora_rank = 64;
+  int qk_nope_head_dim = 32;
+  int qk_rope_head_dim = 16;
+  int v_head_dim = 32;
   double rope_theta = 10000.0;
   double norm_eps = 1e-6;
   int first_dense_layers = 1;
@@ -60,6 +72,19 @@ struct ModelConfig {
   double init_std = 0.02;
   int pad_id = -1;  // targets equal to it are not counted by the loss; -1 = none
   MoeConfig moe;
+  // Multi-token prediction (DeepSeek-V3: depth 1): module k (1..mtp_depth) joins the previous
+  // depth's hidden state and the embedding of the token k ahead (eh_proj), runs one MoE block and
+  // predicts the token k + 1 ahead through the shared head; the loss adds mtp_loss_weight x the
+  // mean of the modules' cross-entropies (DeepSeek-V3: 0.3, then 0.1).
+  int mtp_depth = 0;
+  double mtp_loss_weight = 0.3;
+  // MoE layers: the blocks after the dense ones, then the multi-token prediction modules' blocks.
+  int moe_layers() const { return n_layers - first_dense_layers + mtp_depth; }
+  bool mla() const { return attention == AttentionKind::mla; }
+  // The size of a query/key head, of a value head, and of the part of a head RoPE rotates.
+  int qk_head_dim() const { return mla() ? qk_nope_head_dim + qk_rope_head_dim : head_dim; }
+  int v_dim() const { return mla() ? v_head_dim : head_dim; }
+  int rope_dim() const { return mla() ? qk_rope_head_dim : head_dim; }
   bool operator==(const ModelConfig&) const = default;
 };
 
@@ -204,6 +229,7 @@ struct EnumNames;
     static constexpr std::string_view names[] = {__VA_ARGS__};     \
   }
 FP8MOE_ENUM_NAMES(Gating, "softmax", "sigmoid");
+FP8MOE_ENUM_NAMES(AttentionKind, "gqa", "mla");
 FP8MOE_ENUM_NAMES(NormTopk, "auto", "true", "false");
 FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");

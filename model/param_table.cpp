@@ -1,6 +1,9 @@
 #include "model/param_table.h"
 
 #include <cmath>
+#include <cstdio>
+#include <map>
+#include <string_view>
 
 #include "kernels/check.h"
 
@@ -41,6 +44,10 @@ void init_shard(const ParamSpec& p, uint64_t seed, const Shard& s, float* out) {
     init_param_slice(p, seed, (s.r0 + r) * p.cols + s.c0, (s.r0 + r) * p.cols + s.c0 + s.cols, out + r * s.cols);
 }
 
+std::string block_prefix(const ModelConfig& m, int l) {
+  return l < m.n_layers ? "layers." + std::to_string(l) + "." : "mtp." + std::to_string(l - m.n_layers) + ".";
+}
+
 ParamTable build_param_table(const ModelConfig& m) {
   ParamTable t;
   const float std = float(m.init_std);
@@ -48,8 +55,9 @@ ParamTable build_param_table(const ModelConfig& m) {
   // stream's variance does not grow with depth (GPT-2, Megatron's scaled init).
   const float out_std = float(m.init_std / std::sqrt(2.0 * m.n_layers));
   auto add = [&](ParamSpec p) { t.params.push_back(std::move(p)); };
-  auto norm = [&](const std::string& name, int layer) {
-    add({name, 1, m.d_model, TpSplit::none, layer, -1, LinearClass::none, true, false, InitKind::ones, 0.0f});
+  auto norm = [&](const std::string& name, int layer, int64_t size = 0) {
+    add({name, 1, size > 0 ? size : m.d_model, TpSplit::none, layer, -1, LinearClass::none, true, false,
+         InitKind::ones, 0.0f});
   };
   auto linear = [&](const std::string& name, int64_t out, int64_t in, TpSplit tp, int layer, int expert,
                     LinearClass cls, float s) {
@@ -58,19 +66,39 @@ ParamTable build_param_table(const ModelConfig& m) {
 
   const int64_t q_dim = int64_t(m.n_heads) * m.head_dim, kv_dim = int64_t(m.n_kv_heads) * m.head_dim;
   add({"embed.weight", m.vocab_size, m.d_model, TpSplit::rows, -1, -1, LinearClass::none, true, true, InitKind::normal, std});
-  for (int l = 0; l < m.n_layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
+  // One block (l: its index in placement terms; the multi-token prediction modules' blocks count on
+  // from n_layers and are MoE blocks).
+  auto block = [&](const std::string& p, int l) {
     norm(p + "attn_norm.weight", l);
-    linear(p + "attn.wq", q_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
-    linear(p + "attn.wk", kv_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
-    linear(p + "attn.wv", kv_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
-    linear(p + "attn.wo", m.d_model, q_dim, TpSplit::cols, l, -1, LinearClass::attention, out_std);
+    if (m.mla()) {
+      // Multi-head latent attention (DeepSeek-V3's names, model.py): the down-projections and the
+      // latents' norms replicated over tensor parallelism, the up-projections split by heads
+      // (each head's rows together: [nope | rope] of a query, [nope | v] of a key-value head).
+      const int64_t H = m.n_heads, qk = m.qk_head_dim(), nope = m.qk_nope_head_dim;
+      const int64_t ql = m.q_lora_rank, kvl = m.kv_lora_rank;
+      if (ql > 0) {
+        linear(p + "attn.wq_a", ql, m.d_model, TpSplit::none, l, -1, LinearClass::attention, std);
+        norm(p + "attn.q_norm.weight", l, ql);
+        linear(p + "attn.wq_b", H * qk, ql, TpSplit::rows, l, -1, LinearClass::attention, std);
+      } else {
+        linear(p + "attn.wq", H * qk, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
+      }
+      linear(p + "attn.wkv_a", kvl + m.qk_rope_head_dim, m.d_model, TpSplit::none, l, -1, LinearClass::attention, std);
+      norm(p + "attn.kv_norm.weight", l, kvl);
+      linear(p + "attn.wkv_b", H * (nope + m.v_head_dim), kvl, TpSplit::rows, l, -1, LinearClass::attention, std);
+      linear(p + "attn.wo", m.d_model, H * m.v_head_dim, TpSplit::cols, l, -1, LinearClass::attention, out_std);
+    } else {
+      linear(p + "attn.wq", q_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
+      linear(p + "attn.wk", kv_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
+      linear(p + "attn.wv", kv_dim, m.d_model, TpSplit::rows, l, -1, LinearClass::attention, std);
+      linear(p + "attn.wo", m.d_model, q_dim, TpSplit::cols, l, -1, LinearClass::attention, out_std);
+    }
     norm(p + "ffn_norm.weight", l);
     if (l < m.first_dense_layers) {
       linear(p + "mlp.w1", m.d_ff_dense, m.d_model, TpSplit::rows, l, -1, LinearClass::mlp, std);
       linear(p + "mlp.w3", m.d_ff_dense, m.d_model, TpSplit::rows, l, -1, LinearClass::mlp, std);
       linear(p + "mlp.w2", m.d_model, m.d_ff_dense, TpSplit::cols, l, -1, LinearClass::mlp, out_std);
-      continue;
+      return;
     }
     const MoeConfig& e = m.moe;
     // The router stays FP32 and replicated; its bias steers expert choice only (not trained).
@@ -90,11 +118,88 @@ ParamTable build_param_table(const ModelConfig& m) {
       linear(q + "w3", e.d_expert, m.d_model, TpSplit::rows, l, x, LinearClass::experts, std);
       linear(q + "w2", m.d_model, e.d_expert, TpSplit::cols, l, x, LinearClass::experts, out_std);
     }
-  }
+  };
+  for (int l = 0; l < m.n_layers; ++l) block(block_prefix(m, l), l);
   norm("final_norm.weight", m.n_layers);
   add({"head.weight", m.vocab_size, m.d_model, TpSplit::rows, m.n_layers, -1, LinearClass::none, true, true, InitKind::normal, std});
+  // Multi-token prediction modules, on the last stage (DeepSeek-V3's enorm, hnorm, eh_proj, a
+  // block, and shared_head.norm; the embedding and the head are the model's). eh_proj is an FP32
+  // GEMM, replicated over tensor parallelism, like the router.
+  for (int k = 0; k < m.mtp_depth; ++k) {
+    const int l = m.n_layers + k;
+    const std::string p = "mtp." + std::to_string(k) + ".";
+    norm(p + "enorm.weight", l);
+    norm(p + "hnorm.weight", l);
+    linear(p + "eh_proj", m.d_model, 2 * int64_t(m.d_model), TpSplit::none, l, -1, LinearClass::none, std);
+    block(block_prefix(m, l), l);
+    norm(p + "norm.weight", l);
+  }
   t.reindex();
   return t;
+}
+
+std::vector<ParamCount> count_params(const ModelConfig& m) {
+  static const char* const kOrder[] = {"embedding", "attention", "dense MLP", "routed experts", "shared experts",
+                                       "router", "norms", "head"};
+  auto component = [](const std::string& n) -> const char* {
+    auto has = [&](const char* s) { return n.find(s) != std::string::npos; };
+    if (n.rfind("mtp.", 0) == 0) return "MTP";  // the multi-token prediction modules, everything in them
+    if (n == "embed.weight") return "embedding";
+    if (n == "head.weight") return "head";
+    if (has(".attn.")) return "attention";  // MLA's latent norms included
+    if (has(".mlp.")) return "dense MLP";
+    if (has(".moe.experts.")) return "routed experts";
+    if (has(".moe.shared.")) return "shared experts";
+    if (has(".moe.router")) return "router";
+    return "norms";  // attn_norm, ffn_norm, final_norm
+  };
+  std::map<std::string, ParamCount> by;
+  const double routed_share = double(m.moe.top_k) / double(m.moe.n_experts);
+  for (const ParamSpec& p : build_param_table(m).params) {
+    const char* c = component(p.name);
+    ParamCount& e = by[c];
+    e.component = c;
+    e.total += p.numel();
+    const double share = std::string_view(c) == "embedding"              ? 0.0
+                         : p.name.find(".moe.experts.") != std::string::npos ? routed_share
+                                                                             : 1.0;
+    e.activated += double(p.numel()) * share;
+  }
+  std::vector<ParamCount> out;
+  ParamCount total{"total", 0, 0};
+  for (const char* c : kOrder)
+    if (by.count(c)) {
+      out.push_back(by[c]);
+      total.total += by[c].total, total.activated += by[c].activated;
+    }
+  out.push_back(total);
+  if (by.count("MTP")) {
+    out.push_back(by["MTP"]);
+    out.push_back({"total with MTP", total.total + by["MTP"].total, total.activated + by["MTP"].activated});
+  }
+  return out;
+}
+
+std::string param_count_table(const ModelConfig& m) {
+  auto human = [](double n) {
+    char b[32];
+    if (n >= 1e9) std::snprintf(b, sizeof b, "%.2fB", n / 1e9);
+    else if (n >= 1e6) std::snprintf(b, sizeof b, "%.2fM", n / 1e6);
+    else if (n >= 1e3) std::snprintf(b, sizeof b, "%.2fK", n / 1e3);
+    else std::snprintf(b, sizeof b, "%.0f", n);
+    return std::string(b);
+  };
+  std::string out = "parameters (activated per token: routed experts " + std::to_string(m.moe.top_k) + " of " +
+                    std::to_string(m.moe.n_experts) + ", the embedding not counted):\n";
+  char line[160];
+  std::snprintf(line, sizeof line, "  %-16s %18s %10s %10s\n", "component", "total", "", "activated");
+  out += line;
+  for (const ParamCount& c : count_params(m)) {
+    std::snprintf(line, sizeof line, "  %-16s %18lld %10s %10s\n", c.component.c_str(), (long long)c.total,
+                  human(double(c.total)).c_str(), human(c.activated).c_str());
+    out += line;
+  }
+  return out;
 }
 
 namespace {

@@ -62,8 +62,28 @@ struct Shard {
   bool held() const { return rows > 0 && cols > 0; }
   bool operator==(const Shard&) const = default;
 };
-// The table of a model config. Order: embedding, blocks in order, final norm, head.
+// The table of a model config. Order: embedding, blocks in order, final norm, head, then each
+// multi-token prediction module (model.mtp_depth).
 ParamTable build_param_table(const ModelConfig& m);
+// The name prefix of block l's parameters: "layers.<l>." for l < n_layers, "mtp.<l - n_layers>."
+// for the block of multi-token prediction module l - n_layers.
+std::string block_prefix(const ModelConfig& m, int l);
+
+// The model's parameter counts by component (`fp8moe train --dry-run`, the start of a run): every
+// entry of the table, and what one token activates: the routed experts top_k of n_experts, the
+// embedding none (a row lookup, as DeepSeek counts its 37B), everything else all.
+struct ParamCount {
+  // embedding, attention, dense MLP, routed experts, shared experts, router, norms, head, and MTP:
+  // the multi-token prediction modules' own parameters (those of the main model the components
+  // before; the MTP row counts its routed experts top_k of n_experts, like the rest).
+  std::string component;
+  int64_t total = 0;
+  double activated = 0;
+};
+// The main model's components present, "total" (the main model), then with model.mtp_depth > 0
+// "MTP" and "total with MTP".
+std::vector<ParamCount> count_params(const ModelConfig& m);
+std::string param_count_table(const ModelConfig& m);        // the counts as a table for the log
 
 // Deterministic initial values of elements [begin, end) of a parameter's flat (row-major) global
 // tensor: a function of (seed, name, global element index) through a counter-based RNG

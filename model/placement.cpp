@@ -20,10 +20,12 @@ Placement::Placement(const ModelConfig& m, const GridPosition& at)
                 " expert-parallel ranks");
   std::tie(layer_begin_, layer_end_) = stage_layers(m.n_layers, at.stage, at.stages);
   const int t = at.tensor;
-  FP8MOE_ASSERT(m.n_heads % t == 0 && m.n_kv_heads % t == 0 && m.d_ff_dense % t == 0 && m.moe.d_expert % t == 0 &&
-                    m.vocab_size % t == 0,
+  // (MLA's latents are replicated: its ranks are not split.)
+  FP8MOE_ASSERT(m.n_heads % t == 0 && (m.mla() || m.n_kv_heads % t == 0) && m.d_ff_dense % t == 0 &&
+                    m.moe.d_expert % t == 0 && m.vocab_size % t == 0,
                 "the model's heads, widths and vocabulary over ", t, " tensor-parallel ranks");
-  local_.n_heads /= t, local_.n_kv_heads /= t, local_.d_ff_dense /= t, local_.moe.d_expert /= t;
+  local_.n_heads /= t, local_.n_kv_heads = m.mla() ? m.n_kv_heads : m.n_kv_heads / t;
+  local_.d_ff_dense /= t, local_.moe.d_expert /= t;
   local_.vocab_size /= t;
 }
 

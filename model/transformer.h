@@ -36,13 +36,31 @@ struct StepResult {
   double loss = 0;  // cross-entropy mean over counted tokens + auxiliary losses
   double ce = 0;    // the cross-entropy part (sum over this batch / mean_over)
   double aux = 0;   // the auxiliary balance losses, summed over MoE layers, times aux_weight
+  // The multi-token prediction modules' cross-entropy (each over its counted targets), their
+  // mean; the training objective is loss + model.mtp_loss_weight x mtp. 0 without them.
+  double mtp = 0;
 };
 
 // Where a micro-batch's forward writes what the host reads after the step (device memory).
 struct LossSlots {
   double* ce_sum = nullptr;  // the last stage's sum of the counted tokens' cross-entropy
   double* aux = nullptr;     // one slot per MoE layer of the model: its auxiliary loss (unweighted)
+  double* mtp = nullptr;     // one slot per multi-token prediction module: its cross-entropy sum
 };
+
+// Multi-token prediction (model.mtp_depth modules) on one micro-batch of B x T tokens, in a training
+// forward: module k (0-based) reads the tokens k + 1 ahead and predicts the targets k + 1 ahead,
+// within each sequence (mtp_shift).
+struct MtpBatch {
+  const int32_t* tokens = nullptr;   // first stage: (depth, B*T) the modules' input tokens (device)
+  const int32_t* targets = nullptr;  // last stage: (depth, B*T) their targets (device)
+  const float* embeddings = nullptr; // last stage of several: (depth, B*T, D) the first stage's embeddings of `tokens`
+  std::vector<int64_t> mean_over;    // last stage: per module, its counted targets (over the replicas)
+};
+// out (depth, B, T): out[k][b][t] = src[b][t + k + 1] where t + k + 1 < T, else fill (host memory).
+// The modules' inputs are the tokens shifted (fill 0: any token; its position predicts nothing),
+// their targets the targets shifted (fill model.pad_id, or -1 without one: not counted).
+void mtp_shift(const int32_t* src, int64_t B, int64_t T, int depth, int32_t fill, int32_t* out);
 
 // The communicators the model computes over (none: one rank holds everything). Not owned. All but
 // expert_counts work on the backend's memory (parallel/device_communicator.h).
@@ -79,6 +97,12 @@ class StageRun {
   const float* output() const;       // (N, D): the activation for the next stage (not the last stage)
   const float* input_grad() const;   // (N, D), after backward: for the previous stage (not the first)
   int64_t activation_size() const;   // N x D
+  // Multi-token prediction across stages: the first stage's embeddings of the modules' input
+  // tokens, (depth, N, D), for the last stage; after the last stage's backward, their gradient for
+  // the first stage. nullptr without the modules (or outside a training forward).
+  const float* mtp_output() const;
+  const float* mtp_input_grad() const;
+  int64_t mtp_size() const;          // depth x N x D, or 0
 
  private:
   friend class Transformer;
@@ -132,9 +156,10 @@ class Transformer {
   // gradient (the caller divides it out). The losses go to `slots` (nullptr slots: not recorded).
   StageRun stage_forward(const int32_t* tokens, const int32_t* targets, int64_t counted, int64_t B, int64_t T,
                          const float* x_in, bool backward, const LossSlots& slots, float loss_scale = 1.0f,
-                         int64_t mean_over = 0, double aux_weight = 1.0);
+                         int64_t mean_over = 0, double aux_weight = 1.0, const MtpBatch* mtp = nullptr);
   // dy: the gradient of output() from the next stage (device memory); nullptr on the last stage.
-  void stage_backward(StageRun& run, const float* dy);
+  // d_mtp: on the first stage of several, the last stage's mtp_input_grad() (with the modules).
+  void stage_backward(StageRun& run, const float* dy, const float* d_mtp = nullptr);
 
   // Logits (V) of the token after tokens[0..T) (one sequence, host ids), for generation. FP8
   // histories are not advanced.
@@ -179,6 +204,17 @@ class Transformer {
   void block_forward(int layer, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record,
                      double* aux);
   void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale);
+  // The attention sublayer on s->h1: o (N, D) written, this rank's partial sum (row-parallel wo);
+  // backward: dh1 written, complete (summed over tensor parallelism).
+  void gqa_forward(int layer, int64_t B, int64_t T, float* o, BlockSaved* s, bool record);
+  void mla_forward(int layer, int64_t B, int64_t T, float* o, BlockSaved* s, bool record);
+  void gqa_backward(int layer, const BlockSaved& s, const float* dout, float* dh1);
+  void mla_backward(int layer, const BlockSaved& s, const float* dout, float* dh1);
+  // The multi-token prediction modules on the last stage, after the main blocks (their losses into
+  // slots.mtp and their blocks' aux losses into slots.aux), and their backward, whose gradient of
+  // the main output is added to dx.
+  void mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlots& slots, float loss_scale);
+  void mtp_backward(StageRun& run, float* dx);
 
   Backend& be_;
   Config cfg_;
@@ -191,7 +227,7 @@ class Transformer {
   int64_t step_id_ = 0;
   Tensor fp8_counts_;                             // (2) uint64
   HostBuffer<int64_t> loads_h_;                   // (n_experts) pinned: each MoE layer's loads, read back
-  Tensor rope_cs_, rope_sn_, rope_cs_inv_, rope_sn_inv_;  // (rope_T_, head_dim / 2)
+  Tensor rope_cs_, rope_sn_, rope_cs_inv_, rope_sn_inv_;  // (rope_T_, rope_dim / 2)
   int64_t rope_T_ = 0;
   double saved_bytes_per_token_ = 0;
   bool recompute_ = false;  // inside a recomputation (see fp8_for)

@@ -18,14 +18,16 @@ void rope_table(int64_t T, int64_t hd, double theta, bool inverse, float* cs, fl
     }
 }
 
-void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) {
+void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
+          int64_t head_stride) {
   FP8MOE_ASSERT(hd % 2 == 0, "rope needs an even head_dim, got ", hd);
+  FP8MOE_ASSERT(head_stride >= hd, "rope: head stride ", head_stride, " below the rotated size ", hd);
   const int64_t half = hd / 2;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < B * T; ++row) {
     const int64_t t = row % T;
     for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + (row * heads + h) * hd;
+      float* v = x + (row * heads + h) * head_stride;
       for (int64_t i = 0; i < half; ++i) rope_rotate(&v[i], &v[i + half], cs[t * half + i], sn[t * half + i]);
     }
   }
@@ -35,7 +37,7 @@ void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, double thet
   FP8MOE_ASSERT(hd % 2 == 0, "rope needs an even head_dim, got ", hd);
   std::vector<float> cs(size_t(T * (hd / 2))), sn(cs.size());
   rope_table(T, hd, theta, inverse, cs.data(), sn.data());
-  rope(x, B, T, heads, hd, cs.data(), sn.data());
+  rope(x, B, T, heads, hd, cs.data(), sn.data(), hd);
 }
 
 }  // namespace fp8moe::cpu

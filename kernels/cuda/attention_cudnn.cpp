@@ -46,17 +46,25 @@ bool open_cudnn(std::string* why) {
   return error.empty();
 }
 
-std::vector<int64_t> dims(int64_t B, int64_t heads, int64_t T, int64_t hd) { return {B, heads, T, hd}; }
-// (B*T, heads, hd) rows seen as [B, heads, T, hd].
-std::vector<int64_t> strides(int64_t heads, int64_t T, int64_t hd) { return {T * heads * hd, hd, heads * hd, 1}; }
-
-std::shared_ptr<TensorAttr> qlike(Graph& g, const char* name, Uid uid, const AttnDims& d, bool kv) {
-  const int64_t h = kv ? d.KVH : d.H;
-  return g.tensor(TensorAttr().set_name(name).set_uid(uid).set_dim(dims(d.B, h, d.T, d.hd)).set_stride(strides(h, d.T, d.hd)));
+std::vector<int64_t> dims(int64_t B, int64_t heads, int64_t T, int64_t width) { return {B, heads, T, width}; }
+// (B*T, heads, width) rows seen as [B, heads, T, width].
+std::vector<int64_t> strides(int64_t heads, int64_t T, int64_t width) {
+  return {T * heads * width, width, heads * width, 1};
 }
-void as_output(const std::shared_ptr<TensorAttr>& t, const char* name, Uid uid, const AttnDims& d, bool kv) {
-  const int64_t h = kv ? d.KVH : d.H;
-  t->set_output(true).set_name(name).set_uid(uid).set_dim(dims(d.B, h, d.T, d.hd)).set_stride(strides(h, d.T, d.hd));
+
+// Which of the four layouts a tensor has: its heads (H or KVH) and its width (hd or hdv).
+enum class Role { q, k, v, o };  // q, dq | k, dk | v, dv | o, do
+int64_t heads_of(const AttnDims& d, Role r) { return r == Role::k || r == Role::v ? d.KVH : d.H; }
+int64_t width_of(const AttnDims& d, Role r) { return r == Role::q || r == Role::k ? d.hd : d.hdv; }
+
+std::shared_ptr<TensorAttr> input(Graph& g, const char* name, Uid uid, const AttnDims& d, Role r) {
+  const int64_t h = heads_of(d, r), w = width_of(d, r);
+  return g.tensor(
+      TensorAttr().set_name(name).set_uid(uid).set_dim(dims(d.B, h, d.T, w)).set_stride(strides(h, d.T, w)));
+}
+void as_output(const std::shared_ptr<TensorAttr>& t, const char* name, Uid uid, const AttnDims& d, Role r) {
+  const int64_t h = heads_of(d, r), w = width_of(d, r);
+  t->set_output(true).set_name(name).set_uid(uid).set_dim(dims(d.B, h, d.T, w)).set_stride(strides(h, d.T, w));
 }
 std::shared_ptr<Graph> new_graph() {
   auto g = std::make_shared<Graph>();
@@ -82,7 +90,8 @@ std::string build(Graph& g, cudnnHandle_t handle) {
 
 std::string to_string(const AttnDims& d) {
   return "B " + std::to_string(d.B) + " T " + std::to_string(d.T) + " H " + std::to_string(d.H) + " KVH " +
-         std::to_string(d.KVH) + " head_dim " + std::to_string(d.hd);
+         std::to_string(d.KVH) + " head_dim " + std::to_string(d.hd) +
+         (d.hdv != d.hd ? " value_head_dim " + std::to_string(d.hdv) : std::string());
 }
 
 std::string cudnn_library_error() {
@@ -165,10 +174,10 @@ bool CudnnAttention::prepare(const AttnDims& d, std::string* why) {
     // Forward: O and the statistics backward needs.
     p.fwd = new_graph();
     Graph& f = *p.fwd;
-    auto q = qlike(f, "q", kQ, d, false), k = qlike(f, "k", kK, d, true), v = qlike(f, "v", kV, d, true);
+    auto q = input(f, "q", kQ, d, Role::q), k = input(f, "k", kK, d, Role::k), v = input(f, "v", kV, d, Role::v);
     auto opts = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(true).set_causal_mask(true).set_attn_scale(scale);
     auto [o, stats] = f.sdpa(q, k, v, opts);
-    as_output(o, "o", kO, d, false);
+    as_output(o, "o", kO, d, Role::o);
     stats->set_output(true).set_name("stats").set_uid(kStats).set_data_type(fe::DataType_t::FLOAT)
         .set_dim({d.B, d.H, d.T, 1}).set_stride({d.H * d.T, d.T, 1, 1});
     if (const std::string e = build(f, impl_->handle); !e.empty()) {
@@ -178,8 +187,8 @@ bool CudnnAttention::prepare(const AttnDims& d, std::string* why) {
     // Backward: dq, dk, dv from q, k, v, o, do and the statistics; deterministic.
     p.bwd = new_graph();
     Graph& b = *p.bwd;
-    auto bq = qlike(b, "q", kQ, d, false), bk = qlike(b, "k", kK, d, true), bv = qlike(b, "v", kV, d, true);
-    auto bo = qlike(b, "o", kO, d, false), bdo = qlike(b, "do", kDO, d, false);
+    auto bq = input(b, "q", kQ, d, Role::q), bk = input(b, "k", kK, d, Role::k), bv = input(b, "v", kV, d, Role::v);
+    auto bo = input(b, "o", kO, d, Role::o), bdo = input(b, "do", kDO, d, Role::o);
     auto bstats = b.tensor(TensorAttr().set_name("stats").set_uid(kStats).set_data_type(fe::DataType_t::FLOAT)
                                .set_dim({d.B, d.H, d.T, 1}).set_stride({d.H * d.T, d.T, 1, 1}));
     auto bopts = fe::graph::SDPA_backward_attributes()
@@ -188,9 +197,9 @@ bool CudnnAttention::prepare(const AttnDims& d, std::string* why) {
                      .set_attn_scale(scale)
                      .set_deterministic_algorithm(true);
     auto [dq, dk, dv] = b.sdpa_backward(bq, bk, bv, bo, bdo, bstats, bopts);
-    as_output(dq, "dq", kDQ, d, false);
-    as_output(dk, "dk", kDK, d, true);
-    as_output(dv, "dv", kDV, d, true);
+    as_output(dq, "dq", kDQ, d, Role::q);
+    as_output(dk, "dk", kDK, d, Role::k);
+    as_output(dv, "dv", kDV, d, Role::v);
     if (const std::string e = build(b, impl_->handle); !e.empty()) {
       *why = "backward, " + to_string(d) + ": " + e;
       return false;

@@ -1,8 +1,11 @@
 // Causal grouped-query attention fused by cuDNN: its SDPA forward and backward (flash-attention
 // style, O(T) memory, tensor cores) built through the cuDNN frontend's graph API. Operands in BF16,
 // softmax statistics and accumulation in FP32; the layouts of kernels/attention.h:
-//   q, o, dq, do: (B*T, H, hd); k, v, dk, dv: (B*T, KVH, hd); stats: (B, H, T) FP32, the natural-log
-//   log-sum-exp of each row of scaled scores (kernels/attention.h's lse).
+//   q, dq: (B*T, H, hd); k, dk: (B*T, KVH, hd); v, dv: (B*T, KVH, hdv); o, do: (B*T, H, hdv);
+//   stats: (B, H, T) FP32, the natural-log log-sum-exp of each row of scaled scores (kernels/
+//   attention.h's lse). cuDNN's SDPA takes a value head size other than the query/key one (the
+//   frontend accepts hd != hdv up to 128 each, and hd 192 with hdv 128, DeepSeek-V3's MLA); where it
+//   has no plan, prepare() says why.
 // libcudnn.so.9 is opened at run time (FP8MOE_CUDNN_LIBRARY names another file): a machine without
 // cuDNN still runs fp8moe, with the reference kernel of kernels/cuda/attention.h.
 //
@@ -20,10 +23,11 @@
 namespace fp8moe::cuda {
 
 struct AttnDims {
-  int64_t B = 0, T = 0, H = 0, KVH = 0, hd = 0;
+  int64_t B = 0, T = 0, H = 0, KVH = 0, hd = 0, hdv = 0;  // hd: query/key head size, hdv: value's
   auto operator<=>(const AttnDims&) const = default;
 };
-// "B 4 T 2048 H 16 KVH 16 head_dim 128" (messages, Backend::attention_kernels()).
+// "B 4 T 2048 H 16 KVH 16 head_dim 128", "... head_dim 192 value_head_dim 128" where hdv != hd
+// (messages, Backend::attention_kernels()).
 std::string to_string(const AttnDims& d);
 
 // Why libcudnn cannot be opened in this process ("" when it can), and its version (0 when not).

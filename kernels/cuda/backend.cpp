@@ -30,6 +30,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/cuda/quantize.h"
 #include "kernels/cuda/rmsnorm.h"
@@ -146,6 +147,14 @@ class CudaBackendImpl final : public CudaBackend {
     }
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, compute_));
   }
+  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override {
+    FP8MOE_ASSERT(rows >= 0 && cols >= 0 && ld_dst >= cols && ld_src >= cols, "copy_2d of ", rows, " x ", cols,
+                  " with row strides ", ld_dst, " (dst) and ", ld_src, " (src)");
+    if (rows == 0 || cols == 0) return;
+    constexpr size_t f = sizeof(float);
+    CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(ld_dst) * f, src, size_t(ld_src) * f, size_t(cols) * f, size_t(rows),
+                                 cudaMemcpyDeviceToDevice, compute_));
+  }
   void zero(void* dst, size_t bytes) override {
     if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, compute_));
   }
@@ -220,54 +229,63 @@ class CudaBackendImpl final : public CudaBackend {
     Tensor partials(*this, DType::f32, {rmsnorm_dw_chunks(N) * D});
     cuda::rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw, partials.f32(), compute_);
   }
-  void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) override {
-    cuda::rope(x, B, T, heads, hd, cs, sn, compute_);
+  void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
+            int64_t head_stride) override {
+    cuda::rope(x, B, T, heads, hd, cs, sn, head_stride, compute_);
   }
   void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                         int64_t hd, float* out, float* lse) override {
+                         int64_t hd, int64_t hdv, float* out, float* lse) override {
 #if FP8MOE_HAVE_CUDNN
-    if (const cuda::AttnDims d{B, T, H, KVH, hd}; fused_attention(d)) {
+    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
       // BF16 copies in, BF16 out (kept only for the call): cuDNN's operands.
-      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd;
-      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nk});
-      Tensor o16(*this, DType::bf16, {nq}), ws(*this, DType::u8, {cudnn_->forward_workspace(d)});
+      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
+      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nv});
+      Tensor o16(*this, DType::bf16, {no}), ws(*this, DType::u8, {cudnn_->forward_workspace(d)});
       cuda::to_bf16(q, q16.data<uint16_t>(), nq, compute_);
       cuda::to_bf16(k, k16.data<uint16_t>(), nk, compute_);
-      cuda::to_bf16(v, v16.data<uint16_t>(), nk, compute_);
+      cuda::to_bf16(v, v16.data<uint16_t>(), nv, compute_);
       cudnn_->forward(d, q16.raw(), k16.raw(), v16.raw(), o16.raw(), lse, ws.raw());
-      cuda::from_bf16(o16.data<uint16_t>(), out, nq, compute_);
+      cuda::from_bf16(o16.data<uint16_t>(), out, no, compute_);
       return;
     }
 #endif
-    cuda::attention_forward(q, k, v, B, T, H, KVH, hd, out, lse, compute_);
+    cuda::attention_forward(q, k, v, B, T, H, KVH, hd, hdv, out, lse, compute_);
   }
   void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
-                          const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, float* dq,
-                          float* dk, float* dv) override {
+                          const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
+                          float* dq, float* dk, float* dv) override {
 #if FP8MOE_HAVE_CUDNN
     // The forward of this shape ran fused (the decision is made once per shape): so does backward,
     // from the same BF16 operands (out is exactly the BF16 output, widened).
-    if (const cuda::AttnDims d{B, T, H, KVH, hd}; fused_attention(d)) {
-      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd;
-      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nk});
-      Tensor o16(*this, DType::bf16, {nq}), do16(*this, DType::bf16, {nq});
+    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
+      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
+      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nv});
+      Tensor o16(*this, DType::bf16, {no}), do16(*this, DType::bf16, {no});
       cuda::to_bf16(q, q16.data<uint16_t>(), nq, compute_);
       cuda::to_bf16(k, k16.data<uint16_t>(), nk, compute_);
-      cuda::to_bf16(v, v16.data<uint16_t>(), nk, compute_);
-      cuda::to_bf16(out, o16.data<uint16_t>(), nq, compute_);
-      cuda::to_bf16(dout, do16.data<uint16_t>(), nq, compute_);
-      Tensor dq16(*this, DType::bf16, {nq}), dk16(*this, DType::bf16, {nk}), dv16(*this, DType::bf16, {nk});
+      cuda::to_bf16(v, v16.data<uint16_t>(), nv, compute_);
+      cuda::to_bf16(out, o16.data<uint16_t>(), no, compute_);
+      cuda::to_bf16(dout, do16.data<uint16_t>(), no, compute_);
+      Tensor dq16(*this, DType::bf16, {nq}), dk16(*this, DType::bf16, {nk}), dv16(*this, DType::bf16, {nv});
       Tensor ws(*this, DType::u8, {cudnn_->backward_workspace(d)});
       cudnn_->backward(d, q16.raw(), k16.raw(), v16.raw(), o16.raw(), do16.raw(), lse, dq16.raw(), dk16.raw(),
                        dv16.raw(), ws.raw());
       cuda::from_bf16(dq16.data<uint16_t>(), dq, nq, compute_);
       cuda::from_bf16(dk16.data<uint16_t>(), dk, nk, compute_);
-      cuda::from_bf16(dv16.data<uint16_t>(), dv, nk, compute_);
+      cuda::from_bf16(dv16.data<uint16_t>(), dv, nv, compute_);
       return;
     }
 #endif
     Tensor delta(*this, DType::f32, {B * H * T});
-    cuda::attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, dq, dk, dv, delta.f32(), compute_);
+    cuda::attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv, delta.f32(), compute_);
+  }
+  void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t vd,
+                     float* k, float* v) override {
+    cuda::mla_expand_kv(kv, kpe, N, H, nope, rope, vd, k, v, compute_);
+  }
+  void mla_expand_kv_backward(const float* dk, const float* dv, int64_t N, int64_t H, int64_t nope, int64_t rope,
+                              int64_t vd, float* dkv, float* dkpe) override {
+    cuda::mla_expand_kv_backward(dk, dv, N, H, nope, rope, vd, dkv, dkpe, compute_);
   }
   void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
                      float grad_scale, float* dlogits, double* loss_sum) override {

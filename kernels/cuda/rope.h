@@ -7,8 +7,10 @@
 
 namespace fp8moe::cuda {
 
-// x: (B*T, heads, hd) rotated in place; cs, sn: (T, hd/2), the table of cpu::rope_table (hd even).
+// hd elements (even) of each head of x rotated in place, head h of row r at x + (r heads + h)
+// head_stride (head_stride >= hd; = hd: x is (B*T, heads, hd)); cs, sn: (T, hd/2), the table of
+// cpu::rope_table.
 void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
-          cudaStream_t stream);
+          int64_t head_stride, cudaStream_t stream);
 
 }  // namespace fp8moe::cuda

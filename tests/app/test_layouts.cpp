@@ -175,6 +175,47 @@ TEST_F(Layouts, NodeLimitedRoutingIsTheSameOnEveryLayout) {
   }
 }
 
+// DeepSeek-V3's architecture: multi-head latent attention (a query latent of 32, a key-value latent
+// of 32, heads of 16 + 8 rotary query/key channels and 16 value channels), its router, and one
+// multi-token prediction module. The tensor-parallel ranks split the heads and keep the latents'
+// projections and norms whole, summing the heads' gradients at the latents; under pipeline
+// parallelism the module runs on the last stage with the embeddings of its tokens sent from the
+// first. The loss printed is the main model's; the module's shows in the later steps through the
+// gradients it adds. Step 2 is the sharp comparison of the gradients (the first update); over 20
+// steps node-limited routing's near-ties amplify FP32 (and FP8) noise. Measured (2-core VM,
+// 2026-12-01), worst over the layouts, relative to 1 rank: step 1 5.1e-11 (off), 9.9e-12
+// (blockwise); step 2 2.7e-8, 4.9e-10; 20 steps 8.3e-6, 2.2e-2 (MLA without the module, off:
+// 8.5e-4 at the step where a near-tie routes elsewhere). Without the tensor-parallel sum of the
+// key-value latent's gradient the test fails (mutation mla-latent-gradient-not-summed-over-tp).
+TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
+  const std::vector<std::string> mla = {"model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=32",
+                                        "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+                                        "model.v_head_dim=16", "model.moe.n_group=4", "model.moe.topk_group=2",
+                                        "model.moe.routed_scaling_factor=2.5", "model.mtp_depth=1"};
+  for (const char* recipe : {"off", "blockwise"}) {
+    std::vector<std::string> base = mla;
+    base.push_back(std::string("fp8.recipe=") + recipe);
+    const bool off = std::string(recipe) == "off";
+    const auto ref = train(1, base);
+    ASSERT_EQ(ref.size(), 20u);
+    for (const Layout& l : std::vector<Layout>{
+             {"tp2", 2, {"parallel.tensor=2"}},
+             {"ep2 (dp2)", 2, {"parallel.expert=2"}},
+             {"pp2", 2, {"parallel.pipeline=2"}},
+             {"tp2 x pp2 x ep2 (dp2)", 8, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}}}) {
+      auto sets = l.sets;
+      sets.insert(sets.end(), base.begin(), base.end());
+      const auto got = train(l.ranks, sets);
+      const double w1 = worst({{1, ref.at(1)}}, got), w2 = worst({{2, ref.at(2)}}, got), w = worst(ref, got);
+      std::printf("latent attention, recipe %-9s %-22s %d ranks: step 1 loss %.2e, step 2 %.2e, 20 steps %.2e "
+                  "relative to 1 rank\n", recipe, l.name, l.ranks, w1, w2, w);
+      EXPECT_LE(w1, 1e-8) << recipe << " " << l.name;
+      EXPECT_LE(w2, off ? 3e-7 : 1e-6) << recipe << " " << l.name;
+      EXPECT_LE(w, off ? 5e-5 : 5e-2) << recipe << " " << l.name;
+    }
+  }
+}
+
 // The per-tensor recipes under tensor, pipeline and expert parallelism. Their amax is reduced over
 // the tensor-parallel group (a shard's amax alone gives another scale), so a tensor-parallel layout
 // quantizes exactly like one rank; with fp8.power_of_two_scales off every amax difference changes

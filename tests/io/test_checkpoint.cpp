@@ -368,6 +368,9 @@ class WatchedDevice final : public Backend {
   MemoryStats memory_stats() const override { return d_->memory_stats(); }
   void reset_peak() override { d_->reset_peak(); }
   void copy(void* dst, const void* src, size_t bytes) override { d_->copy(dst, src, bytes); }
+  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override {
+    d_->copy_2d(dst, ld_dst, src, ld_src, rows, cols);
+  }
   void zero(void* dst, size_t bytes) override { d_->zero(dst, bytes); }
   void* host_address(const void* p) const override { return d_->host_address(p); }
   void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
@@ -400,17 +403,26 @@ class WatchedDevice final : public Backend {
                         float* dx, float* dw) override {
     d_->rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw);
   }
-  void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn) override {
-    d_->rope(x, B, T, heads, hd, cs, sn);
+  void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
+            int64_t head_stride) override {
+    d_->rope(x, B, T, heads, hd, cs, sn, head_stride);
   }
   void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                         int64_t hd, float* out, float* lse) override {
-    d_->attention_forward(q, k, v, B, T, H, KVH, hd, out, lse);
+                         int64_t hd, int64_t hdv, float* out, float* lse) override {
+    d_->attention_forward(q, k, v, B, T, H, KVH, hd, hdv, out, lse);
   }
   void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
-                          const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, float* dq,
-                          float* dk, float* dv) override {
-    d_->attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, dq, dk, dv);
+                          const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
+                          float* dq, float* dk, float* dv) override {
+    d_->attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv);
+  }
+  void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t vd,
+                     float* k, float* v) override {
+    d_->mla_expand_kv(kv, kpe, N, H, nope, rope, vd, k, v);
+  }
+  void mla_expand_kv_backward(const float* dk, const float* dv, int64_t N, int64_t H, int64_t nope, int64_t rope,
+                              int64_t vd, float* dkv, float* dkpe) override {
+    d_->mla_expand_kv_backward(dk, dv, N, H, nope, rope, vd, dkv, dkpe);
   }
   void cross_entropy(const float* logits, const int32_t* targets, int64_t N, int64_t V, int32_t ignore,
                      float grad_scale, float* dlogits, double* loss_sum) override {

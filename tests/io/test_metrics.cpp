@@ -15,7 +15,7 @@ namespace {
 
 StepMetrics sample_step() {
   StepMetrics m;
-  m.step = 3, m.loss = 5.25, m.val_loss = NAN, m.lr = 0.001, m.grad_norm = 0.5, m.tokens_per_s = 1024;
+  m.step = 3, m.loss = 5.25, m.val_loss = NAN, m.mtp_loss = 0.75, m.lr = 0.001, m.grad_norm = 0.5, m.tokens_per_s = 1024;
   m.step_time_s = 0.125, m.mfu = 0.0625, m.peak_mem_bytes = 123456789, m.expert_load_imbalance = 1.5;
   m.fp8_saturated = 7, m.fp8_underflowed = 0, m.skipped_steps = 1, m.loss_scale = 65536;
   m.pipeline_bubble = NAN, m.pipeline_bubble_ideal = INFINITY;
@@ -27,7 +27,7 @@ TEST(Metrics, OneStepIsOneJsonObjectWithTheKeysInOrder) {
   // Numbers exactly representable in binary, so that their shortest round-trip text is known;
   // NaN and infinity are not JSON numbers: null. No device: null.
   EXPECT_EQ(metrics_json(sample_step()),
-            "{\"step\":3,\"loss\":5.25,\"val_loss\":null,\"lr\":0.001,\"grad_norm\":0.5,\"tokens_per_s\":1024.0,"
+            "{\"step\":3,\"loss\":5.25,\"val_loss\":null,\"mtp_loss\":0.75,\"lr\":0.001,\"grad_norm\":0.5,\"tokens_per_s\":1024.0,"
             "\"step_time_s\":0.125,\"mfu\":0.0625,\"peak_mem_bytes\":123456789,\"peak_device_mem_bytes\":null,"
             "\"expert_load_imbalance\":1.5,\"fp8_saturated\":7,\"fp8_underflowed\":0,\"skipped_steps\":1,"
             "\"loss_scale\":65536.0,\"pipeline_bubble\":null,\"pipeline_bubble_ideal\":null,\"host_syncs\":5,"

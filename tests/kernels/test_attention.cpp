@@ -1,15 +1,20 @@
 // Causal grouped-query attention (kernels/attention.h): the CPU op against a naive FP64 attention
 // and finite differences (fp64_reference.h), then the op through each device backend against the
-// CPU backend (backend_cases.h): one token, grouped, multi-query, head sizes 2 to 192, no batch.
+// CPU backend (backend_cases.h): one token, grouped, multi-query, head sizes 2 to 192, value head
+// sizes other than the query/key one (DeepSeek-V3's 192 / 128), no batch. Then MLA's key/value
+// expansion (kernels/mla.h): exact, against loops written here, on every backend.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
+#include <string>
 #include <vector>
 
 #include "kernels/attention.h"
 #include "kernels/backend_info.h"
 #include "kernels/fp8.h"
+#include "kernels/mla.h"
 #include "tests/kernels/backend_cases.h"
 #if FP8MOE_HAVE_CUDNN
 #include "kernels/cuda/attention_cudnn.h"
@@ -23,12 +28,13 @@ namespace {
 // ---- the CPU op against FP64 ---------------------------------------------------------------------
 
 struct AttnShape {
-  int64_t B, T, H, KVH, hd;
+  int64_t B, T, H, KVH, hd, hdv;  // hd: query/key head size, hdv: value head size
 };
 
-// Naive causal GQA attention in FP64, out: (B*T, H, hd).
+// Naive causal GQA attention in FP64, q: (B*T, H, hd), k: (B*T, KVH, hd), v: (B*T, KVH, hdv),
+// out: (B*T, H, hdv).
 DVec attention_ref(const DVec& q, const DVec& k, const DVec& v, const AttnShape& s) {
-  DVec out(size_t(s.B * s.T * s.H * s.hd), 0.0);
+  DVec out(size_t(s.B * s.T * s.H * s.hdv), 0.0);
   const int64_t group = s.H / s.KVH;
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
@@ -45,8 +51,9 @@ DVec attention_ref(const DVec& q, const DVec& k, const DVec& v, const AttnShape&
         double z = 0;
         for (double& x : sc) z += (x = std::exp(x - m));
         for (int64_t j = 0; j <= i; ++j)
-          for (int64_t e = 0; e < s.hd; ++e)
-            out[((b * s.T + i) * s.H + h) * s.hd + e] += sc[j] / z * v[((b * s.T + j) * s.KVH + h / group) * s.hd + e];
+          for (int64_t e = 0; e < s.hdv; ++e)
+            out[((b * s.T + i) * s.H + h) * s.hdv + e] +=
+                sc[j] / z * v[((b * s.T + j) * s.KVH + h / group) * s.hdv + e];
       }
   return out;
 }
@@ -56,23 +63,27 @@ class AttentionTest : public testing::TestWithParam<AttnShape> {};
 TEST_P(AttentionTest, ForwardAndBackward) {
   const AttnShape s = GetParam();
   const size_t nq = size_t(s.B * s.T * s.H * s.hd), nk = size_t(s.B * s.T * s.KVH * s.hd);
-  const Vec q = random_vec(nq, 6), k = random_vec(nk, 7), v = random_vec(nk, 8), r = random_vec(nq, 9);
-  Vec out(nq), lse(size_t(s.B * s.H * s.T)), dq(nq), dk(nk, 123.0f), dv(nk, 123.0f);  // dk, dv are written
-  cpu::attention_forward(q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.hd, out.data(), lse.data());
+  const size_t nv = size_t(s.B * s.T * s.KVH * s.hdv), no = size_t(s.B * s.T * s.H * s.hdv);
+  const Vec q = random_vec(nq, 6), k = random_vec(nk, 7), v = random_vec(nv, 8), r = random_vec(no, 9);
+  Vec out(no), lse(size_t(s.B * s.H * s.T)), dq(nq), dk(nk, 123.0f), dv(nv, 123.0f);  // dk, dv are written
+  cpu::attention_forward(q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.hd, s.hdv, out.data(), lse.data());
   const DVec qd = to_double(q), kd = to_double(k), vd = to_double(v);
   expect_close(out, attention_ref(qd, kd, vd, s), 1e-5, "out");
   cpu::attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), r.data(), s.B, s.T, s.H, s.KVH, s.hd,
-                          dq.data(), dk.data(), dv.data());
+                          s.hdv, dq.data(), dk.data(), dv.data());
   expect_close(dq, numeric_grad([&](const DVec& x) { return attention_ref(x, kd, vd, s); }, qd, r), 5e-5, "dq");
   expect_close(dk, numeric_grad([&](const DVec& x) { return attention_ref(qd, x, vd, s); }, kd, r), 5e-5, "dk");
   expect_close(dv, numeric_grad([&](const DVec& x) { return attention_ref(qd, kd, x, s); }, vd, r), 5e-5, "dv");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
-                         testing::Values(AttnShape{2, 7, 4, 2, 6},   // grouped-query
-                                         AttnShape{1, 5, 3, 3, 4},   // multi-head
-                                         AttnShape{2, 1, 2, 1, 4},   // one token
-                                         AttnShape{1, 12, 4, 1, 8}));  // multi-query
+                         testing::Values(AttnShape{2, 7, 4, 2, 6, 6},       // grouped-query
+                                         AttnShape{1, 5, 3, 3, 4, 4},       // multi-head
+                                         AttnShape{2, 1, 2, 1, 4, 4},       // one token
+                                         AttnShape{1, 12, 4, 1, 8, 8},      // multi-query
+                                         AttnShape{2, 5, 4, 2, 24, 16},     // value heads narrower
+                                         AttnShape{1, 6, 2, 1, 12, 20},     // value heads wider
+                                         AttnShape{1, 4, 2, 2, 192, 128}));  // DeepSeek-V3's MLA sizes
 
 // ---- each device backend against the CPU backend ------------------------------------------------
 
@@ -84,12 +95,13 @@ struct AttnOut {
 AttnOut attention_on(Backend& be, const AttnShape& s, const std::vector<float>& q, const std::vector<float>& k,
                      const std::vector<float>& v, const std::vector<float>& dout) {
   const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nl = s.B * s.H * s.T;
+  const int64_t nv = s.B * s.T * s.KVH * s.hdv, no = s.B * s.T * s.H * s.hdv;
   Tensor gq = up(be, q), gk = up(be, k), gv = up(be, v), gd = up(be, dout);
-  Tensor o = poisoned(be, DType::f32, nq), l = poisoned(be, DType::f32, nl), dq = poisoned(be, DType::f32, nq),
-         dk = poisoned(be, DType::f32, nk), dv = poisoned(be, DType::f32, nk);
-  be.attention_forward(gq.f32(), gk.f32(), gv.f32(), s.B, s.T, s.H, s.KVH, s.hd, o.f32(), l.f32());
-  be.attention_backward(gq.f32(), gk.f32(), gv.f32(), o.f32(), l.f32(), gd.f32(), s.B, s.T, s.H, s.KVH, s.hd, dq.f32(),
-                        dk.f32(), dv.f32());
+  Tensor o = poisoned(be, DType::f32, no), l = poisoned(be, DType::f32, nl), dq = poisoned(be, DType::f32, nq),
+         dk = poisoned(be, DType::f32, nk), dv = poisoned(be, DType::f32, nv);
+  be.attention_forward(gq.f32(), gk.f32(), gv.f32(), s.B, s.T, s.H, s.KVH, s.hd, s.hdv, o.f32(), l.f32());
+  be.attention_backward(gq.f32(), gk.f32(), gv.f32(), o.f32(), l.f32(), gd.f32(), s.B, s.T, s.H, s.KVH, s.hd, s.hdv,
+                        dq.f32(), dk.f32(), dv.f32());
   expect_unchanged(gq, q, "q");
   expect_unchanged(gk, k, "k");
   expect_unchanged(gv, v, "v");
@@ -98,18 +110,23 @@ AttnOut attention_on(Backend& be, const AttnShape& s, const std::vector<float>& 
 }
 
 TEST_P(DeviceOps, AttentionMatchesCpu) {
-  for (AttnShape s : {AttnShape{1, 1, 1, 1, 2}, AttnShape{2, 17, 4, 1, 16}, AttnShape{1, 64, 4, 2, 64},
-                      AttnShape{2, 256, 8, 8, 128}, AttnShape{1, 40, 2, 1, 192}, AttnShape{0, 8, 2, 1, 16}}) {
-    SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd);
+  for (AttnShape s : {AttnShape{1, 1, 1, 1, 2, 2}, AttnShape{2, 17, 4, 1, 16, 16}, AttnShape{1, 64, 4, 2, 64, 64},
+                      AttnShape{2, 256, 8, 8, 128, 128}, AttnShape{1, 40, 2, 1, 192, 192},
+                      AttnShape{0, 8, 2, 1, 16, 16}, AttnShape{2, 17, 4, 2, 24, 16}, AttnShape{1, 9, 3, 1, 12, 20},
+                      AttnShape{1, 33, 4, 4, 192, 128}, AttnShape{1, 1, 2, 1, 8, 40}, AttnShape{0, 8, 2, 2, 24, 16}}) {
+    SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd
+                                    << " hdv" << s.hdv);
     const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nl = s.B * s.H * s.T;
-    const auto q = normal_vector(nq, 11, 2.0f), k = normal_vector(nk, 12, 2.0f), v = normal_vector(nk, 13),
-               dout = normal_vector(nq, 14);
+    const int64_t nv = s.B * s.T * s.KVH * s.hdv, no = s.B * s.T * s.H * s.hdv;
+    const auto q = normal_vector(nq, 11, 2.0f), k = normal_vector(nk, 12, 2.0f), v = normal_vector(nv, 13),
+               dout = normal_vector(no, 14);
     auto [c, g] = both([&](Backend& be) { return attention_on(be, s, q, k, v, dout); });
     // The CPU backend is the CPU kernel.
-    AttnOut ref{poisoned_f32(nq), poisoned_f32(nl), poisoned_f32(nq), poisoned_f32(nk), poisoned_f32(nk)};
-    cpu::attention_forward(q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.hd, ref.out.data(), ref.lse.data());
+    AttnOut ref{poisoned_f32(no), poisoned_f32(nl), poisoned_f32(nq), poisoned_f32(nk), poisoned_f32(nv)};
+    cpu::attention_forward(q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.hd, s.hdv, ref.out.data(),
+                           ref.lse.data());
     cpu::attention_backward(q.data(), k.data(), v.data(), ref.out.data(), ref.lse.data(), dout.data(), s.B, s.T, s.H,
-                            s.KVH, s.hd, ref.dq.data(), ref.dk.data(), ref.dv.data());
+                            s.KVH, s.hd, s.hdv, ref.dq.data(), ref.dk.data(), ref.dv.data());
     expect_bitwise(c.out, ref.out, "cpu backend out vs cpu::attention_forward");
     expect_bitwise(c.lse, ref.lse, "cpu backend lse vs cpu::attention_forward");
     expect_bitwise(c.dq, ref.dq, "cpu backend dq vs cpu::attention_backward");
@@ -144,12 +161,17 @@ TEST_F(CudaOps, FusedAttentionMatchesTheReferenceKernel) {
   options.attention = AttentionKernel::cudnn;  // fatal where cuDNN has no plan: never a silent fallback
   const std::unique_ptr<Backend> fused = make_backend(DeviceKind::cuda, 0, options);
   Backend& ref = gpu();  // the reference kernel (backend_cases.cpp)
-  for (AttnShape s : {AttnShape{2, 256, 4, 2, 64}, AttnShape{1, 257, 4, 4, 128}, AttnShape{1, 4096, 8, 2, 128},
-                      AttnShape{4, 512, 16, 16, 128}}) {
-    SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd);
+  // The last shape is DeepSeek-V3's multi-head latent attention: keys 192 wide (128 + 64 rotary),
+  // values 128, one kv head per query head.
+  for (AttnShape s : {AttnShape{2, 256, 4, 2, 64, 64}, AttnShape{1, 257, 4, 4, 128, 128},
+                      AttnShape{1, 4096, 8, 2, 128, 128}, AttnShape{4, 512, 16, 16, 128, 128},
+                      AttnShape{2, 512, 8, 8, 192, 128}}) {
+    SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd
+                                    << " hdv" << s.hdv);
     const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd;
+    const int64_t nv = s.B * s.T * s.KVH * s.hdv, no = s.B * s.T * s.H * s.hdv;
     const auto q = bf16_exact(normal_vector(nq, 21, 2.0f)), k = bf16_exact(normal_vector(nk, 22, 2.0f)),
-               v = bf16_exact(normal_vector(nk, 23)), dout = bf16_exact(normal_vector(nq, 24));
+               v = bf16_exact(normal_vector(nv, 23)), dout = bf16_exact(normal_vector(no, 24));
     const AttnOut r = attention_on(ref, s, q, k, v, dout), f = attention_on(*fused, s, q, k, v, dout),
                   again = attention_on(*fused, s, q, k, v, dout);
     // NOTE: bounds from BF16's unit roundoff (2^-8 relative), not yet measured on a GPU: the output
@@ -169,6 +191,7 @@ TEST_F(CudaOps, FusedAttentionMatchesTheReferenceKernel) {
   const std::string kernels = fused->attention_kernels();
   EXPECT_EQ(kernels.find("reference"), std::string::npos) << kernels;
   EXPECT_NE(kernels.find("B 1 T 4096 H 8 KVH 2 head_dim 128: cudnn"), std::string::npos) << kernels;
+  EXPECT_NE(kernels.find("B 2 T 512 H 8 KVH 8 head_dim 192 value_head_dim 128: cudnn"), std::string::npos) << kernels;
 }
 
 // runtime.attention auto on a GPU: cuDNN where it loads (the shape above), and the CUDA backend
@@ -179,10 +202,10 @@ TEST_F(CudaOps, AttentionKernelChoiceIsReported) {
     BackendOptions options;
     options.attention = kind;
     const std::unique_ptr<Backend> be = make_backend(DeviceKind::cuda, 0, options);
-    const AttnShape s{1, 128, 2, 2, 64};
+    const AttnShape s{1, 128, 2, 2, 64, 64};
     const int64_t nq = s.T * s.H * s.hd;
     Tensor q = up(*be, normal_vector(nq, 31)), o(*be, DType::f32, {nq}), l(*be, DType::f32, {s.H * s.T});
-    be->attention_forward(q.f32(), q.f32(), q.f32(), s.B, s.T, s.H, s.KVH, s.hd, o.f32(), l.f32());
+    be->attention_forward(q.f32(), q.f32(), q.f32(), s.B, s.T, s.H, s.KVH, s.hd, s.hdv, o.f32(), l.f32());
     be->sync();
     const std::string kernels = be->attention_kernels();
     if (kind == AttentionKernel::automatic)
@@ -210,6 +233,126 @@ TEST(CudnnAttention, WithoutADeviceTheHandleFailsWithItsReason) {
 #else
   GTEST_SKIP() << "cuDNN's fused attention is not built in (no cuDNN frontend at configure time)";
 #endif
+}
+
+// The shape's name (the warnings, Backend::attention_kernels()) and the plan cache's key hold the
+// value head size: a shape that differs only there is another shape. No GPU needed.
+TEST(CudnnAttention, ShapeNamesTheValueHeadSizeWhereItDiffers) {
+#if FP8MOE_HAVE_CUDNN
+  const cuda::AttnDims gqa{4, 2048, 16, 4, 128, 128}, mla{2, 512, 8, 8, 192, 128}, mla_v{2, 512, 8, 8, 192, 192};
+  EXPECT_EQ(cuda::to_string(gqa), "B 4 T 2048 H 16 KVH 4 head_dim 128");
+  EXPECT_EQ(cuda::to_string(mla), "B 2 T 512 H 8 KVH 8 head_dim 192 value_head_dim 128");
+  EXPECT_EQ(cuda::to_string(mla_v), "B 2 T 512 H 8 KVH 8 head_dim 192");
+  EXPECT_NE(mla, mla_v);
+  EXPECT_TRUE(mla < mla_v || mla_v < mla);
+#else
+  GTEST_SKIP() << "cuDNN's fused attention is not built in (no cuDNN frontend at configure time)";
+#endif
+}
+
+// ---- MLA's key/value expansion (kernels/mla.h) -----------------------------------------------------
+
+struct MlaShape {
+  int64_t N, H, nope, rope, vd;
+};
+std::ostream& operator<<(std::ostream& os, const MlaShape& s) {
+  return os << "N " << s.N << " H " << s.H << " nope " << s.nope << " rope " << s.rope << " vd " << s.vd;
+}
+
+// The expansion and its backward as plain loops: k = [kv nope | kpe], v = kv's last vd; dkv =
+// [dk nope | dv], dkpe = the heads' dk rope parts added in FP32 from 0, h = 0, 1, ... in order.
+struct MlaOut {
+  std::vector<float> k, v, dkv, dkpe;
+};
+MlaOut mla_loops(const MlaShape& s, const std::vector<float>& kv, const std::vector<float>& kpe,
+                 const std::vector<float>& dk, const std::vector<float>& dv) {
+  const int64_t kw = s.nope + s.rope, kvw = s.nope + s.vd;
+  MlaOut r{std::vector<float>(size_t(s.N * s.H * kw)), std::vector<float>(size_t(s.N * s.H * s.vd)),
+           std::vector<float>(size_t(s.N * s.H * kvw)), std::vector<float>(size_t(s.N * s.rope))};
+  for (int64_t n = 0; n < s.N; ++n) {
+    for (int64_t h = 0; h < s.H; ++h) {
+      const int64_t nh = n * s.H + h;
+      for (int64_t c = 0; c < s.nope; ++c) r.k[nh * kw + c] = kv[nh * kvw + c];
+      for (int64_t j = 0; j < s.rope; ++j) r.k[nh * kw + s.nope + j] = kpe[n * s.rope + j];
+      for (int64_t c = 0; c < s.vd; ++c) r.v[nh * s.vd + c] = kv[nh * kvw + s.nope + c];
+      for (int64_t c = 0; c < s.nope; ++c) r.dkv[nh * kvw + c] = dk[nh * kw + c];
+      for (int64_t c = 0; c < s.vd; ++c) r.dkv[nh * kvw + s.nope + c] = dv[nh * s.vd + c];
+    }
+    for (int64_t j = 0; j < s.rope; ++j) {
+      float sum = 0.0f;
+      for (int64_t h = 0; h < s.H; ++h) sum += dk[(n * s.H + h) * kw + s.nope + j];
+      r.dkpe[n * s.rope + j] = sum;
+    }
+  }
+  return r;
+}
+
+// The shapes of both cases: one of each size 1, DeepSeek-V3's sizes (nope 128, rope 64, vd 128)
+// with 16 heads, no tokens, no heads (dkpe is then zeros, written), no rotary part.
+const std::vector<MlaShape>& mla_shapes() {
+  static const std::vector<MlaShape> shapes{{1, 1, 1, 1, 1}, {5, 3, 6, 4, 5},  {7, 16, 128, 64, 128},
+                                            {0, 4, 8, 4, 8}, {3, 0, 4, 2, 4}, {4, 2, 3, 0, 2}};
+  return shapes;
+}
+
+TEST(Ops, MlaExpandKvIsTheConcatenationAndItsBackwardTheSplitAndHeadSum) {
+  for (const MlaShape& s : mla_shapes()) {
+    SCOPED_TRACE(testing::Message() << s);
+    const int64_t nk = s.N * s.H * (s.nope + s.rope), nv = s.N * s.H * s.vd, nkv = s.N * s.H * (s.nope + s.vd);
+    const auto kv = normal_vector(nkv, 41), kpe = normal_vector(s.N * s.rope, 42), dk = normal_vector(nk, 43),
+               dv = normal_vector(nv, 44);
+    const MlaOut want = mla_loops(s, kv, kpe, dk, dv);
+    MlaOut got{poisoned_f32(nk), poisoned_f32(nv), poisoned_f32(nkv), poisoned_f32(s.N * s.rope)};
+    cpu::mla_expand_kv(kv.data(), kpe.data(), s.N, s.H, s.nope, s.rope, s.vd, got.k.data(), got.v.data());
+    cpu::mla_expand_kv_backward(dk.data(), dv.data(), s.N, s.H, s.nope, s.rope, s.vd, got.dkv.data(), got.dkpe.data());
+    expect_bitwise(got.k, want.k, "k");
+    expect_bitwise(got.v, want.v, "v");
+    expect_bitwise(got.dkv, want.dkv, "dkv");
+    expect_bitwise(got.dkpe, want.dkpe, "dkpe");
+    if (s.H == 16) {
+      // The order of the heads' sum shows in the bits: adding them the other way round differs.
+      bool order_shows = false;
+      for (int64_t n = 0; n < s.N && !order_shows; ++n)
+        for (int64_t j = 0; j < s.rope && !order_shows; ++j) {
+          float descending = 0.0f;
+          for (int64_t h = s.H - 1; h >= 0; --h) descending += dk[(n * s.H + h) * (s.nope + s.rope) + s.nope + j];
+          order_shows = descending != want.dkpe[n * s.rope + j];
+        }
+      EXPECT_TRUE(order_shows) << "a descending sum over 16 heads gives the ascending one's bits everywhere";
+    }
+  }
+}
+
+TEST_P(DeviceOps, MlaExpandKvMatchesCpuBitwise) {
+  for (const MlaShape& s : mla_shapes()) {
+    SCOPED_TRACE(testing::Message() << s);
+    const int64_t nk = s.N * s.H * (s.nope + s.rope), nv = s.N * s.H * s.vd, nkv = s.N * s.H * (s.nope + s.vd);
+    const int64_t npe = s.N * s.rope;
+    const auto kv = normal_vector(nkv, 51), kpe = normal_vector(npe, 52), dk = normal_vector(nk, 53),
+               dv = normal_vector(nv, 54);
+    auto [c, g] = both([&](Backend& be) {
+      Tensor gkv = up(be, kv), gkpe = up(be, kpe), gdk = up(be, dk), gdv = up(be, dv);
+      Tensor k = poisoned(be, DType::f32, nk), v = poisoned(be, DType::f32, nv), dkv = poisoned(be, DType::f32, nkv),
+             dkpe = poisoned(be, DType::f32, npe);
+      be.mla_expand_kv(gkv.f32(), gkpe.f32(), s.N, s.H, s.nope, s.rope, s.vd, k.f32(), v.f32());
+      be.mla_expand_kv_backward(gdk.f32(), gdv.f32(), s.N, s.H, s.nope, s.rope, s.vd, dkv.f32(), dkpe.f32());
+      expect_unchanged(gkv, kv, "kv");
+      expect_unchanged(gkpe, kpe, "kpe");
+      expect_unchanged(gdk, dk, "dk");
+      expect_unchanged(gdv, dv, "dv");
+      return MlaOut{down<float>(k), down<float>(v), down<float>(dkv), down<float>(dkpe)};
+    });
+    const MlaOut want = mla_loops(s, kv, kpe, dk, dv);
+    expect_bitwise(c.k, want.k, "cpu backend k");
+    expect_bitwise(c.v, want.v, "cpu backend v");
+    expect_bitwise(c.dkv, want.dkv, "cpu backend dkv");
+    expect_bitwise(c.dkpe, want.dkpe, "cpu backend dkpe");
+    // Data movement and the same FP32 additions in the same order: bitwise on every device.
+    expect_bitwise(g.k, c.k, "k");
+    expect_bitwise(g.v, c.v, "v");
+    expect_bitwise(g.dkv, c.dkv, "dkv");
+    expect_bitwise(g.dkpe, c.dkpe, "dkpe");
+  }
 }
 
 }  // namespace

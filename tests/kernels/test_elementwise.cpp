@@ -1,6 +1,7 @@
 // Element-wise arithmetic: kernels/elem.h's rounding contract (what the CPU ops and the CUDA
 // kernels that share it rely on), and the residual add (kernels/elementwise.h) through each device
-// backend against the CPU backend (backend_cases.h), in place too.
+// backend against the CPU backend (backend_cases.h), in place too. Then Backend::copy_2d, the
+// pitched copy, against a loop written here on every backend.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -48,6 +49,47 @@ TEST_P(DeviceOps, ElementwiseAddMatchesCpuBitwise) {
     expect_bitwise(c.second, again, "cpu backend a += out vs the rounded FP64 sum");
     expect_bitwise(g.first, c.first, "a + b");
     expect_bitwise(g.second, c.second, "a += out");
+  }
+}
+
+// ---- the pitched copy (Backend::copy_2d) ---------------------------------------------------------
+
+struct Copy2d {
+  int64_t rows, cols, ld_src, ld_dst, src_off, dst_off;  // src_off, dst_off: where the region starts
+};
+
+// dst[dst_off + r ld_dst + c] = src[src_off + r ld_src + c] into a destination that starts as
+// `before`, through the backend, in its memory; both tensors hold rows * ld + off elements.
+std::vector<float> copy_2d_on(Backend& be, const Copy2d& p, const std::vector<float>& src,
+                              const std::vector<float>& before) {
+  Tensor s = up(be, src), d = up(be, before);
+  // An empty tensor is nullptr: the op gets nullptr, not an offset from it.
+  be.copy_2d(d.empty() ? d.f32() : d.f32() + p.dst_off, p.ld_dst, s.empty() ? s.f32() : s.f32() + p.src_off,
+             p.ld_src, p.rows, p.cols);
+  expect_unchanged(s, src, "src");
+  return down<float>(d);
+}
+
+TEST_P(DeviceOps, Copy2dMatchesAHostLoopBitwise) {
+  // Gaps in the destination (its untouched elements must stay), gaps in the source, both dense,
+  // MLA's rotary parts out of (rows, heads x 192) into (rows, heads x 64) and back, one element,
+  // no rows, no columns.
+  for (Copy2d p : {Copy2d{17, 5, 12, 8, 3, 1}, Copy2d{9, 7, 7, 13, 0, 2}, Copy2d{5, 6, 6, 6, 0, 0},
+                   Copy2d{64, 64, 192, 64, 128, 0}, Copy2d{64, 64, 64, 192, 0, 128}, Copy2d{1, 1, 1, 1, 0, 0},
+                   Copy2d{0, 5, 7, 9, 0, 0}, Copy2d{3, 0, 4, 4, 1, 2}}) {
+    SCOPED_TRACE(testing::Message() << p.rows << " x " << p.cols << " from stride " << p.ld_src << " at "
+                                    << p.src_off << " to stride " << p.ld_dst << " at " << p.dst_off);
+    const int64_t ns = p.rows ? p.src_off + p.rows * p.ld_src : 0, nd = p.rows ? p.dst_off + p.rows * p.ld_dst : 0;
+    const auto src = normal_vector(ns, 61 + p.rows), before = normal_vector(nd, 62 + p.cols);
+    std::vector<float> want = before;
+    for (int64_t r = 0; r < p.rows; ++r)
+      for (int64_t c = 0; c < p.cols; ++c) want[p.dst_off + r * p.ld_dst + c] = src[p.src_off + r * p.ld_src + c];
+    auto [c, g] = both([&](Backend& be) { return copy_2d_on(be, p, src, before); });
+    expect_bitwise(c, want, "cpu backend vs the loop");
+    expect_bitwise(g, want, "device vs the loop");
+    if (p.rows * p.cols > 0) {
+      EXPECT_NE(want, before) << "the copy changed the destination";
+    }
   }
 }
 

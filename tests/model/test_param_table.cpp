@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "model/param_table.h"
 
@@ -95,6 +97,94 @@ TEST(ParamTable, ShardingAndOptimizerFlags) {
   EXPECT_EQ(t.at("head.weight").layer, 4);
   EXPECT_EQ(t.at("layers.3.moe.experts.7.w2").rows, 256);
   EXPECT_EQ(t.index_of("layers.0.moe.router"), -1);  // layer 0 is dense
+}
+
+// DeepSeek-V3 (technical report, arXiv 2412.19437; its config.json) and DeepSeek-V2-Lite (arXiv
+// 2405.04434) as ModelConfigs.
+ModelConfig deepseek_v3() {
+  ModelConfig m;
+  m.vocab_size = 129280, m.d_model = 7168, m.n_layers = 61, m.n_heads = 128, m.attention = AttentionKind::mla;
+  m.q_lora_rank = 1536, m.kv_lora_rank = 512, m.qk_nope_head_dim = 128, m.qk_rope_head_dim = 64, m.v_head_dim = 128;
+  m.first_dense_layers = 3, m.d_ff_dense = 18432;
+  m.moe.n_experts = 256, m.moe.top_k = 8, m.moe.n_shared_experts = 1, m.moe.d_expert = 2048;
+  m.moe.n_group = 8, m.moe.topk_group = 4, m.moe.routed_scaling_factor = 2.5;
+  return m;
+}
+ModelConfig deepseek_v2_lite() {
+  ModelConfig m;
+  m.vocab_size = 102400, m.d_model = 2048, m.n_layers = 27, m.n_heads = 16, m.attention = AttentionKind::mla;
+  m.q_lora_rank = 0, m.kv_lora_rank = 512, m.qk_nope_head_dim = 128, m.qk_rope_head_dim = 64, m.v_head_dim = 128;
+  m.first_dense_layers = 1, m.d_ff_dense = 10944;
+  m.moe.n_experts = 64, m.moe.top_k = 6, m.moe.n_shared_experts = 2, m.moe.d_expert = 1408, m.moe.gating = Gating::softmax;
+  return m;
+}
+
+const ParamCount& component(const std::vector<ParamCount>& c, const std::string& name) {
+  for (const ParamCount& x : c)
+    if (x.component == name) return x;
+  ADD_FAILURE() << "no component " << name;
+  return c.back();
+}
+
+TEST(ParamCounts, DeepSeekV3HasThePublishedSize) {
+  // Published: 671B total, 37B activated per token (36.6B without the 0.9B embedding; the 0.9B
+  // output head included). The exact figures below are the architecture's arithmetic done by hand
+  // (per MLA block 187,107,328; per routed expert 3 x 7168 x 2048; the router's bias counted).
+  const std::vector<ParamCount> c = count_params(deepseek_v3());
+  const ParamCount& total = component(c, "total");
+  EXPECT_EQ(total.total, 671026419200);
+  EXPECT_NEAR(total.activated, 36625618432.0, 0.5);
+  EXPECT_NEAR(total.total / 1e9, 671.0, 0.05);
+  EXPECT_NEAR(total.activated / 1e9, 36.6, 0.05);
+  EXPECT_EQ(component(c, "head").total, 926679040);  // 0.9B
+  EXPECT_EQ(component(c, "embedding").total, 926679040);
+  EXPECT_EQ(component(c, "embedding").activated, 0.0);
+  EXPECT_EQ(component(c, "attention").total, 61 * int64_t(187107328));
+  EXPECT_EQ(component(c, "routed experts").total, 58 * int64_t(256) * 3 * 7168 * 2048);
+  EXPECT_NEAR(component(c, "routed experts").activated, 58.0 * 8 * 3 * 7168 * 2048, 0.5);
+  int64_t sum = 0;
+  for (size_t i = 0; i + 1 < c.size(); ++i) sum += c[i].total;
+  EXPECT_EQ(sum, total.total);
+}
+
+TEST(ParamCounts, DeepSeekV2LiteHasThePublishedSize) {
+  // Published: 15.7B total, 2.4B activated per token.
+  const std::vector<ParamCount> c = count_params(deepseek_v2_lite());
+  const ParamCount& total = component(c, "total");
+  EXPECT_EQ(total.total, 15706485888);
+  EXPECT_NEAR(total.activated, 2451436672.0, 0.5);
+  EXPECT_NEAR(total.total / 1e9, 15.7, 0.05);
+  EXPECT_NEAR(total.activated / 1e9, 2.4, 0.06);
+  EXPECT_EQ(component(c, "attention").total, 27 * int64_t(13763072));  // no query latent: wq (16 x 192, 2048)
+  EXPECT_EQ(component(c, "shared experts").total, 26 * int64_t(3) * 2048 * 2 * 1408);
+}
+
+TEST(ParamTable, MlaNamesShapesAndSplits) {
+  ModelConfig m = deepseek_v3();
+  m.n_layers = 4, m.first_dense_layers = 1;
+  const ParamTable t = build_param_table(m);
+  auto expect = [&](const std::string& name, int64_t rows, int64_t cols, TpSplit tp) {
+    const ParamSpec& p = t.at(name);
+    EXPECT_EQ(p.rows, rows) << name;
+    EXPECT_EQ(p.cols, cols) << name;
+    EXPECT_EQ(p.tp, tp) << name;
+  };
+  expect("layers.0.attn.wq_a", 1536, 7168, TpSplit::none);
+  expect("layers.0.attn.q_norm.weight", 1, 1536, TpSplit::none);
+  expect("layers.0.attn.wq_b", 128 * 192, 1536, TpSplit::rows);
+  expect("layers.0.attn.wkv_a", 512 + 64, 7168, TpSplit::none);
+  expect("layers.0.attn.kv_norm.weight", 1, 512, TpSplit::none);
+  expect("layers.0.attn.wkv_b", 128 * 256, 512, TpSplit::rows);
+  expect("layers.0.attn.wo", 7168, 128 * 128, TpSplit::cols);
+  EXPECT_EQ(t.index_of("layers.0.attn.wq"), -1);
+  EXPECT_EQ(t.index_of("layers.0.attn.wk"), -1);
+  EXPECT_FALSE(t.at("layers.0.attn.q_norm.weight").weight_decay);
+  EXPECT_EQ(t.at("layers.0.attn.wq_b").linear, LinearClass::attention);
+  m.q_lora_rank = 0;
+  const ParamTable u = build_param_table(m);
+  EXPECT_EQ(u.at("layers.0.attn.wq").rows, 128 * 192);
+  EXPECT_EQ(u.index_of("layers.0.attn.wq_a"), -1);
+  EXPECT_EQ(u.index_of("layers.0.attn.q_norm.weight"), -1);
 }
 
 TEST(Init, ShardsEqualTheSameSliceOfTheWhole) {

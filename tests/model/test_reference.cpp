@@ -28,6 +28,18 @@ Config small_config(Fp8Recipe recipe, Gating gating) {
   return c;
 }
 
+// DeepSeek-V3's attention and router on the small model: multi-head latent attention (a query
+// latent of q_lora, 0 = none; kv latent 16; heads of 8 + 4 rotary query/key channels and 6 value
+// channels) and node-limited routing with routed scaling (8 experts in 4 groups, 2 reachable).
+Config mla_config(Fp8Recipe recipe, int q_lora) {
+  Config c = small_config(recipe, Gating::sigmoid);
+  ModelConfig& m = c.model;
+  m.attention = AttentionKind::mla;
+  m.q_lora_rank = q_lora, m.kv_lora_rank = 16, m.qk_nope_head_dim = 8, m.qk_rope_head_dim = 4, m.v_head_dim = 6;
+  m.moe.n_experts = 8, m.moe.top_k = 3, m.moe.n_group = 4, m.moe.topk_group = 2, m.moe.routed_scaling_factor = 2.5;
+  return c;
+}
+
 struct Comparison {
   double loss = 0, ref_loss = 0;
   double worst = 0;  // max over tensors of max|g - r| / max|r|
@@ -97,12 +109,16 @@ Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f) {
       << ",\"params\":" << names << "],\"shapes\":" << shapes << "],\"trainable\":" << trainable << "]"
       << ",\"model\":{\"d_model\":" << m.d_model << ",\"n_layers\":" << m.n_layers << ",\"n_heads\":" << m.n_heads
       << ",\"n_kv_heads\":" << m.n_kv_heads << ",\"head_dim\":" << m.head_dim << ",\"rope_theta\":" << m.rope_theta
+      << ",\"attention\":\"" << to_string(m.attention) << "\",\"q_lora_rank\":" << m.q_lora_rank
+      << ",\"kv_lora_rank\":" << m.kv_lora_rank << ",\"qk_nope_head_dim\":" << m.qk_nope_head_dim
+      << ",\"qk_rope_head_dim\":" << m.qk_rope_head_dim << ",\"v_head_dim\":" << m.v_head_dim
       << ",\"norm_eps\":" << m.norm_eps << ",\"first_dense_layers\":" << m.first_dense_layers << ",\"pad_id\":" << m.pad_id
       << ",\"n_experts\":" << m.moe.n_experts << ",\"top_k\":" << m.moe.top_k << ",\"n_shared_experts\":"
       << m.moe.n_shared_experts << ",\"gating\":\"" << to_string(m.moe.gating) << "\",\"aux_loss_coef\":"
       << m.moe.aux_loss_coef << ",\"capacity_factor\":" << m.moe.capacity_factor << ",\"n_group\":" << m.moe.n_group
       << ",\"topk_group\":" << m.moe.topk_group << ",\"routed_scaling_factor\":" << m.moe.routed_scaling_factor
-      << ",\"norm_topk_prob\":\"" << to_string(m.moe.norm_topk_prob) << "\"}}";
+      << ",\"norm_topk_prob\":\"" << to_string(m.moe.norm_topk_prob) << "\",\"mtp_depth\":" << m.mtp_depth
+      << ",\"mtp_loss_weight\":" << m.mtp_loss_weight << "}}";
   write(dir.path + "/tokens.bin", tokens);
   write(dir.path + "/targets.bin", targets);
   std::vector<int32_t> routing;
@@ -112,7 +128,7 @@ Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f) {
   const test::RunResult py = test::run({test::python(), test::source_dir() + "/tests/reference/model_ref.py", dir.path}, 600);
   EXPECT_EQ(py.status, 0) << py.all();
   Comparison c;
-  c.loss = r.loss;
+  c.loss = r.loss + cfg.model.mtp_loss_weight * r.mtp;  // the training objective
   c.dropped = r.dropped;
   std::ifstream(dir.path + "/loss.txt") >> c.ref_loss;
   int routing_mismatches = -1;
@@ -132,9 +148,11 @@ Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f) {
       c.off += std::abs(got[j] - ref[j]) > 1e-3 * scale, c.off_fine += std::abs(got[j] - ref[j]) > 1e-5 * scale;
     c.elements += int64_t(ref.size());
   }
-  std::printf("recipe %s gating %s: loss %.9g (reference %.9g), worst gradient %s rel error %.3e; "
-              "%lld of %lld elements off by > 1e-3 of their tensor's max (%lld by > 1e-5); %lld assignments dropped\n",
-              to_string(cfg.fp8.recipe).data(), to_string(cfg.model.moe.gating).data(), c.loss, c.ref_loss,
+  std::printf("recipe %s gating %s attention %s (q_lora %d) mtp %d: loss %.9g (reference %.9g), worst gradient %s rel "
+              "error %.3e; %lld of %lld elements off by > 1e-3 of their tensor's max (%lld by > 1e-5); %lld "
+              "assignments dropped\n",
+              to_string(cfg.fp8.recipe).data(), to_string(cfg.model.moe.gating).data(),
+              to_string(cfg.model.attention).data(), cfg.model.q_lora_rank, cfg.model.mtp_depth, c.loss, c.ref_loss,
               c.worst_name.c_str(), c.worst, (long long)c.off, (long long)c.elements, (long long)c.off_fine,
               (long long)c.dropped);
   return c;
@@ -222,6 +240,41 @@ TEST(ModelReference, CurrentScalingFp8MatchesJax) {
     EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << to_string(format);
     EXPECT_LE(c.worst, 1e-2) << c.worst_name << " " << to_string(format);
     EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements, " << to_string(format);
+  }
+}
+
+TEST(ModelReference, MultiHeadLatentAttentionMatchesJax) {
+  // MLA with and without the query latent, FP32: the bounds of Fp32MatchesJax.
+  for (int q_lora : {12, 0}) {
+    const Comparison c = compare_with_reference(mla_config(Fp8Recipe::off, q_lora));
+    EXPECT_NEAR(c.loss, c.ref_loss, 1e-5 * std::abs(c.ref_loss)) << "q_lora " << q_lora;
+    EXPECT_LE(c.worst, 1e-5) << c.worst_name << " q_lora " << q_lora;
+  }
+}
+
+TEST(ModelReference, MultiHeadLatentAttentionInFp8MatchesJax) {
+  // Every MLA projection an FP8 linear layer of the recipe (the reference quantizes them alike):
+  // the bounds and reasoning of the blockwise test above.
+  for (Fp8Recipe recipe : {Fp8Recipe::blockwise, Fp8Recipe::current}) {
+    const Comparison c = compare_with_reference(mla_config(recipe, 12));
+    EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << to_string(recipe);
+    EXPECT_LE(c.worst, 1e-2) << c.worst_name << " " << to_string(recipe);
+    EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements, " << to_string(recipe);
+  }
+}
+
+TEST(ModelReference, MultiTokenPredictionMatchesJax) {
+  // Two multi-token prediction modules on the MLA model (module 2 reads module 1's output), their
+  // losses weighted 0.3 / 2 each over their own counted targets (padding included): FP32 and the
+  // bounds of Fp32MatchesJax, then both FP8 recipes with the bounds of the FP8 tests.
+  for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::blockwise, Fp8Recipe::current}) {
+    Config cfg = mla_config(recipe, 12);
+    cfg.model.mtp_depth = 2;
+    const Comparison c = compare_with_reference(cfg);
+    const bool fp8 = recipe != Fp8Recipe::off;
+    EXPECT_NEAR(c.loss, c.ref_loss, (fp8 ? 1e-4 : 1e-5) * std::abs(c.ref_loss)) << to_string(recipe);
+    EXPECT_LE(c.worst, fp8 ? 1e-2 : 1e-5) << c.worst_name << " " << to_string(recipe);
+    EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements, " << to_string(recipe);
   }
 }
 

@@ -142,7 +142,7 @@ def rope(x, theta):
 
 
 def attention(q, k, v):
-    # q: (B, T, H, hd); k, v: (B, T, KVH, hd)
+    # q, k: (B, T, H or KVH, hd); v: (B, T, KVH, hd_v); the scale 1 / sqrt(hd)
     B, T, H, hd = q.shape
     group = H // k.shape[2]
     k = jnp.repeat(k, group, axis=2)
@@ -152,6 +152,28 @@ def attention(q, k, v):
     s = jnp.where(mask[None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("bhij,bjhd->bihd", p, v)
+
+
+def mla(p, pre, m, la, h, B, T):
+    """DeepSeek-V2/V3 multi-head latent attention as their published modeling code writes it:
+    queries through an optional low-rank latent with its RMSNorm, keys and values up-projected
+    from one normalised latent, a rotary part of each query head and one rotary key (from the
+    hidden state) shared by all heads, value heads of their own size. Returns (N, H * v_head_dim)."""
+    N, H, eps, theta = B * T, m["n_heads"], m["norm_eps"], m["rope_theta"]
+    nope, rd, vd = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+    kvl = m["kv_lora_rank"]
+    if m["q_lora_rank"] > 0:
+        cq = rmsnorm(la(h, p[pre + "wq_a"]), p[pre + "q_norm.weight"][0], eps)
+        q = la(cq, p[pre + "wq_b"])
+    else:
+        q = la(h, p[pre + "wq"])
+    q = q.reshape(B, T, H, nope + rd)
+    ckv = la(h, p[pre + "wkv_a"])  # (N, kv_lora + rope): the latent and the shared rotary key
+    kv = la(rmsnorm(ckv[:, :kvl], p[pre + "kv_norm.weight"][0], eps), p[pre + "wkv_b"]).reshape(B, T, H, nope + vd)
+    k_pe = rope(ckv[:, kvl:].reshape(B, T, 1, rd), theta)
+    q = jnp.concatenate([q[..., :nope], rope(q[..., nope:], theta)], axis=-1)
+    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (B, T, H, rd))], axis=-1)
+    return attention(q, k, kv[..., nope:]).reshape(N, H * vd)
 
 
 def swiglu_ffn(x, w1, w3, w2, lin, fused):
@@ -216,29 +238,38 @@ def normalises_gates(m):
     return norm == "true" or (norm == "auto" and m["gating"] == "sigmoid")
 
 
+def shift(a, k, fill):
+    """a (B, T) moved k positions left within each row, the last k filled."""
+    out = np.full_like(a, fill)
+    out[:, : a.shape[1] - k] = a[:, k:]
+    return out
+
+
 def forward(p, m, lin_for, tokens, B, T, routing=None):
-    """The model's logits (N, V), aux loss, and each MoE layer's selection keys and choice.
+    """The model's logits (N, V), aux loss, each MoE layer's selection keys and choice (the
+    multi-token prediction modules' blocks after the main ones), and each module's logits (N, V).
 
     p: parameters by name (2-D, FP64); m: the model config; routing: each MoE layer's (N, k) chosen
     experts (from the C++ run, under autograd), or None to choose by the reference's own top-k
     (concrete arrays only: the choice reads the keys' values)."""
     N, D, E, k = B * T, m["d_model"], m["n_experts"], m["top_k"]
     H, KVH, hd = m["n_heads"], m["n_kv_heads"], m["head_dim"]
-    x = p["embed.weight"][tokens]
-    moe_i = 0
-    aux = 0.0
+    state = {"moe_i": 0, "aux": 0.0}
     keys, choices = [], []
-    for l in range(m["n_layers"]):
-        pre = f"layers.{l}."
+
+    def block(x, pre, dense):
         h = rmsnorm(x, p[pre + "attn_norm.weight"][0], m["norm_eps"])
         la = lin_for("attention")
-        q = la(h, p[pre + "attn.wq"]).reshape(B, T, H, hd)
-        kk = la(h, p[pre + "attn.wk"]).reshape(B, T, KVH, hd)
-        v = la(h, p[pre + "attn.wv"]).reshape(B, T, KVH, hd)
-        a = attention(rope(q, m["rope_theta"]), rope(kk, m["rope_theta"]), v).reshape(N, H * hd)
+        if m.get("attention", "gqa") == "mla":
+            a = mla(p, pre + "attn.", m, la, h, B, T)
+        else:
+            q = la(h, p[pre + "attn.wq"]).reshape(B, T, H, hd)
+            kk = la(h, p[pre + "attn.wk"]).reshape(B, T, KVH, hd)
+            v = la(h, p[pre + "attn.wv"]).reshape(B, T, KVH, hd)
+            a = attention(rope(q, m["rope_theta"]), rope(kk, m["rope_theta"]), v).reshape(N, H * hd)
         x = x + la(a, p[pre + "attn.wo"])
         h = rmsnorm(x, p[pre + "ffn_norm.weight"][0], m["norm_eps"])
-        if l < m["first_dense_layers"]:
+        if dense:
             w1 = p[pre + "mlp.w1"]
             f = swiglu_ffn(h, w1, p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"),
                            lin_for.fuses_w13("mlp", w1.shape[0]))
@@ -247,7 +278,7 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
             prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
             key = prob + p[pre + "moe.router_bias"][0]
             keys.append(key)
-            chosen = routing[moe_i] if routing is not None else top_k_routing(key, k, m)  # (N, k)
+            chosen = routing[state["moe_i"]] if routing is not None else top_k_routing(key, k, m)  # (N, k)
             choices.append(chosen)
             kept = capacity_mask(chosen, E, m.get("capacity_factor", 0.0))
             sel = jnp.take_along_axis(prob, chosen, axis=1)
@@ -271,11 +302,28 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
                 counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
                 fe = counts / (N * k)
                 pn = prob if m["gating"] == "softmax" else prob / jnp.sum(prob, axis=1, keepdims=True)
-                aux = aux + m["aux_loss_coef"] * E * jnp.sum(fe * jnp.mean(pn, axis=0))
-            moe_i += 1
+                state["aux"] = state["aux"] + m["aux_loss_coef"] * E * jnp.sum(fe * jnp.mean(pn, axis=0))
+            state["moe_i"] += 1
         x = x + f
+        return x
+
+    x = p["embed.weight"][tokens]
+    for l in range(m["n_layers"]):
+        x = block(x, f"layers.{l}.", l < m["first_dense_layers"])
+    # Multi-token prediction (DeepSeek-V3 2.2): module k joins the previous depth's hidden state and
+    # the embedding of the token k + 1 ahead, [enorm(emb); hnorm(h)] @ eh_proj^T, runs its MoE
+    # block, and its own final norm feeds the shared head.
+    mtp_logits = []
+    h = x
+    for d in range(m.get("mtp_depth", 0)):
+        pre = f"mtp.{d}."
+        ahead = shift(tokens.reshape(B, T), d + 1, 0).reshape(N)
+        e = rmsnorm(p["embed.weight"][ahead], p[pre + "enorm.weight"][0], m["norm_eps"])
+        hn = rmsnorm(h, p[pre + "hnorm.weight"][0], m["norm_eps"])
+        h = block(jnp.concatenate([e, hn], axis=-1) @ p[pre + "eh_proj"].T, pre, False)
+        mtp_logits.append(rmsnorm(h, p[pre + "norm.weight"][0], m["norm_eps"]) @ p["head.weight"].T)
     h = rmsnorm(x, p["final_norm.weight"][0], m["norm_eps"])
-    return h @ p["head.weight"].T, aux, keys, choices
+    return h @ p["head.weight"].T, state["aux"], keys, choices, mtp_logits
 
 
 def linear_for(cfg):
@@ -309,12 +357,21 @@ def main(d):
     trainable = cfg["trainable"]
     lin_for = linear_for(cfg)
 
-    def loss_fn(p):
-        logits, aux, keys, _ = forward(p, m, lin_for, tokens, B, T, routing)
-        keep = targets != m["pad_id"]
+    def mean_ce(logits, tgt):
+        keep = tgt != m["pad_id"]
         lse = jax.scipy.special.logsumexp(logits, axis=-1)
-        nll = lse - logits[np.arange(N), np.where(keep, targets, 0)]
-        return jnp.sum(jnp.where(keep, nll, 0.0)) / np.sum(keep) + aux, keys
+        nll = lse - logits[np.arange(N), np.where(keep, tgt, 0)]
+        return jnp.sum(jnp.where(keep, nll, 0.0)) / np.sum(keep)
+
+    def loss_fn(p):
+        logits, aux, keys, _, mtp_logits = forward(p, m, lin_for, tokens, B, T, routing)
+        loss = mean_ce(logits, targets) + aux
+        # Module d predicts the targets d + 1 ahead; the last d + 1 positions of a sequence predict
+        # nothing (their targets are padding).
+        for d, lg in enumerate(mtp_logits):
+            ahead = shift(targets.reshape(B, T), d + 1, m["pad_id"]).reshape(N)
+            loss = loss + m["mtp_loss_weight"] / len(mtp_logits) * mean_ce(lg, ahead)
+        return loss, keys
 
     (loss, keys), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     # Our own top-k against the C++ choice, outside near-ties.
