@@ -32,8 +32,8 @@ void CommAccounting::start_step() {
 //   dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes:
 //       ZeRO-1 reduce-scatter + all-gather, or an all-reduce: 2 (R - 1) / R x B.
 //   pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one
-//       (not the first); with mtp_depth modules, depth x N x D from the first stage to the last and
-//       back.
+//       (not the first); with mtp_depth modules every message also carries their depth x N x D
+//       embeddings (forward) or gradient (backward), from the first stage to the last and back.
 //   mtp the modules' blocks count in L_s and the MoE layers of the last stage; tp adds per module
 //       an all-reduce of N x D on the first stage (its embedding) and N x D plus 20 N bytes on the
 //       last (its head's input gradient, its cross-entropy).
@@ -45,7 +45,7 @@ void CommAccounting::end_step(double rows_off) {
   const int l0 = place.layer_begin(), l1 = place.layer_end();
   // The multi-token prediction modules: MoE blocks on the last stage; each embeds its tokens on the
   // first stage (an all-reduce of N x D over tp), and on the last its head's input gradient (N x D)
-  // and cross-entropy (20 N bytes); across stages its embeddings go to the last stage and back.
+  // and cross-entropy (20 N bytes); across stages its embeddings ride with the activations.
   const double depth = m.mtp_depth, mtp_blocks = last ? depth : 0;
   const double Ls = l1 - l0 + mtp_blocks, Lm = std::max(0, l1 - std::max(l0, m.first_dense_layers)) + mtp_blocks;
   auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
@@ -59,7 +59,7 @@ void CommAccounting::end_step(double rows_off) {
   local[6] = Pe > 1 ? 4 * rows_off * D * 4 + Mb * Lm * (Pe - 1) * Le * 8 : 0;
   local[7] = ring(g_.data.size()) * dense_bytes_;
   local[8] = ring(g_.expert_data.size()) * expert_bytes_;
-  local[9] = Mb * N * D * 4 * ((last ? 0 : 1) + (first ? 0 : 1) + (first != last ? depth : 0));
+  local[9] = Mb * N * D * 4 * (1 + depth) * ((last ? 0 : 1) + (first ? 0 : 1));
   g_.world->allreduce_sum(local, 10);
   for (int g = 0; g < 5; ++g) measured_[size_t(g)] = local[g], expected_[size_t(g)] = local[5 + g];
 }

@@ -16,9 +16,10 @@ StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGrou
   moe_layers_ = cfg.model.moe_layers();
   depth_ = cfg.model.mtp_depth;
   first_ = model.placement().first_stage(), last_ = model.placement().last_stage();
-  x_in_ = Tensor(be_, DType::f32, {first_ ? 0 : act_}), dy_in_ = Tensor(be_, DType::f32, {last_ ? 0 : act_});
-  mtp_in_ = Tensor(be_, DType::f32, {first_ ? 0 : depth_ * act_});
-  d_mtp_in_ = Tensor(be_, DType::f32, {last_ ? 0 : depth_ * act_});
+  // With multi-token prediction every message between stages carries the modules' embeddings (or
+  // their gradient) after the activation (or its gradient).
+  x_in_ = Tensor(be_, DType::f32, {first_ ? 0 : (1 + depth_) * act_});
+  dy_in_ = Tensor(be_, DType::f32, {last_ ? 0 : (1 + depth_) * act_});
   counts_h_ = HostBuffer<uint64_t>(be_, 2);
 }
 
@@ -98,28 +99,38 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   std::vector<StageRun> runs(static_cast<size_t>(M));
   *local = StepLocal{};
 
+  // Multi-token prediction: the first stage embeds the modules' tokens; the embeddings travel to
+  // the last stage with the activations, one message per hop (a middle stage passes them on), and
+  // their gradient comes back with the activations' gradients. The messages between two stages
+  // stay one per micro-batch and direction, as without the modules: nothing new to match (the
+  // NCCL communicator posts a stage's sends together with its next receive).
+  const int64_t msg = (1 + depth_) * act_;
+  std::vector<Tensor> sent(depth_ > 0 ? 2 * size_t(M) : 0);  // the messages built here, alive until wait_sends
+  auto pack = [&](Tensor& out, const float* a, const float* extra) {
+    out = Tensor(be_, DType::f32, {msg});
+    be_.copy(out.f32(), a, size_t(act_) * sizeof(float));
+    be_.copy(out.f32() + act_, extra, size_t(depth_ * act_) * sizeof(float));
+    return out.f32();
+  };
   auto forward = [&](int mb) {
-    if (!first_) recv(x_in_.f32(), act_, stage - 1, 2 * mb, local);
+    if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * mb, local);
     double* slot = losses_.data<double>() + mb * slots();
     const int64_t at = int64_t(mb) * mbs_ * T_;
-    // Multi-token prediction: the first stage embeds the modules' tokens and sends the embeddings
-    // to the last stage, which returns their gradient in backward (tags after the activations').
     MtpBatch mtp;
     if (depth_ > 0) {
       mtp.tokens = mtp_tokens_.data<int32_t>() + depth_ * at, mtp.targets = mtp_targets_.data<int32_t>() + depth_ * at;
       mtp.mean_over.assign(mtp_counted_all_.begin() + mb * depth_, mtp_counted_all_.begin() + (mb + 1) * depth_);
-      if (last_ && !first_) {
-        recv(mtp_in_.f32(), depth_ * act_, 0, 2 * M + 2 * mb, local);
-        mtp.embeddings = mtp_in_.f32();
-      }
+      if (last_ && !first_) mtp.embeddings = x_in_.f32() + act_;
     }
     runs[size_t(mb)] = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
                                             counted_[size_t(mb)], mbs_, T_, first_ ? nullptr : x_in_.f32(), true,
                                             {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale,
                                             counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr);
-    if (!last_) g_.pipe->isend(runs[size_t(mb)].output(), act_, stage + 1, 2 * mb);
-    if (depth_ > 0 && first_ && !last_)
-      g_.pipe->isend(runs[size_t(mb)].mtp_output(), depth_ * act_, g_.pipe->size() - 1, 2 * M + 2 * mb);
+    if (!last_ && depth_ == 0) g_.pipe->isend(runs[size_t(mb)].output(), act_, stage + 1, 2 * mb);
+    if (!last_ && depth_ > 0) {
+      const float* emb = first_ ? runs[size_t(mb)].mtp_output() : x_in_.f32() + act_;
+      g_.pipe->isend(pack(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb), msg, stage + 1, 2 * mb);
+    }
     const StepResult& r = runs[size_t(mb)].result();
     for (size_t l = 0; l < r.expert_load.size(); ++l)
       for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
@@ -128,13 +139,14 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
       }
   };
   auto backward = [&](int mb) {
-    if (!last_) recv(dy_in_.f32(), act_, stage + 1, 2 * mb + 1, local);
+    if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
     const bool mtp_in = depth_ > 0 && first_ && !last_;
-    if (mtp_in) recv(d_mtp_in_.f32(), depth_ * act_, g_.pipe->size() - 1, 2 * M + 2 * mb + 1, local);
-    model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? d_mtp_in_.f32() : nullptr);
-    if (!first_) g_.pipe->isend(runs[size_t(mb)].input_grad(), act_, stage - 1, 2 * mb + 1);
-    if (depth_ > 0 && last_ && !first_)
-      g_.pipe->isend(runs[size_t(mb)].mtp_input_grad(), depth_ * act_, 0, 2 * M + 2 * mb + 1);
+    model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? dy_in_.f32() + act_ : nullptr);
+    if (!first_ && depth_ == 0) g_.pipe->isend(runs[size_t(mb)].input_grad(), act_, stage - 1, 2 * mb + 1);
+    if (!first_ && depth_ > 0) {
+      const float* demb = last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
+      g_.pipe->isend(pack(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb), msg, stage - 1, 2 * mb + 1);
+    }
   };
   for (const PipelineOp& op : one_f_one_b(g_.pipe->size(), stage, M)) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
   g_.pipe->wait_sends();

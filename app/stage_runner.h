@@ -87,13 +87,12 @@ class StageRunner {
   HostBuffer<int32_t> tokens_h_, targets_h_;             // (batches, mbs, T), pinned
   std::vector<int64_t> counted_, counted_all_;           // per micro-batch: this replica's, every replica's
   Tensor tokens_, targets_;                              // the same on the device
-  Tensor x_in_, dy_in_;                                  // from the previous stage, from the next one
+  Tensor x_in_, dy_in_;                                  // from the previous stage, from the next one (+ MTP's)
   // Multi-token prediction (training): the modules' shifted tokens and targets (batches, depth,
-  // mbs, T), their counted targets per micro-batch and module (this replica's, every replica's),
-  // and across stages the embeddings (last stage) and their gradient (first stage) received.
+  // mbs, T), their counted targets per micro-batch and module (this replica's, every replica's).
   HostBuffer<int32_t> mtp_tokens_h_, mtp_targets_h_;
   std::vector<int64_t> mtp_counted_, mtp_counted_all_;
-  Tensor mtp_tokens_, mtp_targets_, mtp_in_, d_mtp_in_;
+  Tensor mtp_tokens_, mtp_targets_;
   Tensor losses_;                                        // (micro-batches, slots()) FP64
   std::vector<int64_t> load_flat_;                       // (MoE layers, experts) this step, this rank
   HostBuffer<double> losses_h_;                          // finish_step's read: losses_, then the norm part

@@ -51,14 +51,12 @@ double model_flops_per_token(const ModelConfig& m, int64_t T) {
     const double q = H * m.head_dim, kv = double(m.n_kv_heads) * m.head_dim;
     per_layer = 2 * (D * q + 2 * D * kv + q * D) + 2.0 * q * double(T);
   }
+  const double moe_ffn = 2 * 3 * D * m.moe.d_expert * double(m.moe.top_k + m.moe.n_shared_experts) + 2 * D * m.moe.n_experts;
   double total = 0;
-  for (int l = 0; l < m.n_layers; ++l) {
-    const double ffn = l < m.first_dense_layers
-                           ? 2 * 3 * D * m.d_ff_dense
-                           : 2 * 3 * D * m.moe.d_expert * double(m.moe.top_k + m.moe.n_shared_experts) + 2 * D * m.moe.n_experts;
-    total += per_layer + ffn;
-  }
+  for (int l = 0; l < m.n_layers; ++l) total += per_layer + (l < m.first_dense_layers ? 2 * 3 * D * m.d_ff_dense : moe_ffn);
   total += 2 * D * m.vocab_size;  // head
+  // Each multi-token prediction module: eh_proj, an MoE block, the head.
+  total += m.mtp_depth * (2 * 2 * D * D + per_layer + moe_ffn + 2 * D * m.vocab_size);
   return 3.0 * total;
 }
 

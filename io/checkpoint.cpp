@@ -91,12 +91,14 @@ std::map<std::string, std::string> flat_yaml(const std::string& yaml) {
 }
 
 // The model keys that differ ("model.d_model: checkpoint 256, config 128"); model.init_std only
-// matters at initialisation and may differ.
+// matters at initialisation and model.mtp_loss_weight is a schedule (DeepSeek-V3: 0.3, then 0.1):
+// they may differ.
 std::vector<std::string> model_differences(const Config& stored, const Config& current) {
   const auto a = flat_yaml(config_to_yaml(stored)), b = flat_yaml(config_to_yaml(current));
   std::vector<std::string> diff;
   for (const auto& [k, v] : a)
-    if (k.rfind("model.", 0) == 0 && k != "model.init_std" && b.count(k) && b.at(k) != v)
+    if (k.rfind("model.", 0) == 0 && k != "model.init_std" && k != "model.mtp_loss_weight" && b.count(k) &&
+        b.at(k) != v)
       diff.push_back(k + ": checkpoint " + v + ", config " + b.at(k));
   return diff;
 }

@@ -54,7 +54,9 @@ struct LossSlots {
 struct MtpBatch {
   const int32_t* tokens = nullptr;   // first stage: (depth, B*T) the modules' input tokens (device)
   const int32_t* targets = nullptr;  // last stage: (depth, B*T) their targets (device)
-  const float* embeddings = nullptr; // last stage of several: (depth, B*T, D) the first stage's embeddings of `tokens`
+  // Last stage of several: (depth, B*T, D) the first stage's embeddings of `tokens` (passed along
+  // the pipeline with the activations).
+  const float* embeddings = nullptr;
   std::vector<int64_t> mean_over;    // last stage: per module, its counted targets (over the replicas)
 };
 // out (depth, B, T): out[k][b][t] = src[b][t + k + 1] where t + k + 1 < T, else fill (host memory).

@@ -3,9 +3,10 @@
 // softmax statistics and accumulation in FP32; the layouts of kernels/attention.h:
 //   q, dq: (B*T, H, hd); k, dk: (B*T, KVH, hd); v, dv: (B*T, KVH, hdv); o, do: (B*T, H, hdv);
 //   stats: (B, H, T) FP32, the natural-log log-sum-exp of each row of scaled scores (kernels/
-//   attention.h's lse). cuDNN's SDPA takes a value head size other than the query/key one (the
-//   frontend accepts hd != hdv up to 128 each, and hd 192 with hdv 128, DeepSeek-V3's MLA); where it
-//   has no plan, prepare() says why.
+//   attention.h's lse). cuDNN's SDPA takes a value head size other than the query/key one (on
+//   Hopper the frontend 1.32 support checks accept BF16 hd != hdv up to 256 each, multiples of 8:
+//   DeepSeek-V3's MLA is hd 192, hdv 128; not yet run on a GPU here); where it has no plan,
+//   prepare() says why.
 // libcudnn.so.9 is opened at run time (FP8MOE_CUDNN_LIBRARY names another file): a machine without
 // cuDNN still runs fp8moe, with the reference kernel of kernels/cuda/attention.h.
 //

@@ -80,6 +80,29 @@ TEST(Cli, DryRunPrintsEffectiveConfigAndGrid) {
   EXPECT_NE(r.out.find("dry run: the config is valid"), std::string::npos) << r.out;
 }
 
+// The published DeepSeek configs' parameter counts, printed by --dry-run on one rank (their layouts
+// need 2,048 and 8): DeepSeek-V3 671B total, 36.6B activated (the embedding not counted, the 0.9B
+// head counted), its MTP module 11.6B of its own (DeepSeek publishes 11.5B; the exact sum of the
+// module's tensors: eh_proj 0.10B, one MoE block 11.51B, two norms); DeepSeek-V2-Lite 15.7B / 2.4B.
+TEST(Cli, DryRunCountsThePublishedDeepSeekModels) {
+  struct Want {
+    const char* config;
+    std::vector<std::string> lines;
+  };
+  for (const Want& w : {Want{"deepseek-v3-671b.yaml",
+                             {"  total                  671026419200    671.03B     36.63B\n",
+                              "  head                      926679040    926.68M    926.68M\n",
+                              "  MTP                     11610068224     11.61B    688.10M\n"}},
+                        Want{"deepseek-v2-lite.yaml",
+                             {"  total                   15706485888     15.71B      2.45B\n",
+                              "  embedding                 209715200    209.72M          0\n"}}}) {
+    const RunResult r = run({exe(), "train", source_dir() + "/configs/" + w.config, "--dry-run", "--set",
+                             "parallel.pipeline=1", "--set", "parallel.expert=1", "--set", "runtime.device=cpu"});
+    ASSERT_EQ(r.status, 0) << r.all();
+    for (const std::string& line : w.lines) EXPECT_NE(r.out.find(line), std::string::npos) << w.config << ": " << line << r.out;
+  }
+}
+
 TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
   // 30 steps of a small model on real text (Debian's license texts, always installed).
   TempDir tmp;
@@ -337,6 +360,12 @@ const BadConfig kBadConfigs[] = {
     {"kv_heads_not_divisor", "model:\n  n_kv_heads: 3\n", "model.n_kv_heads", "2:15", "a divisor of model.n_heads = 8"},
     {"kv_heads_more_than_heads", "model:\n  n_heads: 4\n  n_kv_heads: 8\n", "model.n_kv_heads", "3:15", "a divisor of model.n_heads = 4"},
     {"head_dim_odd", "model:\n  head_dim: 33\n", "model.head_dim", "2:13", "an even number"},
+    {"mla_rope_odd", "model:\n  attention: mla\n  qk_rope_head_dim: 7\n", "model.qk_rope_head_dim", "3:21", "an even number"},
+    {"attention_bad_kind", "model:\n  attention: mqa\n", "model.attention", "2:14", "one of gqa, mla"},
+    {"mtp_deeper_than_sequence", "model:\n  mtp_depth: 8\ntrain:\n  seq_len: 8\n", "model.mtp_depth", "2:14",
+     "fewer than train.seq_len = 8"},
+    {"mla_tile_straddles_tp_shard", "model:\n  attention: mla\n  qk_nope_head_dim: 16\n  qk_rope_head_dim: 8\nparallel:\n  tensor: 2\n",
+     "fp8.tile", "", "model.n_heads x (model.qk_nope_head_dim + model.qk_rope_head_dim) / parallel.tensor = 192 / 2 = 96"},
     {"dense_layers_beyond_depth", "model:\n  first_dense_layers: 5\n", "model.first_dense_layers", "2:23", "at most model.n_layers = 4"},
     {"top_k_above_experts", "model:\n  moe:\n    top_k: 9\n", "model.moe.top_k", "3:12", "at most model.moe.n_experts = 8"},
     {"min_lr_above_lr", "train:\n  min_lr: 1.0\n", "train.min_lr", "2:11", "at most train.lr = 0.0003"},

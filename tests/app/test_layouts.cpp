@@ -216,6 +216,38 @@ TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
   }
 }
 
+// Checkpoints of the MLA + MTP model: a 1-rank save at step 10 resumes bit for bit (delayed
+// scaling: every parameter, moment, router bias and amax history of the module's block included),
+// and a save on tp2 x pp2 x ep2 resumes on 1 rank within the 20-step bound of
+// LatentAttentionIsTheSameOnEveryLayout (recipe off).
+TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
+  const std::vector<std::string> arch = {"model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=32",
+                                         "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+                                         "model.v_head_dim=16", "model.mtp_depth=1"};
+  auto with = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), arch.begin(), arch.end());
+    return sets;
+  };
+  const std::string dir = dir_->path + "/resume-mla";
+  const auto ref = train(1, with({"fp8.recipe=delayed"}));
+  train(1, with({"fp8.recipe=delayed", "train.exit_interval=10", "checkpoint.dir=" + dir + "-1"}));
+  const auto again = train(1, with({"fp8.recipe=delayed", "checkpoint.dir=" + dir + "-1b",
+                                    "checkpoint.resume=" + dir + "-1/step_00000010"}));
+  ASSERT_EQ(again.size(), 10u);
+  for (const auto& [step, loss] : again) EXPECT_EQ(loss, ref.at(step)) << "step " << step << " (bitwise)";
+
+  const auto ref_off = train(1, with({"fp8.recipe=off"}));
+  train(8, with({"fp8.recipe=off", "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2",
+                 "train.exit_interval=10", "checkpoint.dir=" + dir + "-8"}));
+  const auto got = train(1, with({"fp8.recipe=off", "checkpoint.dir=" + dir + "-8b",
+                                  "checkpoint.resume=" + dir + "-8/step_00000010"}));
+  ASSERT_EQ(got.size(), 10u);
+  const double w = worst(ref_off, got, 11);
+  std::printf("MLA + MTP saved at step 10 on tp2 x pp2 x ep2, resumed on 1 rank: steps 11-20 within %.2e of the "
+              "uninterrupted 1-rank run\n", w);
+  EXPECT_LE(w, 5e-5);
+}
+
 // The per-tensor recipes under tensor, pipeline and expert parallelism. Their amax is reduced over
 // the tensor-parallel group (a shard's amax alone gives another scale), so a tensor-parallel layout
 // quantizes exactly like one rank; with fp8.power_of_two_scales off every amax difference changes
@@ -295,6 +327,35 @@ TEST_F(Layouts, CommunicationOfTheLastStepMatchesTheFormulas) {
   const double stage0 = (4 * 2 + 1) * N * D * 4 + 1 * N * k * 8;            // layers 0 (dense), 1 (MoE); first
   const double stage1 = (4 * 2 + 1) * N * D * 4 + 2 * N * k * 8 + 20 * N;  // layers 2, 3 (MoE); last
   EXPECT_EQ(bytes["tp"].second, 4 * M * (stage0 + stage1));  // 4 ranks per stage
+
+  // The same layout with latent attention (latents 32 and 32, rotary 8) and one multi-token
+  // prediction module: its counts against the measured bytes, and pp and tp written out.
+  for (const std::string& s : std::vector<std::string>{"model.attention=mla", "model.q_lora_rank=32",
+                                                      "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
+                                                      "model.qk_rope_head_dim=8", "model.v_head_dim=16",
+                                                      "model.mtp_depth=1", "checkpoint.dir=" + dir_->path + "/comm-mla"})
+    argv.push_back("--set"), argv.push_back(s);
+  const RunResult r2 = run(argv, 600);
+  ASSERT_EQ(r2.status, 0) << r2.all();
+  bytes.clear();
+  std::istringstream in2(r2.out);
+  for (std::string line; std::getline(in2, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, re)) bytes[m[1]] = {std::stod(m[2]), std::stod(m[3])};
+  }
+  ASSERT_EQ(bytes.size(), 4u) << r2.out;
+  for (const auto& [group, b] : bytes) {
+    std::printf("MLA + MTP: %-3s measured %9.0f analytical %9.0f ratio %.4f\n", group.c_str(), b.first, b.second,
+                b.first / b.second);
+    EXPECT_GE(b.first, b.second) << group;
+    EXPECT_LE(b.first, 1.01 * b.second) << group;
+  }
+  EXPECT_EQ(bytes["pp"].second, 4 * M * 2 * 2 * N * D * 4);  // each message also carries the module's embeddings
+  // Per block 3 N D all-reduces and the attention's input gradient at the latents: N (32 + 8 + 32).
+  const double blk = 3 * N * D * 4 + N * (32 + 8 + 32) * 4;
+  const double mla0 = 2 * blk + (1 + 1) * N * D * 4 + 1 * N * k * 8;  // + the embedding and the module's embedding
+  const double mla1 = 3 * blk + (1 + 1) * N * D * 4 + 3 * N * k * 8 + 2 * 20 * N;  // layers 2, 3 and the module's block
+  EXPECT_EQ(bytes["tp"].second, 4 * M * (mla0 + mla1));
 }
 
 TEST_F(Layouts, ResumeUnderOtherLayouts) {

@@ -53,7 +53,13 @@ struct Case {
   int micro_batches;
   bool staged = false;  // runtime.comm mpi: bits only, the synchronisations are the staging's
   bool pipeline = false;
+  int mtp = 0;  // multi-token prediction modules (each one more MoE block, its tokens and targets, a loss)
 };
+// Multi-head latent attention on the test model's 4 heads: latents of 32, heads of 16 + 8 rotary
+// query/key channels and 16 value channels.
+const char* const kMla[] = {"model.attention=mla",        "model.q_lora_rank=32",      "model.kv_lora_rank=32",
+                            "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16"};
+
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }  // ctest's name of the case: "... # GetParam() = off"
 
 class Residency : public testing::TestWithParam<Case> {
@@ -99,7 +105,8 @@ TEST_P(Residency, EmulatedDeviceTrainsBitwiseAsTheCpuWithBoundedHostTraffic) {
   ASSERT_EQ(cpu.size(), size_t(kSteps));
   ASSERT_EQ(dev.size(), size_t(kSteps));
   const int M = c.micro_batches;
-  const int64_t sync_bound = int64_t(kMoeLayers) * M + 1;
+  const int64_t moe_layers = kMoeLayers + c.mtp;
+  const int64_t sync_bound = moe_layers * M + 1;
   // Bytes each way per step on one rank, at most (the JSONL has the maxima over the ranks): the
   // step's tokens and targets (one replica's share, int32), and per MoE layer the step's loads for
   // the bias update (int64 per expert); back: per MoE layer and micro-batch the loads, per
@@ -111,8 +118,8 @@ TEST_P(Residency, EmulatedDeviceTrainsBitwiseAsTheCpuWithBoundedHostTraffic) {
   }();
   const int pp = c.pipeline ? 2 : 1, replicas = c.ranks / tp / pp;
   const int64_t tokens = int64_t(kBatch) / replicas * kSeqLen;
-  const int64_t h2d_bound = 2 * tokens * 4 + int64_t(kMoeLayers) * kExperts * 8;
-  const int64_t d2h_bound = int64_t(kMoeLayers) * M * kExperts * 8 + int64_t(M) * (1 + kMoeLayers) * 8 + 3 * 8;
+  const int64_t h2d_bound = 2 * (1 + c.mtp) * tokens * 4 + moe_layers * kExperts * 8;
+  const int64_t d2h_bound = moe_layers * M * kExperts * 8 + int64_t(M) * (1 + moe_layers + c.mtp) * 8 + 3 * 8;
   for (const auto& [step, want] : cpu) {
     const StepRecord& got = dev.at(step);
     EXPECT_EQ(got.loss, want.loss) << c.name << " step " << step;
@@ -143,7 +150,16 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{"pp2", 2, {"parallel.pipeline=2", "fp8.recipe=blockwise"}, 2, false, true},
                     Case{"tp2_staged", 2, {"parallel.tensor=2", "fp8.recipe=delayed"}, 1, true},
                     Case{"ep2_staged", 2, {"parallel.expert=2", "fp8.recipe=blockwise"}, 1, true},
-                    Case{"pp2_staged", 2, {"parallel.pipeline=2", "fp8.recipe=current"}, 2, true, true}),
+                    Case{"pp2_staged", 2, {"parallel.pipeline=2", "fp8.recipe=current"}, 2, true, true},
+                    // DeepSeek-V3's latent attention and one multi-token prediction module: on one
+                    // rank (its blocks recomputed), with the heads split, and across two stages (the
+                    // module's embeddings sent from the first stage to the last and back).
+                    Case{"mla_mtp", 1, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5], "model.mtp_depth=1",
+                                        "fp8.recipe=blockwise", "train.recompute=full"}, 2, false, false, 1},
+                    Case{"mla_mtp_tp2", 2, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5], "model.mtp_depth=1",
+                                            "fp8.recipe=blockwise", "parallel.tensor=2"}, 2, false, false, 1},
+                    Case{"mla_mtp_pp2", 2, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5], "model.mtp_depth=1",
+                                            "fp8.recipe=current", "parallel.pipeline=2"}, 2, false, true, 1}),
     [](const testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 }  // namespace

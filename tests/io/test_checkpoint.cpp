@@ -306,6 +306,36 @@ TEST(Checkpoint, ModelShapeChangeIsRefusedNamingTheKeys) {
   remove_shared(dir);
 }
 
+TEST(Checkpoint, GqaCheckpointRefusedByAnMlaConfigNamesKeysAndTensors) {
+  const std::string dir = shared_dir("mla");
+  Trainer t(small_config(dir, false, Fp8Recipe::off));
+  t.fill(0);
+  save_checkpoint(MPI_COMM_WORLD, t.state());
+  Config other = t.cfg;
+  other.model.attention = AttentionKind::mla;
+  other.model.q_lora_rank = 16;
+  other.model.mtp_depth = 1;
+  Trainer o(other);
+  try {
+    resume_from_checkpoint(MPI_COMM_WORLD, o.state());
+    ADD_FAILURE() << "loaded a GQA checkpoint into an MLA model";
+  } catch (const CheckpointMismatch& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("model.attention: checkpoint gqa, config mla"), std::string::npos) << m;
+    EXPECT_NE(m.find("model.mtp_depth: checkpoint 0, config 1"), std::string::npos) << m;
+    // Every block's GQA projections, and the MLA ones the config wants, counted per pattern.
+    const int64_t L = t.cfg.model.n_layers;
+    for (const char* w : {"wk", "wv"})
+      EXPECT_NE(m.find("only in the checkpoint: layers.*.attn." + std::string(w) + " (" + std::to_string(L) + " tensors)"),
+                std::string::npos) << m;
+    EXPECT_NE(m.find("only in the config's model: layers.*.attn.wq_a (" + std::to_string(L) + " tensors)"),
+              std::string::npos) << m;
+    EXPECT_NE(m.find("only in the config's model: mtp.*.eh_proj (1 tensor)"), std::string::npos) << m;
+    EXPECT_EQ(m.find("layers.*.attn.wo"), std::string::npos) << m;  // both have it
+  }
+  remove_shared(dir);
+}
+
 TEST(Checkpoint, ChecksumTermIsTheDocumentedFormula) {
   // splitmix64 (Steele, Lea, Flood 2014) of 0 is 0xe220a8397b1dcdaf: the first output of the
   // reference generator seeded with 0.
