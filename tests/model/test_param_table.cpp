@@ -147,6 +147,26 @@ TEST(ParamCounts, DeepSeekV3HasThePublishedSize) {
   EXPECT_EQ(sum, total.total);
 }
 
+TEST(ParamCounts, DeepSeekV3MultiTokenPredictionModule) {
+  // One module: enorm, hnorm, eh_proj (7168 x 14336), one MoE block (the main model's shapes) and
+  // its final norm; DeepSeek publishes 11.5B. The main model's rows stay those of the test above.
+  ModelConfig m = deepseek_v3();
+  m.mtp_depth = 1;
+  const std::vector<ParamCount> c = count_params(m);
+  const int64_t block = 7168 + 187107328 + 7168 + (256 * int64_t(7168) + 256) + 3 * int64_t(7168) * 2048 +
+                        256 * int64_t(3) * 7168 * 2048;
+  const int64_t mtp = 2 * 7168 + int64_t(7168) * 14336 + block + 7168;
+  EXPECT_EQ(component(c, "MTP").total, mtp);
+  EXPECT_EQ(mtp, 11610068224);
+  EXPECT_EQ(component(c, "total").total, 671026419200);
+  EXPECT_EQ(component(c, "total with MTP").total, 671026419200 + mtp);
+  const ParamTable t = build_param_table(m);
+  EXPECT_EQ(t.at("mtp.0.eh_proj").cols, 2 * 7168);
+  EXPECT_EQ(t.at("mtp.0.eh_proj").layer, 61);  // on the last stage
+  EXPECT_EQ(t.at("mtp.0.moe.experts.255.w2").expert, 255);
+  EXPECT_EQ(t.index_of("mtp.0.mlp.w1"), -1);  // an MoE block
+}
+
 TEST(ParamCounts, DeepSeekV2LiteHasThePublishedSize) {
   // Published: 15.7B total, 2.4B activated per token.
   const std::vector<ParamCount> c = count_params(deepseek_v2_lite());
