@@ -101,6 +101,13 @@ TEST(Cli, DryRunCountsThePublishedDeepSeekModels) {
     ASSERT_EQ(r.status, 0) << r.all();
     for (const std::string& line : w.lines) EXPECT_NE(r.out.find(line), std::string::npos) << w.config << ": " << line << r.out;
   }
+  // The small configs of the same shapes validate on one rank too (their 8-rank layouts aside).
+  for (const char* config : {"tiny-v3.yaml", "tiny-v2-lite.yaml"}) {
+    const RunResult r = run({exe(), "train", source_dir() + "/configs/" + config, "--dry-run", "--set",
+                             "parallel.tensor=1", "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"});
+    EXPECT_EQ(r.status, 0) << config << ":\n" << r.all();
+    EXPECT_NE(r.out.find("  attention: mla\n"), std::string::npos) << config;
+  }
 }
 
 TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
