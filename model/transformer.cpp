@@ -36,6 +36,15 @@ struct Transformer::BlockSaved {
     for (const LinearSaved* l : {&lq, &lk, &lv, &lo, &lq_a, &lkv_a, &lkv_b}) fp8 += l->fp8_activation_bytes();
     return int64_t(b) + B * T * D * int64_t(sizeof(float)) + fp8 + dense.bytes() + moe.bytes();
   }
+  // Everything dropped but B, T and the MoE routing: the block is recomputed in backward (with the
+  // forward's routing: no synchronisation of its own).
+  void keep_only_routing() {
+    MoeRouting routing = std::move(moe.routing);
+    const int64_t b = B, t = T;
+    *this = BlockSaved{};
+    B = b, T = t;
+    moe.routing = std::move(routing);
+  }
   // Whether a linear layer reading the attention norm's output h1 needs it in FP32 for its backward
   // (q_latent: MLA with q_lora_rank > 0, whose wq_b reads the query latent instead).
   bool h1_needed(bool q_latent) const {
@@ -447,7 +456,6 @@ struct MtpSaved {
   Tensor x, out;          // (N, D) the block's input (eh_proj's output) and output
   Tensor hf, rstd_f;      // (N, D), (N) the module's final norm, the head's input
   Tensor dlogits;         // (N, V) the gradient of its logits
-  bool kept = false;      // false: the block is recomputed in backward
 };
 
 struct StageRun::Impl {
@@ -570,22 +578,9 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
     const int moe = l - m.first_dense_layers;
     block_forward(l, st.xs[size_t(l - L0)].f32(), B, T, st.xs[size_t(l - L0 + 1)].f32(), &sv, /*record=*/backward,
                   moe >= 0 && slots.aux ? slots.aux + moe : nullptr);
-    sv.kept = !recomputed(l);
-    if (moe >= 0) {
-      result.expert_load[size_t(moe)] = sv.moe.routing.load_host;
-      result.dropped += sv.moe.routing.dropped();
-      if (keep_routing_) result.routing[size_t(moe)] = to_host<int32_t>(sv.moe.routing.expert);
-    }
-    if (!sv.kept) {  // keep only the block input and the MoE routing; the rest is recomputed in backward
-      MoeRouting routing = std::move(sv.moe.routing);
-      const int64_t keepB = sv.B, keepT = sv.T;
-      sv = BlockSaved{};
-      sv.B = keepB, sv.T = keepT;
-      sv.moe.routing = std::move(routing);
-      saved_bytes += N * D * int64_t(sizeof(float)) + sv.moe.routing.bytes();
-    } else {
-      saved_bytes += sv.bytes(D);
-    }
+    finish_block_forward(l, &sv, &result);
+    // A recomputed block keeps only its input (the stage's) and its routing.
+    saved_bytes += sv.kept ? sv.bytes(D) : N * D * int64_t(sizeof(float)) + sv.moe.routing.bytes();
   }
   saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
   if (placement_.last_stage()) {
@@ -606,6 +601,26 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   }
   if (!backward) st.saved.clear(), st.xs.erase(st.xs.begin(), st.xs.end() - 1);
   return run;
+}
+
+void Transformer::finish_block_forward(int l, BlockSaved* s, StepResult* result) {
+  const int moe = l - cfg_.model.first_dense_layers;  // the multi-token prediction modules' blocks count on
+  s->kept = !recomputed(l);
+  if (moe >= 0) {
+    result->expert_load[size_t(moe)] = s->moe.routing.load_host;
+    result->dropped += s->moe.routing.dropped();
+    if (keep_routing_) result->routing[size_t(moe)] = to_host<int32_t>(s->moe.routing.expert);
+  }
+  if (!s->kept) s->keep_only_routing();
+}
+
+void Transformer::recompute_if_dropped(int l, const float* x, BlockSaved* s) {
+  if (s->kept) return;
+  // With the forward's scales, weights and routing, advancing no history.
+  Tensor scratch(be_, DType::f32, {s->B * s->T, cfg_.model.d_model});
+  recompute_ = true;
+  block_forward(l, x, s->B, s->T, scratch.f32(), s, false, nullptr);
+  recompute_ = false;
 }
 
 void Transformer::mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlots& slots, float loss_scale) {
@@ -640,16 +655,7 @@ void Transformer::mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlot
     be_.sgemm(false, true, N, D, 2 * D, 1.0f, ms.cat.f32(), 2 * D, P(p + "eh_proj"), 2 * D, 0.0f, ms.x.f32(), D);
     ms.out = Tensor(be_, DType::f32, {N, D});
     block_forward(l, ms.x.f32(), st.B, st.T, ms.out.f32(), &ms.block, /*record=*/true, slots.aux ? slots.aux + moe : nullptr);
-    ms.kept = !recomputed(l);
-    result.expert_load[size_t(moe)] = ms.block.moe.routing.load_host;
-    result.dropped += ms.block.moe.routing.dropped();
-    if (keep_routing_) result.routing[size_t(moe)] = to_host<int32_t>(ms.block.moe.routing.expert);
-    if (!ms.kept) {  // as the main blocks: keep the routing, recompute the rest in backward
-      MoeRouting routing = std::move(ms.block.moe.routing);
-      ms.block = BlockSaved{};
-      ms.block.B = st.B, ms.block.T = st.T;
-      ms.block.moe.routing = std::move(routing);
-    }
+    finish_block_forward(l, &ms.block, &result);
     // The module's own final norm, the shared head, and its cross-entropy on the targets k + 1 ahead,
     // weighted by mtp_loss_weight / depth over its counted targets.
     ms.hf = Tensor(be_, DType::f32, {N, D}), ms.rstd_f = Tensor(be_, DType::f32, {N});
@@ -684,12 +690,7 @@ void Transformer::mtp_backward(StageRun& run, float* dx) {
                          G(p + "norm.weight"));
     if (!dnext.empty()) be_.add(dout.f32(), dnext.f32(), dout.f32(), N * D);
     ms.dlogits.reset(), ms.hf.reset();
-    if (!ms.kept) {
-      Tensor scratch(be_, DType::f32, {N, D});
-      recompute_ = true;
-      block_forward(l, ms.x.f32(), st.B, st.T, scratch.f32(), &ms.block, false, nullptr);
-      recompute_ = false;
-    }
+    recompute_if_dropped(l, ms.x.f32(), &ms.block);
     Tensor dxk(be_, DType::f32, {N, D}), dcat(be_, DType::f32, {N, 2 * D});
     block_backward(l, ms.block, dout.f32(), dxk.f32(), st.aux_grad_scale);
     ms.block = BlockSaved{};
@@ -730,12 +731,7 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
   }
   for (int l = L1 - 1; l >= L0; --l) {
     BlockSaved& sv = st.saved[size_t(l - L0)];
-    if (!sv.kept) {  // recompute with the forward's scales, weights and routing, advancing no history
-      Tensor scratch(be_, DType::f32, {N, D});
-      recompute_ = true;
-      block_forward(l, st.xs[size_t(l - L0)].f32(), B, T, scratch.f32(), &sv, false, nullptr);
-      recompute_ = false;
-    }
+    recompute_if_dropped(l, st.xs[size_t(l - L0)].f32(), &sv);
     block_backward(l, sv, dx.f32(), dnext.f32(), st.aux_grad_scale);
     sv = BlockSaved{};
     std::swap(dx, dnext);

@@ -216,6 +216,10 @@ class Transformer {
   // slots.mtp and their blocks' aux losses into slots.aux), and their backward, whose gradient of
   // the main output is added to dx.
   void mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlots& slots, float loss_scale);
+  // After a block's forward: its MoE routing into the stage's result and, where the block is
+  // recomputed, its state dropped but for the routing; before its backward, that recomputation.
+  void finish_block_forward(int layer, BlockSaved* s, StepResult* result);
+  void recompute_if_dropped(int layer, const float* x, BlockSaved* s);
   void mtp_backward(StageRun& run, float* dx);
 
   Backend& be_;

@@ -106,6 +106,25 @@ std::map<int, double> grad_norms(const std::string& jsonl) {
   return m;
 }
 
+// DeepSeek-V3's architecture on the small model: multi-head latent attention (a query latent of 32,
+// a key-value latent of 32, heads of 16 + 8 rotary query/key channels and 16 value channels) and
+// one multi-token prediction module.
+const std::vector<std::string> kLatentAttentionAndMtp = {
+    "model.attention=mla",      "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
+    "model.qk_rope_head_dim=8", "model.v_head_dim=16",  "model.mtp_depth=1"};
+
+// The bytes each group sent in a run's last step, measured and analytical, from its output.
+std::map<std::string, std::pair<double, double>> comm_bytes(const std::string& out) {
+  std::map<std::string, std::pair<double, double>> bytes;  // group -> (measured, analytical)
+  static const std::regex re(R"(^  (tp|ep|dp|edp|pp) +(\d+) +(\d+) +[0-9.]+$)");
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, re)) bytes[m[1]] = {std::stod(m[2]), std::stod(m[3])};
+  }
+  return bytes;
+}
+
 const std::vector<Layout> kLayouts = {
     {"dp2", 2, {}},
     {"dp2 zero0", 2, {"optim.zero=0"}},
@@ -188,10 +207,9 @@ TEST_F(Layouts, NodeLimitedRoutingIsTheSameOnEveryLayout) {
 // 8.5e-4 at the step where a near-tie routes elsewhere). Without the tensor-parallel sum of the
 // key-value latent's gradient the test fails (mutation mla-latent-gradient-not-summed-over-tp).
 TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
-  const std::vector<std::string> mla = {"model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=32",
-                                        "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
-                                        "model.v_head_dim=16", "model.moe.n_group=4", "model.moe.topk_group=2",
-                                        "model.moe.routed_scaling_factor=2.5", "model.mtp_depth=1"};
+  std::vector<std::string> mla = kLatentAttentionAndMtp;
+  for (const char* s : {"model.moe.n_group=4", "model.moe.topk_group=2", "model.moe.routed_scaling_factor=2.5"})
+    mla.push_back(s);
   for (const char* recipe : {"off", "blockwise"}) {
     std::vector<std::string> base = mla;
     base.push_back(std::string("fp8.recipe=") + recipe);
@@ -221,11 +239,8 @@ TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
 // and a save on tp2 x pp2 x ep2 resumes on 1 rank within the 20-step bound of
 // LatentAttentionIsTheSameOnEveryLayout (recipe off).
 TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
-  const std::vector<std::string> arch = {"model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=32",
-                                         "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
-                                         "model.v_head_dim=16", "model.mtp_depth=1"};
   auto with = [&](std::vector<std::string> sets) {
-    sets.insert(sets.end(), arch.begin(), arch.end());
+    sets.insert(sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
     return sets;
   };
   const std::string dir = dir_->path + "/resume-mla";
@@ -309,13 +324,7 @@ TEST_F(Layouts, CommunicationOfTheLastStepMatchesTheFormulas) {
     argv.push_back("--set"), argv.push_back(s);
   const RunResult r = run(argv, 600);
   ASSERT_EQ(r.status, 0) << r.all();
-  std::map<std::string, std::pair<double, double>> bytes;  // group -> (measured, analytical)
-  static const std::regex re(R"(^  (tp|ep|dp|edp|pp) +(\d+) +(\d+) +[0-9.]+$)");
-  std::istringstream in(r.out);
-  for (std::string line; std::getline(in, line);) {
-    std::smatch m;
-    if (std::regex_match(line, m, re)) bytes[m[1]] = {std::stod(m[2]), std::stod(m[3])};
-  }
+  auto bytes = comm_bytes(r.out);
   ASSERT_EQ(bytes.size(), 4u) << r.out;  // tp, ep, dp, pp (edp: one rank per expert shard, nothing to send)
   for (const auto& [group, b] : bytes) {
     std::printf("%-3s measured %9.0f analytical %9.0f ratio %.4f\n", group.c_str(), b.first, b.second, b.first / b.second);
@@ -330,19 +339,11 @@ TEST_F(Layouts, CommunicationOfTheLastStepMatchesTheFormulas) {
 
   // The same layout with latent attention (latents 32 and 32, rotary 8) and one multi-token
   // prediction module: its counts against the measured bytes, and pp and tp written out.
-  for (const std::string& s : std::vector<std::string>{"model.attention=mla", "model.q_lora_rank=32",
-                                                      "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
-                                                      "model.qk_rope_head_dim=8", "model.v_head_dim=16",
-                                                      "model.mtp_depth=1", "checkpoint.dir=" + dir_->path + "/comm-mla"})
-    argv.push_back("--set"), argv.push_back(s);
+  for (const std::string& s : kLatentAttentionAndMtp) argv.push_back("--set"), argv.push_back(s);
+  argv.push_back("--set"), argv.push_back("checkpoint.dir=" + dir_->path + "/comm-mla");
   const RunResult r2 = run(argv, 600);
   ASSERT_EQ(r2.status, 0) << r2.all();
-  bytes.clear();
-  std::istringstream in2(r2.out);
-  for (std::string line; std::getline(in2, line);) {
-    std::smatch m;
-    if (std::regex_match(line, m, re)) bytes[m[1]] = {std::stod(m[2]), std::stod(m[3])};
-  }
+  bytes = comm_bytes(r2.out);
   ASSERT_EQ(bytes.size(), 4u) << r2.out;
   for (const auto& [group, b] : bytes) {
     std::printf("MLA + MTP: %-3s measured %9.0f analytical %9.0f ratio %.4f\n", group.c_str(), b.first, b.second,
