@@ -7,6 +7,7 @@
 #include <array>
 
 #include "model/config.h"
+#include "model/plan_model.h"
 #include "model/transformer.h"
 #include "parallel/communicator.h"
 
@@ -45,7 +46,7 @@ class CommAccounting {
   const Config& cfg_;
   const Transformer& model_;
   TrainGroups g_;
-  std::array<GroupPair, 5> counted_;
+  std::array<GroupPair, 5> counted_;  // in kCommGroupNames' order
   int64_t sequences_ = 0;
   double dense_bytes_ = 0, expert_bytes_ = 0;  // the trainable parameters this rank holds, FP32
   std::array<double, 5> measured_{}, expected_{};

@@ -9,6 +9,8 @@
 #include "app/ckpt.h"
 #include "app/exit_codes.h"
 #include "app/generate.h"
+#include "app/hf.h"
+#include "app/plan.h"
 #include "app/train.h"
 #include "io/build_info.h"
 #include "io/config.h"
@@ -106,6 +108,42 @@ int main(int argc, char** argv) {
   verify_cmd->add_option("dir", ckpt_dir, "A step_<N> directory, or a checkpoint.dir (the one its `latest` names)")
       ->required();
 
+  ExportOptions exp;
+  CLI::App* export_cmd = app.add_subcommand(
+      "export",
+      "Write a checkpoint (any layout's; one process) as a Hugging Face DeepSeek-V3 model directory: safetensors "
+      "shards, model.safetensors.index.json and config.json, read by transformers, vLLM and SGLang");
+  export_cmd->add_option("checkpoint", exp.checkpoint, "A checkpoint.dir (the checkpoint its `latest` names) or one step_<N> directory")
+      ->required();
+  export_cmd->add_option("out_dir", exp.out_dir, "The directory to write (created; existing files of the same names are replaced)")
+      ->required();
+  export_cmd->add_option("--dtype", exp.dtype,
+                         "bf16 (default), fp32, or fp8: E4M3 linear weights with 128x128 weight_scale_inv blocks and a "
+                         "quantization_config, as DeepSeek-V3 publishes its weights")
+      ->check(CLI::IsMember({"bf16", "fp32", "fp8"}));
+  export_cmd->add_option("--max-shard-size", exp.max_shard_bytes, "Bytes per safetensors file at most (default 5e9)")
+      ->check(CLI::PositiveNumber);
+
+  ImportOptions imp;
+  CLI::App* import_cmd = app.add_subcommand(
+      "import",
+      "Read a Hugging Face DeepSeek-V3 model directory (safetensors in BF16, FP16, FP32 or DeepSeek's FP8 form) into a "
+      "step-0 checkpoint that training on any layout resumes from (launch with mpirun like train: each rank "
+      "reads and writes its own shard)");
+  import_cmd->add_option("hf_dir", imp.hf_dir, "The directory with config.json and *.safetensors")->required();
+  import_cmd->add_option("checkpoint_dir", imp.checkpoint_dir, "The checkpoint.dir to write (step_00000000 and `latest`)")
+      ->required();
+  import_cmd->add_option("--config", imp.config_path,
+                         "The fp8moe config to train with; its model section must match config.json (differences are named)")
+      ->required();
+  import_cmd->add_option("--set", imp.overrides, "Override one key of --config, as for train (repeatable)")
+      ->type_name("KEY=VALUE")
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+
+  PlanOptions plan;
+  CLI::App* plan_cmd = add_plan_command(app, &plan);
+
   CLI::App* defaults_cmd = app.add_subcommand(
       "defaults", "Print every config key with its default value, what it accepts and what it means");
 
@@ -130,6 +168,9 @@ int main(int argc, char** argv) {
       }
     }
     if (*gen_cmd) return launcher_rank() == 0 ? run_generate(gen) : kExitOk;
+    if (*export_cmd) return launcher_rank() == 0 ? run_export(exp) : kExitOk;
+    if (*import_cmd) return run_import(imp, &argc, &argv);
+    if (*plan_cmd) return launcher_rank() == 0 ? run_plan(plan) : kExitOk;
     if (*inspect_cmd) return run_ckpt_inspect(ckpt_dir);
     if (*verify_cmd) return run_ckpt_verify(ckpt_dir);
     if (*defaults_cmd) {

@@ -75,15 +75,17 @@ std::string resolve_runtime(Config& cfg, int* ordinal, std::string* device_line)
   return "";
 }
 
-int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
-  const bool root = mpi.rank() == 0;
+}  // namespace
 
+int agreed_config(const std::string& path, const std::vector<std::string>& overrides, const MpiSession& mpi,
+                  Config* out) {
+  const bool root = mpi.rank() == 0;
   // Rank 0 reads the file and broadcasts it: one reader, and every rank validates the same text,
   // so every rank reaches the same verdict and exits the same way; only rank 0 speaks.
   std::string text, error;
   if (root) {
     try {
-      text = read_config_file(options.config_path);
+      text = read_config_file(path);
     } catch (const ConfigError& e) {
       error = e.what();
     }
@@ -94,10 +96,8 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     return kExitUsage;
   }
   broadcast_string(MPI_COMM_WORLD, text, 0);
-
-  Config config;
   try {
-    config = load_config(ConfigSource{options.config_path, text, options.overrides}, mpi.size());
+    *out = load_config(ConfigSource{path, text, overrides}, mpi.size());
   } catch (const ConfigError& e) {
     error = e.what();
   }
@@ -105,10 +105,20 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     if (root) usage_error(error.empty() ? "the config was rejected on another rank" : error);
     return kExitUsage;
   }
+  return kExitOk;
+}
+
+namespace {
+
+int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
+  const bool root = mpi.rank() == 0;
+  Config config;
+  if (const int status = agreed_config(options.config_path, options.overrides, mpi, &config); status != kExitOk)
+    return status;
 
   std::string device_line;
   int ordinal = -1;
-  error = resolve_runtime(config, &ordinal, &device_line);  // collective; the verdict is the same on every rank
+  std::string error = resolve_runtime(config, &ordinal, &device_line);  // collective; the verdict is the same on every rank
   if (!error.empty()) {
     if (root) usage_error(error);
     return kExitUsage;

@@ -16,4 +16,12 @@ struct TrainOptions {
 // prints the effective config and the layout. Returns the process exit status.
 int run_train(const TrainOptions& options, int* argc, char*** argv);
 
+class MpiSession;
+struct Config;
+// The config of a job, the same on every rank: rank 0 reads the file and broadcasts it, every rank
+// validates it for the world size (rank 0 reports a problem). kExitOk with *out filled, or
+// kExitUsage on every rank. Collective over MPI_COMM_WORLD (train, import).
+int agreed_config(const std::string& path, const std::vector<std::string>& overrides, const MpiSession& mpi,
+                  Config* out);
+
 }  // namespace fp8moe

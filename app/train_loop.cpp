@@ -79,12 +79,6 @@ bool evaluation_on(const Config& cfg, const TrainData& d, bool root) {
   return true;
 }
 
-std::string layout_text(const GridDims& g) {
-  return "tensor " + std::to_string(g.tensor) + " x pipeline " + std::to_string(g.pipeline) + " x expert " +
-         std::to_string(g.expert) + " x data " + std::to_string(g.data) + " (" + std::to_string(g.world) +
-         (g.world == 1 ? " rank)" : " ranks)");
-}
-
 std::string number_or_null(double v) {
   if (!std::isfinite(v)) return "null";
   char buf[64];
@@ -125,6 +119,12 @@ int agreed_stop_signal(MPI_Comm world) {
 }
 
 }  // namespace
+
+std::string layout_text(const GridDims& g) {
+  return "tensor " + std::to_string(g.tensor) + " x pipeline " + std::to_string(g.pipeline) + " x expert " +
+         std::to_string(g.expert) + " x data " + std::to_string(g.data) + " (" + std::to_string(g.world) +
+         (g.world == 1 ? " rank)" : " ranks)");
+}
 
 void install_stop_handlers() {
   struct sigaction sa {};

@@ -3,6 +3,8 @@
 // checkpoints and stop signals.
 #pragma once
 
+#include <string>
+
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "parallel/grid.h"
@@ -21,6 +23,9 @@ namespace fp8moe {
 // `be`: this rank's backend (runtime.device), on which the model, the optimizer, the device
 // communicators and the checkpoint staging work.
 int train(const Config& cfg, const ProcessGrid& grid, Backend& be);
+
+// "tensor 1 x pipeline 1 x expert 1 x data 2 (2 ranks)": the layout a checkpoint records.
+std::string layout_text(const GridDims& g);
 
 // Installs the SIGUSR1 / SIGTERM handlers that request the stop above (call before training).
 void install_stop_handlers();

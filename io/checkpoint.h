@@ -23,6 +23,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -151,6 +152,25 @@ CheckpointReport inspect_checkpoint(const std::string& dir, bool verify);
 // The stored config and parameters (FP32 masters) of a checkpoint, for generation: serial, every
 // checksum of /params verified. Throws CheckpointError.
 Config load_checkpoint_weights(const std::string& dir, std::vector<std::vector<float>>* params);
+
+// A checkpoint's parameters one at a time (`fp8moe export`): serial, each read whole as FP32 and
+// its checksum verified, so that a model of any size passes through one tensor's memory. Throws
+// CheckpointError.
+class CheckpointParams {
+ public:
+  explicit CheckpointParams(const std::string& path);  // a step directory or a checkpoint.dir
+  ~CheckpointParams();
+  CheckpointParams(const CheckpointParams&) = delete;
+  CheckpointParams& operator=(const CheckpointParams&) = delete;
+  const std::string& dir() const;  // the step directory read
+  const Config& config() const;    // the stored config
+  int64_t step() const;
+  std::vector<float> read(const ParamSpec& p) const;  // (rows, cols) row-major
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // The checksum term of one element (exposed for tests).
 uint64_t checksum_term(uint64_t global_index, uint64_t bits);

@@ -1,6 +1,6 @@
-// inspect_checkpoint (io/checkpoint.h): a serial reader for `fp8moe ckpt`, which lists every
+// The serial readers of io/checkpoint.h: inspect_checkpoint for `fp8moe ckpt`, which lists every
 // dataset, recomputes the checksums in pieces and checks the datasets against the stored config,
-// collecting problems instead of stopping at the first.
+// collecting problems instead of stopping at the first; and CheckpointParams for `fp8moe export`.
 #include "io/checkpoint.h"
 
 #include <hdf5.h>
@@ -106,6 +106,37 @@ CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
     });
   }
   return rep;
+}
+
+struct CheckpointParams::Impl {
+  std::string dir, file_path;
+  H5Handle file;
+  Config cfg;
+  int64_t step = 0;
+};
+
+CheckpointParams::CheckpointParams(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  quiet_hdf5();
+  impl_->dir = resolve_checkpoint_dir(path);
+  impl_->file_path = impl_->dir + "/" + kCheckpointFile;
+  impl_->file = open_file(impl_->file_path, MPI_COMM_NULL);
+  check_version(impl_->file.get(), impl_->file_path);
+  impl_->cfg = stored_config(impl_->file.get(), impl_->file_path);
+  impl_->step = read_attr_i64(impl_->file.get(), "step", impl_->file_path);
+}
+
+CheckpointParams::~CheckpointParams() = default;
+const std::string& CheckpointParams::dir() const { return impl_->dir; }
+const Config& CheckpointParams::config() const { return impl_->cfg; }
+int64_t CheckpointParams::step() const { return impl_->step; }
+
+std::vector<float> CheckpointParams::read(const ParamSpec& p) const {
+  const OpenDataset d = open_dataset(impl_->file.get(), param_dataset(p.name), p.rows, p.cols, {Dt::f32}, impl_->file_path);
+  std::vector<float> out(size_t(p.numel()));
+  read_block(d, H5P_DEFAULT, Rows{0, p.rows}, 0, p.cols, out.data());
+  const uint64_t sum = checksum_block(out.data(), Dt::f32, 0, p.rows, 0, p.cols, p.cols);
+  if (sum != d.stored_checksum) throw CheckpointError(d.at + checksum_mismatch(d.stored_checksum, sum));
+  return out;
 }
 
 }  // namespace fp8moe

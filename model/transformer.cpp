@@ -400,8 +400,13 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   be_.add(dx, dx_mid.f32(), dx, N * D);
 }
 
-std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) {
+std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) { return last_logits(tokens, T, 1); }
+
+std::vector<float> Transformer::sequence_logits(const int32_t* tokens, int64_t T) { return last_logits(tokens, T, T); }
+
+std::vector<float> Transformer::last_logits(const int32_t* tokens, int64_t T, int64_t rows) {
   FP8MOE_ASSERT(tp_size() == 1 && !dispatcher_, "generation runs on one rank holding the whole model");
+  FP8MOE_ASSERT(rows >= 1 && rows <= T, rows, " rows of logits of ", T, " positions");
   const ModelConfig& m = cfg_.model;
   const int64_t D = m.d_model, V = m.vocab_size;
   for (int64_t i = 0; i < T; ++i)
@@ -415,9 +420,9 @@ std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t
     block_forward(l, x.f32(), 1, T, y.f32(), &s, /*record=*/false, nullptr);
     std::swap(x, y);
   }
-  Tensor h(be_, DType::f32, {D}), rstd(be_, DType::f32, {1}), logits(be_, DType::f32, {V});
-  be_.rmsnorm_forward(x.f32() + (T - 1) * D, P("final_norm.weight"), 1, D, float(m.norm_eps), h.f32(), rstd.f32());
-  be_.sgemm(false, true, 1, V, D, 1.0f, h.f32(), D, P("head.weight"), D, 0.0f, logits.f32(), V);
+  Tensor h(be_, DType::f32, {rows, D}), rstd(be_, DType::f32, {rows}), logits(be_, DType::f32, {rows, V});
+  be_.rmsnorm_forward(x.f32() + (T - rows) * D, P("final_norm.weight"), rows, D, float(m.norm_eps), h.f32(), rstd.f32());
+  be_.sgemm(false, true, rows, V, D, 1.0f, h.f32(), D, P("head.weight"), D, 0.0f, logits.f32(), V);
   return to_host<float>(logits);
 }
 

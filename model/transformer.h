@@ -166,6 +166,9 @@ class Transformer {
   // Logits (V) of the token after tokens[0..T) (one sequence, host ids), for generation. FP8
   // histories are not advanced.
   std::vector<float> next_token_logits(const int32_t* tokens, int64_t T);
+  // Logits (T, V) of every position of one sequence (the main model's; tools and tests: the
+  // comparison with Hugging Face transformers).
+  std::vector<float> sequence_logits(const int32_t* tokens, int64_t T);
 
   // Aux-loss-free balancing after an optimizer step: each MoE layer's router bias moves by
   // model.moe.bias_update_rate towards balance, from the step's load per MoE layer and expert
@@ -203,6 +206,7 @@ class Transformer {
   MoeWeights moe_weights(int layer) const;
   bool recomputed(int layer) const;
   void ensure_rope(int64_t T);
+  std::vector<float> last_logits(const int32_t* tokens, int64_t T, int64_t rows);  // (rows, V) of the last positions
   void block_forward(int layer, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record,
                      double* aux);
   void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale);

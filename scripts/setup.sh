@@ -2,8 +2,18 @@
 # Idempotent set-up on Debian 12: installs the Debian packages the build and the tests need (only
 # those missing), then configures and builds build/ in Release (CUDA code too when nvcc exists).
 # Safe to run again: a second run installs nothing and rebuilds only what changed.
+#   --hf  also Hugging Face transformers with PyTorch into build/venv-hf (scripts/requirements-hf.txt:
+#         about 2.9 GB to download, 5.6 GB installed), for the hf_transformers test (ctest -R hf_),
+#         which reports SKIPPED without it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+with_hf=0
+for arg in "$@"; do
+  case $arg in
+    --hf) with_hf=1 ;;
+    *) echo "setup: unknown option $arg (known: --hf)" >&2; exit 2 ;;
+  esac
+done
 
 packages=(
   build-essential cmake ninja-build ccache pkg-config git    # toolchain
@@ -59,7 +69,7 @@ fi
 # environment. It is (re)installed when scripts/requirements.txt differs from what it was made from.
 venv=build/venv
 stamp=$venv/requirements.txt
-if ! cmp -s "$requirements" "$stamp" || ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes, matplotlib, h5py, tokenizers" 2>/dev/null; then
+if ! cmp -s "$requirements" "$stamp" || ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes, matplotlib, h5py, tokenizers, safetensors" 2>/dev/null; then
   echo "setup: installing $requirements from PyPI into $venv"
   mkdir -p build
   [[ -x $venv/bin/python3 ]] || python3 -m venv "$venv"
@@ -67,6 +77,21 @@ if ! cmp -s "$requirements" "$stamp" || ! "$venv/bin/python3" -c "import jax, nu
   cp "$requirements" "$stamp"
 else
   echo "setup: $venv matches $requirements"
+fi
+
+# Hugging Face transformers and PyTorch (the reference of fp8moe export / import), only when asked.
+if ((with_hf)); then
+  hf_venv=build/venv-hf
+  hf_requirements=scripts/requirements-hf.txt
+  if ! cmp -s "$hf_requirements" "$hf_venv/requirements.txt" || ! "$hf_venv/bin/python3" -c "import torch, transformers, safetensors" 2>/dev/null; then
+    echo "setup: installing $hf_requirements from PyPI into $hf_venv (about 2.9 GB to download)"
+    mkdir -p build
+    [[ -x $hf_venv/bin/python3 ]] || python3 -m venv "$hf_venv"
+    "$hf_venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input -r "$hf_requirements"
+    cp "$hf_requirements" "$hf_venv/requirements.txt"
+  else
+    echo "setup: $hf_venv matches $hf_requirements"
+  fi
 fi
 
 # The CUDA backend's header-only libraries (cuDNN frontend, CUTLASS), pinned, into build/third_party.

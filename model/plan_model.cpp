@@ -1,0 +1,353 @@
+#include "model/plan_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "model/placement.h"
+#include "parallel/pipeline_schedule.h"
+
+namespace fp8moe {
+namespace {
+
+constexpr double kF32 = 4, kI64 = 8, kI32 = 4, kF64 = 8;
+
+bool fp8_on(const Config& c, LinearClass cls) {
+  if (c.fp8.recipe == Fp8Recipe::off) return false;
+  const Fp8Layers& on = c.fp8.layers;
+  switch (cls) {
+    case LinearClass::attention: return on.attention;
+    case LinearClass::mlp: return on.mlp;
+    case LinearClass::experts: return on.experts;
+    case LinearClass::shared_experts: return on.shared_experts;
+    default: return false;
+  }
+}
+
+// What a linear layer keeps of its (M, K) input for backward (model/linear.cpp, LinearSaved):
+// nothing in FP32 mode (the caller's FP32 input is kept instead, counted by the caller);
+// blockwise the T x 1 copy wgrad reads (fp8.cache_activations: the 1 x T copy); per-tensor the
+// FP8 input and its one scale.
+double linear_saved(const Config& c, bool on, double M, double K) {
+  if (!on) return 0;
+  const int T = c.fp8.tile;
+  if (c.fp8.recipe == Fp8Recipe::blockwise)
+    return c.fp8.cache_activations ? M * K + M * std::ceil(K / T) * kF32 : M * K + std::ceil(M / T) * K * kF32;
+  return M * K + kF32;
+}
+
+// model/ffn.cpp fuses_w13: W1|W3 as one layer unless blockwise FP8 with F not a multiple of the tile.
+bool fused_w13(const Config& c, bool on, int64_t F) {
+  return !on || c.fp8.recipe != Fp8Recipe::blockwise || F % c.fp8.tile == 0;
+}
+
+// model/ffn.h FfnSaved::bytes for M rows of an FFN of width F on one rank.
+double ffn_saved(const Config& c, bool on, double M, int64_t D, int64_t F) {
+  double b = M * 2 * double(F) * kF32;  // the gate and up pre-activations (h1 | h3)
+  if (!on) b += M * double(F) * kF32;   // the SwiGLU output W2 reads in FP32
+  b += linear_saved(c, on, M, double(D)) * (fused_w13(c, on, F) ? 1 : 2) + linear_saved(c, on, M, double(F));
+  return b;
+}
+
+// model/moe.cpp MoeRouting::bytes: prob (N, E) f32; expert, gate, row_slot, slot_row (N k) 4 bytes
+// each, kept (N k) u8, row_token (N k) i64; load (E) and offsets (E + 1) i64.
+double routing_bytes(double N, double E, double k) {
+  return N * E * kF32 + N * k * (4 * 4 + 1 + kI64) + E * kI64 + (E + 1) * kI64;
+}
+
+bool is_recomputed(const Config& c, int layer) {
+  switch (c.train.recompute) {
+    case Recompute::full: return true;
+    case Recompute::moe: return layer >= c.model.first_dense_layers;
+    default: return false;
+  }
+}
+
+GridPosition position(const PlanLayout& L, int stage) {
+  GridPosition at;
+  at.tensor = L.tensor, at.stages = L.pipeline, at.stage = stage, at.experts = L.expert;
+  return at;
+}
+
+bool is_moe_layer(const ModelConfig& m, int layer) { return layer >= m.first_dense_layers; }
+
+// The routed rows one expert-parallel rank's experts receive per micro-batch (uniform routing) and
+// the rows per local expert.
+double routed_rows(const ModelConfig& m, const PlanLayout& L) { return double(L.tokens()) * m.moe.top_k; }
+
+// Bytes of a block's kept state (BlockSaved::bytes, model/transformer.cpp).
+double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig& m, int layer) {
+  const double N = double(L.tokens()), D = m.d_model, H = m.n_heads;  // m: this rank's widths
+  const bool attn_fp8 = fp8_on(c, LinearClass::attention);
+  double b = N * D * kF32 + N * kF32 + N * D * kF32 + N * kF32;  // input, rstd1, x_mid, rstd2
+  if (!attn_fp8) b += N * D * kF32;                              // h1, read by FP32 q/k/v in backward
+  if (!m.mla()) {
+    const double hd = m.head_dim, kvh = m.n_kv_heads;
+    b += N * (H * hd * 2 + kvh * hd * 2) * kF32 + N * H * kF32;  // q, attn, k, v; lse
+    b += 3 * linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, H * hd);
+  } else {
+    const double qk = m.qk_head_dim(), vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
+    b += N * H * (2 * qk + 2 * vd) * kF32 + N * H * kF32;  // q, k, v, attn; lse
+    if (ql > 0) {
+      b += N * ql * kF32 + N * kF32 + (attn_fp8 ? 0 : N * ql * kF32);  // cq, rstd_q, cqn
+      b += linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, ql);
+    } else {
+      b += linear_saved(c, attn_fp8, N, D);
+    }
+    b += N * kvl * kF32 + N * kF32 + (attn_fp8 ? 0 : N * kvl * kF32);  // ckv, rstd_kv, ckvn
+    b += linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, kvl) + linear_saved(c, attn_fp8, N, H * vd);
+  }
+  if (!is_moe_layer(m, layer)) {
+    const bool on = fp8_on(c, LinearClass::mlp);
+    if (!on) b += N * D * kF32;  // h2
+    return b + ffn_saved(c, on, N, int64_t(D), m.d_ff_dense);
+  }
+  b += N * D * kF32;  // h2: the FP32 router's weight gradient reads it
+  b += routing_bytes(N, m.moe.n_experts, m.moe.top_k);
+  if (m.moe.n_shared_experts > 0)
+    b += ffn_saved(c, fp8_on(c, LinearClass::shared_experts), N, int64_t(D), int64_t(m.moe.n_shared_experts) * m.moe.d_expert);
+  const bool on = fp8_on(c, LinearClass::experts);
+  const double R = routed_rows(m, L), local = double(m.moe.n_experts) / L.expert;
+  b += R * D * kF32;                // expert_out
+  if (!on) b += R * D * kF32;       // xr (one rank) or xl (expert parallelism): the experts' FP32 inputs
+  b += local * ffn_saved(c, on, R / local, int64_t(D), m.moe.d_expert);
+  return b;
+}
+
+// The largest set of temporaries of one block's forward or backward (model/transformer.cpp
+// block_forward / block_backward, gqa_/mla_backward, model/ffn.cpp, model/moe.cpp moe_backward),
+// on top of the saved state; for a recomputed block, its restored state too.
+double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& m, int layer) {
+  const double N = double(L.tokens()), D = m.d_model, H = m.n_heads;
+  double attn_bwd = 0, attn_fwd = 0;
+  if (!m.mla()) {
+    const double hd = m.head_dim, kvh = m.n_kv_heads;
+    attn_bwd = N * (2 * H * hd + 2 * kvh * hd + D) * kF32;  // da, dq, dk, dv, part
+  } else {
+    const double nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim, qk = nope + rope, vd = m.v_head_dim;
+    const double ql = m.q_lora_rank, kvl = m.kv_lora_rank;
+    attn_bwd = N * (2 * H * vd + 2 * H * qk + H * (nope + vd) + rope + 2 * kvl + (kvl + rope) + 2 * ql + D) * kF32;
+    attn_fwd = N * ((kvl + rope) + rope + H * (nope + vd)) * kF32;  // ckv_pe, kpe, kv
+  }
+  double ffn_bwd = 0, ffn_fwd = 0;
+  if (!is_moe_layer(m, layer)) {
+    const double F = m.d_ff_dense;
+    const bool fused = fused_w13(c, fp8_on(c, LinearClass::mlp), m.d_ff_dense);
+    ffn_bwd = N * (F + 2 * F) * kF32 + (fused ? 0 : N * D * kF32) + 2 * N * 2 * F;  // da, dh1|dh3, dx3; dy in FP8
+  } else {
+    const double R = routed_rows(m, L), F = m.moe.d_expert, E = m.moe.n_experts, k = m.moe.top_k;
+    const bool ep = L.expert > 1;
+    // dgate, dye (and its received rows), the experts' da, dh1|dh3 and input gradients (and the
+    // rows sent back); the router's logits in the forward.
+    ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * 3 * F * kF32 + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
+    ffn_fwd = N * E * kF32 + R * D * kF32 * (ep ? 2 : 1);  // logits; y (and the rows before the exchange)
+  }
+  const double fwd = 2 * N * D * kF32 + std::max(attn_fwd, ffn_fwd);        // o, f
+  const double bwd = 3 * N * D * kF32 + std::max(attn_bwd, ffn_bwd);        // dh2, dx_mid, dh1
+  const double restored = is_recomputed(c, layer) ? kept_block_bytes(c, L, m, layer) + N * D * kF32 : 0;
+  return std::max(fwd, bwd + restored);
+}
+
+}  // namespace
+
+PlanLayout plan_layout(const Config& c, int world) {
+  PlanLayout L;
+  L.world = world, L.tensor = c.parallel.tensor, L.pipeline = c.parallel.pipeline, L.expert = c.parallel.expert;
+  L.data = world / (L.tensor * L.pipeline);
+  L.expert_data = L.data / L.expert;
+  L.micro_batches = c.parallel.micro_batches;
+  L.sequences = int64_t(c.train.global_batch) / (int64_t(L.data) * L.micro_batches);
+  L.seq_len = c.train.seq_len;
+  return L;
+}
+
+// tp  per micro-batch: (3 L_s + first + last) all-reduces of N x D floats, per block the
+//     attention's input gradient (GQA: N x D; MLA: N x (kv_lora + qk_rope) at the latents and
+//     N x q_lora, or N x D without a query latent), MoE layers' gate gradients (N x k doubles),
+//     the cross-entropy's 3 vectors of N; each all-reduce of B bytes sends 2 (T - 1) / T x B.
+// ep  per MoE layer and micro-batch: 4 x (routed rows whose expert is on another rank) x D floats
+//     (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8.
+// dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes: ZeRO-1
+//     reduce-scatter + all-gather, or an all-reduce: 2 (R - 1) / R x B.
+// pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one (not
+//     the first); with mtp_depth modules every message also carries their depth x N x D
+//     embeddings (forward) or gradient (backward), from the first stage to the last and back.
+// mtp the modules' blocks count in L_s and the MoE layers of the last stage; tp adds per module an
+//     all-reduce of N x D on the first stage (its embedding) and N x D plus 20 N bytes on the last
+//     (its head's input gradient, its cross-entropy).
+std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
+  const ModelConfig& m = *s.model;
+  const double N = s.tokens, D = m.d_model, Mb = s.micro_batches;
+  const double depth = m.mtp_depth, mtp_blocks = s.last ? depth : 0;
+  const double Ls = s.layer_end - s.layer_begin + mtp_blocks;
+  const double Lm = std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + mtp_blocks;
+  auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
+  const double attn_grad = !m.mla() ? D : m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank > 0 ? m.q_lora_rank : D);
+  std::array<double, 5> b{};
+  b[0] = ring(s.tensor) * Mb *
+         (((3 * Ls + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
+          Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
+  b[1] = s.expert > 1 ? 4 * s.rows_off_rank * D * 4 + Mb * Lm * (s.expert - 1) * s.local_experts * 8 : 0;
+  b[2] = ring(s.data) * s.dense_bytes;
+  b[3] = ring(s.expert_data) * s.expert_bytes;
+  b[4] = Mb * N * D * 4 * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
+  return b;
+}
+
+double fp8_copy_bytes(int64_t rows, int64_t cols, PlanTiling t, int tile) {
+  const double r = double(rows), c = double(cols), T = tile;
+  switch (t) {
+    case PlanTiling::per_tensor: return r * c + kF32;
+    case PlanTiling::rows_1xT: return r * c + r * std::ceil(c / T) * kF32;
+    case PlanTiling::cols_Tx1: return r * c + std::ceil(r / T) * c * kF32;
+    default: return r * c + std::ceil(r / T) * std::ceil(c / T) * kF32;
+  }
+}
+
+double block_saved_bytes(const Config& c, const PlanLayout& L, int layer) {
+  const Placement place(c.model, position(L, 0));
+  const ModelConfig& m = place.local();
+  if (!is_recomputed(c, layer)) return kept_block_bytes(c, L, m, layer);
+  const double N = double(L.tokens());
+  return N * m.d_model * kF32 + (is_moe_layer(m, layer) ? routing_bytes(N, m.moe.n_experts, m.moe.top_k) : 0);
+}
+
+double bubble_fraction(int stages, int micro_batches) {
+  return stages > 1 ? double(stages - 1) / double(micro_batches + stages - 1) : 0.0;
+}
+
+int in_flight_micro_batches(int stages, int stage, int micro_batches) {
+  int open = 0, most = 0;
+  for (const PipelineOp& op : one_f_one_b(stages, stage, micro_batches)) {
+    open += op.forward ? 1 : -1;
+    most = std::max(most, open);
+  }
+  return most;
+}
+
+std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
+  const ModelConfig& g = c.model;
+  const ParamTable table = build_param_table(g);
+  const double moment_bytes = c.train.moments_dtype == MomentsDtype::fp32 ? 4 : 2;
+  const bool zero = c.optim.zero == 1;
+  std::vector<StageMemory> out;
+  for (int s = 0; s < L.pipeline; ++s) {
+    const Placement place(g, position(L, s));
+    const ModelConfig& m = place.local();
+    StageMemory r;
+    r.stage = s, r.layer_begin = place.layer_begin(), r.layer_end = place.layer_end();
+    r.first = place.first_stage(), r.last = place.last_stage();
+    r.mtp_blocks = r.last ? g.mtp_depth : 0;
+    // The flat buffers' segments in layout order (model/param_store.h), each member's (numel, cols),
+    // for ZeRO-1's cut at row boundaries (model/data_parallel.cpp).
+    std::vector<std::pair<int64_t, int64_t>> dense, experts;
+    for (const ParamSpec& p : table.params) {
+      const Shard sh = place.shard(p);
+      if (!sh.held()) continue;
+      r.held += sh.numel();
+      if (p.trainable) (p.expert >= 0 ? experts : dense).push_back({sh.numel(), sh.cols});
+      const bool on = fp8_on(c, p.linear);
+      if (on) {
+        r.fp8_weights += fp8_copy_bytes(sh.rows, sh.cols,
+                                        c.fp8.recipe == Fp8Recipe::blockwise ? PlanTiling::blocks_TxT : PlanTiling::per_tensor,
+                                        c.fp8.tile);
+        if (c.fp8.recipe == Fp8Recipe::delayed)  // x, w and dy: a history and two scales each
+          r.fp8_state += 3 * (double(c.fp8.amax_history_len) + 2) * kF32;
+      }
+    }
+    // The largest ZeRO-1 chunk of a segment over R replicas: cut r at the row boundary at or
+    // before size r / R.
+    auto largest_chunk = [&](const std::vector<std::pair<int64_t, int64_t>>& seg, int R, int64_t* total) {
+      int64_t size = 0;
+      for (const auto& e : seg) size += e.first;
+      *total = size;
+      if (!zero || R <= 1) return size;
+      std::vector<int64_t> cut(size_t(R + 1), size);
+      cut[0] = 0;
+      size_t i = 0;
+      int64_t off = 0;
+      for (int q = 1; q < R; ++q) {
+        const int64_t target = size * q / R;
+        while (i < seg.size() && target >= off + seg[i].first) off += seg[i].first, ++i;
+        const int64_t at = i < seg.size() ? off + (target - off) / seg[i].second * seg[i].second : size;
+        cut[size_t(q)] = std::max(at, cut[size_t(q - 1)]);
+      }
+      int64_t most = 0;
+      for (int q = 0; q < R; ++q) most = std::max(most, cut[size_t(q + 1)] - cut[size_t(q)]);
+      return most;
+    };
+    r.owned_dense = largest_chunk(dense, L.data, &r.dense_trainable);
+    r.owned_expert = largest_chunk(experts, L.expert_data, &r.expert_trainable);
+    r.weights = double(r.held) * kF32;
+    r.grads = double(r.held) * kF32;
+    r.moments = 2 * moment_bytes * double(r.owned_dense + r.owned_expert);
+
+    // Activations of one micro-batch on this stage (model/transformer.cpp StageRun::Impl).
+    const double N = double(L.tokens()), D = g.d_model, V = m.vocab_size, depth = g.mtp_depth;
+    double saved = N * D * kF32;  // the stage's output
+    double work = 0;
+    for (int l = r.layer_begin; l < r.layer_end; ++l) {
+      saved += block_saved_bytes(c, L, l);
+      work = std::max(work, block_workspace(c, L, m, l));
+    }
+    if (r.first && depth > 0) saved += depth * N * D * kF32;              // the modules' input embeddings
+    if (r.last) {
+      saved += N * D * kF32 + N * kF32 + N * V * kF32;                     // hf, rstd, dlogits
+      work = std::max(work, N * V * kF32);                                 // the logits
+      if (depth > 0 && !r.first) saved += depth * N * D * kF32;            // the received embeddings
+      for (int k = 0; k < g.mtp_depth; ++k) {
+        const int l = g.n_layers + k;
+        // rstd_e, rstd_h, cat (N, 2D), out, hf, rstd_f, dlogits; the block (its input x included)
+        saved += 3 * N * kF32 + N * 2 * D * kF32 + 2 * N * D * kF32 + N * V * kF32 + block_saved_bytes(c, L, l);
+        work = std::max(work, std::max(block_workspace(c, L, m, l), N * V * kF32 + 2 * N * D * kF32));
+      }
+    }
+    r.saved_per_micro_batch = saved;
+    r.in_flight = in_flight_micro_batches(L.pipeline, s, L.micro_batches);
+    r.activations = saved * r.in_flight;
+    r.workspace = work;
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L) {
+  const ModelConfig& g = c.model;
+  const ParamTable table = build_param_table(g);
+  const double N = double(L.tokens());
+  std::vector<StageFlops> out;
+  for (int s = 0; s < L.pipeline; ++s) {
+    const Placement place(g, position(L, s));
+    const ModelConfig& m = place.local();
+    StageFlops f;
+    for (const ParamSpec& p : table.params) {
+      const Shard sh = place.shard(p);
+      if (!sh.held()) continue;
+      const bool head = p.name == "head.weight", eh = p.name.find("eh_proj") != std::string::npos;
+      const bool router = p.name.size() >= 10 && p.name.compare(p.name.size() - 10, 10, "moe.router") == 0;
+      if (p.linear == LinearClass::none && !head && !eh && !router) continue;
+      // Rows through the weight per micro-batch: every token, or an expert's share of the routed
+      // rows of the expert-parallel group (uniform routing).
+      const double rows = p.linear == LinearClass::experts ? N * g.moe.top_k * L.expert / g.moe.n_experts : N;
+      const double fwd = 2 * rows * double(sh.numel()) * (head ? 1 + g.mtp_depth : 1);  // the head serves the modules too
+      // A recomputed block runs its linear layers again; not its router (the forward's routing is
+      // reused), nor eh_proj and the head (outside the blocks).
+      const bool recomputed = p.linear != LinearClass::none && is_recomputed(c, p.layer);
+      const double flops = 3 * fwd + (recomputed ? fwd : 0);
+      (fp8_on(c, p.linear) ? f.fp8_gemm : f.hp_gemm) += flops;
+      if (recomputed) f.recompute += fwd;
+    }
+    // The attention core, causal (T / 2 keys per query on average): QK^T and PV, 3x for training.
+    const double per_block = N * m.n_heads * double(m.qk_head_dim() + m.v_dim()) * double(L.seq_len);
+    const int main_blocks = place.layer_end() - place.layer_begin();
+    const int blocks = main_blocks + (place.last_stage() ? g.mtp_depth : 0);
+    for (int b = 0; b < blocks; ++b) {
+      const int l = b < main_blocks ? place.layer_begin() + b : g.n_layers + (b - main_blocks);
+      f.attention += 3 * per_block + (is_recomputed(c, l) ? per_block : 0);
+      if (is_recomputed(c, l)) f.recompute += per_block;
+    }
+    out.push_back(f);
+  }
+  return out;
+}
+
+}  // namespace fp8moe

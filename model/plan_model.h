@@ -1,0 +1,93 @@
+// What a config needs on a layout, computed from the config alone (`fp8moe plan`, app/plan.cpp):
+// the bytes one rank of each pipeline stage holds and keeps, the FLOPs it runs, and the bytes each
+// of its groups sends per step. Nothing is allocated: every number follows the code that would
+// allocate or send it (named beside each formula), so that a change there shows up as a
+// difference between the plan and a measured run (tests/app/test_plan.cpp, bench/plan-vs-measured.sh).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/param_table.h"
+
+namespace fp8moe {
+
+// The process grid of a config on `world` ranks (parallel/grid.h's order): data replicas
+// world / (tensor x pipeline), expert-data replicas data / expert.
+struct PlanLayout {
+  int world = 1, tensor = 1, pipeline = 1, expert = 1, data = 1, expert_data = 1, micro_batches = 1;
+  int64_t sequences = 1;  // per replica and micro-batch (StageRunner::sequences())
+  int64_t seq_len = 1;
+  int64_t tokens() const { return sequences * seq_len; }  // N of one micro-batch on one rank
+};
+// Assumes a config load_config accepted for `world` ranks.
+PlanLayout plan_layout(const Config& c, int world);
+
+// The analytical bytes one rank sends in one step, per group (tp, ep, dp, edp, pp): the formulas
+// of README "Communication", which app/comm_accounting.cpp compares with the counted bytes.
+struct CommShape {
+  const ModelConfig* model = nullptr;
+  int tensor = 1, expert = 1, data = 1, expert_data = 1;
+  double tokens = 0;          // N: per micro-batch on this rank
+  double micro_batches = 1;
+  bool first = true, last = true;  // this rank's stage
+  int layer_begin = 0, layer_end = 0;
+  int local_experts = 0;
+  double dense_bytes = 0, expert_bytes = 0;  // the trainable parameters this rank holds, FP32
+  double rows_off_rank = 0;  // routed rows of this rank sent to another expert rank, over the step
+};
+std::array<double, 5> analytic_comm_bytes(const CommShape& s);
+inline constexpr const char* kCommGroupNames[5] = {"tp", "ep", "dp", "edp", "pp"};
+
+// One FP8 copy's bytes (kernels/tensor.h QTensor: one byte per element and its FP32 scales in the
+// tiling's layout, kernels/quantize.h tiling_scale_rows/cols).
+enum class PlanTiling { per_tensor, rows_1xT, cols_Tx1, blocks_TxT };
+double fp8_copy_bytes(int64_t rows, int64_t cols, PlanTiling t, int tile);
+
+// Bytes one block (layer l of the model, the multi-token prediction modules' blocks numbered on
+// from n_layers) keeps for its backward per micro-batch on one rank: Transformer::BlockSaved::bytes
+// when the block is kept, its input and MoE routing when it is recomputed. Uniform routing: every
+// expert receives N x top_k x expert / n_experts rows; no token dropped.
+double block_saved_bytes(const Config& c, const PlanLayout& L, int layer);
+
+// The memory of one rank of a pipeline stage, in bytes. Every tensor-parallel and expert-parallel
+// rank of a stage holds the same amounts (even splits); the ZeRO-1 shard is the largest replica's.
+struct StageMemory {
+  int stage = 0, layer_begin = 0, layer_end = 0, mtp_blocks = 0;
+  bool first = true, last = true;
+  int64_t held = 0, dense_trainable = 0, expert_trainable = 0;  // elements
+  int64_t owned_dense = 0, owned_expert = 0;  // trainable elements this rank keeps moments for
+  double weights = 0;      // FP32 parameters (the master weights: fp8moe keeps no other copy)
+  double grads = 0;        // FP32 gradients, one per held parameter (model/param_store.h)
+  double moments = 0;      // AdamW m and v of the owned rows (FP32 or BF16)
+  double fp8_weights = 0;  // the step's FP8 weight copies and scales (model/linear.h WeightCache)
+  double fp8_state = 0;    // delayed-scaling amax histories and scales (model/linear.h LinearScaling)
+  double saved_per_micro_batch = 0;  // activations kept for backward by one micro-batch
+  int in_flight = 1;                 // micro-batches between forward and backward at once (1F1B)
+  double activations = 0;            // saved_per_micro_batch x in_flight
+  double workspace = 0;              // the largest set of temporaries alive at once on top
+  double total() const { return weights + grads + moments + fp8_weights + fp8_state + activations + workspace; }
+};
+std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L);
+
+// FLOPs one rank of a stage runs per micro-batch (forward + backward, recomputation included),
+// split by the unit that runs them.
+struct StageFlops {
+  double fp8_gemm = 0;    // linear layers fp8.recipe and fp8.layers run in FP8
+  double hp_gemm = 0;     // the other GEMMs (FP32 in fp8moe): linear layers FP8 is off for,
+                          // router, eh_proj, head
+  double attention = 0;   // QK^T and PV, causal, forward and backward
+  double recompute = 0;   // of the above, the recomputed forwards
+  double total() const { return fp8_gemm + hp_gemm + attention; }
+};
+std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L);
+
+// The pipeline's bubble under 1F1B: (p - 1) / (m + p - 1) of the step.
+double bubble_fraction(int stages, int micro_batches);
+// Micro-batches between their forward and their backward at once on a stage (parallel/pipeline_schedule.h).
+int in_flight_micro_batches(int stages, int stage, int micro_batches);
+
+}  // namespace fp8moe

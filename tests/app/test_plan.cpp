@@ -1,0 +1,165 @@
+// `fp8moe plan`: its numbers against cases computed by hand here, its verdicts on DeepSeek-V3's
+// layout, its usage errors, and its memory against a real (emulated-device) training run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <regex>
+#include <string>
+
+#include "io/config.h"
+#include "model/plan_model.h"
+#include "tests/test_util.h"
+
+namespace fp8moe {
+namespace {
+
+using test::exe;
+using test::run;
+using test::RunResult;
+using test::source_dir;
+using test::TempDir;
+
+Config config_of(const std::string& yaml, int world) { return load_config(ConfigSource{"test.yaml", yaml, {}}, world); }
+
+// A small dense-and-MoE model whose parameter count is easy by hand: vocab 64, D 32, 2 blocks
+// (block 0 dense, d_ff 64; block 1 MoE, 4 experts of width 16, top 2, no shared), GQA 2 x 16 heads.
+const char* kSmall =
+    "model: {vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 2, n_kv_heads: 2, head_dim: 16,\n"
+    "        first_dense_layers: 1, d_ff_dense: 64, moe: {n_experts: 4, top_k: 2, n_shared_experts: 0, d_expert: 16}}\n"
+    "train: {global_batch: 4, seq_len: 16}\n"
+    "fp8: {recipe: off}\n";
+
+// By hand: embedding 64x32 = 2048; per block norms 2 x 32, attention 4 x 32 x 32 = 4096; block 0
+// MLP 3 x 64 x 32 = 6144; block 1 router 4 x 32 = 128, router bias 4 (not trainable), experts
+// 4 x 3 x 16 x 32 = 6144; final norm 32; head 2048.
+constexpr int64_t kDense = 2048 + 2 * (64 + 4096) + 6144 + 128 + 32 + 2048, kExperts = 6144, kBias = 4;
+
+TEST(Plan, WeightsGradientsAndMomentsByHand) {
+  const Config c = config_of(kSmall, 1);
+  const std::vector<StageMemory> m = plan_memory(c, plan_layout(c, 1));
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m[0].held, kDense + kExperts + kBias);
+  EXPECT_EQ(m[0].dense_trainable, kDense);
+  EXPECT_EQ(m[0].expert_trainable, kExperts);
+  EXPECT_DOUBLE_EQ(m[0].weights, 4.0 * (kDense + kExperts + kBias));
+  EXPECT_DOUBLE_EQ(m[0].grads, m[0].weights);
+  EXPECT_DOUBLE_EQ(m[0].moments, 2 * 4.0 * (kDense + kExperts));  // m and v, FP32, no replica to shard over
+  EXPECT_DOUBLE_EQ(m[0].fp8_weights, 0.0);                         // recipe off: no FP8 copies
+
+  Config bf16 = c;
+  bf16.train.moments_dtype = MomentsDtype::bf16;
+  EXPECT_DOUBLE_EQ(plan_memory(bf16, plan_layout(bf16, 1))[0].moments, 2 * 2.0 * (kDense + kExperts));
+}
+
+TEST(Plan, ZeroOneShardsTheMomentsOverTheReplicas) {
+  // 4 ranks, expert 2: data 4 replicas of the dense parameters, 2 of each expert's.
+  Config c = config_of(std::string(kSmall) + "parallel: {expert: 2}\n", 4);
+  const PlanLayout L = plan_layout(c, 4);
+  EXPECT_EQ(L.data, 4);
+  EXPECT_EQ(L.expert_data, 2);
+  EXPECT_EQ(L.sequences, 1);
+  const StageMemory z = plan_memory(c, L)[0];
+  EXPECT_EQ(z.expert_trainable, kExperts / 2);  // two of the four experts
+  // The chunks are cut at row boundaries: the largest is at least the even share and less than one
+  // row (at most d_ff_dense = 64 elements here) above it.
+  EXPECT_GE(z.owned_dense, kDense / 4);
+  EXPECT_LT(z.owned_dense, kDense / 4 + 64);
+  EXPECT_GE(z.owned_expert, kExperts / 2 / 2);
+  EXPECT_LT(z.owned_expert, kExperts / 2 / 2 + 32);
+  c.optim.zero = 0;
+  const StageMemory full = plan_memory(c, L)[0];
+  EXPECT_EQ(full.owned_dense, kDense);
+  EXPECT_DOUBLE_EQ(full.moments, 2 * 4.0 * (kDense + kExperts / 2));
+}
+
+TEST(Plan, BubbleAndMicroBatchesInFlight) {
+  EXPECT_DOUBLE_EQ(bubble_fraction(1, 8), 0.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(4, 8), 3.0 / 11.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(16, 60), 15.0 / 75.0);
+  // Stage s of p keeps min(p - s, m) micro-batches in flight under 1F1B.
+  for (int p : {1, 2, 4, 16})
+    for (int m : {1, 3, 60})
+      for (int s = 0; s < p; ++s) EXPECT_EQ(in_flight_micro_batches(p, s, m), std::min(p - s, m)) << p << " " << s << " " << m;
+}
+
+TEST(Plan, Fp8CopyBytesByTiling) {
+  // 256 x 384 at tile 128: blocks 2 x 3 scales; 1 x T: 256 x 3; T x 1: 2 x 384; per-tensor: one.
+  EXPECT_DOUBLE_EQ(fp8_copy_bytes(256, 384, PlanTiling::blocks_TxT, 128), 256 * 384 + 6 * 4);
+  EXPECT_DOUBLE_EQ(fp8_copy_bytes(256, 384, PlanTiling::rows_1xT, 128), 256 * 384 + 256 * 3 * 4);
+  EXPECT_DOUBLE_EQ(fp8_copy_bytes(256, 384, PlanTiling::cols_Tx1, 128), 256 * 384 + 2 * 384 * 4);
+  EXPECT_DOUBLE_EQ(fp8_copy_bytes(256, 384, PlanTiling::per_tensor, 128), 256 * 384 + 4);
+  // Blockwise: every linear weight held gets its 128 x 128-block copy; tiny.yaml on one rank.
+  const Config c = load_config(ConfigSource{"tiny.yaml", read_config_file(source_dir() + "/configs/tiny.yaml"),
+                                            {"parallel.tensor=1", "parallel.pipeline=1", "parallel.expert=1"}}, 1);
+  const StageMemory m = plan_memory(c, plan_layout(c, 1))[0];
+  // By hand: per block attention 4 x 256 x 256; block 0 MLP 3 x 1024 x 256; blocks 1-3 shared
+  // 3 x 256 x 256 and 8 experts x 3 x 256 x 256; each 128 x 128 block one FP32 scale.
+  const double elements = 4 * 4.0 * 256 * 256 + 3.0 * 1024 * 256 + 3 * (3.0 * 256 * 256 + 8 * 3.0 * 256 * 256);
+  EXPECT_DOUBLE_EQ(m.fp8_weights, elements + elements / (128 * 128) * 4);
+}
+
+TEST(Plan, DeepSeekV3FitsOnItsLayoutOnlyWithRecomputation) {
+  const std::string cfg = source_dir() + "/configs/deepseek-v3-671b.yaml";
+  // fp8moe keeps FP32 activations between the FP8 GEMMs: without recomputation the first stage's
+  // 16 micro-batches in flight are far beyond 80 GB, and the plan says which change fits.
+  RunResult r = run({exe(), "plan", cfg, "--world", "2048", "--device", "h800"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("layout: tensor 1, pipeline 16, expert 64, data 128 (expert-data 2)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("WARNING: a rank needs"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--set train.recompute=full"), std::string::npos) << r.out;
+  r = run({exe(), "plan", cfg, "--world", "2048", "--device", "h800", "--set", "train.recompute=full"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_EQ(r.out.find("WARNING"), std::string::npos) << r.out;
+  // Two pipeline stages of 31 and 30 layers: their weights and gradients alone exceed 80 GB; the
+  // search finds a layout with more stages.
+  r = run({exe(), "plan", cfg, "--world", "2048", "--device", "h800", "--set", "train.recompute=full", "--set",
+           "parallel.pipeline=2", "--set", "parallel.micro_batches=15"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("WARNING: a rank needs"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("nearest layouts that fit"), std::string::npos) << r.out;
+}
+
+TEST(Plan, BadInputExitsTwo) {
+  const std::string tiny = source_dir() + "/configs/tiny.yaml";
+  for (const std::vector<std::string>& argv : std::vector<std::vector<std::string>>{
+           {exe(), "plan", tiny, "--world", "3"},  // not a multiple of tensor x pipeline
+           {exe(), "plan", tiny, "--set", "parallel.tensor=3"},
+           {exe(), "plan", tiny, "--device", "tpu"},
+           {exe(), "plan", tiny, "--target-gpu-hours", "10"},
+           {exe(), "plan", source_dir() + "/configs/missing.yaml"}}) {
+    const RunResult r = run(argv);
+    EXPECT_EQ(r.status, 2) << argv[2] << " " << (argv.size() > 3 ? argv[3] : "") << "\n" << r.all();
+    EXPECT_NE(r.err.find("fp8moe: error:"), std::string::npos) << r.all();
+  }
+}
+
+// The plan's memory of a rank against a real run's: the emulated device counts every tensor it
+// allocates (Backend::memory_stats), so its peak is what the plan's total models, without the
+// process's own resident memory.
+TEST(Plan, DeviceMemoryOfATrainingRunWithinFifteenPercent) {
+  TempDir tmp;
+  std::vector<std::string> prep = {exe(), "prepare-data", "--output", tmp.path + "/lic", "--val-fraction", "0.1",
+                                   "--input"};
+  for (const char* f : {"GPL-3", "GPL-2", "LGPL-3", "Apache-2.0"}) prep.push_back(std::string("/usr/share/common-licenses/") + f);
+  RunResult r = run(prep);
+  ASSERT_EQ(r.status, 0) << r.all();
+  const std::vector<std::string> sets = {
+      "--set", "parallel.tensor=1", "--set", "parallel.pipeline=1", "--set", "parallel.expert=1",
+      "--set", "runtime.device=emulated", "--set", "data.path=" + tmp.path + "/lic.train", "--set", "data.valid_path=",
+      "--set", "eval.every=0", "--set", "checkpoint.save=false", "--set", "checkpoint.resume=none",
+      "--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set", "log.every=1"};
+  std::vector<std::string> train = {exe(), "train", source_dir() + "/configs/tiny.yaml"};
+  train.insert(train.end(), sets.begin(), sets.end());
+  r = run(train, 300);
+  ASSERT_EQ(r.status, 0) << r.all();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("step +2/2 .* dmem ([0-9]+) MB"))) << r.out;
+  const double measured = std::stod(m[1]) * 1e6;
+  const Config c = load_config(ConfigSource{"tiny.yaml", read_config_file(source_dir() + "/configs/tiny.yaml"),
+                                            {"parallel.tensor=1", "parallel.pipeline=1", "parallel.expert=1"}}, 1);
+  const double planned = plan_memory(c, plan_layout(c, 1))[0].total();
+  EXPECT_NEAR(measured / planned, 1.0, 0.15) << "measured " << measured << " planned " << planned;
+}
+
+}  // namespace
+}  // namespace fp8moe
