@@ -53,6 +53,16 @@ struct Transformer::BlockSaved {
   }
 };
 
+// One multi-token prediction module's forward state (last stage).
+struct Transformer::MtpSaved {
+  BlockSaved block;
+  Tensor rstd_e, rstd_h;  // (N) enorm's and hnorm's 1 / rms
+  Tensor cat;             // (N, 2D) [enorm(embedding) | hnorm(h)], eh_proj's input
+  Tensor x, out;          // (N, D) the block's input (eh_proj's output) and output
+  Tensor hf, rstd_f;      // (N, D), (N) the module's final norm, the head's input
+  Tensor dlogits;         // (N, V) the gradient of its logits
+};
+
 namespace {
 GridPosition position_in(const ModelGroups& g) {
   GridPosition at;
@@ -400,11 +410,14 @@ void Transformer::block_backward(int l, const BlockSaved& s, const float* dout, 
   be_.add(dx, dx_mid.f32(), dx, N * D);
 }
 
-std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) { return last_logits(tokens, T, 1); }
+std::vector<float> Transformer::next_token_logits(const int32_t* tokens, int64_t T) { return last_logits(tokens, T, 1, nullptr); }
 
-std::vector<float> Transformer::sequence_logits(const int32_t* tokens, int64_t T) { return last_logits(tokens, T, T); }
+std::vector<float> Transformer::sequence_logits(const int32_t* tokens, int64_t T, std::vector<std::vector<float>>* mtp) {
+  return last_logits(tokens, T, T, mtp);
+}
 
-std::vector<float> Transformer::last_logits(const int32_t* tokens, int64_t T, int64_t rows) {
+std::vector<float> Transformer::last_logits(const int32_t* tokens, int64_t T, int64_t rows,
+                                            std::vector<std::vector<float>>* mtp) {
   FP8MOE_ASSERT(tp_size() == 1 && !dispatcher_, "generation runs on one rank holding the whole model");
   FP8MOE_ASSERT(rows >= 1 && rows <= T, rows, " rows of logits of ", T, " positions");
   const ModelConfig& m = cfg_.model;
@@ -423,6 +436,26 @@ std::vector<float> Transformer::last_logits(const int32_t* tokens, int64_t T, in
   Tensor h(be_, DType::f32, {rows, D}), rstd(be_, DType::f32, {rows}), logits(be_, DType::f32, {rows, V});
   be_.rmsnorm_forward(x.f32() + (T - rows) * D, P("final_norm.weight"), rows, D, float(m.norm_eps), h.f32(), rstd.f32());
   be_.sgemm(false, true, rows, V, D, 1.0f, h.f32(), D, P("head.weight"), D, 0.0f, logits.f32(), V);
+  if (mtp) {
+    // The multi-token prediction modules over every position, as in training (teacher-forced:
+    // module k reads the tokens k + 1 ahead; the last k + 1 positions read token 0 and predict
+    // nothing).
+    FP8MOE_ASSERT(rows == T, "the modules' logits need every position");
+    mtp->clear();
+    std::vector<int32_t> ahead(size_t(m.mtp_depth * T));
+    mtp_shift(tokens, 1, T, m.mtp_depth, 0, ahead.data());
+    const float* hk = h.f32();
+    std::vector<MtpSaved> saved(size_t(m.mtp_depth));
+    for (int k = 0; k < m.mtp_depth; ++k) {
+      const Tensor ids_k = tensor_from(be_, std::vector<int32_t>(ahead.begin() + k * T, ahead.begin() + (k + 1) * T), {T});
+      Tensor emb(be_, DType::f32, {T, D}), lk(be_, DType::f32, {T, V});
+      be_.embedding_forward(P("embed.weight"), ids_k.data<int32_t>(), T, D, 0, V, emb.f32());
+      mtp_module_forward(k, emb.f32(), hk, 1, T, &saved[size_t(k)], /*record=*/false, nullptr);
+      be_.sgemm(false, true, T, V, D, 1.0f, saved[size_t(k)].hf.f32(), D, P("head.weight"), D, 0.0f, lk.f32(), V);
+      mtp->push_back(to_host<float>(lk));
+      hk = saved[size_t(k)].hf.f32();
+    }
+  }
   return to_host<float>(logits);
 }
 
@@ -453,15 +486,6 @@ void Transformer::set_fp8_scaling(const std::map<std::string, HostLinearScaling>
     scaling_[name] = {delayed_from_host(be_, s.x), delayed_from_host(be_, s.w), delayed_from_host(be_, s.dy)};
 }
 
-// One multi-token prediction module's forward state (last stage).
-struct MtpSaved {
-  Transformer::BlockSaved block;
-  Tensor rstd_e, rstd_h;  // (N) enorm's and hnorm's 1 / rms
-  Tensor cat;             // (N, 2D) [enorm(embedding) | hnorm(h)], eh_proj's input
-  Tensor x, out;          // (N, D) the block's input (eh_proj's output) and output
-  Tensor hf, rstd_f;      // (N, D), (N) the module's final norm, the head's input
-  Tensor dlogits;         // (N, V) the gradient of its logits
-};
 
 struct StageRun::Impl {
   int64_t B = 0, T = 0, N = 0;
@@ -471,7 +495,7 @@ struct StageRun::Impl {
   // stage), and the modules' state (last stage).
   const int32_t* mtp_tokens = nullptr;
   Tensor mtp_emb, mtp_demb;
-  std::vector<MtpSaved> mtp;
+  std::vector<Transformer::MtpSaved> mtp;
   int64_t mtp_n = 0;                 // depth x N x D while the modules run, else 0
   std::vector<Tensor> xs;            // block inputs of this stage, then its output
   std::vector<Transformer::BlockSaved> saved;
@@ -634,7 +658,6 @@ void Transformer::mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlot
   const ModelConfig& m = cfg_.model;
   const int depth = m.mtp_depth;
   const int64_t N = st.N, D = m.d_model, V = local().vocab_size;
-  const float eps = float(m.norm_eps);
   FP8MOE_ASSERT(int64_t(mtp.mean_over.size()) == depth && mtp.targets, "MtpBatch of ", mtp.mean_over.size(),
                 " modules for ", depth);
   if (!placement_.first_stage()) {  // the first stage's embeddings, kept until backward
@@ -643,28 +666,18 @@ void Transformer::mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlot
     be_.copy(st.mtp_emb.f32(), mtp.embeddings, size_t(st.mtp_n) * sizeof(float));
   }
   st.mtp.resize(size_t(depth));
-  const float* h = st.xs.back().f32();  // depth 0: the main model's output, before its final norm
+  // The hidden state module 0 reads is the one the head reads, after the final norm (module k > 0:
+  // after module k - 1's norm), as the inference implementations that run DeepSeek-V3's MTP weights
+  // read it (vLLM's DeepSeekMTP, transformers' MtpLayer), so that exported modules work there.
+  const float* h = st.hf.f32();
   for (int k = 0; k < depth; ++k) {
     MtpSaved& ms = st.mtp[size_t(k)];
     const int l = m.n_layers + k, moe = m.n_layers - m.first_dense_layers + k;
-    const std::string p = "mtp." + std::to_string(k) + ".";
-    // x = eh_proj [enorm(embedding of the token k + 1 ahead) | hnorm(h)] (DeepSeek-V3's order).
-    Tensor en(be_, DType::f32, {N, D}), hn(be_, DType::f32, {N, D});
-    ms.rstd_e = Tensor(be_, DType::f32, {N}), ms.rstd_h = Tensor(be_, DType::f32, {N});
-    be_.rmsnorm_forward(st.mtp_emb.f32() + k * N * D, P(p + "enorm.weight"), N, D, eps, en.f32(), ms.rstd_e.f32());
-    be_.rmsnorm_forward(h, P(p + "hnorm.weight"), N, D, eps, hn.f32(), ms.rstd_h.f32());
-    ms.cat = Tensor(be_, DType::f32, {N, 2 * D});
-    be_.copy_2d(ms.cat.f32(), 2 * D, en.f32(), D, N, D);
-    be_.copy_2d(ms.cat.f32() + D, 2 * D, hn.f32(), D, N, D);
-    ms.x = Tensor(be_, DType::f32, {N, D});
-    be_.sgemm(false, true, N, D, 2 * D, 1.0f, ms.cat.f32(), 2 * D, P(p + "eh_proj"), 2 * D, 0.0f, ms.x.f32(), D);
-    ms.out = Tensor(be_, DType::f32, {N, D});
-    block_forward(l, ms.x.f32(), st.B, st.T, ms.out.f32(), &ms.block, /*record=*/true, slots.aux ? slots.aux + moe : nullptr);
+    mtp_module_forward(k, st.mtp_emb.f32() + k * N * D, h, st.B, st.T, &ms, /*record=*/true,
+                       slots.aux ? slots.aux + moe : nullptr);
     finish_block_forward(l, &ms.block, &result);
-    // The module's own final norm, the shared head, and its cross-entropy on the targets k + 1 ahead,
-    // weighted by mtp_loss_weight / depth over its counted targets.
-    ms.hf = Tensor(be_, DType::f32, {N, D}), ms.rstd_f = Tensor(be_, DType::f32, {N});
-    be_.rmsnorm_forward(ms.out.f32(), P(p + "norm.weight"), N, D, eps, ms.hf.f32(), ms.rstd_f.f32());
+    // The shared head, and the module's cross-entropy on the targets k + 1 ahead, weighted by
+    // mtp_loss_weight / depth over its counted targets.
     Tensor logits(be_, DType::f32, {N, V});
     be_.sgemm(false, true, N, V, D, 1.0f, ms.hf.f32(), D, P("head.weight"), D, 0.0f, logits.f32(), V);
     ms.dlogits = Tensor(be_, DType::f32, {N, V});
@@ -673,16 +686,39 @@ void Transformer::mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlot
     Tensor scratch;
     double* sum = slots.mtp ? slots.mtp + k : (scratch = Tensor(be_, DType::f64, {1})).data<double>();
     cross_entropy(logits.f32(), mtp.targets + k * N, N, scale, ms.dlogits.f32(), sum);
-    h = ms.out.f32();
+    h = ms.hf.f32();
   }
 }
 
-void Transformer::mtp_backward(StageRun& run, float* dx) {
+void Transformer::mtp_module_forward(int k, const float* emb, const float* h, int64_t B, int64_t T, MtpSaved* ms,
+                                     bool record, double* aux) {
+  const ModelConfig& m = cfg_.model;
+  const int64_t N = B * T, D = m.d_model;
+  const float eps = float(m.norm_eps);
+  const std::string p = "mtp." + std::to_string(k) + ".";
+  // x = eh_proj [enorm(embedding of the token k + 1 ahead) | hnorm(h)] (DeepSeek-V3's order).
+  Tensor en(be_, DType::f32, {N, D}), hn(be_, DType::f32, {N, D});
+  ms->rstd_e = Tensor(be_, DType::f32, {N}), ms->rstd_h = Tensor(be_, DType::f32, {N});
+  be_.rmsnorm_forward(emb, P(p + "enorm.weight"), N, D, eps, en.f32(), ms->rstd_e.f32());
+  be_.rmsnorm_forward(h, P(p + "hnorm.weight"), N, D, eps, hn.f32(), ms->rstd_h.f32());
+  ms->cat = Tensor(be_, DType::f32, {N, 2 * D});
+  be_.copy_2d(ms->cat.f32(), 2 * D, en.f32(), D, N, D);
+  be_.copy_2d(ms->cat.f32() + D, 2 * D, hn.f32(), D, N, D);
+  ms->x = Tensor(be_, DType::f32, {N, D});
+  be_.sgemm(false, true, N, D, 2 * D, 1.0f, ms->cat.f32(), 2 * D, P(p + "eh_proj"), 2 * D, 0.0f, ms->x.f32(), D);
+  ms->out = Tensor(be_, DType::f32, {N, D});
+  block_forward(m.n_layers + k, ms->x.f32(), B, T, ms->out.f32(), &ms->block, record, aux);
+  // The module's own final norm: the head's input, and the next module's hidden state.
+  ms->hf = Tensor(be_, DType::f32, {N, D}), ms->rstd_f = Tensor(be_, DType::f32, {N});
+  be_.rmsnorm_forward(ms->out.f32(), P(p + "norm.weight"), N, D, eps, ms->hf.f32(), ms->rstd_f.f32());
+}
+
+void Transformer::mtp_backward(StageRun& run, float* dh_main) {
   StageRun::Impl& st = *run.impl_;
   const ModelConfig& m = cfg_.model;
   const int64_t N = st.N, D = m.d_model, V = local().vocab_size;
   st.mtp_demb = Tensor(be_, DType::f32, {st.mtp_n});
-  Tensor dnext;  // the gradient of module k's input h from module k + 1 (hnorm's input)
+  Tensor dnext;  // the gradient of module k's normed output from module k + 1 (its hnorm's input)
   for (int k = m.mtp_depth - 1; k >= 0; --k) {
     MtpSaved& ms = st.mtp[size_t(k)];
     const int l = m.n_layers + k;
@@ -691,10 +727,10 @@ void Transformer::mtp_backward(StageRun& run, float* dx) {
     be_.sgemm(true, false, V, D, N, 1.0f, ms.dlogits.f32(), V, ms.hf.f32(), D, 1.0f, G("head.weight"), D);
     be_.sgemm(false, false, N, D, V, 1.0f, ms.dlogits.f32(), V, P("head.weight"), D, 0.0f, dh.f32(), D);
     tp_sum(dh.f32(), N * D);  // vocabulary-parallel head
+    if (!dnext.empty()) be_.add(dh.f32(), dnext.f32(), dh.f32(), N * D);
     be_.rmsnorm_backward(ms.out.f32(), P(p + "norm.weight"), ms.rstd_f.f32(), dh.f32(), N, D, dout.f32(),
                          G(p + "norm.weight"));
-    if (!dnext.empty()) be_.add(dout.f32(), dnext.f32(), dout.f32(), N * D);
-    ms.dlogits.reset(), ms.hf.reset();
+    ms.dlogits.reset();
     recompute_if_dropped(l, ms.x.f32(), &ms.block);
     Tensor dxk(be_, DType::f32, {N, D}), dcat(be_, DType::f32, {N, 2 * D});
     block_backward(l, ms.block, dout.f32(), dxk.f32(), st.aux_grad_scale);
@@ -706,11 +742,11 @@ void Transformer::mtp_backward(StageRun& run, float* dx) {
     be_.copy_2d(dhn.f32(), D, dcat.f32() + D, 2 * D, N, D);
     be_.rmsnorm_backward(st.mtp_emb.f32() + k * N * D, P(p + "enorm.weight"), ms.rstd_e.f32(), den.f32(), N, D,
                          st.mtp_demb.f32() + k * N * D, G(p + "enorm.weight"));
-    const float* h = k == 0 ? st.xs.back().f32() : st.mtp[size_t(k - 1)].out.f32();
+    const float* h = k == 0 ? st.hf.f32() : st.mtp[size_t(k - 1)].hf.f32();
     dnext = Tensor(be_, DType::f32, {N, D});
     be_.rmsnorm_backward(h, P(p + "hnorm.weight"), ms.rstd_h.f32(), dhn.f32(), N, D, dnext.f32(), G(p + "hnorm.weight"));
   }
-  be_.add(dx, dnext.f32(), dx, N * D);  // into the main output's gradient
+  be_.add(dh_main, dnext.f32(), dh_main, N * D);  // into the gradient of the main model's normed output
   st.mtp.clear();
   if (!placement_.first_stage()) st.mtp_emb.reset();
 }
@@ -727,10 +763,10 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
     be_.sgemm(true, false, V, D, N, 1.0f, st.dlogits.f32(), V, st.hf.f32(), D, 1.0f, G("head.weight"), D);
     be_.sgemm(false, false, N, D, V, 1.0f, st.dlogits.f32(), V, P("head.weight"), D, 0.0f, dh.f32(), D);
     tp_sum(dh.f32(), N * D);  // vocabulary-parallel head
+    if (st.mtp_n > 0) mtp_backward(run, dh.f32());  // the modules read the normed output too
     be_.rmsnorm_backward(st.xs.back().f32(), P("final_norm.weight"), st.rstd.f32(), dh.f32(), N, D, dx.f32(),
                          G("final_norm.weight"));
     st.dlogits.reset(), st.hf.reset();
-    if (st.mtp_n > 0) mtp_backward(run, dx.f32());
   } else {
     be_.copy(dx.f32(), dy, size_t(N * D) * sizeof(float));
   }

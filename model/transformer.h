@@ -166,9 +166,9 @@ class Transformer {
   // Logits (V) of the token after tokens[0..T) (one sequence, host ids), for generation. FP8
   // histories are not advanced.
   std::vector<float> next_token_logits(const int32_t* tokens, int64_t T);
-  // Logits (T, V) of every position of one sequence (the main model's; tools and tests: the
-  // comparison with Hugging Face transformers).
-  std::vector<float> sequence_logits(const int32_t* tokens, int64_t T);
+  // Logits (T, V) of every position of one sequence (tools and tests: the comparison with Hugging
+  // Face transformers); with `mtp`, also each multi-token prediction module's (T, V), teacher-forced.
+  std::vector<float> sequence_logits(const int32_t* tokens, int64_t T, std::vector<std::vector<float>>* mtp = nullptr);
 
   // Aux-loss-free balancing after an optimizer step: each MoE layer's router bias moves by
   // model.moe.bias_update_rate towards balance, from the step's load per MoE layer and expert
@@ -191,6 +191,7 @@ class Transformer {
 
  public:
   struct BlockSaved;  // one block's forward state (defined in transformer.cpp)
+  struct MtpSaved;    // one multi-token prediction module's
 
  private:
   size_t slot(const std::string& name) const;  // the table index of a parameter; asserts it exists
@@ -206,7 +207,8 @@ class Transformer {
   MoeWeights moe_weights(int layer) const;
   bool recomputed(int layer) const;
   void ensure_rope(int64_t T);
-  std::vector<float> last_logits(const int32_t* tokens, int64_t T, int64_t rows);  // (rows, V) of the last positions
+  // (rows, V) of the last positions; with mtp (rows == T), the modules' logits too.
+  std::vector<float> last_logits(const int32_t* tokens, int64_t T, int64_t rows, std::vector<std::vector<float>>* mtp);
   void block_forward(int layer, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record,
                      double* aux);
   void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale);
@@ -217,14 +219,18 @@ class Transformer {
   void gqa_backward(int layer, const BlockSaved& s, const float* dout, float* dh1);
   void mla_backward(int layer, const BlockSaved& s, const float* dout, float* dh1);
   // The multi-token prediction modules on the last stage, after the main blocks (their losses into
-  // slots.mtp and their blocks' aux losses into slots.aux), and their backward, whose gradient of
-  // the main output is added to dx.
+  // slots.mtp and their blocks' aux losses into slots.aux), reading the main model's normed output
+  // (the head's input), and their backward, whose gradient of that output is added to dh_main.
   void mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlots& slots, float loss_scale);
   // After a block's forward: its MoE routing into the stage's result and, where the block is
   // recomputed, its state dropped but for the routing; before its backward, that recomputation.
   void finish_block_forward(int layer, BlockSaved* s, StepResult* result);
   void recompute_if_dropped(int layer, const float* x, BlockSaved* s);
-  void mtp_backward(StageRun& run, float* dx);
+  void mtp_backward(StageRun& run, float* dh_main);
+  // Module k on (B, T) positions: emb the embeddings of the tokens k + 1 ahead, h the hidden state
+  // it reads (normed); fills ms (its block's state, and hf, its normed output: the head's input).
+  void mtp_module_forward(int k, const float* emb, const float* h, int64_t B, int64_t T, MtpSaved* ms, bool record,
+                          double* aux);
 
   Backend& be_;
   Config cfg_;

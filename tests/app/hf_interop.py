@@ -13,11 +13,13 @@ tensor 2 x pipeline 2 layout, then
   - refusals: a GQA checkpoint, a config that is not the files' model, a damaged file (exit 2).
 --part transformers (build/venv-hf: scripts/setup.sh --hf): Hugging Face transformers' DeepseekV3
   - loads the FP32 export; its logits on a fixed batch match fp8moe's forward (tests/app/
-    model_logits.cpp) within 1e-4 relative (max |difference| / max |logit|); the same for a model
-    without a query latent;
+    model_logits.cpp) within 1e-4 relative (max |difference| / max |logit|), and so do the
+    multi-token prediction module's, through transformers' own MtpModel (teacher-forced); the same
+    for a model without a query latent;
   - loads the BF16 and FP8 exports; its logits match fp8moe's forward of the same exports imported;
   - saves a randomly initialised DeepseekV3Config model with save_pretrained; fp8moe imports that
-    directory (on 1 rank and on tensor 2 x expert 2) and its logits match transformers' within 1e-4.
+    directory (on 1 rank and on tensor 2 x expert 2) and its logits, the MTP module's included, match
+    transformers' within 1e-4.
 Exit 77 (SKIPPED) from --part transformers when build/venv-hf is missing.
 """
 import argparse
@@ -362,19 +364,24 @@ def part_files(args, tmp):
           "truncated safetensors file, the export of a GQA model")
 
 
-def logits_fp8moe(args, ckpt, tokens, tmp):
-    out = os.path.join(tmp, "fp8moe-logits.npy")
-    run([args.model_logits, ckpt, tokens, out])
-    return np.load(out)
+def logits_fp8moe(args, ckpt, tokens, tmp, mtp=False):
+    """fp8moe's logits (B, T, V), and with mtp the modules' (depth, B, T, V) too."""
+    out, out_mtp = os.path.join(tmp, "fp8moe-logits.npy"), os.path.join(tmp, "fp8moe-mtp.npy")
+    run([args.model_logits, ckpt, tokens, out] + ([out_mtp] if mtp else []))
+    return (np.load(out), np.load(out_mtp)) if mtp else np.load(out)
 
 
-def logits_hf(args, hf_dir, tokens, tmp):
-    out = os.path.join(tmp, "hf-logits.npy")
-    run([args.hf_python, HF_SCRIPT, "logits", hf_dir, tokens, out])
-    return np.load(out)
+def logits_hf(args, hf_dir, tokens, tmp, mtp=False):
+    """transformers' logits; with mtp also its MtpModel's (depth, B, T, V), teacher-forced."""
+    out, out_mtp = os.path.join(tmp, "hf-logits.npy"), os.path.join(tmp, "hf-mtp.npy")
+    run([args.hf_python, HF_SCRIPT, "logits", hf_dir, tokens, out] + (["--mtp", out_mtp] if mtp else []))
+    return (np.load(out), np.load(out_mtp)) if mtp else np.load(out)
 
 
 def compare(a, b, what):
+    """max |a - b| / max |b| over the positions both define (the modules' last positions are NaN)."""
+    assert np.array_equal(np.isnan(a), np.isnan(b)), f"{what}: the defined positions differ"
+    a, b = a[~np.isnan(b)], b[~np.isnan(b)]
     rel = float(np.abs(a - b).max() / np.abs(b).max())
     print(f"{what}: max |difference| / max |logit| = {rel:.2e} (bound {TOLERANCE:g})")
     assert rel <= TOLERANCE, what
@@ -396,12 +403,17 @@ def part_transformers(args, tmp):
     for text, name, ranks, layout in ((model_a, "a", 4, ["--set", "parallel.tensor=2", "--set", "parallel.pipeline=2"]),
                                       (MODEL_B, "b", 1, [])):
         d, yaml = setup_model(args, tmp, text, name, ranks, layout)
-        ours = logits_fp8moe(args, os.path.join(d, "ckpt"), tokens, tmp)
+        mtp = model_config(text)["mtp_depth"] > 0
+        ours = logits_fp8moe(args, os.path.join(d, "ckpt"), tokens, tmp, mtp)
         for dtype in ("fp32", "bf16", "fp8") if name == "a" else ("fp32",):
             out = os.path.join(d, "hf-" + dtype)
             run([args.fp8moe, "export", os.path.join(d, "ckpt"), out, "--dtype", dtype])
-            theirs = logits_hf(args, out, tokens, tmp)
-            if dtype == "fp32":
+            theirs = logits_hf(args, out, tokens, tmp, mtp and dtype == "fp32")
+            if dtype == "fp32" and mtp:
+                compare(theirs[0], ours[0], f"model {name}: transformers on the FP32 export vs fp8moe's forward")
+                compare(theirs[1], ours[1], f"model {name}: transformers' MtpModel (the MTP module) on the FP32 export "
+                                            f"vs fp8moe's module")
+            elif dtype == "fp32":
                 compare(theirs, ours, f"model {name}: transformers on the FP32 export vs fp8moe's forward")
             else:
                 # The same rounded weights on both sides: fp8moe's forward of the export imported.
@@ -412,13 +424,17 @@ def part_transformers(args, tmp):
         # The reverse: a model transformers initialised and saved, imported by fp8moe.
         saved = os.path.join(d, "hf-saved")
         run([args.hf_python, HF_SCRIPT, "random", os.path.join(d, "hf-fp32", "config.json"), saved, "--seed", "7"])
-        theirs = logits_hf(args, saved, tokens, tmp)
+        theirs = logits_hf(args, saved, tokens, tmp, mtp)
         for ranks, layout in ((1, []), (4, ["--set", "parallel.tensor=2", "--set", "parallel.expert=2"])):
             imported = os.path.join(d, f"from-transformers-{ranks}")
             run(mpirun(args, ranks) + [args.fp8moe, "import", saved, imported, "--config", yaml] + layout)
-            compare(logits_fp8moe(args, imported, tokens, tmp), theirs,
-                    f"model {name}: fp8moe's forward of transformers' save_pretrained, imported on {ranks} rank(s), "
-                    f"vs transformers")
+            what = f"model {name}: fp8moe's forward of transformers' save_pretrained, imported on {ranks} rank(s)"
+            ours = logits_fp8moe(args, imported, tokens, tmp, mtp)
+            if mtp:
+                compare(ours[0], theirs[0], what + ", vs transformers")
+                compare(ours[1], theirs[1], what + ": its MTP module vs transformers' MtpModel")
+            else:
+                compare(ours, theirs, what + ", vs transformers")
     return 0
 
 

@@ -1,7 +1,10 @@
-// model_logits CHECKPOINT TOKENS OUT: fp8moe's forward on a fixed batch, for the comparison with
-// Hugging Face transformers (tests/app/hf_interop.py). TOKENS: a .npy of int32 (B, T); OUT: a .npy
-// of float32 (B, T, V), the main model's logits of every position (one process, the CPU backend,
-// whatever layout trained the checkpoint).
+// model_logits CHECKPOINT TOKENS OUT [OUT_MTP]: fp8moe's forward on a fixed batch, for the
+// comparison with Hugging Face transformers (tests/app/hf_interop.py). TOKENS: a .npy of int32
+// (B, T); OUT: a .npy of float32 (B, T, V), the main model's logits of every position; OUT_MTP:
+// (depth, B, T, V), the multi-token prediction modules' (teacher-forced; NaN at the positions
+// t + k + 1 >= T, which predict nothing). One process, the CPU backend, whatever layout trained
+// the checkpoint.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -49,8 +52,8 @@ void write_npy(const std::string& path, const std::vector<int64_t>& shape, const
 
 int main(int argc, char** argv) {
   using namespace fp8moe;
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: model_logits CHECKPOINT TOKENS.npy OUT.npy\n");
+  if (argc != 4 && argc != 5) {
+    std::fprintf(stderr, "usage: model_logits CHECKPOINT TOKENS.npy OUT.npy [OUT_MTP.npy]\n");
     return 2;
   }
   std::vector<int64_t> shape;
@@ -65,11 +68,18 @@ int main(int argc, char** argv) {
   const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
   Transformer model(*be, cfg);
   for (size_t i = 0; i < params.size(); ++i) model.set_param(i, params[i]);
-  std::vector<float> out;
+  const int64_t V = cfg.model.vocab_size, depth = cfg.model.mtp_depth;
+  std::vector<float> out, mtp(size_t(depth * B * T * V));
   for (int64_t b = 0; b < B; ++b) {
-    const std::vector<float> l = model.sequence_logits(tokens.data() + b * T, T);
+    std::vector<std::vector<float>> modules;
+    const std::vector<float> l = model.sequence_logits(tokens.data() + b * T, T, argc == 5 ? &modules : nullptr);
     out.insert(out.end(), l.begin(), l.end());
+    for (int64_t k = 0; k < int64_t(modules.size()); ++k)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t v = 0; v < V; ++v)
+          mtp[size_t(((k * B + b) * T + t) * V + v)] = t + k + 1 < T ? modules[size_t(k)][size_t(t * V + v)] : NAN;
   }
-  write_npy(argv[3], {B, T, cfg.model.vocab_size}, out);
+  write_npy(argv[3], {B, T, V}, out);
+  if (argc == 5) write_npy(argv[4], {depth, B, T, V}, mtp);
   return 0;
 }

@@ -312,18 +312,22 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
         x = block(x, f"layers.{l}.", l < m["first_dense_layers"])
     # Multi-token prediction (DeepSeek-V3 2.2): module k joins the previous depth's hidden state and
     # the embedding of the token k + 1 ahead, [enorm(emb); hnorm(h)] @ eh_proj^T, runs its MoE
-    # block, and its own final norm feeds the shared head.
+    # block, and its own final norm feeds the shared head. The hidden state it reads is the one the
+    # head reads, after the final norm (module k > 1: after module k - 1's norm), as the inference
+    # implementations that run DeepSeek-V3's MTP weights read it (vLLM's DeepSeekMTP, transformers'
+    # MtpLayer).
     mtp_logits = []
-    h = x
+    h = rmsnorm(x, p["final_norm.weight"][0], m["norm_eps"])
+    main_logits = h @ p["head.weight"].T
     for d in range(m.get("mtp_depth", 0)):
         pre = f"mtp.{d}."
         ahead = shift(tokens.reshape(B, T), d + 1, 0).reshape(N)
         e = rmsnorm(p["embed.weight"][ahead], p[pre + "enorm.weight"][0], m["norm_eps"])
         hn = rmsnorm(h, p[pre + "hnorm.weight"][0], m["norm_eps"])
-        h = block(jnp.concatenate([e, hn], axis=-1) @ p[pre + "eh_proj"].T, pre, False)
-        mtp_logits.append(rmsnorm(h, p[pre + "norm.weight"][0], m["norm_eps"]) @ p["head.weight"].T)
-    h = rmsnorm(x, p["final_norm.weight"][0], m["norm_eps"])
-    return h @ p["head.weight"].T, state["aux"], keys, choices, mtp_logits
+        h = rmsnorm(block(jnp.concatenate([e, hn], axis=-1) @ p[pre + "eh_proj"].T, pre, False),
+                    p[pre + "norm.weight"][0], m["norm_eps"])
+        mtp_logits.append(h @ p["head.weight"].T)
+    return main_logits, state["aux"], keys, choices, mtp_logits
 
 
 def linear_for(cfg):
