@@ -137,6 +137,10 @@ std::string hf_export_refusal(const ModelConfig& m) {
     return "model.moe.n_shared_experts is 0: DeepSeek-V3's layers always hold shared experts";
   if (m.first_dense_layers >= m.n_layers)
     return "model.first_dense_layers >= model.n_layers: a DeepSeek-V3 model has MoE layers";
+  if (m.norm_eps != 1e-6)
+    return "model.norm_eps is not 1e-6: DeepSeek's model.py and transformers' DeepseekV3 give the query and "
+           "key-value latents' norms an epsilon of 1e-6 whatever rms_norm_eps says (vLLM uses rms_norm_eps), so "
+           "only 1e-6 means the same model to all of them";
   return "";
 }
 
