@@ -64,34 +64,29 @@ else
   echo "setup: no nvcc: building the CPU backend only"
 fi
 
+# A virtual environment VENV with the exact packages of REQUIREMENTS, (re)installed when the file
+# differs from what it was made from or a module of IMPORTS does not import.
+python_venv() {
+  local venv=$1 requirements=$2 imports=$3 note=${4:-}
+  if ! cmp -s "$requirements" "$venv/requirements.txt" || ! "$venv/bin/python3" -c "import $imports" 2>/dev/null; then
+    echo "setup: installing $requirements from PyPI into $venv$note"
+    mkdir -p build
+    [[ -x $venv/bin/python3 ]] || python3 -m venv "$venv"
+    "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input -r "$requirements"
+    cp "$requirements" "$venv/requirements.txt"
+  else
+    echo "setup: $venv matches $requirements"
+  fi
+}
+
 # The reference model (tests/reference/model_ref.py, JAX), the checkpoint reader (h5py), the plots
-# (matplotlib) and the tokenizer (scripts/tokenize-data.py, tokenizers) run from a virtual
-# environment. It is (re)installed when scripts/requirements.txt differs from what it was made from.
-venv=build/venv
-stamp=$venv/requirements.txt
-if ! cmp -s "$requirements" "$stamp" || ! "$venv/bin/python3" -c "import jax, numpy, ml_dtypes, matplotlib, h5py, tokenizers, safetensors" 2>/dev/null; then
-  echo "setup: installing $requirements from PyPI into $venv"
-  mkdir -p build
-  [[ -x $venv/bin/python3 ]] || python3 -m venv "$venv"
-  "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input -r "$requirements"
-  cp "$requirements" "$stamp"
-else
-  echo "setup: $venv matches $requirements"
-fi
+# (matplotlib), the tokenizer (scripts/tokenize-data.py, tokenizers) and Hugging Face's safetensors
+# reader (tests/app/hf_interop.py) run from build/venv.
+python_venv build/venv "$requirements" "jax, numpy, ml_dtypes, matplotlib, h5py, tokenizers, safetensors"
 
 # Hugging Face transformers and PyTorch (the reference of fp8moe export / import), only when asked.
 if ((with_hf)); then
-  hf_venv=build/venv-hf
-  hf_requirements=scripts/requirements-hf.txt
-  if ! cmp -s "$hf_requirements" "$hf_venv/requirements.txt" || ! "$hf_venv/bin/python3" -c "import torch, transformers, safetensors" 2>/dev/null; then
-    echo "setup: installing $hf_requirements from PyPI into $hf_venv (about 2.9 GB to download)"
-    mkdir -p build
-    [[ -x $hf_venv/bin/python3 ]] || python3 -m venv "$hf_venv"
-    "$hf_venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-input -r "$hf_requirements"
-    cp "$hf_requirements" "$hf_venv/requirements.txt"
-  else
-    echo "setup: $hf_venv matches $hf_requirements"
-  fi
+  python_venv build/venv-hf scripts/requirements-hf.txt "torch, transformers, safetensors" " (about 2.9 GB to download)"
 fi
 
 # The CUDA backend's header-only libraries (cuDNN frontend, CUTLASS), pinned, into build/third_party.
