@@ -151,6 +151,14 @@ int run_export(const ExportOptions& o) {
     std::error_code ec;
     fs::create_directories(out, ec);
     if (ec) throw HfFormatError(o.out_dir + ": cannot create: " + ec.message());
+    // The weights of an earlier export into the same directory go (as save_pretrained does), so
+    // that no stale shard is read with the new ones.
+    for (const auto& e : fs::directory_iterator(out)) {
+      const std::string f = e.path().filename().string();
+      if (f == "model.safetensors" || f == "model.safetensors.index.json" ||
+          (f.rfind("model-", 0) == 0 && f.ends_with(".safetensors")))
+        fs::remove(e.path());
+    }
     write_text(out / "config.json", hf_config_json(cfg, o.dtype == "fp32" ? "float32" : "bfloat16", fp8));
     nlohmann::ordered_json index;
     index["metadata"] = {{"total_size", total}, {"format", "pt"}};
@@ -180,7 +188,10 @@ int run_export(const ExportOptions& o) {
     write_text(out / "model.safetensors.index.json", index.dump(2) + "\n");
   } catch (const CheckpointError& e) {
     return usage_error(std::string("export: ") + e.what());
-  } catch (const HfFormatError& e) {
+  } catch (const HfFormatError& e) {  // writing the files
+    std::fprintf(stderr, "fp8moe: error: export: %s\n", e.what());
+    return kExitFailure;
+  } catch (const fs::filesystem_error& e) {
     std::fprintf(stderr, "fp8moe: error: export: %s\n", e.what());
     return kExitFailure;
   }
@@ -243,18 +254,29 @@ int import_on_ranks(const ImportOptions& o, const MpiSession& mpi) {
     dir = std::make_unique<HfDirectory>(o.hf_dir);
     if (const auto diff = hf_config_differences(dir->config_json(), m); !diff.empty())
       throw HfFormatError(o.hf_dir + "/config.json is not the model of " + o.config_path + ":" + some(diff, 64));
+    // Every tensor of the main model; each multi-token prediction module whole or not at all.
     std::vector<std::string> missing;
+    std::vector<int> module_present(size_t(m.mtp_depth), 0), module_missing(size_t(m.mtp_depth), 0);
     for (const ParamSpec& p : table.params) {
       const std::string name = hf_tensor(m, p).name;
+      const bool mtp = p.name.rfind("mtp.", 0) == 0;
+      if (mtp) ++(dir->has(name) ? module_present : module_missing)[size_t(p.layer - m.n_layers)];
       if (dir->has(name)) continue;
-      (p.name.rfind("mtp.", 0) == 0 ? fresh : missing).push_back(name);
+      (mtp ? fresh : missing).push_back(name);
     }
+    for (int k = 0; k < m.mtp_depth; ++k)
+      if (module_present[size_t(k)] > 0 && module_missing[size_t(k)] > 0)
+        missing.push_back("(multi-token prediction module " + std::to_string(k) + ": " +
+                          std::to_string(module_missing[size_t(k)]) + " of its tensors are missing, " +
+                          std::to_string(module_present[size_t(k)]) + " are there)");
     if (!missing.empty())
       throw HfFormatError(o.hf_dir + ": " + std::to_string(missing.size()) + " tensors of the model are missing:" + some(missing));
     if (const auto extra = foreign_tensors(*dir, m, table); !extra.empty())
       throw HfFormatError(o.hf_dir + ": " + std::to_string(extra.size()) +
                           " tensors are not of this model (another architecture?):" + some(extra));
   } catch (const HfFormatError& e) {
+    error = e.what();
+  } catch (const fs::filesystem_error& e) {
     error = e.what();
   }
   if (const std::string e = first_error(MPI_COMM_WORLD, error); !e.empty()) return fail(e);
@@ -277,12 +299,7 @@ int import_on_ranks(const ImportOptions& o, const MpiSession& mpi) {
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!model.holds(i) || !dir->has(hf_tensor(m, p).name)) continue;
-      const std::vector<float> whole = hf_read_param(*dir, m, p);
-      const Shard& s = model.shard(i);
-      std::vector<float> block(size_t(s.numel()));
-      for (int64_t r = 0; r < s.rows; ++r)
-        std::copy_n(whole.data() + (s.r0 + r) * p.cols + s.c0, s.cols, block.data() + r * s.cols);
-      model.set_param(i, block);
+      model.set_param(i, hf_read_param(*dir, m, p, model.shard(i)));
     }
   } catch (const HfFormatError& e) {
     error = e.what();

@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "kernels/check.h"
 #include "kernels/fp8.h"
 
 namespace fp8moe {
@@ -128,8 +129,8 @@ std::string hf_export_refusal(const ModelConfig& m) {
     return "model.attention is gqa: the architectures that Hugging Face's libraries share with fp8moe's MoE block "
            "(sigmoid routing with a selection bias, node-limited groups, shared experts, dense first layers) are "
            "DeepSeek-V3's, which has multi-head latent attention only; a GQA model of this MoE has no standard "
-           "form (Mixtral and Qwen-MoE route by softmax without the bias, and Qwen-MoE gates its shared expert). "
-           "Export models with model.attention: mla";
+           "form (Mixtral and Qwen-MoE route by softmax without the bias, and Qwen-MoE gates its shared expert); "
+           "only models with model.attention: mla have one";
   if (m.moe.gating != Gating::sigmoid)
     return "model.moe.gating is softmax: transformers' deepseek_v3 scores experts with a sigmoid only (its "
            "scoring_func is not read), so a softmax-gated model (DeepSeek-V2's) would give other logits there";
@@ -160,6 +161,10 @@ std::string hf_config_json(const Config& cfg, const std::string& torch_dtype, bo
   j["initializer_range"] = m.init_std;
   j["attention_dropout"] = 0.0;
   if (m.pad_id >= 0) j["pad_token_id"] = m.pad_id;
+  // Byte-level models (fp8moe prepare-data) separate documents with byte 0, which generation
+  // stops at; otherwise the tokenizer's ids are not known here (transformers' default would be 1).
+  j["bos_token_id"] = m.vocab_size == 256 ? Json(0) : Json(nullptr);
+  j["eos_token_id"] = m.vocab_size == 256 ? Json(0) : Json(nullptr);
   j["use_cache"] = true;
   j["torch_dtype"] = torch_dtype;
   if (fp8)
@@ -170,7 +175,16 @@ std::string hf_config_json(const Config& cfg, const std::string& torch_dtype, bo
   return j.dump(2) + "\n";
 }
 
-std::vector<std::string> hf_config_differences(const std::string& text, const ModelConfig& m) {
+namespace {
+
+// A string field, or "" when absent; another type is an error.
+std::string string_field(const Json& j, const char* key) {
+  if (!j.contains(key) || j[key].is_null()) return "";
+  if (!j[key].is_string()) throw HfFormatError(std::string("config.json: ") + key + " is not a string: " + j[key].dump());
+  return j[key].get<std::string>();
+}
+
+std::vector<std::string> config_differences(const std::string& text, const ModelConfig& m) {
   Json j;
   try {
     j = Json::parse(text);
@@ -179,14 +193,20 @@ std::vector<std::string> hf_config_differences(const std::string& text, const Mo
   }
   if (!j.is_object()) throw HfFormatError("config.json is not a JSON object");
   std::vector<std::string> out;
-  const std::string type = j.value("model_type", std::string());
+  const std::string type = string_field(j, "model_type");
   if (type != "deepseek_v3") out.push_back("model_type: config.json \"" + type + "\", fp8moe reads deepseek_v3");
+  if (const std::string act = string_field(j, "hidden_act"); !act.empty() && act != "silu")
+    out.push_back("hidden_act: config.json " + act + ", fp8moe's MLPs are SwiGLU (silu)");
+  if (const std::string method = string_field(j, "topk_method"); !method.empty() && method != "noaux_tc")
+    out.push_back("topk_method: config.json " + method + ", fp8moe routes with the selection bias (noaux_tc)");
   // rope_theta at the top (DeepSeek's files, transformers 4) or in rope_parameters (transformers 5).
   Json given_theta = j.contains("rope_theta") ? j["rope_theta"] : Json(nullptr);
   for (const char* key : {"rope_scaling", "rope_parameters"})
     if (j.contains(key) && j[key].is_object()) {
       const Json& r = j[key];
-      const std::string kind = r.value("rope_type", r.value("type", std::string("default")));
+      std::string kind = string_field(r, "rope_type");
+      if (kind.empty()) kind = string_field(r, "type");
+      if (kind.empty()) kind = "default";
       if (kind != "default")
         out.push_back(std::string(key) + ": rope_type " + kind + "; fp8moe runs plain RoPE (no YaRN or other scaling)");
       if (given_theta.is_null() && r.contains("rope_theta")) given_theta = r["rope_theta"];
@@ -208,6 +228,16 @@ std::vector<std::string> hf_config_differences(const std::string& text, const Mo
                     ", " + f.ours + " " + want.dump());
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<std::string> hf_config_differences(const std::string& text, const ModelConfig& m) {
+  try {
+    return config_differences(text, m);
+  } catch (const Json::exception& e) {  // a field of the wrong JSON type
+    throw HfFormatError(std::string("config.json: ") + e.what());
+  }
 }
 
 HfTensor hf_tensor(const ModelConfig& m, const ParamSpec& p) {
@@ -278,7 +308,8 @@ HfDirectory::HfDirectory(const std::string& dir) : dir_(dir) {
     const Json j = Json::parse(config_json_);
     if (j.contains("quantization_config") && j["quantization_config"].contains("weight_block_size")) {
       const Json& b = j["quantization_config"]["weight_block_size"];
-      if (!b.is_array() || b.size() != 2 || b[0].get<int64_t>() <= 0 || b[1].get<int64_t>() <= 0)
+      if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
+          b[0].get<int64_t>() <= 0 || b[1].get<int64_t>() <= 0)
         throw HfFormatError(dir + "/config.json: quantization_config.weight_block_size is not [rows, cols]");
       fp8_block_[0] = b[0].get<int64_t>(), fp8_block_[1] = b[1].get<int64_t>();
     }
@@ -306,8 +337,9 @@ HfDirectory::HfDirectory(const std::string& dir) : dir_(dir) {
       if (seen.insert(f).second) files.push_back(f);
     }
   } else {
-    for (const auto& e : fs::directory_iterator(root, ec))
-      if (e.path().extension() == ".safetensors") files.push_back(e.path().filename().string());
+    for (auto it = fs::directory_iterator(root, ec); !ec && it != fs::directory_iterator(); it.increment(ec))
+      if (it->path().extension() == ".safetensors") files.push_back(it->path().filename().string());
+    if (ec) throw HfFormatError(dir + ": cannot list: " + ec.message());
     std::sort(files.begin(), files.end());
   }
   if (files.empty()) throw HfFormatError(dir + ": no .safetensors files");
@@ -333,6 +365,11 @@ std::vector<std::string> HfDirectory::names() const {
 }
 
 std::vector<float> HfDirectory::read_f32(const std::string& name, const std::vector<int64_t>& shape) const {
+  return read_f32_rows(name, shape, 0, shape.size() == 2 ? shape[0] : 1);
+}
+
+std::vector<float> HfDirectory::read_f32_rows(const std::string& name, const std::vector<int64_t>& shape, int64_t r0,
+                                              int64_t n) const {
   const auto it = where_.find(name);
   if (it == where_.end()) throw HfFormatError(dir_ + ": no tensor " + name);
   const SafetensorsFile& f = *it->second;
@@ -344,23 +381,14 @@ std::vector<float> HfDirectory::read_f32(const std::string& name, const std::vec
   };
   if (t.shape != shape)
     throw HfFormatError(f.path() + ": tensor " + name + " has shape " + dims(t.shape) + ", the model needs " + dims(shape));
-  const std::vector<unsigned char> raw = f.read(t);
-  const size_t n = size_t(t.numel());
-  std::vector<float> out(n);
-  if (t.dtype == "F32") {
-    std::memcpy(out.data(), raw.data(), n * 4);
-  } else if (t.dtype == "BF16" || t.dtype == "F16") {
-    for (size_t i = 0; i < n; ++i) {
-      uint16_t b;
-      std::memcpy(&b, raw.data() + 2 * i, 2);
-      out[i] = t.dtype == "BF16" ? bf16_decode(b) : f16_decode(b);
-    }
-  } else if (t.dtype == "F8_E4M3") {
+  const int64_t rows = shape.size() == 2 ? shape[0] : 1, cols = shape.size() == 2 ? shape[1] : t.numel();
+  FP8MOE_ASSERT(0 <= r0 && 0 <= n && r0 + n <= rows, name, ": rows [", r0, ", ", r0 + n, ") of ", rows);
+  std::vector<float> out(size_t(n * cols));
+  if (t.dtype == "F8_E4M3") {
     // DeepSeek's FP8 form: E4M3 values times their block's weight_scale_inv.
     const std::string sname = name + "_scale_inv";
     if (shape.size() != 2 || !has(sname))
       throw HfFormatError(f.path() + ": tensor " + name + " is F8_E4M3 without a 2-D " + sname);
-    const int64_t rows = shape[0], cols = shape[1];
     const SafetensorsFile& sf = *where_.at(sname);
     const SafeTensor& st = *sf.find(sname);
     const int64_t by = fp8_block_[0], bx = fp8_block_[1];
@@ -370,22 +398,39 @@ std::vector<float> HfDirectory::read_f32(const std::string& name, const std::vec
                           std::to_string(by) + " x " + std::to_string(bx) + " block grid " + dims(grid) + " of a " +
                           dims(shape) + " weight (quantization_config.weight_block_size)");
     const std::vector<float> scale = read_f32(sname, st.shape);
-    for (int64_t r = 0; r < rows; ++r)
+    const std::vector<unsigned char> raw = f.read_rows(t, r0, n);
+    for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < cols; ++c)
-        out[size_t(r * cols + c)] = fp8_decode(raw[size_t(r * cols + c)], Fp8Dtype::e4m3) * scale[size_t((r / by) * grid[1] + c / bx)];
-  } else {
+        out[size_t(r * cols + c)] =
+            fp8_decode(raw[size_t(r * cols + c)], Fp8Dtype::e4m3) * scale[size_t(((r0 + r) / by) * grid[1] + c / bx)];
+    return out;
+  }
+  if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
     throw HfFormatError(f.path() + ": tensor " + name + " is " + t.dtype + "; fp8moe reads F32, BF16, F16 and F8_E4M3");
+  const std::vector<unsigned char> raw = shape.size() == 2 ? f.read_rows(t, r0, n) : f.read(t);
+  if (t.dtype == "F32") {
+    std::memcpy(out.data(), raw.data(), out.size() * 4);
+  } else {
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t b;
+      std::memcpy(&b, raw.data() + 2 * i, 2);
+      out[i] = t.dtype == "BF16" ? bf16_decode(b) : f16_decode(b);
+    }
   }
   return out;
 }
 
-std::vector<float> hf_read_param(const HfDirectory& d, const ModelConfig& m, const ParamSpec& p) {
+std::vector<float> hf_read_param(const HfDirectory& d, const ModelConfig& m, const ParamSpec& p, const Shard& s) {
   const HfTensor t = hf_tensor(m, p);
-  std::vector<float> v = d.read_f32(t.name, t.shape);
-  if (t.hf_row.empty()) return v;
-  std::vector<float> out(v.size());
-  for (int64_t r = 0; r < p.rows; ++r)
-    std::copy_n(v.data() + t.hf_row[size_t(r)] * p.cols, p.cols, out.data() + r * p.cols);
+  // The file's rows that hold the shard's rows (the same rows but for the RoPE order, which stays
+  // inside a head, and heads are not split by a shard): one read of that range.
+  auto file_row = [&](int64_t r) { return t.hf_row.empty() ? r : t.hf_row[size_t(r)]; };
+  int64_t lo = file_row(s.r0), hi = lo;
+  for (int64_t r = s.r0; r < s.r0 + s.rows; ++r) lo = std::min(lo, file_row(r)), hi = std::max(hi, file_row(r));
+  const std::vector<float> v = d.read_f32_rows(t.name, t.shape, lo, hi - lo + 1);
+  std::vector<float> out(size_t(s.numel()));
+  for (int64_t r = 0; r < s.rows; ++r)
+    std::copy_n(v.data() + (file_row(s.r0 + r) - lo) * p.cols + s.c0, s.cols, out.data() + r * s.cols);
   return out;
 }
 

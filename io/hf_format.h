@@ -73,6 +73,9 @@ class HfDirectory {
   // A tensor as FP32 values in the file's layout (F32, BF16, F16, or F8_E4M3 times its
   // <name>_scale_inv blocks), its shape checked against `shape`. Throws HfFormatError.
   std::vector<float> read_f32(const std::string& name, const std::vector<int64_t>& shape) const;
+  // Rows [r0, r0 + n) of it (a 1-D tensor is one row; FP8 rows with their blocks' scales).
+  std::vector<float> read_f32_rows(const std::string& name, const std::vector<int64_t>& shape, int64_t r0,
+                                   int64_t n) const;
   // Every tensor name in the files.
   std::vector<std::string> names() const;
 
@@ -83,8 +86,8 @@ class HfDirectory {
   std::map<std::string, const SafetensorsFile*> where_;
 };
 
-// fp8moe parameter p's global (rows, cols) FP32 values from the files (rows moved back per
-// hf_tensor). Throws HfFormatError.
-std::vector<float> hf_read_param(const HfDirectory& d, const ModelConfig& m, const ParamSpec& p);
+// Block s of fp8moe parameter p ((s.rows, s.cols) of its global tensor, row-major) from the files,
+// rows moved back per hf_tensor; only the rows of the block are read. Throws HfFormatError.
+std::vector<float> hf_read_param(const HfDirectory& d, const ModelConfig& m, const ParamSpec& p, const Shard& s);
 
 }  // namespace fp8moe

@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <climits>
+#include <cstdint>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <utility>
 
 namespace fp8moe {
@@ -77,8 +80,9 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<SafeTe
                                      const std::map<std::string, std::string>& metadata)
     : path_(path) {
   const std::string header = header_text(tensors, metadata, &data_bytes_);
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) throw HfFormatError(path + ": cannot create: " + errno_text());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw HfFormatError(path + ": cannot create: " + errno_text());
+  fd_ = fd;
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(uint64_t(header.size()) >> (8 * i));
   written_ = 0;
@@ -91,8 +95,14 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<SafeTe
       c += w, n -= size_t(w);
     }
   };
-  put(len, 8);
-  put(header.data(), header.size());
+  try {
+    put(len, 8);
+    put(header.data(), header.size());
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
@@ -136,6 +146,17 @@ uint64_t SafetensorsWriter::file_bytes(const std::vector<SafeTensor>& tensors,
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) throw HfFormatError(path + ": cannot open: " + errno_text());
+  try {
+    parse_header();
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+void SafetensorsFile::parse_header() {
+  const std::string& path = path_;
   const off_t size = ::lseek(fd_, 0, SEEK_END);
   if (size < 8) throw HfFormatError(path + ": not a safetensors file (" + std::to_string(size) + " bytes)");
   unsigned char len[8];
@@ -149,9 +170,17 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   pread_all(fd_, text.data(), size_t(n), 8, path);
   data_start_ = 8 + n;
   const uint64_t data_bytes = uint64_t(size) - data_start_;
+  // Parsed with a check for repeated names at the top level, which JSON allows and the format
+  // does not (the last would silently win).
   Json h;
+  std::set<std::string> names;
+  const Json::parser_callback_t no_repeats = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (depth == 1 && event == Json::parse_event_t::key && !names.insert(parsed.get<std::string>()).second)
+      throw HfFormatError(path + ": the header names " + parsed.get<std::string>() + " twice");
+    return true;
+  };
   try {
-    h = Json::parse(text);
+    h = Json::parse(text, no_repeats);
   } catch (const Json::exception& e) {
     throw HfFormatError(path + ": the header is not JSON: " + e.what());
   }
@@ -169,27 +198,30 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       throw HfFormatError(at + ": expected dtype, shape and data_offsets");
     SafeTensor t;
     t.name = name;
-    try {
-      t.dtype = v["dtype"].get<std::string>();
-      for (const auto& d : v["shape"]) {
-        const int64_t x = d.get<int64_t>();
-        if (x < 0) throw HfFormatError(at + ": a negative dimension");
-        t.shape.push_back(x);
-      }
-      const auto& o = v["data_offsets"];
-      if (!o.is_array() || o.size() != 2) throw HfFormatError(at + ": data_offsets is not [begin, end]");
-      t.begin = o[0].get<uint64_t>(), t.end = o[1].get<uint64_t>();
-    } catch (const Json::exception& e) {
-      throw HfFormatError(at + ": " + e.what());
-    }
+    if (!v["dtype"].is_string()) throw HfFormatError(at + ": dtype is not a string");
+    t.dtype = v["dtype"].get<std::string>();
     const size_t es = safetensors_dtype_size(t.dtype);
     if (es == 0) throw HfFormatError(at + ": unknown dtype " + t.dtype);
+    if (!v["shape"].is_array()) throw HfFormatError(at + ": shape is not a list");
+    // The bytes the shape needs, without overflow: at most the data after the header.
+    uint64_t need = es;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) throw HfFormatError(at + ": shape holds " + d.dump() + ", not a dimension");
+      const uint64_t x = d.get<uint64_t>();
+      if (x > uint64_t(INT64_MAX) || __builtin_mul_overflow(need, x, &need))
+        throw HfFormatError(at + ": shape " + v["shape"].dump() + " is larger than any file");
+      t.shape.push_back(int64_t(x));
+    }
+    const auto& o = v["data_offsets"];
+    if (!o.is_array() || o.size() != 2 || !o[0].is_number_unsigned() || !o[1].is_number_unsigned())
+      throw HfFormatError(at + ": data_offsets is not [begin, end] of byte offsets");
+    t.begin = o[0].get<uint64_t>(), t.end = o[1].get<uint64_t>();
     if (t.end < t.begin || t.end > data_bytes)
       throw HfFormatError(at + ": data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
                           ") outside the " + std::to_string(data_bytes) + " data bytes");
-    if (t.end - t.begin != uint64_t(t.numel()) * es)
-      throw HfFormatError(at + ": " + std::to_string(t.end - t.begin) + " bytes for a " + t.dtype + " tensor of " +
-                          std::to_string(t.numel()) + " elements");
+    if (t.end - t.begin != need)
+      throw HfFormatError(at + ": " + std::to_string(t.end - t.begin) + " bytes for a " + t.dtype + " tensor of shape " +
+                          v["shape"].dump() + " (" + std::to_string(need) + " bytes)");
     covered += t.end - t.begin;
     index_[t.name] = tensors_.size();
     tensors_.push_back(std::move(t));

@@ -73,6 +73,7 @@ class SafetensorsFile {
   std::vector<unsigned char> read(const SafeTensor& t) const;
 
  private:
+  void parse_header();  // fills the rest from the file; throws HfFormatError
   std::string path_;
   int fd_ = -1;
   uint64_t data_start_ = 0;

@@ -34,14 +34,16 @@ import ml_dtypes
 import numpy as np
 import yaml
 import safetensors
+import safetensors.numpy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
 HF_SCRIPT = os.path.join(SOURCE, "tests", "reference", "hf_deepseek.py")
 TOLERANCE = 1e-4
 
-# The model: DeepSeek-V3's architecture in miniature. d_model 192 gives weights of one whole and
-# one partial 128 x 128 block per dimension in the FP8 form.
+# The model: DeepSeek-V3's architecture in miniature, with two MTP modules (the second reads the
+# first's output). d_model 192 gives weights of one whole and one partial 128 x 128 block per
+# dimension in the FP8 form.
 MODEL_A = """
 model:
   vocab_size: 256
@@ -56,7 +58,7 @@ model:
   v_head_dim: 16
   first_dense_layers: 1
   d_ff_dense: 256
-  mtp_depth: 1
+  mtp_depth: 2
   moe:
     n_experts: 8
     top_k: 2
@@ -287,8 +289,8 @@ def check_export(d, ck, m, dtype):
             assert np.array_equal(t.view(np.uint8), want_bytes.view(np.uint8)), f"{name}: E4M3 bytes differ"
             got = t.astype(np.float32) * full
         held[ours] = got
-    for n in scales:
-        assert n[:-len("_scale_inv")] in tensors
+    want_scales = {n + "_scale_inv" for n, (_, ours, _) in want.items() if fp8_weight(ours)} if dtype == "fp8" else set()
+    assert scales == want_scales, f"scales: unexpected {sorted(scales - want_scales)[:3]}, missing {sorted(want_scales - scales)[:3]}"
     return tensors, held
 
 
@@ -355,13 +357,85 @@ def part_files(args, tmp):
         data = open(os.path.join(d, "hf-fp32", f), "rb").read()
         open(os.path.join(broken, f), "wb").write(data[:-100] if f == shards[1] else data)
     r = run([args.fp8moe, "import", broken, os.path.join(d, "bad2"), "--config", yaml], expect=2)
-    assert "safetensors" in r.stderr and "bytes" in r.stderr, r.stderr
+    assert "outside the" in r.stderr and "data bytes" in r.stderr, r.stderr  # 100 bytes cut from the last tensor
+    hostile_files(args, d, yaml)
+    other_files(args, d, yaml, m)
     gqa = MODEL_B.replace("attention: mla", "attention: gqa\n  n_kv_heads: 2\n  head_dim: 16")
     dg, _ = setup_model(args, tmp, gqa, "gqa", 1, [])
     r = run([args.fp8moe, "export", os.path.join(dg, "ckpt"), os.path.join(dg, "out")], expect=2)
     assert "model.attention is gqa" in r.stderr, r.stderr
+    for setting, words in (("model.moe.gating=softmax", "softmax"), ("model.moe.n_shared_experts=0", "no shared"),
+                           ("model.norm_eps=1e-5", "norm_eps")):
+        r = run([args.fp8moe, "import", os.path.join(d, "hf-fp32"), os.path.join(d, "bad3"), "--config", yaml, "--set",
+                 setting], expect=2)
+        assert words in r.stderr or words.replace("no shared", "n_shared_experts is 0") in r.stderr, (setting, r.stderr)
     print("refused with exit 2: a config of another model (names n_routed_experts), an import over checkpoints, a "
-          "truncated safetensors file, the export of a GQA model")
+          "truncated safetensors file, hostile headers, a missing and a foreign tensor, a half MTP module, the export "
+          "of a GQA model, softmax gating, no shared experts, norm_eps 1e-5")
+
+
+def write_safetensors(path, header, data=b""):
+    """A safetensors file with the given header (a dict, or JSON text) and data bytes, made by hand."""
+    text = header if isinstance(header, str) else json.dumps(header)
+    text += " " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text.encode() + data)
+
+
+def hostile_files(args, d, yaml):
+    """Files whose headers lie; every one is exit 2 with the reason, before anything is read."""
+    config = open(os.path.join(d, "hf-fp32", "config.json")).read()
+    cases = {
+        "negative dimension": ({"t": {"dtype": "F32", "shape": [-1, 2], "data_offsets": [0, 8]}}, b"\0" * 8, "not a dimension"),
+        "fractional dimension": ({"t": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}}, b"\0" * 8, "not a dimension"),
+        "shape overflowing 64 bits": ({"t": {"dtype": "F32", "shape": [2 ** 32, 2 ** 32, 4], "data_offsets": [0, 0]}}, b"",
+                                      "larger than any file"),
+        "offsets past the file": ({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "outside"),
+        "overlapping tensors": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                 "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlap"),
+        "a name twice": ('{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                         '"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', b"\0" * 8, "twice"),
+        "unknown dtype": ({"t": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, "unknown dtype"),
+        "header longer than the file": (None, None, "not a safetensors file"),
+    }
+    for i, (what, (header, data, words)) in enumerate(cases.items()):
+        bad = os.path.join(d, f"hostile-{i}")
+        os.makedirs(bad)
+        open(os.path.join(bad, "config.json"), "w").write(config)
+        f = os.path.join(bad, "model.safetensors")
+        if header is None:
+            open(f, "wb").write((10 ** 6).to_bytes(8, "little") + b"{}")
+        else:
+            write_safetensors(f, header, data)
+        r = run([args.fp8moe, "import", bad, os.path.join(bad, "ckpt"), "--config", yaml], expect=2)
+        assert words in r.stderr, (what, r.stderr)
+
+
+def other_files(args, d, yaml, m):
+    """F16 files read as F16; a missing tensor, a foreign one, half an MTP module refused."""
+    tensors, _ = read_export(os.path.join(d, "hf-fp32"))
+    config = open(os.path.join(d, "hf-fp32", "config.json")).read()
+
+    def directory(name, chosen):
+        out = os.path.join(d, name)
+        os.makedirs(out)
+        open(os.path.join(out, "config.json"), "w").write(config)
+        safetensors.numpy.save_file(chosen, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        return out
+
+    half = directory("hf-f16", {n: t.astype(np.float16) for n, t in tensors.items()})
+    run([args.fp8moe, "import", half, os.path.join(half, "ckpt"), "--config", yaml])
+    check_import(os.path.join(half, "ckpt"), {ours: tensors[n].astype(np.float16).astype(np.float32)
+                                              for n, (_, ours, _) in expected_tensors(m).items()}, m, "import of F16 files")
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    cases = {"missing": ({n: t for n, t in tensors.items() if n != gone}, "1 tensors of the model are missing"),
+             "foreign": ({**tensors, "model.layers.1.mlp.experts.8.up_proj.weight": tensors[gone]}, "not of this model"),
+             "half-mtp": ({n: t for n, t in tensors.items() if n != f"model.layers.{m['n_layers']}.eh_proj.weight"},
+                          "multi-token prediction module 0")}
+    for name, (chosen, words) in cases.items():
+        out = directory("hf-" + name, chosen)
+        r = run([args.fp8moe, "import", out, os.path.join(out, "ckpt"), "--config", yaml], expect=2)
+        assert words in r.stderr, (name, r.stderr)
 
 
 def logits_fp8moe(args, ckpt, tokens, tmp, mtp=False):
@@ -411,8 +485,8 @@ def part_transformers(args, tmp):
             theirs = logits_hf(args, out, tokens, tmp, mtp and dtype == "fp32")
             if dtype == "fp32" and mtp:
                 compare(theirs[0], ours[0], f"model {name}: transformers on the FP32 export vs fp8moe's forward")
-                compare(theirs[1], ours[1], f"model {name}: transformers' MtpModel (the MTP module) on the FP32 export "
-                                            f"vs fp8moe's module")
+                compare(theirs[1], ours[1], f"model {name}: transformers' MtpModel (the {model_config(text)['mtp_depth']} MTP "
+                                            f"modules) on the FP32 export vs fp8moe's modules")
             elif dtype == "fp32":
                 compare(theirs, ours, f"model {name}: transformers on the FP32 export vs fp8moe's forward")
             else:
@@ -432,7 +506,7 @@ def part_transformers(args, tmp):
             ours = logits_fp8moe(args, imported, tokens, tmp, mtp)
             if mtp:
                 compare(ours[0], theirs[0], what + ", vs transformers")
-                compare(ours[1], theirs[1], what + ": its MTP module vs transformers' MtpModel")
+                compare(ours[1], theirs[1], what + ": its MTP modules vs transformers' MtpModel")
             else:
                 compare(ours, theirs, what + ", vs transformers")
     return 0

@@ -50,7 +50,7 @@ void write_npy(const std::string& path, const std::vector<int64_t>& shape, const
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   using namespace fp8moe;
   if (argc != 4 && argc != 5) {
     std::fprintf(stderr, "usage: model_logits CHECKPOINT TOKENS.npy OUT.npy [OUT_MTP.npy]\n");
@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
   if (shape.size() != 2) throw std::runtime_error("tokens: expected (B, T)");
   const int64_t B = shape[0], T = shape[1];
   std::vector<int32_t> tokens(size_t(B * T));
+  if (raw.size() < tokens.size() * 4) throw std::runtime_error("tokens: the file is shorter than its shape");
   std::memcpy(tokens.data(), raw.data(), tokens.size() * 4);
 
   std::vector<std::vector<float>> params;
@@ -82,4 +83,13 @@ int main(int argc, char** argv) {
   write_npy(argv[3], {B, T, V}, out);
   if (argc == 5) write_npy(argv[4], {depth, B, T, V}, mtp);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "model_logits: %s\n", e.what());
+    return 2;
+  }
 }
