@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
       "shards, model.safetensors.index.json and config.json, read by transformers, vLLM and SGLang");
   export_cmd->add_option("checkpoint", exp.checkpoint, "A checkpoint.dir (the checkpoint its `latest` names) or one step_<N> directory")
       ->required();
-  export_cmd->add_option("out_dir", exp.out_dir, "The directory to write (created; existing files of the same names are replaced)")
+  export_cmd->add_option("out_dir", exp.out_dir, "The directory to write (created; config.json and an earlier export's weights there are replaced)")
       ->required();
   export_cmd->add_option("--dtype", exp.dtype,
                          "bf16 (default), fp32, or fp8: E4M3 linear weights with 128x128 weight_scale_inv blocks and a "
@@ -128,8 +128,8 @@ int main(int argc, char** argv) {
   CLI::App* import_cmd = app.add_subcommand(
       "import",
       "Read a Hugging Face DeepSeek-V3 model directory (safetensors in BF16, FP16, FP32 or DeepSeek's FP8 form) into a "
-      "step-0 checkpoint that training on any layout resumes from (launch with mpirun like train: each rank "
-      "reads and writes its own shard)");
+      "step-0 checkpoint that training on any layout resumes from (launch with mpirun like train, on any layout: each "
+      "rank reads and writes its own shards)");
   import_cmd->add_option("hf_dir", imp.hf_dir, "The directory with config.json and *.safetensors")->required();
   import_cmd->add_option("checkpoint_dir", imp.checkpoint_dir, "The checkpoint.dir to write (step_00000000 and `latest`)")
       ->required();
