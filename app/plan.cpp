@@ -1,5 +1,7 @@
 #include "app/plan.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,11 +17,15 @@
 #include "app/exit_codes.h"
 #include "app/step_report.h"
 #include "io/config.h"
+#include "io/token_data.h"
 #include "kernels/attention.h"
+#include "kernels/backend.h"
 #include "kernels/gemm_fp8.h"
 #include "kernels/quantize.h"
 #include "model/param_table.h"
+#include "model/optimizer.h"
 #include "model/plan_model.h"
+#include "model/transformer.h"
 
 namespace fp8moe {
 namespace {
@@ -36,8 +42,33 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // bidirectional). InfiniBand: one 400 Gb/s NDR port per GPU (50 GB/s), B200 one 800 Gb/s
 // ConnectX-8 port (100 GB/s). Capacities in GiB: what a process can hold, not the marketing GB
 // (an H100 80GB reports 81,559 MiB; the H200 lent to this project reports about 139 GiB free).
+// The CPU's step, measured on fp8moe's own code: small models of the config's blocks (the same
+// widths, micro-batch, recipe and recompute mode; one or two blocks of each kind) trained one
+// micro-batch at a time on the backend `train` would use, their times split by block kind. Seconds.
+struct CpuProbe {
+  bool valid = false;
+  std::string why_not;             // when not valid
+  Recompute recompute = Recompute::none;
+  int64_t tokens = 0;              // the micro-batch the probes ran
+  // Each as probe A's time (`a`: embedding, final norm, head, cross-entropy, the fixed work, and
+  // A's one dense and one MoE block) + each further block's.
+  struct Part { double a = 0, dense = 0, moe = 0, mtp = 0; };
+  int dense_in_a = 0, moe_in_a = 0;
+  // A part for a model of `dense` + `moe` blocks and `mtp` modules on one rank.
+  double of(const Part& q, int dense, int moe, int mtp) const {
+    return q.a + (dense - dense_in_a) * q.dense + (moe - moe_in_a) * q.moe + mtp * q.mtp;
+  }
+  Part cached;     // a micro-batch's forward + backward with the step's FP8 weights already quantized
+  Part first;      // the first micro-batch of a step: with the FP8 weights' quantization
+  Part optimizer;  // zero_grads, the gradient norm and AdamW's step
+  int probes = 0;
+  bool real_data = false;          // the probes trained on the config's data.path (else random tokens)
+  double probe_seconds = 0;        // the measurement's own wall time
+};
+
 struct Device {
   std::string name, basis;
+  CpuProbe probe;
   double fp8 = 0, bf16 = 0, fp32 = 0;  // FLOP/s
   double attention = 0;                // the attention core's FLOP/s
   double memory = 0;                   // bytes one rank may hold
@@ -143,19 +174,194 @@ double ram_bytes() {
   return NAN;
 }
 
-// The resident memory of an `fp8moe train` process besides the backend's tensors: the
-// executable and its libraries (Open MPI, OpenBLAS, oneDNN, HDF5), MPI's and OpenMP's buffers,
-// OpenBLAS's per-thread GEMM buffers, the token data's pages, the metrics and the host copies of
-// losses and loads. NOTE: measured, not derived: bench/plan-vs-measured.sh's `minimal` run (a
-// model of 45K parameters on 1 rank, 3 steps, its tensors < 1 MB) peaks at 43.5-44.0 MB of RSS
-// (/usr/bin/time -v, 3 runs) on this repository's 2-core development machine (AMD EPYC, Debian
-// 12, Open MPI 4.1.4, OpenBLAS 0.3.21, oneDNN 3.x).
-constexpr double kCpuProcessBaseline = 44e6;
+// The resident memory of an `fp8moe train` process besides the backend's tensors, in two measured
+// parts (measured, not derived; this repository's 2-core development machine, AMD EPYC, Debian 12,
+// Open MPI 4.1.4, OpenBLAS 0.3.21, oneDNN 2.6 (libdnnl.so.2.6), the CUDA release build, 2 OpenMP
+// threads):
+// - the process: bench/plan-vs-measured.sh's `minimal` run (45K parameters, its tensors < 1 MB)
+//   peaks at 201-203 MB of RSS (the log's mem, OMP_NUM_THREADS 1, 2 and 4). Of it, by
+//   /proc/PID/smaps: 84 MB of anonymous memory that OpenBLAS's GEMM buffers fill (the 1024^3
+//   SGEMM app/step_report.cpp times at start-up), ~60 MB of libcublasLt's pages (linked by the
+//   CUDA build even on the CPU), the other libraries' pages, a 7 MB heap; ru_maxrss also keeps the
+//   12.6 MB of that SGEMM's operands. A CPU-only build has no libcublasLt (--baseline-bytes);
+// - the libraries' heap beside the tensors: heaptrack over tiny.yaml on one rank (10 steps) peaks
+//   at 221.8 MB of heap, of which 171.8 MB are the backend's tensors (HostBackend::allocate) and
+//   50.0 MB the rest: 38.2 MB oneDNN's (its primitives' scratchpads and JIT code), the CPU FP8
+//   GEMM's thread-local BF16 operand copies (kernels/cpu/gemm_fp8.cpp), the host copies of losses
+//   and loads. The ~200M-parameter bench config run with glibc's retention off (see below) leaves
+//   52 MB beside its tensors and the process baseline: the same 50 MB within 2 MB.
+// Not modelled: the freed tensor memory glibc's heap keeps resident. Its dynamic mmap threshold
+// rises to 32 MB after the first large free, so every later tensor below that comes from the
+// heap, which returns pages only at its top: the peak RSS grows for 10-15 steps and then stays
+// 1.4-1.8x the modelled figure (bench/plan-vs-measured.sh's RSS column; with
+// MALLOC_MMAP_THRESHOLD_=262144 it stays 1.00-1.21x, the RSS/thr column).
+constexpr double kCpuProcessBaseline = 202e6;
+constexpr double kCpuLibraryHeap = 50e6;
 
-Device cpu_device(const Config& c, const PlanLayout& L) {
+
+// One probe model of `dense` dense blocks then `moe` MoE blocks and `mtp` modules, at the config's
+// widths on one rank, on its own backend. step() times one training step of it: its first
+// micro-batch (the step's FP8 weights quantized at first use), a second micro-batch (reusing them)
+// and the optimizer.
+struct ProbeTimes { double first = 0, cached = 0, optimizer = 0; };
+class ProbeModel {
+ public:
+  ProbeModel(const Config& c, int dense, int moe, int mtp, int64_t B, int64_t T) : B_(B), T_(T), mtp_(mtp) {
+    pc_ = c;
+    pc_.parallel.tensor = pc_.parallel.pipeline = pc_.parallel.expert = 1;
+    pc_.parallel.micro_batches = 1;
+    pc_.model.n_layers = dense + moe;
+    pc_.model.first_dense_layers = dense;
+    pc_.model.mtp_depth = mtp;
+    const DeviceKind kind = c.runtime.device == DeviceChoice::emulated ? DeviceKind::emulated : DeviceKind::cpu;
+    BackendOptions bo;
+    bo.grouped_gemm = c.runtime.grouped_gemm;
+    be_ = make_backend(kind, 0, bo);
+    model_ = std::make_unique<Transformer>(*be_, pc_);
+    opt_ = std::make_unique<AdamW>(*be_, model_->table(), pc_.train);
+    const ModelConfig& m = pc_.model;
+    const int64_t N = B * T;
+    std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
+    // The config's own training data where it can be read (its tokens route as training's do),
+    // else uniformly random tokens.
+    try {
+      DataBlend data(c.data.path, TokenCheck{m.vocab_size, 0, 1});
+      for (int64_t b = 0; b < B; ++b) data.sample(c.train.seed, b, T, tok.data() + b * T, tgt.data() + b * T);
+      real_data_ = true;
+    } catch (const std::exception&) {
+      uint32_t seed = 777;
+      for (int64_t i = 0; i < N; ++i) seed = seed * 1664525u + 1013904223u, tok[size_t(i)] = int32_t((seed >> 8) % uint32_t(m.vocab_size));
+      for (int64_t i = 0; i < N; ++i) tgt[size_t(i)] = (i + 1) % T ? tok[size_t(i + 1)] : tok[size_t(i)];
+    }
+    ids_ = tensor_from(*be_, tok, {N}), targets_ = tensor_from(*be_, tgt, {N});
+    losses_ = Tensor::zeros(*be_, DType::f64, {1 + m.moe_layers() + mtp});
+    sq_ = Tensor::zeros(*be_, DType::f64, {1});
+    if (mtp > 0) {
+      std::vector<int32_t> in(size_t(mtp * N)), out(in.size());
+      mtp_shift(tok.data(), B, T, mtp, 0, in.data());
+      mtp_shift(tgt.data(), B, T, mtp, m.pad_id, out.data());
+      mtp_ids_ = tensor_from(*be_, in, {mtp * N}), mtp_tgt_ = tensor_from(*be_, out, {mtp * N});
+      mb_.tokens = mtp_ids_.data<int32_t>(), mb_.targets = mtp_tgt_.data<int32_t>();
+      for (int k = 0; k < mtp; ++k) mb_.mean_over.push_back(N);
+    }
+  }
+  bool real_data() const { return real_data_; }
+
+  ProbeTimes step() {
+    const ModelConfig& m = pc_.model;
+    const int64_t N = B_ * T_;
+    const LossSlots slots{losses_.data<double>(), losses_.data<double>() + 1, losses_.data<double>() + 1 + m.moe_layers()};
+    auto micro_batch = [&] {
+      StageRun run = model_->stage_forward(ids_.data<int32_t>(), targets_.data<int32_t>(), N, B_, T_, nullptr, true,
+                                           slots, 1.0f, N, 1.0, mtp_ > 0 ? &mb_ : nullptr);
+      model_->stage_backward(run, nullptr);
+      be_->sync();
+    };
+    auto seconds = [](const auto& fn) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fn();
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    model_->zero_grads();
+    model_->begin_step();
+    ProbeTimes t;
+    t.first = seconds(micro_batch);
+    t.cached = seconds(micro_batch);
+    t.optimizer = seconds([&] {
+      model_->zero_grads();
+      opt_->grad_sq(model_->store(), 0.5f, {}, sq_.data<double>());
+      double host = 0;
+      be_->download(&host, sq_.data<double>(), sizeof host);
+      opt_->step(model_->store(), pc_.train.warmup_steps, host, 0.5f);
+      be_->sync();
+    });
+    return t;
+  }
+
+ private:
+  Config pc_;
+  int64_t B_, T_;
+  int mtp_;
+  bool real_data_ = false;
+  std::unique_ptr<Backend> be_;
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<AdamW> opt_;
+  Tensor ids_, targets_, losses_, sq_, mtp_ids_, mtp_tgt_;
+  MtpBatch mb_;
+};
+
+// The probes for a config on one rank: A (one block of each kind the model has), A plus one MoE
+// block, A plus one dense block, A plus one module (each only where the model has more); each
+// kind's time per block is its probe's difference from A.
+CpuProbe probe_cpu(const Config& c, const PlanLayout& L, double ram) {
+  CpuProbe p;
+  const ModelConfig& m = c.model;
+  p.recompute = c.train.recompute, p.tokens = L.tokens();
+  if (L.world != 1) {
+    p.why_not = "more than one rank: the probes time one rank holding every block";
+    return p;
+  }
+  const int Ld = std::min(m.first_dense_layers, m.n_layers), Lm = m.n_layers - Ld;
+  const int ad = Ld > 0 ? 1 : 0, am = Lm > 0 ? 1 : 0;
+  // The probes (up to 4, alive together) must leave room: 4 x the largest one's memory, from the
+  // plan's own model, within half the RAM.
+  {
+    Config big = c;
+    big.parallel.tensor = big.parallel.pipeline = big.parallel.expert = 1;
+    big.model.n_layers = ad + am + 1, big.model.first_dense_layers = ad + 1;
+    const double need = plan_memory(big, plan_layout(big, 1))[0].total();
+    if (4 * need > ram / 2) {
+      p.why_not = "its probe models would need " + std::to_string(int64_t(4 * need / 1e9)) + " GB";
+      return p;
+    }
+  }
+  // Every probe is built first, then their steps interleave, each probe's fastest step kept: a
+  // slow spell of the machine (its other work only ever adds) falls on all of them alike, not on
+  // one kind's difference.
+  const auto t0 = std::chrono::steady_clock::now();
+  p.dense_in_a = ad, p.moe_in_a = am;
+  std::vector<std::unique_ptr<ProbeModel>> probes;
+  probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 0, L.sequences, L.seq_len));
+  const int with_moe = Lm > am ? int(probes.size()) : -1;
+  if (with_moe >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am + 1, 0, L.sequences, L.seq_len));
+  const int with_dense = Ld > ad ? int(probes.size()) : -1;
+  if (with_dense >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad + 1, am, 0, L.sequences, L.seq_len));
+  const int with_mtp = m.mtp_depth > 0 ? int(probes.size()) : -1;
+  if (with_mtp >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 1, L.sequences, L.seq_len));
+  p.probes = int(probes.size());
+  p.real_data = probes[0]->real_data();
+  const double inf = 1e30;
+  std::vector<ProbeTimes> best(probes.size(), ProbeTimes{inf, inf, inf});
+  const int reps = 7;
+  for (int r = -1; r < reps; ++r)  // r = -1: the warm-up (allocations, oneDNN's primitives)
+    for (size_t i = 0; i < probes.size(); ++i) {
+      const ProbeTimes t = probes[i]->step();
+      if (r < 0) continue;
+      best[i].first = std::min(best[i].first, t.first);
+      best[i].cached = std::min(best[i].cached, t.cached);
+      best[i].optimizer = std::min(best[i].optimizer, t.optimizer);
+    }
+  const ProbeTimes a = best[0];
+  auto minus = [&](int i) {
+    if (i < 0) return ProbeTimes{};
+    return ProbeTimes{best[size_t(i)].first - a.first, best[size_t(i)].cached - a.cached,
+                      best[size_t(i)].optimizer - a.optimizer};
+  };
+  const ProbeTimes dm = minus(with_moe), dd = minus(with_dense), dt = minus(with_mtp);
+  p.probe_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  auto part = [&](double ProbeTimes::*f) { return CpuProbe::Part{a.*f, dd.*f, dm.*f, dt.*f}; };
+  p.cached = part(&ProbeTimes::cached), p.first = part(&ProbeTimes::first), p.optimizer = part(&ProbeTimes::optimizer);
+  p.valid = true;
+  return p;
+}
+
+Device cpu_device(const Config& c, const PlanLayout& L, bool probe) {
   Device d;
   d.name = "cpu";
   d.cpu = true;
+  // The threads a rank of `train` runs with (app/train.cpp set_threads_per_rank): the cores over
+  // the ranks of this machine, unless OMP_NUM_THREADS says.
+  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(std::max(1, omp_get_num_procs() / L.world));
   const ModelConfig& m = c.model;
   const int64_t N = std::min<int64_t>(L.tokens(), 2048), D = m.d_model;
   const int64_t F = 2 * int64_t(m.moe.d_expert) / L.tensor;
@@ -174,6 +380,20 @@ Device cpu_device(const Config& c, const PlanLayout& L) {
                 d.fp8 / 1e9, impl.c_str(), (long long)N, (long long)D, (long long)F, (long long)D, d.fp32 / 1e9,
                 d.attention / 1e9, d.hbm / 1e9);
   d.basis = b;
+  if (!probe) {
+    d.probe.why_not = "--no-probe";
+  } else {
+    d.probe = probe_cpu(c, L, d.memory);
+  }
+  if (d.probe.valid) {
+    std::snprintf(b, sizeof b,
+                  "; the step from %d probe models of this config's blocks trained here on %d thread%s (%.1f s): "
+                  "see below",
+                  d.probe.probes, omp_get_max_threads(), omp_get_max_threads() == 1 ? "" : "s", d.probe.probe_seconds);
+  } else {
+    std::snprintf(b, sizeof b, "; no probe models (%s): the step from the rates above", d.probe.why_not.c_str());
+  }
+  d.basis += b;
   return d;
 }
 
@@ -188,6 +408,8 @@ struct Roofline {
   double bubble = 0;       // s
   double step = 0;         // s
   std::array<double, 5> comm_s{};  // per group, per step, s (the slowest stage)
+  bool measured = false;   // the CPU's probes (compute_mb: a micro-batch; quantize, optimizer: per step)
+  double quantize = 0;     // measured: the FP8 weights' quantization at their first use in a step, s
 };
 
 struct Plan {
@@ -252,27 +474,55 @@ double comm_seconds(const Device& d, const PlanOptions& o, const PlanLayout& L, 
   return bytes / d.ib;
 }
 
-Roofline roofline(const Plan& p, const Device& d, const PlanOptions& o, double eff) {
+// How communication enters the step: as the options say (exposed, or with --overlap hidden behind
+// compute where compute is longer), or not at all (compute only: every byte hidden, as DeepSeek-V3's
+// DualPipe with its node-limited FP8 dispatch is reported to achieve).
+enum class CommMode { options, exposed, overlapped, hidden };
+
+// balanced: every stage takes the stages' mean compute and memory time (stages of equal work, as
+// a layout that balanced the head and the modules against blocks would have), else the slowest
+// stage sets the pace.
+Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, double eff, CommMode mode = CommMode::options,
+                  bool balanced = false) {
+  PlanOptions o = opts;
+  if (mode == CommMode::exposed) o.overlap = false;
+  if (mode == CommMode::overlapped) o.overlap = true;
+  const bool hidden = mode == CommMode::hidden;
   const Config& c = p.cfg;
   const PlanLayout& L = p.L;
   const double hp = o.higher_precision == "bf16" ? d.bf16 : d.fp32;
   Roofline r;
-  double slowest = -1;
+  const CpuProbe& q = d.probe;
+  if (d.cpu && q.valid && L.world == 1 && c.train.recompute == q.recompute && L.tokens() == q.tokens) {
+    // One rank on the CPU: the probes' times (the efficiency scales the micro-batches' work).
+    const ModelConfig& g = c.model;
+    const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;
+    const double cached = q.of(q.cached, Ld, Lm, g.mtp_depth), first = q.of(q.first, Ld, Lm, g.mtp_depth);
+    r.measured = true;
+    r.compute_mb = cached / eff;
+    r.quantize = std::max(0.0, first - cached) / eff;
+    r.optimizer = q.of(q.optimizer, Ld, Lm, g.mtp_depth);
+    r.step = L.micro_batches * r.compute_mb + r.quantize + r.optimizer;
+    return r;
+  }
+  double slowest = -1, sum_compute = 0, sum_memory = 0;
   for (size_t s = 0; s < p.mem.size(); ++s) {
     const StageFlops& f = p.flops[s];
     const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.attention / (eff * d.attention);
     // Memory-bound traffic (an estimate): every activation kept for backward is written in the
     // forward and read in the backward, and its gradient written and read once each.
     const double memory = 4 * p.mem[s].saved_per_micro_batch / d.hbm;
+    sum_compute += compute, sum_memory += memory;
     double comm = 0;
     std::array<double, 5> per_group{};
     for (int g = 0; g < 5; ++g) per_group[size_t(g)] = comm_seconds(d, o, L, g, p.comm[s][size_t(g)]);
     for (int g : {0, 1, 4}) comm += per_group[size_t(g)] / L.micro_batches;
+    if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
     if (t > slowest) {
       slowest = t;
       r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group;
-      r.dp = per_group[2] + per_group[3];
+      r.dp = hidden ? 0 : per_group[2] + per_group[3];
       // AdamW on the owned rows: parameter, gradient (read), m and v (read and written), the
       // parameter written; then every FP8 weight read in FP32 and written in FP8 once per step.
       const StageMemory& m = p.mem[s];
@@ -281,6 +531,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& o, double e
       r.optimizer = (owned * (4 + 4 + 4 + 4 * mb) + m.fp8_weights * 5) / d.hbm;
     }
   }
+  if (balanced) r.compute_mb = sum_compute / double(p.mem.size()), r.memory_mb = sum_memory / double(p.mem.size());
   const double per_mb = o.overlap ? std::max(r.compute_mb + r.memory_mb, r.comm_mb) : r.compute_mb + r.memory_mb + r.comm_mb;
   r.bubble = (L.pipeline - 1) * per_mb;
   const double busy = L.micro_batches * per_mb;
@@ -387,7 +638,7 @@ std::vector<Candidate> search_fits(const PlanOptions& o, const std::string& text
 void print_memory_table(const Plan& p, const Device& d, double baseline) {
   std::printf("memory per rank, by pipeline stage (every tensor/expert rank of a stage alike; bytes, 1 GB = 1e9):\n");
   std::printf("  stage  layers    weights     grads    moments  fp8 copies  act/micro-batch x in flight  workspace      total%s\n",
-              d.cpu ? "   RSS (+ baseline)" : "");
+              d.cpu ? "   RSS (+ process, heap)" : "");
   for (const StageMemory& s : p.mem) {
     char layers[32];
     std::snprintf(layers, sizeof layers, "%d-%d%s", s.layer_begin, s.layer_end - 1, s.mtp_blocks ? "+mtp" : "");
@@ -433,6 +684,105 @@ void print_fp8_savings(const Config& c, int world) {
               x.total() / y.total(), x.total() / bf16);
 }
 
+
+// --target-gpu-hours: the efficiency (of the device's peaks, all GEMMs and attention alike) at which
+// the roofline's step time spends the target device-hours on --tokens, three ways: with fp8moe's
+// own communication exposed, the same hidden behind compute where compute is longer (--overlap),
+// and compute only (every byte hidden), the bubble always as configured. Where a way cannot reach
+// the target at any efficiency, the parts the efficiency does not scale are printed instead.
+void print_target(const Plan& p, const Device& d, const PlanOptions& o, int world, double step_tokens) {
+  const PlanLayout& L = p.L;
+  const double steps = o.tokens / step_tokens;
+  const double budget = step_budget_seconds(o.target_hours, o.tokens, step_tokens, world);
+  std::printf("\nagainst %.4g %s-hours for %.4g tokens: %.6g steps of %.4g tokens on %d ranks leave %s per step\n",
+              o.target_hours, d.name.c_str(), o.tokens, steps, step_tokens, world, seconds_text(budget).c_str());
+  // The efficiency at which the step takes `budget`, or < 0 where even 1.0 is too slow.
+  auto solve = [&](const PlanOptions& oo, CommMode mode) {
+    auto step_at = [&](double e) { return roofline(p, d, oo, e, mode).step; };
+    if (step_at(1.0) > budget) return -1.0;
+    double lo = 1e-6, hi = 1.0;  // the step falls monotonically with the efficiency: bisect
+    for (int i = 0; i < 200; ++i) {
+      const double mid = std::sqrt(lo * hi);
+      (step_at(mid) > budget ? lo : hi) = mid;
+    }
+    return hi;
+  };
+  auto verdict = [](double e) {
+    return e < 0.30 ? "below DeepSeek-V3's plausible 0.30-0.45" : e <= 0.45 ? "within the plausible 0.30-0.45"
+                                                                              : "above the plausible 0.30-0.45";
+  };
+  const double ep_bytes = [&] {
+    double b = 0;
+    for (const auto& cs : p.comm) b = std::max(b, cs[1]);
+    return b;
+  }();
+  bool unreachable = false;
+  for (CommMode mode : {CommMode::exposed, CommMode::overlapped}) {
+    const char* what = mode == CommMode::exposed ? "(a) fp8moe's communication exposed (as it runs)"
+                                                 : "(a) fp8moe's communication hidden behind compute where shorter (--overlap)";
+    const double e = solve(o, mode);
+    if (e >= 0) {
+      const Roofline at = roofline(p, d, o, e, mode);
+      std::printf("  %s: efficiency %.3f (%s); per step compute %s, communication %s, bubble %s\n", what, e, verdict(e),
+                  seconds_text(at.compute_mb * L.micro_batches).c_str(),
+                  seconds_text(at.comm_mb * L.micro_batches + at.dp).c_str(), seconds_text(at.bubble).c_str());
+      continue;
+    }
+    unreachable = true;
+    // The step with the compute taking no time at all: what communication alone costs.
+    const Roofline top = roofline(p, d, o, 1.0, mode), floor = roofline(p, d, o, 1e12, mode);
+    std::printf("  %s: cannot be reached at any efficiency: at 1.0 the step takes %s; with the compute taking no time "
+                "at all still %s (communication %s per micro-batch over %d micro-batch slots of 1F1B, dp/edp %s) > %s\n",
+                what, seconds_text(top.step).c_str(), seconds_text(floor.step).c_str(), seconds_text(floor.comm_mb).c_str(),
+                L.micro_batches + L.pipeline - 1,
+                mode == CommMode::overlapped ? "hidden" : seconds_text(floor.dp).c_str(), seconds_text(budget).c_str());
+  }
+  if (unreachable && L.expert > 1) {
+    const Roofline top = roofline(p, d, o, 1.0, CommMode::exposed);
+    std::printf("      why: the expert all-to-all alone sends %s per rank per step (FP32 rows of D = %d floats, 4 "
+                "exchanges per MoE layer and micro-batch: dispatch and combine, forward and backward; uniform routing, "
+                "no node-limited deduplication): %s at %s/s of NVLink to the peers inside a node and %s/s of InfiniBand "
+                "to the rest, %.2fx the budget of a whole step\n",
+                bytes_text(ep_bytes).c_str(), p.cfg.model.d_model, seconds_text(top.comm_s[1]).c_str(),
+                bytes_text(d.nvlink).c_str(), bytes_text(d.ib).c_str(), top.comm_s[1] / budget);
+  }
+  for (const char* hp : {"bf16", "fp32"}) {
+    for (bool balanced : {false, true}) {
+      PlanOptions oo = o;
+      oo.higher_precision = hp;
+      auto step_at = [&](double e) { return roofline(p, d, oo, e, CommMode::hidden, balanced).step; };
+      double e = -1;
+      if (step_at(1.0) <= budget) {
+        double lo = 1e-6, hi = 1.0;
+        for (int i = 0; i < 200; ++i) {
+          const double mid = std::sqrt(lo * hi);
+          (step_at(mid) > budget ? lo : hi) = mid;
+        }
+        e = hi;
+      }
+      std::printf("  (b) compute only, the router, eh_proj and head in %s%s, %s: ",
+                  std::string(hp) == "bf16" ? "BF16" : "FP32", std::string(hp) == "bf16" ? " (as DeepSeek-V3)" : " (as fp8moe)",
+                  balanced ? "stages balanced (each the stages' mean work)" : "the slowest stage setting the pace");
+      if (e < 0) {
+        std::printf("cannot be reached at any efficiency: at 1.0 the step takes %s\n", seconds_text(step_at(1.0)).c_str());
+        continue;
+      }
+      const Roofline at = roofline(p, d, oo, e, CommMode::hidden, balanced);
+      std::printf("efficiency %.3f (%s); per step %d x %s per micro-batch (compute %s, memory-bound %s) + bubble %s "
+                  "(%d / %d, as configured) + optimizer %s\n",
+                  e, verdict(e), L.micro_batches, seconds_text(at.compute_mb + at.memory_mb).c_str(),
+                  seconds_text(at.compute_mb).c_str(), seconds_text(at.memory_mb).c_str(), seconds_text(at.bubble).c_str(),
+                  L.pipeline - 1, L.micro_batches + L.pipeline - 1, seconds_text(at.optimizer).c_str());
+    }
+  }
+  std::printf("  assumptions: the roofline above (one efficiency for every GEMM and the attention core, each at its own "
+              "peak; the slowest stage sets the 1F1B pace unless `stages balanced`); train.recompute %s as configured "
+              "(the recomputed forwards are compute; DeepSeek-V3 recomputed only selected cheap ops: --set "
+              "train.recompute=none for that bound); (b) hides all tp/ep/pp/dp/edp bytes (DeepSeek-V3 reports DualPipe "
+              "overlapping its all-to-all, FP8 dispatch and node-limited routing); this config's tokens per step for "
+              "the whole run (DeepSeek-V3 ramped its batch up).\n",
+              to_string(p.cfg.train.recompute).data());
+}
 }  // namespace
 
 CLI::App* add_plan_command(CLI::App& app, PlanOptions* o) {
@@ -464,9 +814,12 @@ CLI::App* add_plan_command(CLI::App& app, PlanOptions* o) {
                   "With --tokens: solve for the efficiency that takes this many device-hours (e.g. 180000, DeepSeek-V3's "
                   "H800 GPU-hours per trillion tokens)");
   cmd->add_flag("!--no-search", o->search, "Do not search for a layout that fits when a rank does not");
+  cmd->add_flag("!--no-probe", o->probe,
+                "cpu: do not train the probe models of the config's blocks (seconds); the step time then comes from the "
+                "measured GEMM, attention and memory rates alone (about 2-4x optimistic for small configs)");
   cmd->add_option("--baseline-bytes", o->baseline_bytes,
-                  "cpu: the process's resident memory besides its tensors (default: the constant measured here, see "
-                  "app/plan.cpp)");
+                  "cpu: the process's resident memory besides its tensors and the libraries' heap (default: the 202 MB "
+                  "measured here, see app/plan.cpp)");
   return cmd;
 }
 
@@ -494,9 +847,9 @@ int run_plan(const PlanOptions& o) {
 
   Plan p = make_plan(c, world);
   const PlanLayout& L = p.L;
-  const Device d = name == "cpu" ? cpu_device(c, L) : gpu(name);
+  const Device d = name == "cpu" ? cpu_device(c, L, o.probe) : gpu(name);
   const double eff = o.efficiency > 0 ? o.efficiency : d.cpu ? 1.0 : 0.4;
-  const double baseline = d.cpu ? (o.baseline_bytes >= 0 ? o.baseline_bytes : kCpuProcessBaseline) : 0;
+  const double baseline = d.cpu ? (o.baseline_bytes >= 0 ? o.baseline_bytes : kCpuProcessBaseline) + kCpuLibraryHeap : 0;
 
   std::printf("fp8moe plan: %s on %d rank%s%s (device %s)\n", o.config_path.c_str(), world, world == 1 ? "" : "s",
               o.world > 0 ? "" : " (the config's tensor x pipeline x expert: --world sets more)", name.c_str());
@@ -530,8 +883,12 @@ int run_plan(const PlanOptions& o) {
   if (d.cpu) {
     double all = 0;
     for (const StageMemory& s : p.mem) all += (s.total() + baseline) * L.tensor * L.data;
-    std::printf("  all %d ranks together: %s (the process baseline %s each%s)\n", world, bytes_text(all).c_str(),
-                bytes_text(baseline).c_str(), o.baseline_bytes >= 0 ? ", --baseline-bytes" : ", measured: app/plan.cpp");
+    std::printf("  RSS = tensors + the process %s (%s) + the libraries' heap %s (measured: app/plan.cpp); not "
+                "modelled: the freed tensor memory glibc's heap keeps, which takes the peak RSS 1.4-1.8x above this "
+                "after 10-15 steps (README \"Planning a run\")\n",
+                bytes_text(baseline - kCpuLibraryHeap).c_str(), o.baseline_bytes >= 0 ? "--baseline-bytes" : "measured",
+                bytes_text(kCpuLibraryHeap).c_str());
+    std::printf("  all %d ranks together: %s\n", world, bytes_text(all).c_str());
   }
 
   const Roofline r = roofline(p, d, o, eff);
@@ -554,55 +911,57 @@ int run_plan(const PlanOptions& o) {
   std::printf("\npipeline bubble (1F1B): (p - 1) / (m + p - 1) = %d / %d = %.3f\n", L.pipeline - 1,
               L.micro_batches + L.pipeline - 1, bubble);
 
-  std::printf("\nstep time (roofline, %s):\n", d.name.c_str());
-  std::printf("  per micro-batch on the slowest stage: compute %s, memory-bound %s, communication %s%s\n",
-              seconds_text(r.compute_mb).c_str(), seconds_text(r.memory_mb).c_str(), seconds_text(r.comm_mb).c_str(),
-              o.overlap ? " (hidden behind compute: --overlap)" : " (exposed)");
-  std::printf("  x %d micro-batches + bubble %s + dp/edp %s%s + optimizer %s = %s per step\n", L.micro_batches,
-              seconds_text(r.bubble).c_str(), seconds_text(r.dp).c_str(), o.overlap ? " (overlapped)" : "",
-              seconds_text(r.optimizer).c_str(), seconds_text(r.step).c_str());
-  const double tps = step_tokens / r.step;
-  std::printf("  %.0f tokens/s, MFU %.3f of the %s peak\n", tps, tps * model_flops / (world * (c.fp8.recipe != Fp8Recipe::off ? d.fp8 : d.fp32)),
-              c.fp8.recipe != Fp8Recipe::off ? "FP8" : "FP32");
-  std::printf("  assumptions: GEMMs at %.2f of %s: FP8 %.4g FLOP/s for the linear layers fp8.layers runs in FP8, %s %.4g "
-              "for the others (router, eh_proj, head; every linear layer with recipe off), attention core %.4g "
-              "(%s); memory-bound traffic 4 x the activations kept per micro-batch plus AdamW's and the FP8 "
-              "weights' bytes, at %.4g B/s; communication at %s; uniform routing; 1F1B with the slowest stage "
-              "setting the pace; no kernel-launch or host overhead.\n",
-              eff, d.cpu ? "the rates measured here" : "the peaks", d.fp8, o.higher_precision.c_str(),
-              o.higher_precision == "bf16" ? d.bf16 : d.fp32, d.attention, d.cpu ? "measured" : "the BF16 peak", d.hbm,
-              d.cpu ? "the memory bandwidth (ranks of one machine)"
-                    : ("NVLink " + bytes_text(d.nvlink) + "/s inside a node of " + std::to_string(o.node_size) +
-                       ", InfiniBand " + bytes_text(d.ib) + "/s per GPU across nodes")
-                          .c_str());
+  if (r.measured) {
+    const CpuProbe& q = d.probe;
+    const ModelConfig& g = c.model;
+    const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;
+    std::printf("\nstep time (measured on this CPU: %d probe models of this config's blocks, trained 1 + 7 steps "
+                "of two micro-batches each, interleaved, on `train`'s backend; each probe's fastest step):\n", q.probes);
+    std::printf("  per micro-batch (forward + backward, the FP8 weights already quantized): probe A (%d dense + %d MoE "
+                "block%s, embedding, head, loss) %s",
+                q.dense_in_a, q.moe_in_a, q.dense_in_a + q.moe_in_a == 1 ? "" : "s", seconds_text(q.cached.a).c_str());
+    if (Ld > q.dense_in_a) std::printf(" + %d x dense block %s", Ld - q.dense_in_a, seconds_text(q.cached.dense).c_str());
+    if (Lm > q.moe_in_a) std::printf(" + %d x MoE block %s", Lm - q.moe_in_a, seconds_text(q.cached.moe).c_str());
+    if (g.mtp_depth > 0) std::printf(" + %d x MTP module %s", g.mtp_depth, seconds_text(q.cached.mtp).c_str());
+    std::printf(" = %s%s\n", seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "");
+    std::printf("  x %d micro-batches + the FP8 weights' quantization at first use %s + optimizer (zero_grads, norm, "
+                "AdamW) %s = %s per step\n",
+                L.micro_batches, seconds_text(r.quantize).c_str(), seconds_text(r.optimizer).c_str(),
+                seconds_text(r.step).c_str());
+    std::printf("  %.0f tokens/s. The probes' tokens: %s. Not in it: the step's data loading, loss and load "
+                "read-backs and logging\n",
+                step_tokens / r.step, q.real_data ? "the config's data.path (routed as training routes them)"
+                                                  : "uniformly random (data.path unreadable: real text routes less evenly)");
+  } else {
+    std::printf("\nstep time (roofline, %s):\n", d.name.c_str());
+    std::printf("  per micro-batch on the slowest stage: compute %s, memory-bound %s, communication %s%s\n",
+                seconds_text(r.compute_mb).c_str(), seconds_text(r.memory_mb).c_str(), seconds_text(r.comm_mb).c_str(),
+                o.overlap ? " (hidden behind compute: --overlap)" : " (exposed)");
+    std::printf("  x %d micro-batches + bubble %s + dp/edp %s%s + optimizer %s = %s per step\n", L.micro_batches,
+                seconds_text(r.bubble).c_str(), seconds_text(r.dp).c_str(), o.overlap ? " (overlapped)" : "",
+                seconds_text(r.optimizer).c_str(), seconds_text(r.step).c_str());
+    const double tps = step_tokens / r.step;
+    std::printf("  %.0f tokens/s, MFU %.3f of the %s peak\n", tps, tps * model_flops / (world * (c.fp8.recipe != Fp8Recipe::off ? d.fp8 : d.fp32)),
+                c.fp8.recipe != Fp8Recipe::off ? "FP8" : "FP32");
+    std::printf("  assumptions: GEMMs at %.2f of %s: FP8 %.4g FLOP/s for the linear layers fp8.layers runs in FP8, %s %.4g "
+                "for the others (router, eh_proj, head; every linear layer with recipe off), attention core %.4g "
+                "(%s); memory-bound traffic 4 x the activations kept per micro-batch plus AdamW's and the FP8 "
+                "weights' bytes, at %.4g B/s; communication at %s; uniform routing; 1F1B with the slowest stage "
+                "setting the pace; no kernel-launch or host overhead.\n",
+                eff, d.cpu ? "the rates measured here" : "the peaks", d.fp8, o.higher_precision.c_str(),
+                o.higher_precision == "bf16" ? d.bf16 : d.fp32, d.attention, d.cpu ? "measured" : "the BF16 peak", d.hbm,
+                d.cpu ? "the memory bandwidth (ranks of one machine)"
+                      : ("NVLink " + bytes_text(d.nvlink) + "/s inside a node of " + std::to_string(o.node_size) +
+                         ", InfiniBand " + bytes_text(d.ib) + "/s per GPU across nodes")
+                            .c_str());
+}
   std::printf("  device: %s\n", d.basis.c_str());
 
   if (o.tokens > 0) {
     const double hours = o.tokens / step_tokens * r.step * world / 3600;
     std::printf("\n%.4g tokens: %.4g steps, %.4g %s-hours (%.4g days on %d)\n", o.tokens, o.tokens / step_tokens, hours,
                 name.c_str(), hours / world / 24, world);
-    if (o.target_hours > 0) {
-      // The step time falls monotonically with the efficiency: bisect for the target.
-      auto hours_at = [&](double e) { return o.tokens / step_tokens * roofline(p, d, o, e).step * world / 3600; };
-      double lo = 1e-4, hi = 1.0;
-      if (hours_at(hi) > o.target_hours) {
-        std::printf("  %.4g hours is out of reach even at efficiency 1.0 (%.4g hours): the parts the efficiency does not "
-                    "scale (communication, memory-bound, bubble) take more\n",
-                    o.target_hours, hours_at(hi));
-      } else {
-        for (int i = 0; i < 100; ++i) {
-          const double mid = std::sqrt(lo * hi);
-          (hours_at(mid) > o.target_hours ? lo : hi) = mid;
-        }
-        const Roofline at = roofline(p, d, o, hi);
-        std::printf("  matching %.4g hours takes a GEMM efficiency of %.3f (of the peaks above): per step %s, of it "
-                    "compute %s, communication %s%s, bubble %s\n",
-                    o.target_hours, hi, seconds_text(at.step).c_str(),
-                    seconds_text(at.compute_mb * L.micro_batches).c_str(),
-                    seconds_text((at.comm_mb * L.micro_batches) + at.dp).c_str(), o.overlap ? " (hidden)" : " (exposed)",
-                    seconds_text(at.bubble).c_str());
-      }
-    }
+    if (o.target_hours > 0) print_target(p, d, o, world, step_tokens);
   }
 
   // One line for scripts (bench/plan-vs-measured.sh): the worst rank's tensors, with the

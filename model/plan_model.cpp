@@ -215,6 +215,10 @@ double bubble_fraction(int stages, int micro_batches) {
   return stages > 1 ? double(stages - 1) / double(micro_batches + stages - 1) : 0.0;
 }
 
+double step_budget_seconds(double hours, double tokens, double step_tokens, int world) {
+  return hours * 3600.0 / (tokens / step_tokens) / double(world);
+}
+
 int in_flight_micro_batches(int stages, int stage, int micro_batches) {
   int open = 0, most = 0;
   for (const PipelineOp& op : one_f_one_b(stages, stage, micro_batches)) {
