@@ -200,12 +200,18 @@ TEST_F(Layouts, NodeLimitedRoutingIsTheSameOnEveryLayout) {
 // projections and norms whole, summing the heads' gradients at the latents; under pipeline
 // parallelism the module runs on the last stage with the embeddings of its tokens sent from the
 // first. The loss printed is the main model's; the module's shows in the later steps through the
-// gradients it adds. Step 2 is the sharp comparison of the gradients (the first update); over 20
-// steps node-limited routing's near-ties amplify FP32 (and FP8) noise. Measured (2-core VM,
-// 2026-12-01), worst over the layouts, relative to 1 rank: step 1 5.1e-11 (off), 9.9e-12
-// (blockwise); step 2 2.7e-8, 4.9e-10; 20 steps 8.3e-6, 2.2e-2 (MLA without the module, off:
-// 8.5e-4 at the step where a near-tie routes elsewhere). Without the tensor-parallel sum of the
-// key-value latent's gradient the test fails (mutation mla-latent-gradient-not-summed-over-tp).
+// gradients it adds. Step 2 is the sharp comparison of the gradients (the first update) with the
+// recipe off; over 20 steps node-limited routing's near-ties amplify FP32 (and FP8) noise. With
+// blockwise FP8, step 2 is looser: the layouts' FP32 sums differ in their last bits, so here and
+// there a quantization rounds the other way, and Adam's first update (about lr x the gradient's
+// sign) moves the elements it feeds by a whole lr; the same model without the MTP module, code the
+// module does not touch, is 3.7e-5 off at step 2 on tp2. Measured (2-core VM), worst over the
+// layouts, relative to 1 rank: 2026-12-01 step 1 5.1e-11 (off), 9.9e-12 (blockwise); step 2
+// 2.7e-8, 4.9e-10; 20 steps 8.3e-6, 2.2e-2 (MLA without the module, off: 8.5e-4 at the step where
+// a near-tie routes elsewhere); 2026-12-02, the module reading the normed hidden state: step 1
+// 7.0e-10, 3.0e-11; step 2 1.4e-9, 6.5e-5; 20 steps 5.5e-7, 8.4e-3. Without the tensor-parallel
+// sum of the key-value latent's gradient the test fails (mutation
+// mla-latent-gradient-not-summed-over-tp).
 TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
   std::vector<std::string> mla = kLatentAttentionAndMtp;
   for (const char* s : {"model.moe.n_group=4", "model.moe.topk_group=2", "model.moe.routed_scaling_factor=2.5"})
@@ -228,7 +234,7 @@ TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
       std::printf("latent attention, recipe %-9s %-22s %d ranks: step 1 loss %.2e, step 2 %.2e, 20 steps %.2e "
                   "relative to 1 rank\n", recipe, l.name, l.ranks, w1, w2, w);
       EXPECT_LE(w1, 1e-8) << recipe << " " << l.name;
-      EXPECT_LE(w2, off ? 3e-7 : 1e-6) << recipe << " " << l.name;
+      EXPECT_LE(w2, off ? 3e-7 : 5e-4) << recipe << " " << l.name;
       EXPECT_LE(w, off ? 5e-5 : 5e-2) << recipe << " " << l.name;
     }
   }
