@@ -82,7 +82,8 @@ python_venv() {
 # The reference model (tests/reference/model_ref.py, JAX), the checkpoint reader (h5py), the plots
 # (matplotlib), the tokenizer (scripts/tokenize-data.py, tokenizers) and Hugging Face's safetensors
 # reader (tests/app/hf_interop.py) run from build/venv.
-python_venv build/venv "$requirements" "jax, numpy, ml_dtypes, matplotlib, h5py, tokenizers, safetensors"
+venv=build/venv
+python_venv "$venv" "$requirements" "jax, numpy, ml_dtypes, matplotlib, h5py, tokenizers, safetensors"
 
 # Hugging Face transformers and PyTorch (the reference of fp8moe export / import), only when asked.
 if ((with_hf)); then
