@@ -32,6 +32,16 @@ void pread_all(int fd, void* buf, size_t n, uint64_t at, const std::string& path
   }
 }
 
+void write_all(int fd, const void* buf, size_t n, const std::string& path) {
+  const auto* p = static_cast<const unsigned char*>(buf);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) throw HfFormatError(path + ": write failed: " + errno_text());
+    p += w, n -= size_t(w);
+  }
+}
+
 // The header text for `tensors` (offsets assigned in order), padded with spaces to a multiple of
 // 8 bytes so that the data starts aligned.
 std::string header_text(std::vector<SafeTensor>& tensors, const std::map<std::string, std::string>& metadata,
@@ -86,18 +96,9 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<SafeTe
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(uint64_t(header.size()) >> (8 * i));
   written_ = 0;
-  auto put = [&](const void* p, size_t n) {
-    const auto* c = static_cast<const unsigned char*>(p);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, c, n);
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) throw HfFormatError(path_ + ": write failed: " + errno_text());
-      c += w, n -= size_t(w);
-    }
-  };
   try {
-    put(len, 8);
-    put(header.data(), header.size());
+    write_all(fd_, len, 8, path_);
+    write_all(fd_, header.data(), header.size(), path_);
   } catch (...) {
     ::close(fd_);
     fd_ = -1;
@@ -113,14 +114,7 @@ void SafetensorsWriter::write(const void* data, size_t bytes) {
   if (fd_ < 0) throw HfFormatError(path_ + ": written after close");
   if (written_ + bytes > data_bytes_)
     throw HfFormatError(path_ + ": more data than the header's tensors hold (" + std::to_string(data_bytes_) + " bytes)");
-  const auto* c = static_cast<const unsigned char*>(data);
-  size_t n = bytes;
-  while (n > 0) {
-    const ssize_t w = ::write(fd_, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) throw HfFormatError(path_ + ": write failed: " + errno_text());
-    c += w, n -= size_t(w);
-  }
+  write_all(fd_, data, bytes, path_);
   written_ += bytes;
 }
 
@@ -132,13 +126,6 @@ void SafetensorsWriter::close() {
   const int fd = fd_;
   fd_ = -1;
   if (::fsync(fd) != 0 || ::close(fd) != 0) throw HfFormatError(path_ + ": cannot flush: " + errno_text());
-}
-
-uint64_t SafetensorsWriter::file_bytes(const std::vector<SafeTensor>& tensors,
-                                       const std::map<std::string, std::string>& metadata) {
-  std::vector<SafeTensor> copy = tensors;
-  uint64_t data = 0;
-  return 8 + header_text(copy, metadata, &data).size() + data;
 }
 
 // ---------------------------------------------------------------- reader

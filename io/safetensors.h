@@ -48,8 +48,6 @@ class SafetensorsWriter {
   void write(const void* data, size_t bytes);
   // Checks that every tensor is complete, flushes and closes; throws on an I/O error.
   void close();
-  // The bytes the file will have: header and data (for sharding before writing).
-  static uint64_t file_bytes(const std::vector<SafeTensor>& tensors, const std::map<std::string, std::string>& metadata);
 
  private:
   std::string path_;

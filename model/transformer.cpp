@@ -486,7 +486,6 @@ void Transformer::set_fp8_scaling(const std::map<std::string, HostLinearScaling>
     scaling_[name] = {delayed_from_host(be_, s.x), delayed_from_host(be_, s.w), delayed_from_host(be_, s.dy)};
 }
 
-
 struct StageRun::Impl {
   int64_t B = 0, T = 0, N = 0;
   const int32_t* tokens = nullptr;   // first stage: for the embedding's backward (the caller's memory)
@@ -730,7 +729,7 @@ void Transformer::mtp_backward(StageRun& run, float* dh_main) {
     if (!dnext.empty()) be_.add(dh.f32(), dnext.f32(), dh.f32(), N * D);
     be_.rmsnorm_backward(ms.out.f32(), P(p + "norm.weight"), ms.rstd_f.f32(), dh.f32(), N, D, dout.f32(),
                          G(p + "norm.weight"));
-    ms.dlogits.reset();
+    ms.dlogits.reset(), ms.hf.reset();  // module k + 1, which read it, is done
     recompute_if_dropped(l, ms.x.f32(), &ms.block);
     Tensor dxk(be_, DType::f32, {N, D}), dcat(be_, DType::f32, {N, 2 * D});
     block_backward(l, ms.block, dout.f32(), dxk.f32(), st.aux_grad_scale);
