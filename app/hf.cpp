@@ -13,6 +13,7 @@
 #include "app/exit_codes.h"
 #include "app/train.h"
 #include "app/train_loop.h"
+#include "app/trainer.h"
 #include "io/checkpoint.h"
 #include "io/config.h"
 #include "io/hf_format.h"
@@ -20,11 +21,8 @@
 #include "kernels/check.h"
 #include "kernels/fp8.h"
 #include "kernels/quantize.h"
-#include "model/data_parallel.h"
-#include "model/optimizer.h"
 #include "model/transformer.h"
 #include "parallel/grid.h"
-#include "parallel/mpi_communicator.h"
 #include "parallel/mpi_session.h"
 
 namespace fp8moe {
@@ -284,17 +282,10 @@ int import_on_ranks(const ImportOptions& o, const MpiSession& mpi) {
   // The model and optimizer of a fresh run of this layout, on the CPU backend: each rank holds its
   // shard, exactly as training would, and the checkpoint is written the way training writes one.
   ProcessGrid grid(MPI_COMM_WORLD, cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert);
-  MpiCommunicator world(grid.world(), "world"), pipe(grid.pipeline(), "pp"), dp(grid.data(), "dp"),
-      tp(grid.tensor(), "tp"), ep(grid.expert(), "ep"), edp(grid.expert_data(), "edp");
   const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
-  Transformer model(*be, cfg, ModelGroups{.pipeline = &pipe, .tensor = &tp, .data = &dp, .expert = &ep,
-                                          .expert_counts = &ep, .expert_data = &edp});
-  ReplicaSync sync(model.store(), dp, edp, model.placement().at().tensor_rank, cfg.optim.zero == 1);
-  AdamW opt(*be, sync.local_table(), cfg.train, sync.owned());
-  LossScaler scaler(cfg.train);
-  TrainProgress progress;
-  const TrainerState state{&cfg, &model, &opt, &scaler, &progress, layout_text(grid.dims()), sync.write_rows(),
-                           sync.moment_write_rows()};
+  const TrainComms comms(grid, *be, /*nccl=*/false);
+  Trainer trainer(cfg, *be, comms, layout_text(grid.dims()));
+  Transformer& model = trainer.model;
   try {
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
@@ -311,7 +302,7 @@ int import_on_ranks(const ImportOptions& o, const MpiSession& mpi) {
                 o.hf_dir.c_str(), fresh.size(), fresh.front().c_str());
   std::string saved;
   try {
-    saved = save_checkpoint(grid.world(), state);
+    saved = save_checkpoint(grid.world(), trainer.state);
   } catch (const CheckpointError& e) {
     if (root) std::fprintf(stderr, "fp8moe: error: import: %s\n", e.what());
     return kExitFailure;

@@ -16,6 +16,7 @@
 
 #include "app/exit_codes.h"
 #include "app/step_report.h"
+#include "app/trainer.h"
 #include "io/config.h"
 #include "io/token_data.h"
 #include "kernels/attention.h"
@@ -23,7 +24,6 @@
 #include "kernels/gemm_fp8.h"
 #include "kernels/quantize.h"
 #include "model/param_table.h"
-#include "model/optimizer.h"
 #include "model/plan_model.h"
 #include "model/transformer.h"
 
@@ -206,7 +206,7 @@ constexpr double kCpuLibraryHeap = 50e6;
 struct ProbeTimes { double first = 0, cached = 0, optimizer = 0; };
 class ProbeModel {
  public:
-  ProbeModel(const Config& c, int dense, int moe, int mtp, int64_t B, int64_t T) : B_(B), T_(T), mtp_(mtp) {
+  ProbeModel(const Config& c, int dense, int moe, int mtp, int64_t B, int64_t T) : B_(B), T_(T), depth_(mtp) {
     pc_ = c;
     pc_.parallel.tensor = pc_.parallel.pipeline = pc_.parallel.expert = 1;
     pc_.parallel.micro_batches = 1;
@@ -217,8 +217,8 @@ class ProbeModel {
     BackendOptions bo;
     bo.grouped_gemm = c.runtime.grouped_gemm;
     be_ = make_backend(kind, 0, bo);
-    model_ = std::make_unique<Transformer>(*be_, pc_);
-    opt_ = std::make_unique<AdamW>(*be_, model_->table(), pc_.train);
+    comms_ = std::make_unique<TrainComms>(*be_);
+    trainer_ = std::make_unique<Trainer>(pc_, *be_, *comms_, "probe");
     const ModelConfig& m = pc_.model;
     const int64_t N = B * T;
     std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
@@ -236,14 +236,7 @@ class ProbeModel {
     ids_ = tensor_from(*be_, tok, {N}), targets_ = tensor_from(*be_, tgt, {N});
     losses_ = Tensor::zeros(*be_, DType::f64, {1 + m.moe_layers() + mtp});
     sq_ = Tensor::zeros(*be_, DType::f64, {1});
-    if (mtp > 0) {
-      std::vector<int32_t> in(size_t(mtp * N)), out(in.size());
-      mtp_shift(tok.data(), B, T, mtp, 0, in.data());
-      mtp_shift(tgt.data(), B, T, mtp, m.pad_id, out.data());
-      mtp_ids_ = tensor_from(*be_, in, {mtp * N}), mtp_tgt_ = tensor_from(*be_, out, {mtp * N});
-      mb_.tokens = mtp_ids_.data<int32_t>(), mb_.targets = mtp_tgt_.data<int32_t>();
-      for (int k = 0; k < mtp; ++k) mb_.mean_over.push_back(N);
-    }
+    if (mtp > 0) mtp_ = mtp_inputs(*be_, tok.data(), tgt.data(), B, T, mtp, m.pad_id);
   }
   bool real_data() const { return real_data_; }
 
@@ -252,9 +245,9 @@ class ProbeModel {
     const int64_t N = B_ * T_;
     const LossSlots slots{losses_.data<double>(), losses_.data<double>() + 1, losses_.data<double>() + 1 + m.moe_layers()};
     auto micro_batch = [&] {
-      StageRun run = model_->stage_forward(ids_.data<int32_t>(), targets_.data<int32_t>(), N, B_, T_, nullptr, true,
-                                           slots, 1.0f, N, 1.0, mtp_ > 0 ? &mb_ : nullptr);
-      model_->stage_backward(run, nullptr);
+      StageRun run = trainer_->model.stage_forward(ids_.data<int32_t>(), targets_.data<int32_t>(), N, B_, T_, nullptr, true,
+                                           slots, 1.0f, N, 1.0, depth_ > 0 ? &mtp_.batch : nullptr);
+      trainer_->model.stage_backward(run, nullptr);
       be_->sync();
     };
     auto seconds = [](const auto& fn) {
@@ -262,17 +255,17 @@ class ProbeModel {
       fn();
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    model_->zero_grads();
-    model_->begin_step();
+    trainer_->model.zero_grads();
+    trainer_->model.begin_step();
     ProbeTimes t;
     t.first = seconds(micro_batch);
     t.cached = seconds(micro_batch);
     t.optimizer = seconds([&] {
-      model_->zero_grads();
-      opt_->grad_sq(model_->store(), 0.5f, {}, sq_.data<double>());
+      trainer_->model.zero_grads();
+      trainer_->opt.grad_sq(trainer_->model.store(), 0.5f, {}, sq_.data<double>());
       double host = 0;
       be_->download(&host, sq_.data<double>(), sizeof host);
-      opt_->step(model_->store(), pc_.train.warmup_steps, host, 0.5f);
+      trainer_->opt.step(trainer_->model.store(), pc_.train.warmup_steps, host, 0.5f);
       be_->sync();
     });
     return t;
@@ -281,13 +274,13 @@ class ProbeModel {
  private:
   Config pc_;
   int64_t B_, T_;
-  int mtp_;
+  int depth_;
   bool real_data_ = false;
   std::unique_ptr<Backend> be_;
-  std::unique_ptr<Transformer> model_;
-  std::unique_ptr<AdamW> opt_;
-  Tensor ids_, targets_, losses_, sq_, mtp_ids_, mtp_tgt_;
-  MtpBatch mb_;
+  std::unique_ptr<TrainComms> comms_;
+  std::unique_ptr<Trainer> trainer_;
+  Tensor ids_, targets_, losses_, sq_;
+  MtpInputs mtp_;
 };
 
 // The probes for a config on one rank: A (one block of each kind the model has), A plus one MoE

@@ -45,18 +45,16 @@ void StageRunner::sample(DataBlend& data, uint64_t seed, int64_t first_sample, i
   counted_all_ = counted_;
   if (count_all && R > 1) g_.data_host->allreduce_sum(counted_all_.data(), batches);
   if (!count_all || depth_ == 0) return;  // the modules train; an evaluation leaves them out
-  // The modules' tokens and targets (model/transformer.h, mtp_shift), counted the same way.
+  // The modules' tokens and targets (model/mtp.h), counted the same way.
   const int64_t per = mbs_ * T_;
   if (mtp_tokens_h_.size() < depth_ * n)
     mtp_tokens_h_ = HostBuffer<int32_t>(be_, depth_ * n), mtp_targets_h_ = HostBuffer<int32_t>(be_, depth_ * n);
-  mtp_counted_.assign(size_t(batches * depth_), 0);
+  mtp_counted_.clear();
   for (int64_t b = 0; b < batches; ++b) {
-    int32_t* tg = mtp_targets_h_.data() + b * depth_ * per;
-    mtp_shift(tokens_h_.data() + b * per, mbs_, T_, depth_, 0, mtp_tokens_h_.data() + b * depth_ * per);
-    mtp_shift(targets_h_.data() + b * per, mbs_, T_, depth_, cfg_.model.pad_id, tg);
-    for (int k = 0; k < depth_; ++k)
-      mtp_counted_[size_t(b * depth_ + k)] =
-          std::count_if(tg + k * per, tg + (k + 1) * per, [&](int32_t x) { return x != cfg_.model.pad_id; });
+    const std::vector<int64_t> counted =
+        mtp_batch(tokens_h_.data() + b * per, targets_h_.data() + b * per, mbs_, T_, depth_, cfg_.model.pad_id,
+                  mtp_tokens_h_.data() + b * depth_ * per, mtp_targets_h_.data() + b * depth_ * per);
+    mtp_counted_.insert(mtp_counted_.end(), counted.begin(), counted.end());
   }
   mtp_counted_all_ = mtp_counted_;
   if (R > 1) g_.data_host->allreduce_sum(mtp_counted_all_.data(), batches * depth_);

@@ -32,19 +32,25 @@ int set_threads_per_rank() {
 
 // runtime.device and runtime.comm resolved to what runs (every rank agrees), and the CUDA device
 // of this rank (its node-local rank modulo the GPUs it sees). Empty on success, else the message
-// of a usage error. Collective over MPI_COMM_WORLD.
-std::string resolve_runtime(Config& cfg, int* ordinal, std::string* device_line) {
+// of a usage error. A dry run on a machine without the configured device (a login node) is not
+// one: it resolves as the config's machine would (a GPU per rank) and says the device was not
+// checked here. Collective over MPI_COMM_WORLD.
+std::string resolve_runtime(Config& cfg, bool dry_run, int* ordinal, std::string* device_line) {
   const NodePlace place = node_place(MPI_COMM_WORLD);
   std::string why;
   const int gpus = cuda_device_count(&why);
-  const bool all_have_gpu = !any_rank(MPI_COMM_WORLD, gpus == 0);
+  bool all_have_gpu = !any_rank(MPI_COMM_WORLD, gpus == 0);
   *ordinal = gpus > 0 ? place.local_rank % gpus : -1;
   // NCCL refuses two ranks on one GPU.
-  const bool gpu_per_rank = distinct_gpus_per_node(MPI_COMM_WORLD, *ordinal);
+  bool gpu_per_rank = distinct_gpus_per_node(MPI_COMM_WORLD, *ordinal);
   RuntimeConfig& r = cfg.runtime;
-  if (r.device == DeviceChoice::cuda && !all_have_gpu)
-    return "runtime.device: cuda, but a rank sees no CUDA device" + (gpus == 0 ? " (" + why + ")" : std::string()) +
-           "; use runtime.device=cpu or auto";
+  std::string unchecked;
+  if (r.device == DeviceChoice::cuda && !all_have_gpu) {
+    const std::string missing = "a rank sees no CUDA device" + (gpus == 0 ? " (" + why + ")" : std::string());
+    if (!dry_run) return "runtime.device: cuda, but " + missing + "; use runtime.device=cpu or auto";
+    unchecked = "; not checked here: " + missing + " (train without --dry-run refuses to start on this machine)";
+    all_have_gpu = gpu_per_rank = true;  // as on the machine the config is for
+  }
   std::string resolved;
   if (r.device == DeviceChoice::automatic) {
     r.device = all_have_gpu ? DeviceChoice::cuda : DeviceChoice::cpu;
@@ -63,11 +69,14 @@ std::string resolve_runtime(Config& cfg, int* ordinal, std::string* device_line)
   const std::string comm = r.comm == CommChoice::mpi ? (r.device == DeviceChoice::cpu ? "mpi" : "mpi (staged through pinned host memory)")
                            : r.device == DeviceChoice::emulated ? "nccl (the emulated device's own collectives)"
                                                                 : "nccl";
-  if (r.device == DeviceChoice::cuda)
+  const std::string attention = std::string(EnumNames<AttentionChoice>::names[size_t(r.attention)]) +
+                                (cudnn_attention_built() ? "" : " (cuDNN's fused attention not built: reference)");
+  if (r.device == DeviceChoice::cuda && !unchecked.empty())
+    *device_line = "device: cuda, comm " + comm + ", attention " + attention + unchecked;
+  else if (r.device == DeviceChoice::cuda)
     *device_line = "device: cuda (rank 0: GPU " + std::to_string(*ordinal) + " of the " + std::to_string(gpus) +
                    " it sees, by node-local rank " + std::to_string(place.local_rank) + "), comm " + comm +
-                   ", attention " + std::string(EnumNames<AttentionChoice>::names[size_t(r.attention)]) +
-                   (cudnn_attention_built() ? "" : " (cuDNN's fused attention not built: reference)");
+                   ", attention " + attention;
   else if (r.device == DeviceChoice::emulated)
     *device_line = "device: emulated (the CPU kernels on memory the host may not touch), comm " + comm;
   else
@@ -78,7 +87,7 @@ std::string resolve_runtime(Config& cfg, int* ordinal, std::string* device_line)
 }  // namespace
 
 int agreed_config(const std::string& path, const std::vector<std::string>& overrides, const MpiSession& mpi,
-                  Config* out) {
+                  Config* out, int world) {
   const bool root = mpi.rank() == 0;
   // Rank 0 reads the file and broadcasts it: one reader, and every rank validates the same text,
   // so every rank reaches the same verdict and exits the same way; only rank 0 speaks.
@@ -97,7 +106,7 @@ int agreed_config(const std::string& path, const std::vector<std::string>& overr
   }
   broadcast_string(MPI_COMM_WORLD, text, 0);
   try {
-    *out = load_config(ConfigSource{path, text, overrides}, mpi.size());
+    *out = load_config(ConfigSource{path, text, overrides}, world > 0 ? world : mpi.size());
   } catch (const ConfigError& e) {
     error = e.what();
   }
@@ -110,33 +119,53 @@ int agreed_config(const std::string& path, const std::vector<std::string>& overr
 
 namespace {
 
+// What a run prints before it starts (rank 0): the effective config, the layout, the device, the
+// parameter counts and the threads (0: not set here).
+void print_start(const TrainOptions& options, const Config& config, int ranks, const std::string& table,
+                 const std::string& device_line, int threads) {
+  std::printf("fp8moe %s: %s on %d rank%s%s\n\neffective config:\n%s\n%s\n", FP8MOE_VERSION,
+              options.config_path.c_str(), ranks, ranks == 1 ? "" : "s",
+              options.world > 0 ? " (--world: laid out from this process, not launched)" : "",
+              config_to_yaml(config).c_str(), table.c_str());
+  std::printf("%s\n", device_line.c_str());
+  std::printf("%s\n", param_count_table(config.model).c_str());
+  if (threads > 0)
+    std::printf("OpenMP threads per rank: %d%s\n", threads,
+                std::getenv("OMP_NUM_THREADS") ? " (OMP_NUM_THREADS)" : " (the node's cores / its ranks)");
+  if (options.dry_run)
+    std::printf("dry run: the config is valid and the process grid is %s; nothing was trained.\n",
+                options.world > 0 ? "laid out" : "built");
+  std::fflush(stdout);
+}
+
 int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const bool root = mpi.rank() == 0;
+  if (options.world > 0 && mpi.size() > 1) {  // (CLI11 makes --world need --dry-run)
+    if (root) usage_error("--world lays a run out from one process: start the dry run without mpirun");
+    return kExitUsage;
+  }
   Config config;
-  if (const int status = agreed_config(options.config_path, options.overrides, mpi, &config); status != kExitOk)
+  if (const int status = agreed_config(options.config_path, options.overrides, mpi, &config, options.world);
+      status != kExitOk)
     return status;
 
   std::string device_line;
   int ordinal = -1;
-  std::string error = resolve_runtime(config, &ordinal, &device_line);  // collective; the verdict is the same on every rank
+  std::string error = resolve_runtime(config, options.dry_run, &ordinal, &device_line);  // collective; the verdict is the same on every rank
   if (!error.empty()) {
     if (root) usage_error(error);
     return kExitUsage;
   }
-  ProcessGrid grid(MPI_COMM_WORLD, config.parallel.tensor, config.parallel.pipeline, config.parallel.expert);
+  const ParallelConfig& par = config.parallel;
+  if (options.world > 0) {
+    const GridDims dims = make_grid_dims(options.world, par.tensor, par.pipeline, par.expert);
+    print_start(options, config, options.world, grid_layout_table(dims, {}), device_line, 0);
+    return kExitOk;
+  }
+  ProcessGrid grid(MPI_COMM_WORLD, par.tensor, par.pipeline, par.expert);
   const std::string table = grid.layout_table();  // collective
   const int threads = set_threads_per_rank();      // collective
-  if (root) {
-    std::printf("fp8moe %s: %s on %d rank%s\n\neffective config:\n%s\n%s\n", FP8MOE_VERSION,
-                options.config_path.c_str(), mpi.size(), mpi.size() == 1 ? "" : "s",
-                config_to_yaml(config).c_str(), table.c_str());
-    std::printf("%s\n", device_line.c_str());
-    std::printf("%s\n", param_count_table(config.model).c_str());
-    std::printf("OpenMP threads per rank: %d%s\n", threads,
-                std::getenv("OMP_NUM_THREADS") ? " (OMP_NUM_THREADS)" : " (the node's cores / its ranks)");
-    if (options.dry_run) std::printf("dry run: the config is valid and the process grid is built; nothing was trained.\n");
-    std::fflush(stdout);
-  }
+  if (root) print_start(options, config, mpi.size(), table, device_line, threads);
   if (options.dry_run) return kExitOk;
   const Watchdog watchdog(config.runtime.timeout_s, mpi.rank());  // ends a job with a stuck rank (exit 4)
   const DeviceKind kind = config.runtime.device == DeviceChoice::cuda       ? DeviceKind::cuda

@@ -10,6 +10,9 @@ struct TrainOptions {
   std::string config_path;
   std::vector<std::string> overrides;  // "key.path=value"
   bool dry_run = false;
+  // With dry_run, from one process: validate and lay out the run for this many ranks, as on the
+  // machine it is for (0: the ranks started).
+  int world = 0;
 };
 
 // Starts MPI, validates the config on every rank (rank 0 reports), builds the process grid and
@@ -19,9 +22,10 @@ int run_train(const TrainOptions& options, int* argc, char*** argv);
 class MpiSession;
 struct Config;
 // The config of a job, the same on every rank: rank 0 reads the file and broadcasts it, every rank
-// validates it for the world size (rank 0 reports a problem). kExitOk with *out filled, or
-// kExitUsage on every rank. Collective over MPI_COMM_WORLD (train, import).
+// validates it for the world size (`world`, or the ranks started when 0; rank 0 reports a
+// problem). kExitOk with *out filled, or kExitUsage on every rank. Collective over MPI_COMM_WORLD
+// (train, import).
 int agreed_config(const std::string& path, const std::vector<std::string>& overrides, const MpiSession& mpi,
-                  Config* out);
+                  Config* out, int world = 0);
 
 }  // namespace fp8moe

@@ -12,6 +12,7 @@
 #include "app/exit_codes.h"
 #include "app/stage_runner.h"
 #include "app/step_report.h"
+#include "app/trainer.h"
 #include "io/checkpoint.h"
 #include "io/config.h"
 #include "io/metrics.h"
@@ -20,8 +21,6 @@
 #include "model/data_parallel.h"
 #include "model/optimizer.h"
 #include "model/transformer.h"
-#include "parallel/device_communicator.h"
-#include "parallel/mpi_communicator.h"
 #include "parallel/mpi_session.h"
 #include "parallel/watchdog.h"
 
@@ -135,24 +134,184 @@ void install_stop_handlers() {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
-int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
-  // Host communicators for the small numbers every rank exchanges (token counts, losses, loads,
-  // agreements), and the same groups on the backend's memory for the tensors (runtime.comm,
-  // resolved by app/train.cpp: NCCL, MPI staged through pinned memory, or the emulated device's
-  // own; on the CPU backend the host ones themselves).
-  MpiCommunicator world(grid.world(), "world"), pipe_h(grid.pipeline(), "pp"), dp_h(grid.data(), "dp"),
-      tp_h(grid.tensor(), "tp"), ep_h(grid.expert(), "ep"), edp_h(grid.expert_data(), "edp");
-  const bool nccl = cfg.runtime.comm == CommChoice::nccl;
-  std::vector<std::unique_ptr<Communicator>> owned;
-  auto on_device = [&](MpiCommunicator& host, MPI_Comm comm, const char* name) -> Communicator* {
-    if (be.host_accessible()) return &host;
-    owned.push_back(make_device_communicator(comm, be, nccl, name));
-    return owned.back().get();
+namespace {
+
+// One run of the loop over its steps: the trainer's parts, the data, the reporting. Every method
+// is collective over the world.
+class TrainLoop {
+ public:
+  TrainLoop(const Config& cfg, const ProcessGrid& grid, Backend& be, const TrainComms& comms, Trainer& t,
+            TrainData& data, MetricsLog& jsonl, bool eval_on)
+      : cfg_(cfg), grid_(grid), be_(be), t_(t), data_(data), world_(comms.world()),
+        pipe_h_(*comms.groups().pipeline.host), root_(world_.rank() == 0), eval_on_(eval_on),
+        runner_(cfg, t.model, comms.runner()), comm_(cfg, t.model, comms.groups(), runner_.sequences()),
+        peak_(training_peak(cfg, be, world_.size())), reporter_(cfg, be, world_, jsonl, peak_),
+        grad_sq_(be, DType::f64, {1}), first_step_(t.progress.step) {}
+
+  // Steps first_step + 1 .. train.steps; the exit status.
+  int run() {
+    announce_run(cfg_, t_.model, t_.opt, t_.sync, runner_, t_.state.layout, first_step_, peak_, world_);
+    t_start_ = Clock::now();
+    for (int64_t step = first_step_; step < cfg_.train.steps; ++step) {
+      const StepDone done = train_step(step);
+      report(done);
+      const int status = after_step(step);
+      if (status == kEndRun) break;
+      if (status != kCarryOn) return status;
+    }
+    if (root_) {
+      comm_.print();
+      std::printf("done: %lld steps in %.1f s; final validation loss %s; %s%s%s\n",
+                  (long long)(t_.progress.step - first_step_), seconds_since(t_start_),
+                  number_or_null(t_.progress.last_val_loss).c_str(),
+                  cfg_.checkpoint.save ? "sample with: fp8moe generate --checkpoint " : "no checkpoint (checkpoint.save false)",
+                  cfg_.checkpoint.save ? cfg_.checkpoint.dir.c_str() : "", cfg_.checkpoint.save ? " --prompt ..." : "");
+    }
+    return kExitOk;
+  }
+
+ private:
+  struct StepDone {
+    int64_t step = 0;  // 1-based
+    StepTotals totals;
+    OptimizerStats opt;
+    float used_scale = 1;
+    double step_s = 0, bubble = 0;
+    bool evaluated = false;
+    TransferCounts transfers;
   };
-  Communicator *tp = on_device(tp_h, grid.tensor(), "tp"), *ep = on_device(ep_h, grid.expert(), "ep"),
-               *dp = on_device(dp_h, grid.data(), "dp"), *edp = on_device(edp_h, grid.expert_data(), "edp"),
-               *pipe = on_device(pipe_h, grid.pipeline(), "pp");
-  const TrainGroups groups{{tp, &tp_h}, {ep, &ep_h}, {dp, &dp_h}, {edp, &edp_h}, {pipe, &pipe_h}, &world};
+
+  // Forward and backward of every micro-batch; gradients summed over the replicas, averaged over
+  // the micro-batches and unscaled; AdamW; the router biases; then the validation loss when due.
+  StepDone train_step(int64_t step) {
+    const auto t0 = Clock::now();
+    StepDone d;
+    d.step = step + 1;
+    watch_step(d.step, "forward and backward");
+    const TransferCounts transfers0 = be_.transfers();
+    Transformer& model = t_.model;
+    model.zero_grads();
+    comm_.start_step();
+    StepLocal local;
+    d.used_scale = t_.scaler.scale();
+    runner_.train_step(*data_.train, t_.progress.samples, d.used_scale, &local);
+    watch_step(d.step, "gradient sync and optimizer");
+    t_.sync.reduce_gradients(model.store());
+    // The gradients are divided by the micro-batch count and the loss scale inside the norm and
+    // the AdamW kernel (kernels/adamw.h), never rewritten.
+    const float unscale = 1.0f / (float(cfg_.parallel.micro_batches) * d.used_scale);
+    t_.opt.grad_sq(model.store(), unscale, norm_mask_, grad_sq_.data<double>());
+    d.totals = runner_.finish_step(grad_sq_.data<double>());  // the step's host synchronisation
+    d.opt = t_.opt.step(model.store(), step, d.totals.grad_sq, unscale);
+    if (!d.opt.skipped) t_.sync.gather_weights(model.store());
+    comm_.end_step(local.rows_off_rank);
+    t_.scaler.update(!d.opt.skipped);
+    if (!d.opt.skipped && !d.totals.expert_load.empty()) model.update_router_biases(d.totals.expert_load);
+    d.transfers = be_.transfers() - transfers0;
+    TrainProgress& progress = t_.progress;
+    progress.step = d.step;
+    progress.samples += cfg_.train.global_batch;
+    progress.tokens += int64_t(cfg_.train.global_batch) * cfg_.train.seq_len;
+
+    // The step's time (so tokens/s and MFU) excludes the evaluation that may follow. The pipeline
+    // bubble: the stages' mean fraction of the step spent waiting for a neighbour.
+    d.step_s = seconds_since(t0);
+    world_.allreduce_max(&d.step_s, 1);
+    d.bubble = d.step_s > 0 ? local.waited_s / d.step_s : 0;
+    pipe_h_.allreduce_sum(&d.bubble, 1);
+    d.bubble /= double(pipe_h_.size());
+    d.evaluated = eval_on_ && (d.step % cfg_.eval.every == 0 || d.step == cfg_.train.steps);
+    watch_step(d.step, "evaluation and metrics");
+    if (d.evaluated) progress.last_val_loss = runner_.validation_loss(*data_.val);
+    return d;
+  }
+
+  // The metrics line and record, every log.every steps and at the end; the pipeline bubble beside
+  // the 1F1B ideal (P - 1) / (M + P - 1).
+  void report(const StepDone& d) {
+    if (d.step % cfg_.log.every != 0 && d.step != cfg_.train.steps) return;
+    const int P = pipe_h_.size(), M = cfg_.parallel.micro_batches;
+    const StepTotals& totals = d.totals;
+    const TrainProgress& progress = t_.progress;
+    reporter_.report({.step = d.step, .loss = totals.loss, .mtp_loss = totals.mtp_loss,
+                      .val_loss = d.evaluated ? progress.last_val_loss : NAN, .last_val_loss = progress.last_val_loss,
+                      .lr = d.opt.lr, .grad_norm = d.opt.grad_norm, .loss_scale = d.used_scale,
+                      .skipped_steps = t_.opt.skipped(), .fp8_saturated = totals.fp8_saturated,
+                      .fp8_underflowed = totals.fp8_underflowed,
+                      .expert_load_imbalance = load_imbalance(totals.expert_load), .step_s = d.step_s,
+                      .bubble = P > 1 ? d.bubble : NAN, .bubble_ideal = P > 1 ? double(P - 1) / double(M + P - 1) : NAN,
+                      .eta_s = seconds_since(t_start_) / double(d.step - first_step_) * double(cfg_.train.steps - d.step),
+                      .transfers = d.transfers});
+  }
+
+  bool checkpoint() {
+    try {
+      const std::string dir = save_checkpoint(grid_.world(), t_.state);
+      if (root_) std::printf("checkpoint %s committed\n", dir.c_str());
+      std::fflush(stdout);
+      return true;
+    } catch (const CheckpointError& e) {
+      if (root_) std::fprintf(stderr, "fp8moe: error: checkpoint save failed: %s (the previous checkpoint is intact)\n", e.what());
+      return false;
+    }
+  }
+
+  // Checkpoints: every checkpoint.every steps, at the end, at train.exit_interval (then the run
+  // ends as if done), and after a stop signal on any rank (every rank stops after this same step;
+  // exit 3, requeue). Returns kCarryOn, kEndRun, or the exit status of a run that stops here.
+  static constexpr int kCarryOn = -1, kEndRun = -2;
+  int after_step(int64_t step) {
+    watch_step_done("checkpoint and stop signal");  // watched call by call, not as part of the step
+    const CheckpointConfig& c = cfg_.checkpoint;
+    const bool final_step = step + 1 == cfg_.train.steps;
+    const bool periodic = c.save && c.every > 0 && (step + 1) % c.every == 0;
+    const bool exit_now = cfg_.train.exit_interval > 0 && (step + 1) % cfg_.train.exit_interval == 0 && !final_step;
+    if ((periodic || (final_step && c.save) || exit_now) && !checkpoint()) return kExitFailure;
+    if (exit_now) {
+      if (root_) std::printf("exit: step %lld is a multiple of train.exit_interval\n", (long long)step + 1);
+      return kEndRun;
+    }
+    const int signal = agreed_stop_signal(grid_.world());
+    if (signal == 0 || final_step) return kCarryOn;
+    if (root_)
+      std::printf("signal %d (%s): stopping after step %lld %s\n", signal,
+                  signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "?", (long long)step + 1,
+                  c.save ? "with a checkpoint" : "without one (checkpoint.save is false)");
+    if (!c.save) {
+      // Not exit 3: a requeued job would find nothing to resume from and start again from step 0.
+      if (root_) std::printf("exit %d: nothing saved, nothing to requeue\n", kExitFailure);
+      std::fflush(stdout);
+      return kExitFailure;
+    }
+    if (!periodic && !checkpoint()) return kExitFailure;
+    if (root_) std::printf("exit %d: checkpointed at step %lld; requeue to continue\n", kExitRequeue, (long long)step + 1);
+    std::fflush(stdout);
+    return kExitRequeue;
+  }
+
+  const Config& cfg_;
+  const ProcessGrid& grid_;
+  Backend& be_;
+  Trainer& t_;
+  TrainData& data_;
+  Communicator& world_;
+  Communicator& pipe_h_;
+  const bool root_, eval_on_;
+  StageRunner runner_;
+  CommAccounting comm_;
+  const Peak peak_;
+  StepReporter reporter_;
+  const std::vector<bool> norm_mask_ = t_.sync.norm_mask();
+  Tensor grad_sq_;
+  const int64_t first_step_;
+  Clock::time_point t_start_;
+};
+
+}  // namespace
+
+int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
+  const TrainComms comms(grid, be, cfg.runtime.comm == CommChoice::nccl);
+  Communicator& world = comms.world();
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike: every rank returns the same status, only rank 0 speaks.
   auto fail = [&](const std::string& message) { return root ? usage_error(message) : kExitUsage; };
@@ -171,139 +330,24 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
 
-  Transformer model(be, cfg, ModelGroups{.pipeline = pipe, .tensor = tp, .data = dp, .expert = ep,
-                                         .expert_counts = &ep_h, .expert_data = edp});
-  ReplicaSync sync(model.store(), *dp, *edp, model.placement().at().tensor_rank, cfg.optim.zero == 1);
-  const std::vector<bool> norm_mask = sync.norm_mask();
-  AdamW opt(be, sync.local_table(), cfg.train, sync.owned());
-  LossScaler scaler(cfg.train);
-  TrainProgress progress;
-  const TrainerState state{&cfg, &model, &opt, &scaler, &progress, layout_text(grid.dims()), sync.write_rows(),
-                           sync.moment_write_rows()};
+  Trainer t(cfg, be, comms, layout_text(grid.dims()));
   std::string resumed;
   try {
-    resumed = resume_from_checkpoint(grid.world(), state);
+    resumed = resume_from_checkpoint(grid.world(), t.state);
   } catch (const CheckpointError& e) {
     return fail(std::string("checkpoint.resume: ") + e.what());
   }
   if (resumed.empty() && !jsonl.restart())  // a fresh run: a fresh log
     std::fprintf(stderr, "fp8moe: warning: log.jsonl: cannot empty %s: no metrics log\n", cfg.log.jsonl.c_str());
   if (root && !resumed.empty())
-    std::printf("resumed from %s: step %lld, %lld tokens consumed\n", resumed.c_str(), (long long)progress.step,
-                (long long)progress.tokens);
-  if (progress.step >= cfg.train.steps) {
+    std::printf("resumed from %s: step %lld, %lld tokens consumed\n", resumed.c_str(), (long long)t.progress.step,
+                (long long)t.progress.tokens);
+  if (t.progress.step >= cfg.train.steps) {
     if (root) std::printf("nothing to train: the checkpoint is at step %lld, train.steps is %lld\n",
-                          (long long)progress.step, (long long)cfg.train.steps);
+                          (long long)t.progress.step, (long long)cfg.train.steps);
     return kExitOk;
   }
-
-  StageRunner runner(cfg, model, {pipe, &pipe_h, &dp_h, &world});
-  CommAccounting comm(cfg, model, groups, runner.sequences());
-  const Peak peak = training_peak(cfg, be, world.size());
-  StepReporter reporter(cfg, be, world, jsonl, peak);
-  const int64_t T = cfg.train.seq_len, first_step = progress.step;
-  const int P = pipe_h.size(), M = cfg.parallel.micro_batches;
-  announce_run(cfg, model, opt, sync, runner, state.layout, first_step, peak, world);
-  auto checkpoint = [&]() -> bool {
-    try {
-      const std::string dir = save_checkpoint(grid.world(), state);
-      if (root) std::printf("checkpoint %s committed\n", dir.c_str());
-      std::fflush(stdout);
-      return true;
-    } catch (const CheckpointError& e) {
-      if (root) std::fprintf(stderr, "fp8moe: error: checkpoint save failed: %s (the previous checkpoint is intact)\n", e.what());
-      return false;
-    }
-  };
-  Tensor grad_sq(be, DType::f64, {1});
-
-  const auto t_start = Clock::now();
-  for (int64_t step = first_step; step < cfg.train.steps; ++step) {
-    const auto t0 = Clock::now();
-    // Forward and backward of every micro-batch; gradients summed over the replicas, averaged
-    // over the micro-batches and unscaled; AdamW; the router biases.
-    watch_step(step + 1, "forward and backward");
-    const TransferCounts transfers0 = be.transfers();
-    model.zero_grads();
-    comm.start_step();
-    StepLocal local;
-    const float used_scale = scaler.scale();
-    runner.train_step(*data.train, progress.samples, used_scale, &local);
-    watch_step(step + 1, "gradient sync and optimizer");
-    sync.reduce_gradients(model.store());
-    // The gradients are divided by the micro-batch count and the loss scale inside the norm and
-    // the AdamW kernel (kernels/adamw.h), never rewritten.
-    const float unscale = 1.0f / (float(M) * used_scale);
-    opt.grad_sq(model.store(), unscale, norm_mask, grad_sq.data<double>());
-    const StepTotals totals = runner.finish_step(grad_sq.data<double>());  // the step's host synchronisation
-    const OptimizerStats st = opt.step(model.store(), step, totals.grad_sq, unscale);
-    if (!st.skipped) sync.gather_weights(model.store());
-    comm.end_step(local.rows_off_rank);
-    scaler.update(!st.skipped);
-    if (!st.skipped && !totals.expert_load.empty()) model.update_router_biases(totals.expert_load);
-    const TransferCounts transfers = be.transfers() - transfers0;
-    progress.step = step + 1;
-    progress.samples += cfg.train.global_batch;
-    progress.tokens += int64_t(cfg.train.global_batch) * T;
-
-    // The step's time (so tokens/s and MFU) excludes the evaluation that may follow. The pipeline
-    // bubble: the stages' mean fraction of the step spent waiting for a neighbour, beside the 1F1B
-    // ideal (P - 1) / (M + P - 1).
-    double step_s = seconds_since(t0);
-    world.allreduce_max(&step_s, 1);
-    double bubble = step_s > 0 ? local.waited_s / step_s : 0;
-    pipe_h.allreduce_sum(&bubble, 1);
-    bubble /= double(P);
-    const bool final_step = step + 1 == cfg.train.steps;
-    const bool evaluated = eval_on && ((step + 1) % cfg.eval.every == 0 || final_step);
-    watch_step(step + 1, "evaluation and metrics");
-    if (evaluated) progress.last_val_loss = runner.validation_loss(*data.val);
-    if ((step + 1) % cfg.log.every == 0 || final_step)
-      reporter.report({.step = step + 1, .loss = totals.loss, .mtp_loss = totals.mtp_loss, .val_loss = evaluated ? progress.last_val_loss : NAN,
-                       .last_val_loss = progress.last_val_loss, .lr = st.lr, .grad_norm = st.grad_norm,
-                       .loss_scale = used_scale, .skipped_steps = opt.skipped(), .fp8_saturated = totals.fp8_saturated,
-                       .fp8_underflowed = totals.fp8_underflowed,
-                       .expert_load_imbalance = load_imbalance(totals.expert_load), .step_s = step_s,
-                       .bubble = P > 1 ? bubble : NAN, .bubble_ideal = P > 1 ? double(P - 1) / double(M + P - 1) : NAN,
-                       .eta_s = seconds_since(t_start) / double(step + 1 - first_step) * double(cfg.train.steps - step - 1),
-                       .transfers = transfers});
-
-    // Checkpoints: every checkpoint.every steps, at the end, at train.exit_interval (then exit),
-    // and after a stop signal on any rank (every rank stops after this same step; exit 3, requeue).
-    watch_step_done("checkpoint and stop signal");  // watched call by call, not as part of the step
-    const bool periodic = cfg.checkpoint.save && cfg.checkpoint.every > 0 && (step + 1) % cfg.checkpoint.every == 0;
-    const bool exit_now = cfg.train.exit_interval > 0 && (step + 1) % cfg.train.exit_interval == 0 && !final_step;
-    if ((periodic || (final_step && cfg.checkpoint.save) || exit_now) && !checkpoint()) return kExitFailure;
-    if (exit_now) {
-      if (root) std::printf("exit: step %lld is a multiple of train.exit_interval\n", (long long)step + 1);
-      break;
-    }
-    if (const int signal = agreed_stop_signal(grid.world()); signal != 0 && !final_step) {
-      if (root)
-        std::printf("signal %d (%s): stopping after step %lld %s\n", signal,
-                    signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "?", (long long)step + 1,
-                    cfg.checkpoint.save ? "with a checkpoint" : "without one (checkpoint.save is false)");
-      if (!cfg.checkpoint.save) {
-        // Not exit 3: a requeued job would find nothing to resume from and start again from step 0.
-        if (root) std::printf("exit %d: nothing saved, nothing to requeue\n", kExitFailure);
-        std::fflush(stdout);
-        return kExitFailure;
-      }
-      if (!periodic && !checkpoint()) return kExitFailure;
-      if (root) std::printf("exit %d: checkpointed at step %lld; requeue to continue\n", kExitRequeue, (long long)step + 1);
-      std::fflush(stdout);
-      return kExitRequeue;
-    }
-  }
-  if (root) {
-    comm.print();
-    std::printf("done: %lld steps in %.1f s; final validation loss %s; %s%s%s\n",
-                (long long)(progress.step - first_step), seconds_since(t_start),
-                number_or_null(progress.last_val_loss).c_str(),
-                cfg.checkpoint.save ? "sample with: fp8moe generate --checkpoint " : "no checkpoint (checkpoint.save false)",
-                cfg.checkpoint.save ? cfg.checkpoint.dir.c_str() : "", cfg.checkpoint.save ? " --prompt ..." : "");
-  }
-  return kExitOk;
+  return TrainLoop(cfg, grid, be, comms, t, data, jsonl, eval_on).run();
 }
 
 }  // namespace fp8moe

@@ -1,8 +1,11 @@
-// The whole MoE transformer on one rank, forward and backward, on the rank's backend:
-//   embedding | L x [x += Attention(RMSNorm(x)); x += FFN(RMSNorm(x))] | RMSNorm, head, cross-entropy
-// FFN is a dense SwiGLU MLP in the first `first_dense_layers` blocks and an MoE after them. Every
-// linear layer's GEMMs run in FP8 per fp8.recipe and fp8.layers; embedding, router, norms,
-// attention core, head and loss stay FP32. Tokens are (B, T) row-major, N = B * T.
+// The MoE transformer on one rank: the stage driver, forward and backward, on the rank's backend:
+//   embedding | L x Block | head (final norm, head, cross-entropy) | multi-token prediction
+// The pieces are their own units: model/block.h (a block: attention and a dense or MoE FFN),
+// model/attention.h (GQA, MLA), model/head.h, model/mtp.h, model/fp8_state.h (the linear layers'
+// FP8 state and the Pass each forward and backward runs as). Every linear layer's GEMMs run in
+// FP8 per fp8.recipe and fp8.layers; embedding, router, norms, attention core, head and loss stay
+// FP32. Tokens are (B, T) row-major, N = B * T. Parameters are resolved once, when the model is
+// built: the passes look nothing up by name.
 //
 // Every tensor lives in the backend's memory (device memory on a GPU): parameters and gradients
 // in one flat buffer each (model/param_store.h), activations, FP8 copies, scales and delayed-
@@ -17,7 +20,10 @@
 #include <string>
 #include <vector>
 
-#include "model/moe.h"
+#include "model/block.h"
+#include "model/context.h"
+#include "model/head.h"
+#include "model/mtp.h"
 #include "model/param_store.h"
 #include "model/param_table.h"
 #include "model/placement.h"
@@ -47,22 +53,6 @@ struct LossSlots {
   double* aux = nullptr;     // one slot per MoE layer of the model: its auxiliary loss (unweighted)
   double* mtp = nullptr;     // one slot per multi-token prediction module: its cross-entropy sum
 };
-
-// Multi-token prediction (model.mtp_depth modules) on one micro-batch of B x T tokens, in a training
-// forward: module k (0-based) reads the tokens k + 1 ahead and predicts the targets k + 1 ahead,
-// within each sequence (mtp_shift).
-struct MtpBatch {
-  const int32_t* tokens = nullptr;   // first stage: (depth, B*T) the modules' input tokens (device)
-  const int32_t* targets = nullptr;  // last stage: (depth, B*T) their targets (device)
-  // Last stage of several: (depth, B*T, D) the first stage's embeddings of `tokens` (passed along
-  // the pipeline with the activations).
-  const float* embeddings = nullptr;
-  std::vector<int64_t> mean_over;    // last stage: per module, its counted targets (over the replicas)
-};
-// out (depth, B, T): out[k][b][t] = src[b][t + k + 1] where t + k + 1 < T, else fill (host memory).
-// The modules' inputs are the tokens shifted (fill 0: any token; its position predicts nothing),
-// their targets the targets shifted (fill model.pad_id, or -1 without one: not counted).
-void mtp_shift(const int32_t* src, int64_t B, int64_t T, int depth, int32_t fill, int32_t* out);
 
 // The communicators the model computes over (none: one rank holds everything). Not owned. All but
 // expert_counts work on the backend's memory (parallel/device_communicator.h).
@@ -133,10 +123,10 @@ class Transformer {
   // The next training forward belongs to a new optimizer step: every FP8 weight is quantized anew
   // at its first use and reused by the step's other micro-batches, its recomputations and dgrad
   // (with delayed scaling, a weight's amax enters its history once per step).
-  void begin_step() { ++step_id_; }
+  void begin_step() { fp8_->begin_step(); }
   // Device [saturated, underflowed] counters that every quantization of a training forward and
   // backward adds to; the caller zeroes and reads them.
-  uint64_t* fp8_counts() { return fp8_counts_.data<uint64_t>(); }
+  uint64_t* fp8_counts() { return fp8_->counts(); }
   // Also download each MoE layer's choice of experts into StepResult::routing (tests: one more
   // synchronisation per layer).
   void set_keep_routing(bool on) { keep_routing_ = on; }
@@ -180,57 +170,31 @@ class Transformer {
   const Placement& placement() const { return placement_; }
   bool holds(size_t i) const { return store_->holds(i); }
   const Shard& shard(size_t i) const { return store_->shard(i); }
-  // The delayed-scaling state per linear weight name, in host form (checkpoints): entries appear at
-  // the first training forward; set_fp8_scaling replaces every entry (a loaded entry with a
-  // history is used as it is).
-  std::map<std::string, HostLinearScaling> fp8_scaling_to_host() const;
-  void set_fp8_scaling(const std::map<std::string, HostLinearScaling>& scaling);
+  // The delayed-scaling state per linear weight name, in host form (checkpoints): an entry per FP8
+  // linear weight this rank holds (Fp8State::to_host); set_fp8_scaling replaces every entry (a
+  // loaded entry with a history is used as it is).
+  std::map<std::string, HostLinearScaling> fp8_scaling_to_host() const { return fp8_->to_host(); }
+  void set_fp8_scaling(const std::map<std::string, HostLinearScaling>& scaling) { fp8_->from_host(scaling); }
 
   // Bytes of activations saved for backward per token per block, as of the last forward.
   double saved_bytes_per_token_per_layer() const { return saved_bytes_per_token_; }
 
- public:
-  struct BlockSaved;  // one block's forward state (defined in transformer.cpp)
-  struct MtpSaved;    // one multi-token prediction module's
-
  private:
   size_t slot(const std::string& name) const;  // the table index of a parameter; asserts it exists
-  const float* P(const std::string& name) const { return store_->param(slot(name)); }
-  float* G(const std::string& name) { return store_->grad(slot(name)); }
-  // record: a training forward (advances delayed-scaling histories, uses the step's weight
-  // caches); otherwise a recomputation (recompute_ true: the forward's scales and weights) or an
-  // evaluation (the current scales, weights quantized afresh).
-  LinearFp8 fp8_for(const std::string& weight, LinearClass cls, bool record);
-  FfnWeights ffn_weights(const std::string& prefix) const;
-  FfnGrads ffn_grads(const std::string& prefix);
-  FfnFp8 ffn_fp8(const std::string& prefix, LinearClass cls, bool record);
-  MoeWeights moe_weights(int layer) const;
+  const ModelConfig& local() const { return placement_.local(); }  // this tensor-parallel rank's dims
+  // Which blocks train.recompute drops after a training forward (and runs again before backward).
   bool recomputed(int layer) const;
-  void ensure_rope(int64_t T);
+  // After a block's training forward: its MoE routing into the stage's result and, where the block
+  // is recomputed, its state dropped but for the routing.
+  void finish_block(const Block& block, BlockSaved* s, StepResult* result);
   // (rows, V) of the last positions; with mtp (rows == T), the modules' logits too.
   std::vector<float> last_logits(const int32_t* tokens, int64_t T, int64_t rows, std::vector<std::vector<float>>* mtp);
-  void block_forward(int layer, const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, bool record,
-                     double* aux);
-  void block_backward(int layer, const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale);
-  // The attention sublayer on s->h1: o (N, D) written, this rank's partial sum (row-parallel wo);
-  // backward: dh1 written, complete (summed over tensor parallelism).
-  void gqa_forward(int layer, int64_t B, int64_t T, float* o, BlockSaved* s, bool record);
-  void mla_forward(int layer, int64_t B, int64_t T, float* o, BlockSaved* s, bool record);
-  void gqa_backward(int layer, const BlockSaved& s, const float* dout, float* dh1);
-  void mla_backward(int layer, const BlockSaved& s, const float* dout, float* dh1);
-  // The multi-token prediction modules on the last stage, after the main blocks (their losses into
-  // slots.mtp and their blocks' aux losses into slots.aux), reading the main model's normed output
-  // (the head's input), and their backward, whose gradient of that output is added to dh_main.
-  void mtp_forward(StageRun& run, const MtpBatch& mtp, const LossSlots& slots, float loss_scale);
-  // After a block's forward: its MoE routing into the stage's result and, where the block is
-  // recomputed, its state dropped but for the routing; before its backward, that recomputation.
-  void finish_block_forward(int layer, BlockSaved* s, StepResult* result);
-  void recompute_if_dropped(int layer, const float* x, BlockSaved* s);
-  void mtp_backward(StageRun& run, float* dh_main);
-  // Module k on (B, T) positions: emb the embeddings of the tokens k + 1 ahead, h the hidden state
-  // it reads (normed); fills ms (its block's state, and hf, its normed output: the head's input).
-  void mtp_module_forward(int k, const float* emb, const float* h, int64_t B, int64_t T, MtpSaved* ms, bool record,
-                          double* aux);
+  // Vocabulary-parallel embedding (tensor parallelism: each token's row comes from the one rank
+  // holding it, summed over the group) and its weight gradient.
+  void embed_forward(const int32_t* tokens, int64_t N, float* out);
+  void embed_backward(const float* dx, const int32_t* tokens, int64_t N);
+  void stage_head_forward(StageRun& run, const int32_t* targets, int64_t counted, const LossSlots& slots,
+                          float loss_scale, int64_t mean_over, const MtpBatch* mtp);
 
   Backend& be_;
   Config cfg_;
@@ -238,27 +202,19 @@ class Transformer {
   ModelGroups groups_;
   Placement placement_;
   std::unique_ptr<ParamStore> store_;
-  std::map<std::string, LinearScaling> scaling_;  // delayed-scaling state per linear weight
-  std::vector<WeightCache> weights_;              // per parameter: its FP8 copy of the step
-  int64_t step_id_ = 0;
-  Tensor fp8_counts_;                             // (2) uint64
+  std::unique_ptr<Fp8State> fp8_;
+  RopeTables rope_;
   HostBuffer<int64_t> loads_h_;                   // (n_experts) pinned: each MoE layer's loads, read back
-  Tensor rope_cs_, rope_sn_, rope_cs_inv_, rope_sn_inv_;  // (rope_T_, rope_dim / 2)
-  int64_t rope_T_ = 0;
-  double saved_bytes_per_token_ = 0;
-  bool recompute_ = false;  // inside a recomputation (see fp8_for)
-  bool saving_ = false;     // the running block_forward keeps its state for a backward (see fp8_for)
-  bool keep_routing_ = false;
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // expert parallelism (ep > 1)
-  const ModelConfig& local() const { return placement_.local(); }  // this tensor-parallel rank's dims
-  int tp_size() const { return placement_.at().tensor; }
-  void tp_sum(float* x, int64_t n);  // allreduce over the tensor group (nothing without one)
-  // Vocabulary-parallel embedding, head and cross-entropy (tensor parallelism: this rank holds
-  // the vocabulary rows [vocab_first, vocab_first + local vocab)); the full logits are never formed.
-  void embed_forward(const int32_t* tokens, int64_t N, float* out);
-  void embed_backward(const float* dx, const int32_t* tokens, int64_t N);
-  void cross_entropy(const float* logits, const int32_t* targets, int64_t N, float grad_scale, float* dlogits,
-                     double* loss_sum);
+  std::unique_ptr<ModelContext> ctx_;
+  // This stage's blocks [layer_begin, layer_end), then on the last stage the modules' blocks.
+  std::vector<std::unique_ptr<Block>> blocks_;
+  Weight embed_;                                  // first stage
+  HeadParams head_;                               // last stage
+  std::unique_ptr<Mtp> mtp_;                      // last stage, with model.mtp_depth modules
+  std::vector<std::pair<int, float*>> router_biases_;  // (layer, bias) of this rank's MoE blocks
+  double saved_bytes_per_token_ = 0;
+  bool keep_routing_ = false;
 };
 
 }  // namespace fp8moe

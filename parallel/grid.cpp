@@ -84,15 +84,7 @@ ProcessGrid::~ProcessGrid() {
     if (*comm != MPI_COMM_NULL) MPI_Comm_free(comm);
 }
 
-std::string ProcessGrid::layout_table() const {
-  constexpr int kHost = 64;
-  char host[kHost] = {};
-  gethostname(host, kHost - 1);
-  std::vector<char> hosts(rank_ == 0 ? static_cast<size_t>(dims_.world) * kHost : 0);
-  MPI_CHECK(MPI_Gather(host, kHost, MPI_CHAR, hosts.data(), kHost, MPI_CHAR, 0, world_));
-  if (rank_ != 0) return {};
-
-  const GridDims& d = dims_;
+std::string grid_layout_table(const GridDims& d, const std::vector<std::string>& hosts) {
   std::string out;
   char line[256];
   std::string order;
@@ -108,12 +100,25 @@ std::string ProcessGrid::layout_table() const {
   constexpr int kMaxRows = 64;
   for (int r = 0; r < d.world && r < kMaxRows; ++r) {
     const GridCoord c = grid_coord_of(d, r);
-    std::snprintf(line, sizeof line, "  %5d  %-20.20s %4d %4d %4d %4d %4d\n", r, &hosts[size_t(r) * kHost],
-                  c.tensor, c.pipeline, c.data, c.expert, c.expert_data);
+    const char* host = size_t(r) < hosts.size() ? hosts[size_t(r)].c_str() : "-";
+    std::snprintf(line, sizeof line, "  %5d  %-20.20s %4d %4d %4d %4d %4d\n", r, host, c.tensor, c.pipeline, c.data,
+                  c.expert, c.expert_data);
     out += line;
   }
   if (d.world > kMaxRows) out += "  ... (" + std::to_string(d.world - kMaxRows) + " more ranks)\n";
   return out;
+}
+
+std::string ProcessGrid::layout_table() const {
+  constexpr int kHost = 64;
+  char host[kHost] = {};
+  gethostname(host, kHost - 1);
+  std::vector<char> gathered(rank_ == 0 ? static_cast<size_t>(dims_.world) * kHost : 0);
+  MPI_CHECK(MPI_Gather(host, kHost, MPI_CHAR, gathered.data(), kHost, MPI_CHAR, 0, world_));
+  if (rank_ != 0) return {};
+  std::vector<std::string> hosts;
+  for (int r = 0; r < dims_.world; ++r) hosts.emplace_back(&gathered[size_t(r) * kHost]);
+  return grid_layout_table(dims_, hosts);
 }
 
 }  // namespace fp8moe

@@ -14,6 +14,7 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace fp8moe {
 
@@ -59,6 +60,9 @@ std::optional<GridProblem> grid_layout_problem(int world, int tensor, int pipeli
 
 // Dims of a valid layout (asserts validity: user input is checked by io/config first).
 GridDims make_grid_dims(int world, int tensor, int pipeline, int expert);
+// The layout of `d` as the start of a run prints it: the grid's formula, then the first 64 ranks'
+// coordinates with hosts[r] ("-" past the end of hosts: a layout not launched).
+std::string grid_layout_table(const GridDims& d, const std::vector<std::string>& hosts);
 GridCoord grid_coord_of(const GridDims& d, int rank);
 int grid_rank_of(const GridDims& d, const GridCoord& c);
 

@@ -428,7 +428,7 @@ const BadConfig kBadConfigs[] = {
 
 // runtime.device cuda where no GPU is visible: exit 2 naming the key, on every rank (only where
 // this machine has no GPU, of course).
-TEST(Cli, CudaWithoutAGpuExitsTwo) {
+TEST(Cli, CudaWithoutAGpuTrainsNotButDryRunsSayingSo) {
   const RunResult v = run({exe(), "--version"});
   if (v.out.find("GPUs:       none visible") == std::string::npos && v.out.find("CUDA:       not built") == std::string::npos)
     GTEST_SKIP() << "a GPU is visible here";
@@ -437,13 +437,43 @@ TEST(Cli, CudaWithoutAGpuExitsTwo) {
   for (int ranks : {1, 2}) {
     std::vector<std::string> argv;
     if (ranks > 1) argv = {mpiexec(), "-n", "2", "--oversubscribe"};
-    argv.insert(argv.end(), {exe(), "train", file, "--dry-run", "--set", "parallel.tensor=1", "--set",
-                             "parallel.pipeline=1", "--set", "parallel.expert=1"});
-    const RunResult r = run(argv, 120);
+    argv.insert(argv.end(), {exe(), "train", file, "--set", "parallel.tensor=1", "--set", "parallel.pipeline=1", "--set",
+                             "parallel.expert=1"});
+    // Training refuses, before it reads any data.
+    RunResult r = run(argv, 120);
     EXPECT_EQ(r.status, 2) << r.all();
     EXPECT_EQ(count(r.err, "fp8moe: error: "), 1u) << r.err;
     EXPECT_NE(r.err.find("runtime.device: cuda, but a rank sees no CUDA device"), std::string::npos) << r.err;
+    // A dry run (a login node validating a config before sbatch) validates, builds the grid and
+    // prints, with one line saying the device was not checked here.
+    argv.push_back("--dry-run");
+    r = run(argv, 120);
+    EXPECT_EQ(r.status, 0) << r.all();
+    EXPECT_EQ(count(r.out, "not checked here: a rank sees no CUDA device"), 1u) << r.out;
+    EXPECT_NE(r.out.find("device: cuda, comm nccl"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("dry run: the config is valid and the process grid is built"), std::string::npos) << r.out;
   }
+}
+
+TEST(Cli, DryRunLaysOutAWorldFromOneProcess) {
+  // DeepSeek-V3's 2,048-rank layout checked from one process, as before an sbatch.
+  const std::string cfg = source_dir() + "/configs/deepseek-v3-671b.yaml";
+  RunResult r = run({exe(), "train", cfg, "--dry-run", "--world", "2048"}, 60);
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("on 2048 ranks (--world: laid out from this process, not launched)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("process grid: world 2048 = tensor 1 x pipeline 16 x data 128; data 128 = expert 64 x "
+                       "expert-data 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("... (1984 more ranks)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dry run: the config is valid and the process grid is laid out"), std::string::npos) << r.out;
+  // The world size is validated as for a launched run; --world needs --dry-run and one process.
+  r = run({exe(), "train", cfg, "--dry-run", "--world", "2047"}, 60);
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("dividing the world size 2047"), std::string::npos) << r.err;
+  r = run({exe(), "train", cfg, "--world", "2048"}, 60);
+  EXPECT_EQ(r.status, 2) << r.all();
+  r = run({mpiexec(), "-n", "2", "--oversubscribe", exe(), "train", cfg, "--dry-run", "--world", "2048"}, 120);
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_EQ(count(r.err, "fp8moe: error: --world lays a run out from one process"), 1u) << r.err;
 }
 
 class BadConfigTest : public testing::TestWithParam<BadConfig> {};

@@ -226,6 +226,18 @@ TEST(ModelReference, BlockwiseFp8MatchesJaxWithTheSameQuantization) {
   }
 }
 
+TEST(ModelReference, RoutedExpertsOnlyMatchJax) {
+  // An MoE without shared experts (Mixtral's, Qwen-MoE's form) in blockwise FP8: its blocks hold
+  // no shared FFN and quantize none (before the model was split into its units, the first FP8
+  // forward of such a model asked for the shared experts' weights and failed). Bounds as above.
+  Config cfg = small_config(Fp8Recipe::blockwise, Gating::sigmoid);
+  cfg.model.moe.n_shared_experts = 0;
+  const Comparison c = compare_with_reference(cfg);
+  EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss));
+  EXPECT_LE(c.worst, 1e-2) << c.worst_name;
+  EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements";
+}
+
 TEST(ModelReference, CurrentScalingFp8MatchesJax) {
   // Per-tensor current scaling, E4M3 everywhere and hybrid (E5M2 gradients through ml_dtypes'
   // float8_e5m2). Same reasoning and bounds as the blockwise test. Every w3 is scaled by 1024, so

@@ -1,0 +1,217 @@
+#include "model/attention.h"
+
+#include "kernels/check.h"
+#include "model/param_table.h"
+
+namespace fp8moe {
+namespace {
+
+// ---------------------------------------------------------------- GQA
+
+struct GqaSaved final : AttentionSaved {
+  Tensor q, k, v;     // after RoPE: (N, H*hd), (N, KVH*hd), (N, KVH*hd)
+  Tensor attn, lse;   // (N, H*hd), (B, H, T)
+  LinearSaved lq, lk, lv, lo;
+  int64_t bytes() const override {
+    return int64_t(q.bytes() + k.bytes() + v.bytes() + attn.bytes() + lse.bytes()) + lq.fp8_activation_bytes() +
+           lk.fp8_activation_bytes() + lv.fp8_activation_bytes() + lo.fp8_activation_bytes();
+  }
+  bool needs_h1() const override { return lk.needs_fp32_input() || lv.needs_fp32_input() || lq.needs_fp32_input(); }
+};
+
+class Gqa final : public Attention {
+ public:
+  Gqa(const ModelContext& ctx, const std::string& p)
+      : c_(ctx), wq_(ctx.fp8.linear(p + "wq")), wk_(ctx.fp8.linear(p + "wk")), wv_(ctx.fp8.linear(p + "wv")),
+        wo_(ctx.fp8.linear(p + "wo")) {}
+
+  std::unique_ptr<AttentionSaved> forward(const float* h1, int64_t B, int64_t T, float* o, const Pass& pass) override {
+    const ModelConfig& m = c_.local;
+    const int64_t N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
+    Backend& be = c_.be;
+    auto s = std::make_unique<GqaSaved>();
+    s->B = B, s->T = T;
+    s->q = Tensor(be, DType::f32, {N, H * hd});
+    s->k = Tensor(be, DType::f32, {N, KVH * hd});
+    s->v = Tensor(be, DType::f32, {N, KVH * hd});
+    linear_forward(be, h1, N, D, wq_.w, H * hd, fp8(wq_, pass), s->q.f32(), &s->lq);
+    linear_forward(be, h1, N, D, wk_.w, KVH * hd, fp8(wk_, pass), s->k.f32(), &s->lk);
+    linear_forward(be, h1, N, D, wv_.w, KVH * hd, fp8(wv_, pass), s->v.f32(), &s->lv);
+    be.rope(s->q.f32(), B, T, H, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
+    be.rope(s->k.f32(), B, T, KVH, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
+    s->attn = Tensor(be, DType::f32, {N, H * hd});
+    s->lse = Tensor(be, DType::f32, {B * H * T});
+    be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), B, T, H, KVH, hd, hd, s->attn.f32(), s->lse.f32());
+    linear_forward(be, s->attn.f32(), N, H * hd, wo_.w, D, fp8(wo_, pass), o, &s->lo);
+    return s;
+  }
+
+  // x_mid = x + Wo(Attention(RoPE(Wq h1), RoPE(Wk h1), Wv h1)).
+  void backward(const AttentionSaved& saved, const float* dout, float* dh1) override {
+    const auto& s = static_cast<const GqaSaved&>(saved);
+    const ModelConfig& m = c_.local;
+    const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
+    Backend& be = c_.be;
+    const Pass pass = Pass::backward();
+    Tensor da(be, DType::f32, {N, H * hd}), dq(be, DType::f32, {N, H * hd}), dk(be, DType::f32, {N, KVH * hd}),
+        dv(be, DType::f32, {N, KVH * hd});
+    linear_backward(be, s.lo, wo_.w, dout, fp8(wo_, pass), da.f32(), wo_.g);
+    be.attention_backward(s.q.f32(), s.k.f32(), s.v.f32(), s.attn.f32(), s.lse.f32(), da.f32(), B, T, H, KVH, hd, hd,
+                          dq.f32(), dk.f32(), dv.f32());
+    be.rope(dq.f32(), B, T, H, hd, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), hd);
+    be.rope(dk.f32(), B, T, KVH, hd, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), hd);
+    Tensor part(be, DType::f32, {N, D});
+    linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g);
+    linear_backward(be, s.lk, wk_.w, dk.f32(), fp8(wk_, pass), part.f32(), wk_.g);
+    be.add(dh1, part.f32(), dh1, N * D);
+    linear_backward(be, s.lv, wv_.w, dv.f32(), fp8(wv_, pass), part.f32(), wv_.g);
+    be.add(dh1, part.f32(), dh1, N * D);
+    c_.tp_sum(dh1, N * D);  // column-parallel q, k, v
+  }
+
+ private:
+  LinearFp8 fp8(const LinearWeight& w, const Pass& pass) const { return c_.fp8.context(w, pass); }
+  const ModelContext& c_;
+  LinearWeight wq_, wk_, wv_, wo_;
+};
+
+// ---------------------------------------------------------------- MLA
+
+struct MlaSaved final : AttentionSaved {
+  // After RoPE: (N, H*qk), (N, H*qk), (N, H*v) with qk = qk_nope + qk_rope, every head's key
+  // holding the one shared rotated key.
+  Tensor q, k, v;
+  Tensor attn, lse;  // (N, H*v), (B, H, T)
+  // The query latent (N, q_lora) before and after its RMSNorm (the normalised one only while wq_b
+  // needs its FP32 input), the key-value latent (N, kv_lora) likewise, the norms' 1 / rms.
+  Tensor cq, rstd_q, cqn, ckv, rstd_kv, ckvn;
+  LinearSaved lq, lq_a, lkv_a, lkv_b, lo;  // lq: wq_b with the query latent, else wq
+  bool q_latent = false;
+  int64_t bytes() const override {
+    int64_t b = int64_t(q.bytes() + k.bytes() + v.bytes() + attn.bytes() + lse.bytes() + cq.bytes() + rstd_q.bytes() +
+                        cqn.bytes() + ckv.bytes() + rstd_kv.bytes() + ckvn.bytes());
+    for (const LinearSaved* l : {&lq, &lq_a, &lkv_a, &lkv_b, &lo}) b += l->fp8_activation_bytes();
+    return b;
+  }
+  // wq_b reads the query latent, not h1.
+  bool needs_h1() const override {
+    return lq_a.needs_fp32_input() || lkv_a.needs_fp32_input() || (!q_latent && lq.needs_fp32_input());
+  }
+};
+
+class Mla final : public Attention {
+ public:
+  Mla(const ModelContext& ctx, const std::string& p) : c_(ctx) {
+    const bool q_latent = ctx.local.q_lora_rank > 0;
+    wq_ = ctx.fp8.linear(p + (q_latent ? "wq_b" : "wq"));
+    if (q_latent) wq_a_ = ctx.fp8.linear(p + "wq_a"), q_norm_ = ctx.fp8.weight(p + "q_norm.weight");
+    wkv_a_ = ctx.fp8.linear(p + "wkv_a"), kv_norm_ = ctx.fp8.weight(p + "kv_norm.weight");
+    wkv_b_ = ctx.fp8.linear(p + "wkv_b"), wo_ = ctx.fp8.linear(p + "wo");
+  }
+
+  std::unique_ptr<AttentionSaved> forward(const float* h1, int64_t B, int64_t T, float* o, const Pass& pass) override {
+    const ModelConfig& m = c_.local;  // n_heads: this rank's heads
+    const int64_t N = B * T, D = m.d_model, H = m.n_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
+    const int64_t qk = nope + rope, vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
+    const float eps = float(m.norm_eps);
+    Backend& be = c_.be;
+    auto s = std::make_unique<MlaSaved>();
+    s->B = B, s->T = T, s->q_latent = ql > 0;
+    // Queries (N, H, qk): through the latent cq = RMSNorm(h1 Wq_a^T) when q_lora_rank > 0.
+    s->q = Tensor(be, DType::f32, {N, H * qk});
+    if (ql > 0) {
+      s->cq = Tensor(be, DType::f32, {N, ql});
+      linear_forward(be, h1, N, D, wq_a_.w, ql, fp8(wq_a_, pass), s->cq.f32(), &s->lq_a);
+      s->cqn = Tensor(be, DType::f32, {N, ql});
+      s->rstd_q = Tensor(be, DType::f32, {N});
+      be.rmsnorm_forward(s->cq.f32(), q_norm_.w, N, ql, eps, s->cqn.f32(), s->rstd_q.f32());
+      linear_forward(be, s->cqn.f32(), N, ql, wq_.w, H * qk, fp8(wq_, pass), s->q.f32(), &s->lq);
+      if (!s->lq.needs_fp32_input()) s->cqn.reset();
+    } else {
+      linear_forward(be, h1, N, D, wq_.w, H * qk, fp8(wq_, pass), s->q.f32(), &s->lq);
+    }
+    // The key-value latent and the shared rotary key: h1 Wkv_a^T = [ckv (kv_lora) | kpe (rope)].
+    Tensor ckv_pe(be, DType::f32, {N, kvl + rope}), kpe(be, DType::f32, {N, rope});
+    linear_forward(be, h1, N, D, wkv_a_.w, kvl + rope, fp8(wkv_a_, pass), ckv_pe.f32(), &s->lkv_a);
+    s->ckv = Tensor(be, DType::f32, {N, kvl});
+    be.copy_2d(s->ckv.f32(), kvl, ckv_pe.f32(), kvl + rope, N, kvl);
+    be.copy_2d(kpe.f32(), rope, ckv_pe.f32() + kvl, kvl + rope, N, rope);
+    s->ckvn = Tensor(be, DType::f32, {N, kvl});
+    s->rstd_kv = Tensor(be, DType::f32, {N});
+    be.rmsnorm_forward(s->ckv.f32(), kv_norm_.w, N, kvl, eps, s->ckvn.f32(), s->rstd_kv.f32());
+    Tensor kv(be, DType::f32, {N, H * (nope + vd)});  // per head [k_nope | v]
+    linear_forward(be, s->ckvn.f32(), N, kvl, wkv_b_.w, H * (nope + vd), fp8(wkv_b_, pass), kv.f32(), &s->lkv_b);
+    if (!s->lkv_b.needs_fp32_input()) s->ckvn.reset();
+    // RoPE on the last `rope` channels of each query head and on the shared key; then every head's
+    // key is [k_nope | kpe].
+    be.rope(s->q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
+    be.rope(kpe.f32(), B, T, 1, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), rope);
+    s->k = Tensor(be, DType::f32, {N, H * qk});
+    s->v = Tensor(be, DType::f32, {N, H * vd});
+    be.mla_expand_kv(kv.f32(), kpe.f32(), N, H, nope, rope, vd, s->k.f32(), s->v.f32());
+    s->attn = Tensor(be, DType::f32, {N, H * vd});
+    s->lse = Tensor(be, DType::f32, {B * H * T});
+    be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), B, T, H, H, qk, vd, s->attn.f32(), s->lse.f32());
+    linear_forward(be, s->attn.f32(), N, H * vd, wo_.w, D, fp8(wo_, pass), o, &s->lo);
+    return s;
+  }
+
+  // dh1 written, summed over tensor parallelism: the head-split up-projections' gradients are
+  // summed at the latents (smaller than h1), before the replicated norms and down-projections.
+  void backward(const AttentionSaved& saved, const float* dout, float* dh1) override {
+    const auto& s = static_cast<const MlaSaved&>(saved);
+    const ModelConfig& m = c_.local;
+    const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, nope = m.qk_nope_head_dim;
+    const int64_t rope = m.qk_rope_head_dim, qk = nope + rope, vd = m.v_head_dim, ql = m.q_lora_rank,
+                  kvl = m.kv_lora_rank;
+    Backend& be = c_.be;
+    const Pass pass = Pass::backward();
+    Tensor da(be, DType::f32, {N, H * vd}), dq(be, DType::f32, {N, H * qk}), dk(be, DType::f32, {N, H * qk}),
+        dv(be, DType::f32, {N, H * vd});
+    linear_backward(be, s.lo, wo_.w, dout, fp8(wo_, pass), da.f32(), wo_.g);
+    be.attention_backward(s.q.f32(), s.k.f32(), s.v.f32(), s.attn.f32(), s.lse.f32(), da.f32(), B, T, H, H, qk, vd,
+                          dq.f32(), dk.f32(), dv.f32());
+    be.rope(dq.f32() + nope, B, T, H, rope, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), qk);
+    // Keys and values back to the up-projection's output and the shared rotary key (summed over heads).
+    Tensor dkv(be, DType::f32, {N, H * (nope + vd)}), dkpe(be, DType::f32, {N, rope});
+    be.mla_expand_kv_backward(dk.f32(), dv.f32(), N, H, nope, rope, vd, dkv.f32(), dkpe.f32());
+    be.rope(dkpe.f32(), B, T, 1, rope, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), rope);
+    Tensor dckvn(be, DType::f32, {N, kvl});
+    linear_backward(be, s.lkv_b, wkv_b_.w, dkv.f32(), fp8(wkv_b_, pass), dckvn.f32(), wkv_b_.g);
+    c_.tp_sum(dckvn.f32(), N * kvl);  // partial sums over this rank's heads
+    c_.tp_sum(dkpe.f32(), N * rope);
+    Tensor dckv(be, DType::f32, {N, kvl}), dckv_pe(be, DType::f32, {N, kvl + rope});
+    be.rmsnorm_backward(s.ckv.f32(), kv_norm_.w, s.rstd_kv.f32(), dckvn.f32(), N, kvl, dckv.f32(), kv_norm_.g);
+    be.copy_2d(dckv_pe.f32(), kvl + rope, dckv.f32(), kvl, N, kvl);
+    be.copy_2d(dckv_pe.f32() + kvl, kvl + rope, dkpe.f32(), rope, N, rope);
+    if (ql > 0) {
+      Tensor dcqn(be, DType::f32, {N, ql}), dcq(be, DType::f32, {N, ql});
+      linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dcqn.f32(), wq_.g);
+      c_.tp_sum(dcqn.f32(), N * ql);
+      be.rmsnorm_backward(s.cq.f32(), q_norm_.w, s.rstd_q.f32(), dcqn.f32(), N, ql, dcq.f32(), q_norm_.g);
+      linear_backward(be, s.lq_a, wq_a_.w, dcq.f32(), fp8(wq_a_, pass), dh1, wq_a_.g);
+    } else {
+      linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g);
+      c_.tp_sum(dh1, N * D);  // column-parallel wq
+    }
+    Tensor part(be, DType::f32, {N, D});
+    linear_backward(be, s.lkv_a, wkv_a_.w, dckv_pe.f32(), fp8(wkv_a_, pass), part.f32(), wkv_a_.g);
+    be.add(dh1, part.f32(), dh1, N * D);
+  }
+
+ private:
+  LinearFp8 fp8(const LinearWeight& w, const Pass& pass) const { return c_.fp8.context(w, pass); }
+  const ModelContext& c_;
+  LinearWeight wq_, wq_a_, wkv_a_, wkv_b_, wo_;  // wq_: wq_b with the query latent, else wq
+  Weight q_norm_, kv_norm_;
+};
+
+}  // namespace
+
+std::unique_ptr<Attention> make_attention(const ModelContext& ctx, int layer) {
+  const std::string p = block_prefix(ctx.model, layer) + "attn.";
+  if (ctx.model.mla()) return std::make_unique<Mla>(ctx, p);
+  return std::make_unique<Gqa>(ctx, p);
+}
+
+}  // namespace fp8moe

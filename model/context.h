@@ -1,0 +1,45 @@
+// What every layer of a rank's model reads besides its own parameters and saved state: the
+// backend, this tensor-parallel rank's dims, the tensor group, the FP8 state of the linear layers,
+// the RoPE tables and the expert exchange. The Transformer owns one and builds its layers with it.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/backend.h"
+#include "model/config.h"
+#include "model/fp8_state.h"
+#include "model/placement.h"
+#include "parallel/communicator.h"
+#include "parallel/expert_dispatch.h"
+
+namespace fp8moe {
+
+// RoPE's cos / sin (T, rope_dim / 2), for the rotation and its inverse (the backward), in the
+// backend's memory.
+struct RopeTables {
+  Tensor cs, sn, cs_inv, sn_inv;
+  int64_t T = 0;
+  // At least T positions: built once per length in double on the host (cpu::rope_table: the same
+  // table on every backend); a longer sequence rebuilds them (generation beyond train.seq_len).
+  void ensure(Backend& be, const ModelConfig& m, int64_t T);
+};
+
+struct ModelContext {
+  Backend& be;
+  const ModelConfig& model;     // the model as configured (its global dims: names, layer kinds)
+  const Placement& placement;  // this rank's share: its stage's blocks, its experts, its slices
+  const ModelConfig& local;    // this tensor-parallel rank's heads and widths (placement.local())
+  Communicator* tp;          // the tensor group when it has several ranks, else nullptr
+  Fp8State& fp8;
+  RopeTables& rope;
+  ExpertDispatcher* dispatcher;  // expert parallelism (ep > 1), else nullptr
+  HostBuffer<int64_t>* loads;    // (n_experts) pinned: each MoE layer's loads, read back
+
+  // Sum over the tensor group (row-parallel outputs, column-parallel input gradients); nothing
+  // without one.
+  void tp_sum(float* x, int64_t n) const {
+    if (tp) tp->allreduce_sum(x, n);
+  }
+};
+
+}  // namespace fp8moe
