@@ -29,7 +29,7 @@
 #include "kernels/cuda/cross_entropy.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embedding.h"
-#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_fp8.h"
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/cuda/quantize.h"
