@@ -283,7 +283,8 @@ std::string tiling_reason(const char* name, const std::vector<QuantView>& q, Til
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The dimensions and the output's row stride, which the loop would accept as they are.
+// Why the kernel cannot take W's dimensions (N, K) or the output's row stride ld (the output `out`
+// is out_cols wide); the loop takes any.
 std::string dims_reason(int64_t N, int64_t K, int64_t ld, const char* out, int64_t out_cols) {
   if (N % kBlock || K % kBlock)
     return detail::concat("N ", N, " and K ", K, " must be multiples of 128 (the weight blocks)");
