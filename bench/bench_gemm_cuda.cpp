@@ -24,7 +24,7 @@
 #include "kernels/backend_info.h"
 #include "kernels/check.h"
 #include "kernels/cuda/backend.h"
-#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_fp8.h"
 #if FP8MOE_HAVE_CUTLASS
 #include "kernels/cuda/grouped_gemm.h"
 #endif

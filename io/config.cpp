@@ -464,6 +464,9 @@ const std::vector<Field>& schema() {
                         "the job after its step with exit 1 (nothing saved, nothing to requeue)."));
     v.push_back(text("checkpoint.resume", REF(checkpoint.resume), false,
                      "auto: resume from <dir>/latest if present; none: start fresh; or a checkpoint path."));
+    v.push_back(integer("checkpoint.staging_bytes", REF(checkpoint.staging_bytes), 8, kNoMax,
+                        "Bytes of the one host buffer (pinned under CUDA) a save or a load stages tensors "
+                        "through, chunk by chunk."));
     // log
     v.push_back(integer("log.every", REF(log.every), 1, kNoMax, "Print metrics every this many steps."));
     v.push_back(text("log.jsonl", REF(log.jsonl), true, "Path of the JSONL metrics file; empty = none."));

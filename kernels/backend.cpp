@@ -21,17 +21,23 @@ void Backend::download(void* host, const void* src, size_t bytes) {
   download_impl(host, src, bytes);
 }
 
-void Backend::check_groups(const std::vector<QuantView>& A, const std::vector<QuantView>& B,
-                           const std::vector<float*>& C) {
-  FP8MOE_ASSERT(A.size() == B.size() && A.size() == C.size(), "grouped_gemm_fp8: ", A.size(), " A, ", B.size(), " B, ",
-                C.size(), " C");
+// kernels/grouped_gemm.h's definitions, on this backend's gemm_fp8.
+void Backend::grouped_gemm_fp8_forward(const std::vector<QuantView>& X, const std::vector<QuantView>& W,
+                                       const std::vector<float*>& Y, int64_t ld) {
+  check_grouped_operands(GroupedGemm::forward, X, W, Y);
+  for (size_t g = 0; g < X.size(); ++g) gemm_fp8(GemmRole::fprop, X[g], false, W[g], true, 1.0f, 0.0f, Y[g], ld);
 }
 
-void Backend::grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a,
-                               const std::vector<QuantView>& B, bool trans_b, float alpha, float beta,
-                               const std::vector<float*>& C, int64_t ldc) {
-  check_groups(A, B, C);
-  for (size_t g = 0; g < A.size(); ++g) gemm_fp8(role, A[g], trans_a, B[g], trans_b, alpha, beta, C[g], ldc);
+void Backend::grouped_gemm_fp8_dgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& W,
+                                     const std::vector<float*>& dX, int64_t ld) {
+  check_grouped_operands(GroupedGemm::dgrad, dY, W, dX);
+  for (size_t g = 0; g < dY.size(); ++g) gemm_fp8(GemmRole::dgrad, dY[g], false, W[g], false, 1.0f, 0.0f, dX[g], ld);
+}
+
+void Backend::grouped_gemm_fp8_wgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& X,
+                                     const std::vector<float*>& dW, int64_t ld) {
+  check_grouped_operands(GroupedGemm::wgrad, dY, X, dW);
+  for (size_t g = 0; g < dY.size(); ++g) gemm_fp8(GemmRole::wgrad, dY[g], true, X[g], false, 1.0f, 1.0f, dW[g], ld);
 }
 
 void Backend::quantize_tiled_pair(const float* x, const ScaleOptions& opt, const QuantView& rows_out,

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kernels/adamw.h"
+#include "kernels/grouped_gemm.h"
 #include "kernels/moe_ops.h"
 #include "kernels/quantize.h"
 #include "kernels/router.h"
@@ -108,14 +109,21 @@ class Backend {
   // kernels/gemm_fp8.h's contract on FP8 operands in this backend's memory.
   virtual void gemm_fp8(GemmRole role, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                         float beta, float* C, int64_t ldc) = 0;
-  // The GEMMs of a group of experts: gemm_fp8(role, A[g], trans_a, B[g], trans_b, alpha, beta, C[g],
-  // ldc) for every g, in any order (they write disjoint C). Here that loop; the CUDA backend runs the
-  // block-scaled forms (forward and dgrad: A 1 x 128, B 128 x 128 either way; wgrad: A^T B in
-  // 128 x 1 tiles; 2 groups or more, N and K in whole blocks) as one CUTLASS launch
-  // (kernels/cuda/grouped_gemm.h) and the rest (per-tensor recipes) as the loop.
-  virtual void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a,
-                                const std::vector<QuantView>& B, bool trans_b, float alpha, float beta,
-                                const std::vector<float*>& C, int64_t ldc);
+  // The experts' GEMMs, kernels/grouped_gemm.h's three entry points on FP8 operands in this
+  // backend's memory (ld: the row stride of every output). Here the loop of this backend's
+  // gemm_fp8 that defines them (what a backend wrapping another inherits); the host backends run
+  // the CPU form (kernels/cpu/grouped_gemm.cpp), the CUDA backend CUTLASS's grouped kernel where it
+  // takes the call (kernels/cuda/grouped_gemm.h), else this loop, counted in grouped_gemm_fallbacks.
+  virtual void grouped_gemm_fp8_forward(const std::vector<QuantView>& X, const std::vector<QuantView>& W,
+                                        const std::vector<float*>& Y, int64_t ld);
+  virtual void grouped_gemm_fp8_dgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& W,
+                                      const std::vector<float*>& dX, int64_t ld);
+  virtual void grouped_gemm_fp8_wgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& X,
+                                      const std::vector<float*>& dW, int64_t ld);
+  // The grouped calls that ran as the loop although this backend has a grouped kernel, since it
+  // was made (the CUDA backend: CUTLASS's could not take them; always none on the host backends,
+  // whose grouped GEMM is the loop by definition).
+  virtual GroupedGemmFallbacks grouped_gemm_fallbacks() const { return {}; }
 
   // ---- quantization (kernels/quantize.h); scales and amax values stay in device memory ----------
   // counts (2 entries, may be null): saturated and underflowed elements, accumulated.
@@ -192,9 +200,6 @@ class Backend {
   virtual void sum(const double* x, int64_t n, double* out) = 0;
 
  protected:
-  // grouped_gemm_fp8's operands: one A, B and C per group (fatal otherwise).
-  static void check_groups(const std::vector<QuantView>& A, const std::vector<QuantView>& B,
-                           const std::vector<float*>& C);
   // quantize_tiled_pair's outputs: a 1 x T and a T x 1 tensor of one shape (fatal otherwise).
   static void check_tiled_pair(const QuantView& rows_out, const QuantView& cols_out);
   virtual void upload_impl(void* dst, const void* host, size_t bytes) = 0;
@@ -217,9 +222,11 @@ enum class AttentionKernel {
 };
 struct BackendOptions {
   AttentionKernel attention = AttentionKernel::automatic;
-  // false: grouped_gemm_fp8 is the loop of gemm_fp8 on CUDA too (cuBLASLt per expert), not CUTLASS's kernels
+  // false: the grouped GEMMs are the loop of gemm_fp8 on CUDA too (cuBLASLt per expert), not CUTLASS's kernels
   bool grouped_gemm = true;
-  bool verbose = false;  // print what the backend decides (the attention kernel of each shape) on stdout
+  // print what the backend decides: the attention kernel of each shape (stdout), each distinct
+  // reason a grouped GEMM ran as the loop (stderr, once)
+  bool verbose = false;
 };
 
 std::unique_ptr<Backend> make_backend(DeviceKind kind, int ordinal = 0, const BackendOptions& options = {});

@@ -9,6 +9,7 @@
 #include "kernels/elementwise.h"
 #include "kernels/embedding.h"
 #include "kernels/gemm_fp8.h"
+#include "kernels/grouped_gemm.h"
 #include "kernels/mla.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
@@ -113,6 +114,14 @@ QuantView HostBackend::h(const QuantView& q) const {
   return v;
 }
 
+template <class T>
+std::vector<T> HostBackend::h(const std::vector<T>& v) const {
+  std::vector<T> out;
+  out.reserve(v.size());
+  for (const T& x : v) out.push_back(h(x));
+  return out;
+}
+
 RoutingBuffers HostBackend::h(const RoutingBuffers& r) const {
   RoutingBuffers v = r;
   v.prob = h(r.prob), v.expert = h(r.expert), v.gate = h(r.gate), v.kept = h(r.kept), v.load = h(r.load);
@@ -174,6 +183,22 @@ void HostBackend::sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_
 void HostBackend::gemm_fp8(GemmRole, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                            float beta, float* C, int64_t ldc) {
   fp8moe::gemm_fp8(h(A), trans_a, h(B), trans_b, alpha, beta, h(C), ldc);
+}
+
+// The CPU form of kernels/grouped_gemm.h on the untagged operands.
+void HostBackend::grouped_gemm_fp8_forward(const std::vector<QuantView>& X, const std::vector<QuantView>& W,
+                                           const std::vector<float*>& Y, int64_t ld) {
+  fp8moe::grouped_gemm_fp8_forward(h(X), h(W), h(Y), ld);
+}
+
+void HostBackend::grouped_gemm_fp8_dgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& W,
+                                         const std::vector<float*>& dX, int64_t ld) {
+  fp8moe::grouped_gemm_fp8_dgrad(h(dY), h(W), h(dX), ld);
+}
+
+void HostBackend::grouped_gemm_fp8_wgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& X,
+                                         const std::vector<float*>& dW, int64_t ld) {
+  fp8moe::grouped_gemm_fp8_wgrad(h(dY), h(X), h(dW), ld);
 }
 
 void HostBackend::amax(const float* x, int64_t n, float* out) { *h(out) = fp8moe::amax(h(x), n); }

@@ -44,6 +44,12 @@ class HostBackend final : public Backend {
              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override;
   void gemm_fp8(GemmRole role, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                 float beta, float* C, int64_t ldc) override;
+  void grouped_gemm_fp8_forward(const std::vector<QuantView>& X, const std::vector<QuantView>& W,
+                                const std::vector<float*>& Y, int64_t ld) override;
+  void grouped_gemm_fp8_dgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& W,
+                              const std::vector<float*>& dX, int64_t ld) override;
+  void grouped_gemm_fp8_wgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& X,
+                              const std::vector<float*>& dW, int64_t ld) override;
   void amax(const float* x, int64_t n, float* out) override;
   void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override;
   void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) override;
@@ -105,6 +111,8 @@ class HostBackend final : public Backend {
   template <class T>
   T* h(T* p) const;
   QuantView h(const QuantView& q) const;
+  template <class T>
+  std::vector<T> h(const std::vector<T>& v) const;  // each element's
   RoutingBuffers h(const RoutingBuffers& r) const;
 
   mutable std::mutex mu_;

@@ -180,6 +180,8 @@ struct CheckpointConfig {
   int keep_last = 3;
   bool save = true;  // false: never write one (benchmarks of models whose checkpoint fills the disk)
   std::string resume = "auto";  // auto | none | path of a checkpoint
+  // The host buffer a save or a load stages tensors through (pinned under CUDA), in bytes.
+  int64_t staging_bytes = int64_t(64) << 20;
   bool operator==(const CheckpointConfig&) const = default;
 };
 

@@ -126,7 +126,7 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     s.wq = quantized_weight(be, l.W, N, K, fp8, counts, &s.own_wq);
     A.push_back(s.xq.view()), B.push_back(s.wq->view()), C.push_back(l.y);
   }
-  if (!A.empty()) be.grouped_gemm_fp8(GemmRole::fprop, A, false, B, true, 1.0f, 0.0f, C, N);
+  if (!A.empty()) be.grouped_gemm_fp8_forward(A, B, C, N);  // y_g = x_g W_g^T
   for (size_t g = 0; g < groups.size(); ++g) {
     const LinearFp8& fp8 = *groups[g].fp8;
     if (!fp8.enabled()) continue;
@@ -174,7 +174,7 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     }
     A.push_back(dyq[g].view()), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
   }
-  if (!A.empty()) be.grouped_gemm_fp8(GemmRole::dgrad, A, false, B, false, 1.0f, 0.0f, C, ldc);
+  if (!A.empty()) be.grouped_gemm_fp8_dgrad(A, B, C, ldc);  // dx_g = dy_g W_g
   // wgrad, dW += dy^T x: per-tensor from the same FP8 gradient and the forward's FP8 input;
   // blockwise from both in T x 1 tiles (the reduction runs over tokens), quantized from FP32 (x
   // with cache_activations from its 1 x T FP8 copy, re-tiled, as DeepSeek-V3 does).
@@ -203,7 +203,7 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     }
     A.push_back(dyt[g].view()), B.push_back(x->view()), C.push_back(l.dW);
   }
-  if (!A.empty()) be.grouped_gemm_fp8(GemmRole::wgrad, A, true, B, false, 1.0f, 1.0f, C, ldc);
+  if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
 }
 
 DelayedScaling delayed_to_host(Backend& be, const DelayedState& s) {

@@ -85,7 +85,8 @@ void linear_forward(Backend& be, const float* x, int64_t M, int64_t K, const flo
                     float* y, LinearSaved* saved);
 
 // One layer per group (the experts of a MoE layer): group g is linear_forward(x, M, K, W, N, *fp8,
-// y, saved) of its own, with their FP8 GEMMs in one Backend::grouped_gemm_fp8 call.
+// y, saved) of its own, with their FP8 GEMMs in one Backend::grouped_gemm_fp8_forward call
+// (kernels/grouped_gemm.h).
 struct LinearGroup {
   const float* x = nullptr;
   int64_t M = 0;
@@ -100,8 +101,8 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
 void linear_backward(Backend& be, const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8,
                      float* dx, float* dW);
 
-// linear_backward of each group, their dgrad GEMMs in one Backend::grouped_gemm_fp8 call and their
-// wgrad GEMMs in another. Every group's layer has the same K and N.
+// linear_backward of each group, their dgrad GEMMs in one Backend::grouped_gemm_fp8_dgrad call and
+// their wgrad GEMMs in one grouped_gemm_fp8_wgrad call. Every group's layer has the same K and N.
 struct LinearGradGroup {
   const LinearSaved* saved = nullptr;
   const float* W = nullptr;

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -29,7 +30,7 @@
 #include "kernels/cuda/cross_entropy.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embedding.h"
-#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_fp8.h"
 #include "kernels/cuda/mla.h"
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/cuda/quantize.h"
@@ -184,17 +185,21 @@ class CudaBackendImpl final : public CudaBackend {
     cuda::gemm_fp8(lt(), p, A, B, alpha, beta, C, ldc, s, role == GemmRole::fprop, compute_);
   }
 
-  void grouped_gemm_fp8(GemmRole role, const std::vector<QuantView>& A, bool trans_a, const std::vector<QuantView>& B,
-                        bool trans_b, float alpha, float beta, const std::vector<float*>& C, int64_t ldc) override {
-    check_groups(A, B, C);
-#if FP8MOE_HAVE_CUTLASS
-    if (const auto form = grouped_form(A, trans_a, B, trans_b, beta, C, ldc)) {
-      grouped_cutlass(*form, A, B, alpha, beta, C);
-      return;
-    }
-#endif
-    Backend::grouped_gemm_fp8(role, A, trans_a, B, trans_b, alpha, beta, C, ldc);
+  // kernels/grouped_gemm.h's entry points: CUTLASS's grouped kernel where it takes the call, else
+  // the loop of gemm_fp8 (Backend's), counted and named (grouped, below).
+  void grouped_gemm_fp8_forward(const std::vector<QuantView>& X, const std::vector<QuantView>& W,
+                                const std::vector<float*>& Y, int64_t ld) override {
+    if (!grouped(GroupedGemm::forward, X, W, Y, ld)) Backend::grouped_gemm_fp8_forward(X, W, Y, ld);
   }
+  void grouped_gemm_fp8_dgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& W,
+                              const std::vector<float*>& dX, int64_t ld) override {
+    if (!grouped(GroupedGemm::dgrad, dY, W, dX, ld)) Backend::grouped_gemm_fp8_dgrad(dY, W, dX, ld);
+  }
+  void grouped_gemm_fp8_wgrad(const std::vector<QuantView>& dY, const std::vector<QuantView>& X,
+                              const std::vector<float*>& dW, int64_t ld) override {
+    if (!grouped(GroupedGemm::wgrad, dY, X, dW, ld)) Backend::grouped_gemm_fp8_wgrad(dY, X, dW, ld);
+  }
+  GroupedGemmFallbacks grouped_gemm_fallbacks() const override { return fallbacks_; }
 
   // ---- quantization -----------------------------------------------------------------------------
   void amax(const float* x, int64_t n, float* out) override { cuda::amax(x, n, out, compute_); }
@@ -402,85 +407,54 @@ class CudaBackendImpl final : public CudaBackend {
     bounce_used_ = 0;  // every upload from the bounce memory has run
   }
 
+  // Runs a grouped call on CUTLASS's kernel (true) where it can take it; else counts the
+  // fallback, names its reason on stderr the first time (verbose: rank 0) and returns false, and
+  // the caller runs the loop. One group is a single GEMM, cuBLASLt's as a dense layer's: no
+  // fallback.
+  bool grouped(GroupedGemm e, const std::vector<QuantView>& A, const std::vector<QuantView>& B,
+               const std::vector<float*>& C, int64_t ld) {
+    check_grouped_operands(e, A, B, C);
+    if (A.size() < 2) return false;
+    const std::string why = grouped_unsupported(e, A, B, C, ld);
 #if FP8MOE_HAVE_CUTLASS
-  // The form of kernels/cuda/grouped_gemm.h that computes these GEMMs exactly as the loop of
-  // gemm_fp8 defines them, if any: E4M3 throughout, every group of one shape, N and K in whole
-  // 128-blocks, C dense and 16-byte aligned; forward: A 1 x 128, B (N, K) 128 x 128 transposed;
-  // dgrad: the same with B (K, N) as stored; wgrad: C += A^T B with A (T_g, N) and B (T_g, K) in
-  // 128 x 1 tiles. Two groups or more (one GEMM stays on cuBLASLt).
-  std::optional<cuda::GroupedForm> grouped_form(const std::vector<QuantView>& A, bool trans_a,
-                                                const std::vector<QuantView>& B, bool trans_b, float beta,
-                                                const std::vector<float*>& C, int64_t ldc) {
-    if (!options_.grouped_gemm || A.size() < 2 || (beta != 0.0f && beta != 1.0f)) return std::nullopt;
-    if (!grouped_unsupported_) grouped_unsupported_ = cuda::grouped_gemm_unsupported_reason(device_);
-    if (!grouped_unsupported_->empty()) return std::nullopt;
-    auto is = [](const QuantView& q, Tiling t) { return q.tiling == t && q.tile == 128 && q.dtype == Fp8Dtype::e4m3; };
-    cuda::GroupedForm form;
-    int64_t N = 0, K = 0;
-    if (!trans_a && is(A[0], Tiling::rows_1xT) && is(B[0], Tiling::blocks_TxT)) {
-      form = trans_b ? cuda::GroupedForm::forward : cuda::GroupedForm::dgrad;
-      N = trans_b ? B[0].rows : B[0].cols, K = trans_b ? B[0].cols : B[0].rows;
-    } else if (trans_a && !trans_b && is(A[0], Tiling::cols_Tx1) && is(B[0], Tiling::cols_Tx1)) {
-      form = cuda::GroupedForm::wgrad;
-      N = A[0].cols, K = B[0].cols;
-    } else {
-      return std::nullopt;
+    if (why.empty()) {
+      grouped_cutlass(e, A, B, C);
+      return true;
     }
-    if (N % 128 || K % 128 || ldc != (form == cuda::GroupedForm::wgrad ? K : N)) return std::nullopt;
-    // wgrad adds into C: experts without tokens are left out, which is C = 1 C only.
-    if (form == cuda::GroupedForm::wgrad && beta != 1.0f) return std::nullopt;
-    for (size_t g = 0; g < A.size(); ++g) {
-      const QuantView &a = A[g], &b = B[g];
-      if (!is(a, A[0].tiling) || !is(b, B[0].tiling) || reinterpret_cast<uintptr_t>(C[g]) % 16) return std::nullopt;
-      if (form == cuda::GroupedForm::wgrad) {  // each expert's own tokens: the rows differ
-        if (a.cols != N || b.cols != K || a.rows != b.rows) return std::nullopt;
-      } else if (b.rows != B[0].rows || b.cols != B[0].cols || a.cols != K ||
-                 (a.rows > 0 && reinterpret_cast<uintptr_t>(a.data) % 16) || reinterpret_cast<uintptr_t>(b.data) % 16) {
-        return std::nullopt;
-      }
-    }
-    return form;
+#endif
+    ++fallbacks_[e];
+    if (options_.verbose && grouped_reasons_.insert(detail::concat(to_string(e), ": ", why)).second)
+      std::fprintf(stderr,
+                   "fp8moe: the grouped FP8 GEMM %s runs as a loop of cuBLASLt GEMMs (counted in "
+                   "Backend::grouped_gemm_fallbacks): %s\n",
+                   to_string(e), why.c_str());
+    return false;
   }
+  // Why CUTLASS's grouped kernel cannot take this call ("" when it can).
+  std::string grouped_unsupported(GroupedGemm e, const std::vector<QuantView>& A, const std::vector<QuantView>& B,
+                                  const std::vector<float*>& C, int64_t ld) {
+    if (!options_.grouped_gemm) return "runtime.grouped_gemm is false";
+#if FP8MOE_HAVE_CUTLASS
+    if (!grouped_unsupported_) grouped_unsupported_ = cuda::grouped_gemm_unsupported_reason(device_);
+    if (!grouped_unsupported_->empty()) return *grouped_unsupported_;
+    return cuda::grouped_gemm_unsupported_reason(e, A, B, C, ld);
+#else
+    (void)e, (void)A, (void)B, (void)C, (void)ld;
+    return "built without CUTLASS (scripts/fetch-headers.sh)";
+#endif
+  }
+#if FP8MOE_HAVE_CUTLASS
   // The argument arrays go up in one transfer from pageable memory (the bounce buffer: no wait).
-  // Groups without rows are left out (nothing to write, or nothing to add).
-  void grouped_cutlass(cuda::GroupedForm form, const std::vector<QuantView>& A, const std::vector<QuantView>& B,
-                       float alpha, float beta, const std::vector<float*>& C) {
-    std::vector<size_t> live;
-    int64_t max_rows = 0;
-    for (size_t g = 0; g < A.size(); ++g)
-      if (A[g].rows > 0) live.push_back(g), max_rows = std::max(max_rows, A[g].rows);
-    if (live.empty()) return;
-    const int64_t G = int64_t(live.size());
-    std::vector<uint64_t> args(size_t(G + 1 + 5 * G));
-    uint64_t* off = args.data();
-    off[0] = 0;
-    for (int64_t i = 0; i < G; ++i) {
-      const size_t g = live[size_t(i)];
-      off[i + 1] = off[i] + uint64_t(A[g].rows);
-      args[size_t(G + 1 + i)] = reinterpret_cast<uintptr_t>(A[g].data);
-      args[size_t(G + 1 + G + i)] = reinterpret_cast<uintptr_t>(A[g].scale_inv);
-      args[size_t(G + 1 + 2 * G + i)] = reinterpret_cast<uintptr_t>(B[g].data);
-      args[size_t(G + 1 + 3 * G + i)] = reinterpret_cast<uintptr_t>(B[g].scale_inv);
-      args[size_t(G + 1 + 4 * G + i)] = reinterpret_cast<uintptr_t>(C[g]);
-    }
-    Tensor dev(*this, DType::u64, {int64_t(args.size())});
-    upload(dev.raw(), args.data(), args.size() * sizeof(uint64_t));
-    const uint64_t* d = dev.data<uint64_t>();
-    cuda::GroupedGemmFp8 p;
-    p.form = form, p.groups = G, p.rows = int64_t(off[G]), p.max_rows = max_rows;
-    const QuantView& b = B[live[0]];
-    p.N = form == cuda::GroupedForm::forward ? b.rows : form == cuda::GroupedForm::dgrad ? b.cols : A[live[0]].cols;
-    p.K = form == cuda::GroupedForm::dgrad ? b.rows : b.cols;
-    p.row_offsets = reinterpret_cast<const int64_t*>(d);
-    p.A = reinterpret_cast<const uint8_t* const*>(d + G + 1);
-    p.a_scale = reinterpret_cast<const float* const*>(d + G + 1 + G);
-    p.B = reinterpret_cast<const uint8_t* const*>(d + G + 1 + 2 * G);
-    p.b_scale = reinterpret_cast<const float* const*>(d + G + 1 + 3 * G);
-    p.D = reinterpret_cast<float* const*>(d + G + 1 + 4 * G);
-    p.alpha = alpha, p.beta = beta;
-    const size_t bytes = cuda::grouped_gemm_fp8_scratch_bytes(p, device_);
+  void grouped_cutlass(GroupedGemm e, const std::vector<QuantView>& A, const std::vector<QuantView>& B,
+                       const std::vector<float*>& C) {
+    cuda::GroupedGemmCall call = cuda::grouped_gemm_call(e, A, B, C);
+    if (call.p.groups == 0) return;  // no group has rows
+    Tensor args(*this, DType::u64, {int64_t(call.args.size())});
+    upload(args.raw(), call.args.data(), call.args.size() * sizeof(uint64_t));
+    cuda::point_at(&call.p, args.data<uint64_t>());
+    const size_t bytes = cuda::grouped_gemm_fp8_scratch_bytes(call.p, device_);
     Tensor scratch(*this, DType::u8, {int64_t(bytes)});
-    cuda::grouped_gemm_fp8(p, scratch.raw(), bytes, device_, compute_);
+    cuda::grouped_gemm_fp8(call.p, scratch.raw(), bytes, device_, compute_);
   }
 #endif
 
@@ -499,6 +473,8 @@ class CudaBackendImpl final : public CudaBackend {
 #if FP8MOE_HAVE_CUTLASS
   std::optional<std::string> grouped_unsupported_;  // why CUTLASS's grouped GEMM cannot run here ("": it can)
 #endif
+  GroupedGemmFallbacks fallbacks_;
+  std::set<std::string> grouped_reasons_;  // entry point + reason, of the fallbacks named so far
 #if FP8MOE_HAVE_CUDNN
   // Whether attention of this shape runs fused: decided at its first call and kept, so that
   // forward and backward of a shape always use the same kernel.

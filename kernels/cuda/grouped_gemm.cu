@@ -17,8 +17,11 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/util/packed_stride.hpp>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "kernels/check.h"
 #include "kernels/cuda/launch.cuh"
@@ -61,7 +64,7 @@ __host__ __device__ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 1
 // Carves the arrays out of `base` (nullptr: only counts); returns the bytes used before the workspace.
 template <class Kn>
 size_t carve(const GroupedGemmFp8& p, char* base, typename Kn::Arrays* g) {
-  const bool wgrad = p.form == GroupedForm::wgrad;
+  const bool wgrad = p.form == GroupedGemm::wgrad;
   const size_t G = size_t(p.groups), kb = size_t(p.K / kBlock), nb = size_t(p.N / kBlock);
   const size_t padded_rows = size_t(p.rows) + 15 * G;  // every group's tokens rounded up to 16
   size_t at = 0;
@@ -75,9 +78,9 @@ size_t carve(const GroupedGemmFp8& p, char* base, typename Kn::Arrays* g) {
   take(g->stride_a, G), take(g->stride_b, G), take(g->stride_c, G), take(g->stride_d, G);
   take(g->layout_sfa, G), take(g->layout_sfb, G);
   take(g->packed_sfa, wgrad ? 0 : size_t(p.rows) * kb);
-  take(g->packed_sfb, p.form == GroupedForm::forward ? G * nb * kb : 0);
+  take(g->packed_sfb, p.form == GroupedGemm::forward ? G * nb * kb : 0);
   take(g->t_a, wgrad ? padded_rows * size_t(p.N) : 0);
-  take(g->t_b, wgrad ? padded_rows * size_t(p.K) : p.form == GroupedForm::dgrad ? G * size_t(p.N) * size_t(p.K) : 0);
+  take(g->t_b, wgrad ? padded_rows * size_t(p.K) : p.form == GroupedGemm::dgrad ? G * size_t(p.N) * size_t(p.K) : 0);
   g->workspace = base ? base + at : nullptr;
   return at;
 }
@@ -91,7 +94,7 @@ __global__ void setup_kernel(GroupedGemmFp8 p, typename Kn::Arrays g) {
   const int64_t r0 = p.row_offsets[e], rows = p.row_offsets[e + 1] - r0;
   const int64_t kb = p.K / kBlock, nb = p.N / kBlock;
   int M = int(rows), N = int(p.N), K = int(p.K);
-  if (p.form == GroupedForm::wgrad) {  // D_g (N, K) += dy_g^T x_g: the tokens are the reduction
+  if (p.form == GroupedGemm::wgrad) {  // D_g (N, K) += dy_g^T x_g: the tokens are the reduction
     // No tokens: no tiles at all (M = 0), not tiles of an empty reduction, whose accumulators the
     // kernel would never clear.
     M = rows > 0 ? int(p.N) : 0, N = int(p.K), K = int(round16(rows));
@@ -103,7 +106,7 @@ __global__ void setup_kernel(GroupedGemmFp8 p, typename Kn::Arrays g) {
   } else {
     g.a[e] = reinterpret_cast<const typename Kn::ElementA*>(p.A[e]);
     g.sfa[e] = g.packed_sfa + r0 * kb;
-    if (p.form == GroupedForm::dgrad) {
+    if (p.form == GroupedGemm::dgrad) {
       g.b[e] = reinterpret_cast<const typename Kn::ElementB*>(g.t_b + e * p.N * p.K);
       g.sfb[e] = p.b_scale[e];  // (K/128, N/128) row-major: N contiguous, CUTLASS's layout
     } else {
@@ -223,14 +226,14 @@ void run(const GroupedGemmFp8& p, void* scratch, size_t bytes, int device, cudaS
   typename Kn::Arrays g{};
   carve<Kn>(p, static_cast<char*>(scratch), &g);
   const int64_t kb = p.K / kBlock;
-  if (p.form == GroupedForm::wgrad) {
+  if (p.form == GroupedGemm::wgrad) {
     // The tokens become K: both operands transposed, each group's rows padded to 16 (zeros).
     transpose(p.A, p.row_offsets, p.max_rows, p.N, p.groups, g.t_a, stream);
     transpose(p.B, p.row_offsets, p.max_rows, p.K, p.groups, g.t_b, stream);
   } else {
     pack_sfa_kernel<<<grid_for(p.rows * kb), kBlockThreads, 0, stream>>>(p, g.packed_sfa);
     check_launch();
-    if (p.form == GroupedForm::dgrad)
+    if (p.form == GroupedGemm::dgrad)
       transpose(p.B, nullptr, p.K, p.N, p.groups, g.t_b, stream);
     else {
       pack_sfb_kernel<<<grid_for(p.groups * (p.N / kBlock) * kb), kBlockThreads, 0, stream>>>(p, g.packed_sfb);
@@ -256,10 +259,128 @@ void check_shape(const GroupedGemmFp8& p) {
                 p.rows, ", N ", p.N, ", K ", p.K);
   FP8MOE_ASSERT(p.N % kBlock == 0 && p.K % kBlock == 0, "grouped FP8 GEMM: N ", p.N, " and K ", p.K,
                 " must be multiples of 128 (the weight blocks)");
-  FP8MOE_ASSERT(p.form != GroupedForm::wgrad || p.max_rows >= 0, "grouped FP8 GEMM: wgrad needs max_rows");
+  FP8MOE_ASSERT(p.form != GroupedGemm::wgrad || p.max_rows >= 0, "grouped FP8 GEMM: wgrad needs max_rows");
+}
+
+// ---- the shape check of each entry point (host code, no device) ---------------------------------
+
+// "e4m3 in 1x128 tiles", "per-tensor e5m2", ...
+std::string describe(Fp8Dtype dtype, Tiling t, int tile) {
+  if (t == Tiling::per_tensor) return detail::concat("per-tensor ", to_string(dtype));
+  const std::string T = std::to_string(tile);
+  const std::string shape = t == Tiling::rows_1xT ? "1x" + T : t == Tiling::cols_Tx1 ? T + "x1" : T + "x" + T;
+  return detail::concat(to_string(dtype), " in ", shape, t == Tiling::blocks_TxT ? " blocks" : " tiles");
+}
+
+// Why operand `name` of every group is not E4M3 in 128-wide tiles of tiling t ("" when it is).
+std::string tiling_reason(const char* name, const std::vector<QuantView>& q, Tiling t) {
+  for (const QuantView& v : q)
+    if (v.tiling != t || v.tile != kBlock || v.dtype != Fp8Dtype::e4m3)
+      return detail::concat(name, " is ", describe(v.dtype, v.tiling, v.tile), " (the kernel takes ",
+                            describe(Fp8Dtype::e4m3, t, int(kBlock)), ")");
+  return "";
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Why the kernel cannot take W's dimensions (N, K) or the output's row stride ld (the output `out`
+// is out_cols wide); the loop takes any.
+std::string dims_reason(int64_t N, int64_t K, int64_t ld, const char* out, int64_t out_cols) {
+  if (N % kBlock || K % kBlock)
+    return detail::concat("N ", N, " and K ", K, " must be multiples of 128 (the weight blocks)");
+  if (ld != out_cols) return detail::concat(out, "'s row stride ", ld, " is not its width ", out_cols);
+  return "";
+}
+
+// forward Y_g = X_g W_g^T, X_g (M_g, K), and dgrad dX_g = dY_g W_g, dY_g (M_g, N): A in 1 x 128
+// tiles along its width (the reduction), W (N, K) in 128 x 128 blocks, one shape for every group.
+std::string by_rows_reason(GroupedGemm e, const std::vector<QuantView>& A, const std::vector<QuantView>& W,
+                           const std::vector<float*>& C, int64_t ld) {
+  const bool fwd = e == GroupedGemm::forward;
+  const char* a = fwd ? "X" : "dY";
+  if (std::string r = tiling_reason(a, A, Tiling::rows_1xT); !r.empty()) return r;
+  if (std::string r = tiling_reason("W", W, Tiling::blocks_TxT); !r.empty()) return r;
+  const int64_t N = W[0].rows, K = W[0].cols;
+  if (std::string r = dims_reason(N, K, ld, fwd ? "Y" : "dX", fwd ? N : K); !r.empty()) return r;
+  for (size_t g = 0; g < A.size(); ++g) {
+    if (W[g].rows != N || W[g].cols != K) return "the experts' weights differ in shape";
+    if (A[g].cols != (fwd ? K : N)) return detail::concat(a, "'s width is not W's ", fwd ? "K" : "N");
+    if ((A[g].rows > 0 && !aligned16(A[g].data)) || !aligned16(W[g].data) || !aligned16(C[g]))
+      return detail::concat(a, ", W or ", fwd ? "Y" : "dX", " not 16-byte aligned");
+  }
+  return "";
+}
+
+// wgrad dW_g += dY_g^T X_g: dY_g (T_g, N) and X_g (T_g, K) in 128 x 1 tiles along the tokens.
+std::string wgrad_reason(const std::vector<QuantView>& dY, const std::vector<QuantView>& X,
+                         const std::vector<float*>& dW, int64_t ld) {
+  if (std::string r = tiling_reason("dY", dY, Tiling::cols_Tx1); !r.empty()) return r;
+  if (std::string r = tiling_reason("X", X, Tiling::cols_Tx1); !r.empty()) return r;
+  const int64_t N = dY[0].cols, K = X[0].cols;
+  if (std::string r = dims_reason(N, K, ld, "dW", K); !r.empty()) return r;
+  for (size_t g = 0; g < dY.size(); ++g) {  // each expert's own tokens: the rows differ
+    if (dY[g].cols != N || X[g].cols != K) return "the experts' dY or X differ in width";
+    if (dY[g].rows != X[g].rows) return "an expert's dY and X differ in tokens";
+    if (!aligned16(dW[g])) return "dW not 16-byte aligned";
+  }
+  return "";
 }
 
 }  // namespace
+
+std::string grouped_gemm_unsupported_reason(GroupedGemm e, const std::vector<QuantView>& A,
+                                            const std::vector<QuantView>& B, const std::vector<float*>& C,
+                                            int64_t ld) {
+  check_grouped_operands(e, A, B, C);
+  if (A.empty()) return "no groups";
+  return e == GroupedGemm::wgrad ? wgrad_reason(A, B, C, ld) : by_rows_reason(e, A, B, C, ld);
+}
+
+GroupedGemmCall grouped_gemm_call(GroupedGemm e, const std::vector<QuantView>& A, const std::vector<QuantView>& B,
+                                  const std::vector<float*>& C) {
+  check_grouped_operands(e, A, B, C);
+  std::vector<size_t> live;
+  int64_t max_rows = 0;
+  for (size_t g = 0; g < A.size(); ++g)
+    if (A[g].rows > 0) live.push_back(g), max_rows = std::max(max_rows, A[g].rows);
+  GroupedGemmCall call;
+  GroupedGemmFp8& p = call.p;
+  p.form = e, p.groups = int64_t(live.size()), p.max_rows = max_rows;
+  // forward and dgrad write their output, wgrad adds into it (kernels/grouped_gemm.h).
+  p.alpha = 1.0f, p.beta = e == GroupedGemm::wgrad ? 1.0f : 0.0f;
+  if (live.empty()) return call;
+  const int64_t G = p.groups;
+  call.args.resize(size_t(G + 1 + 5 * G));
+  uint64_t* off = call.args.data();
+  uint64_t* ptr = off + G + 1;  // A, a_scale, B, b_scale, D: G each
+  off[0] = 0;
+  for (int64_t i = 0; i < G; ++i) {
+    const size_t g = live[size_t(i)];
+    off[i + 1] = off[i] + uint64_t(A[g].rows);
+    ptr[i] = reinterpret_cast<uintptr_t>(A[g].data);
+    ptr[G + i] = reinterpret_cast<uintptr_t>(A[g].scale_inv);
+    ptr[2 * G + i] = reinterpret_cast<uintptr_t>(B[g].data);
+    ptr[3 * G + i] = reinterpret_cast<uintptr_t>(B[g].scale_inv);
+    ptr[4 * G + i] = reinterpret_cast<uintptr_t>(C[g]);
+  }
+  p.rows = int64_t(off[G]);
+  // The kernel's N (each D_g's columns) and K: forward B = W (N, K); dgrad B = W (N, K) read as
+  // stored, so D_g = dX_g (M_g, W's K) reduces over W's N; wgrad A = dY (T_g, N), B = X (T_g, K).
+  const QuantView &a = A[live[0]], &b = B[live[0]];
+  p.N = e == GroupedGemm::forward ? b.rows : e == GroupedGemm::dgrad ? b.cols : a.cols;
+  p.K = e == GroupedGemm::dgrad ? b.rows : b.cols;
+  return call;
+}
+
+void point_at(GroupedGemmFp8* p, const uint64_t* d) {
+  const int64_t G = p->groups;
+  p->row_offsets = reinterpret_cast<const int64_t*>(d);
+  p->A = reinterpret_cast<const uint8_t* const*>(d + G + 1);
+  p->a_scale = reinterpret_cast<const float* const*>(d + G + 1 + G);
+  p->B = reinterpret_cast<const uint8_t* const*>(d + G + 1 + 2 * G);
+  p->b_scale = reinterpret_cast<const float* const*>(d + G + 1 + 3 * G);
+  p->D = reinterpret_cast<float* const*>(d + G + 1 + 4 * G);
+}
 
 std::string grouped_gemm_unsupported_reason(int device) {
 #if !FP8MOE_SM90A
@@ -287,7 +408,7 @@ std::string grouped_gemm_unsupported_reason(int device) {
 size_t grouped_gemm_fp8_scratch_bytes(const GroupedGemmFp8& p, int device) {
   check_shape(p);
 #ifdef FP8MOE_GROUPED_GEMM
-  return p.form == GroupedForm::wgrad ? scratch_bytes<Tiles>(p, device) : scratch_bytes<Blocks>(p, device);
+  return p.form == GroupedGemm::wgrad ? scratch_bytes<Tiles>(p, device) : scratch_bytes<Blocks>(p, device);
 #else
   (void)device;
   return 0;
@@ -298,7 +419,7 @@ void grouped_gemm_fp8(const GroupedGemmFp8& p, void* scratch, size_t scratch_byt
   check_shape(p);
   if (p.groups == 0 || p.rows == 0) return;  // nothing to write
 #ifdef FP8MOE_GROUPED_GEMM
-  if (p.form == GroupedForm::wgrad)
+  if (p.form == GroupedGemm::wgrad)
     run<Tiles>(p, scratch, scratch_bytes, device, stream);
   else
     run<Blocks>(p, scratch, scratch_bytes, device, stream);

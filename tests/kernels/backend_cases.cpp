@@ -7,7 +7,7 @@
 
 #include "kernels/backend_info.h"
 #if FP8MOE_HAVE_CUDA
-#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_fp8.h"
 #endif
 
 namespace fp8moe::test {

@@ -1,4 +1,4 @@
-// cuBLASLt GEMMs (kernels/cuda/gemm.h).
+// cuBLASLt GEMMs (kernels/cuda/gemm_fp8.h).
 //
 // Against the CPU's kernels/cpu/gemm_fp8.cpp: close. The FP8 products are exact on both sides;
 // the accumulation differs (Hopper's FP8 tensor cores keep about 14 bits in the accumulator and
@@ -15,7 +15,7 @@
 #include <string>
 
 #include "kernels/check.h"
-#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_fp8.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace fp8moe::cuda {
