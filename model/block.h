@@ -73,8 +73,8 @@ class Block {
   Weight attn_norm_, ffn_norm_;
   std::unique_ptr<Attention> attn_;
   FfnParams dense_;                                // dense blocks
-  MoeWeights moe_;                                 // MoE blocks: this rank's experts
-  MoeGrads moe_grads_;
+  MoeWeights moe_{};                               // MoE blocks: this rank's experts
+  MoeGrads moe_grads_{};
   FfnParams shared_;
   std::vector<FfnParams> experts_;
   MoeFp8 moe_fp8(const Pass& pass) const;
