@@ -87,7 +87,7 @@ std::string resolve_runtime(Config& cfg, bool dry_run, int* ordinal, std::string
 }  // namespace
 
 int agreed_config(const std::string& path, const std::vector<std::string>& overrides, const MpiSession& mpi,
-                  Config* out, int world) {
+                  Config* out, int world, const std::string& world_hint) {
   const bool root = mpi.rank() == 0;
   // Rank 0 reads the file and broadcasts it: one reader, and every rank validates the same text,
   // so every rank reaches the same verdict and exits the same way; only rank 0 speaks.
@@ -109,6 +109,7 @@ int agreed_config(const std::string& path, const std::vector<std::string>& overr
     *out = load_config(ConfigSource{path, text, overrides}, world > 0 ? world : mpi.size());
   } catch (const ConfigError& e) {
     error = e.what();
+    if (error.find("world size") != std::string::npos) error += world_hint;
   }
   if (any_rank(MPI_COMM_WORLD, !error.empty())) {
     if (root) usage_error(error.empty() ? "the config was rejected on another rank" : error);
@@ -145,7 +146,11 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
     return kExitUsage;
   }
   Config config;
-  if (const int status = agreed_config(options.config_path, options.overrides, mpi, &config, options.world);
+  // A dry run on a login node is one process: say how to lay out the job's real world size.
+  const std::string hint = options.dry_run && options.world == 0 && mpi.size() == 1
+                               ? " (a dry run from one process lays the run out for 1 rank: --world N lays it out for N)"
+                               : "";
+  if (const int status = agreed_config(options.config_path, options.overrides, mpi, &config, options.world, hint);
       status != kExitOk)
     return status;
 

@@ -23,9 +23,9 @@ class MpiSession;
 struct Config;
 // The config of a job, the same on every rank: rank 0 reads the file and broadcasts it, every rank
 // validates it for the world size (`world`, or the ranks started when 0; rank 0 reports a
-// problem). kExitOk with *out filled, or kExitUsage on every rank. Collective over MPI_COMM_WORLD
-// (train, import).
+// problem, followed by `world_hint` where the problem names the world size). kExitOk with *out
+// filled, or kExitUsage on every rank. Collective over MPI_COMM_WORLD (train, import).
 int agreed_config(const std::string& path, const std::vector<std::string>& overrides, const MpiSession& mpi,
-                  Config* out, int world = 0);
+                  Config* out, int world = 0, const std::string& world_hint = "");
 
 }  // namespace fp8moe

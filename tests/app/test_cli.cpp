@@ -469,6 +469,12 @@ TEST(Cli, DryRunLaysOutAWorldFromOneProcess) {
   r = run({exe(), "train", cfg, "--dry-run", "--world", "2047"}, 60);
   EXPECT_EQ(r.status, 2) << r.all();
   EXPECT_NE(r.err.find("dividing the world size 2047"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("--world N lays it out"), std::string::npos) << r.err;  // --world was given
+  // Without --world, one process is a world of 1; the message says how to lay out the real one.
+  r = run({exe(), "train", cfg, "--dry-run"}, 60);
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("dividing the world size 1 (a dry run from one process lays the run out for 1 rank: "
+                       "--world N lays it out for N)"), std::string::npos) << r.err;
   r = run({exe(), "train", cfg, "--world", "2048"}, 60);
   EXPECT_EQ(r.status, 2) << r.all();
   r = run({mpiexec(), "-n", "2", "--oversubscribe", exe(), "train", cfg, "--dry-run", "--world", "2048"}, 120);
