@@ -2,7 +2,9 @@
 // more than fifty bad configs, each of which must give exit status 2 and exactly one message that
 // names the key path (and, where the value came from the file, file:line:column).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -61,7 +63,22 @@ TEST(Cli, MissingAndUnreadableConfigFiles) {
   EXPECT_NE(r.err.find(tmp.path + "/nope.yaml: cannot read the config file: it does not exist"), std::string::npos) << r.err;
   r = run({exe(), "train", tmp.path, "--dry-run"});  // a directory
   EXPECT_EQ(r.status, 2) << r.all();
-  EXPECT_NE(r.err.find("not a regular file"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("not a regular file (a directory)"), std::string::npos) << r.err;
+  // A FIFO without a writer is refused at once (the open does not wait for one) and a device is
+  // refused before a byte of it is read (/dev/zero has no end).
+  const std::string fifo = tmp.path + "/fifo.yaml";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  r = run({exe(), "train", fifo, "--dry-run"}, 20);
+  ASSERT_FALSE(r.timed_out) << "the config reader blocked on a FIFO";
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find(fifo + ": cannot read the config file: it is not a regular file (a FIFO)"), std::string::npos)
+      << r.err;
+  r = run({exe(), "train", "/dev/zero", "--dry-run"}, 20);
+  ASSERT_FALSE(r.timed_out) << "the config reader read /dev/zero";
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find("/dev/zero: cannot read the config file: it is not a regular file (a character device)"),
+            std::string::npos)
+      << r.err;
 }
 
 TEST(Cli, DryRunPrintsEffectiveConfigAndGrid) {
