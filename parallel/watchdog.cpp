@@ -51,6 +51,14 @@ void run_abort_hooks() {
   for (auto& h : hooks) h();
 }
 
+// Seconds as a report reads them: whole seconds from 1 s, two significant digits below (a limit
+// of 0.5 s is not "0 s").
+std::string seconds_text(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, s >= 1 ? "%.0f" : "%.2g", s);
+  return b;
+}
+
 [[noreturn]] void end_job(int rank, double limit, const char* which, double stuck_s) {
   const char* what = g_marks.what.load();
   const char* group = g_marks.group.load();
@@ -63,9 +71,9 @@ void run_abort_hooks() {
     std::snprintf(at, sizeof at, "%sstep %lld (%s)", g_marks.step_since.load() > 0 ? "" : "after ", (long long)step,
                   phase ? phase : "?");
   std::fprintf(stderr,
-               "fp8moe: error: rank %d: no progress for %.0f s (%s longer than runtime.timeout_s = %.0f s): %s, %s; "
+               "fp8moe: error: rank %d: no progress for %s s (%s longer than runtime.timeout_s = %s s): %s, %s; "
                "a rank is stopped, dead or hung: ending the job (exit %d, requeue-able)\n",
-               rank, stuck_s, which, limit, at, in, kWatchdogExit);
+               rank, seconds_text(stuck_s).c_str(), which, seconds_text(limit).c_str(), at, in, kWatchdogExit);
   std::fflush(stderr);
   run_abort_hooks();
   // NOTE: MPI_Abort from this thread is outside what MPI_THREAD_FUNNELED promises; Open MPI 4.1

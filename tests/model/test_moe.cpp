@@ -219,9 +219,13 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
         m.qk_nope_head_dim = 8, m.qk_rope_head_dim = 4, m.v_head_dim = 6, m.mtp_depth = 1;
       }
       c.train.recompute = rc;
+      // Exact scales, and a new batch each step: a step whose amax is the history's new maximum
+      // moves the delayed scale, so a recomputation that used (or recorded) anything but the
+      // forward's scale would quantize differently from the forward it repeats.
+      c.fp8.power_of_two_scales = false;
       Transformer model(cpu_backend(), c);
-      const Batch b = batch(16, 1, 40);
-      for (int step = 0; step < 2; ++step) {  // two steps: delayed scaling has history by the second
+      for (int step = 0; step < 3; ++step) {  // three steps: delayed scaling has history by the second
+        const Batch b = batch(16, 1 + unsigned(step), 40);
         model.zero_grads();
         model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
       }
