@@ -6,10 +6,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <memory>
 
 #include "app/exit_codes.h"
 #include "app/train_loop.h"
 #include "io/config.h"
+#include "io/dir_lock.h"
 #include "kernels/backend_info.h"
 #include "kernels/check.h"
 #include "kernels/backend.h"
@@ -139,6 +142,31 @@ void print_start(const TrainOptions& options, const Config& config, int ranks, c
   std::fflush(stdout);
 }
 
+// One run per checkpoint directory (io/dir_lock.h): rank 0 takes checkpoint.dir's lock (making the
+// directory) and holds it in *lock for the run; refused on every rank (rank 0 says why) when another
+// live process holds it or the directory cannot be made. A run that saves nothing takes no lock.
+int lock_checkpoint_dir(const Config& config, const MpiSession& mpi, std::unique_ptr<DirLock>* lock) {
+  std::string error;
+  if (mpi.rank() == 0 && config.checkpoint.save) {
+    const std::string& dir = config.checkpoint.dir;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) {
+      error = "checkpoint.dir " + dir + ": cannot make the directory: " + ec.message();
+    } else {
+      try {
+        *lock = std::make_unique<DirLock>(dir, "fp8moe train");
+      } catch (const std::exception& e) {  // DirLockBusy, DirLockError
+        error = std::string("checkpoint.dir: ") + e.what();
+      }
+    }
+  }
+  broadcast_string(MPI_COMM_WORLD, error, 0);
+  if (error.empty()) return kExitOk;
+  if (mpi.rank() == 0) usage_error(error);
+  return kExitUsage;
+}
+
 int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const bool root = mpi.rank() == 0;
   if (options.world > 0 && mpi.size() > 1) {  // (CLI11 makes --world need --dry-run)
@@ -172,6 +200,8 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const int threads = set_threads_per_rank();      // collective
   if (root) print_start(options, config, mpi.size(), table, device_line, threads);
   if (options.dry_run) return kExitOk;
+  std::unique_ptr<DirLock> dir_lock;
+  if (const int status = lock_checkpoint_dir(config, mpi, &dir_lock); status != kExitOk) return status;
   const Watchdog watchdog(config.runtime.timeout_s, mpi.rank());  // ends a job with a stuck rank (exit 4)
   const DeviceKind kind = config.runtime.device == DeviceChoice::cuda       ? DeviceKind::cuda
                           : config.runtime.device == DeviceChoice::emulated ? DeviceKind::emulated
