@@ -6,15 +6,55 @@
 namespace fp8moe {
 namespace {
 
+// ---------------------------------------------------------------- the core both kinds share
+
+// Queries, keys and values after RoPE: q (N, H*qk), k (N, KVH*qk), v (N, KVH*vd); the attention
+// output attn (N, H*vd) with its log-sum-exp lse (B, H, T), and the output projection's input.
+struct AttentionCore {
+  Tensor q, k, v, attn, lse;
+  LinearSaved lo;
+  int64_t bytes() const {
+    return int64_t(q.bytes() + k.bytes() + v.bytes() + attn.bytes() + lse.bytes()) + lo.fp8_activation_bytes();
+  }
+};
+struct CoreShape {
+  int64_t B, T, H, KVH, qk, vd;
+};
+
+// o = Wo softmax(q k^T / sqrt(qk)) v, from s's q, k and v.
+void core_forward(const ModelContext& c, AttentionCore* s, const CoreShape& d, const LinearWeight& wo,
+                  const LinearFp8& f, float* o) {
+  Backend& be = c.be;
+  const int64_t N = d.B * d.T;
+  s->attn = Tensor(be, DType::f32, {N, d.H * d.vd});
+  s->lse = Tensor(be, DType::f32, {d.B * d.H * d.T});
+  be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, s->attn.f32(),
+                       s->lse.f32());
+  linear_forward(be, s->attn.f32(), N, d.H * d.vd, wo.w, c.local.d_model, f, o, &s->lo);
+}
+
+// Its backward from dout (N, D): da (Wo's input gradient) and dq, dk, dv, allocated here and
+// owned by the caller (so that they live as long as the caller's other gradients).
+void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShape& d, const LinearWeight& wo,
+                   const LinearFp8& f, const float* dout, Tensor* da, Tensor* dq, Tensor* dk, Tensor* dv) {
+  Backend& be = c.be;
+  const int64_t N = d.B * d.T;
+  *da = Tensor(be, DType::f32, {N, d.H * d.vd});
+  *dq = Tensor(be, DType::f32, {N, d.H * d.qk});
+  *dk = Tensor(be, DType::f32, {N, d.KVH * d.qk});
+  *dv = Tensor(be, DType::f32, {N, d.KVH * d.vd});
+  linear_backward(be, s.lo, wo.w, dout, f, da->f32(), wo.g);
+  be.attention_backward(s.q.f32(), s.k.f32(), s.v.f32(), s.attn.f32(), s.lse.f32(), da->f32(), d.B, d.T, d.H, d.KVH,
+                        d.qk, d.vd, dq->f32(), dk->f32(), dv->f32());
+}
+
 // ---------------------------------------------------------------- GQA
 
 struct GqaSaved final : AttentionSaved {
-  Tensor q, k, v;     // after RoPE: (N, H*hd), (N, KVH*hd), (N, KVH*hd)
-  Tensor attn, lse;   // (N, H*hd), (B, H, T)
-  LinearSaved lq, lk, lv, lo;
+  AttentionCore core;  // qk = vd = head_dim
+  LinearSaved lq, lk, lv;
   int64_t bytes() const override {
-    return int64_t(q.bytes() + k.bytes() + v.bytes() + attn.bytes() + lse.bytes()) + lq.fp8_activation_bytes() +
-           lk.fp8_activation_bytes() + lv.fp8_activation_bytes() + lo.fp8_activation_bytes();
+    return core.bytes() + lq.fp8_activation_bytes() + lk.fp8_activation_bytes() + lv.fp8_activation_bytes();
   }
   bool needs_h1() const override { return lk.needs_fp32_input() || lv.needs_fp32_input() || lq.needs_fp32_input(); }
 };
@@ -31,18 +71,16 @@ class Gqa final : public Attention {
     Backend& be = c_.be;
     auto s = std::make_unique<GqaSaved>();
     s->B = B, s->T = T;
-    s->q = Tensor(be, DType::f32, {N, H * hd});
-    s->k = Tensor(be, DType::f32, {N, KVH * hd});
-    s->v = Tensor(be, DType::f32, {N, KVH * hd});
-    linear_forward(be, h1, N, D, wq_.w, H * hd, fp8(wq_, pass), s->q.f32(), &s->lq);
-    linear_forward(be, h1, N, D, wk_.w, KVH * hd, fp8(wk_, pass), s->k.f32(), &s->lk);
-    linear_forward(be, h1, N, D, wv_.w, KVH * hd, fp8(wv_, pass), s->v.f32(), &s->lv);
-    be.rope(s->q.f32(), B, T, H, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
-    be.rope(s->k.f32(), B, T, KVH, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
-    s->attn = Tensor(be, DType::f32, {N, H * hd});
-    s->lse = Tensor(be, DType::f32, {B * H * T});
-    be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), B, T, H, KVH, hd, hd, s->attn.f32(), s->lse.f32());
-    linear_forward(be, s->attn.f32(), N, H * hd, wo_.w, D, fp8(wo_, pass), o, &s->lo);
+    AttentionCore& a = s->core;
+    a.q = Tensor(be, DType::f32, {N, H * hd});
+    a.k = Tensor(be, DType::f32, {N, KVH * hd});
+    a.v = Tensor(be, DType::f32, {N, KVH * hd});
+    linear_forward(be, h1, N, D, wq_.w, H * hd, fp8(wq_, pass), a.q.f32(), &s->lq);
+    linear_forward(be, h1, N, D, wk_.w, KVH * hd, fp8(wk_, pass), a.k.f32(), &s->lk);
+    linear_forward(be, h1, N, D, wv_.w, KVH * hd, fp8(wv_, pass), a.v.f32(), &s->lv);
+    be.rope(a.q.f32(), B, T, H, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
+    be.rope(a.k.f32(), B, T, KVH, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
+    core_forward(c_, &a, {B, T, H, KVH, hd, hd}, wo_, fp8(wo_, pass), o);
     return s;
   }
 
@@ -53,11 +91,8 @@ class Gqa final : public Attention {
     const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
     Backend& be = c_.be;
     const Pass pass = Pass::backward();
-    Tensor da(be, DType::f32, {N, H * hd}), dq(be, DType::f32, {N, H * hd}), dk(be, DType::f32, {N, KVH * hd}),
-        dv(be, DType::f32, {N, KVH * hd});
-    linear_backward(be, s.lo, wo_.w, dout, fp8(wo_, pass), da.f32(), wo_.g);
-    be.attention_backward(s.q.f32(), s.k.f32(), s.v.f32(), s.attn.f32(), s.lse.f32(), da.f32(), B, T, H, KVH, hd, hd,
-                          dq.f32(), dk.f32(), dv.f32());
+    Tensor da, dq, dk, dv;
+    core_backward(c_, s.core, {B, T, H, KVH, hd, hd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv);
     be.rope(dq.f32(), B, T, H, hd, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), hd);
     be.rope(dk.f32(), B, T, KVH, hd, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), hd);
     Tensor part(be, DType::f32, {N, D});
@@ -78,19 +113,18 @@ class Gqa final : public Attention {
 // ---------------------------------------------------------------- MLA
 
 struct MlaSaved final : AttentionSaved {
-  // After RoPE: (N, H*qk), (N, H*qk), (N, H*v) with qk = qk_nope + qk_rope, every head's key
-  // holding the one shared rotated key.
-  Tensor q, k, v;
-  Tensor attn, lse;  // (N, H*v), (B, H, T)
+  // KVH = H, qk = qk_nope + qk_rope, vd = v_head_dim; every head's key holds the one shared
+  // rotated key.
+  AttentionCore core;
   // The query latent (N, q_lora) before and after its RMSNorm (the normalised one only while wq_b
   // needs its FP32 input), the key-value latent (N, kv_lora) likewise, the norms' 1 / rms.
   Tensor cq, rstd_q, cqn, ckv, rstd_kv, ckvn;
-  LinearSaved lq, lq_a, lkv_a, lkv_b, lo;  // lq: wq_b with the query latent, else wq
+  LinearSaved lq, lq_a, lkv_a, lkv_b;  // lq: wq_b with the query latent, else wq
   bool q_latent = false;
   int64_t bytes() const override {
-    int64_t b = int64_t(q.bytes() + k.bytes() + v.bytes() + attn.bytes() + lse.bytes() + cq.bytes() + rstd_q.bytes() +
-                        cqn.bytes() + ckv.bytes() + rstd_kv.bytes() + ckvn.bytes());
-    for (const LinearSaved* l : {&lq, &lq_a, &lkv_a, &lkv_b, &lo}) b += l->fp8_activation_bytes();
+    int64_t b = core.bytes() + int64_t(cq.bytes() + rstd_q.bytes() + cqn.bytes() + ckv.bytes() + rstd_kv.bytes() +
+                                       ckvn.bytes());
+    for (const LinearSaved* l : {&lq, &lq_a, &lkv_a, &lkv_b}) b += l->fp8_activation_bytes();
     return b;
   }
   // wq_b reads the query latent, not h1.
@@ -117,18 +151,19 @@ class Mla final : public Attention {
     Backend& be = c_.be;
     auto s = std::make_unique<MlaSaved>();
     s->B = B, s->T = T, s->q_latent = ql > 0;
+    AttentionCore& a = s->core;
     // Queries (N, H, qk): through the latent cq = RMSNorm(h1 Wq_a^T) when q_lora_rank > 0.
-    s->q = Tensor(be, DType::f32, {N, H * qk});
+    a.q = Tensor(be, DType::f32, {N, H * qk});
     if (ql > 0) {
       s->cq = Tensor(be, DType::f32, {N, ql});
       linear_forward(be, h1, N, D, wq_a_.w, ql, fp8(wq_a_, pass), s->cq.f32(), &s->lq_a);
       s->cqn = Tensor(be, DType::f32, {N, ql});
       s->rstd_q = Tensor(be, DType::f32, {N});
       be.rmsnorm_forward(s->cq.f32(), q_norm_.w, N, ql, eps, s->cqn.f32(), s->rstd_q.f32());
-      linear_forward(be, s->cqn.f32(), N, ql, wq_.w, H * qk, fp8(wq_, pass), s->q.f32(), &s->lq);
+      linear_forward(be, s->cqn.f32(), N, ql, wq_.w, H * qk, fp8(wq_, pass), a.q.f32(), &s->lq);
       if (!s->lq.needs_fp32_input()) s->cqn.reset();
     } else {
-      linear_forward(be, h1, N, D, wq_.w, H * qk, fp8(wq_, pass), s->q.f32(), &s->lq);
+      linear_forward(be, h1, N, D, wq_.w, H * qk, fp8(wq_, pass), a.q.f32(), &s->lq);
     }
     // The key-value latent and the shared rotary key: h1 Wkv_a^T = [ckv (kv_lora) | kpe (rope)].
     Tensor ckv_pe(be, DType::f32, {N, kvl + rope}), kpe(be, DType::f32, {N, rope});
@@ -144,15 +179,12 @@ class Mla final : public Attention {
     if (!s->lkv_b.needs_fp32_input()) s->ckvn.reset();
     // RoPE on the last `rope` channels of each query head and on the shared key; then every head's
     // key is [k_nope | kpe].
-    be.rope(s->q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
+    be.rope(a.q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
     be.rope(kpe.f32(), B, T, 1, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), rope);
-    s->k = Tensor(be, DType::f32, {N, H * qk});
-    s->v = Tensor(be, DType::f32, {N, H * vd});
-    be.mla_expand_kv(kv.f32(), kpe.f32(), N, H, nope, rope, vd, s->k.f32(), s->v.f32());
-    s->attn = Tensor(be, DType::f32, {N, H * vd});
-    s->lse = Tensor(be, DType::f32, {B * H * T});
-    be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), B, T, H, H, qk, vd, s->attn.f32(), s->lse.f32());
-    linear_forward(be, s->attn.f32(), N, H * vd, wo_.w, D, fp8(wo_, pass), o, &s->lo);
+    a.k = Tensor(be, DType::f32, {N, H * qk});
+    a.v = Tensor(be, DType::f32, {N, H * vd});
+    be.mla_expand_kv(kv.f32(), kpe.f32(), N, H, nope, rope, vd, a.k.f32(), a.v.f32());
+    core_forward(c_, &a, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), o);
     return s;
   }
 
@@ -166,11 +198,8 @@ class Mla final : public Attention {
                   kvl = m.kv_lora_rank;
     Backend& be = c_.be;
     const Pass pass = Pass::backward();
-    Tensor da(be, DType::f32, {N, H * vd}), dq(be, DType::f32, {N, H * qk}), dk(be, DType::f32, {N, H * qk}),
-        dv(be, DType::f32, {N, H * vd});
-    linear_backward(be, s.lo, wo_.w, dout, fp8(wo_, pass), da.f32(), wo_.g);
-    be.attention_backward(s.q.f32(), s.k.f32(), s.v.f32(), s.attn.f32(), s.lse.f32(), da.f32(), B, T, H, H, qk, vd,
-                          dq.f32(), dk.f32(), dv.f32());
+    Tensor da, dq, dk, dv;
+    core_backward(c_, s.core, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv);
     be.rope(dq.f32() + nope, B, T, H, rope, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), qk);
     // Keys and values back to the up-projection's output and the shared rotary key (summed over heads).
     Tensor dkv(be, DType::f32, {N, H * (nope + vd)}), dkpe(be, DType::f32, {N, rope});
