@@ -169,14 +169,29 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
 
 namespace {
 
+constexpr const char* kIdxWhat = "index (Megatron .idx)";
+constexpr const char* kBinWhat = "token file (Megatron .bin)";
+
+const char* file_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a file";
+}
+
 // Maps `path` read-only (an empty file maps to nothing). DataError naming the file otherwise.
 void* map_file(const std::string& path, const char* what, size_t* bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
+  // NOTE: O_NONBLOCK: opening a FIFO for reading waits for a writer without it; it is refused below
+  // (for a regular file the flag changes nothing).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) throw DataError(path + ": cannot open the " + std::string(what) + ": " + std::strerror(errno));
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const std::string kind = file_kind(st.st_mode);
     ::close(fd);
-    throw DataError(path + ": the " + std::string(what) + " is not a regular file");
+    throw DataError(path + ": the " + std::string(what) + " is not a regular file (" + kind + ")");
   }
   *bytes = size_t(st.st_size);
   if (*bytes == 0) {
@@ -197,8 +212,8 @@ std::string num(int64_t v) { return std::to_string(v); }
 IndexedDataset::IndexedDataset(const std::string& prefix, TokenCheck check) : prefix_(prefix) {
   const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
   // A throw below leaves nothing mapped: idx_ and bin_ unmap themselves.
-  idx_.addr = map_file(idx_path, "index (Megatron .idx)", &idx_.bytes);
-  bin_.addr = map_file(bin_path, "token file (Megatron .bin)", &bin_.bytes);
+  idx_.addr = map_file(idx_path, kIdxWhat, &idx_.bytes);
+  bin_.addr = map_file(bin_path, kBinWhat, &bin_.bytes);
   const char* p = static_cast<const char*>(idx_.addr);
   auto bad = [&](const std::string& field, const std::string& why) { throw DataError(idx_path + ": " + field + ": " + why); };
   if (idx_.bytes < kHeaderBytes)

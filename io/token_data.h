@@ -49,7 +49,9 @@ struct TokenCheck {
   int part = 0, parts = 1;
 };
 
-// One indexed data set, both files memory-mapped read-only. Opening validates the index (magic,
+// One indexed data set, both files memory-mapped read-only (an empty file maps to nothing).
+// Each file must be a regular file: a FIFO or a device is refused without waiting on it.
+// Opening validates the index (magic,
 // version, dtype, counts against the file size, every length, pointer and document index) and the
 // .bin's size against it, and that every token id of the checked part is in range; each problem
 // is a DataError naming the file, the field and the value.

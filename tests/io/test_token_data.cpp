@@ -2,6 +2,8 @@
 // reader and writer (tests/io/megatron_format.py, written from the format's description), every
 // dtype, deterministic sampling, blends, and damaged files refused with the file and the field named
 // (by the reader, and by `fp8moe train` with exit 2).
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -309,6 +311,16 @@ TEST(TokenData, BadInputsAreClearErrors) {
   EXPECT_THROW(f.sample(1, 0, 100, x.data(), y.data()), DataError);  // 12 tokens < 101
 }
 
+// A one-step training config for runs that must fail on their data (data.path set by --set).
+std::string tiny_train_config(const test::TempDir& dir) {
+  return dir.write(
+      "cfg.yaml",
+      "model: {d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64}\n"
+      "train: {steps: 1, warmup_steps: 0, global_batch: 1, seq_len: 8}\n"
+      "eval: {every: 0}\n"
+      "checkpoint: {dir: " + dir.path + "/ckpt, resume: none}\n");
+}
+
 // Damaged data sets: each refused by the reader with the file and the field named, and by
 // `fp8moe train` with exit 2 and the same message. The good data set: "hello world" + 0 and
 // "second doc" + 0 as uint16, two sequences, two documents (.idx: 34-byte header, lengths at 34,
@@ -319,12 +331,7 @@ TEST(TokenData, DamagedFilesAreRefusedNamingFileAndField) {
   const std::string good = dir.path + "/good.train";
   ASSERT_EQ(std::filesystem::file_size(good + ".idx"), 82u);
   ASSERT_EQ(std::filesystem::file_size(good + ".bin"), 46u);
-  const std::string cfg = dir.write(
-      "cfg.yaml",
-      "model: {d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64}\n"
-      "train: {steps: 1, warmup_steps: 0, global_batch: 1, seq_len: 8}\n"
-      "eval: {every: 0}\n"
-      "checkpoint: {dir: " + dir.path + "/ckpt, resume: none}\n");
+  const std::string cfg = tiny_train_config(dir);
 
   // A copy of the good pair with `edit` applied to one of its files.
   int n = 0;
@@ -403,6 +410,54 @@ TEST(TokenData, DamagedFilesAreRefusedNamingFileAndField) {
   EXPECT_NE(r.err.find("fp8moe: error: data.path: " + late + ".bin: token id 512 at token 20 is outside"), std::string::npos)
       << r.err;
   EXPECT_EQ(test::count(r.err, "fp8moe: error:"), 1u) << r.err;
+}
+
+
+// A .idx or .bin that is not a regular file is refused at once, naming the path and what it is: a
+// FIFO (an open for reading would wait for a writer) or a character device such as /dev/zero
+// (endless). By `fp8moe train` with exit 2, under `timeout 20` so that a reader that blocks fails
+// the test instead of hanging it (status 124), alone and in a blend; then by the reader itself.
+TEST(TokenData, FifosAndDevicesAreRefusedWithoutBlocking) {
+  test::TempDir dir;
+  prepare_data({dir.write("a.txt", "hello world, and more")}, dir.path + "/good", 0.0, "", 1);
+  const std::string good = dir.path + "/good.train", cfg = tiny_train_config(dir);
+  // A copy of the good pair whose file `ext` is made by `make`.
+  auto with = [&](const std::string& name, const std::string& ext, void (*make)(const std::string&)) {
+    const std::string prefix = dir.path + "/" + name;
+    for (const std::string e : {".idx", ".bin"})
+      if (e != ext) std::filesystem::copy_file(good + e, prefix + e);
+    make(prefix + ext);
+    return prefix;
+  };
+  auto fifo = [](const std::string& p) { EXPECT_EQ(mkfifo(p.c_str(), 0600), 0) << p; };
+  auto zero = [](const std::string& p) { std::filesystem::create_symlink("/dev/zero", p); };
+  const std::string idx = "index (Megatron .idx)", bin = "token file (Megatron .bin)";
+  const struct {
+    std::string prefix, file, what;
+  } cases[] = {{with("fifo_idx", ".idx", fifo), ".idx", idx + " is not a regular file (a FIFO)"},
+               {with("fifo_bin", ".bin", fifo), ".bin", bin + " is not a regular file (a FIFO)"},
+               {with("zero_idx", ".idx", zero), ".idx", idx + " is not a regular file (a character device)"},
+               {with("zero_bin", ".bin", zero), ".bin", bin + " is not a regular file (a character device)"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.prefix + c.file);
+    const std::string want = c.prefix + c.file + ": the " + c.what;
+    for (const std::string& path : {c.prefix, "[[1, " + good + "], [1, " + c.prefix + "]]"}) {
+      // (train catches SIGTERM to save a checkpoint, so timeout's TERM is followed by a KILL)
+      const test::RunResult r =
+          test::run({"timeout", "-k", "5", "20", test::exe(), "train", cfg, "--set", "data.path=" + path}, 60);
+      const bool blocked = r.status == 124 || r.status == 137 || r.timed_out;
+      EXPECT_EQ(r.status, 2) << (blocked ? "blocked: killed by timeout 20\n" : "") << r.err;
+      EXPECT_NE(r.err.find("fp8moe: error: data.path: " + want), std::string::npos) << r.err;
+      EXPECT_EQ(test::count(r.err, "\n"), 1u) << r.err;
+      if (blocked) return;  // the reader would block this process too
+    }
+    try {
+      IndexedDataset d(c.prefix, TokenCheck{256});
+      ADD_FAILURE() << "accepted";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
