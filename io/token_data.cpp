@@ -5,12 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "io/read_file.h"
 #include "model/param_table.h"  // philox4x32_10
@@ -353,27 +355,83 @@ void IndexedDataset::sample(uint64_t seed, int64_t index, int64_t T, int32_t* to
 // DataBlend
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// A data set's pair of files by device and inode: two prefixes naming the same files (another
+// spelling of the path, a symbolic link) are one data set. stat() does not open, so a FIFO does
+// not block here; a file that cannot be found is refused as its opening would refuse it.
+using FileId = std::array<uint64_t, 4>;
+FileId file_id(const std::string& prefix) {
+  FileId id{};
+  const std::pair<const char*, const char*> files[] = {{".idx", kIdxWhat}, {".bin", kBinWhat}};
+  for (int f = 0; f < 2; ++f) {
+    const std::string path = prefix + files[f].first;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0)
+      throw DataError(path + ": cannot open the " + std::string(files[f].second) + ": " + std::strerror(errno));
+    id[size_t(2 * f)] = uint64_t(st.st_dev), id[size_t(2 * f + 1)] = uint64_t(st.st_ino);
+  }
+  return id;
+}
+
+// vm.max_map_count, and the maps this process has (the lines of /proc/self/maps); -1 where unknown.
+int64_t read_max_map_count() {
+  std::ifstream in("/proc/sys/vm/max_map_count");
+  int64_t n = -1;
+  return in >> n ? n : -1;
+}
+int64_t maps_in_use() {
+  std::ifstream in("/proc/self/maps");
+  if (!in) return -1;
+  int64_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+}  // namespace
+
+void check_map_budget(int64_t data_sets, int64_t max_map_count, int64_t maps_in_use) {
+  const int64_t need = data_sets * kMapsPerDataSet, left = max_map_count - maps_in_use;
+  if (need > left / 2)
+    throw DataError(num(data_sets) + " distinct data sets need " + num(need) + " memory maps (" +
+                    num(int64_t(kMapsPerDataSet)) + " each), more than half of the " + num(left) +
+                    " this process has left (vm.max_map_count " + num(max_map_count) + ", " + num(maps_in_use) +
+                    " in use): merge data sets, or raise vm.max_map_count (sysctl -w vm.max_map_count=N)");
+}
+
 DataBlend::DataBlend(const std::vector<DataSource>& sources, TokenCheck check) {
   if (sources.empty()) throw DataError("no data set");
+  if (int64_t(sources.size()) > kMaxBlendEntries)
+    throw DataError("a blend of " + num(uint64_t(sources.size())) + " entries, more than the " + num(kMaxBlendEntries) +
+                    " a blend may have (each sample looks at every entry; Megatron's blends have tens to a few "
+                    "hundred): name each data set once, with the sum of its weights");
   double total = 0;
   for (const DataSource& s : sources) {
     if (!(s.weight > 0 && std::isfinite(s.weight)))
       throw DataError(s.prefix + ": weight " + std::to_string(s.weight) + ", expected a finite number > 0");
     total += s.weight;
   }
+  std::map<FileId, int> distinct;  // files -> their index in `first`
+  std::vector<const std::string*> first;  // the first prefix naming each distinct data set
+  entry_set_.reserve(sources.size());
   for (const DataSource& s : sources) {
-    sets_.push_back(std::make_unique<IndexedDataset>(s.prefix, check));
+    const auto [it, fresh] = distinct.emplace(file_id(s.prefix), int(first.size()));
+    if (fresh) first.push_back(&s.prefix);
+    entry_set_.push_back(it->second);
     weights_.push_back(s.weight / total);
   }
-  taken_.assign(sets_.size(), 0);
+  if (const int64_t max_maps = read_max_map_count(); max_maps > 0)
+    check_map_budget(int64_t(first.size()), max_maps, maps_in_use());
+  for (const std::string* prefix : first) sets_.push_back(std::make_unique<IndexedDataset>(*prefix, check));
+  taken_.assign(entry_set_.size(), 0);
 }
 
 std::pair<int, int64_t> DataBlend::locate(int64_t index) {
-  if (index < cursor_) cursor_ = 0, taken_.assign(sets_.size(), 0);
+  if (index < cursor_) cursor_ = 0, taken_.assign(entry_set_.size(), 0);
   for (;; ++cursor_) {
     int best = 0;
     double deficit = -INFINITY;
-    for (size_t k = 0; k < sets_.size(); ++k) {
+    for (size_t k = 0; k < entry_set_.size(); ++k) {
       const double d = weights_[k] * double(cursor_ + 1) - double(taken_[k]);
       if (d > deficit) deficit = d, best = int(k);
     }
@@ -384,10 +442,10 @@ std::pair<int, int64_t> DataBlend::locate(int64_t index) {
 
 void DataBlend::sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) {
   const auto [k, local] = locate(index);
-  // Data set 0 keeps the plain seed (one data set samples as it always has); the others get their
-  // own window orders.
-  const uint64_t set_seed = k == 0 ? seed : seed ^ (0x9E3779B97F4A7C15ull * uint64_t(k));
-  sets_[size_t(k)]->sample(set_seed, local, T, tokens, targets);
+  // Entry 0 keeps the plain seed (one data set samples as it always has); the others get their own
+  // window orders, also where they share their files with another entry.
+  const uint64_t entry_seed = k == 0 ? seed : seed ^ (0x9E3779B97F4A7C15ull * uint64_t(k));
+  sets_[size_t(entry_set_[size_t(k)])]->sample(entry_seed, local, T, tokens, targets);
 }
 
 int64_t DataBlend::min_size() const {
