@@ -8,6 +8,8 @@ PREFIX.val, else to PREFIX.train; each is a PREFIX.*.bin / PREFIX.*.idx pair.
 
 Inputs: a text file is one document, or several separated by lines equal to --split-on (e.g. "%"
 for fortune files); a .jsonl file holds one JSON object per line whose --json-key is a document.
+Bad input (bad JSON, a missing key, a lone surrogate, invalid UTF-8, an empty file) is exit 2 and
+one line "tokenize-data: error: FILE:LINE: reason".
 
   tokenize-data.py --tokenizer tokenizer.json --input corpus.jsonl --output data/corpus
 """
@@ -41,12 +43,15 @@ def read_text(path, split_on):
     if split_on is None:
         with open(path, "rb") as f:
             data = f.read()
+        if not data:
+            raise InputError(f"{path}:1: empty input: no documents")
         yield decode(data, path, 1), len(data)
         return
     sep = split_on.encode()
-    lines, start, nbytes = [], 1, 0
+    lines, start, nbytes, empty = [], 1, 0, True
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
+            empty = False
             nbytes += len(line)
             bare = line[:-1] if line.endswith(b"\n") else line
             if (bare[:-1] if bare.endswith(b"\r") else bare) == sep:
@@ -54,33 +59,61 @@ def read_text(path, split_on):
                 lines, start, nbytes = [], lineno + 1, 0
             else:
                 lines.append(line)
+    if empty:
+        raise InputError(f"{path}:1: empty input: no documents")
     if lines:
         yield decode(b"".join(lines), path, start), nbytes
 
 
 def read_jsonl(path, key):
     """Yields (text, bytes read) per non-blank line of a JSON-lines file."""
+    documents = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # also UnicodeDecodeError
-                detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-                raise InputError(f"{path}:{lineno}: bad JSON: {detail}") from None
+            record = parse_json_line(line, path, lineno)
             if not isinstance(record, dict) or key not in record:
                 raise InputError(f"{path}:{lineno}: no key '{key}'")
-            if not isinstance(record[key], str):
+            text = record[key]
+            if not isinstance(text, str):
                 raise InputError(f"{path}:{lineno}: '{key}' is not a string")
-            yield record[key], len(line)
+            try:  # JSON's \ud800 escapes decode to lone surrogates, which are not Unicode text
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"{path}:{lineno}: '{key}' holds a lone surrogate (\\u{ord(text[e.start]):04x} at "
+                                 f"character {e.start + 1}): not Unicode text") from None
+            documents += 1
+            yield text, len(line)
+    if documents == 0:
+        raise InputError(f"{path}:1: empty input: no documents (an empty file, or blank lines only)")
 
 
-def decode(data, path, lineno):
+def parse_json_line(line, path, lineno):
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1} of the line)") from None
+    if lineno == 1:
+        text = text.removeprefix("\ufeff")  # a byte-order mark
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{lineno}: bad JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise InputError(f"{path}:{lineno}: bad JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise InputError(f"{path}:{lineno}: bad JSON: {e}") from None
+
+
+def decode(data, path, first_line):
+    """data (lines first_line, first_line + 1, ... of path) as text; InputError at the line of the first bad byte."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}:{lineno}: the document is not UTF-8 ({e.reason})") from None
+        line = first_line + data.count(b"\n", 0, e.start)
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 ({e.reason} at byte {column} of the line)") from None
 
 
 def chunks(args):
