@@ -51,22 +51,76 @@ T load(const char* p) {  // unaligned little-endian read (x86-64 and aarch64 are
 }
 
 template <class T>
-void put(std::ofstream& out, const T& v) {
-  out.write(reinterpret_cast<const char*>(&v), sizeof v);
+void put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof v);
 }
 
-// Writes PATH.tmp with `write` and renames it to PATH: a reader that has PATH mapped keeps its
-// (old) file, and a crash leaves no half-written PATH.
-template <class Write>
-void write_atomically(const std::string& path, Write write) {
-  const std::string tmp = path + ".tmp";
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (!out) throw DataError(tmp + ": cannot write: " + std::strerror(errno));
-  write(out);
-  out.close();
-  if (!out) throw DataError(tmp + ": write failed: " + std::strerror(errno));
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw DataError(path + ": cannot rename " + tmp + ": " + std::strerror(errno));
-}
+// Output files written under temporary names (PATH.tmp.PID, in PATH's directory) and renamed into
+// place together by commit(): until then every final name keeps what it had (a reader that has it
+// mapped keeps its file), and a failed run's temporary files are removed by the destructor. A
+// killed run can leave PATH.tmp.PID files, never a partial file under a final name.
+class AtomicOutputs {
+ public:
+  AtomicOutputs() = default;
+  AtomicOutputs(const AtomicOutputs&) = delete;
+  AtomicOutputs& operator=(const AtomicOutputs&) = delete;
+  ~AtomicOutputs() {
+    for (const File& f : files_)
+      if (!f.committed) ::unlink(f.tmp.c_str());
+  }
+
+  // Writes the temporary file of `path`, complete and on disk (fsync) on return.
+  void write(const std::string& path, const void* data, size_t bytes) {
+    files_.push_back({path, path + ".tmp." + std::to_string(::getpid())});
+    const std::string& tmp = files_.back().tmp;
+    auto fail = [&] {
+      throw DataError(path + ": cannot write " + tmp + ": " + std::strerror(errno) + "; no output was replaced");
+    };
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) fail();
+    const char* p = static_cast<const char*>(data);
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t n = ::write(fd, p + done, bytes - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int e = errno;
+        ::close(fd);
+        errno = e;
+        fail();
+      }
+      done += size_t(n);
+    }
+    if (::fsync(fd) != 0) {
+      const int e = errno;
+      ::close(fd);
+      errno = e;
+      fail();
+    }
+    if (::close(fd) != 0) fail();
+  }
+
+  // Renames every file into place, then makes the renames durable (fsync of the directories).
+  void commit() {
+    for (File& f : files_) {
+      if (f.committed) continue;
+      if (std::rename(f.tmp.c_str(), f.path.c_str()) != 0)
+        throw DataError(f.path + ": cannot rename " + f.tmp + " to it: " + std::strerror(errno));
+      f.committed = true;
+    }
+    for (const File& f : files_) {  // best effort: the files are in place either way
+      const std::string dir = std::filesystem::path(f.path).parent_path().string();
+      const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (fd >= 0) ::fsync(fd), ::close(fd);
+    }
+  }
+
+ private:
+  struct File {
+    std::string path, tmp;
+    bool committed = false;
+  };
+  std::vector<File> files_;
+};
 
 // Documents of one input: the whole file, or the pieces between lines equal to split_line.
 std::vector<std::string> documents(const std::string& text, const std::string& split_line) {
@@ -100,22 +154,20 @@ struct Split {
   std::vector<int32_t> lengths;
 };
 
-void write_dataset(const std::string& prefix, const Split& s) {
-  write_atomically(prefix + ".bin", [&](std::ofstream& out) {
-    out.write(reinterpret_cast<const char*>(s.tokens.data()), std::streamsize(s.tokens.size() * 2));
-  });
-  write_atomically(prefix + ".idx", [&](std::ofstream& out) {
-    const uint64_t n = s.lengths.size();
-    out.write(kMagic, 9);
-    put(out, kVersion);
-    put(out, kUint16);
-    put(out, n);      // sequences
-    put(out, n + 1);  // document_indices entries: one document per sequence, then the end
-    out.write(reinterpret_cast<const char*>(s.lengths.data()), std::streamsize(n * 4));
-    int64_t pointer = 0;
-    for (int32_t len : s.lengths) put(out, pointer), pointer += int64_t(len) * 2;
-    for (int64_t d = 0; d <= int64_t(n); ++d) put(out, d);
-  });
+void write_dataset(AtomicOutputs& out, const std::string& prefix, const Split& s) {
+  out.write(prefix + ".bin", s.tokens.data(), s.tokens.size() * 2);
+  const uint64_t n = s.lengths.size();
+  std::string idx(kMagic, 9);
+  idx.reserve(kHeaderBytes + n * 20 + 8);
+  put(idx, kVersion);
+  put(idx, kUint16);
+  put(idx, n);      // sequences
+  put(idx, n + 1);  // document_indices entries: one document per sequence, then the end
+  idx.append(reinterpret_cast<const char*>(s.lengths.data()), n * 4);
+  int64_t pointer = 0;
+  for (int32_t len : s.lengths) put(idx, pointer), pointer += int64_t(len) * 2;
+  for (int64_t d = 0; d <= int64_t(n); ++d) put(idx, d);
+  out.write(prefix + ".idx", idx.data(), idx.size());
 }
 
 double uniform(uint64_t seed, uint64_t a, uint64_t b) {
@@ -160,8 +212,10 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
   const std::filesystem::path dir = std::filesystem::path(prefix).parent_path();
   if (!dir.empty() && !std::filesystem::create_directories(dir, ec) && ec)
     throw DataError(dir.string() + ": cannot create the output directory: " + ec.message());
-  write_dataset(prefix + ".train", train);
-  write_dataset(prefix + ".val", val);
+  AtomicOutputs out;  // all four complete before any is renamed into place
+  write_dataset(out, prefix + ".train", train);
+  write_dataset(out, prefix + ".val", val);
+  out.commit();
   return rep;
 }
 

@@ -37,8 +37,11 @@ struct PrepareReport {
 // split at lines equal to `split_line` when it is not empty, as the fortune files' "%"), assigns
 // each document to validation with probability val_fraction (a deterministic function of seed and
 // document number), and writes the data sets PREFIX.train and PREFIX.val (uint16 tokens, one
-// sequence per document; each file through a temporary file and a rename). DataError on
-// unreadable or empty input, or when no document is left for training.
+// sequence per document). The four files are written under temporary names (PATH.tmp.PID, beside
+// PATH) and renamed into place only when all four are complete, so a failed or killed run leaves
+// every existing output as it was and no partial file under a final name. DataError on unreadable
+// or empty input, when no document is left for training, or when an output cannot be written (its
+// temporary files removed).
 PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::string& prefix, double val_fraction,
                            const std::string& split_line, uint64_t seed);
 

@@ -9,12 +9,14 @@ PREFIX.val, else to PREFIX.train; each is a PREFIX.*.bin / PREFIX.*.idx pair.
 Inputs: a text file is one document, or several separated by lines equal to --split-on (e.g. "%"
 for fortune files); a .jsonl file holds one JSON object per line whose --json-key is a document.
 Bad input (bad JSON, a missing key, a lone surrogate, invalid UTF-8, an empty file) is exit 2 and
-one line "tokenize-data: error: FILE:LINE: reason".
+one line "tokenize-data: error: FILE:LINE: reason". The four outputs are written as PATH.tmp.PID
+and renamed into place only when all four are complete: a failed run leaves the previous ones.
 
   tokenize-data.py --tokenizer tokenizer.json --input corpus.jsonl --output data/corpus
 """
 import argparse
 import array
+import contextlib
 import hashlib
 import itertools
 import json
@@ -33,6 +35,18 @@ CHUNK_DOCS, CHUNK_BYTES = 256, 4 << 20  # a work item: up to 256 documents or 4 
 
 class InputError(Exception):
     """A problem with the command line or the inputs: reported as "tokenize-data: error: ...", exit 2."""
+
+
+class WriteError(Exception):
+    """An output that could not be written (reported as InputError is; no output was replaced)."""
+
+
+@contextlib.contextmanager
+def writing(path, tmp):
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(f"{path}: cannot write {tmp}: {e.strerror}; no output was replaced") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,29 +172,37 @@ def encode_chunk(item):
 
 
 # ---------------------------------------------------------------------------------------------
-# Writing (streaming tokens to PREFIX.bin, the index at the end; both via .tmp and os.replace)
+# Writing (streaming tokens to PREFIX.bin, the index at the end; both under temporary names in the
+# same directory, renamed into place when every output is complete)
 
 class IndexedWriter:
     def __init__(self, prefix, dtype):
         self.prefix, self.dtype = prefix, np.dtype(dtype).newbyteorder("<")
         self.lengths = array.array("q")  # tokens per sequence (= per document)
         self.tokens = 0
-        self.bin = open(prefix + ".bin.tmp", "wb")
+        # The process id in the name: a concurrent run to the same prefix never writes into these.
+        self.tmp = {ext: f"{prefix}{ext}.tmp.{os.getpid()}" for ext in (".bin", ".idx")}
+        self.bin = open(self.tmp[".bin"], "wb")
 
     def add(self, tokens):
         if len(tokens) >= 2**31:  # the index stores int32 lengths
             raise InputError(f"a document of {len(tokens)} tokens: split the input into smaller documents")
-        self.bin.write(np.asarray(tokens, self.dtype).tobytes())
+        with writing(self.prefix + ".bin", self.tmp[".bin"]):
+            self.bin.write(np.asarray(tokens, self.dtype).tobytes())
         self.lengths.append(len(tokens))
         self.tokens += len(tokens)
 
     def finish(self):
-        self.bin.close()
+        """Completes both temporary files, on disk (fsync); the final names are not touched yet."""
+        with writing(self.prefix + ".bin", self.tmp[".bin"]):
+            self.bin.flush()
+            os.fsync(self.bin.fileno())
+            self.bin.close()
         n = len(self.lengths)
         lengths = np.frombuffer(self.lengths, np.int64)
         pointers = np.zeros(n, np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        with open(self.prefix + ".idx.tmp", "wb") as f:
+        with writing(self.prefix + ".idx", self.tmp[".idx"]), open(self.tmp[".idx"], "wb") as f:
             f.write(MAGIC)
             f.write(np.asarray([1], "<u8").tobytes())  # version
             f.write(np.asarray([DTYPE_CODES[self.dtype.name]], "u1").tobytes())
@@ -188,14 +210,49 @@ class IndexedWriter:
             f.write(np.asarray(lengths, "<i4").tobytes())
             f.write(np.asarray(pointers, "<i8").tobytes())
             f.write(np.arange(n + 1, dtype="<i8").tobytes())  # document indices: one sequence each
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self):
         for ext in (".bin", ".idx"):
-            os.replace(self.prefix + ext + ".tmp", self.prefix + ext)
+            os.replace(self.tmp[ext], self.prefix + ext)
 
     def abort(self):
-        self.bin.close()
-        for ext in (".bin.tmp", ".idx.tmp"):
-            if os.path.exists(self.prefix + ext):
-                os.remove(self.prefix + ext)
+        """Removes the temporary files (what commit() renamed is not there any more)."""
+        try:
+            self.bin.close()  # flushes: fails again when writing failed
+        except OSError:
+            pass
+        for path in self.tmp.values():
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+
+def write_outputs(prefix, dtype, fill):
+    """Writes PREFIX.train and PREFIX.val: fill(writers) adds the documents. The four files appear
+    under their names only when all four are complete; on any failure none is replaced and the
+    temporary files are removed."""
+    writers = {}
+    try:
+        for split in ("train", "val"):
+            writers[split] = IndexedWriter(f"{prefix}.{split}", dtype)
+        result = fill(writers)
+        for w in writers.values():
+            w.finish()
+        for w in writers.values():
+            w.commit()
+        fd = os.open(os.path.dirname(prefix) or ".", os.O_RDONLY)  # the renames, on disk
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return writers, result
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
 
 
 def validation_hash(seed, number):
@@ -223,16 +280,8 @@ def parse_args():
     return p.parse_args()
 
 
-def main():
-    args = parse_args()
-    if not 0 <= args.val_fraction < 1:
-        raise InputError(f"--val-fraction {args.val_fraction} is not in [0, 1)")
-    if args.workers < 1:
-        raise InputError("--workers must be at least 1")
-    for path in args.input:  # fail before any work, not halfway through
-        if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise InputError(f"cannot read {path}")
-
+def load_tokenizer(args):
+    """(vocabulary size, end-of-document token, its id, the token dtype)."""
     from tokenizers import Tokenizer
     try:
         tokenizer = Tokenizer.from_file(args.tokenizer)
@@ -247,13 +296,11 @@ def main():
     eod_id = tokenizer.token_to_id(eod)
     if eod_id is None:
         raise InputError(f"--eod {eod} is not in the tokenizer's vocabulary")
-    dtype = np.dtype(np.uint16 if vocab < 65500 else np.int32)
+    return vocab, eod, eod_id, np.dtype(np.uint16 if vocab < 65500 else np.int32)
 
-    out_dir = os.path.dirname(args.output)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    writers = {split: IndexedWriter(f"{args.output}.{split}", dtype) for split in ("train", "val")}
-    init = (args.tokenizer, eod_id, dtype.name)
+
+def tokenize(args, init, writers):
+    """Encodes every document of the inputs into writers; returns (documents, empty documents)."""
     pool = multiprocessing.Pool(args.workers, init_worker, init) if args.workers > 1 else None
     try:
         if pool:  # imap keeps the input order; a full pipe to the workers holds the reader back
@@ -282,16 +329,28 @@ def main():
                       f"{nbytes / 2**20 / (now - start):.1f} MiB/s", file=sys.stderr, flush=True)
         if not writers["train"].lengths:
             raise InputError(f"no training documents ({number} documents read, {empty} of them empty)")
-        for w in writers.values():
-            w.finish()
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
+        return number, empty
     finally:
         if pool:
             pool.terminate()
 
+
+def main():
+    args = parse_args()
+    if not 0 <= args.val_fraction < 1:
+        raise InputError(f"--val-fraction {args.val_fraction} is not in [0, 1)")
+    if args.workers < 1:
+        raise InputError("--workers must be at least 1")
+    for path in args.input:  # fail before any work, not halfway through
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise InputError(f"cannot read {path}")
+    vocab, eod, eod_id, dtype = load_tokenizer(args)
+
+    out_dir = os.path.dirname(args.output)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    init = (args.tokenizer, eod_id, dtype.name)
+    writers, (_, empty) = write_outputs(args.output, dtype, lambda w: tokenize(args, init, w))
     if empty:
         print(f"tokenize-data: empty documents skipped: {empty}", file=sys.stderr)
     t, v = writers["train"], writers["val"]
@@ -303,6 +362,6 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (InputError, OSError) as e:  # OSError: writing the outputs
+    except (InputError, WriteError, OSError) as e:  # OSError: e.g. creating the output directory
         print(f"tokenize-data: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,14 +1,20 @@
-"""scripts/tokenize-data.py on bad input (README "Data"), with a small word-level tokenizer made
-here:
+"""scripts/tokenize-data.py on bad input and on failure (README "Data"), with a small word-level
+tokenizer made here:
   - every bad input is refused with exit 2 and one line on stderr, `tokenize-data: error:
     FILE:LINE: reason`, never a traceback, and nothing written: bad JSON (also nested past Python's
     recursion limit), a line that is not an object, a missing key, a value that is not a string, a
     lone surrogate (`\\ud800`, `\\udfff`), invalid UTF-8 in a JSONL line and in a text file (the line
-    of the bad byte, with and without --split-on), an empty input file.
+    of the bad byte, with and without --split-on), an empty input file;
+  - the outputs are replaced only whole: a run that fails halfway (bad JSON after the first work
+    items were written, with 1 and 2 workers; the validation index past a file-size limit,
+    RLIMIT_FSIZE, after the training set's files were complete) leaves the previous outputs byte
+    for byte and no temporary file; a run that succeeds replaces all four and leaves none.
 
 usage: tokenize_data.py   (run by the Python of build/venv: numpy and tokenizers)
 """
+import hashlib
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -40,9 +46,20 @@ def write(path, data):
     return path
 
 
-def run(tok, args):
+def run(tok, args, file_size_limit=None):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
     return subprocess.run([sys.executable, SCRIPT, "--tokenizer", tok, *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, preexec_fn=limit if file_size_limit else None)
+
+
+def snapshot(directory):
+    """Every file of `directory`: name -> SHA-256 of its bytes."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
 
 
 def refusals(d, tok):
@@ -94,14 +111,46 @@ def check_refusals(d, tok):
     return n
 
 
+def check_atomic(d, tok):
+    out = os.path.join(d, "atomic")
+    prefix = os.path.join(out, "p")
+    docs = lambda words, n: "".join('{"text": "%s"}\n' % words for _ in range(n))
+    old = write(os.path.join(d, "old.jsonl"), docs("a b c", 600))
+    r = run(tok, ["--input", old, "--output", prefix, "--val-fraction", "0.3", "--workers", "1"])
+    check(r.returncode == 0, f"the first run: {r.stderr}")
+    before = snapshot(out)
+    check(sorted(before) == ["p.train.bin", "p.train.idx", "p.val.bin", "p.val.idx"], f"the first run wrote {sorted(before)}")
+    # Bad JSON at line 500 of 600: the first work item (256 documents) is encoded and written first.
+    late = write(os.path.join(d, "late.jsonl"), docs("d e", 499) + '{"text": \n' + docs("d e", 100))
+    for workers in ("1", "2"):
+        r = run(tok, ["--input", late, "--output", prefix, "--val-fraction", "0.3", "--workers", workers])
+        check(r.returncode == 2 and f"{late}:500: bad JSON" in r.stderr and "Traceback" not in r.stderr,
+              f"bad JSON at line 500, {workers} workers: exit {r.returncode}: {r.stderr[-2000:]}")
+        check(snapshot(out) == before, f"bad JSON at line 500, {workers} workers: the outputs are now {snapshot(out)}")
+    # 300 one-word documents, 90% to validation: its index (20 bytes a document) passes 4 KiB, after
+    # the training set's two files (under 1 KiB each) and the validation tokens (~1 KiB) are written.
+    small = write(os.path.join(d, "small.jsonl"), docs("f", 300))
+    r = run(tok, ["--input", small, "--output", prefix, "--val-fraction", "0.9", "--workers", "1"], file_size_limit=4096)
+    check(r.returncode == 2 and len(r.stderr.splitlines()) == 1 and os.strerror(27) in r.stderr,
+          f"past the file-size limit: exit {r.returncode}: {r.stderr[-2000:]}")
+    check(snapshot(out) == before, f"past the file-size limit: the outputs are now {snapshot(out)}")
+    r = run(tok, ["--input", small, "--output", prefix, "--val-fraction", "0.9", "--workers", "2"])
+    after = snapshot(out)
+    check(r.returncode == 0 and sorted(after) == sorted(before) and all(after[k] != before[k] for k in before),
+          f"a good run: exit {r.returncode}, outputs {after} (before: {before}): {r.stderr[-2000:]}")
+    print("atomic: bad JSON at line 500 (1 and 2 workers) and a write past RLIMIT_FSIZE left the previous outputs "
+          "byte for byte and no temporary; a good run replaced all four")
+
+
 def main():
     with tempfile.TemporaryDirectory(prefix="fp8moe-tokenize-") as d:
         tok = os.path.join(d, "tok.json")
         tokenizer(tok)
         n = check_refusals(d, tok)
+        check_atomic(d, tok)
     if failures:
         sys.exit(f"tokenize_data: {len(failures)} failures")
-    print(f"tokenize_data: {n} kinds of bad input refused with FILE:LINE and exit 2")
+    print(f"tokenize_data: {n} kinds of bad input refused with FILE:LINE and exit 2; outputs replaced only whole")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 // reader and writer (tests/io/megatron_format.py, written from the format's description), every
 // dtype, deterministic sampling, blends, and damaged files refused with the file and the field named
 // (by the reader, and by `fp8moe train` with exit 2).
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <gtest/gtest.h>
@@ -13,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <random>
 #include <set>
 #include <sstream>
@@ -458,6 +461,71 @@ TEST(TokenData, FifosAndDevicesAreRefusedWithoutBlocking) {
       EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
     }
   }
+}
+
+// The files of `dir`, each as "SIZE bytes, FNV-1a HASH" of its contents.
+std::map<std::string, std::string> files_of(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(e.path(), std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
+    files[e.path().filename().string()] = std::to_string(bytes.size()) + " bytes, FNV-1a " + std::to_string(h);
+  }
+  return files;
+}
+
+// prepare-data writes its four files under temporary names and renames them into place when all
+// four are complete. A run that fails, on an input or halfway through writing (the validation
+// set's .bin past a file-size limit, RLIMIT_FSIZE, after the training set's files were written),
+// leaves the previous outputs byte for byte and no temporary file; one that succeeds replaces all.
+TEST(TokenData, AFailedPrepareLeavesThePreviousOutputs) {
+  test::TempDir dir;
+  const std::string out = dir.path + "/out", prefix = out + "/p";
+  std::string old_text, new_text;
+  for (int i = 0; i < 400; ++i) {
+    old_text += "old document " + std::to_string(i) + "\n%\n";
+    new_text += "a new document, number " + std::to_string(i) + "\n%\n";
+  }
+  const std::string old_in = dir.write("old.txt", old_text), new_in = dir.write("new.txt", new_text);
+  prepare_data({old_in}, prefix, 0.9, "%", 1);
+  const auto before = files_of(out);
+  ASSERT_EQ(before.size(), 4u);
+  // ~360 validation documents of ~25 bytes: a .bin of ~18 KB, past 8 KiB; the training set's ~40, not.
+  EXPECT_THROW(prepare_data({new_in, dir.path}, prefix, 0.9, "%", 1), DataError);  // a directory as input
+  EXPECT_EQ(files_of(out), before);
+  {
+    rlimit old_limit{};
+    ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+    rlimit low = old_limit;
+    low.rlim_cur = 8192;
+    const auto old_handler = signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &low), 0);
+    std::string error;
+    try {
+      prepare_data({new_in}, prefix, 0.9, "%", 1);
+    } catch (const DataError& e) {
+      error = e.what();
+    }
+    setrlimit(RLIMIT_FSIZE, &old_limit);
+    signal(SIGXFSZ, old_handler);
+    EXPECT_NE(error.find(prefix + ".val.bin"), std::string::npos) << error;
+    EXPECT_NE(error.find(std::strerror(EFBIG)), std::string::npos) << error;
+  }
+  EXPECT_EQ(files_of(out), before);
+  // The same through the command line, under `ulimit -f 8` (KiB): exit 2 and one line.
+  const test::RunResult r = test::run({"bash", "-c", "trap '' XFSZ; ulimit -f 8; exec \"$@\"", "bash", test::exe(),
+                                       "prepare-data", "--input", new_in, "--output", prefix, "--split-on", "%",
+                                       "--val-fraction", "0.9", "--seed", "1"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_EQ(r.err.rfind("fp8moe: error: " + prefix + ".val.bin", 0), 0u) << r.err;
+  EXPECT_EQ(test::count(r.err, "\n"), 1u) << r.err;
+  EXPECT_EQ(files_of(out), before);
+  prepare_data({new_in}, prefix, 0.9, "%", 1);
+  const auto after = files_of(out);
+  ASSERT_EQ(after.size(), 4u);
+  for (const auto& [name, bytes] : after) EXPECT_NE(bytes, before.at(name)) << name;
 }
 
 }  // namespace
