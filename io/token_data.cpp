@@ -5,12 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "io/read_file.h"
 #include "model/param_table.h"  // philox4x32_10
@@ -49,22 +51,76 @@ T load(const char* p) {  // unaligned little-endian read (x86-64 and aarch64 are
 }
 
 template <class T>
-void put(std::ofstream& out, const T& v) {
-  out.write(reinterpret_cast<const char*>(&v), sizeof v);
+void put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof v);
 }
 
-// Writes PATH.tmp with `write` and renames it to PATH: a reader that has PATH mapped keeps its
-// (old) file, and a crash leaves no half-written PATH.
-template <class Write>
-void write_atomically(const std::string& path, Write write) {
-  const std::string tmp = path + ".tmp";
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (!out) throw DataError(tmp + ": cannot write: " + std::strerror(errno));
-  write(out);
-  out.close();
-  if (!out) throw DataError(tmp + ": write failed: " + std::strerror(errno));
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw DataError(path + ": cannot rename " + tmp + ": " + std::strerror(errno));
-}
+// Output files written under temporary names (PATH.tmp.PID, in PATH's directory) and renamed into
+// place together by commit(): until then every final name keeps what it had (a reader that has it
+// mapped keeps its file), and a failed run's temporary files are removed by the destructor. A
+// killed run can leave PATH.tmp.PID files, never a partial file under a final name.
+class AtomicOutputs {
+ public:
+  AtomicOutputs() = default;
+  AtomicOutputs(const AtomicOutputs&) = delete;
+  AtomicOutputs& operator=(const AtomicOutputs&) = delete;
+  ~AtomicOutputs() {
+    for (const File& f : files_)
+      if (!f.committed) ::unlink(f.tmp.c_str());
+  }
+
+  // Writes the temporary file of `path`, complete and on disk (fsync) on return.
+  void write(const std::string& path, const void* data, size_t bytes) {
+    files_.push_back({path, path + ".tmp." + std::to_string(::getpid())});
+    const std::string& tmp = files_.back().tmp;
+    auto fail = [&] {
+      throw DataError(path + ": cannot write " + tmp + ": " + std::strerror(errno) + "; no output was replaced");
+    };
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) fail();
+    const char* p = static_cast<const char*>(data);
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t n = ::write(fd, p + done, bytes - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int e = errno;
+        ::close(fd);
+        errno = e;
+        fail();
+      }
+      done += size_t(n);
+    }
+    if (::fsync(fd) != 0) {
+      const int e = errno;
+      ::close(fd);
+      errno = e;
+      fail();
+    }
+    if (::close(fd) != 0) fail();
+  }
+
+  // Renames every file into place, then makes the renames durable (fsync of the directories).
+  void commit() {
+    for (File& f : files_) {
+      if (f.committed) continue;
+      if (std::rename(f.tmp.c_str(), f.path.c_str()) != 0)
+        throw DataError(f.path + ": cannot rename " + f.tmp + " to it: " + std::strerror(errno));
+      f.committed = true;
+    }
+    for (const File& f : files_) {  // best effort: the files are in place either way
+      const std::string dir = std::filesystem::path(f.path).parent_path().string();
+      const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (fd >= 0) ::fsync(fd), ::close(fd);
+    }
+  }
+
+ private:
+  struct File {
+    std::string path, tmp;
+    bool committed = false;
+  };
+  std::vector<File> files_;
+};
 
 // Documents of one input: the whole file, or the pieces between lines equal to split_line.
 std::vector<std::string> documents(const std::string& text, const std::string& split_line) {
@@ -98,22 +154,20 @@ struct Split {
   std::vector<int32_t> lengths;
 };
 
-void write_dataset(const std::string& prefix, const Split& s) {
-  write_atomically(prefix + ".bin", [&](std::ofstream& out) {
-    out.write(reinterpret_cast<const char*>(s.tokens.data()), std::streamsize(s.tokens.size() * 2));
-  });
-  write_atomically(prefix + ".idx", [&](std::ofstream& out) {
-    const uint64_t n = s.lengths.size();
-    out.write(kMagic, 9);
-    put(out, kVersion);
-    put(out, kUint16);
-    put(out, n);      // sequences
-    put(out, n + 1);  // document_indices entries: one document per sequence, then the end
-    out.write(reinterpret_cast<const char*>(s.lengths.data()), std::streamsize(n * 4));
-    int64_t pointer = 0;
-    for (int32_t len : s.lengths) put(out, pointer), pointer += int64_t(len) * 2;
-    for (int64_t d = 0; d <= int64_t(n); ++d) put(out, d);
-  });
+void write_dataset(AtomicOutputs& out, const std::string& prefix, const Split& s) {
+  out.write(prefix + ".bin", s.tokens.data(), s.tokens.size() * 2);
+  const uint64_t n = s.lengths.size();
+  std::string idx(kMagic, 9);
+  idx.reserve(kHeaderBytes + n * 20 + 8);
+  put(idx, kVersion);
+  put(idx, kUint16);
+  put(idx, n);      // sequences
+  put(idx, n + 1);  // document_indices entries: one document per sequence, then the end
+  idx.append(reinterpret_cast<const char*>(s.lengths.data()), n * 4);
+  int64_t pointer = 0;
+  for (int32_t len : s.lengths) put(idx, pointer), pointer += int64_t(len) * 2;
+  for (int64_t d = 0; d <= int64_t(n); ++d) put(idx, d);
+  out.write(prefix + ".idx", idx.data(), idx.size());
 }
 
 double uniform(uint64_t seed, uint64_t a, uint64_t b) {
@@ -158,8 +212,10 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
   const std::filesystem::path dir = std::filesystem::path(prefix).parent_path();
   if (!dir.empty() && !std::filesystem::create_directories(dir, ec) && ec)
     throw DataError(dir.string() + ": cannot create the output directory: " + ec.message());
-  write_dataset(prefix + ".train", train);
-  write_dataset(prefix + ".val", val);
+  AtomicOutputs out;  // all four complete before any is renamed into place
+  write_dataset(out, prefix + ".train", train);
+  write_dataset(out, prefix + ".val", val);
+  out.commit();
   return rep;
 }
 
@@ -169,14 +225,29 @@ PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::st
 
 namespace {
 
+constexpr const char* kIdxWhat = "index (Megatron .idx)";
+constexpr const char* kBinWhat = "token file (Megatron .bin)";
+
+const char* file_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a file";
+}
+
 // Maps `path` read-only (an empty file maps to nothing). DataError naming the file otherwise.
 void* map_file(const std::string& path, const char* what, size_t* bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
+  // NOTE: O_NONBLOCK: opening a FIFO for reading waits for a writer without it; it is refused below
+  // (for a regular file the flag changes nothing).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) throw DataError(path + ": cannot open the " + std::string(what) + ": " + std::strerror(errno));
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const std::string kind = file_kind(st.st_mode);
     ::close(fd);
-    throw DataError(path + ": the " + std::string(what) + " is not a regular file");
+    throw DataError(path + ": the " + std::string(what) + " is not a regular file (" + kind + ")");
   }
   *bytes = size_t(st.st_size);
   if (*bytes == 0) {
@@ -197,8 +268,8 @@ std::string num(int64_t v) { return std::to_string(v); }
 IndexedDataset::IndexedDataset(const std::string& prefix, TokenCheck check) : prefix_(prefix) {
   const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
   // A throw below leaves nothing mapped: idx_ and bin_ unmap themselves.
-  idx_.addr = map_file(idx_path, "index (Megatron .idx)", &idx_.bytes);
-  bin_.addr = map_file(bin_path, "token file (Megatron .bin)", &bin_.bytes);
+  idx_.addr = map_file(idx_path, kIdxWhat, &idx_.bytes);
+  bin_.addr = map_file(bin_path, kBinWhat, &bin_.bytes);
   const char* p = static_cast<const char*>(idx_.addr);
   auto bad = [&](const std::string& field, const std::string& why) { throw DataError(idx_path + ": " + field + ": " + why); };
   if (idx_.bytes < kHeaderBytes)
@@ -338,27 +409,83 @@ void IndexedDataset::sample(uint64_t seed, int64_t index, int64_t T, int32_t* to
 // DataBlend
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// A data set's pair of files by device and inode: two prefixes naming the same files (another
+// spelling of the path, a symbolic link) are one data set. stat() does not open, so a FIFO does
+// not block here; a file that cannot be found is refused as its opening would refuse it.
+using FileId = std::array<uint64_t, 4>;
+FileId file_id(const std::string& prefix) {
+  FileId id{};
+  const std::pair<const char*, const char*> files[] = {{".idx", kIdxWhat}, {".bin", kBinWhat}};
+  for (int f = 0; f < 2; ++f) {
+    const std::string path = prefix + files[f].first;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0)
+      throw DataError(path + ": cannot open the " + std::string(files[f].second) + ": " + std::strerror(errno));
+    id[size_t(2 * f)] = uint64_t(st.st_dev), id[size_t(2 * f + 1)] = uint64_t(st.st_ino);
+  }
+  return id;
+}
+
+// vm.max_map_count, and the maps this process has (the lines of /proc/self/maps); -1 where unknown.
+int64_t read_max_map_count() {
+  std::ifstream in("/proc/sys/vm/max_map_count");
+  int64_t n = -1;
+  return in >> n ? n : -1;
+}
+int64_t maps_in_use() {
+  std::ifstream in("/proc/self/maps");
+  if (!in) return -1;
+  int64_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+}  // namespace
+
+void check_map_budget(int64_t data_sets, int64_t max_map_count, int64_t maps_in_use) {
+  const int64_t need = data_sets * kMapsPerDataSet, left = max_map_count - maps_in_use;
+  if (need > left / 2)
+    throw DataError(num(data_sets) + " distinct data sets need " + num(need) + " memory maps (" +
+                    num(int64_t(kMapsPerDataSet)) + " each), more than half of the " + num(left) +
+                    " this process has left (vm.max_map_count " + num(max_map_count) + ", " + num(maps_in_use) +
+                    " in use): merge data sets, or raise vm.max_map_count (sysctl -w vm.max_map_count=N)");
+}
+
 DataBlend::DataBlend(const std::vector<DataSource>& sources, TokenCheck check) {
   if (sources.empty()) throw DataError("no data set");
+  if (int64_t(sources.size()) > kMaxBlendEntries)
+    throw DataError("a blend of " + num(uint64_t(sources.size())) + " entries, more than the " + num(kMaxBlendEntries) +
+                    " a blend may have (each sample looks at every entry; Megatron's blends have tens to a few "
+                    "hundred): name each data set once, with the sum of its weights");
   double total = 0;
   for (const DataSource& s : sources) {
     if (!(s.weight > 0 && std::isfinite(s.weight)))
       throw DataError(s.prefix + ": weight " + std::to_string(s.weight) + ", expected a finite number > 0");
     total += s.weight;
   }
+  std::map<FileId, int> distinct;  // files -> their index in `first`
+  std::vector<const std::string*> first;  // the first prefix naming each distinct data set
+  entry_set_.reserve(sources.size());
   for (const DataSource& s : sources) {
-    sets_.push_back(std::make_unique<IndexedDataset>(s.prefix, check));
+    const auto [it, fresh] = distinct.emplace(file_id(s.prefix), int(first.size()));
+    if (fresh) first.push_back(&s.prefix);
+    entry_set_.push_back(it->second);
     weights_.push_back(s.weight / total);
   }
-  taken_.assign(sets_.size(), 0);
+  if (const int64_t max_maps = read_max_map_count(); max_maps > 0)
+    check_map_budget(int64_t(first.size()), max_maps, maps_in_use());
+  for (const std::string* prefix : first) sets_.push_back(std::make_unique<IndexedDataset>(*prefix, check));
+  taken_.assign(entry_set_.size(), 0);
 }
 
 std::pair<int, int64_t> DataBlend::locate(int64_t index) {
-  if (index < cursor_) cursor_ = 0, taken_.assign(sets_.size(), 0);
+  if (index < cursor_) cursor_ = 0, taken_.assign(entry_set_.size(), 0);
   for (;; ++cursor_) {
     int best = 0;
     double deficit = -INFINITY;
-    for (size_t k = 0; k < sets_.size(); ++k) {
+    for (size_t k = 0; k < entry_set_.size(); ++k) {
       const double d = weights_[k] * double(cursor_ + 1) - double(taken_[k]);
       if (d > deficit) deficit = d, best = int(k);
     }
@@ -369,10 +496,10 @@ std::pair<int, int64_t> DataBlend::locate(int64_t index) {
 
 void DataBlend::sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets) {
   const auto [k, local] = locate(index);
-  // Data set 0 keeps the plain seed (one data set samples as it always has); the others get their
-  // own window orders.
-  const uint64_t set_seed = k == 0 ? seed : seed ^ (0x9E3779B97F4A7C15ull * uint64_t(k));
-  sets_[size_t(k)]->sample(set_seed, local, T, tokens, targets);
+  // Entry 0 keeps the plain seed (one data set samples as it always has); the others get their own
+  // window orders, also where they share their files with another entry.
+  const uint64_t entry_seed = k == 0 ? seed : seed ^ (0x9E3779B97F4A7C15ull * uint64_t(k));
+  sets_[size_t(entry_set_[size_t(k)])]->sample(entry_seed, local, T, tokens, targets);
 }
 
 int64_t DataBlend::min_size() const {

@@ -37,8 +37,11 @@ struct PrepareReport {
 // split at lines equal to `split_line` when it is not empty, as the fortune files' "%"), assigns
 // each document to validation with probability val_fraction (a deterministic function of seed and
 // document number), and writes the data sets PREFIX.train and PREFIX.val (uint16 tokens, one
-// sequence per document; each file through a temporary file and a rename). DataError on
-// unreadable or empty input, or when no document is left for training.
+// sequence per document). The four files are written under temporary names (PATH.tmp.PID, beside
+// PATH) and renamed into place only when all four are complete, so a failed or killed run leaves
+// every existing output as it was and no partial file under a final name. DataError on unreadable
+// or empty input, when no document is left for training, or when an output cannot be written (its
+// temporary files removed).
 PrepareReport prepare_data(const std::vector<std::string>& inputs, const std::string& prefix, double val_fraction,
                            const std::string& split_line, uint64_t seed);
 
@@ -49,7 +52,9 @@ struct TokenCheck {
   int part = 0, parts = 1;
 };
 
-// One indexed data set, both files memory-mapped read-only. Opening validates the index (magic,
+// One indexed data set, both files memory-mapped read-only (kMapsPerDataSet maps; an empty file
+// maps to nothing). Each file must be a regular file: a FIFO or a device is refused without
+// waiting on it. Opening validates the index (magic,
 // version, dtype, counts against the file size, every length, pointer and document index) and the
 // .bin's size against it, and that every token id of the checked part is in range; each problem
 // is a DataError naming the file, the field and the value.
@@ -90,32 +95,54 @@ class IndexedDataset {
   const char* tokens_ = nullptr;
 };
 
+constexpr int kMapsPerDataSet = 2;  // the .idx and the .bin
+
+// The most entries a blend may have: each sample looks at every entry (and a resume at sample n
+// walks n samples), so a blend of this size already costs 65,536 operations a sample. Megatron's
+// blends have tens to a few hundred entries.
+constexpr int64_t kMaxBlendEntries = 65536;
+
+// DataError unless `data_sets` distinct data sets (kMapsPerDataSet maps each) fit in half of the
+// memory maps the process has left (max_map_count - maps_in_use; the other half for the rest of
+// the program: libraries, allocations, the GPU runtime), naming the counts.
+void check_map_budget(int64_t data_sets, int64_t max_map_count, int64_t maps_in_use);
+
 // The data sets training or evaluation samples from: one, or a weighted blend (data.path as
-// Megatron's --data-path). Sample i of the blend is taken from the data set furthest behind its
-// share after i + 1 samples — the k maximising weight_k * (i + 1) - taken_k(i), lowest k on ties —
-// and is that data set's sample number taken_k(i). Sample i is a pure function of
-// (sources, seed, i): the same on every layout, and after a resume. A data set is never a whole
-// sample ahead of its share; it may fall behind by up to (data sets - 1) in the worst case
-// (Megatron's blend uses the same rule; the tests measure the worst over random weights).
+// Megatron's --data-path). Entries that name the same pair of files (by device and inode: another
+// spelling of the path, a symbolic link) share one opening, so a blend maps each distinct data set
+// once however many entries name it; each entry still samples as its own member of the blend (its
+// own share and window order below), as if it had opened its files alone. Before any file is
+// opened, the entries are limited to kMaxBlendEntries and the distinct data sets by
+// check_map_budget against /proc/sys/vm/max_map_count (where it exists).
+// Sample i of the blend is taken from the entry furthest behind its share after i + 1 samples —
+// the k maximising weight_k * (i + 1) - taken_k(i), lowest k on ties — and is that entry's sample
+// number taken_k(i) (entry 0 with the plain seed, entry k with seed ^ (0x9E3779B97F4A7C15 x k)).
+// Sample i is a pure function of (sources, seed, i): the same on every layout, and after a
+// resume. An entry is never a whole sample ahead of its share; it may fall behind by up to
+// (entries - 1) in the worst case (Megatron's blend uses the same rule; the tests measure the
+// worst over random weights).
 class DataBlend {
  public:
   DataBlend(const std::vector<DataSource>& sources, TokenCheck check);
 
   // Not thread-safe: it walks a cursor forward from the last index asked (from 0 when an earlier
-  // index is asked), so increasing indices cost O(data sets) each, and the first sample after a
-  // resume at sample n costs O(n x data sets) once.
+  // index is asked), so increasing indices cost O(entries) each, and the first sample after a
+  // resume at sample n costs O(n x entries) once.
   void sample(uint64_t seed, int64_t index, int64_t T, int32_t* tokens, int32_t* targets);
-  // Which data set sample `index` comes from, and its sample number there.
+  // Which entry sample `index` comes from, and its sample number there.
   std::pair<int, int64_t> locate(int64_t index);
 
+  // The distinct data sets, in the order the entries first name them.
   const std::vector<std::unique_ptr<IndexedDataset>>& sets() const { return sets_; }
+  int64_t entries() const { return int64_t(entry_set_.size()); }
   int64_t min_size() const;  // tokens of the smallest data set
 
  private:
   std::vector<std::unique_ptr<IndexedDataset>> sets_;
-  std::vector<double> weights_;  // normalised to sum 1
+  std::vector<int> entry_set_;   // entry k samples from sets_[entry_set_[k]]
+  std::vector<double> weights_;  // per entry, normalised to sum 1
   int64_t cursor_ = 0;           // taken_ holds the counts over samples [0, cursor_)
-  std::vector<int64_t> taken_;
+  std::vector<int64_t> taken_;   // per entry
 };
 
 }  // namespace fp8moe

@@ -8,11 +8,15 @@ PREFIX.val, else to PREFIX.train; each is a PREFIX.*.bin / PREFIX.*.idx pair.
 
 Inputs: a text file is one document, or several separated by lines equal to --split-on (e.g. "%"
 for fortune files); a .jsonl file holds one JSON object per line whose --json-key is a document.
+Bad input (bad JSON, a missing key, a lone surrogate, invalid UTF-8, an empty file) is exit 2 and
+one line "tokenize-data: error: FILE:LINE: reason". The four outputs are written as PATH.tmp.PID
+and renamed into place only when all four are complete: a failed run leaves the previous ones.
 
   tokenize-data.py --tokenizer tokenizer.json --input corpus.jsonl --output data/corpus
 """
 import argparse
 import array
+import contextlib
 import hashlib
 import itertools
 import json
@@ -33,6 +37,18 @@ class InputError(Exception):
     """A problem with the command line or the inputs: reported as "tokenize-data: error: ...", exit 2."""
 
 
+class WriteError(Exception):
+    """An output that could not be written (reported as InputError is; no output was replaced)."""
+
+
+@contextlib.contextmanager
+def writing(path, tmp):
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(f"{path}: cannot write {tmp}: {e.strerror}; no output was replaced") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading documents (in input order)
 
@@ -41,12 +57,15 @@ def read_text(path, split_on):
     if split_on is None:
         with open(path, "rb") as f:
             data = f.read()
+        if not data:
+            raise InputError(f"{path}:1: empty input: no documents")
         yield decode(data, path, 1), len(data)
         return
     sep = split_on.encode()
-    lines, start, nbytes = [], 1, 0
+    lines, start, nbytes, empty = [], 1, 0, True
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
+            empty = False
             nbytes += len(line)
             bare = line[:-1] if line.endswith(b"\n") else line
             if (bare[:-1] if bare.endswith(b"\r") else bare) == sep:
@@ -54,33 +73,61 @@ def read_text(path, split_on):
                 lines, start, nbytes = [], lineno + 1, 0
             else:
                 lines.append(line)
+    if empty:
+        raise InputError(f"{path}:1: empty input: no documents")
     if lines:
         yield decode(b"".join(lines), path, start), nbytes
 
 
 def read_jsonl(path, key):
     """Yields (text, bytes read) per non-blank line of a JSON-lines file."""
+    documents = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # also UnicodeDecodeError
-                detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-                raise InputError(f"{path}:{lineno}: bad JSON: {detail}") from None
+            record = parse_json_line(line, path, lineno)
             if not isinstance(record, dict) or key not in record:
                 raise InputError(f"{path}:{lineno}: no key '{key}'")
-            if not isinstance(record[key], str):
+            text = record[key]
+            if not isinstance(text, str):
                 raise InputError(f"{path}:{lineno}: '{key}' is not a string")
-            yield record[key], len(line)
+            try:  # JSON's \ud800 escapes decode to lone surrogates, which are not Unicode text
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"{path}:{lineno}: '{key}' holds a lone surrogate (\\u{ord(text[e.start]):04x} at "
+                                 f"character {e.start + 1}): not Unicode text") from None
+            documents += 1
+            yield text, len(line)
+    if documents == 0:
+        raise InputError(f"{path}:1: empty input: no documents (an empty file, or blank lines only)")
 
 
-def decode(data, path, lineno):
+def parse_json_line(line, path, lineno):
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1} of the line)") from None
+    if lineno == 1:
+        text = text.removeprefix("\ufeff")  # a byte-order mark
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{lineno}: bad JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise InputError(f"{path}:{lineno}: bad JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise InputError(f"{path}:{lineno}: bad JSON: {e}") from None
+
+
+def decode(data, path, first_line):
+    """data (lines first_line, first_line + 1, ... of path) as text; InputError at the line of the first bad byte."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}:{lineno}: the document is not UTF-8 ({e.reason})") from None
+        line = first_line + data.count(b"\n", 0, e.start)
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 ({e.reason} at byte {column} of the line)") from None
 
 
 def chunks(args):
@@ -125,29 +172,37 @@ def encode_chunk(item):
 
 
 # ---------------------------------------------------------------------------------------------
-# Writing (streaming tokens to PREFIX.bin, the index at the end; both via .tmp and os.replace)
+# Writing (streaming tokens to PREFIX.bin, the index at the end; both under temporary names in the
+# same directory, renamed into place when every output is complete)
 
 class IndexedWriter:
     def __init__(self, prefix, dtype):
         self.prefix, self.dtype = prefix, np.dtype(dtype).newbyteorder("<")
         self.lengths = array.array("q")  # tokens per sequence (= per document)
         self.tokens = 0
-        self.bin = open(prefix + ".bin.tmp", "wb")
+        # The process id in the name: a concurrent run to the same prefix never writes into these.
+        self.tmp = {ext: f"{prefix}{ext}.tmp.{os.getpid()}" for ext in (".bin", ".idx")}
+        self.bin = open(self.tmp[".bin"], "wb")
 
     def add(self, tokens):
         if len(tokens) >= 2**31:  # the index stores int32 lengths
             raise InputError(f"a document of {len(tokens)} tokens: split the input into smaller documents")
-        self.bin.write(np.asarray(tokens, self.dtype).tobytes())
+        with writing(self.prefix + ".bin", self.tmp[".bin"]):
+            self.bin.write(np.asarray(tokens, self.dtype).tobytes())
         self.lengths.append(len(tokens))
         self.tokens += len(tokens)
 
     def finish(self):
-        self.bin.close()
+        """Completes both temporary files, on disk (fsync); the final names are not touched yet."""
+        with writing(self.prefix + ".bin", self.tmp[".bin"]):
+            self.bin.flush()
+            os.fsync(self.bin.fileno())
+            self.bin.close()
         n = len(self.lengths)
         lengths = np.frombuffer(self.lengths, np.int64)
         pointers = np.zeros(n, np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        with open(self.prefix + ".idx.tmp", "wb") as f:
+        with writing(self.prefix + ".idx", self.tmp[".idx"]), open(self.tmp[".idx"], "wb") as f:
             f.write(MAGIC)
             f.write(np.asarray([1], "<u8").tobytes())  # version
             f.write(np.asarray([DTYPE_CODES[self.dtype.name]], "u1").tobytes())
@@ -155,14 +210,49 @@ class IndexedWriter:
             f.write(np.asarray(lengths, "<i4").tobytes())
             f.write(np.asarray(pointers, "<i8").tobytes())
             f.write(np.arange(n + 1, dtype="<i8").tobytes())  # document indices: one sequence each
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self):
         for ext in (".bin", ".idx"):
-            os.replace(self.prefix + ext + ".tmp", self.prefix + ext)
+            os.replace(self.tmp[ext], self.prefix + ext)
 
     def abort(self):
-        self.bin.close()
-        for ext in (".bin.tmp", ".idx.tmp"):
-            if os.path.exists(self.prefix + ext):
-                os.remove(self.prefix + ext)
+        """Removes the temporary files (what commit() renamed is not there any more)."""
+        try:
+            self.bin.close()  # flushes: fails again when writing failed
+        except OSError:
+            pass
+        for path in self.tmp.values():
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+
+def write_outputs(prefix, dtype, fill):
+    """Writes PREFIX.train and PREFIX.val: fill(writers) adds the documents. The four files appear
+    under their names only when all four are complete; on any failure none is replaced and the
+    temporary files are removed."""
+    writers = {}
+    try:
+        for split in ("train", "val"):
+            writers[split] = IndexedWriter(f"{prefix}.{split}", dtype)
+        result = fill(writers)
+        for w in writers.values():
+            w.finish()
+        for w in writers.values():
+            w.commit()
+        fd = os.open(os.path.dirname(prefix) or ".", os.O_RDONLY)  # the renames, on disk
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return writers, result
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
 
 
 def validation_hash(seed, number):
@@ -190,16 +280,8 @@ def parse_args():
     return p.parse_args()
 
 
-def main():
-    args = parse_args()
-    if not 0 <= args.val_fraction < 1:
-        raise InputError(f"--val-fraction {args.val_fraction} is not in [0, 1)")
-    if args.workers < 1:
-        raise InputError("--workers must be at least 1")
-    for path in args.input:  # fail before any work, not halfway through
-        if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise InputError(f"cannot read {path}")
-
+def load_tokenizer(args):
+    """(vocabulary size, end-of-document token, its id, the token dtype)."""
     from tokenizers import Tokenizer
     try:
         tokenizer = Tokenizer.from_file(args.tokenizer)
@@ -214,13 +296,11 @@ def main():
     eod_id = tokenizer.token_to_id(eod)
     if eod_id is None:
         raise InputError(f"--eod {eod} is not in the tokenizer's vocabulary")
-    dtype = np.dtype(np.uint16 if vocab < 65500 else np.int32)
+    return vocab, eod, eod_id, np.dtype(np.uint16 if vocab < 65500 else np.int32)
 
-    out_dir = os.path.dirname(args.output)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    writers = {split: IndexedWriter(f"{args.output}.{split}", dtype) for split in ("train", "val")}
-    init = (args.tokenizer, eod_id, dtype.name)
+
+def tokenize(args, init, writers):
+    """Encodes every document of the inputs into writers; returns (documents, empty documents)."""
     pool = multiprocessing.Pool(args.workers, init_worker, init) if args.workers > 1 else None
     try:
         if pool:  # imap keeps the input order; a full pipe to the workers holds the reader back
@@ -249,16 +329,28 @@ def main():
                       f"{nbytes / 2**20 / (now - start):.1f} MiB/s", file=sys.stderr, flush=True)
         if not writers["train"].lengths:
             raise InputError(f"no training documents ({number} documents read, {empty} of them empty)")
-        for w in writers.values():
-            w.finish()
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
+        return number, empty
     finally:
         if pool:
             pool.terminate()
 
+
+def main():
+    args = parse_args()
+    if not 0 <= args.val_fraction < 1:
+        raise InputError(f"--val-fraction {args.val_fraction} is not in [0, 1)")
+    if args.workers < 1:
+        raise InputError("--workers must be at least 1")
+    for path in args.input:  # fail before any work, not halfway through
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise InputError(f"cannot read {path}")
+    vocab, eod, eod_id, dtype = load_tokenizer(args)
+
+    out_dir = os.path.dirname(args.output)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    init = (args.tokenizer, eod_id, dtype.name)
+    writers, (_, empty) = write_outputs(args.output, dtype, lambda w: tokenize(args, init, w))
     if empty:
         print(f"tokenize-data: empty documents skipped: {empty}", file=sys.stderr)
     t, v = writers["train"], writers["val"]
@@ -270,6 +362,6 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (InputError, OSError) as e:  # OSError: writing the outputs
+    except (InputError, WriteError, OSError) as e:  # OSError: e.g. creating the output directory
         print(f"tokenize-data: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -2,6 +2,10 @@
 // reader and writer (tests/io/megatron_format.py, written from the format's description), every
 // dtype, deterministic sampling, blends, and damaged files refused with the file and the field named
 // (by the reader, and by `fp8moe train` with exit 2).
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <random>
 #include <set>
 #include <sstream>
@@ -309,6 +314,16 @@ TEST(TokenData, BadInputsAreClearErrors) {
   EXPECT_THROW(f.sample(1, 0, 100, x.data(), y.data()), DataError);  // 12 tokens < 101
 }
 
+// A one-step training config for runs that must fail on their data (data.path set by --set).
+std::string tiny_train_config(const test::TempDir& dir) {
+  return dir.write(
+      "cfg.yaml",
+      "model: {d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64}\n"
+      "train: {steps: 1, warmup_steps: 0, global_batch: 1, seq_len: 8}\n"
+      "eval: {every: 0}\n"
+      "checkpoint: {dir: " + dir.path + "/ckpt, resume: none}\n");
+}
+
 // Damaged data sets: each refused by the reader with the file and the field named, and by
 // `fp8moe train` with exit 2 and the same message. The good data set: "hello world" + 0 and
 // "second doc" + 0 as uint16, two sequences, two documents (.idx: 34-byte header, lengths at 34,
@@ -319,12 +334,7 @@ TEST(TokenData, DamagedFilesAreRefusedNamingFileAndField) {
   const std::string good = dir.path + "/good.train";
   ASSERT_EQ(std::filesystem::file_size(good + ".idx"), 82u);
   ASSERT_EQ(std::filesystem::file_size(good + ".bin"), 46u);
-  const std::string cfg = dir.write(
-      "cfg.yaml",
-      "model: {d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, first_dense_layers: 1, d_ff_dense: 64}\n"
-      "train: {steps: 1, warmup_steps: 0, global_batch: 1, seq_len: 8}\n"
-      "eval: {every: 0}\n"
-      "checkpoint: {dir: " + dir.path + "/ckpt, resume: none}\n");
+  const std::string cfg = tiny_train_config(dir);
 
   // A copy of the good pair with `edit` applied to one of its files.
   int n = 0;
@@ -403,6 +413,119 @@ TEST(TokenData, DamagedFilesAreRefusedNamingFileAndField) {
   EXPECT_NE(r.err.find("fp8moe: error: data.path: " + late + ".bin: token id 512 at token 20 is outside"), std::string::npos)
       << r.err;
   EXPECT_EQ(test::count(r.err, "fp8moe: error:"), 1u) << r.err;
+}
+
+
+// A .idx or .bin that is not a regular file is refused at once, naming the path and what it is: a
+// FIFO (an open for reading would wait for a writer) or a character device such as /dev/zero
+// (endless). By `fp8moe train` with exit 2, under `timeout 20` so that a reader that blocks fails
+// the test instead of hanging it (status 124), alone and in a blend; then by the reader itself.
+TEST(TokenData, FifosAndDevicesAreRefusedWithoutBlocking) {
+  test::TempDir dir;
+  prepare_data({dir.write("a.txt", "hello world, and more")}, dir.path + "/good", 0.0, "", 1);
+  const std::string good = dir.path + "/good.train", cfg = tiny_train_config(dir);
+  // A copy of the good pair whose file `ext` is made by `make`.
+  auto with = [&](const std::string& name, const std::string& ext, void (*make)(const std::string&)) {
+    const std::string prefix = dir.path + "/" + name;
+    for (const std::string e : {".idx", ".bin"})
+      if (e != ext) std::filesystem::copy_file(good + e, prefix + e);
+    make(prefix + ext);
+    return prefix;
+  };
+  auto fifo = [](const std::string& p) { EXPECT_EQ(mkfifo(p.c_str(), 0600), 0) << p; };
+  auto zero = [](const std::string& p) { std::filesystem::create_symlink("/dev/zero", p); };
+  const std::string idx = "index (Megatron .idx)", bin = "token file (Megatron .bin)";
+  const struct {
+    std::string prefix, file, what;
+  } cases[] = {{with("fifo_idx", ".idx", fifo), ".idx", idx + " is not a regular file (a FIFO)"},
+               {with("fifo_bin", ".bin", fifo), ".bin", bin + " is not a regular file (a FIFO)"},
+               {with("zero_idx", ".idx", zero), ".idx", idx + " is not a regular file (a character device)"},
+               {with("zero_bin", ".bin", zero), ".bin", bin + " is not a regular file (a character device)"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.prefix + c.file);
+    const std::string want = c.prefix + c.file + ": the " + c.what;
+    for (const std::string& path : {c.prefix, "[[1, " + good + "], [1, " + c.prefix + "]]"}) {
+      // (train catches SIGTERM to save a checkpoint, so timeout's TERM is followed by a KILL)
+      const test::RunResult r =
+          test::run({"timeout", "-k", "5", "20", test::exe(), "train", cfg, "--set", "data.path=" + path}, 60);
+      const bool blocked = r.status == 124 || r.status == 137 || r.timed_out;
+      EXPECT_EQ(r.status, 2) << (blocked ? "blocked: killed by timeout 20\n" : "") << r.err;
+      EXPECT_NE(r.err.find("fp8moe: error: data.path: " + want), std::string::npos) << r.err;
+      EXPECT_EQ(test::count(r.err, "\n"), 1u) << r.err;
+      if (blocked) return;  // the reader would block this process too
+    }
+    try {
+      IndexedDataset d(c.prefix, TokenCheck{256});
+      ADD_FAILURE() << "accepted";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The files of `dir`, each as "SIZE bytes, FNV-1a HASH" of its contents.
+std::map<std::string, std::string> files_of(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(e.path(), std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
+    files[e.path().filename().string()] = std::to_string(bytes.size()) + " bytes, FNV-1a " + std::to_string(h);
+  }
+  return files;
+}
+
+// prepare-data writes its four files under temporary names and renames them into place when all
+// four are complete. A run that fails, on an input or halfway through writing (the validation
+// set's .bin past a file-size limit, RLIMIT_FSIZE, after the training set's files were written),
+// leaves the previous outputs byte for byte and no temporary file; one that succeeds replaces all.
+TEST(TokenData, AFailedPrepareLeavesThePreviousOutputs) {
+  test::TempDir dir;
+  const std::string out = dir.path + "/out", prefix = out + "/p";
+  std::string old_text, new_text;
+  for (int i = 0; i < 400; ++i) {
+    old_text += "old document " + std::to_string(i) + "\n%\n";
+    new_text += "a new document, number " + std::to_string(i) + "\n%\n";
+  }
+  const std::string old_in = dir.write("old.txt", old_text), new_in = dir.write("new.txt", new_text);
+  prepare_data({old_in}, prefix, 0.9, "%", 1);
+  const auto before = files_of(out);
+  ASSERT_EQ(before.size(), 4u);
+  // ~360 validation documents of ~25 bytes: a .bin of ~18 KB, past 8 KiB; the training set's ~40, not.
+  EXPECT_THROW(prepare_data({new_in, dir.path}, prefix, 0.9, "%", 1), DataError);  // a directory as input
+  EXPECT_EQ(files_of(out), before);
+  {
+    rlimit old_limit{};
+    ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+    rlimit low = old_limit;
+    low.rlim_cur = 8192;
+    const auto old_handler = signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &low), 0);
+    std::string error;
+    try {
+      prepare_data({new_in}, prefix, 0.9, "%", 1);
+    } catch (const DataError& e) {
+      error = e.what();
+    }
+    setrlimit(RLIMIT_FSIZE, &old_limit);
+    signal(SIGXFSZ, old_handler);
+    EXPECT_NE(error.find(prefix + ".val.bin"), std::string::npos) << error;
+    EXPECT_NE(error.find(std::strerror(EFBIG)), std::string::npos) << error;
+  }
+  EXPECT_EQ(files_of(out), before);
+  // The same through the command line, under `ulimit -f 8` (KiB): exit 2 and one line.
+  const test::RunResult r = test::run({"bash", "-c", "trap '' XFSZ; ulimit -f 8; exec \"$@\"", "bash", test::exe(),
+                                       "prepare-data", "--input", new_in, "--output", prefix, "--split-on", "%",
+                                       "--val-fraction", "0.9", "--seed", "1"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_EQ(r.err.rfind("fp8moe: error: " + prefix + ".val.bin", 0), 0u) << r.err;
+  EXPECT_EQ(test::count(r.err, "\n"), 1u) << r.err;
+  EXPECT_EQ(files_of(out), before);
+  prepare_data({new_in}, prefix, 0.9, "%", 1);
+  const auto after = files_of(out);
+  ASSERT_EQ(after.size(), 4u);
+  for (const auto& [name, bytes] : after) EXPECT_NE(bytes, before.at(name)) << name;
 }
 
 }  // namespace
