@@ -1,0 +1,262 @@
+"""fp8moe export / import never lose or mix what is there, and refuse bad input with exit 2 and one
+line `fp8moe: error: ...` (README "Hugging Face export and import"). One ctest entry per case,
+each a few seconds on one process (a 2-block MLA model trained 2 or 3 steps):
+
+  header_limit           a safetensors header over the 100 MB limit is refused naming the limit
+
+Hostile safetensors files are made here from the format's description (8-byte little-endian header
+length, JSON header, data), patching the bytes of a tensor that the header locates. Checkpoints are
+changed with h5py, the checksum recomputed with tests/io/check_checkpoint.py's independent formula
+where the change must not be caught as damage. Exit 77 (SKIPPED) where a case needs root.
+"""
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import h5py
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "io"))
+from check_checkpoint import checksum  # noqa: E402  (the checkpoint format's checksum, written from the README)
+
+MODEL = """
+model:
+  vocab_size: 256
+  d_model: 64
+  n_layers: 2
+  n_heads: 4
+  attention: mla
+  q_lora_rank: 0
+  kv_lora_rank: 32
+  qk_nope_head_dim: 16
+  qk_rope_head_dim: 8
+  v_head_dim: 16
+  first_dense_layers: 1
+  d_ff_dense: 128
+  moe:
+    n_experts: 4
+    top_k: 2
+    n_shared_experts: 1
+    d_expert: 32
+train: {{steps: {steps}, global_batch: 2, seq_len: 16, lr: 1.0e-2, warmup_steps: 1, seed: {seed}}}
+fp8: {{recipe: off}}
+data: {{path: {data}}}
+checkpoint: {{dir: {ckpt}}}
+eval: {{every: 0}}
+log: {{every: 1}}
+"""
+# A tensor of the routed experts (32 x 64), in fp8moe's name and the files'.
+OURS, THEIRS = "layers.1.moe.experts.2.w3", "model.layers.1.mlp.experts.2.up_proj.weight"
+
+
+class Failure(Exception):
+    pass
+
+
+def check(cond, what):
+    if not cond:
+        raise Failure(what)
+
+
+class Env:
+    def __init__(self, args, tmp):
+        self.exe, self.tmp, self.cache = args.fp8moe, tmp, {}
+        run([self.exe, "prepare-data", "--input", "/usr/share/common-licenses/GPL-3", "--output",
+             os.path.join(tmp, "data", "d")])
+
+    def config(self, name="good", steps=2, seed=1):
+        path = os.path.join(self.tmp, name + ".yaml")
+        with open(path, "w") as f:
+            f.write(MODEL.format(steps=steps, seed=seed, data=os.path.join(self.tmp, "data", "d.train"),
+                                 ckpt=os.path.join(self.tmp, "ck-" + name)))
+        return path
+
+    def checkpoint(self, name="good"):
+        """Two checkpoints of the model: `good` (2 steps, seed 1) and `good2` (3 steps, seed 7)."""
+        if name not in self.cache:
+            steps, seed = (2, 1) if name == "good" else (3, 7)
+            run([self.exe, "train", self.config(name, steps, seed)])
+            self.cache[name] = os.path.join(self.tmp, "ck-" + name)
+        return self.cache[name]
+
+    def export(self, ckpt, out, *more, expect=0, env=None):
+        return run([self.exe, "export", ckpt, out, *more], expect=expect, env=env)
+
+    def import_(self, hf, ckpt, expect=0):
+        return run([self.exe, "import", hf, ckpt, "--config", self.config()], expect=expect)
+
+
+def run(cmd, expect=0, env=None):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=None if env is None else {**os.environ, **env},
+                       timeout=120)
+    if expect is not None and r.returncode != expect:
+        raise Failure(f"{' '.join(cmd)}: exit {r.returncode}, expected {expect}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r
+
+
+def error_line(r, *words, status=2):
+    """The run's one stderr line, `fp8moe: error: ...` holding every word; exit `status`."""
+    lines = r.stderr.strip().splitlines()
+    check(r.returncode == status, f"exit {r.returncode}, expected {status}: {r.stderr.strip()[:500]}")
+    check(len(lines) == 1 and lines[0].startswith("fp8moe: error: "),
+          f"expected one line 'fp8moe: error: ...' on stderr, got {len(lines)}: {r.stderr.strip()[:500]}")
+    for w in words:
+        check(w in lines[0], f"the message does not name {w!r}: {lines[0]}")
+    return lines[0]
+
+
+def snapshot(d):
+    """Every file under d (relative path -> SHA-256); None when d does not exist."""
+    if not os.path.isdir(d):
+        return None
+    out = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            out[os.path.relpath(p, d)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+def leftovers(target):
+    """What exports left beside `target` besides its lock file."""
+    parent, name = os.path.split(os.path.abspath(target))
+    return sorted(f for f in os.listdir(parent) if f.startswith("." + name + ".") and f != "." + name + ".lock")
+
+
+def user_file(d):
+    """A file the user put beside an export (a tokenizer copied by hand)."""
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        f.write('{"model": {"type": "byte-level"}}\n')
+
+
+def reference_export(env, tmp, ckpt, name, *more):
+    """What the directory should hold after exporting ckpt (with the user's file)."""
+    d = os.path.join(tmp, "ref-" + name)
+    env.export(ckpt, d, *more)
+    user_file(d)
+    return snapshot(d)
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    step = open(os.path.join(dst, "latest")).read().strip()
+    return os.path.join(dst, step, "checkpoint.h5")
+
+
+def damage_checkpoint(src, dst, dataset):
+    """A copy of checkpoint src with one byte of `dataset`'s data flipped in the file."""
+    h5 = copy_checkpoint(src, dst)
+    with h5py.File(h5, "r") as f:
+        d = f[dataset]
+        at = d.id.get_offset() + d.dtype.itemsize * (d.size // 2)
+    with open(h5, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    return dst
+
+
+def poison_checkpoint(src, dst, dataset, index, value):
+    """A copy of checkpoint src whose `dataset` holds `value` at `index`, with a valid checksum."""
+    h5 = copy_checkpoint(src, dst)
+    with h5py.File(h5, "r+") as f:
+        d = f[dataset]
+        v = d[()]
+        v[index] = value
+        d[...] = v
+        d.attrs["checksum"] = np.uint64(checksum(v.view(np.uint32).reshape(-1)))
+    return dst
+
+
+# ---------------------------------------------------------------- safetensors by hand
+
+def tensor_location(path, name):
+    """(byte offset in the file, dtype, shape) of tensor `name`, from the file's header."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    t = header[name]
+    return 8 + n + t["data_offsets"][0], t["dtype"], t["shape"]
+
+
+def patch_tensor(hf_dir, name, index, raw):
+    """Writes the bytes `raw` over element `index` (flat) of tensor `name` in its file."""
+    index_json = json.load(open(os.path.join(hf_dir, "model.safetensors.index.json")))
+    path = os.path.join(hf_dir, index_json["weight_map"][name])
+    at, dtype, _ = tensor_location(path, name)
+    size = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}[dtype]
+    with open(path, "r+b") as f:
+        f.seek(at + size * index)
+        f.write(raw)
+
+
+def f32(x):
+    return struct.pack("<f", x)
+
+
+# ---------------------------------------------------------------- cases
+
+
+
+
+def stopped(pid, timeout=20):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        time.sleep(0.02)
+    return False
+
+
+
+
+
+
+
+def case_header_limit(env, tmp):
+    good = env.checkpoint("good")
+    hf = os.path.join(tmp, "hf32")
+    env.export(good, hf, "--dtype", "fp32")
+    big = os.path.join(tmp, "big")
+    os.makedirs(big)
+    shutil.copy(os.path.join(hf, "config.json"), big)
+    # The header length of a 300 MB header in a file that holds it (sparse: nothing is written).
+    with open(os.path.join(big, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", 314583712) + b'{"t": ')
+        f.truncate(325657832)
+    line = error_line(env.import_(big, os.path.join(big, "ck"), expect=None), "314583712", "limit", "100000000")
+    print(f"a 300 MB header: exit 2 ({line[15:]})")
+
+
+CASES = {name[5:]: f for name, f in globals().items() if name.startswith("case_")}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", choices=sorted(CASES), required=True)
+    p.add_argument("--fp8moe", required=True)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fp8moe-hf-") as tmp:
+        try:
+            status = CASES[args.case](Env(args, tmp), tmp)
+        except Failure as e:
+            print(f"FAILED ({args.case}): {e}")
+            return 1
+    return status or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
