@@ -3,12 +3,16 @@
 #include "app/hf.h"
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "app/exit_codes.h"
 #include "io/checkpoint.h"
@@ -73,6 +77,22 @@ void write_text(const fs::path& p, const std::string& text) {
   if (!f) throw HfFormatError(p.string() + ": cannot write");
 }
 
+// --max-shard-size: a whole number of bytes from 1 to kMaxShardBytes, in digits or in E notation
+// (5e9); false for anything else (nan, inf, 0, -5, 1.5, 5GB, hexadecimal).
+constexpr uint64_t kMaxShardBytes = 1'000'000'000'000'000'000;
+bool parse_shard_bytes(const std::string& text, uint64_t* bytes) {
+  static const std::regex digits("[0-9]+"), e_notation("[0-9]+(\\.[0-9]*)?([eE]\\+?[0-9]+)?");
+  if (std::regex_match(text, digits)) {
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *bytes);
+    return ec == std::errc() && end == text.data() + text.size() && *bytes >= 1 && *bytes <= kMaxShardBytes;
+  }
+  if (!std::regex_match(text, e_notation)) return false;
+  const double v = std::strtod(text.c_str(), nullptr);
+  if (!(v >= 1 && v <= double(kMaxShardBytes)) || v != std::floor(v)) return false;
+  *bytes = uint64_t(v);
+  return true;
+}
+
 std::string gigabytes(double b) {
   char s[32];
   std::snprintf(s, sizeof s, "%.3f GB", b / 1e9);
@@ -82,6 +102,10 @@ std::string gigabytes(double b) {
 }  // namespace
 
 int run_export(const ExportOptions& o) {
+  uint64_t max_shard_bytes = 0;
+  if (!parse_shard_bytes(o.max_shard_size, &max_shard_bytes))
+    return usage_error("export: --max-shard-size: got \"" + o.max_shard_size + "\", expected a whole number of bytes "
+                       "from 1 to 1e18, in digits or E notation (5000000000 or 5e9; no unit suffix such as GB)");
   std::unique_ptr<CheckpointParams> ck;
   try {
     ck = std::make_unique<CheckpointParams>(o.checkpoint);
@@ -129,7 +153,7 @@ int run_export(const ExportOptions& o) {
   uint64_t in_file = 0, total = 0;
   for (size_t k = 0; k < units.size(); ++k) {
     const uint64_t b = units[k].bytes();
-    if (!files.back().empty() && double(in_file + b) > o.max_shard_bytes) files.emplace_back(), in_file = 0;
+    if (!files.back().empty() && in_file + b > max_shard_bytes) files.emplace_back(), in_file = 0;
     files.back().push_back(k);
     in_file += b, total += b;
   }

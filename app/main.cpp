@@ -128,8 +128,10 @@ void add_export_import(CLI::App& app, Commands& c) {
                          "bf16 (default), fp32, or fp8: E4M3 linear weights with 128x128 weight_scale_inv blocks and a "
                          "quantization_config, as DeepSeek-V3 publishes its weights")
       ->check(CLI::IsMember({"bf16", "fp32", "fp8"}));
-  c.export_cmd->add_option("--max-shard-size", c.exp.max_shard_bytes, "Bytes per safetensors file at most (default 5e9)")
-      ->check(CLI::PositiveNumber);
+  c.export_cmd->add_option("--max-shard-size", c.exp.max_shard_size,
+                           "Bytes per safetensors file at most: a whole number of bytes from 1 to 1e18, in digits or "
+                           "E notation (5000000000 or 5e9, the default; no unit suffix such as GB)")
+      ->type_name("BYTES");
 
   c.import_cmd = app.add_subcommand(
       "import",

@@ -2,6 +2,8 @@
 line `fp8moe: error: ...` (README "Hugging Face export and import"). One ctest entry per case,
 each a few seconds on one process (a 2-block MLA model trained 2 or 3 steps):
 
+  max_shard_size         --max-shard-size takes a whole number of bytes (5e9 style too); nan, 0, -5,
+                         inf, 5GB, 1.5 are fp8moe's one-line error with exit 2
   header_limit           a safetensors header over the 100 MB limit is refused naming the limit
 
 Hostile safetensors files are made here from the format's description (8-byte little-endian header
@@ -223,6 +225,27 @@ def stopped(pid, timeout=20):
 
 
 
+
+def case_max_shard_size(env, tmp):
+    good = env.checkpoint("good")
+    out = os.path.join(tmp, "out")
+    report = []
+    for value in ("nan", "0", "-5", "inf", "5GB", "1.5", "-inf", "0x10", "1e400", "1e19"):
+        r = run([env.exe, "export", good, out, "--max-shard-size=" + value], expect=None)
+        line = error_line(r, "--max-shard-size", "bytes")
+        check(not re.search(r"[0-9]{25}", line), f"{value}: a bound of many digits: {line}")
+        check(not os.path.exists(out), f"{value}: the export ran")
+        report.append(f"{value!r}: {line[15:170]}")
+    r = run([env.exe, "export", good, out, "--max-shard-size", "-5"], expect=None)
+    error_line(r, "--max-shard-size")
+    help_text = run([env.exe, "export", "--help"]).stdout
+    check(re.search(r"--max-shard-size[^\n]*\n?[^\n]*bytes", help_text), "--help does not say bytes")
+    for value, shards in (("5e9", 1), ("100000", 3), ("1e5", 3)):
+        shutil.rmtree(out, ignore_errors=True)
+        env.export(good, out, "--max-shard-size", value)
+        n = len([f for f in os.listdir(out) if f.endswith(".safetensors")])
+        check(n == shards, f"--max-shard-size {value}: {n} shards, expected {shards}")
+    print("--max-shard-size refused with exit 2:\n  " + "\n  ".join(report) + "\naccepted: 5e9 (1 shard), 100000 and 1e5 (3)")
 
 
 
