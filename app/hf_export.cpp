@@ -186,6 +186,10 @@ int run_export(const ExportOptions& o) {
         const ExportUnit& u = units[k];
         const ParamSpec& p = table.params[u.param];
         std::vector<float> v = ck->read(p);
+        if (const size_t bad = hf_first_nonfinite(v.data(), v.size()); bad < v.size())
+          throw CheckpointError(ck->dir() + ": parameter " + p.name + " holds " + hf_value_text(v[bad]) + " at [" +
+                                std::to_string(bad / size_t(p.cols)) + ", " + std::to_string(bad % size_t(p.cols)) +
+                                "]: fp8moe exports finite weights only");
         const HfTensor t = hf_tensor(m, p);
         if (!t.hf_row.empty()) {
           std::vector<float> moved(v.size());

@@ -2,6 +2,10 @@
 line `fp8moe: error: ...` (README "Hugging Face export and import"). One ctest entry per case,
 each a few seconds on one process (a 2-block MLA model trained 2 or 3 steps):
 
+  nonfinite              import refuses NaN / Inf values (F32, BF16, an E4M3 NaN byte) and FP8
+                         weight_scale_inv of NaN, -1, 0 and 3e38 (3e38 x 448 overflows FP32),
+                         naming the tensor and the index; export refuses a checkpoint (valid
+                         checksums) holding NaN or Inf, naming the parameter and the index
   max_shard_size         --max-shard-size takes a whole number of bytes (5e9 style too); nan, 0, -5,
                          inf, 5GB, 1.5 are fp8moe's one-line error with exit 2
   header_limit           a safetensors header over the 100 MB limit is refused naming the limit
@@ -224,6 +228,40 @@ def stopped(pid, timeout=20):
 
 
 
+
+def case_nonfinite(env, tmp):
+    good = env.checkpoint("good")
+    hf = {}
+    for dtype in ("fp32", "bf16", "fp8"):
+        hf[dtype] = os.path.join(tmp, "hf-" + dtype)
+        env.export(good, hf[dtype], "--dtype", dtype)
+    scale = THEIRS + "_scale_inv"  # (1, 1): the 32 x 64 weight is one partial 128 x 128 block
+    variants = [
+        ("F32 NaN", "fp32", THEIRS, 5, f32(float("nan")), THEIRS, "[0, 5]"),
+        ("F32 -Inf", "fp32", THEIRS, 3 * 64 + 1, f32(float("-inf")), THEIRS, "[3, 1]"),
+        ("BF16 +Inf", "bf16", "model.norm.weight", 7, struct.pack("<H", 0x7F80), "model.norm.weight", "[7]"),
+        ("E4M3 NaN byte", "fp8", THEIRS, 10, b"\x7f", THEIRS, "[0, 10]"),
+    ] + [(f"weight_scale_inv {v}", "fp8", scale, 0, f32(v), scale, "[0, 0]") for v in (float("nan"), -1.0, 0.0, 3e38)]
+    report = []
+    for i, (what, dtype, name, index, raw, named, at) in enumerate(variants):
+        bad = os.path.join(tmp, f"bad-{i}")
+        shutil.copytree(hf[dtype], bad)
+        patch_tensor(bad, name, index, raw)
+        dest = os.path.join(tmp, f"bad-{i}-ck")
+        line = error_line(env.import_(bad, dest, expect=None), named, at)
+        check(not os.path.exists(os.path.join(dest, "latest")), f"{what}: a checkpoint was written")
+        report.append(f"{what}: {line[15:200]}")
+    env.import_(hf["fp8"], os.path.join(tmp, "fp8-ck"))  # the unpatched FP8 export imports
+    # Export: a checkpoint whose checksums are right but which holds NaN or Inf.
+    keep = os.path.join(tmp, "hf-keep")
+    env.export(good, keep)
+    before = snapshot(keep)
+    for value, word in ((np.nan, "NaN"), (np.inf, "inf")):
+        bad = poison_checkpoint(good, os.path.join(tmp, f"ck-{word}"), "params/" + OURS, (0, 5), value)
+        run([env.exe, "ckpt", "verify", bad])  # its checksums are valid: not damage
+        line = error_line(env.export(bad, keep, expect=None), OURS, "[0, 5]")
+        report.append(f"export of a checkpoint with {word}: {line[15:200]}")
+    print("refused with exit 2:\n  " + "\n  ".join(report))
 
 
 def case_max_shard_size(env, tmp):
