@@ -15,6 +15,7 @@
 #include <regex>
 
 #include "app/exit_codes.h"
+#include "app/hf_output.h"
 #include "io/checkpoint.h"
 #include "io/config.h"
 #include "io/hf_format.h"
@@ -106,6 +107,7 @@ int run_export(const ExportOptions& o) {
   if (!parse_shard_bytes(o.max_shard_size, &max_shard_bytes))
     return usage_error("export: --max-shard-size: got \"" + o.max_shard_size + "\", expected a whole number of bytes "
                        "from 1 to 1e18, in digits or E notation (5000000000 or 5e9; no unit suffix such as GB)");
+  if (const std::string why = unwritable_reason(o.out_dir); !why.empty()) return usage_error("export: " + why);
   std::unique_ptr<CheckpointParams> ck;
   try {
     ck = std::make_unique<CheckpointParams>(o.checkpoint);

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "app/exit_codes.h"
+#include "app/hf_output.h"
 #include "app/train.h"
 #include "app/train_loop.h"
 #include "app/trainer.h"
@@ -61,9 +62,7 @@ int import_on_ranks(const ImportOptions& o, const MpiSession& mpi) {
   std::vector<std::string> fresh;  // multi-token prediction tensors the files lack: initialised from the seed
   try {
     if (const std::string why = hf_export_refusal(m); !why.empty()) throw HfFormatError("--config: " + why);
-    std::error_code ec;
-    if (fs::exists(fs::path(o.checkpoint_dir) / "latest", ec))
-      throw HfFormatError(o.checkpoint_dir + " already holds checkpoints (it has a `latest`); import into a new directory");
+    if (const std::string why = import_destination_refusal(o.checkpoint_dir); !why.empty()) throw HfFormatError(why);
     dir = std::make_unique<HfDirectory>(o.hf_dir);
     if (const auto diff = hf_config_differences(dir->config_json(), m); !diff.empty())
       throw HfFormatError(o.hf_dir + "/config.json is not the model of " + o.config_path + ":" + some(diff, 64));

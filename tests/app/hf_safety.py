@@ -2,12 +2,16 @@
 line `fp8moe: error: ...` (README "Hugging Face export and import"). One ctest entry per case,
 each a few seconds on one process (a 2-block MLA model trained 2 or 3 steps):
 
+  import_into_checkpoints  import into a directory holding step_* or latest: exit 2 naming them,
+                         nothing written; into an empty directory (or one with other files): done
   nonfinite              import refuses NaN / Inf values (F32, BF16, an E4M3 NaN byte) and FP8
                          weight_scale_inv of NaN, -1, 0 and 3e38 (3e38 x 448 overflows FP32),
                          naming the tensor and the index; export refuses a checkpoint (valid
                          checksums) holding NaN or Inf, naming the parameter and the index
   max_shard_size         --max-shard-size takes a whole number of bytes (5e9 style too); nan, 0, -5,
                          inf, 5GB, 1.5 are fp8moe's one-line error with exit 2
+  bad_output_path        export and import into a regular file, under a regular file and (root) under
+                         a read-only mount: exit 2 naming the path
   header_limit           a safetensors header over the 100 MB limit is refused naming the limit
 
 Hostile safetensors files are made here from the format's description (8-byte little-endian header
@@ -228,6 +232,36 @@ def stopped(pid, timeout=20):
 
 
 
+def case_import_into_checkpoints(env, tmp):
+    good = env.checkpoint("good")
+    hf = os.path.join(tmp, "hf32")
+    env.export(good, hf, "--dtype", "fp32")
+    step = os.path.join(good, open(os.path.join(good, "latest")).read().strip())
+    cases = []
+    for what, names in (("a step_00000004 without latest", ["step_00000004"]), ("latest alone", ["latest"]),
+                        ("a step_00000000", ["step_00000000"]), ("both", ["step_00000004", "latest"])):
+        dest = os.path.join(tmp, "dest-" + str(len(cases)))
+        os.makedirs(dest)
+        for n in names:
+            if n == "latest":
+                open(os.path.join(dest, n), "w").write("step_00000004\n")
+            else:
+                shutil.copytree(step, os.path.join(dest, n))
+        before = snapshot(dest)
+        line = error_line(env.import_(hf, dest, expect=None), "already holds checkpoints", *names)
+        check(snapshot(dest) == before, f"{what}: the directory changed")
+        cases.append(f"{what}: {line[15:140]}")
+    for what, extra in (("an empty directory", None), ("a directory with another file", "notes.txt")):
+        dest = os.path.join(tmp, "dest-" + what.replace(" ", "-"))
+        os.makedirs(dest)
+        if extra:
+            open(os.path.join(dest, extra), "w").write("mine\n")
+        env.import_(hf, dest)
+        check(open(os.path.join(dest, "latest")).read().strip() == "step_00000000", f"{what}: no latest")
+        check(not extra or os.path.exists(os.path.join(dest, extra)), f"{what}: the other file went")
+    print("import refused with exit 2, nothing written:\n  " + "\n  ".join(cases) +
+          "\nimported into an empty directory and one with another file")
+
 
 def case_nonfinite(env, tmp):
     good = env.checkpoint("good")
@@ -285,6 +319,34 @@ def case_max_shard_size(env, tmp):
         check(n == shards, f"--max-shard-size {value}: {n} shards, expected {shards}")
     print("--max-shard-size refused with exit 2:\n  " + "\n  ".join(report) + "\naccepted: 5e9 (1 shard), 100000 and 1e5 (3)")
 
+
+def case_bad_output_path(env, tmp):
+    good = env.checkpoint("good")
+    hf = os.path.join(tmp, "hf32")
+    env.export(good, hf, "--dtype", "fp32")
+    afile = os.path.join(tmp, "a-file")
+    open(afile, "w").write("not a directory\n")
+    paths = [("a regular file", afile, afile), ("under a regular file", os.path.join(afile, "sub"), afile)]
+    ro, mounted = os.path.join(tmp, "ro"), False
+    if os.geteuid() == 0:
+        os.makedirs(os.path.join(ro, "existing"))
+        if subprocess.run(["mount", "--bind", ro, ro]).returncode == 0:
+            mounted = True
+            subprocess.run(["mount", "-o", "remount,bind,ro", ro], check=True)
+            paths += [("under a read-only mount", os.path.join(ro, "new"), "Read-only file system"),
+                      ("an existing directory on a read-only mount", os.path.join(ro, "existing"),
+                       "Read-only file system")]
+    report = []
+    try:
+        for what, path, word in paths:
+            for cmd, r in (("export", env.export(good, path, expect=None)), ("import", env.import_(hf, path, expect=None))):
+                line = error_line(r, path, word)
+                report.append(f"{cmd} {what}: {line[15:170]}")
+        check(open(afile).read() == "not a directory\n", "the file changed")
+    finally:
+        if mounted:
+            subprocess.run(["umount", ro])
+    print("refused with exit 2:\n  " + "\n  ".join(report) + ("" if mounted else "\n(not root: no read-only mount)"))
 
 
 def case_header_limit(env, tmp):
