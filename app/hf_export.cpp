@@ -2,14 +2,17 @@
 // streamed one tensor at a time (names, layouts and the FP8 form: io/hf_format.h).
 #include "app/hf.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -71,11 +74,21 @@ std::vector<std::vector<unsigned char>> encode_unit(const ExportUnit& u, const s
   return out;
 }
 
-void write_text(const fs::path& p, const std::string& text) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f << text;
-  f.close();
-  if (!f) throw HfFormatError(p.string() + ": cannot write");
+// `text` as file `p`, flushed to the disk.
+void write_synced(const fs::path& p, const std::string& text) {
+  const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw HfFormatError(p.string() + ": cannot create: " + std::strerror(errno));
+  for (size_t at = 0; at < text.size();) {
+    const ssize_t w = ::write(fd, text.data() + at, text.size() - at);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      throw HfFormatError(p.string() + ": cannot write: " + why);
+    }
+    at += size_t(w);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) throw HfFormatError(p.string() + ": cannot flush: " + std::strerror(errno));
 }
 
 // --max-shard-size: a whole number of bytes from 1 to kMaxShardBytes, in digits or in E notation
@@ -100,6 +113,126 @@ std::string gigabytes(double b) {
   return s;
 }
 
+// What an export writes: its units in file order (every parameter, then DeepSeek's copies of the
+// embedding and head in each multi-token prediction layer) and which units each file holds.
+struct ExportPlan {
+  std::vector<ExportUnit> units;
+  std::vector<std::vector<size_t>> files;  // unit indices of each file, in order
+  uint64_t total = 0;                      // data bytes
+  size_t tensors() const {
+    size_t n = 0;
+    for (const ExportUnit& u : units) n += u.tensors.size();
+    return n;
+  }
+};
+
+ExportPlan plan_export(const ModelConfig& m, const ParamTable& table, const std::string& dtype,
+                       uint64_t max_shard_bytes) {
+  ExportPlan plan;
+  const bool fp8 = dtype == "fp8";
+  const std::string plain = dtype == "fp32" ? "F32" : "BF16";
+  auto add = [&](size_t i, const std::string& name, const std::vector<int64_t>& shape) {
+    const ParamSpec& p = table.params[i];
+    ExportUnit u;
+    u.param = i;
+    u.fp8 = fp8 && hf_fp8_weight(p);
+    if (u.fp8) {
+      u.tensors.push_back({name, "F8_E4M3", shape});
+      u.tensors.push_back({name + "_scale_inv", "F32",
+                           {(p.rows + kHfFp8Block - 1) / kHfFp8Block, (p.cols + kHfFp8Block - 1) / kHfFp8Block}});
+    } else {
+      // The router's selection bias stays FP32 in every form, as DeepSeek publishes it.
+      u.tensors.push_back({name, p.name.ends_with("router_bias") ? "F32" : plain, shape});
+    }
+    plan.units.push_back(std::move(u));
+  };
+  for (size_t i = 0; i < table.params.size(); ++i) {
+    const HfTensor t = hf_tensor(m, table.params[i]);
+    add(i, t.name, t.shape);
+  }
+  for (const auto& [name, source] : hf_copies(m)) {
+    const size_t i = size_t(table.index_of(source));
+    add(i, name, hf_tensor(m, table.params[i]).shape);
+  }
+  // Files of at most max_shard_bytes each (a larger unit has a file of its own), in order.
+  plan.files.emplace_back();
+  uint64_t in_file = 0;
+  for (size_t k = 0; k < plan.units.size(); ++k) {
+    const uint64_t b = plan.units[k].bytes();
+    if (!plan.files.back().empty() && in_file + b > max_shard_bytes) plan.files.emplace_back(), in_file = 0;
+    plan.files.back().push_back(k);
+    in_file += b, plan.total += b;
+  }
+  return plan;
+}
+
+std::string shard_name(size_t f, size_t files) {
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", f + 1, files);
+  return name;
+}
+
+// The names an export writes in its directory (an earlier export's weights among them); anything
+// else there is the user's and is kept.
+bool export_file(const std::string& f) {
+  return f == "config.json" || f == "model.safetensors" || f == "model.safetensors.index.json" ||
+         (f.rfind("model-", 0) == 0 && f.ends_with(".safetensors"));
+}
+
+// One parameter's FP32 values in the file's row order. A NaN or an infinity is refused: a model
+// that holds one is no model to publish.
+std::vector<float> export_values(const CheckpointParams& ck, const ModelConfig& m, const ParamSpec& p) {
+  std::vector<float> v = ck.read(p);
+  if (const size_t bad = hf_first_nonfinite(v.data(), v.size()); bad < v.size())
+    throw CheckpointError(ck.dir() + ": parameter " + p.name + " holds " + hf_value_text(v[bad]) + " at [" +
+                          std::to_string(bad / size_t(p.cols)) + ", " + std::to_string(bad % size_t(p.cols)) +
+                          "]: fp8moe exports finite weights only");
+  const HfTensor t = hf_tensor(m, p);
+  if (t.hf_row.empty()) return v;
+  std::vector<float> moved(v.size());
+  for (int64_t r = 0; r < p.rows; ++r)
+    std::copy_n(v.data() + r * p.cols, p.cols, moved.data() + t.hf_row[size_t(r)] * p.cols);
+  return moved;
+}
+
+// config.json, the shards and the index into `dir` (empty), each file flushed.
+void write_export(const CheckpointParams& ck, const ParamTable& table, const ExportPlan& plan, const std::string& dtype,
+                  const fs::path& dir) {
+  const Config& cfg = ck.config();
+  write_synced(dir / "config.json", hf_config_json(cfg, dtype == "fp32" ? "float32" : "bfloat16", dtype == "fp8"));
+  nlohmann::ordered_json index;
+  index["metadata"] = {{"total_size", plan.total}, {"format", "pt"}};
+  index["weight_map"] = nlohmann::ordered_json::object();
+  for (size_t f = 0; f < plan.files.size(); ++f) {
+    const std::string fname = shard_name(f, plan.files.size());
+    std::vector<SafeTensor> tensors;
+    for (size_t k : plan.files[f])
+      for (const SafeTensor& t : plan.units[k].tensors) tensors.push_back(t), index["weight_map"][t.name] = fname;
+    SafetensorsWriter w((dir / fname).string(), tensors, {{"format", "pt"}});
+    for (size_t k : plan.files[f]) {
+      const ExportUnit& u = plan.units[k];
+      const ParamSpec& p = table.params[u.param];
+      const std::vector<float> v = export_values(ck, cfg.model, p);
+      for (const auto& bytes : encode_unit(u, v, p.rows, p.cols, cfg.fp8.power_of_two_scales)) w.write(bytes.data(), bytes.size());
+    }
+    w.close();
+    if (f == 0) export_fault_point("shard");
+  }
+  write_synced(dir / "model.safetensors.index.json", index.dump(2) + "\n");
+}
+
+// The directory read back as an import would read it (config.json, the index, every header against
+// its file): every tensor of the plan is there.
+void verify_export(const fs::path& dir, const ExportPlan& plan) {
+  const HfDirectory d(dir.string());
+  for (const ExportUnit& u : plan.units)
+    for (const SafeTensor& t : u.tensors)
+      if (!d.has(t.name)) throw HfFormatError(dir.string() + ": written without " + t.name);
+  if (d.names().size() != plan.tensors())
+    throw HfFormatError(dir.string() + ": " + std::to_string(d.names().size()) + " tensors written, " +
+                        std::to_string(plan.tensors()) + " planned");
+}
+
 }  // namespace
 
 int run_export(const ExportOptions& o) {
@@ -114,112 +247,42 @@ int run_export(const ExportOptions& o) {
   } catch (const CheckpointError& e) {
     return usage_error(std::string("export: ") + e.what());
   }
-  const Config& cfg = ck->config();
-  const ModelConfig& m = cfg.model;
+  const ModelConfig& m = ck->config().model;
   if (const std::string why = hf_export_refusal(m); !why.empty())
     return usage_error("export: " + ck->dir() + " has no DeepSeek-V3 form: " + why);
-  const bool fp8 = o.dtype == "fp8";
-  const std::string plain = o.dtype == "fp32" ? "F32" : "BF16";
   const ParamTable table = build_param_table(m);
+  const ExportPlan plan = plan_export(m, table, o.dtype, max_shard_bytes);
 
-  // The units in file order: every parameter, then DeepSeek's copies of the embedding and head in
-  // each multi-token prediction layer.
-  std::vector<ExportUnit> units;
-  auto add = [&](size_t i, const std::string& name, const std::vector<int64_t>& shape) {
-    const ParamSpec& p = table.params[i];
-    ExportUnit u;
-    u.param = i;
-    u.fp8 = fp8 && hf_fp8_weight(p);
-    if (u.fp8) {
-      u.tensors.push_back({name, "F8_E4M3", shape});
-      u.tensors.push_back({name + "_scale_inv", "F32",
-                           {(p.rows + kHfFp8Block - 1) / kHfFp8Block, (p.cols + kHfFp8Block - 1) / kHfFp8Block}});
-    } else {
-      // The router's selection bias stays FP32 in every form, as DeepSeek publishes it.
-      u.tensors.push_back({name, p.name.ends_with("router_bias") ? "F32" : plain, shape});
-    }
-    units.push_back(std::move(u));
+  // Written into a staging directory beside the target, under the target's lock, and moved in whole
+  // once verified (app/hf_output.h): a failure or a kill leaves the earlier export as it was.
+  std::error_code ec;
+  const std::string kept = fs::is_directory(o.out_dir, ec) ? " (" + o.out_dir + " is as it was)" : "";
+  auto failed = [&](int status, const char* what) {
+    std::fprintf(stderr, "fp8moe: error: export: %s%s\n", what, kept.c_str());
+    return status;
   };
-  for (size_t i = 0; i < table.params.size(); ++i) {
-    const HfTensor t = hf_tensor(m, table.params[i]);
-    add(i, t.name, t.shape);
-  }
-  for (const auto& [name, source] : hf_copies(m)) {
-    const size_t i = size_t(table.index_of(source));
-    add(i, name, hf_tensor(m, table.params[i]).shape);
-  }
-
-  // Files of at most max_shard_bytes each (a larger unit has a file of its own), in order.
-  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  std::vector<std::vector<size_t>> files(1);
-  uint64_t in_file = 0, total = 0;
-  for (size_t k = 0; k < units.size(); ++k) {
-    const uint64_t b = units[k].bytes();
-    if (!files.back().empty() && in_file + b > max_shard_bytes) files.emplace_back(), in_file = 0;
-    files.back().push_back(k);
-    in_file += b, total += b;
-  }
-
-  const fs::path out(o.out_dir);
   try {
-    std::error_code ec;
-    fs::create_directories(out, ec);
-    if (ec) throw HfFormatError(o.out_dir + ": cannot create: " + ec.message());
-    // The weights of an earlier export into the same directory go (as save_pretrained does), so
-    // that no stale shard is read with the new ones.
-    for (const auto& e : fs::directory_iterator(out)) {
-      const std::string f = e.path().filename().string();
-      if (f == "model.safetensors" || f == "model.safetensors.index.json" ||
-          (f.rfind("model-", 0) == 0 && f.ends_with(".safetensors")))
-        fs::remove(e.path());
+    ExportTarget target(o.out_dir);
+    try {
+      write_export(*ck, table, plan, o.dtype, target.staging());
+      verify_export(target.staging(), plan);
+      target.commit(export_file);
+    } catch (const CheckpointError& e) {  // a damaged checkpoint, a non-finite weight
+      return failed(kExitUsage, e.what());
     }
-    write_text(out / "config.json", hf_config_json(cfg, o.dtype == "fp32" ? "float32" : "bfloat16", fp8));
-    nlohmann::ordered_json index;
-    index["metadata"] = {{"total_size", total}, {"format", "pt"}};
-    index["weight_map"] = nlohmann::ordered_json::object();
-    char fname[64];
-    for (size_t f = 0; f < files.size(); ++f) {
-      std::snprintf(fname, sizeof fname, "model-%05zu-of-%05zu.safetensors", f + 1, files.size());
-      std::vector<SafeTensor> tensors;
-      for (size_t k : files[f])
-        for (const SafeTensor& t : units[k].tensors) tensors.push_back(t), index["weight_map"][t.name] = fname;
-      SafetensorsWriter w((out / fname).string(), tensors, metadata);
-      for (size_t k : files[f]) {
-        const ExportUnit& u = units[k];
-        const ParamSpec& p = table.params[u.param];
-        std::vector<float> v = ck->read(p);
-        if (const size_t bad = hf_first_nonfinite(v.data(), v.size()); bad < v.size())
-          throw CheckpointError(ck->dir() + ": parameter " + p.name + " holds " + hf_value_text(v[bad]) + " at [" +
-                                std::to_string(bad / size_t(p.cols)) + ", " + std::to_string(bad % size_t(p.cols)) +
-                                "]: fp8moe exports finite weights only");
-        const HfTensor t = hf_tensor(m, p);
-        if (!t.hf_row.empty()) {
-          std::vector<float> moved(v.size());
-          for (int64_t r = 0; r < p.rows; ++r)
-            std::copy_n(v.data() + r * p.cols, p.cols, moved.data() + t.hf_row[size_t(r)] * p.cols);
-          v = std::move(moved);
-        }
-        for (const auto& bytes : encode_unit(u, v, p.rows, p.cols, cfg.fp8.power_of_two_scales)) w.write(bytes.data(), bytes.size());
-      }
-      w.close();
-    }
-    write_text(out / "model.safetensors.index.json", index.dump(2) + "\n");
-  } catch (const CheckpointError& e) {
-    return usage_error(std::string("export: ") + e.what());
-  } catch (const HfFormatError& e) {  // writing the files
-    std::fprintf(stderr, "fp8moe: error: export: %s\n", e.what());
-    return kExitFailure;
+  } catch (const OutputRefused& e) {  // a path that cannot be used, another export at work
+    return failed(kExitUsage, e.what());
+  } catch (const HfFormatError& e) {  // writing the files: a full disk, an I/O error
+    return failed(kExitFailure, e.what());
   } catch (const fs::filesystem_error& e) {
-    std::fprintf(stderr, "fp8moe: error: export: %s\n", e.what());
-    return kExitFailure;
+    return failed(kExitFailure, e.what());
   }
-  size_t tensors = 0;
-  for (const ExportUnit& u : units) tensors += u.tensors.size();
+  const bool fp8 = o.dtype == "fp8";
   std::printf("export: %s (step %lld) -> %s: %zu tensors, %s of %s data in %zu safetensors file%s, config.json "
               "(deepseek_v3%s), model.safetensors.index.json\n",
-              ck->dir().c_str(), (long long)ck->step(), o.out_dir.c_str(), tensors, gigabytes(double(total)).c_str(),
-              fp8 ? "FP8 E4M3 (128 x 128 blocks) + BF16" : o.dtype == "fp32" ? "FP32" : "BF16", files.size(),
-              files.size() == 1 ? "" : "s", fp8 ? ", quantization_config fp8" : "");
+              ck->dir().c_str(), (long long)ck->step(), o.out_dir.c_str(), plan.tensors(), gigabytes(double(plan.total)).c_str(),
+              fp8 ? "FP8 E4M3 (128 x 128 blocks) + BF16" : o.dtype == "fp32" ? "FP32" : "BF16", plan.files.size(),
+              plan.files.size() == 1 ? "" : "s", fp8 ? ", quantization_config fp8" : "");
   if (m.moe.capacity_factor > 0)
     std::printf("note: model.moe.capacity_factor %g dropped tokens in training; inference engines route every token\n",
                 m.moe.capacity_factor);

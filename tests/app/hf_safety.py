@@ -2,6 +2,20 @@
 line `fp8moe: error: ...` (README "Hugging Face export and import"). One ctest entry per case,
 each a few seconds on one process (a 2-block MLA model trained 2 or 3 steps):
 
+  reexport_damaged       a re-export from a damaged checkpoint (a flipped byte: checksum mismatch)
+                         fails with exit 2 and leaves the earlier export, and a file the user put
+                         beside it, byte for byte as they were; the next good export replaces the
+                         weights and keeps the user's file
+  reexport_killed        an export killed (SIGKILL) at each point of its life (lock taken, first
+                         shard written, all written and verified, swapped in) leaves the directory
+                         the whole old export or the whole new one, never a mix; the next export
+                         cleans what the dead one left; a directory set aside by an export that
+                         died mid-swap is put back before anything else
+  reexport_full_disk     (root: a tmpfs) a re-export that does not fit: exit 1, the old export intact,
+                         no temporary left; with room, the export goes through
+  export_lock            two exports into one directory at once: the second is refused at once
+                         (exit 2) naming the first's host and pid; the directory is the first's
+                         export; the lock of an export that was killed is taken over
   import_into_checkpoints  import into a directory holding step_* or latest: exit 2 naming them,
                          nothing written; into an empty directory (or one with other files): done
   nonfinite              import refuses NaN / Inf values (F32, BF16, an E4M3 NaN byte) and FP8
@@ -218,7 +232,102 @@ def f32(x):
 
 # ---------------------------------------------------------------- cases
 
+def case_reexport_damaged(env, tmp):
+    good, good2 = env.checkpoint("good"), env.checkpoint("good2")
+    damaged = damage_checkpoint(good2, os.path.join(tmp, "damaged"), "params/layers.1.moe.experts.3.w2")
+    keep = os.path.join(tmp, "hf", "keep")
+    # The user's directory, with a mode (and as root an owner) of its own, which the replaced
+    # directory keeps.
+    os.makedirs(keep)
+    os.chmod(keep, 0o750)
+    owner = 65534 if os.geteuid() == 0 else os.getuid()
+    os.chown(keep, owner, owner)
+    env.export(good, keep, "--max-shard-size", "100000")
+    user_file(keep)
+    before = snapshot(keep)
+    check(len([f for f in before if f.endswith(".safetensors")]) == 3, f"expected 3 shards: {sorted(before)}")
+    r = env.export(damaged, keep, "--max-shard-size", "100000", expect=None)
+    line = error_line(r, "checksum mismatch", "layers.1.moe.experts.3.w2")
+    check(snapshot(keep) == before, "the failed export changed the earlier export")
+    check(leftovers(keep) == [], f"the failed export left {leftovers(keep)}")
+    # A good export replaces the weights (one shard now: the three old ones go) and keeps the user's file.
+    want = reference_export(env, tmp, good2, "good2")
+    env.export(good2, keep)
+    check(snapshot(keep) == want, f"after a good export: {sorted(snapshot(keep))}, expected {sorted(want)}")
+    st = os.stat(keep)
+    check(st.st_mode & 0o7777 == 0o750 and st.st_uid == owner, f"the directory's mode {st.st_mode:o}, owner {st.st_uid}")
+    print(f"re-export from a damaged checkpoint: exit 2, the earlier export and the user's file as they were "
+          f"({line[:160]}); the next export replaced the 3 shards by 1 and kept tokenizer.json, the directory's "
+          f"mode 750 and owner {owner}")
 
+
+def case_reexport_killed(env, tmp):
+    good, good2 = env.checkpoint("good"), env.checkpoint("good2")
+    damaged = damage_checkpoint(good2, os.path.join(tmp, "damaged"), "params/layers.1.moe.experts.3.w2")
+    keep = os.path.join(tmp, "hf", "keep")
+    old = reference_export(env, tmp, good, "good", "--max-shard-size", "100000")
+    new = reference_export(env, tmp, good2, "good2")
+    report = []
+    # With the atomic exchange of the two directories (renameat2 RENAME_EXCHANGE), and without it
+    # (two renames: the old directory aside, then the new one in), as on file systems that lack it.
+    for mode, points in (("exchange", ("locked", "shard", "written", "swapped")),
+                         ("two renames", ("written", "aside", "swapped"))):
+        env_mode = {"FP8MOE_EXPORT_NO_EXCHANGE": "1"} if mode == "two renames" else {}
+        for point in points:
+            shutil.rmtree(keep, ignore_errors=True)
+            env.export(good, keep, "--max-shard-size", "100000")
+            user_file(keep)
+            check(snapshot(keep) == old, "the set-up export")
+            r = env.export(good2, keep, expect=None, env={**env_mode, "FP8MOE_EXPORT_KILL": point})
+            check(r.returncode == -signal.SIGKILL, f"{mode}, {point}: exit {r.returncode}, not killed: {r.stderr[-500:]}")
+            got, left = snapshot(keep), leftovers(keep)
+            if point == "aside":
+                # Between the two renames: the old export whole beside the missing directory; the
+                # next export puts it back before it does anything, so that its own failure (a
+                # damaged checkpoint) leaves the old export where it was.
+                aside = [f for f in left if ".old-" in f]
+                check(got is None and len(aside) == 1 and snapshot(os.path.join(os.path.dirname(keep), aside[0])) == old,
+                      f"{mode}, {point}: {sorted(got or [])}, beside it {left}")
+                error_line(env.export(damaged, keep, expect=None), "checksum mismatch")
+                check(snapshot(keep) == old and leftovers(keep) == [], f"{mode}, {point}: the old export not put back")
+                report.append(f"{mode}, {point}: the old export whole beside the directory, put back by the next export")
+            else:
+                survivor = new if point == "swapped" else old
+                check(got == survivor, f"{mode}, killed at {point}: the directory holds {sorted(got or [])}, expected "
+                                       f"the {'old' if survivor is old else 'new'} export {sorted(survivor)}")
+                report.append(f"{mode}, {point}: {'old' if survivor is old else 'new'} export whole, "
+                              f"{len(left)} temporary cleaned")
+            env.export(good2, keep, env=env_mode)
+            check(snapshot(keep) == new, f"{mode}: after the export killed at {point}: the next one is not the new export")
+            check(leftovers(keep) == [], f"{mode}: after the export killed at {point}: {leftovers(keep)} left")
+    print("killed exports:\n  " + "\n  ".join(report))
+
+
+def case_reexport_full_disk(env, tmp):
+    if os.geteuid() != 0:
+        print("[  SKIPPED ] needs root to mount a tmpfs")
+        return 77
+    good, good2 = env.checkpoint("good"), env.checkpoint("good2")
+    fs = os.path.join(tmp, "fs")
+    os.makedirs(fs)
+    # One BF16 export (250 KB) fits in 400 KB; the FP32 export (500 KB) does not.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", fs]).returncode != 0:
+        print("[  SKIPPED ] cannot mount a tmpfs")
+        return 77
+    try:
+        keep = os.path.join(fs, "keep")
+        env.export(good, keep)
+        user_file(keep)
+        before = snapshot(keep)
+        line = error_line(env.export(good2, keep, "--dtype", "fp32", expect=None), "No space left on device", status=1)
+        check(snapshot(keep) == before, "the export on a full disk changed the earlier export")
+        check(leftovers(keep) == [], f"the export on a full disk left {leftovers(keep)}")
+        subprocess.run(["mount", "-o", "remount,size=2000k", fs], check=True)
+        env.export(good2, keep, "--dtype", "fp32")
+        check(os.path.exists(os.path.join(keep, "tokenizer.json")), "the user's file went")
+    finally:
+        subprocess.run(["umount", fs])
+    print(f"re-export on a full disk: exit 1, the earlier export as it was ({line[:150]}); with room it went through")
 
 
 def stopped(pid, timeout=20):
@@ -230,6 +339,38 @@ def stopped(pid, timeout=20):
         time.sleep(0.02)
     return False
 
+
+def case_export_lock(env, tmp):
+    good, good2 = env.checkpoint("good"), env.checkpoint("good2")
+    keep = os.path.join(tmp, "hf", "keep")
+    want = reference_export(env, tmp, good, "good", "--max-shard-size", "100000")
+    # The first export stops itself once it holds the lock; the second starts meanwhile.
+    a = subprocess.Popen([env.exe, "export", good, keep, "--max-shard-size", "100000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "FP8MOE_EXPORT_STOP": "locked"})
+    try:
+        check(stopped(a.pid), "the first export did not stop after taking the lock")
+        t0 = time.time()
+        r = env.export(good2, keep, expect=None)
+        took = time.time() - t0
+        line = error_line(r, f"pid {a.pid}", socket.gethostname(), "another export")
+        check(took < 10, f"the second export took {took:.1f} s to be refused")
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+        out, err = a.communicate(timeout=60)
+    check(a.returncode == 0, f"the first export: exit {a.returncode}: {err}")
+    user_file(keep)
+    check(snapshot(keep) == want, f"the directory is not the first export's: {sorted(snapshot(keep))}")
+    # The lock of a killed export is free: the next export takes it.
+    c = subprocess.Popen([env.exe, "export", good2, keep], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "FP8MOE_EXPORT_STOP": "locked"})
+    check(stopped(c.pid), "the export to kill did not stop after taking the lock")
+    os.kill(c.pid, signal.SIGKILL)
+    c.wait()
+    env.export(good2, keep)
+    check(snapshot(keep) == reference_export(env, tmp, good2, "good2"), "after the killed holder: not good2's export")
+    check(leftovers(keep) == [], f"left: {leftovers(keep)}")
+    print(f"two exports at once: the second refused in {took:.2f} s ({line[:200]}); the directory is the first's; "
+          f"a killed holder's lock taken over")
 
 
 def case_import_into_checkpoints(env, tmp):
@@ -294,6 +435,7 @@ def case_nonfinite(env, tmp):
         bad = poison_checkpoint(good, os.path.join(tmp, f"ck-{word}"), "params/" + OURS, (0, 5), value)
         run([env.exe, "ckpt", "verify", bad])  # its checksums are valid: not damage
         line = error_line(env.export(bad, keep, expect=None), OURS, "[0, 5]")
+        check(snapshot(keep) == before, "a refused export changed the directory")
         report.append(f"export of a checkpoint with {word}: {line[15:200]}")
     print("refused with exit 2:\n  " + "\n  ".join(report))
 
