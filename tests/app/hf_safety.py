@@ -5,12 +5,13 @@ each a few seconds on one process (a 2-block MLA model trained 2 or 3 steps):
   reexport_damaged       a re-export from a damaged checkpoint (a flipped byte: checksum mismatch)
                          fails with exit 2 and leaves the earlier export, and a file the user put
                          beside it, byte for byte as they were; the next good export replaces the
-                         weights and keeps the user's file
-  reexport_killed        an export killed (SIGKILL) at each point of its life (lock taken, first
-                         shard written, all written and verified, swapped in) leaves the directory
-                         the whole old export or the whole new one, never a mix; the next export
-                         cleans what the dead one left; a directory set aside by an export that
-                         died mid-swap is put back before anything else
+                         weights and keeps the user's file and the directory's mode and owner
+  reexport_killed        an export killed (SIGKILL, FP8MOE_EXPORT_KILL) at each point of its life
+                         (lock taken, first shard written, all written and verified, swapped in;
+                         and without the atomic exchange, between its two renames) leaves the
+                         directory the whole old export or the whole new one, never a mix; the
+                         next export cleans what the dead one left, and first puts back a
+                         directory that a death between the two renames left set aside
   reexport_full_disk     (root: a tmpfs) a re-export that does not fit: exit 1, the old export intact,
                          no temporary left; with room, the export goes through
   export_lock            two exports into one directory at once: the second is refused at once
@@ -254,6 +255,7 @@ def case_reexport_damaged(env, tmp):
     want = reference_export(env, tmp, good2, "good2")
     env.export(good2, keep)
     check(snapshot(keep) == want, f"after a good export: {sorted(snapshot(keep))}, expected {sorted(want)}")
+    check(leftovers(keep) == [], f"the good export left {leftovers(keep)}")
     st = os.stat(keep)
     check(st.st_mode & 0o7777 == 0o750 and st.st_uid == owner, f"the directory's mode {st.st_mode:o}, owner {st.st_uid}")
     print(f"re-export from a damaged checkpoint: exit 2, the earlier export and the user's file as they were "
@@ -468,13 +470,16 @@ def case_bad_output_path(env, tmp):
     env.export(good, hf, "--dtype", "fp32")
     afile = os.path.join(tmp, "a-file")
     open(afile, "w").write("not a directory\n")
-    paths = [("a regular file", afile, afile), ("under a regular file", os.path.join(afile, "sub"), afile)]
+    paths = [("a regular file", afile, "is not a directory"),
+             ("under a regular file", os.path.join(afile, "sub"), afile + " is not a directory")]
     ro, mounted = os.path.join(tmp, "ro"), False
     if os.geteuid() == 0:
         os.makedirs(os.path.join(ro, "existing"))
         if subprocess.run(["mount", "--bind", ro, ro]).returncode == 0:
-            mounted = True
-            subprocess.run(["mount", "-o", "remount,bind,ro", ro], check=True)
+            mounted = subprocess.run(["mount", "-o", "remount,bind,ro", ro]).returncode == 0
+            if not mounted:
+                subprocess.run(["umount", ro])
+        if mounted:
             paths += [("under a read-only mount", os.path.join(ro, "new"), "Read-only file system"),
                       ("an existing directory on a read-only mount", os.path.join(ro, "existing"),
                        "Read-only file system")]
