@@ -11,7 +11,7 @@ namespace fp8moe {
 struct ExportOptions {
   std::string checkpoint, out_dir;
   std::string dtype = "bf16";  // bf16 | fp32 | fp8
-  double max_shard_bytes = 5e9;
+  std::string max_shard_size = "5e9";  // bytes per file at most: digits or E notation (run_export checks it)
 };
 int run_export(const ExportOptions& o);
 

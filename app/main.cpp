@@ -122,14 +122,18 @@ void add_export_import(CLI::App& app, Commands& c) {
       "shards, model.safetensors.index.json and config.json, read by transformers, vLLM and SGLang");
   c.export_cmd->add_option("checkpoint", c.exp.checkpoint, "A checkpoint.dir (the checkpoint its `latest` names) or one step_<N> directory")
       ->required();
-  c.export_cmd->add_option("out_dir", c.exp.out_dir, "The directory to write (created; config.json and an earlier export's weights there are replaced)")
+  c.export_cmd->add_option("out_dir", c.exp.out_dir, "The directory to write: made, or replaced whole once the export is complete (an earlier "
+                           "export's config.json and weights go, other files stay; a second export into it at once is "
+                           "refused)")
       ->required();
   c.export_cmd->add_option("--dtype", c.exp.dtype,
                          "bf16 (default), fp32, or fp8: E4M3 linear weights with 128x128 weight_scale_inv blocks and a "
                          "quantization_config, as DeepSeek-V3 publishes its weights")
       ->check(CLI::IsMember({"bf16", "fp32", "fp8"}));
-  c.export_cmd->add_option("--max-shard-size", c.exp.max_shard_bytes, "Bytes per safetensors file at most (default 5e9)")
-      ->check(CLI::PositiveNumber);
+  c.export_cmd->add_option("--max-shard-size", c.exp.max_shard_size,
+                           "Bytes per safetensors file at most: a whole number of bytes from 1 to 1e18, in digits or "
+                           "E notation (5000000000 or 5e9, the default; no unit suffix such as GB)")
+      ->type_name("BYTES");
 
   c.import_cmd = app.add_subcommand(
       "import",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -122,7 +123,37 @@ float f16_decode(uint16_t h) {
   return bits_float(sign | ((e + 112) << 23) | (f << 13));
 }
 
+// "[r, c]" (a 1-D tensor: "[c]") of element i of rows read from row r0 of a tensor of `shape`.
+std::string index_text(const std::vector<int64_t>& shape, int64_t r0, int64_t cols, size_t i) {
+  if (shape.size() != 2) return "[" + std::to_string(i) + "]";
+  return "[" + std::to_string(r0 + int64_t(i) / cols) + ", " + std::to_string(int64_t(i) % cols) + "]";
+}
+
+// NOTE: decode(byte) * weight_scale_inv reaches 448 x the scale (E4M3's largest value): a scale
+// must be finite and positive and that product finite (at most FLT_MAX / 448 = 7.6e35), or
+// the weights it scales are not numbers. A scale of zero would zero its block: refused too.
+constexpr float kE4m3Max = 448.0f;
+size_t first_bad_scale(const std::vector<float>& s) {
+  for (size_t i = 0; i < s.size(); ++i)
+    if (!(s[i] > 0 && std::isfinite(s[i] * kE4m3Max))) return i;
+  return s.size();
+}
+
 }  // namespace
+
+size_t hf_first_nonfinite(const float* v, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (!std::isfinite(v[i])) return i;
+  return n;
+}
+
+std::string hf_value_text(float x) {
+  if (std::isnan(x)) return "NaN";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char s[32];
+  std::snprintf(s, sizeof s, "%g", double(x));
+  return s;
+}
 
 std::string hf_export_refusal(const ModelConfig& m) {
   if (!m.mla())
@@ -368,6 +399,27 @@ std::vector<float> HfDirectory::read_f32(const std::string& name, const std::vec
   return read_f32_rows(name, shape, 0, shape.size() == 2 ? shape[0] : 1);
 }
 
+namespace {
+
+// Rows [r0, r0 + n) of an F32, BF16 or F16 tensor into *out (sized for them).
+void read_plain(const SafetensorsFile& f, const SafeTensor& t, const std::vector<int64_t>& shape, int64_t r0,
+                int64_t n, std::vector<float>* out) {
+  if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
+    throw HfFormatError(f.path() + ": tensor " + t.name + " is " + t.dtype + "; fp8moe reads F32, BF16, F16 and F8_E4M3");
+  const std::vector<unsigned char> raw = shape.size() == 2 ? f.read_rows(t, r0, n) : f.read(t);
+  if (t.dtype == "F32") {
+    std::memcpy(out->data(), raw.data(), out->size() * 4);
+    return;
+  }
+  for (size_t i = 0; i < out->size(); ++i) {
+    uint16_t b;
+    std::memcpy(&b, raw.data() + 2 * i, 2);
+    (*out)[i] = t.dtype == "BF16" ? bf16_decode(b) : f16_decode(b);
+  }
+}
+
+}  // namespace
+
 std::vector<float> HfDirectory::read_f32_rows(const std::string& name, const std::vector<int64_t>& shape, int64_t r0,
                                               int64_t n) const {
   const auto it = where_.find(name);
@@ -398,25 +450,21 @@ std::vector<float> HfDirectory::read_f32_rows(const std::string& name, const std
                           std::to_string(by) + " x " + std::to_string(bx) + " block grid " + dims(grid) + " of a " +
                           dims(shape) + " weight (quantization_config.weight_block_size)");
     const std::vector<float> scale = read_f32(sname, st.shape);
+    if (const size_t i = first_bad_scale(scale); i < scale.size())
+      throw HfFormatError(sf.path() + ": tensor " + sname + " holds " + hf_value_text(scale[i]) + " at " +
+                          index_text(st.shape, 0, grid[1], i) + ": a weight_scale_inv must be finite and positive, " +
+                          "and its product with E4M3's largest value (448) finite (at most 7.6e35)");
     const std::vector<unsigned char> raw = f.read_rows(t, r0, n);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < cols; ++c)
         out[size_t(r * cols + c)] =
             fp8_decode(raw[size_t(r * cols + c)], Fp8Dtype::e4m3) * scale[size_t(((r0 + r) / by) * grid[1] + c / bx)];
-    return out;
-  }
-  if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
-    throw HfFormatError(f.path() + ": tensor " + name + " is " + t.dtype + "; fp8moe reads F32, BF16, F16 and F8_E4M3");
-  const std::vector<unsigned char> raw = shape.size() == 2 ? f.read_rows(t, r0, n) : f.read(t);
-  if (t.dtype == "F32") {
-    std::memcpy(out.data(), raw.data(), out.size() * 4);
   } else {
-    for (size_t i = 0; i < out.size(); ++i) {
-      uint16_t b;
-      std::memcpy(&b, raw.data() + 2 * i, 2);
-      out[i] = t.dtype == "BF16" ? bf16_decode(b) : f16_decode(b);
-    }
+    read_plain(f, t, shape, r0, n, &out);
   }
+  if (const size_t i = hf_first_nonfinite(out.data(), out.size()); i < out.size())
+    throw HfFormatError(f.path() + ": tensor " + name + " holds " + hf_value_text(out[i]) + " at " +
+                        index_text(shape, r0, cols, i) + ": fp8moe imports finite weights only");
   return out;
 }
 

@@ -63,6 +63,12 @@ std::vector<std::pair<std::string, std::string>> hf_copies(const ModelConfig& m)
 bool hf_fp8_weight(const ParamSpec& p);
 constexpr int kHfFp8Block = 128;  // DeepSeek-V3's weight_block_size
 
+// The first element of v[0, n) that is NaN or infinite; n when every one is finite. Export and
+// import move finite weights only (a NaN or an infinity is a diverged or damaged model).
+size_t hf_first_nonfinite(const float* v, size_t n);
+// "NaN", "inf", "-inf" or the value, for messages.
+std::string hf_value_text(float x);
+
 // A Hugging Face model directory being read: config.json and the safetensors files that
 // model.safetensors.index.json names (or the directory's *.safetensors without an index).
 class HfDirectory {
@@ -71,7 +77,9 @@ class HfDirectory {
   const std::string& config_json() const { return config_json_; }
   bool has(const std::string& name) const;
   // A tensor as FP32 values in the file's layout (F32, BF16, F16, or F8_E4M3 times its
-  // <name>_scale_inv blocks), its shape checked against `shape`. Throws HfFormatError.
+  // <name>_scale_inv blocks), its shape checked against `shape`. Throws HfFormatError, also for a
+  // value that is not finite and for an FP8 scale that is not finite and positive (or whose
+  // product with E4M3's largest value, 448, is not finite), naming the tensor and the index.
   std::vector<float> read_f32(const std::string& name, const std::vector<int64_t>& shape) const;
   // Rows [r0, r0 + n) of it (a 1-D tensor is one row; FP8 rows with their blocks' scales).
   std::vector<float> read_f32_rows(const std::string& name, const std::vector<int64_t>& shape, int64_t r0,

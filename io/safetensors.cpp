@@ -150,7 +150,11 @@ void SafetensorsFile::parse_header() {
   pread_all(fd_, len, 8, 0, path);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t(len[i]) << (8 * i);
-  if (n > kMaxHeaderBytes || 8 + n > uint64_t(size))
+  if (n > kMaxHeaderBytes)
+    throw HfFormatError(path + ": its header of " + std::to_string(n) + " bytes is over fp8moe's limit of " +
+                        std::to_string(kMaxHeaderBytes) + " bytes (the safetensors format's limit, which its "
+                        "reference implementation enforces)");
+  if (8 + n > uint64_t(size))
     throw HfFormatError(path + ": not a safetensors file (a header of " + std::to_string(n) + " bytes in a file of " +
                         std::to_string(size) + ")");
   std::string text(size_t(n), '\0');
