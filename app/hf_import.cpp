@@ -14,6 +14,7 @@
 #include "app/trainer.h"
 #include "io/checkpoint.h"
 #include "io/config.h"
+#include "io/dir_lock.h"
 #include "io/hf_format.h"
 #include "kernels/backend.h"
 #include "kernels/check.h"
@@ -47,6 +48,23 @@ std::string some(const std::vector<std::string>& v, size_t most = 8) {
   return s;
 }
 
+// The lock of checkpoint directory `dir` (made here; io/dir_lock.h), so that no training run starts
+// on it while the import writes it; throws HfFormatError naming the holder.
+std::unique_ptr<DirLock> lock_import_destination(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw HfFormatError(dir + ": cannot make the directory: " + ec.message());
+  const std::string path = DirLock::of_checkpoint_dir(dir);
+  try {
+    return std::make_unique<DirLock>(path, "fp8moe import");
+  } catch (const DirLockBusy& e) {
+    throw HfFormatError(dir + " is in use by " + (e.holder.empty() ? "another process" : e.holder) + " (its lock " +
+                        path + "): wait for it to end, or import into another directory");
+  } catch (const DirLockError& e) {
+    throw HfFormatError(e.what());
+  }
+}
+
 int import_on_ranks(const ImportOptions& o, const MpiSession& mpi) {
   const bool root = mpi.rank() == 0;
   auto fail = [&](const std::string& message) { return root ? usage_error("import: " + message) : kExitUsage; };
@@ -60,9 +78,11 @@ int import_on_ranks(const ImportOptions& o, const MpiSession& mpi) {
   std::unique_ptr<HfDirectory> dir;
   std::string error;
   std::vector<std::string> fresh;  // multi-token prediction tensors the files lack: initialised from the seed
+  std::unique_ptr<DirLock> lock;    // rank 0: the checkpoint directory's, as a training run takes it
   try {
     if (const std::string why = hf_export_refusal(m); !why.empty()) throw HfFormatError("--config: " + why);
     if (const std::string why = import_destination_refusal(o.checkpoint_dir); !why.empty()) throw HfFormatError(why);
+    if (root) lock = lock_import_destination(o.checkpoint_dir);
     dir = std::make_unique<HfDirectory>(o.hf_dir);
     if (const auto diff = hf_config_differences(dir->config_json(), m); !diff.empty())
       throw HfFormatError(o.hf_dir + "/config.json is not the model of " + o.config_path + ":" + some(diff, 64));

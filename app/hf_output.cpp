@@ -93,17 +93,6 @@ bool leftover(const std::string& entry, const std::string& name, const std::stri
   return std::all_of(entry.begin() + long(prefix.size()), entry.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-// What the lock file says of its holder: "host H, pid P, started T".
-std::string holder_text() {
-  char host[256] = "?";
-  ::gethostname(host, sizeof host - 1);
-  char when[32] = "?";
-  const std::time_t now = std::time(nullptr);
-  std::tm utc{};
-  if (::gmtime_r(&now, &utc)) std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &utc);
-  return std::string("host ") + host + ", pid " + std::to_string(::getpid()) + ", started " + when;
-}
-
 // `src` (an entry of the old directory) as `dst` in the new one: directories made anew, files hard
 // links (copies where a link cannot be made), symbolic links copied as links.
 void carry_over(const fs::path& src, const fs::path& dst) {
@@ -154,22 +143,15 @@ ExportTarget::ExportTarget(const std::string& out_dir) : out_(out_dir) {
 }
 
 void ExportTarget::lock() {
-  lock_fd_ = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (lock_fd_ < 0) throw OutputRefused("cannot write " + out_ + ": its lock file " + lock_path_ + ": " + errno_text());
-  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    const bool held = errno == EWOULDBLOCK;
-    const std::string why = errno_text();
-    char text[512] = {};
-    const ssize_t n = held ? ::pread(lock_fd_, text, sizeof text - 1, 0) : 0;
-    std::string holder(text, size_t(std::max<ssize_t>(n, 0)));
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
-    if (!held) throw OutputRefused("cannot lock " + lock_path_ + ": " + why);
-    throw OutputRefused(out_ + " is being written by another export (" + (holder.empty() ? "it has not named itself yet" : holder) +
-                        "; lock file " + lock_path_ + "): wait for it to end, or stop it (a dead export's lock is free)");
+  try {
+    lock_ = std::make_unique<DirLock>(lock_path_, "fp8moe export");
+  } catch (const DirLockBusy& e) {
+    throw OutputRefused(out_ + " is being written by another export (" +
+                        (e.holder.empty() ? "it has not named itself yet" : e.holder) + "; lock file " + lock_path_ +
+                        "): wait for it to end, or stop it (a dead export's lock is free)");
+  } catch (const DirLockError& e) {
+    throw OutputRefused(std::string("cannot write ") + out_ + ": " + e.what());
   }
-  const std::string me = holder_text() + "\n";
-  if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, me.data(), me.size(), 0) != ssize_t(me.size()))
-    throw HfFormatError(lock_path_ + ": cannot write: " + errno_text());
 }
 
 void ExportTarget::clean_leftovers() {
@@ -198,7 +180,7 @@ void ExportTarget::clean_leftovers() {
 ExportTarget::~ExportTarget() {
   std::error_code ec;
   if (!committed_ && !staging_.empty()) fs::remove_all(staging_, ec);
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
+  lock_.reset();  // releases the lock
 }
 
 void ExportTarget::commit(const std::function<bool(const std::string&)>& written) {

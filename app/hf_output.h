@@ -16,8 +16,11 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
+
+#include "io/dir_lock.h"
 
 namespace fp8moe {
 
@@ -55,7 +58,7 @@ class ExportTarget {
 
  private:
   std::string out_, target_, parent_, name_, staging_, lock_path_;
-  int lock_fd_ = -1;
+  std::unique_ptr<DirLock> lock_;
   bool committed_ = false;
   void lock();
   void clean_leftovers();

@@ -154,9 +154,13 @@ int lock_checkpoint_dir(const Config& config, const MpiSession& mpi, std::unique
     if (ec) {
       error = "checkpoint.dir " + dir + ": cannot make the directory: " + ec.message();
     } else {
+      const std::string path = DirLock::of_checkpoint_dir(dir);
       try {
-        *lock = std::make_unique<DirLock>(dir, "fp8moe train");
-      } catch (const std::exception& e) {  // DirLockBusy, DirLockError
+        *lock = std::make_unique<DirLock>(path, "fp8moe train");
+      } catch (const DirLockBusy& e) {
+        error = "checkpoint.dir: " + dir + " is in use by " + (e.holder.empty() ? "another process" : e.holder) +
+                " (its lock " + path + "): one run per directory; wait for it to end, or use another directory";
+      } catch (const DirLockError& e) {
         error = std::string("checkpoint.dir: ") + e.what();
       }
     }

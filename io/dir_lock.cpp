@@ -30,10 +30,9 @@ bool no_locks_here(int err) { return err == ENOLCK || err == EOPNOTSUPP || err =
 
 }  // namespace
 
-DirLock::DirLock(const std::string& dir, const std::string& holder) {
-  const std::string path = dir + "/" + kFileName;
+DirLock::DirLock(const std::string& path, const std::string& holder) {
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0) throw DirLockError(path + ": cannot open the directory's lock file: " + std::strerror(errno));
+  if (fd < 0) throw DirLockError(path + ": cannot open the lock file: " + std::strerror(errno));
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     ::close(fd);
@@ -44,8 +43,7 @@ DirLock::DirLock(const std::string& dir, const std::string& holder) {
       } catch (const DirLockError&) {
       }
       while (!who.empty() && (who.back() == '\n' || who.back() == '\0')) who.pop_back();
-      throw DirLockBusy(dir + " is in use by " + (who.empty() ? std::string("another process") : who) +
-                        " (its lock " + path + "): one run per directory; wait for it to end, or use another directory");
+      throw DirLockBusy(path, who);
     }
     if (no_locks_here(err)) {
       std::fprintf(stderr, "fp8moe: warning: %s: the file system takes no locks (%s): one run per directory is not "

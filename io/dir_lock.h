@@ -1,7 +1,8 @@
 // One writer per directory: an advisory lock (flock(2), exclusive, never waited for) on a lock file,
-// held for as long as the DirLock lives. `fp8moe train` holds one on checkpoint.dir (rank 0, for the
-// whole run) and `fp8moe import` on the checkpoint directory it writes, so that a second run, or an
-// import, writing there is refused at once, naming the holder.
+// held for as long as the DirLock lives. `fp8moe train` holds checkpoint.dir's (rank 0, for the whole
+// run, DIR/.fp8moe.lock), `fp8moe import` that of the checkpoint directory it writes (the same file),
+// and `fp8moe export` that of its output directory (beside it, as the export replaces the directory
+// whole: app/hf_output.h), so that a second writer is refused at once, naming the holder.
 //
 // The kernel releases a flock when its holder's descriptor closes, however the process ends (exit,
 // SIGKILL, a node's OOM killer), so a lock file left behind by a dead run is no lock: the next one
@@ -19,9 +20,12 @@
 
 namespace fp8moe {
 
-// Another live process holds the lock; what() names the directory and the holder.
+// Another live process holds the lock: its description as it wrote it ("" when it had not yet).
 struct DirLockBusy : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  DirLockBusy(const std::string& path, const std::string& holder_text)
+      : std::runtime_error(path + " is held by " + (holder_text.empty() ? "another process" : holder_text)),
+        holder(holder_text) {}
+  std::string holder;
 };
 // The lock file cannot be created or opened (a missing or read-only directory, permissions).
 struct DirLockError : std::runtime_error {
@@ -30,11 +34,12 @@ struct DirLockError : std::runtime_error {
 
 class DirLock {
  public:
-  static constexpr const char* kFileName = ".fp8moe.lock";
+  // The lock file of a checkpoint directory.
+  static std::string of_checkpoint_dir(const std::string& dir) { return dir + "/.fp8moe.lock"; }
 
-  // Takes the lock of directory `dir` (which must exist) for `holder` ("fp8moe train"), or throws
-  // DirLockBusy / DirLockError.
-  DirLock(const std::string& dir, const std::string& holder);
+  // Takes the lock file `path` (created; its directory must exist) for `holder` ("fp8moe train"),
+  // or throws DirLockBusy / DirLockError.
+  DirLock(const std::string& path, const std::string& holder);
   ~DirLock();
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;
