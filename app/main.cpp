@@ -211,8 +211,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int status = launcher_rank() == 0 ? app.exit(e) : e.get_exit_code();
-    return status == 0 ? kExitOk : kExitUsage;
+    if (e.get_exit_code() == 0) {  // --help, --version
+      if (launcher_rank() == 0) app.exit(e);
+      return kExitOk;
+    }
+    // A bad command line: fp8moe's one line, like every other usage error (rank 0 only).
+    if (launcher_rank() == 0) usage_error(std::string(e.what()) + " (see fp8moe --help)");
+    return kExitUsage;
   }
   return run(c, &argc, &argv);
 }

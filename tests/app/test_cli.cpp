@@ -261,7 +261,18 @@ TEST(Cli, EightRankDryRunOfTinyPrintsTheGrid) {
 TEST(Cli, CommandLineErrorsPrintOnceUnderMpirun) {
   const RunResult r = run({mpiexec(), "-n", "3", "--oversubscribe", exe(), "train"}, 120);
   EXPECT_EQ(r.status, 2) << r.all();
-  EXPECT_EQ(count(r.all(), "config is required"), 1u) << r.all();
+  EXPECT_EQ(count(r.all(), "fp8moe: error: config is required (see fp8moe --help)"), 1u) << r.all();
+}
+
+TEST(Cli, CommandLineErrorsAreFp8moesOneLine) {
+  // CLI11's own errors (a value that does not convert, an unknown option) in fp8moe's form.
+  RunResult r = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--efficiency", "abc"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_EQ(r.err, "fp8moe: error: Could not convert: --efficiency = abc (see fp8moe --help)\n") << r.all();
+  r = run({exe(), "train", "--no-such-option"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_EQ(r.err.rfind("fp8moe: error: ", 0), 0u) << r.err;
+  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
 }
 
 TEST(Cli, PrepareData) {
