@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "io/checkpoint.h"
+#include "io/read_file.h"
 
 namespace fp8moe::ckpt {
 namespace fs = std::filesystem;
@@ -140,11 +141,10 @@ std::string read_latest(const std::string& dir, std::string* problem) {
   const bool exists = fs::exists(path, ec);
   if (ec && ec != std::errc::no_such_file_or_directory) throw CheckpointUnreadable(path + ": cannot read: " + ec.message());
   if (!exists) return *problem = path + " does not exist", "";
-  std::ifstream in(path);
-  if (!in) throw CheckpointUnreadable(path + ": cannot read: " + std::strerror(errno));
-  std::string name;
-  std::getline(in, name);
-  if (in.bad()) throw CheckpointUnreadable(path + ": cannot read: " + std::strerror(errno));
+  // One short line: a FIFO, a device or a file of more than a line's length is refused (exit 2), not
+  // waited on or read without end.
+  const std::string text = read_whole_file<CheckpointUnreadable>(path, "checkpoint pointer (latest)", 4096);
+  const std::string name = text.substr(0, text.find('\n'));
   if (!std::regex_match(name, step_dir_pattern()) || !fs::is_directory(dir + "/" + name, ec)) {
     std::string shown = name.substr(0, 40);
     for (char& c : shown)

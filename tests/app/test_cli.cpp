@@ -81,6 +81,31 @@ TEST(Cli, MissingAndUnreadableConfigFiles) {
       << r.err;
 }
 
+TEST(Cli, ALatestThatIsNotASmallFileIsRefusedAtOnce) {
+  // A checkpoint.dir whose `latest` is a FIFO (once: a reader that waited forever), /dev/zero (once:
+  // 60 s and 16.9 GB read) or a file of more than a line: refused before any read, naming the path.
+  TempDir tmp;
+  std::filesystem::create_directory(tmp.path + "/step_00000001");
+  const std::string latest = tmp.path + "/latest";
+  const auto inspect = [&] { return run({exe(), "ckpt", "inspect", tmp.path}, 20); };
+  ASSERT_EQ(::mkfifo(latest.c_str(), 0600), 0) << std::strerror(errno);
+  RunResult r = inspect();
+  ASSERT_FALSE(r.timed_out) << "blocked on a FIFO";
+  EXPECT_EQ(r.status, 1) << r.all();  // ckpt's status for a checkpoint it cannot use (README)
+  EXPECT_NE(r.err.find(latest + ": cannot read the checkpoint pointer (latest): it is not a regular file (a FIFO)"),
+            std::string::npos)
+      << r.err;
+  std::filesystem::remove(latest);
+  std::filesystem::create_symlink("/dev/zero", latest);
+  r = inspect();
+  ASSERT_FALSE(r.timed_out) << "read /dev/zero";
+  EXPECT_NE(r.err.find("it is not a regular file (a character device)"), std::string::npos) << r.err;
+  std::filesystem::remove(latest);
+  tmp.write("latest", std::string(5000, 'x'));
+  r = inspect();
+  EXPECT_NE(r.err.find("it is 5000 bytes, over the limit of 4096 bytes"), std::string::npos) << r.err;
+}
+
 TEST(Cli, DryRunPrintsEffectiveConfigAndGrid) {
   // tiny.yaml asks for 8 ranks; --set brings it to the single rank of this run.
   const RunResult r = run({exe(), "train", source_dir() + "/configs/tiny.yaml", "--dry-run", "--set",
