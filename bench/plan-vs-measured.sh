@@ -30,7 +30,8 @@ common=(--set "data.path=$tmp/lic.train" --set data.valid_path= --set eval.every
         --set checkpoint.resume=none --set log.every=1 --set runtime.device=emulated --set train.warmup_steps=1)
 one=(--set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=1)
 
-# The process baseline's run (app/plan.cpp kCpuProcessBaseline): 45K parameters, its tensors < 1 MB.
+# The process baseline's run (app/plan_devices.cpp kCpuProcessBaseline): 45K parameters, its
+# tensors < 1 MB.
 cat > "$tmp/minimal.yaml" <<EOT
 model: {vocab_size: 256, d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 2, head_dim: 16, first_dense_layers: 1,
         d_ff_dense: 64, moe: {n_experts: 2, top_k: 1, n_shared_experts: 0, d_expert: 32}}

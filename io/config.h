@@ -1,8 +1,9 @@
 // YAML -> validated Config.
 //
-// Every key is declared once (io/config.cpp, the schema): its path, type, range, default and
-// meaning. From that one table come parsing, `--set` overrides, "did you mean" suggestions, the
-// effective config printed at start (and stored in checkpoints) and `fp8moe defaults`.
+// Every key is declared once (io/config_schema.cpp, the schema): its path, type, range, default
+// and meaning. From that one table come parsing, `--set` overrides, "did you mean" suggestions
+// (io/config_load.cpp), the effective config printed at start (and stored in checkpoints) and
+// `fp8moe defaults`. The rules between keys are io/config_rules.cpp.
 //
 // Any problem is ONE ConfigError whose message names where (file:line:col, the --set argument, or
 // the file for a default value), the key path, the value, and what was expected.

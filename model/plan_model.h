@@ -1,8 +1,9 @@
-// What a config needs on a layout, computed from the config alone (`fp8moe plan`, app/plan.cpp):
-// the bytes one rank of each pipeline stage holds and keeps, the FLOPs it runs, and the bytes each
-// of its groups sends per step. Nothing is allocated: every number follows the code that would
-// allocate or send it (named beside each formula), so that a change there shows up as a
-// difference between the plan and a measured run (tests/app/test_plan.cpp, bench/plan-vs-measured.sh).
+// What a config needs on a layout, computed from the config alone (`fp8moe plan`,
+// app/plan_roofline.cpp): the bytes one rank of each pipeline stage holds and keeps, the FLOPs it
+// runs, and the bytes each of its groups sends per step. Nothing is allocated: every number follows
+// the code that would allocate or send it (named beside each formula), so that a change there shows
+// up as a difference between the plan and a measured run (tests/app/test_plan.cpp,
+// bench/plan-vs-measured.sh).
 #pragma once
 
 #include <array>

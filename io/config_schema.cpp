@@ -1,10 +1,10 @@
-#include "io/config.h"
-
-#include "io/read_file.h"
+// The schema: every config key once, with its path, type, range and meaning (its default is
+// model/config.h's), how its value is parsed and shown, and the lookups of the table. The loader
+// (and the effective config and reference it writes) is io/config_load.cpp, the rules between
+// keys io/config_rules.cpp.
+#include "io/config_internal.h"
 #include "io/text.h"
-#include "parallel/grid.h"  // grid_layout_problem: the world-size rules
 
-#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -12,12 +12,10 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <map>
-#include <sstream>
 #include <type_traits>
 
 namespace fp8moe {
-namespace {
+namespace config_detail {
 
 // ---------------------------------------------------------------------------------------------
 // Messages
@@ -44,9 +42,24 @@ std::string describe(const YAML::Node& node) {
   }
 }
 
+std::string format_double(double v) {
+  // Shortest text that reads back to the same double; plain decimals where they stay short
+  // ("0.0003", not "3e-04"), exponents for very small or large magnitudes.
+  char buf[64];
+  const double mag = std::abs(v);
+  const auto format = (v == 0 || (mag >= 1e-4 && mag < 1e15)) ? std::chars_format::fixed : std::chars_format::scientific;
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v, format);
+  std::string s(buf, end);
+  // Keep it a float to YAML readers ("3" -> "3.0"), so the effective config shows the type.
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scalar parsing (strict: "12abc" is not 12, "1.5" is not an integer, "yes" is not a bool)
 // ---------------------------------------------------------------------------------------------
+
+namespace {
 
 // A plain scalar for numbers and booleans: a quoted "256" is a string in YAML, and accepting it
 // would hide a mistake; strings and choices may be quoted.
@@ -67,30 +80,9 @@ bool parse_number(std::string_view s, T* out) {
   return true;
 }
 
-std::string format_double(double v) {
-  // Shortest text that reads back to the same double; plain decimals where they stay short
-  // ("0.0003", not "3e-04"), exponents for very small or large magnitudes.
-  char buf[64];
-  const double mag = std::abs(v);
-  const auto format = (v == 0 || (mag >= 1e-4 && mag < 1e15)) ? std::chars_format::fixed : std::chars_format::scientific;
-  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v, format);
-  std::string s(buf, end);
-  // Keep it a float to YAML readers ("3" -> "3.0"), so the effective config shows the type.
-  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
-  return s;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The schema
 // ---------------------------------------------------------------------------------------------
-
-struct Field {
-  std::string path;      // "model.moe.top_k"
-  std::string expected;  // "an integer in [1, 256]"
-  std::string doc;
-  std::function<void(Config&, const YAML::Node&, const std::string& where)> parse;
-  std::function<YAML::Node(const Config&)> show;
-};
 
 // REF(model.d_model) -> accessor usable on Config& and const Config&.
 #define REF(member) [](auto& c) -> auto& { return c.member; }
@@ -307,6 +299,8 @@ Field fp8_layers_field() {
 }
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+}  // namespace
 
 const std::vector<Field>& schema() {
   static const std::vector<Field> fields = [] {
@@ -527,359 +521,11 @@ std::string parent(const std::string& path) {
   return dot == std::string::npos ? std::string() : path.substr(0, dot);
 }
 
-// Every key and section path, the candidates of a suggestion.
-std::vector<std::string> all_paths() {
-  std::vector<std::string> out;
-  for (const Field& f : schema()) {
-    for (std::string p = f.path; !p.empty(); p = parent(p))
-      if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
-  }
-  return out;
-}
-
-std::string suggestion(const std::string& unknown) {
-  // 1) The same key name under another section ("model.top_k" -> "model.moe.top_k").
-  for (const std::string& p : all_paths())
-    if (leaf(p) == leaf(unknown) && p != unknown) return p;
-  // 2) The closest path by edit distance, if it is close enough to be a typo.
-  std::string best;
-  size_t best_d = std::numeric_limits<size_t>::max();
-  for (const std::string& p : all_paths()) {
-    const size_t d = edit_distance(unknown, p);
-    if (d < best_d) best_d = d, best = p;
-  }
-  const size_t limit = std::max<size_t>(2, leaf(unknown).size() / 3);
-  return best_d <= limit ? best : std::string();
-}
-
-[[noreturn]] void fail_unknown(const std::string& where, const std::string& path) {
-  std::string msg = where + ": " + path + ": unknown key";
-  const std::string hint = suggestion(path);
-  if (!hint.empty()) {
-    msg += "; did you mean " + hint + "?";
-  } else {
-    // The keys of the nearest section that exists: "model.foo.bar" lists model's keys (saying there
-    // is no section model.foo), "a.b" the top-level sections.
-    std::string sec = parent(path), missing;
-    auto children = [&](const std::string& s) {
-      std::vector<std::string> out;
-      for (const std::string& p : all_paths()) {
-        if (!s.empty() && p.rfind(s + ".", 0) != 0) continue;
-        const std::string rest = s.empty() ? p : p.substr(s.size() + 1);
-        const std::string child = rest.substr(0, rest.find('.'));
-        if (std::find(out.begin(), out.end(), child) == out.end()) out.push_back(child);
-      }
-      return out;
-    };
-    while (!sec.empty() && children(sec).empty()) missing = sec, sec = parent(sec);
-    std::string keys;
-    for (const std::string& c : children(sec)) keys += (keys.empty() ? "" : ", ") + c;
-    if (!missing.empty())
-      msg += "; there is no section " + missing + (sec.empty() ? "; the sections are: " : "; " + sec + " has: ") + keys;
-    else
-      msg += "; expected one of: " + keys;
-  }
-  throw ConfigError(msg);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Loading
-// ---------------------------------------------------------------------------------------------
-
-struct Loader {
-  const ConfigSource& src;
-  std::map<std::string, std::string> set_arg;  // key path -> the --set argument that set it
-  std::map<std::string, std::string> where;    // key path -> where its value came from
-
-  // Where a rule about `path` should point: the value's location, its --set argument, or the file.
-  std::string where_of(const std::string& path) const {
-    auto it = where.find(path);
-    return it != where.end() ? it->second : src.file + " (default value)";
-  }
-
-  void apply_override(YAML::Node& root, const std::string& arg) {
-    const size_t eq = arg.find('=');
-    const std::string where_arg = "--set " + arg;
-    if (eq == std::string::npos || eq == 0)
-      throw ConfigError(where_arg + ": expected key.path=value (for example --set train.lr=1e-4)");
-    const std::string path = arg.substr(0, eq), value = arg.substr(eq + 1);
-    if (!find_field(path)) {
-      if (is_section(path))
-        throw ConfigError(where_arg + ": " + path + ": is a section; set one of its keys (" + path + ".KEY=value)");
-      fail_unknown(where_arg, path);
-    }
-    YAML::Node parsed;
-    try {
-      parsed = YAML::Load(value);
-    } catch (const YAML::Exception& e) {
-      fail(where_arg, path, "'" + value + "'", "a YAML value (" + e.msg + ")");
-    }
-    // Walk down, creating sections; a section that exists must be a mapping.
-    std::vector<std::string> parts;
-    std::stringstream ss(path);
-    for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
-    std::vector<YAML::Node> chain{root};
-    std::string prefix;
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
-      prefix += (i ? "." : "") + parts[i];
-      YAML::Node next = chain.back()[parts[i]];
-      if (next.IsDefined() && !next.IsNull() && !next.IsMap())
-        fail(location(src.file, next.Mark()), prefix, describe(next), "a mapping of keys");
-      chain.push_back(next);
-    }
-    chain.back()[parts.back()] = parsed;
-    set_arg[path] = where_arg;
-  }
-
-  void walk(const YAML::Node& node, const std::string& prefix, const std::string& node_where, Config& cfg) {
-    if (node.IsNull()) return;  // "model:" with nothing under it: all defaults
-    if (!node.IsMap())
-      fail(node_where, prefix.empty() ? "(top level)" : prefix, describe(node), "a mapping of keys");
-    std::map<std::string, std::string> seen;  // key -> location, to reject duplicates
-    for (const auto& kv : node) {
-      const std::string key_where = location(src.file, kv.first.Mark());
-      if (!kv.first.IsScalar()) fail(key_where, prefix.empty() ? "(top level)" : prefix, "a non-text key", "key names");
-      const std::string key = kv.first.Scalar();
-      const std::string path = prefix.empty() ? key : prefix + "." + key;
-      if (key.find('.') != std::string::npos)
-        throw ConfigError(key_where + ": " + path + ": a key may not contain '.'; nest it under its section instead");
-      if (auto [it, fresh] = seen.emplace(key, key_where); !fresh)
-        throw ConfigError(key_where + ": " + path + ": duplicate key (first given at " + it->second + ")");
-      auto arg = set_arg.find(path);
-      const std::string value_where =
-          arg != set_arg.end() ? arg->second : location(src.file, kv.second.Mark());
-      if (const Field* f = find_field(path)) {
-        f->parse(cfg, kv.second, value_where);
-        where[path] = value_where;
-      } else if (is_section(path)) {
-        walk(kv.second, path, value_where, cfg);
-      } else {
-        fail_unknown(key_where, path);
-      }
-    }
-  }
-};
-
 std::string show_value(const Field& f, const Config& c) {
   YAML::Emitter e;
   e << YAML::Flow << f.show(c);
   return e.c_str();
 }
 
-}  // namespace
-
-RuntimeProblem runtime_problem(const Config& c) {
-  if (c.runtime.comm == CommChoice::nccl && c.runtime.device == DeviceChoice::cpu)
-    return {"runtime.comm", "mpi or auto with runtime.device cpu (NCCL needs the CUDA backend)"};
-  if (c.runtime.attention == AttentionChoice::cudnn && c.runtime.device != DeviceChoice::cuda &&
-      c.runtime.device != DeviceChoice::automatic)
-    return {"runtime.attention", "auto or reference unless runtime.device is cuda (cuDNN's fused attention runs on "
-                                 "the GPU)"};
-  if (c.runtime.device == DeviceChoice::cuda && c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.tile != 128)
-    return {"fp8.tile", "128 with runtime.device cuda and fp8.recipe blockwise (cuBLASLt's block-scaled GEMMs use "
-                        "1 x 128 and 128 x 128 blocks)"};
-  return {};
-}
-
-namespace {
-
-// Rules between keys, and those that need the number of ranks (world_size > 0).
-void check_rules(const Config& c, const Loader& L, int world_size) {
-  auto rule = [&](bool ok, const std::string& key, const std::string& expected) {
-    if (!ok) {
-      std::string got = show_value(*find_field(key), c);
-      if (L.where.find(key) == L.where.end()) got += " (the default)";
-      fail(L.where_of(key), key, got, expected);
-    }
-  };
-  auto n = [](auto v) { return std::to_string(v); };
-  const ModelConfig& m = c.model;
-  const ParallelConfig& p = c.parallel;
-
-  if (!m.mla()) {
-    rule(m.n_kv_heads <= m.n_heads && m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
-         "a divisor of model.n_heads = " + n(m.n_heads) + " (grouped-query attention)");
-    rule(m.head_dim % 2 == 0, "model.head_dim", "an even number (RoPE rotates pairs of channels)");
-  } else {
-    rule(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", "an even number (RoPE rotates pairs of channels)");
-  }
-  rule(m.first_dense_layers <= m.n_layers, "model.first_dense_layers",
-       "at most model.n_layers = " + n(m.n_layers));
-  rule(m.mtp_depth < c.train.seq_len, "model.mtp_depth",
-       "fewer than train.seq_len = " + n(c.train.seq_len) + " (module k predicts the token k + 1 ahead in a sequence)");
-  rule(m.pad_id < m.vocab_size, "model.pad_id", "-1 or a token id below model.vocab_size = " + n(m.vocab_size));
-  rule(m.moe.top_k <= m.moe.n_experts, "model.moe.top_k", "at most model.moe.n_experts = " + n(m.moe.n_experts));
-  rule(m.moe.n_experts % m.moe.n_group == 0, "model.moe.n_group",
-       "a divisor of model.moe.n_experts = " + n(m.moe.n_experts) + " (groups of equal size)");
-  rule(m.moe.n_group == 1 || m.moe.n_experts / m.moe.n_group >= 2, "model.moe.n_group",
-       "at most model.moe.n_experts / 2 = " + n(m.moe.n_experts / 2) +
-           " (a group is ranked by its two best experts)");
-  rule(m.moe.topk_group <= m.moe.n_group, "model.moe.topk_group", "at most model.moe.n_group = " + n(m.moe.n_group));
-  rule(m.moe.top_k <= int64_t(m.moe.topk_group) * (m.moe.n_experts / m.moe.n_group), "model.moe.top_k",
-       "at most model.moe.topk_group x experts per group = " + n(m.moe.topk_group) + " x " +
-           n(m.moe.n_experts / m.moe.n_group) + " (the experts a token may reach)");
-  rule(c.checkpoint.save || c.train.exit_interval == 0, "train.exit_interval",
-       "0 with checkpoint.save false (exiting at an interval is for resuming from its checkpoint)");
-  rule(c.train.min_lr <= c.train.lr, "train.min_lr", "at most train.lr = " + format_double(c.train.lr));
-  rule(c.train.warmup_steps < c.train.steps, "train.warmup_steps",
-       "fewer than train.steps = " + n(c.train.steps) + " (the schedule must reach its decay)");
-  // NOTE: a BF16 moment holds 8 significant bits: multiplying by beta2 changes it only when
-  // 1 - beta2 is at least half a BF16 step (2^-9 relative); 0.999 would freeze v.
-  rule(c.train.moments_dtype != MomentsDtype::bf16 || c.train.beta2 <= 0.996, "train.beta2",
-       "at most 0.996 with train.moments_dtype bf16 (a BF16 second moment cannot decay by a smaller factor)");
-  rule(!(c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.format == Fp8Format::hybrid), "fp8.format",
-       "e4m3 with fp8.recipe blockwise (DeepSeek-V3 block scaling is E4M3 only)");
-
-  // Tensor parallelism splits heads, the vocabulary (embedding and head) and MLP/expert widths.
-  const std::string tp = " (parallel.tensor = " + n(p.tensor) + ")";
-  rule(m.n_heads % p.tensor == 0, "parallel.tensor",
-       "a divisor of model.n_heads = " + n(m.n_heads) + " (heads are split over tensor-parallel ranks)");
-  rule(m.mla() || m.n_kv_heads % p.tensor == 0, "parallel.tensor",
-       "a divisor of model.n_kv_heads = " + n(m.n_kv_heads) + " (kv heads are split over tensor-parallel ranks)");
-  rule(m.vocab_size % p.tensor == 0, "parallel.tensor",
-       "a divisor of model.vocab_size = " + n(m.vocab_size) + " (vocabulary-parallel embedding and head)");
-  rule(m.d_ff_dense % p.tensor == 0, "parallel.tensor",
-       "a divisor of model.d_ff_dense = " + n(m.d_ff_dense) + " (dense MLP columns are split)");
-  rule(m.moe.d_expert % p.tensor == 0, "parallel.tensor",
-       "a divisor of model.moe.d_expert = " + n(m.moe.d_expert) + " (expert columns are split)");
-  rule(m.moe.n_experts % p.expert == 0, "parallel.expert",
-       "a divisor of model.moe.n_experts = " + n(m.moe.n_experts) + " (each expert rank owns whole experts)");
-  rule(p.pipeline <= m.n_layers, "parallel.pipeline",
-       "at most model.n_layers = " + n(m.n_layers) + " (every stage needs a layer)");
-  rule(c.train.recompute == Recompute::none || c.fp8.recipe != Fp8Recipe::delayed || p.pipeline == 1,
-       "train.recompute",
-       "none with fp8.recipe delayed and parallel.pipeline > 1 (1F1B runs later micro-batches' forwards before a "
-       "block is recomputed, so the delayed scale its forward used is gone)");
-  if (const RuntimeProblem r = runtime_problem(c); !r.key.empty()) rule(false, r.key, r.expected);
-
-  // Blockwise FP8: a weight block or activation tile may not straddle a tensor-parallel shard.
-  if (c.fp8.recipe == Fp8Recipe::blockwise && p.tensor > 1) {
-    std::vector<std::pair<const char*, int64_t>> widths = {
-        {"model.d_ff_dense", m.d_ff_dense},
-        {"model.moe.d_expert", m.moe.d_expert},
-    };
-    const int64_t H = m.n_heads;
-    if (m.mla()) {  // q (or q_b), kv_b and o split by heads
-      widths.push_back({"model.n_heads x (model.qk_nope_head_dim + model.qk_rope_head_dim)", H * m.qk_head_dim()});
-      widths.push_back({"model.n_heads x (model.qk_nope_head_dim + model.v_head_dim)",
-                        H * (m.qk_nope_head_dim + m.v_head_dim)});
-      widths.push_back({"model.n_heads x model.v_head_dim", H * m.v_head_dim});
-    } else {
-      widths.push_back({"model.n_heads x model.head_dim", H * m.head_dim});
-      widths.push_back({"model.n_kv_heads x model.head_dim", int64_t(m.n_kv_heads) * m.head_dim});
-    }
-    for (const auto& [name, width] : widths) {
-      const int64_t shard = width / p.tensor;
-      rule(shard % c.fp8.tile == 0, "fp8.tile",
-           "a divisor of every tensor-parallel shard width, but " + std::string(name) + " / parallel.tensor = " +
-               n(width) + " / " + n(p.tensor) + " = " + n(shard) + " (blocks may not straddle shards)");
-    }
-  }
-
-  if (world_size <= 0) return;
-  if (const auto problem = grid_layout_problem(world_size, p.tensor, p.pipeline, p.expert))  // parallel/grid.h
-    rule(false, problem->key, problem->expected);
-  const int data = world_size / (p.tensor * p.pipeline);
-  rule(c.train.global_batch % (int64_t(data) * p.micro_batches) == 0, "train.global_batch",
-       "a multiple of data-parallel size x parallel.micro_batches = " + n(data) + " x " + n(p.micro_batches) +
-           " = " + n(int64_t(data) * p.micro_batches));
-}
-
-}  // namespace
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
-std::string read_config_file(const std::string& path) {
-  return read_whole_file<ConfigError>(path, "config file", uintmax_t(16) << 20);  // no config is 16 MiB
-}
-
-Config load_config(const ConfigSource& source, int world_size) {
-  Loader L{source, {}, {}};
-  YAML::Node root;
-  try {
-    const std::vector<YAML::Node> docs = YAML::LoadAll(source.text);
-    if (docs.size() > 1)
-      throw ConfigError(location(source.file, docs[1].Mark()) + ": a config file holds one YAML document; found " +
-                        std::to_string(docs.size()));
-    if (!docs.empty()) root = docs[0];
-  } catch (const YAML::DeepRecursion& e) {
-    throw ConfigError(location(source.file, e.mark) +
-                      ": YAML nested too deeply (past the parser's recursion limit; a config nests three levels)");
-  } catch (const YAML::ParserException& e) {
-    throw ConfigError(location(source.file, e.mark) + ": YAML syntax error: " + shown(e.msg, 200));
-  }
-  if (!root.IsNull() && !root.IsMap()) fail(location(source.file, root.Mark()), "(top level)", describe(root), "a mapping of keys");
-  if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
-  for (const std::string& arg : source.overrides) L.apply_override(root, arg);
-
-  Config cfg;
-  L.walk(root, "", source.file, cfg);
-  check_rules(cfg, L, world_size);
-  return cfg;
-}
-
-std::string config_to_yaml(const Config& config) {
-  YAML::Emitter out;
-  out << YAML::BeginMap;
-  std::vector<std::string> open;  // the sections we are inside, outermost first
-  for (const Field& f : schema()) {
-    std::vector<std::string> want;
-    for (std::string p = parent(f.path); !p.empty(); p = parent(p)) want.insert(want.begin(), leaf(p));
-    size_t common = 0;
-    while (common < open.size() && common < want.size() && open[common] == want[common]) ++common;
-    for (size_t i = open.size(); i > common; --i) out << YAML::EndMap;
-    open.resize(common);
-    for (size_t i = common; i < want.size(); ++i) {
-      out << YAML::Key << want[i] << YAML::Value << YAML::BeginMap;
-      open.push_back(want[i]);
-    }
-    out << YAML::Key << leaf(f.path) << YAML::Value << YAML::Flow << f.show(config);
-  }
-  for (size_t i = 0; i < open.size(); ++i) out << YAML::EndMap;
-  out << YAML::EndMap;
-  return std::string(out.c_str()) + "\n";
-}
-
-std::string config_reference() {
-  const Config defaults;
-  std::string out =
-      "# fp8moe configuration reference: every key with its default value, what it accepts and what\n"
-      "# it means. Generated by `fp8moe defaults`; a config file only needs the keys it changes.\n";
-  std::string section;
-  for (const Field& f : schema()) {
-    const std::string sec = parent(f.path);
-    if (sec != section) {
-      // Open each section level that differs from the previous field's.
-      std::string common;
-      for (std::string p = sec; !p.empty(); p = parent(p))
-        if (section == p || section.rfind(p + ".", 0) == 0) { common = p; break; }
-      std::vector<std::string> opens;
-      for (std::string p = sec; p != common; p = parent(p)) opens.insert(opens.begin(), p);
-      for (const std::string& p : opens) {
-        const size_t depth = std::count(p.begin(), p.end(), '.');
-        out += (depth == 0 ? "\n" : "") + std::string(2 * depth, ' ') + leaf(p) + ":\n";
-      }
-      section = sec;
-    }
-    const size_t depth = std::count(f.path.begin(), f.path.end(), '.');
-    std::string line = std::string(2 * depth, ' ') + leaf(f.path) + ": " + show_value(f, defaults);
-    if (line.size() < 40) line.resize(40, ' ');
-    out += line + "  # " + f.expected + ". " + f.doc + "\n";
-  }
-  return out;
-}
-
+}  // namespace config_detail
 }  // namespace fp8moe

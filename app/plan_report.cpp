@@ -1,0 +1,413 @@
+// The report of `fp8moe plan`: the layout and parameters, FLOPs per token, memory per rank (and
+// what FP8 saves), communication per group, the pipeline bubble, the step time (measured on the
+// CPU or the roofline), device-hours against a target, and for a rank that does not fit the
+// layouts that would.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "app/plan_parts.h"
+#include "app/step_report.h"
+#include "model/param_table.h"
+
+namespace fp8moe::plan_detail {
+namespace {
+
+std::string bytes_text(double b) {
+  char s[32];
+  if (b >= 1e12) std::snprintf(s, sizeof s, "%.2f TB", b / 1e12);
+  else if (b >= 1e9) std::snprintf(s, sizeof s, "%.2f GB", b / 1e9);
+  else if (b >= 1e6) std::snprintf(s, sizeof s, "%.1f MB", b / 1e6);
+  else if (b >= 1e3) std::snprintf(s, sizeof s, "%.1f kB", b / 1e3);
+  else std::snprintf(s, sizeof s, "%.0f B", b);
+  return s;
+}
+
+std::string seconds_text(double s) {
+  char b[32];
+  if (s >= 1) std::snprintf(b, sizeof b, "%.3f s", s);
+  else std::snprintf(b, sizeof b, "%.3f ms", s * 1e3);
+  return b;
+}
+
+void print_memory_table(const Plan& p, const Device& d, double baseline) {
+  std::printf("memory per rank, by pipeline stage (every tensor/expert rank of a stage alike; bytes, 1 GB = 1e9):\n");
+  std::printf("  stage  layers    weights     grads    moments  fp8 copies  act/micro-batch x in flight  workspace      total%s\n",
+              d.cpu ? "   RSS (+ process, heap)" : "");
+  for (const StageMemory& s : p.mem) {
+    char layers[32];
+    std::snprintf(layers, sizeof layers, "%d-%d%s", s.layer_begin, s.layer_end - 1, s.mtp_blocks ? "+mtp" : "");
+    std::printf("  %5d  %-8s %9s %9s %10s %11s %14s x %-3d %9s %9s %10s", s.stage, layers, bytes_text(s.weights).c_str(),
+                bytes_text(s.grads).c_str(), bytes_text(s.moments).c_str(), bytes_text(s.fp8_weights + s.fp8_state).c_str(),
+                bytes_text(s.saved_per_micro_batch).c_str(), s.in_flight, "", bytes_text(s.workspace).c_str(),
+                bytes_text(s.total()).c_str());
+    if (d.cpu) std::printf("   %s", bytes_text(s.total() + baseline).c_str());
+    std::printf("%s\n", s.total() + baseline > d.memory ? "  DOES NOT FIT" : "");
+  }
+}
+
+// The efficiency in (0, 1] at which step_at(efficiency) takes `budget`, or -1 where even 1.0 is
+// too slow. The step falls monotonically with the efficiency: bisect (geometrically, 200 times).
+double solve_efficiency(const std::function<double(double)>& step_at, double budget) {
+  if (step_at(1.0) > budget) return -1.0;
+  double lo = 1e-6, hi = 1.0;
+  for (int i = 0; i < 200; ++i) {
+    const double mid = std::sqrt(lo * hi);
+    (step_at(mid) > budget ? lo : hi) = mid;
+  }
+  return hi;
+}
+
+const char* verdict(double e) {
+  return e < 0.30 ? "below DeepSeek-V3's plausible 0.30-0.45" : e <= 0.45 ? "within the plausible 0.30-0.45"
+                                                                            : "above the plausible 0.30-0.45";
+}
+
+// --target-gpu-hours (a): the efficiency that spends the budget with fp8moe's own communication
+// exposed, and hidden behind compute where compute is longer (--overlap); where neither can reach
+// it, what communication alone costs, and with expert parallelism why.
+void print_target_communication(const PlanReport& rep, double budget) {
+  const PlanOptions& o = rep.o;
+  const Plan& p = rep.p;
+  const Device& d = rep.d;
+  const PlanLayout& L = p.L;
+  const double ep_bytes = [&] {
+    double b = 0;
+    for (const auto& cs : p.comm) b = std::max(b, cs[1]);
+    return b;
+  }();
+  bool unreachable = false;
+  for (CommMode mode : {CommMode::exposed, CommMode::overlapped}) {
+    const char* what = mode == CommMode::exposed ? "(a) fp8moe's communication exposed (as it runs)"
+                                                 : "(a) fp8moe's communication hidden behind compute where shorter (--overlap)";
+    const double e = solve_efficiency([&](double x) { return roofline(p, d, o, x, mode).step; }, budget);
+    if (e >= 0) {
+      const Roofline at = roofline(p, d, o, e, mode);
+      std::printf("  %s: efficiency %.3f (%s); per step compute %s, communication %s, bubble %s\n", what, e, verdict(e),
+                  seconds_text(at.compute_mb * L.micro_batches).c_str(),
+                  seconds_text(at.comm_mb * L.micro_batches + at.dp).c_str(), seconds_text(at.bubble).c_str());
+      continue;
+    }
+    unreachable = true;
+    // The step with the compute taking no time at all: what communication alone costs.
+    const Roofline top = roofline(p, d, o, 1.0, mode), floor = roofline(p, d, o, 1e12, mode);
+    std::printf("  %s: cannot be reached at any efficiency: at 1.0 the step takes %s; with the compute taking no time "
+                "at all still %s (communication %s per micro-batch over %d micro-batch slots of 1F1B, dp/edp %s) > %s\n",
+                what, seconds_text(top.step).c_str(), seconds_text(floor.step).c_str(), seconds_text(floor.comm_mb).c_str(),
+                L.micro_batches + L.pipeline - 1,
+                mode == CommMode::overlapped ? "hidden" : seconds_text(floor.dp).c_str(), seconds_text(budget).c_str());
+  }
+  if (unreachable && L.expert > 1) {
+    const Roofline top = roofline(p, d, o, 1.0, CommMode::exposed);
+    std::printf("      why: the expert all-to-all alone sends %s per rank per step (FP32 rows of D = %d floats, 4 "
+                "exchanges per MoE layer and micro-batch: dispatch and combine, forward and backward; uniform routing, "
+                "no node-limited deduplication): %s at %s/s of NVLink to the peers inside a node and %s/s of InfiniBand "
+                "to the rest, %.2fx the budget of a whole step\n",
+                bytes_text(ep_bytes).c_str(), p.cfg.model.d_model, seconds_text(top.comm_s[1]).c_str(),
+                bytes_text(d.nvlink).c_str(), bytes_text(d.ib).c_str(), top.comm_s[1] / budget);
+  }
+}
+
+// --target-gpu-hours (b): compute only (every byte hidden), the GEMMs not in FP8 in BF16 or FP32,
+// the slowest stage setting the pace or the stages balanced.
+void print_target_compute(const PlanReport& rep, double budget) {
+  const PlanOptions& o = rep.o;
+  const Plan& p = rep.p;
+  const Device& d = rep.d;
+  const PlanLayout& L = p.L;
+  for (const char* hp : {"bf16", "fp32"}) {
+    for (bool balanced : {false, true}) {
+      PlanOptions oo = o;
+      oo.higher_precision = hp;
+      auto step_at = [&](double e) { return roofline(p, d, oo, e, CommMode::hidden, balanced).step; };
+      const double e = solve_efficiency(step_at, budget);
+      std::printf("  (b) compute only, the router, eh_proj and head in %s%s, %s: ",
+                  std::string(hp) == "bf16" ? "BF16" : "FP32", std::string(hp) == "bf16" ? " (as DeepSeek-V3)" : " (as fp8moe)",
+                  balanced ? "stages balanced (each the stages' mean work)" : "the slowest stage setting the pace");
+      if (e < 0) {
+        std::printf("cannot be reached at any efficiency: at 1.0 the step takes %s\n", seconds_text(step_at(1.0)).c_str());
+        continue;
+      }
+      const Roofline at = roofline(p, d, oo, e, CommMode::hidden, balanced);
+      std::printf("efficiency %.3f (%s); per step %d x %s per micro-batch (compute %s, memory-bound %s) + bubble %s "
+                  "(%d / %d, as configured) + optimizer %s\n",
+                  e, verdict(e), L.micro_batches, seconds_text(at.compute_mb + at.memory_mb).c_str(),
+                  seconds_text(at.compute_mb).c_str(), seconds_text(at.memory_mb).c_str(), seconds_text(at.bubble).c_str(),
+                  L.pipeline - 1, L.micro_batches + L.pipeline - 1, seconds_text(at.optimizer).c_str());
+    }
+  }
+}
+
+// --target-gpu-hours: the efficiency (of the device's peaks, all GEMMs and attention alike) at which
+// the roofline's step time spends the target device-hours on --tokens, three ways: with fp8moe's
+// own communication exposed, the same hidden behind compute where compute is longer (--overlap),
+// and compute only (every byte hidden), the bubble always as configured. Where a way cannot reach
+// the target at any efficiency, the parts the efficiency does not scale are printed instead.
+void print_target(const PlanReport& rep) {
+  const PlanOptions& o = rep.o;
+  const Plan& p = rep.p;
+  const Device& d = rep.d;
+  const int world = rep.world;
+  const double step_tokens = rep.step_tokens;
+  const double steps = o.tokens / step_tokens;
+  const double budget = step_budget_seconds(o.target_hours, o.tokens, step_tokens, world);
+  std::printf("\nagainst %.4g %s-hours for %.4g tokens: %.6g steps of %.4g tokens on %d ranks leave %s per step\n",
+              o.target_hours, d.name.c_str(), o.tokens, steps, step_tokens, world, seconds_text(budget).c_str());
+  print_target_communication(rep, budget);
+  print_target_compute(rep, budget);
+  std::printf("  assumptions: the roofline above (one efficiency for every GEMM and the attention core, each at its own "
+              "peak; the slowest stage sets the 1F1B pace unless `stages balanced`); train.recompute %s as configured "
+              "(the recomputed forwards are compute; DeepSeek-V3 recomputed only selected cheap ops: --set "
+              "train.recompute=none for that bound); (b) hides all tp/ep/pp/dp/edp bytes (DeepSeek-V3 reports DualPipe "
+              "overlapping its all-to-all, FP8 dispatch and node-limited routing); this config's tokens per step for "
+              "the whole run (DeepSeek-V3 ramped its batch up).\n",
+              to_string(p.cfg.train.recompute).data());
+}
+
+// The step as the CPU's probe models measured it.
+void print_measured_step(const PlanReport& rep) {
+  const Plan& p = rep.p;
+  const Device& d = rep.d;
+  const Config& c = p.cfg;
+  const PlanLayout& L = p.L;
+  const Roofline& r = rep.r;
+  const double eff = rep.eff, step_tokens = rep.step_tokens;
+  const CpuProbe& q = d.probe;
+  const ModelConfig& g = c.model;
+  const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;
+  std::printf("\nstep time (measured on this CPU: %d probe models of this config's blocks, trained 1 + 7 steps "
+              "of two micro-batches each, interleaved, on `train`'s backend; each probe's fastest step):\n", q.probes);
+  std::printf("  per micro-batch (forward + backward, the FP8 weights already quantized): probe A (%d dense + %d MoE "
+              "block%s, embedding, head, loss) %s",
+              q.dense_in_a, q.moe_in_a, q.dense_in_a + q.moe_in_a == 1 ? "" : "s", seconds_text(q.cached.a).c_str());
+  if (Ld > q.dense_in_a) std::printf(" + %d x dense block %s", Ld - q.dense_in_a, seconds_text(q.cached.dense).c_str());
+  if (Lm > q.moe_in_a) std::printf(" + %d x MoE block %s", Lm - q.moe_in_a, seconds_text(q.cached.moe).c_str());
+  if (g.mtp_depth > 0) std::printf(" + %d x MTP module %s", g.mtp_depth, seconds_text(q.cached.mtp).c_str());
+  std::printf(" = %s%s\n", seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "");
+  std::printf("  x %d micro-batches + the FP8 weights' quantization at first use %s + optimizer (zero_grads, norm, "
+              "AdamW) %s = %s per step\n",
+              L.micro_batches, seconds_text(r.quantize).c_str(), seconds_text(r.optimizer).c_str(),
+              seconds_text(r.step).c_str());
+  std::printf("  %.0f tokens/s. The probes' tokens: %s. Not in it: the step's data loading, loss and load "
+              "read-backs and logging\n",
+              step_tokens / r.step, q.real_data ? "the config's data.path (routed as training routes them)"
+                                                : "uniformly random (data.path unreadable: real text routes less evenly)");
+}
+
+// The step as the roofline models it, and what it assumes.
+void print_roofline_step(const PlanReport& rep) {
+  const PlanOptions& o = rep.o;
+  const Plan& p = rep.p;
+  const Device& d = rep.d;
+  const Config& c = p.cfg;
+  const PlanLayout& L = p.L;
+  const Roofline& r = rep.r;
+  const int world = rep.world;
+  const double eff = rep.eff, step_tokens = rep.step_tokens, model_flops = rep.model_flops;
+  std::printf("\nstep time (roofline, %s):\n", d.name.c_str());
+  std::printf("  per micro-batch on the slowest stage: compute %s, memory-bound %s, communication %s%s\n",
+              seconds_text(r.compute_mb).c_str(), seconds_text(r.memory_mb).c_str(), seconds_text(r.comm_mb).c_str(),
+              o.overlap ? " (hidden behind compute: --overlap)" : " (exposed)");
+  std::printf("  x %d micro-batches + bubble %s + dp/edp %s%s + optimizer %s = %s per step\n", L.micro_batches,
+              seconds_text(r.bubble).c_str(), seconds_text(r.dp).c_str(), o.overlap ? " (overlapped)" : "",
+              seconds_text(r.optimizer).c_str(), seconds_text(r.step).c_str());
+  const double tps = step_tokens / r.step;
+  std::printf("  %.0f tokens/s, MFU %.3f of the %s peak\n", tps, tps * model_flops / (world * (c.fp8.recipe != Fp8Recipe::off ? d.fp8 : d.fp32)),
+              c.fp8.recipe != Fp8Recipe::off ? "FP8" : "FP32");
+  std::printf("  assumptions: GEMMs at %.2f of %s: FP8 %.4g FLOP/s for the linear layers fp8.layers runs in FP8, %s %.4g "
+              "for the others (router, eh_proj, head; every linear layer with recipe off), attention core %.4g "
+              "(%s); memory-bound traffic 4 x the activations kept per micro-batch plus AdamW's and the FP8 "
+              "weights' bytes, at %.4g B/s; communication at %s; uniform routing; 1F1B with the slowest stage "
+              "setting the pace; no kernel-launch or host overhead.\n",
+              eff, d.cpu ? "the rates measured here" : "the peaks", d.fp8, o.higher_precision.c_str(),
+              o.higher_precision == "bf16" ? d.bf16 : d.fp32, d.attention, d.cpu ? "measured" : "the BF16 peak", d.hbm,
+              d.cpu ? "the memory bandwidth (ranks of one machine)"
+                    : ("NVLink " + bytes_text(d.nvlink) + "/s inside a node of " + std::to_string(o.node_size) +
+                       ", InfiniBand " + bytes_text(d.ib) + "/s per GPU across nodes")
+                          .c_str());
+}
+
+}  // namespace
+
+PlanReport make_report(const PlanOptions& o, const Plan& p, const Device& d, int world) {
+  const Config& c = p.cfg;
+  const double eff = o.efficiency > 0 ? o.efficiency : d.cpu ? 1.0 : 0.4;
+  const double baseline = d.cpu ? (o.baseline_bytes >= 0 ? o.baseline_bytes : kCpuProcessBaseline) + kCpuLibraryHeap : 0;
+  return PlanReport{.o = o,
+                    .p = p,
+                    .d = d,
+                    .world = world,
+                    .eff = eff,
+                    .baseline = baseline,
+                    .model_flops = model_flops_per_token(c.model, c.train.seq_len),
+                    .step_tokens = double(c.train.global_batch) * double(p.L.seq_len),
+                    .r = roofline(p, d, o, eff)};
+}
+
+void print_layout(const PlanReport& rep) {
+  const PlanOptions& o = rep.o;
+  const Device& d = rep.d;
+  const Config& c = rep.p.cfg;
+  const PlanLayout& L = rep.p.L;
+  const int world = rep.world;
+  std::printf("fp8moe plan: %s on %d rank%s%s (device %s)\n", o.config_path.c_str(), world, world == 1 ? "" : "s",
+              o.world > 0 ? "" : " (the config's tensor x pipeline x expert: --world sets more)", d.name.c_str());
+  std::printf("layout: tensor %d, pipeline %d, expert %d, data %d (expert-data %d), %d micro-batches of %lld sequence%s "
+              "x %lld tokens per replica; %lld tokens per step\n\n",
+              L.tensor, L.pipeline, L.expert, L.data, L.expert_data, L.micro_batches, (long long)L.sequences,
+              L.sequences == 1 ? "" : "s", (long long)L.seq_len, (long long)c.train.global_batch * L.seq_len);
+  std::printf("%s\n", param_count_table(c.model).c_str());
+}
+
+void print_flops(const PlanReport& rep) {
+  const Plan& p = rep.p;
+  const PlanLayout& L = p.L;
+  double executed = 0;
+  for (const StageFlops& f : p.flops) executed += f.total();
+  executed *= double(L.tensor) * L.data * L.micro_batches;  // every rank of every stage
+  std::printf("\nFLOPs per token (forward + backward, attention included): %.4g model (the MFU's numerator); "
+              "%.4g run (recomputation, tensor-parallel replicated work, FP32 router and head included)\n",
+              rep.model_flops, executed / rep.step_tokens);
+}
+
+void print_memory(const PlanReport& rep) {
+  const PlanOptions& o = rep.o;
+  const Plan& p = rep.p;
+  const Device& d = rep.d;
+  const Config& c = p.cfg;
+  const PlanLayout& L = p.L;
+  const int world = rep.world;
+  const double baseline = rep.baseline;
+  std::printf("\n");
+  print_memory_table(p, d, baseline);
+  const StageMemory* worst = &p.mem[0];
+  for (const StageMemory& s : p.mem)
+    if (s.total() > worst->total()) worst = &s;
+  std::printf("  ZeRO-1 (optim.zero %d): moments of %lld dense elements over %d data replica%s and %lld expert elements "
+              "over %d expert-data replica%s; moments %s; recompute %s; fp8.recipe %s\n",
+              c.optim.zero, (long long)worst->dense_trainable, L.data, L.data == 1 ? "" : "s",
+              (long long)worst->expert_trainable, L.expert_data, L.expert_data == 1 ? "" : "s",
+              to_string(c.train.moments_dtype).data(), to_string(c.train.recompute).data(), to_string(c.fp8.recipe).data());
+  std::printf("  %s limit: %s%s\n", d.cpu ? "RAM" : "device memory", bytes_text(d.memory).c_str(),
+              d.cpu ? " (processes of one machine share it: all ranks' RSS together count)" : "");
+  if (d.cpu) {
+    double all = 0;
+    for (const StageMemory& s : p.mem) all += (s.total() + baseline) * L.tensor * L.data;
+    std::printf("  RSS = tensors + the process %s (%s) + the libraries' heap %s (measured: app/plan_devices.cpp); not "
+                "modelled: the freed tensor memory glibc's heap keeps, which takes the peak RSS 1.4-1.8x above this "
+                "after 10-15 steps (README \"Planning a run\")\n",
+                bytes_text(baseline - kCpuLibraryHeap).c_str(), o.baseline_bytes >= 0 ? "--baseline-bytes" : "measured",
+                bytes_text(kCpuLibraryHeap).c_str());
+    std::printf("  all %d ranks together: %s\n", world, bytes_text(all).c_str());
+  }
+}
+
+void print_communication(const PlanReport& rep) {
+  const Plan& p = rep.p;
+  const PlanLayout& L = p.L;
+  const Roofline& r = rep.r;
+  std::printf("\ncommunication per step (the slowest stage's rank; the analytical formulas of README \"Communication\"):\n"
+              "  group  bytes/rank   all ranks       time\n");
+  for (int g = 0; g < 5; ++g) {
+    double all = 0;
+    for (size_t s = 0; s < p.comm.size(); ++s) all += p.comm[s][size_t(g)] * L.tensor * L.data;
+    double rank = 0;
+    for (const auto& cs : p.comm) rank = std::max(rank, cs[size_t(g)]);
+    if (all > 0)
+      std::printf("  %-5s  %10s  %10s  %9s\n", kCommGroupNames[g], bytes_text(rank).c_str(), bytes_text(all).c_str(),
+                  seconds_text(r.comm_s[size_t(g)]).c_str());
+  }
+  if (L.expert > 1)
+    std::printf("  ep: uniform routing, tokens x top_k x (1 - 1/%d) rows leave each rank, FP32 rows as fp8moe sends them\n",
+                L.expert);
+}
+
+void print_bubble(const PlanReport& rep) {
+  const PlanLayout& L = rep.p.L;
+  const double bubble = bubble_fraction(L.pipeline, L.micro_batches);
+  std::printf("\npipeline bubble (1F1B): (p - 1) / (m + p - 1) = %d / %d = %.3f\n", L.pipeline - 1,
+              L.micro_batches + L.pipeline - 1, bubble);
+}
+
+void print_step_time(const PlanReport& rep) {
+  if (rep.r.measured) print_measured_step(rep);
+  else print_roofline_step(rep);
+  std::printf("  device: %s\n", rep.d.basis.c_str());
+}
+
+void print_tokens(const PlanReport& rep) {
+  const PlanOptions& o = rep.o;
+  const int world = rep.world;
+  const double step_tokens = rep.step_tokens;
+  const double hours = o.tokens / step_tokens * rep.r.step * world / 3600;
+  std::printf("\n%.4g tokens: %.4g steps, %.4g %s-hours (%.4g days on %d)\n", o.tokens, o.tokens / step_tokens, hours,
+              rep.d.name.c_str(), hours / world / 24, world);
+  if (o.target_hours > 0) print_target(rep);
+}
+
+void print_summary(const PlanReport& rep) {
+  // One line for scripts (bench/plan-vs-measured.sh): the worst rank's tensors, with the
+  // process baseline (cpu), and the step time.
+  std::printf("\nsummary: rank_bytes %.6g  rss_bytes %.6g  step_s %.6g\n", rep.p.worst_total(), rep.p.worst_total() + rep.baseline,
+              rep.r.step);
+}
+
+// What FP8 changes in the memory of the worst rank: the config's recipe, fp8moe with recipe off
+// (FP32 GEMMs and FP32 activations: what it runs without FP8), and a model of BF16 mixed-precision
+// training (Megatron-style: BF16 weights beside FP32 master weights and FP32 gradients, the
+// activations of the recipe-off run in BF16, no FP8 copies).
+void print_fp8_savings(const Config& c, int world) {
+  Config off = c;
+  off.fp8.recipe = Fp8Recipe::off;
+  const Plan a = make_plan(c, world), b = make_plan(off, world);
+  size_t worst = 0;
+  for (size_t s = 0; s < a.mem.size(); ++s)
+    if (a.mem[s].total() > a.mem[worst].total()) worst = s;
+  const StageMemory &x = a.mem[worst], &y = b.mem[worst];
+  std::printf("\nwhat FP8 saves, rank of stage %zu (GB per rank; the claim to check: FP8 halves the memory):\n", worst);
+  std::printf("  component                 %-12s  recipe off (FP32)  BF16 model  FP8 vs BF16\n", to_string(c.fp8.recipe).data());
+  auto row = [](const char* name, double fp8, double fp32, double bf16) {
+    std::printf("  %-24s  %10.2f  %17.2f  %10.2f  %+10.2f\n", name, fp8 / 1e9, fp32 / 1e9, bf16 / 1e9, (fp8 - bf16) / 1e9);
+  };
+  const double w16 = double(x.held) * 2;
+  row("weights (FP32 master)", x.weights, y.weights, y.weights);
+  row("weights (BF16 copy)", 0, 0, w16);
+  row("FP8 weight copies", x.fp8_weights + x.fp8_state, 0, 0);
+  row("gradients (FP32)", x.grads, y.grads, y.grads);
+  row("Adam moments", x.moments, y.moments, y.moments);
+  row("activations (in flight)", x.activations, y.activations, y.activations / 2);
+  row("workspace", x.workspace, y.workspace, y.workspace / 2);
+  const double bf16 = y.weights + w16 + y.grads + y.moments + (y.activations + y.workspace) / 2;
+  row("total", x.total(), y.total(), bf16);
+  std::printf("  FP8 / recipe off: %.2f; FP8 / BF16 model: %.2f. FP8 changes only the activations a linear layer keeps\n"
+              "  (its input in FP8 instead of FP32) and adds the step's FP8 weight copies; the master weights,\n"
+              "  gradients and moments are the optimizer's and stay as they are.\n",
+              x.total() / y.total(), x.total() / bf16);
+}
+
+void print_misfit(const PlanReport& rep) {
+  const double need = rep.p.worst_total() + rep.baseline;
+  std::printf("\nWARNING: a rank needs %s, more than the %s of %s.\n", bytes_text(need).c_str(),
+              bytes_text(rep.d.memory).c_str(), rep.d.name.c_str());
+}
+
+void print_fits(const PlanReport& rep, const std::vector<Candidate>& fits, const std::string& searched) {
+  const int world = rep.world;
+  std::printf("searched, on the same %d ranks, one key changed, then two (each candidate validated as `train` would):\n%s",
+              world, searched.c_str());
+  if (fits.empty()) {
+    std::printf("no layout within two changes fits\n");
+  } else {
+    std::printf("nearest layouts that fit (fewest changes, then the fastest step):\n");
+    for (size_t i = 0; i < std::min<size_t>(5, fits.size()); ++i) {
+      std::printf("  ");
+      for (const std::string& s : fits[i].sets) std::printf("--set %s ", s.c_str());
+      std::printf(" -> %s per rank, %s per step\n", bytes_text(fits[i].memory).c_str(), seconds_text(fits[i].step).c_str());
+    }
+  }
+}
+
+}  // namespace fp8moe::plan_detail

@@ -1,0 +1,121 @@
+// The plan of one config on a layout (memory, FLOPs and communication bytes per stage, from
+// model/plan_model.h) and its time model: the roofline of a step on a device (compute at a
+// fraction of the peaks, memory-bound traffic, communication over NVLink or InfiniBand, the 1F1B
+// bubble, the optimizer), or on the CPU the probe models' measured times.
+#include <algorithm>
+#include <array>
+
+#include "app/plan_parts.h"
+
+namespace fp8moe::plan_detail {
+namespace {
+
+// The link a group's traffic takes: NVLink when the group's ranks lie in one node (the grid orders
+// ranks tensor fastest, then expert, then the rest of data, then pipeline: parallel/grid.h), else
+// InfiniBand. ep's all-to-all: the share of its peers inside the node over NVLink, the rest over IB.
+struct GroupLink {
+  double span = 1, size = 1;
+};
+double comm_seconds(const Device& d, const PlanOptions& o, const PlanLayout& L, int group, double bytes) {
+  if (bytes <= 0) return 0;
+  if (d.cpu) return bytes / d.hbm;  // ranks of one machine: MPI through shared memory
+  const double node = o.node_size;
+  GroupLink g;
+  switch (group) {
+    case 0: g = {double(L.tensor), double(L.tensor)}; break;
+    case 1: g = {double(L.tensor) * L.expert, double(L.expert)}; break;
+    case 2: g = {double(L.tensor) * L.data, double(L.data)}; break;
+    case 3: g = {double(L.tensor) * L.data, double(L.expert_data)}; break;
+    default: g = {double(L.world), double(L.pipeline)}; break;
+  }
+  if (g.span <= node) return bytes / d.nvlink;
+  if (group == 1) {
+    const double in_node = std::max(0.0, node / L.tensor - 1) / std::max(1.0, g.size - 1);
+    return bytes * in_node / d.nvlink + bytes * (1 - in_node) / d.ib;
+  }
+  return bytes / d.ib;
+}
+
+}  // namespace
+
+Plan make_plan(const Config& c, int world) {
+  Plan p;
+  p.cfg = c;
+  p.L = plan_layout(c, world);
+  p.mem = plan_memory(c, p.L);
+  p.flops = plan_flops(c, p.L);
+  const ModelConfig& m = c.model;
+  for (const StageMemory& s : p.mem) {
+    CommShape sh;
+    sh.model = &c.model;
+    sh.tensor = p.L.tensor, sh.expert = p.L.expert, sh.data = p.L.data, sh.expert_data = p.L.expert_data;
+    sh.tokens = double(p.L.tokens()), sh.micro_batches = p.L.micro_batches;
+    sh.first = s.first, sh.last = s.last, sh.layer_begin = s.layer_begin, sh.layer_end = s.layer_end;
+    sh.local_experts = m.moe.n_experts / p.L.expert;
+    sh.dense_bytes = double(s.dense_trainable) * 4, sh.expert_bytes = double(s.expert_trainable) * 4;
+    const double moe_layers = std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + s.mtp_blocks;
+    // Uniform routing: of a token's top_k rows, 1 / expert stay on this rank.
+    sh.rows_off_rank = double(p.L.micro_batches) * moe_layers * sh.tokens * m.moe.top_k * (1.0 - 1.0 / p.L.expert);
+    p.comm.push_back(analytic_comm_bytes(sh));
+  }
+  return p;
+}
+
+Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, double eff, CommMode mode, bool balanced) {
+  PlanOptions o = opts;
+  if (mode == CommMode::exposed) o.overlap = false;
+  if (mode == CommMode::overlapped) o.overlap = true;
+  const bool hidden = mode == CommMode::hidden;
+  const Config& c = p.cfg;
+  const PlanLayout& L = p.L;
+  const double hp = o.higher_precision == "bf16" ? d.bf16 : d.fp32;
+  Roofline r;
+  const CpuProbe& q = d.probe;
+  if (d.cpu && q.valid && L.world == 1 && c.train.recompute == q.recompute && L.tokens() == q.tokens) {
+    // One rank on the CPU: the probes' times (the efficiency scales the micro-batches' work).
+    const ModelConfig& g = c.model;
+    const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;
+    const double cached = q.of(q.cached, Ld, Lm, g.mtp_depth), first = q.of(q.first, Ld, Lm, g.mtp_depth);
+    r.measured = true;
+    r.compute_mb = cached / eff;
+    r.quantize = std::max(0.0, first - cached) / eff;
+    r.optimizer = q.of(q.optimizer, Ld, Lm, g.mtp_depth);
+    r.step = L.micro_batches * r.compute_mb + r.quantize + r.optimizer;
+    return r;
+  }
+  double slowest = -1, sum_compute = 0, sum_memory = 0;
+  for (size_t s = 0; s < p.mem.size(); ++s) {
+    const StageFlops& f = p.flops[s];
+    const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.attention / (eff * d.attention);
+    // Memory-bound traffic (an estimate): every activation kept for backward is written in the
+    // forward and read in the backward, and its gradient written and read once each.
+    const double memory = 4 * p.mem[s].saved_per_micro_batch / d.hbm;
+    sum_compute += compute, sum_memory += memory;
+    double comm = 0;
+    std::array<double, 5> per_group{};
+    for (int g = 0; g < 5; ++g) per_group[size_t(g)] = comm_seconds(d, o, L, g, p.comm[s][size_t(g)]);
+    for (int g : {0, 1, 4}) comm += per_group[size_t(g)] / L.micro_batches;
+    if (hidden) comm = 0;
+    const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
+    if (t > slowest) {
+      slowest = t;
+      r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group;
+      r.dp = hidden ? 0 : per_group[2] + per_group[3];
+      // AdamW on the owned rows: parameter, gradient (read), m and v (read and written), the
+      // parameter written; then every FP8 weight read in FP32 and written in FP8 once per step.
+      const StageMemory& m = p.mem[s];
+      const double mb = c.train.moments_dtype == MomentsDtype::fp32 ? 4 : 2;
+      const double owned = double(m.owned_dense + m.owned_expert);
+      r.optimizer = (owned * (4 + 4 + 4 + 4 * mb) + m.fp8_weights * 5) / d.hbm;
+    }
+  }
+  if (balanced) r.compute_mb = sum_compute / double(p.mem.size()), r.memory_mb = sum_memory / double(p.mem.size());
+  const double per_mb = o.overlap ? std::max(r.compute_mb + r.memory_mb, r.comm_mb) : r.compute_mb + r.memory_mb + r.comm_mb;
+  r.bubble = (L.pipeline - 1) * per_mb;
+  const double busy = L.micro_batches * per_mb;
+  const double dp = o.overlap ? std::max(0.0, r.dp - busy) : r.dp;
+  r.step = busy + r.bubble + dp + r.optimizer;
+  return r;
+}
+
+}  // namespace fp8moe::plan_detail
