@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "app/cli_checks.h"
 #include "app/exit_codes.h"
 #include "app/plan_parts.h"
 #include "io/config.h"
@@ -102,15 +103,11 @@ int read_inputs(const PlanOptions& o, Inputs* in) {
   } catch (const ConfigError& e) {
     return usage_error(e.what());
   }
-  if (o.world < 0) return usage_error("--world " + std::to_string(o.world) + ": expected a positive number of ranks");
   in->loaded = load(o, in->text, {}, o.world);
   if (!in->loaded.error.empty()) return usage_error(in->loaded.error);
-  if (o.node_size < 1) return usage_error("--node-size " + std::to_string(o.node_size) + ": expected >= 1");
-  if (o.tokens < 0 || o.target_hours < 0) return usage_error("--tokens and --target-gpu-hours: expected positive numbers");
   if (o.target_hours > 0 && o.tokens <= 0) return usage_error("--target-gpu-hours needs --tokens");
   in->device = device_name(o, in->loaded.cfg);
   if (!is_device(in->device)) return usage_error("--device " + in->device + ": expected " + kDeviceNames);
-  if (o.efficiency < 0 || o.efficiency > 1) return usage_error("--efficiency: expected a fraction in (0, 1]");
   return kExitOk;
 }
 
@@ -130,30 +127,37 @@ CLI::App* add_plan_command(CLI::App& app, PlanOptions* o) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--world", o->world,
                   "World size (ranks) to validate and plan for (default: tensor x pipeline x expert, one data replica "
-                  "per expert group)");
+                  "per expert group)")
+      ->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--device", o->device, "h100 | h200 | h800 | b200 | cpu (this machine, measured); default: cpu for "
-                                         "runtime.device cpu or emulated, else h100");
+                                         "runtime.device cpu or emulated, else h100")
+      ->check(not_empty(std::string("a device: ") + kDeviceNames));
   cmd->add_option("--efficiency", o->efficiency,
                   "Fraction of the peak the GEMMs and attention reach (default 0.4 on a GPU; 1.0 of the rates measured "
-                  "on the CPU)");
-  cmd->add_option("--node-size", o->node_size, "GPUs per node: groups within a node use NVLink (default 8)");
+                  "on the CPU)")
+      ->check(finite_in(0, true, 1, false, "a fraction of the peak"));
+  cmd->add_option("--node-size", o->node_size, "GPUs per node: groups within a node use NVLink (default 8)")
+      ->check(CLI::Range(1, 1 << 16));
   cmd->add_flag("--overlap", o->overlap,
                 "Model communication hidden behind compute (as DeepSeek-V3's DualPipe does); fp8moe itself does not "
                 "overlap, so the default is communication exposed");
   cmd->add_option("--higher-precision", o->higher_precision,
                   "The GEMMs not run in FP8: fp32 (what fp8moe runs: FP32, no TF32) or bf16 (a model of a BF16 engine)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  cmd->add_option("--tokens", o->tokens, "Print the device-hours to train this many tokens (e.g. 1e12)");
+  cmd->add_option("--tokens", o->tokens, "Print the device-hours to train this many tokens (e.g. 1e12)")
+      ->check(finite_in(0, true, 1e24, false, "a number of tokens"));
   cmd->add_option("--target-gpu-hours", o->target_hours,
                   "With --tokens: solve for the efficiency that takes this many device-hours (e.g. 180000, DeepSeek-V3's "
-                  "H800 GPU-hours per trillion tokens)");
+                  "H800 GPU-hours per trillion tokens)")
+      ->check(finite_in(0, true, 1e15, false, "device-hours"));
   cmd->add_flag("!--no-search", o->search, "Do not search for a layout that fits when a rank does not");
   cmd->add_flag("!--no-probe", o->probe,
                 "cpu: do not train the probe models of the config's blocks (seconds); the step time then comes from the "
                 "measured GEMM, attention and memory rates alone (about 2-4x optimistic for small configs)");
   cmd->add_option("--baseline-bytes", o->baseline_bytes,
                   "cpu: the process's resident memory besides its tensors and the libraries' heap (default: the 202 MB "
-                  "measured here, see app/plan_devices.cpp)");
+                  "measured here, see app/plan_devices.cpp)")
+      ->check(finite_in(0, false, 1e15, false, "bytes"));
   return cmd;
 }
 

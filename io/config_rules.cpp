@@ -96,6 +96,10 @@ void training_rules(const Rule& rule, const Config& c) {
        "at most 0.996 with train.moments_dtype bf16 (a BF16 second moment cannot decay by a smaller factor)");
   rule(!(c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.format == Fp8Format::hybrid), "fp8.format",
        "e4m3 with fp8.recipe blockwise (DeepSeek-V3 block scaling is E4M3 only)");
+  // The watchdog looks every 250 ms (parallel/watchdog.cpp): a limit under a second is no limit a
+  // step can meet, and 0 already means "none".
+  rule(c.runtime.timeout_s == 0 || c.runtime.timeout_s >= 1, "runtime.timeout_s",
+       "0 (no limit) or at least 1 s (the watchdog looks every 250 ms)");
 }
 
 // How the layout splits the model: tensor parallelism splits heads, the vocabulary (embedding and

@@ -289,11 +289,44 @@ TEST(Cli, CommandLineErrorsPrintOnceUnderMpirun) {
   EXPECT_EQ(count(r.all(), "fp8moe: error: config is required (see fp8moe --help)"), 1u) << r.all();
 }
 
+TEST(Cli, PlanOptionsTakeFiniteNumbersInTheirRange) {
+  // Each once exited 0, reading 0, NaN or infinity as "unset" or planning with it.
+  const std::string cfg = source_dir() + "/configs/tiny.yaml";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--world", "0"}, "--world: Value 0 not in range 1 to 16777216"},
+      {{"--efficiency", "0"}, "--efficiency: expected a fraction of the peak, a finite number in (0, 1], got '0'"},
+      {{"--efficiency", "nan"}, "got 'nan'"},
+      {{"--efficiency", "1.5"}, "got '1.5'"},
+      {{"--tokens", "0"}, "--tokens: expected a number of tokens, a finite number in (0, 1e+24], got '0'"},
+      {{"--tokens", "nan"}, "got 'nan'"},
+      {{"--tokens", "inf"}, "got 'inf'"},
+      {{"--tokens", "1e12", "--target-gpu-hours", "0"}, "--target-gpu-hours: expected device-hours"},
+      {{"--tokens", "1e12", "--target-gpu-hours", "nan"}, "got 'nan'"},
+      {{"--baseline-bytes", "-1e9"}, "--baseline-bytes: expected bytes, a finite number in [0, 1e+15], got '-1e9'"},
+      {{"--baseline-bytes", "nan"}, "got 'nan'"},
+      {{"--device", ""}, "--device: expected a device: h100, h200, h800, b200 or cpu, got ''"},
+      {{"--node-size", "0"}, "--node-size: Value 0 not in range"},
+  };
+  for (const auto& [args, message] : cases) {
+    std::vector<std::string> argv = {exe(), "plan", cfg, "--no-probe"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const RunResult r = run(argv);
+    EXPECT_EQ(r.status, 2) << args.front() << " " << args.back() << "\n" << r.all();
+    EXPECT_EQ(r.err.rfind("fp8moe: error: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  }
+  // In range, the same options plan.
+  const RunResult r = run({exe(), "plan", cfg, "--no-probe", "--world", "8", "--efficiency", "0.5", "--tokens", "1e9",
+                           "--device", "h100"});
+  EXPECT_EQ(r.status, 0) << r.all();
+}
+
 TEST(Cli, CommandLineErrorsAreFp8moesOneLine) {
   // CLI11's own errors (a value that does not convert, an unknown option) in fp8moe's form.
-  RunResult r = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--efficiency", "abc"});
+  RunResult r = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--node-size", "abc"});
   EXPECT_EQ(r.status, 2) << r.all();
-  EXPECT_EQ(r.err, "fp8moe: error: Could not convert: --efficiency = abc (see fp8moe --help)\n") << r.all();
+  EXPECT_EQ(r.err, "fp8moe: error: --node-size: Value abc not in range 1 to 65536 (see fp8moe --help)\n") << r.all();
   r = run({exe(), "train", "--no-such-option"});
   EXPECT_EQ(r.status, 2) << r.all();
   EXPECT_EQ(r.err.rfind("fp8moe: error: ", 0), 0u) << r.err;
@@ -338,6 +371,9 @@ const std::string kLongValue = "model:\n  d_model: " + std::string(100000, 'x') 
 const std::string kDeepNesting = "model: " + std::string(10000, '[') + std::string(10000, ']') + "\n";
 
 const BadConfig kBadConfigs[] = {
+    // a watchdog limit under its 250 ms look (once reported as "no progress for 0 s (longer than 0 s)")
+    {"TimeoutUnderOneSecond", "runtime:\n  timeout_s: 1.0e-9\n", "runtime.timeout_s", "2:14",
+     "0 (no limit) or at least 1 s"},
     // unknown keys and structure
     {"unknown_section", "modle:\n  d_model: 64\n", "modle", "1:1", "did you mean model?"},
     {"unknown_key", "model:\n  d_modle: 64\n", "model.d_modle", "2:3", "did you mean model.d_model?"},
