@@ -1,6 +1,6 @@
 // Checkpoint save and load throughput beside `dd` on the same disk, in the same run.
 //
-//   mpirun -np R build/bench_checkpoint [DIR] [REPS]
+//   mpirun -np R build/bench_checkpoint [DIR] [REPS] [STAGING_BYTES]
 //
 // A model of ~96M parameters (d_model 1024, 12 routed experts of width 2048): FP32 masters and
 // FP32 Adam moments make a checkpoint of ~1.15 GB. Each repetition: save (the whole commit
@@ -8,7 +8,8 @@
 // (open, read, checksums), `dd of=/dev/null` of dd's file. Both reads come from the page cache
 // when it holds the file (the machine's memory decides; both are treated alike). Prints GB/s for
 // each and the ratios checkpoint / dd, best of REPS. The tensors go through the checkpoint code's
-// staging buffer (io/checkpoint.h: 64 MiB per rank; FP8MOE_CKPT_STAGING_BYTES sets another).
+// staging buffer (io/checkpoint.h: checkpoint.staging_bytes, 64 MiB per rank; STAGING_BYTES sets
+// another).
 #include <mpi.h>
 
 #include <algorithm>
@@ -63,6 +64,11 @@ int main(int argc, char** argv) {
   cfg.checkpoint.dir = root_dir + "/ckpt";
   cfg.checkpoint.keep_last = 1;
   cfg.checkpoint.resume = cfg.checkpoint.dir;
+  if (argc > 3) cfg.checkpoint.staging_bytes = std::atoll(argv[3]);
+  if (cfg.checkpoint.staging_bytes < 8) {  // as the config's validation (io/config.cpp)
+    if (root) std::fprintf(stderr, "bench_checkpoint: STAGING_BYTES must be at least 8\n");
+    return 2;
+  }
 
   const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
   Transformer model(*be, cfg);
@@ -109,9 +115,7 @@ int main(int argc, char** argv) {
     const double dw = dd_bytes / best_ddw / 1e9, dr = dd_bytes / best_ddr / 1e9;
     std::printf("checkpoint of %lld parameters: %.2f GB (FP32 masters + FP32 Adam moments), %d rank(s), best of %d\n",
                 (long long)model.table().trainable_numel(), bytes / 1e9, mpi.size(), reps);
-    const char* staging = std::getenv("FP8MOE_CKPT_STAGING_BYTES");
-    std::printf("  staged through %s bytes of host memory per rank\n",
-                staging && *staging ? staging : std::to_string(kCheckpointStagingBytes).c_str());
+    std::printf("  staged through %lld bytes of host memory per rank\n", (long long)cfg.checkpoint.staging_bytes);
     std::printf("  %-34s %8s %8s\n", "", "GB/s", "vs dd");
     std::printf("  %-34s %8.2f %8.2f\n", "save (commit protocol, fsync)", gs, gs / dw);
     std::printf("  %-34s %8.2f\n", "dd write (conv=fsync)", dw);

@@ -81,43 +81,47 @@ struct TrainerState {
 std::string checkpoint_name(int64_t step);
 
 // The host memory a save or a load moves tensors through, per rank, whatever the model's size: one
-// buffer of at most this many bytes (Backend::allocate_host: pinned under CUDA). Each dataset's
-// rows go through it in chunks (as many whole rows as fit; a row that does not fit, in pieces).
-// FP8MOE_CKPT_STAGING_BYTES=N (bytes, at least 8) replaces it, for tests.
+// buffer of at most checkpoint.staging_bytes (Backend::allocate_host: pinned under CUDA; the
+// config validates it: at least 8 bytes, one element of every type). Each dataset's rows go
+// through it in chunks (as many whole rows as fit; a row that does not fit, in pieces). This is
+// the key's default (model/config.h), and the bound of a load that has no current config.
 constexpr int64_t kCheckpointStagingBytes = int64_t(64) << 20;
+static_assert(kCheckpointStagingBytes == CheckpointConfig{}.staging_bytes, "checkpoint.staging_bytes' default");
 
 // Saves progress->step into cfg.checkpoint.dir with the commit protocol, then deletes committed
 // checkpoints beyond keep_last (oldest first, never the one `latest` names) and leftover *.tmp
 // directories. Collective over `comm` (every rank of the job); each rank writes its write_rows,
-// downloaded from the model's backend chunk by chunk through the staging buffer (above); the ranks
-// agree beforehand on every dataset's number of chunks (collective writes), and write the checksum
-// attributes once every dataset's data is written and the sums are global.
+// downloaded from the model's backend chunk by chunk through the staging buffer (above: s.cfg's
+// checkpoint.staging_bytes); the ranks agree beforehand on every dataset's number of chunks
+// (collective writes), and write the checksum attributes once every dataset's data is written and
+// the sums are global.
 // Returns the committed directory. Before writing, checks that the file fits; after closing it,
 // every rank reads its rows back and the checksums must match before the commit.
 // Throws CheckpointError on every rank when any rank failed; the previous checkpoint is intact. A
 // close that fails or does not finish ends the job (exit 1; exit 4 when a rank stopped during a
 // close with space left): HDF5 cannot go on after it (docs/ARCHITECTURE.md, "Failures").
 //
-// Fault injection for tests: FP8MOE_CKPT_KILL=RANK:K makes rank RANK send itself SIGKILL at its
+// Fault points for the tests, only in their build fp8moe-faults (io/checkpoint_faults.h; the
+// product reads none of these): FP8MOE_CKPT_KILL=RANK:K makes rank RANK send itself SIGKILL at its
 // K-th save event (each dataset written; then, on rank 0, the file closed, the agreement, the
 // fsync, the rename, the directory fsync, latest.tmp written, latest renamed, each deletion);
 // FP8MOE_CKPT_STOP=RANK:K the same with SIGSTOP; FP8MOE_CKPT_FILL=RANK:POINT fills the checkpoint
-// directory's file system (a tmpfs only) at a point of the save (io/checkpoint_commit.h);
-// FP8MOE_CKPT_STAGING_BYTES=N bounds the staging buffer at N bytes (above; a load's too).
+// directory's file system (a tmpfs only) at a point of the save.
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 
 // checkpoint.resume: "none" starts fresh; "auto" loads <dir>/latest when the directory holds
 // checkpoints, and when that one is missing or damaged says so on stderr and falls back to the
 // newest older valid one (a directory, `latest` or file that cannot be read is an error:
-// CheckpointUnreadable, never a fresh start or a fall-back); a path loads that checkpoint (a step directory, or a checkpoint.dir with
-// a `latest`). Verifies the format version, the model's shape keys (CheckpointMismatch naming each
-// differing key) and every dataset's checksum. Collective over `comm`. The tensors are read chunk
-// by chunk through the staging buffer and uploaded straight into the model's parameters and the
-// optimizer's moments; the rest (progress, loss scale, Adam counts, delayed scaling) is set only
-// once the whole checkpoint verified. A checkpoint that fails may leave the tensors a mix: the
-// next older one is then loaded over all of them, or this throws (the caller stops). Returns the
-// directory loaded, or "" for a fresh start (nothing touched). Throws CheckpointError when nothing
-// usable is found (auto) or the named checkpoint is unusable (path).
+// CheckpointUnreadable, never a fresh start or a fall-back); a path loads that checkpoint (a step
+// directory, or a checkpoint.dir with a `latest`). Verifies the format version, the model's shape
+// keys (CheckpointMismatch naming each differing key) and every dataset's checksum. Collective
+// over `comm`. The tensors are read chunk by chunk through the staging buffer (above: s.cfg's
+// checkpoint.staging_bytes) and uploaded straight into the model's parameters and the optimizer's
+// moments; the rest (progress, loss scale, Adam counts, delayed scaling) is set only once the
+// whole checkpoint verified. A checkpoint that fails may leave the tensors a mix: the next older
+// one is then loaded over all of them, or this throws (the caller stops). Returns the directory
+// loaded, or "" for a fresh start (nothing touched). Throws CheckpointError when nothing usable is
+// found (auto) or the named checkpoint is unusable (path).
 std::string resume_from_checkpoint(MPI_Comm comm, const TrainerState& s);
 
 // ---- serial tools (no MPI needed) ----

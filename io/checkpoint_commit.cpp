@@ -1,12 +1,9 @@
 // The commit protocol of a checkpoint save (io/checkpoint_commit.h): fsync of files and
 // directories, the step_N directory names and their listing, `latest`, the commit sequence with
-// its pruning, and the fault injection of FP8MOE_CKPT_KILL.
+// its pruning (its fault points: io/checkpoint_faults.h).
 #include "io/checkpoint_commit.h"
 
 #include <fcntl.h>
-#include <linux/magic.h>
-#include <signal.h>
-#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -26,43 +23,6 @@
 
 namespace fp8moe::ckpt {
 namespace fs = std::filesystem;
-
-// ---------------------------------------------------------------- fault injection
-
-FaultPoint::FaultPoint(int rank, std::string dir) : dir_(std::move(dir)) {
-  int r = -1;
-  long long k = -1;
-  for (const auto& [name, sig] : {std::pair{"FP8MOE_CKPT_KILL", SIGKILL}, std::pair{"FP8MOE_CKPT_STOP", SIGSTOP}}) {
-    const char* v = std::getenv(name);
-    if (v && std::sscanf(v, "%d:%lld", &r, &k) == 2 && r == rank) k_ = k, signal_ = sig;
-  }
-  const char* v = std::getenv("FP8MOE_CKPT_FILL");
-  char point[32] = {};
-  if (v && std::sscanf(v, "%d:%31s", &r, point) == 2 && r == rank) fill_point_ = point;
-}
-
-void FaultPoint::fill_at(const char* point) {
-  if (fill_point_ != point) return;
-  struct statfs fs {};
-  if (::statfs(dir_.c_str(), &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
-    std::fprintf(stderr, "fp8moe: warning: FP8MOE_CKPT_FILL: %s is not on a tmpfs: not filled\n", dir_.c_str());
-    return;
-  }
-  const std::string path = dir_ + "/fill.bin";
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return;
-  std::vector<char> zeros(1 << 16, 0);
-  for (size_t chunk = zeros.size(); chunk > 0;)  // until not even one byte fits
-    if (::write(fd, zeros.data(), chunk) <= 0) chunk /= 2;
-  ::close(fd);
-}
-
-void FaultPoint::hit() {
-  if (k_ > 0 && ++count_ == k_) {
-    std::fflush(nullptr);
-    ::raise(signal_);
-  }
-}
 
 // ---------------------------------------------------------------- file system
 

@@ -1,6 +1,7 @@
 // The commit protocol of a checkpoint save (docs/ARCHITECTURE.md "Checkpoints"): the step_N
 // directories, `latest`, the fsync / rename / replace / prune sequence that makes a written
-// step_N.tmp/ the newest checkpoint, and the fault points the tests kill a save at.
+// step_N.tmp/ the newest checkpoint. The fault points the tests kill a save at are
+// io/checkpoint_faults.h.
 // Internal to io/checkpoint*.cpp.
 #pragma once
 
@@ -9,26 +10,9 @@
 #include <utility>
 #include <vector>
 
+#include "io/checkpoint_faults.h"
+
 namespace fp8moe::ckpt {
-
-// Fault injection for the tests (io/checkpoint.h).
-//   FP8MOE_CKPT_KILL=RANK:K   on rank RANK, the K-th hit() sends SIGKILL to this process.
-//   FP8MOE_CKPT_STOP=RANK:K   the same with SIGSTOP: a rank frozen in the middle of a save.
-//   FP8MOE_CKPT_FILL=RANK:P   on rank RANK, when the save reaches point P (fill_at(P): first-dataset,
-//                             middle, before-close, before-latest), fills the file system of the
-//                             checkpoint directory, as another job writing there would. Only on a
-//                             tmpfs; elsewhere it refuses with a warning.
-class FaultPoint {
- public:
-  FaultPoint(int rank, std::string dir);
-  void hit();
-  void fill_at(const char* point);
-
- private:
-  long long k_ = -1, count_ = 0;
-  int signal_ = 0;
-  std::string fill_point_, dir_;
-};
 
 // Fails (CheckpointError naming the directory, the bytes needed and free) unless `bytes` can be
 // allocated in the file system of `dir` now: a scratch file is allocated (fallocate) and deleted;

@@ -1,43 +1,128 @@
 // The serial readers of io/checkpoint.h: inspect_checkpoint for `fp8moe ckpt`, which lists every
 // dataset, recomputes the checksums in pieces and checks the datasets against the stored config,
-// collecting problems instead of stopping at the first; and CheckpointParams for `fp8moe export`.
+// collecting problems instead of stopping at the first; CheckpointParams for `fp8moe export`; and
+// the comparison of a checkpoint's config with the current one (io/checkpoint_common.h), which a
+// load reports a mismatch with.
 #include "io/checkpoint.h"
 
 #include <hdf5.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <map>
+#include <set>
+#include <sstream>
 
+#include "io/checkpoint_common.h"
+#include "io/config.h"
 #include "io/hdf5_file.h"
 
 namespace fp8moe {
+namespace ckpt {
+
+std::map<std::string, std::string> flat_yaml(const std::string& yaml) {
+  std::map<std::string, std::string> out;
+  std::vector<std::string> stack;
+  std::istringstream in(yaml);
+  for (std::string line; std::getline(in, line);) {
+    const size_t indent = line.find_first_not_of(' ');
+    if (indent == std::string::npos || line[indent] == '#') continue;
+    const size_t colon = line.find(':', indent);
+    if (colon == std::string::npos) continue;
+    stack.resize(indent / 2);
+    const std::string key = line.substr(indent, colon - indent);
+    std::string value = colon + 1 < line.size() ? line.substr(colon + 2) : "";
+    std::string full;
+    for (const auto& s : stack) full += s + ".";
+    if (value.empty()) stack.push_back(key);
+    else out[full + key] = value;
+  }
+  return out;
+}
+
+std::vector<std::string> model_differences(const Config& stored, const Config& current) {
+  const auto a = flat_yaml(config_to_yaml(stored)), b = flat_yaml(config_to_yaml(current));
+  std::vector<std::string> diff;
+  for (const auto& [k, v] : a)
+    if (k.rfind("model.", 0) == 0 && k != "model.init_std" && k != "model.mtp_loss_weight" && b.count(k) &&
+        b.at(k) != v)
+      diff.push_back(k + ": checkpoint " + v + ", config " + b.at(k));
+  return diff;
+}
+
+namespace {
+
+// "layers.12.moe.experts.3.w1" -> "layers.*.moe.experts.*.w1".
+std::string name_pattern(const std::string& name) {
+  std::string out;
+  for (size_t i = 0; i < name.size();) {
+    const bool number = std::isdigit(static_cast<unsigned char>(name[i])) && (i == 0 || name[i - 1] == '.');
+    if (!number) {
+      out += name[i++];
+      continue;
+    }
+    while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) ++i;
+    out += '*';
+  }
+  return out;
+}
+
+std::set<std::string> param_names(const ModelConfig& m) {
+  std::set<std::string> out;
+  for (const ParamSpec& p : build_param_table(m).params) out.insert(p.name);
+  return out;
+}
+
+// "\n  only in the <where>: <pattern> (<count> tensors)" for the names of x not in y, by pattern.
+std::string only_in(const std::set<std::string>& x, const std::set<std::string>& y, const char* where) {
+  std::map<std::string, int64_t> groups;
+  for (const std::string& n : x)
+    if (!y.count(n)) ++groups[name_pattern(n)];
+  std::string out;
+  for (const auto& [g, count] : groups)
+    out += "\n  only in the " + std::string(where) + ": " + g + " (" + std::to_string(count) +
+           (count == 1 ? " tensor)" : " tensors)");
+  return out;
+}
+
+}  // namespace
+
+std::string tensor_differences(const ModelConfig& stored, const ModelConfig& current) {
+  const std::set<std::string> a = param_names(stored), b = param_names(current);
+  return only_in(a, b, "checkpoint") + only_in(b, a, "config's model");
+}
+
+}  // namespace ckpt
+
 using namespace ckpt;
 
-CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
-  quiet_hdf5();
-  const std::string dir = resolve_checkpoint_dir(path);
-  CheckpointReport rep;
-  rep.file = dir + "/" + kCheckpointFile;
-  H5Handle file = open_file(rep.file, MPI_COMM_NULL);
-  const hid_t f = file.get();
-  auto attempt = [&](auto&& fn) {
-    try {
-      fn();
-    } catch (const CheckpointError& e) {
-      rep.problems.push_back(e.what());
-    }
-  };
-  attempt([&] { rep.format_version = read_attr_i64(f, "format_version", rep.file); });
-  attempt([&] { check_version(f, rep.file); });
-  attempt([&] { rep.step = read_attr_i64(f, "step", rep.file); });
-  attempt([&] { rep.samples = read_attr_i64(f, "samples", rep.file); });
-  attempt([&] { rep.tokens = read_attr_i64(f, "tokens", rep.file); });
-  attempt([&] { rep.layout = read_attr_str(f, "layout", rep.file); });
-  attempt([&] { rep.code_version = read_attr_str(f, "code_version", rep.file); });
-  attempt([&] { rep.config_yaml = read_attr_str(f, "config", rep.file); });
+namespace {
 
-  // Every dataset in the file.
+// Runs `fn`; a CheckpointError it throws becomes one of the report's problems.
+template <class Fn>
+void attempt(CheckpointReport& rep, Fn&& fn) {
+  try {
+    fn();
+  } catch (const CheckpointError& e) {
+    rep.problems.push_back(e.what());
+  }
+}
+
+// The root attributes of io/checkpoint.h that the report shows.
+void read_root(hid_t f, CheckpointReport& rep) {
+  attempt(rep, [&] { rep.format_version = read_attr_i64(f, "format_version", rep.file); });
+  attempt(rep, [&] { check_version(f, rep.file); });
+  attempt(rep, [&] { rep.step = read_attr_i64(f, "step", rep.file); });
+  attempt(rep, [&] { rep.samples = read_attr_i64(f, "samples", rep.file); });
+  attempt(rep, [&] { rep.tokens = read_attr_i64(f, "tokens", rep.file); });
+  attempt(rep, [&] { rep.layout = read_attr_str(f, "layout", rep.file); });
+  attempt(rep, [&] { rep.code_version = read_attr_str(f, "code_version", rep.file); });
+  attempt(rep, [&] { rep.config_yaml = read_attr_str(f, "config", rep.file); });
+}
+
+// Every dataset in the file ("/params/embed.weight", ...).
+std::vector<std::string> dataset_paths(hid_t f, CheckpointReport& rep) {
   std::vector<std::string> paths;
   auto visit = [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
     if (info->type == H5O_TYPE_DATASET) static_cast<std::vector<std::string>*>(data)->push_back(std::string("/") + name);
@@ -45,66 +130,89 @@ CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
   };
   if (H5Ovisit(f, H5_INDEX_NAME, H5_ITER_INC, visit, &paths) < 0)
     rep.problems.push_back(rep.file + ": cannot list the datasets (HDF5: " + h5_error_text() + ")");
-  for (const std::string& p : paths) {
-    DatasetReport d;
-    d.path = p;
-    attempt([&] {
-      const std::string at = rep.file + ": dataset " + p;
-      H5Handle ds(h5(H5Dopen2(f, p.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
-      H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
-      hsize_t dims[8] = {};
-      const int nd = h5(H5Sget_simple_extent_dims(space.get(), dims, nullptr), at, "no shape");
-      int64_t n = 1;
-      for (int i = 0; i < nd; ++i) d.shape.push_back(int64_t(dims[i])), n *= int64_t(dims[i]);
-      H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
-      Dt dt;
-      if (!dt_of(type.get(), &dt)) throw CheckpointError(at + ": unexpected element type");
-      d.dtype = dt_name(dt);
-      d.bytes = n * int64_t(dt_size(dt));
-      d.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
-      if (!verify) return;
-      // In pieces of about 64 MB of whole rows.
-      const int64_t cols = nd == 2 ? int64_t(dims[1]) : n, rows = nd == 2 ? int64_t(dims[0]) : 1;
-      const int64_t step_rows = std::max<int64_t>(1, (int64_t(1) << 26) / std::max<int64_t>(1, cols * int64_t(dt_size(dt))));
-      std::vector<unsigned char> buf;
-      uint64_t sum = 0;
-      for (int64_t r0 = 0; r0 < rows && cols > 0; r0 += step_rows) {
-        const int64_t nr = std::min(step_rows, rows - r0);
-        buf.resize(size_t(nr * cols) * dt_size(dt));
-        const hsize_t start[2] = {hsize_t(r0), 0}, count[2] = {hsize_t(nr), hsize_t(cols)};
-        H5Handle fsel(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
-        if (nd == 2) h5(H5Sselect_hyperslab(fsel.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "select");
-        H5Handle mem(h5(H5Screate_simple(nd == 2 ? 2 : 1, nd == 2 ? count : count + 1, nullptr), at, "H5Screate_simple"),
-                     H5Sclose);
-        h5(H5Dread(ds.get(), type.get(), mem.get(), nd == 2 ? fsel.get() : H5S_ALL, H5P_DEFAULT, buf.data()), at,
-           "read failed");
-        sum += checksum_part(buf.data(), dt, nr * cols, r0 * cols);
-      }
-      d.checked = true;
-      d.computed_checksum = sum;
-      d.ok = sum == d.stored_checksum;
-      if (!d.ok) rep.problems.push_back(at + checksum_mismatch(d.stored_checksum, sum));
-    });
-    rep.datasets.push_back(std::move(d));
+  return paths;
+}
+
+// The checksum of dataset ds (nd dimensions `dims`, element type dt), recomputed in pieces of
+// about 64 MB of whole rows.
+uint64_t recompute_checksum(hid_t ds, hid_t type, Dt dt, int nd, const hsize_t* dims, const std::string& at) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; ++i) n *= int64_t(dims[i]);
+  const int64_t cols = nd == 2 ? int64_t(dims[1]) : n, rows = nd == 2 ? int64_t(dims[0]) : 1;
+  const int64_t step_rows = std::max<int64_t>(1, (int64_t(1) << 26) / std::max<int64_t>(1, cols * int64_t(dt_size(dt))));
+  std::vector<unsigned char> buf;
+  uint64_t sum = 0;
+  for (int64_t r0 = 0; r0 < rows && cols > 0; r0 += step_rows) {
+    const int64_t nr = std::min(step_rows, rows - r0);
+    buf.resize(size_t(nr * cols) * dt_size(dt));
+    const hsize_t start[2] = {hsize_t(r0), 0}, count[2] = {hsize_t(nr), hsize_t(cols)};
+    H5Handle fsel(h5(H5Dget_space(ds), at, "H5Dget_space"), H5Sclose);
+    if (nd == 2) h5(H5Sselect_hyperslab(fsel.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "select");
+    H5Handle mem(h5(H5Screate_simple(nd == 2 ? 2 : 1, nd == 2 ? count : count + 1, nullptr), at, "H5Screate_simple"),
+                 H5Sclose);
+    h5(H5Dread(ds, type, mem.get(), nd == 2 ? fsel.get() : H5S_ALL, H5P_DEFAULT, buf.data()), at, "read failed");
+    sum += checksum_part(buf.data(), dt, nr * cols, r0 * cols);
   }
-  if (verify && !rep.config_yaml.empty()) {
-    // Everything a load of this checkpoint's own config needs is there, with its shape.
-    attempt([&] {
-      const Config cfg = stored_config(f, rep.file);
-      std::map<std::string, const DatasetReport*> by_path;
-      for (const auto& d : rep.datasets) by_path[d.path] = &d;
-      auto expect = [&](const std::string& p, int64_t rows, int64_t cols) {
-        auto it = by_path.find(p);
-        if (it == by_path.end()) rep.problems.push_back(rep.file + ": dataset " + p + " is missing");
-        else if (it->second->shape != std::vector<int64_t>{rows, cols})
-          rep.problems.push_back(rep.file + ": dataset " + p + " has the wrong shape");
-      };
-      for (const ParamSpec& p : build_param_table(cfg.model).params) {
-        expect(param_dataset(p.name), p.rows, p.cols);
-        if (p.trainable) expect(moment_dataset(0, p.name), p.rows, p.cols), expect(moment_dataset(1, p.name), p.rows, p.cols);
-      }
-    });
-  }
+  return sum;
+}
+
+// One dataset's shape, type, size and stored checksum; with `verify`, the checksum recomputed.
+DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, CheckpointReport& rep) {
+  DatasetReport d;
+  d.path = p;
+  attempt(rep, [&] {
+    const std::string at = rep.file + ": dataset " + p;
+    H5Handle ds(h5(H5Dopen2(f, p.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
+    H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
+    hsize_t dims[8] = {};
+    const int nd = h5(H5Sget_simple_extent_dims(space.get(), dims, nullptr), at, "no shape");
+    int64_t n = 1;
+    for (int i = 0; i < nd; ++i) d.shape.push_back(int64_t(dims[i])), n *= int64_t(dims[i]);
+    H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
+    Dt dt;
+    if (!dt_of(type.get(), &dt)) throw CheckpointError(at + ": unexpected element type");
+    d.dtype = dt_name(dt);
+    d.bytes = n * int64_t(dt_size(dt));
+    d.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
+    if (!verify) return;
+    d.computed_checksum = recompute_checksum(ds.get(), type.get(), dt, nd, dims, at);
+    d.checked = true;
+    d.ok = d.computed_checksum == d.stored_checksum;
+    if (!d.ok) rep.problems.push_back(at + checksum_mismatch(d.stored_checksum, d.computed_checksum));
+  });
+  return d;
+}
+
+// Everything a load of the checkpoint's own config needs is there, with its shape.
+void check_expected_datasets(hid_t f, CheckpointReport& rep) {
+  attempt(rep, [&] {
+    const Config cfg = stored_config(f, rep.file);
+    std::map<std::string, const DatasetReport*> by_path;
+    for (const auto& d : rep.datasets) by_path[d.path] = &d;
+    auto expect = [&](const std::string& p, int64_t rows, int64_t cols) {
+      auto it = by_path.find(p);
+      if (it == by_path.end()) rep.problems.push_back(rep.file + ": dataset " + p + " is missing");
+      else if (it->second->shape != std::vector<int64_t>{rows, cols})
+        rep.problems.push_back(rep.file + ": dataset " + p + " has the wrong shape");
+    };
+    for (const ParamSpec& p : build_param_table(cfg.model).params) {
+      expect(param_dataset(p.name), p.rows, p.cols);
+      if (p.trainable) expect(moment_dataset(0, p.name), p.rows, p.cols), expect(moment_dataset(1, p.name), p.rows, p.cols);
+    }
+  });
+}
+
+}  // namespace
+
+CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
+  quiet_hdf5();
+  const std::string dir = resolve_checkpoint_dir(path);
+  CheckpointReport rep;
+  rep.file = dir + "/" + kCheckpointFile;
+  H5Handle file = open_file(rep.file, MPI_COMM_NULL);
+  read_root(file.get(), rep);
+  for (const std::string& p : dataset_paths(file.get(), rep)) rep.datasets.push_back(inspect_dataset(file.get(), p, verify, rep));
+  if (verify && !rep.config_yaml.empty()) check_expected_datasets(file.get(), rep);
   return rep;
 }
 

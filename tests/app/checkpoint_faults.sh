@@ -11,7 +11,9 @@
 # least MIN_DURING_SAVE kills must have landed inside a save (left its step_*.tmp behind; measured:
 # 9 of 12, twice, on a 2-core VM).
 #
-# usage: checkpoint_faults.sh FP8MOE MPIEXEC [RANDOM_KILLS] [MIN_DURING_SAVE]
+# FP8MOE is the tests' build, fp8moe-faults (the product has no fault points: io/checkpoint_faults.h).
+#
+# usage: checkpoint_faults.sh FP8MOE_FAULTS MPIEXEC [RANDOM_KILLS] [MIN_DURING_SAVE]
 set -uo pipefail
 exe=$1 mpiexec=$2 random_kills=${3:-12} min_during_save=${4:-4}
 source "$(dirname "$0")/common.sh"
@@ -25,7 +27,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
 # Few datasets (2 routed experts): the sweep below kills once per save event.
 small_moe_config "$tmp/cfg.yaml" "$tmp/data/lic" 40 0 "{dir: $tmp/base, keep_last: 1}"
-export FP8MOE_CKPT_KILL=""  # RANK:K kills rank RANK at its K-th save event (io/checkpoint.h)
+export FP8MOE_CKPT_KILL=""  # RANK:K kills rank RANK at its K-th save event (io/checkpoint_faults.h)
 train() { "$mpiexec" -n 2 -x FP8MOE_CKPT_KILL "$exe" train "$tmp/cfg.yaml" "$@"; }
 loss_of() { grep -o "^step *$1/[0-9]* .*\[.*\]" | sed 's/.*\[\(.*\)\]/\1/'; }
 

@@ -10,7 +10,9 @@
 # next run resumes from it and commits.
 # Skipped (77) where a tmpfs cannot be mounted (not root).
 #
-# usage: checkpoint_full.sh FP8MOE MPIEXEC RANKS
+# FP8MOE is the tests' build, fp8moe-faults (FP8MOE_CKPT_FILL: io/checkpoint_faults.h).
+#
+# usage: checkpoint_full.sh FP8MOE_FAULTS MPIEXEC RANKS
 set -uo pipefail
 exe=$1 mpiexec=$2 ranks=$3
 source "$(dirname "$0")/common.sh"

@@ -2,11 +2,12 @@
 # The watchdog (runtime.timeout_s): one rank of a RANKS-rank run is frozen with SIGSTOP mid-training;
 # the others wait in a collective it never joins. Within the limit + 10 s the job must end with
 # exit 4 and a report naming the rank, the step and phase, and the call it is stuck in; then a
-# rerun resumes from the last committed checkpoint.
+# rerun resumes from the last committed checkpoint. Then a rank frozen in the middle of a save,
+# through FP8MOE_CKPT_STOP, which only the tests' build FP8MOE_FAULTS (fp8moe-faults) reads.
 #
-# usage: watchdog.sh FP8MOE MPIEXEC RANKS
+# usage: watchdog.sh FP8MOE MPIEXEC RANKS FP8MOE_FAULTS
 set -uo pipefail
-exe=$1 mpiexec=$2 ranks=$3
+exe=$1 mpiexec=$2 ranks=$3 faults_exe=$4
 source "$(dirname "$0")/common.sh"
 tmp=$(mktemp -d /tmp/fp8moe-watchdog-XXXXXX)
 ompi_session_dir "$tmp"
@@ -58,7 +59,7 @@ echo "watchdog: SIGSTOP of 1 of $ranks ranks after step 25 -> exit 4 after $took
 # save at step 10): the others wait inside HDF5's collectives; still exit 4 within the limit + 10 s.
 rm -rf "$tmp/ckpt"
 t0=$(date +%s%N)
-timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_CKPT_STOP=$((ranks - 1)):3 "$exe" train "$tmp/cfg.yaml" \
+timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_CKPT_STOP=$((ranks - 1)):3 "$faults_exe" train "$tmp/cfg.yaml" \
   >"$tmp/c.txt" 2>"$tmp/c.err"
 status=$?
 ms=$((($(date +%s%N) - t0) / 1000000))

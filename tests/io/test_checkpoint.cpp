@@ -2,7 +2,7 @@
 // tensor is saved by all ranks (each writing its rows), then loaded by one rank alone and by all
 // ranks, and must come back bit for bit; a save by one rank alone gives the same file contents
 // and checksums as the save by all ranks (the checksum does not depend on the layout). With a
-// staging buffer of a few hundred bytes (FP8MOE_CKPT_STAGING_BYTES), every dataset goes through
+// staging buffer of a few hundred bytes (checkpoint.staging_bytes), every dataset goes through
 // it in several chunks, ranks write unequal numbers of rows, and the backend's host allocations
 // stay within the bound.
 #include <gtest/gtest.h>
@@ -165,13 +165,11 @@ void remove_shared(const std::string& d) {
   if (world_rank() == 0) fs::remove_all(fs::path(d).parent_path());
 }
 
-// FP8MOE_CKPT_STAGING_BYTES for a scope (every rank sets its own).
-struct StagingBound {
-  explicit StagingBound(int64_t bytes) { ::setenv("FP8MOE_CKPT_STAGING_BYTES", std::to_string(bytes).c_str(), 1); }
-  ~StagingBound() { ::unsetenv("FP8MOE_CKPT_STAGING_BYTES"); }
-  StagingBound(const StagingBound&) = delete;
-  StagingBound& operator=(const StagingBound&) = delete;
-};
+// The config with a staging buffer of `bytes` (checkpoint.staging_bytes; 0: the default).
+Config with_staging(Config c, int64_t bytes) {
+  if (bytes > 0) c.checkpoint.staging_bytes = bytes;
+  return c;
+}
 
 // The saving and the all-ranks loading trainers on the device of the third parameter (the one-rank
 // loads on cpu): a checkpoint of the emulated device's memory is the CPU's, bit for bit.
@@ -232,10 +230,8 @@ class CheckpointSharded : public testing::TestWithParam<int64_t> {};  // the sta
 
 TEST_P(CheckpointSharded, ShardedMomentsLoadWholeAndShardedAgain) {
   // ZeRO-1: each rank holds the moments of its rows only; the file holds the global tensors.
-  std::unique_ptr<StagingBound> staging;
-  if (GetParam() > 0) staging = std::make_unique<StagingBound>(GetParam());
   const std::string dir = shared_dir("zero");
-  const Config cfg = small_config(dir, false, Fp8Recipe::off);
+  const Config cfg = with_staging(small_config(dir, false, Fp8Recipe::off), GetParam());
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -550,12 +546,11 @@ TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExa
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   const std::string dir = shared_dir("staging");
-  const Config cfg = small_config(dir, bf16, recipe);
+  const Config cfg = with_staging(small_config(dir, bf16, recipe), bound);
   const ParamTable table = build_param_table(cfg.model);
   const int64_t elem_m = bf16 ? 2 : 4;
   std::string committed;
   {
-    const StagingBound staging(bound);
     WatchedDevice dev;
     Trainer saved(cfg, {}, dev);
     saved.fill(1);

@@ -1,0 +1,32 @@
+// The fault points of a checkpoint save, where the tests kill, freeze or starve it
+// (io/checkpoint.h). Internal to io/checkpoint*.cpp.
+//
+// Compiled in two forms (io/CMakeLists.txt): in the product (`fp8moe`, and every other program
+// linking fp8moe_io) a FaultPoint does nothing and nothing reads the variables below; in
+// `fp8moe-faults`, the tests' build of the same program, io/checkpoint_faults.cpp is compiled with
+// FP8MOE_TEST_FAULTS and reads them:
+//   FP8MOE_CKPT_KILL=RANK:K   on rank RANK, the K-th hit() sends SIGKILL to this process.
+//   FP8MOE_CKPT_STOP=RANK:K   the same with SIGSTOP: a rank frozen in the middle of a save.
+//   FP8MOE_CKPT_FILL=RANK:P   on rank RANK, when the save reaches point P (fill_at(P): first-dataset,
+//                             middle, before-close, before-latest), fills the file system of the
+//                             checkpoint directory, as another job writing there would. Only on a
+//                             tmpfs; elsewhere it refuses with a warning.
+#pragma once
+
+#include <string>
+
+namespace fp8moe::ckpt {
+
+class FaultPoint {
+ public:
+  FaultPoint(int rank, std::string dir);
+  void hit();
+  void fill_at(const char* point);
+
+ private:
+  long long k_ = -1, count_ = 0;
+  int signal_ = 0;
+  std::string fill_point_, dir_;
+};
+
+}  // namespace fp8moe::ckpt
