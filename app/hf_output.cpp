@@ -64,14 +64,6 @@ std::string import_destination_refusal(const std::string& dir) {
 
 // ---------------------------------------------------------------- the export's directory
 
-void export_fault_point(const char* point) {
-  for (const auto& [var, sig] : {std::pair{"FP8MOE_EXPORT_KILL", SIGKILL}, std::pair{"FP8MOE_EXPORT_STOP", SIGSTOP}})
-    if (const char* v = std::getenv(var); v && std::strcmp(v, point) == 0) {
-      std::fflush(nullptr);
-      ::raise(sig);
-    }
-}
-
 namespace {
 
 std::string errno_text() { return std::strerror(errno); }
@@ -202,10 +194,10 @@ void ExportTarget::commit(const std::function<bool(const std::string&)>& written
   if (!replacing) {
     if (::rename(staging_.c_str(), target_.c_str()) != 0)
       throw HfFormatError("cannot move " + staging_ + " to " + target_ + ": " + errno_text());
-  } else if (!std::getenv("FP8MOE_EXPORT_NO_EXCHANGE") &&
+  } else if (!export_without_exchange() &&
              ::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, target_.c_str(), RENAME_EXCHANGE) == 0) {
     old = staging_;  // the two directories exchanged at once
-  } else if (std::getenv("FP8MOE_EXPORT_NO_EXCHANGE") || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) {
+  } else if (export_without_exchange() || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) {
     // No atomic exchange on this file system: the old directory aside, then the new one in
     // (a crash between the two leaves .<name>.old-<pid>, which the next export puts back).
     old = parent_ + "/." + name_ + ".old-" + std::to_string(::getpid());

@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "io/checkpoint_faults.h"  // export_fault_point
 #include "io/dir_lock.h"
 
 namespace fp8moe {
@@ -64,12 +65,9 @@ class ExportTarget {
   void clean_leftovers();
 };
 
-// Fault injection for tests: FP8MOE_EXPORT_KILL=POINT sends this process SIGKILL at POINT of an
-// export, FP8MOE_EXPORT_STOP=POINT SIGSTOP: locked (the lock taken, the staging directory made),
-// shard (the first safetensors file written), written (every file written, verified and carried
-// over, before the swap), aside (without the exchange: the old directory moved aside, the new one
-// not yet in), swapped (the new directory in place, the old one not yet removed).
-// FP8MOE_EXPORT_NO_EXCHANGE=1 replaces as where the file system has no RENAME_EXCHANGE.
-void export_fault_point(const char* point);
+// Fault points of an export (io/checkpoint_faults.h: only in the tests' fp8moe-faults): locked (the
+// lock taken, the staging directory made), shard (the first safetensors file written), written
+// (every file written, verified and carried over, before the swap), aside (the old directory set
+// aside, two-rename path), swapped (the new directory in place, the old one not yet removed).
 
 }  // namespace fp8moe

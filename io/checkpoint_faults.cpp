@@ -1,6 +1,7 @@
 // The fault points of a checkpoint save (io/checkpoint_faults.h): without FP8MOE_TEST_FAULTS (the
 // product) they do nothing and read nothing; with it (`fp8moe-faults`, for the tests) they read
-// FP8MOE_CKPT_KILL, FP8MOE_CKPT_STOP and FP8MOE_CKPT_FILL.
+// FP8MOE_CKPT_KILL, FP8MOE_CKPT_STOP and FP8MOE_CKPT_FILL, and an export's FP8MOE_EXPORT_KILL,
+// FP8MOE_EXPORT_STOP and FP8MOE_EXPORT_NO_EXCHANGE.
 #include "io/checkpoint_faults.h"
 
 #include <utility>
@@ -14,6 +15,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 #endif
 
@@ -65,3 +67,26 @@ void FaultPoint::hit() {
 #endif
 
 }  // namespace fp8moe::ckpt
+
+namespace fp8moe {
+
+#ifndef FP8MOE_TEST_FAULTS
+
+void export_fault_point(const char*) {}
+bool export_without_exchange() { return false; }
+
+#else
+
+void export_fault_point(const char* point) {
+  for (const auto& [var, sig] : {std::pair{"FP8MOE_EXPORT_KILL", SIGKILL}, std::pair{"FP8MOE_EXPORT_STOP", SIGSTOP}})
+    if (const char* v = std::getenv(var); v && std::strcmp(v, point) == 0) {
+      std::fflush(nullptr);
+      ::raise(sig);
+    }
+}
+
+bool export_without_exchange() { return std::getenv("FP8MOE_EXPORT_NO_EXCHANGE") != nullptr; }
+
+#endif
+
+}  // namespace fp8moe

@@ -1,5 +1,5 @@
 // The fault points of a checkpoint save, where the tests kill, freeze or starve it
-// (io/checkpoint.h). Internal to io/checkpoint*.cpp.
+// (io/checkpoint.h), and of an export (app/hf_output.h).
 //
 // Compiled in two forms (io/CMakeLists.txt): in the product (`fp8moe`, and every other program
 // linking fp8moe_io) a FaultPoint does nothing and nothing reads the variables below; in
@@ -11,6 +11,10 @@
 //                             middle, before-close, before-latest), fills the file system of the
 //                             checkpoint directory, as another job writing there would. Only on a
 //                             tmpfs; elsewhere it refuses with a warning.
+//   FP8MOE_EXPORT_KILL=POINT  an export sends itself SIGKILL at POINT (export_fault_point);
+//   FP8MOE_EXPORT_STOP=POINT  SIGSTOP;
+//   FP8MOE_EXPORT_NO_EXCHANGE=1  an export replaces its directory as where the file system has no
+//                             RENAME_EXCHANGE (two renames).
 #pragma once
 
 #include <string>
@@ -30,3 +34,12 @@ class FaultPoint {
 };
 
 }  // namespace fp8moe::ckpt
+
+namespace fp8moe {
+
+// An export's fault point POINT (app/hf_output.h names them): nothing in the product.
+void export_fault_point(const char* point);
+// Whether an export must do without RENAME_EXCHANGE: false in the product.
+bool export_without_exchange();
+
+}  // namespace fp8moe
