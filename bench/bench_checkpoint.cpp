@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   cfg.checkpoint.keep_last = 1;
   cfg.checkpoint.resume = cfg.checkpoint.dir;
   if (argc > 3) cfg.checkpoint.staging_bytes = std::atoll(argv[3]);
-  if (cfg.checkpoint.staging_bytes < 8) {  // as the config's validation (io/config.cpp)
+  if (cfg.checkpoint.staging_bytes < 8) {  // as the config's validation (io/config_schema.cpp)
     if (root) std::fprintf(stderr, "bench_checkpoint: STAGING_BYTES must be at least 8\n");
     return 2;
   }

@@ -40,7 +40,7 @@ DirLock::DirLock(const std::string& path, const std::string& holder) {
       std::string who;
       try {
         who = read_whole_file<DirLockError>(path, "lock file", 4096);
-      } catch (const DirLockError&) {
+      } catch (const DirLockError&) {  // unreadable: the refusal says "another process"
       }
       while (!who.empty() && (who.back() == '\n' || who.back() == '\0')) who.pop_back();
       throw DirLockBusy(path, who);

@@ -1,7 +1,7 @@
 // The HDF5 layer of the checkpoints (io/checkpoint.h has the file layout): handles and errors, the
 // element types (bfloat16 as an HDF5 float), the dataset checksums, attributes, parallel files
 // (MPI-IO, collective transfers) and the datasets that each rank writes and reads in blocks of
-// rows (io/checkpoint.cpp stages them through a bounded host buffer).
+// rows (io/checkpoint_staging.cpp stages them through a bounded host buffer).
 // Internal to io/checkpoint*.cpp. Every failure throws CheckpointError naming the file.
 #pragma once
 
