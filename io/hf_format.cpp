@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "io/read_file.h"
 #include "kernels/check.h"
 #include "kernels/fp8.h"
 
@@ -108,12 +109,10 @@ std::string block_name(const std::string& rest) {
   throw HfFormatError("no DeepSeek-V3 name for parameter part " + rest);
 }
 
+// A JSON file of the directory (config.json, the index): regular, at most 64 MiB (a 671B model's
+// index is about 9 MB), never waited on (io/read_file.h).
 std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw HfFormatError(p.string() + ": cannot open");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  return read_whole_file<HfFormatError>(p.string(), "JSON file", uintmax_t(64) << 20);
 }
 
 float f16_decode(uint16_t h) {

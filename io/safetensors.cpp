@@ -1,6 +1,7 @@
 #include "io/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -131,9 +132,13 @@ void SafetensorsWriter::close() {
 // ---------------------------------------------------------------- reader
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO under a .safetensors name is refused below, not waited on.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd_ < 0) throw HfFormatError(path + ": cannot open: " + errno_text());
   try {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) throw HfFormatError(path + ": cannot open: " + errno_text());
+    if (!S_ISREG(st.st_mode)) throw HfFormatError(path + ": not a regular file (a FIFO, a device or a directory)");
     parse_header();
   } catch (...) {
     ::close(fd_);

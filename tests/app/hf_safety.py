@@ -27,7 +27,8 @@ each a few seconds on one process (a 2-block MLA model trained 2 or 3 steps):
                          inf, 5GB, 1.5 are fp8moe's one-line error with exit 2
   bad_output_path        export and import into a regular file, under a regular file and (root) under
                          a read-only mount: exit 2 naming the path
-  header_limit           a safetensors header over the 100 MB limit is refused naming the limit
+  header_limit           a safetensors header over the 100 MB limit is refused naming the limit; a
+                         config.json or a .safetensors that is a FIFO is refused at once, not waited on
 
 Hostile safetensors files are made here from the format's description (8-byte little-endian header
 length, JSON header, data), patching the bytes of a tensor that the header locates. Checkpoints are
@@ -509,6 +510,23 @@ def case_header_limit(env, tmp):
         f.truncate(325657832)
     line = error_line(env.import_(big, os.path.join(big, "ck"), expect=None), "314583712", "limit", "100000000")
     print(f"a 300 MB header: exit 2 ({line[15:]})")
+    # Special files where the directory's files belong: refused before a read (run() times out at 120 s).
+    shard = sorted(f for f in os.listdir(hf) if f.endswith(".safetensors"))[0]
+    for name in ("config.json", shard):
+        odd = os.path.join(tmp, "fifo-" + name)
+        os.makedirs(odd)
+        shutil.copy(os.path.join(hf, "config.json"), odd)
+        for f in os.listdir(hf):
+            if f.endswith(".safetensors") or f.endswith(".index.json"):
+                shutil.copy(os.path.join(hf, f), odd)
+        target = os.path.join(odd, name)
+        if os.path.exists(target):
+            os.remove(target)
+        os.mkfifo(target)
+        t0 = time.time()
+        line = error_line(env.import_(odd, os.path.join(tmp, "ck-" + name), expect=None), name, "not a regular file")
+        check(time.time() - t0 < 20, f"{name} as a FIFO: {time.time() - t0:.0f} s to be refused")
+        print(f"{name} a FIFO: exit 2 at once ({line[15:]})")
 
 
 CASES = {name[5:]: f for name, f in globals().items() if name.startswith("case_")}
