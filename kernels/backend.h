@@ -129,8 +129,10 @@ class Backend {
   // counts (2 entries, may be null): saturated and underflowed elements, accumulated.
   virtual void amax(const float* x, int64_t n, float* out) = 0;
   virtual void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale) = 0;
-  // out (per-tensor) = fp8(x * *scale), out.scale_inv[0] = 1 / *scale.
-  virtual void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) = 0;
+  // out (per-tensor) = fp8(x * *scale), out.scale_inv[0] = 1 / *scale; with amax (1, may be null)
+  // also amax's *amax = max |x| from the same read of x (the delayed recipe's next history entry).
+  virtual void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts,
+                               float* amax = nullptr) = 0;
   virtual void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts) = 0;
   // Both tilings of one (rows, cols) tensor that the blockwise recipe uses: rows_out 1 x T (the
   // forward or dgrad operand) and cols_out T x 1 (wgrad's), each exactly quantize_tiled's, with

@@ -213,9 +213,10 @@ void add_counts(uint64_t* counts, int64_t sat, int64_t under) {
 }
 }  // namespace
 
-void HostBackend::quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) {
+void HostBackend::quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts,
+                                  float* amax) {
   int64_t sat = 0, under = 0;
-  cpu::quantize_scaled(h(x), *h(scale), h(out), &sat, &under);
+  cpu::quantize_scaled(h(x), *h(scale), h(out), &sat, &under, amax ? h(amax) : nullptr);
   add_counts(h(counts), sat, under);
 }
 

@@ -52,7 +52,8 @@ class HostBackend final : public Backend {
                               const std::vector<float*>& dW, int64_t ld) override;
   void amax(const float* x, int64_t n, float* out) override;
   void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override;
-  void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) override;
+  void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts,
+                       float* amax = nullptr) override;
   void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts) override;
   void delayed_update(float* history, int64_t len, int64_t steps, const float* amax, DelayedScalingCompute compute,
                       Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override;

@@ -126,7 +126,9 @@ struct ScaleOptions {
 // and scales), counts added to *saturated and *underflowed. The CPU backend's ops are these.
 namespace cpu {
 // q = fp8(x * scale) for the rows x cols elements; out.scale_inv[0] = 1 / scale. out per-tensor.
-void quantize_scaled(const float* x, float scale, QuantView out, int64_t* saturated, int64_t* underflowed);
+// amax (may be null): *amax = max |x| (amax()'s), from the same pass over x.
+void quantize_scaled(const float* x, float scale, QuantView out, int64_t* saturated, int64_t* underflowed,
+                     float* amax = nullptr);
 // One scale per tile of out.tiling (not per_tensor), from the tile's own amax.
 void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int64_t* saturated, int64_t* underflowed);
 void dequantize(const QuantView& q, float* out);

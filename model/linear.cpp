@@ -33,9 +33,8 @@ void quantize_per_tensor(Backend& be, const float* x, int64_t rows, int64_t cols
       return;
     }
     be.copy(scale + 1, scale, sizeof(float));
-    be.quantize_scaled(x, scale, out->view(), counts);
     Tensor a(be, DType::f32, {1});
-    be.amax(x, n, a.f32());
+    be.quantize_scaled(x, scale, out->view(), counts, a.f32());  // the bytes and this step's amax, one read
     if (f.reduce) f.reduce(a.f32(), 1);
     be.delayed_update(st->history.f32(), st->history.numel(), st->steps, a.f32(), compute_of(c), dt, scale_options(c),
                       scale);

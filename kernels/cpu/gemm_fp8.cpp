@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/check.h"
+#include "kernels/cpu/fp8_simd.h"
 
 namespace fp8moe {
 
@@ -74,26 +75,30 @@ void dequant_fp32(const QuantView& q, std::vector<float>& out) {
 }
 
 // Dequantize to BF16 bits: BF16 of an FP8 value is its FP32 bits >> 16 (<= 3 mantissa bits), and
-// times 2^k only its exponent field changes (values stay normal by the range check).
+// times 2^k only its exponent field changes (values stay normal by the range check). Vectorized
+// (kernels/cpu/fp8_simd.h), one run of a shared scale at a time.
 void dequant_bf16(const QuantView& q, std::vector<uint16_t>& out) {
   out.resize(size_t(q.rows * q.cols));
-  uint16_t table[256];
-  const float* f = fp8_decode_table(q.dtype);
-  for (int b = 0; b < 256; ++b) table[b] = uint16_t(float_bits(f[b]) >> 16);
   const int64_t cols = q.cols;
+  uint16_t* dst_all = out.data();
+  if (q.tiling == Tiling::cols_Tx1) {
+    // A scale per column per band of T rows: the exponent steps of a band, then its rows.
+    const int64_t bands = q.scale_rows();
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < bands; ++b) {
+      std::vector<int16_t> add(static_cast<size_t>(cols));
+      for (int64_t c = 0; c < cols; ++c) add[c] = int16_t(pow2_exponent(q.scale_inv[b * cols + c]) * 128);
+      for (int64_t r = b * q.tile; r < std::min(q.rows, (b + 1) * q.tile); ++r)
+        cpu::fp8_to_bf16_span(q.dtype, q.data + r * cols, dst_all + r * cols, cols, add.data());
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < q.rows; ++r) {
     const uint8_t* src = q.data + r * cols;
-    uint16_t* dst = &out[size_t(r * cols)];
+    uint16_t* dst = dst_all + r * cols;
     q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
-      const uint16_t add = uint16_t(pow2_exponent(s) * 128);
-      for (int64_t c = c0; c < c1; ++c) {
-        const uint16_t t = table[src[c]];
-        const uint16_t e = t & 0x7F80u;
-        // Zeros and NaN keep their bits; everything else moves by k binades (branch-free select).
-        const uint16_t keep = uint16_t(-uint16_t(e == 0 || e == 0x7F80u));
-        dst[c] = uint16_t(t + (add & ~keep));
-      }
+      cpu::fp8_to_bf16_span(q.dtype, src + c0, dst + c0, c1 - c0, pow2_exponent(s));
     });
   }
 }

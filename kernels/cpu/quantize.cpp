@@ -1,10 +1,12 @@
-// CPU quantization: OpenMP loops over the FP8MOE_HD element functions of kernels/fp8.h.
+// CPU quantization: OpenMP loops over the vectorized spans of kernels/cpu/fp8_simd.h, which give
+// the bytes of the FP8MOE_HD element functions of kernels/fp8.h.
 #include "kernels/quantize.h"
 
 #include <algorithm>
 #include <cmath>
 
 #include "kernels/check.h"
+#include "kernels/cpu/fp8_simd.h"
 
 namespace fp8moe {
 
@@ -17,21 +19,10 @@ const char* to_string(Tiling t) {
   }
 }
 
-namespace {
-// max of |x| as FP32 bit patterns, serially. NOTE: for non-negative floats integer order is value
-// order, and NaN patterns sort above infinity, so a NaN anywhere gives NaN (as on the GPU).
-uint32_t abs_bits_max(const float* x, int64_t n) {
-  uint32_t m = 0;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, float_bits(x[i]) & 0x7FFFFFFFu);
-  return m;
-}
-}  // namespace
-
 float amax(const float* x, int64_t n) {
   uint32_t m = 0;
 #pragma omp parallel for reduction(max : m) schedule(static)
-  for (int64_t c0 = 0; c0 < n; c0 += (1 << 14)) m = std::max(m, abs_bits_max(x + c0, std::min<int64_t>(1 << 14, n - c0)));
+  for (int64_t c0 = 0; c0 < n; c0 += (1 << 14)) m = std::max(m, cpu::abs_bits_max(x + c0, std::min<int64_t>(1 << 14, n - c0)));
   return bits_float(m);
 }
 
@@ -51,67 +42,35 @@ void prepare(QuantTensor* out, int64_t rows, int64_t cols, Fp8Dtype dtype, Tilin
   out->underflowed = 0;
 }
 
-// q[i] = fp8(x[i] * scale[i * kScaleStride]) for i in [0, n): kScaleStride 0 is one scale for the
-// span, 1 a scale per element. Counts saturated (clamped) and underflowed (non-zero -> 0) elements.
-template <Fp8Dtype F, int kScaleStride>
-[[gnu::always_inline]] inline void encode_span(const float* x, uint8_t* q, int64_t n, const float* scale,
-                                               int64_t* saturated, int64_t* underflowed) {
-  int64_t sat = 0, under = 0;
-#pragma omp simd reduction(+ : sat, under)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] * scale[i * kScaleStride];
-    const uint8_t b = fp8_encode<F, true>(v);
-    q[i] = b;
-    // Saturated: beyond the value that still rounds to max finite (E4M3: > 464, the tie at 464
-    // rounds down to even 448; E5M2: >= 61440, whose tie rounds up to infinity).
-    sat += F == Fp8Dtype::e4m3 ? std::abs(v) > 464.0f : std::abs(v) >= 61440.0f;
-    under += (v != 0.0f) & ((b & 0x7F) == 0);
-  }
-  *saturated += sat;
-  *underflowed += under;
-}
-
-// NOTE: the build targets baseline x86-64 (SSE2), where the encoder's per-lane shifts do not
-// vectorize; these entry points are also compiled for AVX2 and AVX-512 and picked at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FP8MOE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FP8MOE_SIMD_CLONES
-#endif
-
-#define FP8MOE_ENCODE_ENTRY(NAME, F, STRIDE)                                                              \
-  FP8MOE_SIMD_CLONES void NAME(const float* x, uint8_t* q, int64_t n, const float* s, int64_t* sat, int64_t* under) { \
-    encode_span<F, STRIDE>(x, q, n, s, sat, under);                                                       \
-  }
-FP8MOE_ENCODE_ENTRY(encode_e4m3_one_scale, Fp8Dtype::e4m3, 0)
-FP8MOE_ENCODE_ENTRY(encode_e4m3_per_element, Fp8Dtype::e4m3, 1)
-FP8MOE_ENCODE_ENTRY(encode_e5m2_one_scale, Fp8Dtype::e5m2, 0)
-FP8MOE_ENCODE_ENTRY(encode_e5m2_per_element, Fp8Dtype::e5m2, 1)
-#undef FP8MOE_ENCODE_ENTRY
-
-template <int kScaleStride>
-void encode(Fp8Dtype f, const float* x, uint8_t* q, int64_t n, const float* scale, int64_t* sat, int64_t* under) {
-  if (f == Fp8Dtype::e4m3)
-    (kScaleStride ? encode_e4m3_per_element : encode_e4m3_one_scale)(x, q, n, scale, sat, under);
-  else
-    (kScaleStride ? encode_e5m2_per_element : encode_e5m2_one_scale)(x, q, n, scale, sat, under);
+// q[i] = fp8(x[i] * scale[per_element ? i : 0]) for i in [0, n), saturating (kernels/cpu/fp8_simd.h);
+// saturated (clamped) and underflowed (non-zero -> 0) elements counted into *st.
+void encode(Fp8Dtype f, const float* x, uint8_t* q, int64_t n, const float* scale, bool per_element, cpu::EncodeStats* st) {
+  cpu::encode_span(f, x, q, n, scale, per_element, false, st);
 }
 
 }  // namespace
 
 namespace cpu {
 
-void quantize_scaled(const float* x, float scale, QuantView out, int64_t* saturated, int64_t* underflowed) {
+void quantize_scaled(const float* x, float scale, QuantView out, int64_t* saturated, int64_t* underflowed,
+                     float* amax) {
   FP8MOE_ASSERT(out.tiling == Tiling::per_tensor, "quantize_scaled into a ", to_string(out.tiling), " tensor");
   out.scale_inv[0] = div_rn(1.0f, scale);
   const int64_t n = out.rows * out.cols;
   constexpr int64_t kChunk = 1 << 14;
   int64_t sat = 0, under = 0;
-#pragma omp parallel for reduction(+ : sat, under) schedule(static)
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk)
-    encode<0>(out.dtype, x + c0, out.data + c0, std::min(kChunk, n - c0), &scale, &sat, &under);
+  uint32_t m = 0;
+#pragma omp parallel for reduction(+ : sat, under) reduction(max : m) schedule(static)
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    EncodeStats st;
+    encode_span(out.dtype, x + c0, out.data + c0, std::min(kChunk, n - c0), &scale, false, amax != nullptr, &st);
+    sat += st.saturated;
+    under += st.underflowed;
+    m = std::max(m, st.amax_bits);
+  }
   *saturated += sat;
   *underflowed += under;
+  if (amax) *amax = bits_float(m);
 }
 
 void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int64_t* saturated, int64_t* underflowed) {
@@ -134,16 +93,19 @@ void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int6
     for (int64_t i = 0; i < sr; ++i) {
       const int64_t r0 = i * tile, r1 = std::min(rows, r0 + tile);
       std::vector<uint32_t> m(static_cast<size_t>(cols), 0u);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < cols; ++c) m[c] = std::max(m[c], float_bits(x[r * cols + c]) & 0x7FFFFFFFu);
+      for (int64_t r = r0; r < r1; ++r) abs_bits_max_into(m.data(), &x[r * cols], cols);
       std::vector<float> scale(static_cast<size_t>(cols));
       for (int64_t c = 0; c < cols; ++c) {
         scale[c] = compute_scale(bits_float(m[c]), fmax, opt.margin, opt.power_of_two);
         scale_inv[i * cols + c] = div_rn(1.0f, scale[c]);
       }
-      for (int64_t r = r0; r < r1; ++r) encode<1>(dtype, &x[r * cols], &q[r * cols], cols, scale.data(), &sat, &under);
+      EncodeStats st;
+      for (int64_t r = r0; r < r1; ++r) encode(dtype, &x[r * cols], &q[r * cols], cols, scale.data(), true, &st);
+      sat += st.saturated;
+      under += st.underflowed;
     }
   } else {
+    // Row and block tiles: each tile's amax, then its bytes, while the tile is in cache.
 #pragma omp parallel for collapse(2) reduction(+ : sat, under) schedule(static)
     for (int64_t i = 0; i < sr; ++i)
       for (int64_t j = 0; j < sc; ++j) {
@@ -151,11 +113,12 @@ void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int6
         const int64_t c0 = j * tile_w, c1 = std::min(cols, c0 + tile_w);
         uint32_t m = 0;
         for (int64_t r = r0; r < r1; ++r) m = std::max(m, abs_bits_max(&x[r * cols + c0], c1 - c0));
-        const float a = bits_float(m);
-        const float scale = compute_scale(a, fmax, opt.margin, opt.power_of_two);
+        const float scale = compute_scale(bits_float(m), fmax, opt.margin, opt.power_of_two);
         scale_inv[i * sc + j] = div_rn(1.0f, scale);
-        for (int64_t r = r0; r < r1; ++r)
-          encode<0>(dtype, &x[r * cols + c0], &q[r * cols + c0], c1 - c0, &scale, &sat, &under);
+        EncodeStats st;
+        for (int64_t r = r0; r < r1; ++r) encode(dtype, &x[r * cols + c0], &q[r * cols + c0], c1 - c0, &scale, false, &st);
+        sat += st.saturated;
+        under += st.underflowed;
       }
   }
   *saturated += sat;
@@ -229,8 +192,9 @@ float quantize_delayed(const float* x, int64_t rows, int64_t cols, Fp8Dtype dtyp
                        QuantTensor* out) {
   FP8MOE_ASSERT(!state.history.empty(), "delayed scaling state not initialised");
   state.last_used = state.scale;
-  quantize_with_scale(x, rows, cols, dtype, state.scale, out);
-  float a = amax(x, rows * cols);
+  prepare(out, rows, cols, dtype, Tiling::per_tensor, 1);
+  float a = 0.0f;
+  cpu::quantize_scaled(x, state.scale, out->view(), &out->saturated, &out->underflowed, &a);
   if (reduce) reduce(&a, 1);
   cpu::delayed_update(state.history.data(), int64_t(state.history.size()), state.steps, a, compute, dtype, opt,
                       &state.scale);

@@ -206,8 +206,9 @@ class CudaBackendImpl final : public CudaBackend {
   void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override {
     cuda::scale_from_amax(amax, dtype, opt, scale, compute_);
   }
-  void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) override {
-    cuda::quantize_scaled(x, scale, out, counts, compute_);
+  void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts,
+                       float* amax = nullptr) override {
+    cuda::quantize_scaled(x, scale, out, counts, amax, compute_);
   }
   void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts) override {
     cuda::quantize_tiled(x, opt, out, counts, compute_);

@@ -51,13 +51,24 @@ __device__ void add_counts(unsigned long long* counts, unsigned long long sat, u
   }
 }
 
+// amax: null, or zeroed before the launch; gets max |x| (amax_kernel's, from the same loads).
 __global__ void quantize_scaled_kernel(const float* __restrict__ x, int64_t n, Fp8Dtype f, const float* scale,
-                                       uint8_t* __restrict__ q, float* scale_inv, unsigned long long* counts) {
+                                       uint8_t* __restrict__ q, float* scale_inv, unsigned long long* counts,
+                                       uint32_t* amax) {
   const float s = *scale;
   unsigned long long sat = 0, under = 0;
-  FP8MOE_GRID_STRIDE(i, n) encode_dispatch(f, mul_rn(x[i], s), &q[i], &sat, &under);
+  uint32_t m = 0;
+  FP8MOE_GRID_STRIDE(i, n) {
+    const float v = x[i];
+    m = max(m, float_bits(v) & 0x7FFFFFFFu);
+    encode_dispatch(f, mul_rn(v, s), &q[i], &sat, &under);
+  }
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = div_rn(1.0f, s);
   add_counts(counts, sat, under);
+  if (amax) {  // uniform over the block: every thread takes part in the reduction
+    m = block_max_bits(m);
+    if (threadIdx.x == 0) atomicMax(amax, m);
+  }
 }
 
 // One block per tile: (tile_h x tile_w) elements starting at (r0, c0); scale_inv[tile index] in
@@ -177,12 +188,14 @@ void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt,
   check_launch();
 }
 
-void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts, cudaStream_t stream) {
+void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts, float* amax,
+                     cudaStream_t stream) {
   FP8MOE_ASSERT(out.tiling == Tiling::per_tensor, "quantize_scaled into a ", to_string(out.tiling), " tensor");
   // NOTE: launched also for an empty tensor (one block), which then only writes scale_inv[0].
   const int64_t n = out.rows * out.cols;
+  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));  // +0: the CPU's amax of nothing
   quantize_scaled_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(x, n, out.dtype, scale, out.data, out.scale_inv,
-                                                                    as_ull(counts));
+                                                                    as_ull(counts), reinterpret_cast<uint32_t*>(amax));
   check_launch();
 }
 

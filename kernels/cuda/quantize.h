@@ -17,8 +17,9 @@ void amax(const float* x, int64_t n, float* out, cudaStream_t stream);
 // amax: (1) -> scale: (1) = compute_scale(*amax, fp8_max(dtype), opt.margin, opt.power_of_two).
 void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale, cudaStream_t stream);
 // x: (out.rows, out.cols), scale: (1) -> out.data = fp8(x * *scale), out.scale_inv[0] = 1 / *scale (written
-// also when out is empty). out per-tensor.
-void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts, cudaStream_t stream);
+// also when out is empty). out per-tensor. amax (1, may be null): max |x| as amax() gives it, from the same read.
+void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts, float* amax,
+                     cudaStream_t stream);
 // x: (out.rows, out.cols) -> out.data and one scale per tile of out.tiling (not per_tensor) from
 // the tile's own amax.
 void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts,

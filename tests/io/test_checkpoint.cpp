@@ -411,8 +411,9 @@ class WatchedDevice final : public Backend {
   void scale_from_amax(const float* amax, Fp8Dtype dtype, const ScaleOptions& opt, float* scale) override {
     d_->scale_from_amax(amax, dtype, opt, scale);
   }
-  void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts) override {
-    d_->quantize_scaled(x, scale, out, counts);
+  void quantize_scaled(const float* x, const float* scale, const QuantView& out, uint64_t* counts,
+                       float* amax = nullptr) override {
+    d_->quantize_scaled(x, scale, out, counts, amax);
   }
   void quantize_tiled(const float* x, const ScaleOptions& opt, const QuantView& out, uint64_t* counts) override {
     d_->quantize_tiled(x, opt, out, counts);

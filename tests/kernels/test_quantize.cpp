@@ -343,10 +343,11 @@ TEST_P(DeviceOps, AmaxAndPerTensorQuantizeMatchCpuBitwise) {
         std::vector<float> amax, scale, scale_inv, deq, fixed_scale_inv;
         std::vector<uint8_t> q, fixed_q;
         std::vector<uint64_t> counts, fixed_counts;
+        std::vector<float> fused_amax;
       };
       auto [c, g] = both([&](Backend& be) {
         Tensor gx = up(be, x), amax = poisoned(be, DType::f32, 1), scale = poisoned(be, DType::f32, 1),
-               fs = up(be, std::vector<float>{fixed});
+               fs = up(be, std::vector<float>{fixed}), fused_amax = poisoned(be, DType::f32, 1);
         Tensor counts = Tensor::zeros(be, DType::u64, {2}), fixed_counts = Tensor::zeros(be, DType::u64, {2});
         Tensor deq = poisoned(be, DType::f32, rows * cols);
         QTensor q = poisoned(be, rows, cols, f, Tiling::per_tensor, 1), fq = poisoned(be, rows, cols, f, Tiling::per_tensor, 1);
@@ -354,12 +355,13 @@ TEST_P(DeviceOps, AmaxAndPerTensorQuantizeMatchCpuBitwise) {
         be.scale_from_amax(amax.f32(), f, opt, scale.f32());
         be.quantize_scaled(gx.f32(), scale.f32(), q.view(), counts.data<uint64_t>());
         be.dequantize(q.view(), deq.f32());
-        // Twice: the counters accumulate.
-        for (int i = 0; i < 2; ++i) be.quantize_scaled(gx.f32(), fs.f32(), fq.view(), fixed_counts.data<uint64_t>());
+        // Twice: the counters accumulate. The second also gives x's amax from the same pass.
+        for (int i = 0; i < 2; ++i)
+          be.quantize_scaled(gx.f32(), fs.f32(), fq.view(), fixed_counts.data<uint64_t>(), i ? fused_amax.f32() : nullptr);
         expect_unchanged(gx, x, "x");
         return Out{down<float>(amax), down<float>(scale), down<float>(q.scale_inv), down<float>(deq),
                    down<float>(fq.scale_inv), down<uint8_t>(q.data), down<uint8_t>(fq.data), down<uint64_t>(counts),
-                   down<uint64_t>(fixed_counts)};
+                   down<uint64_t>(fixed_counts), down<float>(fused_amax)};
       });
       // The CPU backend against the host library (quantize_current, quantize_with_scale).
       QuantTensor ref, ref_fixed;
@@ -376,6 +378,7 @@ TEST_P(DeviceOps, AmaxAndPerTensorQuantizeMatchCpuBitwise) {
       expect_bitwise(c.fixed_scale_inv, ref_fixed.scale_inv, "cpu backend scale_inv vs quantize_with_scale");
       EXPECT_EQ(c.fixed_counts[0], uint64_t(2 * ref_fixed.saturated));
       EXPECT_EQ(c.fixed_counts[1], uint64_t(2 * ref_fixed.underflowed));
+      EXPECT_EQ(float_bits(c.fused_amax[0]), float_bits(ref_amax)) << "quantize_scaled's amax vs quantize_current's";
       if (rows * cols > 1000) {
         EXPECT_GT(ref_fixed.saturated, 0) << "the fixed scale saturates some values";
       }
@@ -391,6 +394,7 @@ TEST_P(DeviceOps, AmaxAndPerTensorQuantizeMatchCpuBitwise) {
       expect_bitwise(g.counts, c.counts, "counts");
       expect_bitwise(g.fixed_counts, c.fixed_counts, "counts (fixed scale)");
       expect_bitwise(g.deq, c.deq, "dequantize");
+      expect_bitwise(g.fused_amax, c.fused_amax, "amax from quantize_scaled");
     }
 }
 
