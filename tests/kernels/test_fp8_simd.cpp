@@ -17,6 +17,14 @@ namespace {
 
 using cpu::SimdLevel;
 
+}  // namespace
+}  // namespace fp8moe::test
+namespace fp8moe::cpu {
+void PrintTo(SimdLevel l, std::ostream* os) { *os << to_string(l); }
+}  // namespace fp8moe::cpu
+namespace fp8moe::test {
+namespace {
+
 class Fp8Simd : public testing::TestWithParam<SimdLevel> {
  protected:
   void SetUp() override {
