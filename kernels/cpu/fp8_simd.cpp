@@ -120,7 +120,9 @@ void to_bf16_scalar(const uint8_t* src, uint16_t* out, int64_t n, const int16_t*
 
 // ---- AVX-512: 16 lanes ----------------------------------------------------------------------
 
-// fp8_encode<F, kSat> of 16 floats, as 32-bit codes: kernels/fp8.h's steps, lane-wise.
+// fp8_encode<F, kSat> of 16 floats, as 32-bit codes: kernels/fp8.h's steps, lane-wise. The
+// FP8-subnormal result is computed only for vectors that have a lane in that range (rare after
+// scaling: below 2^-15 of the tile's amax for E4M3); zeros take the subnormal path's 0 either way.
 template <Fp8Dtype F, bool kSat>
 FP8MOE_AVX512 inline __m512i encode16(__m512 v) {
   using T = Fp8Traits<F>;
@@ -137,23 +139,29 @@ FP8MOE_AVX512 inline __m512i encode16(__m512 v) {
                                      _mm512_and_si512(_mm512_srli_epi32(a, kDrop), one));
   const __m512i shifted = _mm512_srli_epi32(r, kDrop);
   const __m512i normal = _mm512_sub_epi32(shifted, _mm512_set1_epi32(kExpShift << T::kMantBits));
-  // Subnormal in FP8.
-  const __m512i exp = _mm512_srli_epi32(a, 23);
-  const __mmask16 has_exp = _mm512_test_epi32_mask(exp, exp);
-  const __m512i mant = _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0x7FFFFF)),
-                                       _mm512_maskz_mov_epi32(has_exp, _mm512_set1_epi32(0x800000)));
-  const __m512i e = _mm512_max_epu32(exp, one);
-  __m512i shift = _mm512_sub_epi32(_mm512_set1_epi32(kSubShift), e);  // < 0 or > 31: 31
-  const __mmask16 negative = _mm512_cmplt_epi32_mask(shift, _mm512_setzero_si512());
-  shift = _mm512_mask_mov_epi32(_mm512_min_epi32(shift, _mm512_set1_epi32(31)), negative, _mm512_set1_epi32(31));
-  shift = _mm512_max_epi32(shift, one);
-  const __m512i q = _mm512_srlv_epi32(mant, shift);
-  const __m512i rem = _mm512_and_si512(mant, _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one));
-  const __m512i half = _mm512_sllv_epi32(one, _mm512_sub_epi32(shift, one));
-  const __mmask16 up = _mm512_cmpgt_epi32_mask(rem, half) |
-                       (_mm512_cmpeq_epi32_mask(rem, half) & _mm512_test_epi32_mask(q, one));
-  const __m512i sub = _mm512_mask_add_epi32(q, up, q, one);
-  __m512i code = _mm512_mask_mov_epi32(sub, _mm512_cmpge_epi32_mask(a, _mm512_set1_epi32(kMinNormalBits)), normal);
+  const __mmask16 is_normal = _mm512_cmpge_epi32_mask(a, _mm512_set1_epi32(kMinNormalBits));
+  __m512i code;
+  if ((~is_normal & _mm512_test_epi32_mask(a, a)) == 0) {
+    code = _mm512_maskz_mov_epi32(is_normal, normal);  // every lane normal or zero
+  } else {
+    // Subnormal in FP8.
+    const __m512i exp = _mm512_srli_epi32(a, 23);
+    const __mmask16 has_exp = _mm512_test_epi32_mask(exp, exp);
+    const __m512i mant = _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0x7FFFFF)),
+                                         _mm512_maskz_mov_epi32(has_exp, _mm512_set1_epi32(0x800000)));
+    const __m512i e = _mm512_max_epu32(exp, one);
+    __m512i shift = _mm512_sub_epi32(_mm512_set1_epi32(kSubShift), e);  // < 0 or > 31: 31
+    const __mmask16 negative = _mm512_cmplt_epi32_mask(shift, _mm512_setzero_si512());
+    shift = _mm512_mask_mov_epi32(_mm512_min_epi32(shift, _mm512_set1_epi32(31)), negative, _mm512_set1_epi32(31));
+    shift = _mm512_max_epi32(shift, one);
+    const __m512i q = _mm512_srlv_epi32(mant, shift);
+    const __m512i rem = _mm512_and_si512(mant, _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one));
+    const __m512i half = _mm512_sllv_epi32(one, _mm512_sub_epi32(shift, one));
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(rem, half) |
+                         (_mm512_cmpeq_epi32_mask(rem, half) & _mm512_test_epi32_mask(q, one));
+    const __m512i sub = _mm512_mask_add_epi32(q, up, q, one);
+    code = _mm512_mask_mov_epi32(sub, is_normal, normal);
+  }
   const __mmask16 overflow =
       _mm512_cmpge_epi32_mask(a, _mm512_set1_epi32(0x7F800000)) |
       _mm512_cmpge_epi32_mask(shifted, _mm512_set1_epi32((kExpShift << T::kMantBits) + int(T::kMaxCode) + 1));
@@ -254,24 +262,30 @@ FP8MOE_AVX2 inline __m256i encode8(__m256 v) {
                                      _mm256_and_si256(_mm256_srli_epi32(a, kDrop), one));
   const __m256i shifted = _mm256_srli_epi32(r, kDrop);
   const __m256i normal = _mm256_sub_epi32(shifted, _mm256_set1_epi32(kExpShift << T::kMantBits));
-  const __m256i exp = _mm256_srli_epi32(a, 23);
-  const __m256i has_exp = _mm256_xor_si256(_mm256_cmpeq_epi32(exp, zero), _mm256_set1_epi32(-1));
-  const __m256i mant = _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0x7FFFFF)),
-                                       _mm256_and_si256(has_exp, _mm256_set1_epi32(0x800000)));
-  const __m256i e = _mm256_max_epu32(exp, one);
-  __m256i shift = _mm256_sub_epi32(_mm256_set1_epi32(kSubShift), e);
-  const __m256i negative = _mm256_cmpgt_epi32(zero, shift);
-  shift = _mm256_blendv_epi8(_mm256_min_epi32(shift, _mm256_set1_epi32(31)), _mm256_set1_epi32(31), negative);
-  shift = _mm256_max_epi32(shift, one);
-  const __m256i q = _mm256_srlv_epi32(mant, shift);
-  const __m256i rem = _mm256_and_si256(mant, _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one));
-  const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
-  const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(rem, half),
-                                     _mm256_and_si256(_mm256_cmpeq_epi32(rem, half), _mm256_slli_epi32(q, 31)));
-  // up lanes are all-ones (gt) or have bit 31 set (tie with odd q): shift down to 0 / 1.
-  const __m256i sub = _mm256_add_epi32(q, _mm256_srli_epi32(up, 31));
   const __m256i is_normal = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(kMinNormalBits - 1));
-  __m256i code = _mm256_blendv_epi8(sub, normal, is_normal);
+  const __m256i is_zero = _mm256_cmpeq_epi32(a, zero);
+  __m256i code;
+  if (_mm256_movemask_epi8(_mm256_or_si256(is_normal, is_zero)) == -1) {
+    code = _mm256_and_si256(normal, is_normal);  // every lane normal or zero (as encode16)
+  } else {
+    const __m256i exp = _mm256_srli_epi32(a, 23);
+    const __m256i has_exp = _mm256_xor_si256(_mm256_cmpeq_epi32(exp, zero), _mm256_set1_epi32(-1));
+    const __m256i mant = _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0x7FFFFF)),
+                                         _mm256_and_si256(has_exp, _mm256_set1_epi32(0x800000)));
+    const __m256i e = _mm256_max_epu32(exp, one);
+    __m256i shift = _mm256_sub_epi32(_mm256_set1_epi32(kSubShift), e);
+    const __m256i negative = _mm256_cmpgt_epi32(zero, shift);
+    shift = _mm256_blendv_epi8(_mm256_min_epi32(shift, _mm256_set1_epi32(31)), _mm256_set1_epi32(31), negative);
+    shift = _mm256_max_epi32(shift, one);
+    const __m256i q = _mm256_srlv_epi32(mant, shift);
+    const __m256i rem = _mm256_and_si256(mant, _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one));
+    const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
+    const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(rem, half),
+                                       _mm256_and_si256(_mm256_cmpeq_epi32(rem, half), _mm256_slli_epi32(q, 31)));
+    // up lanes are all-ones (gt) or have bit 31 set (tie with odd q): shift down to 0 / 1.
+    const __m256i sub = _mm256_add_epi32(q, _mm256_srli_epi32(up, 31));
+    code = _mm256_blendv_epi8(sub, normal, is_normal);
+  }
   const __m256i overflow = _mm256_or_si256(
       _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000 - 1)),
       _mm256_cmpgt_epi32(shifted, _mm256_set1_epi32((kExpShift << T::kMantBits) + int(T::kMaxCode))));

@@ -3,6 +3,8 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <vector>
 
@@ -112,29 +114,57 @@ Dnnl& dnnl_ctx() {
   return ctx;
 }
 
+// A BF16 matmul primitive of one shape, built once: oneDNN's own primitive cache still costs a
+// descriptor, a lookup and a primitive object per call, and a training step makes thousands of
+// calls of a few dozen shapes.
+struct MatmulKey {
+  int64_t M, N, K, ldc;
+  bool trans_a, trans_b;
+  uint32_t alpha, beta;  // bit patterns
+  auto operator<=>(const MatmulKey&) const = default;
+};
+struct Matmul {
+  dnnl::matmul prim;
+  std::string impl;
+};
+const Matmul& bf16_matmul_primitive(const MatmulKey& k) {
+  static std::mutex mu;
+  static std::map<MatmulKey, Matmul> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(k); it != cache.end()) return it->second;
+  if (cache.size() >= 4096) cache.clear();  // bounded: shapes vary with the tokens an expert gets
+  using dnnl::memory;
+  Dnnl& ctx = dnnl_ctx();
+  const memory::desc a_md({k.M, k.K}, memory::data_type::bf16, k.trans_a ? memory::dims{1, k.M} : memory::dims{k.K, 1});
+  const memory::desc b_md({k.K, k.N}, memory::data_type::bf16, k.trans_b ? memory::dims{1, k.K} : memory::dims{k.N, 1});
+  const memory::desc c_md({k.M, k.N}, memory::data_type::f32, memory::dims{k.ldc, 1});
+  dnnl::primitive_attr attr;
+  if (k.alpha != float_bits(1.0f)) attr.set_output_scales(0, {bits_float(k.alpha)});
+  if (k.beta != 0) {
+    dnnl::post_ops po;
+    po.append_sum(bits_float(k.beta));
+    attr.set_post_ops(po);
+  }
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, ctx.engine);
+  return cache.emplace(k, Matmul{dnnl::matmul(pd), pd.impl_info_str()}).first->second;
+}
+
 // C (M,N) = alpha op(A) op(B) + beta C with BF16 operands stored as given (strides express the
 // transposes) and FP32 accumulation and output. Returns oneDNN's implementation name.
 std::string bf16_matmul(const uint16_t* A, bool trans_a, const uint16_t* B, bool trans_b, int64_t M, int64_t N,
                         int64_t K, float alpha, float beta, float* C, int64_t ldc) {
   using dnnl::memory;
   Dnnl& ctx = dnnl_ctx();
+  const MatmulKey key{M, N, K, ldc, trans_a, trans_b, float_bits(alpha), beta == 0.0f ? 0u : float_bits(beta)};
+  const Matmul& mm = bf16_matmul_primitive(key);
   const memory::desc a_md({M, K}, memory::data_type::bf16, trans_a ? memory::dims{1, M} : memory::dims{K, 1});
   const memory::desc b_md({K, N}, memory::data_type::bf16, trans_b ? memory::dims{1, K} : memory::dims{N, 1});
   const memory::desc c_md({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
-  dnnl::primitive_attr attr;
-  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
-  if (beta != 0.0f) {
-    dnnl::post_ops po;
-    po.append_sum(beta);
-    attr.set_post_ops(po);
-  }
-  // NOTE: oneDNN caches primitives by descriptor, so re-creating one per call costs microseconds.
-  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, ctx.engine);
   memory a(a_md, ctx.engine, const_cast<uint16_t*>(A)), b(b_md, ctx.engine, const_cast<uint16_t*>(B)),
       c(c_md, ctx.engine, C);
-  dnnl::matmul(pd).execute(ctx.stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+  mm.prim.execute(ctx.stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
   ctx.stream.wait();
-  return pd.impl_info_str();
+  return mm.impl;
 }
 
 // Scale of operand X at reduction index k (a multiple of the block) and output index i.
