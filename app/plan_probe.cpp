@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -25,6 +24,7 @@
 #include "kernels/quantize.h"
 #include "model/mtp.h"
 #include "model/transformer.h"
+#include "parallel/cpu_binding.h"
 
 namespace fp8moe::plan_detail {
 namespace {
@@ -263,9 +263,9 @@ Device cpu_device(const Config& c, const PlanLayout& L, bool probe) {
   Device d;
   d.name = "cpu";
   d.cpu = true;
-  // The threads a rank of `train` runs with (app/train.cpp set_threads_per_rank): the cores over
-  // the ranks of this machine, unless OMP_NUM_THREADS says.
-  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(std::max(1, omp_get_num_procs() / L.world));
+  // The threads a rank of `train` runs with when the config's ranks on this machine share its CPUs
+  // (parallel/cpu_binding.h), unless OMP_NUM_THREADS says.
+  set_shared_binding_threads(L.world);
   const ModelConfig& m = c.model;
   const int64_t N = std::min<int64_t>(L.tokens(), 2048), D = m.d_model;
   const int64_t F = 2 * int64_t(m.moe.d_expert) / L.tensor;

@@ -1,10 +1,6 @@
 #include "app/train.h"
 
-#include <omp.h>
-
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <memory>
@@ -17,21 +13,13 @@
 #include "kernels/check.h"
 #include "kernels/backend.h"
 #include "model/param_table.h"
+#include "parallel/cpu_binding.h"
 #include "parallel/grid.h"
 #include "parallel/mpi_session.h"
 #include "parallel/watchdog.h"
 
 namespace fp8moe {
 namespace {
-
-// Ranks sharing a node share its cores: unless OMP_NUM_THREADS says otherwise, each rank gets
-// cores / (ranks on the node), at least 1 (more threads than cores makes OpenMP's spinning
-// threads crawl). Collective over MPI_COMM_WORLD.
-int set_threads_per_rank() {
-  const int local = node_place(MPI_COMM_WORLD).local_size;
-  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(std::max(1, omp_get_num_procs() / local));
-  return omp_get_max_threads();
-}
 
 // runtime.device and runtime.comm resolved to what runs (every rank agrees), and the CUDA device
 // of this rank (its node-local rank modulo the GPUs it sees). Empty on success, else the message
@@ -124,22 +112,22 @@ int agreed_config(const std::string& path, const std::vector<std::string>& overr
 namespace {
 
 // What a run prints before it starts (rank 0): the effective config, the layout, the device, the
-// parameter counts and the threads (0: not set here).
+// parameter counts and the threads (null: not set here), and on stderr the warning when the ranks'
+// bindings leave CPUs idle.
 void print_start(const TrainOptions& options, const Config& config, int ranks, const std::string& table,
-                 const std::string& device_line, int threads) {
+                 const std::string& device_line, const RankThreads* threads) {
   std::printf("fp8moe %s: %s on %d rank%s%s\n\neffective config:\n%s\n%s\n", FP8MOE_VERSION,
               options.config_path.c_str(), ranks, ranks == 1 ? "" : "s",
               options.world > 0 ? " (--world: laid out from this process, not launched)" : "",
               config_to_yaml(config).c_str(), table.c_str());
   std::printf("%s\n", device_line.c_str());
   std::printf("%s\n", param_count_table(config.model).c_str());
-  if (threads > 0)
-    std::printf("OpenMP threads per rank: %d%s\n", threads,
-                std::getenv("OMP_NUM_THREADS") ? " (OMP_NUM_THREADS)" : " (the node's cores / its ranks)");
+  if (threads) std::printf("OpenMP threads per rank: %s\n", threads->summary.c_str());
   if (options.dry_run)
     std::printf("dry run: the config is valid and the process grid is %s; nothing was trained.\n",
                 options.world > 0 ? "laid out" : "built");
   std::fflush(stdout);
+  if (threads && !threads->idle_line.empty()) std::fprintf(stderr, "fp8moe: warning: %s\n", threads->idle_line.c_str());
 }
 
 // One run per checkpoint directory (io/dir_lock.h): rank 0 takes checkpoint.dir's lock (making the
@@ -196,13 +184,13 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   const ParallelConfig& par = config.parallel;
   if (options.world > 0) {
     const GridDims dims = make_grid_dims(options.world, par.tensor, par.pipeline, par.expert);
-    print_start(options, config, options.world, grid_layout_table(dims, {}), device_line, 0);
+    print_start(options, config, options.world, grid_layout_table(dims, {}), device_line, nullptr);
     return kExitOk;
   }
   ProcessGrid grid(MPI_COMM_WORLD, par.tensor, par.pipeline, par.expert);
   const std::string table = grid.layout_table();  // collective
-  const int threads = set_threads_per_rank();      // collective
-  if (root) print_start(options, config, mpi.size(), table, device_line, threads);
+  const RankThreads threads = set_rank_threads(MPI_COMM_WORLD);  // collective
+  if (root) print_start(options, config, mpi.size(), table, device_line, &threads);
   if (options.dry_run) return kExitOk;
   std::unique_ptr<DirLock> dir_lock;
   if (const int status = lock_checkpoint_dir(config, mpi, &dir_lock); status != kExitOk) return status;

@@ -4,13 +4,19 @@ comparison with fp8moe (bench/compare-eager.sh). Same shapes: vocab 256, d_model
 (1 dense SwiGLU 1024, 3 MoE: 8 experts of 256, top-2 sigmoid gating normalised over the chosen,
 1 shared), 8 heads of 32, RoPE, RMSNorm; global batch 8 x 256 tokens in 4 micro-batches.
 
-Usage: eager_pytorch.py {fp32|bf16} STEPS [cpu|cuda]   -> prints "tokens_per_s <value>" (steps after
-the first 2). On cuda the model, its optimizer state and the data live on the GPU, BF16 autocast runs
-there, and each step ends with torch.cuda.synchronize() before it is timed (scripts/device-check.sh
-runs it beside fp8moe on the same GPU).
+Usage: eager_pytorch.py {fp32|bf16} STEPS [cpu|cuda] [--threads N]
+prints three lines:
+  tokens_per_s <tokens per step / the median step time of the steps after the first 2 (warm-up)>
+  median_step_s <that median, seconds>
+  threads <torch.get_num_threads(): N when given (torch.set_num_threads), else PyTorch's default>
+bench/compare-eager.sh and bench/gpu-vs-eager.sh read the first. On cuda the model, its optimizer
+state and the data live on the GPU, BF16 autocast runs there, and each step ends with
+torch.cuda.synchronize() before it is timed (scripts/device-check.sh runs it beside fp8moe on the
+same GPU).
 """
+import argparse
 import math
-import sys
+import statistics
 import time
 
 import torch
@@ -83,7 +89,18 @@ class Model(torch.nn.Module):
         return F.linear(rmsnorm(x, self.norms[2 * L]), self.head)
 
 
-def main(mode, steps, device):
+def main():
+    ap = argparse.ArgumentParser(description="tiny.yaml's model and AdamW step in eager PyTorch")
+    ap.add_argument("mode", choices=["fp32", "bf16"])
+    ap.add_argument("steps", type=int)
+    ap.add_argument("device", nargs="?", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N) (default: PyTorch's own)")
+    args = ap.parse_args()
+    if args.steps < 3:
+        ap.error("STEPS must be at least 3: the first 2 are warm-up")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    mode, steps, device = args.mode, args.steps, args.device
     torch.manual_seed(0)
     model = Model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -105,9 +122,12 @@ def main(mode, steps, device):
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    per_step = sum(times[2:]) / max(1, len(times) - 2)
-    print(f"tokens_per_s {B * T / per_step:.1f}")
+    # NOTE: the median, not the mean: one step slowed by the machine's other work moves it little.
+    step_s = statistics.median(times[2:])
+    print(f"tokens_per_s {B * T / step_s:.1f}")
+    print(f"median_step_s {step_s:.4f}")
+    print(f"threads {torch.get_num_threads()}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "cpu")
+    main()
