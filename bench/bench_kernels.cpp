@@ -4,12 +4,14 @@
 // logits) per second for the softmax ops.
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
 
 #include "kernels/adamw.h"
 #include "kernels/attention.h"
+#include "kernels/cpu/vmath.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
@@ -87,7 +89,8 @@ void BM_CrossEntropy(benchmark::State& state) {
   std::vector<float> dl(logits.size());
   int64_t count = 0;
   for (auto _ : state) {
-    benchmark::DoNotOptimize(fp8moe::cpu::cross_entropy(logits.data(), t.data(), kTokens, V, -1, 0.5f, dl.data(), &count));
+    const double loss = fp8moe::cpu::cross_entropy(logits.data(), t.data(), kTokens, V, -1, 0.5f, dl.data(), &count);
+    benchmark::DoNotOptimize(loss);
     benchmark::DoNotOptimize(dl.data());
   }
   state.SetItemsProcessed(state.iterations() * kTokens * V);
@@ -191,6 +194,39 @@ void BM_SumSquares(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * n * int64_t(sizeof(float)));
 }
 
+// One softmax row of tiny.yaml's attention (256 scores): exp(x - max) and its sum in double, as
+// glibc's scalar exp in double (the CPU ops' form before kernels/cpu/vmath.h), and as vmath.h's
+// FP32 and double functions on each level (range(0): scalar, SSE2, AVX, AVX-512).
+void BM_ExpRowGlibc(benchmark::State& state) {
+  const int64_t n = 256;
+  const auto x = random_vector(n, 19);
+  for (auto _ : state) {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += std::exp(double(x[i]) - 1.5);
+    benchmark::DoNotOptimize(s);
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+}
+
+void exp_row_on_level(benchmark::State& state, bool f64) {
+  namespace vm = fp8moe::cpu::vm;
+  const vm::Level level = vm::kLevels[state.range(0)];
+  if (!vm::supported(level)) return state.SkipWithError("this CPU lacks the level");
+  const vm::Level previous = vm::set_level(level);
+  state.SetLabel(vm::to_string(level));
+  const int64_t n = 256;
+  const auto x = random_vector(n, 19);
+  std::vector<float> y(n);
+  for (auto _ : state) {
+    const double s = f64 ? vm::exp_sub_sum_f64(x.data(), 1.5, n) : vm::exp_sub_sum(x.data(), 1.5f, y.data(), n);
+    benchmark::DoNotOptimize(s);
+  }
+  vm::set_level(previous);
+  state.SetItemsProcessed(state.iterations() * n);
+}
+void BM_ExpRow(benchmark::State& state) { exp_row_on_level(state, false); }
+void BM_ExpRowF64(benchmark::State& state) { exp_row_on_level(state, true); }
+
 // One MoE layer's worth of expert activations of tiny.yaml (8 x 256 tokens x 256 wide) and a 16M slab.
 BENCHMARK(BM_SwigluForward)->Arg(8 * 256 * 256)->Arg(1 << 24)->UseRealTime();
 BENCHMARK(BM_SwigluBackward)->Arg(8 * 256 * 256)->Arg(1 << 24)->UseRealTime();
@@ -205,6 +241,9 @@ BENCHMARK(BM_RmsNormBackward)->UseRealTime();
 BENCHMARK(BM_Rope)->UseRealTime();
 BENCHMARK(BM_AdamW)->Arg(0)->Arg(1)->UseRealTime();
 BENCHMARK(BM_SumSquares)->UseRealTime();
+BENCHMARK(BM_ExpRowGlibc)->UseRealTime();
+BENCHMARK(BM_ExpRow)->DenseRange(0, 3)->UseRealTime();
+BENCHMARK(BM_ExpRowF64)->DenseRange(0, 3)->UseRealTime();
 
 }  // namespace
 
