@@ -28,8 +28,8 @@ FP8MOE_HD inline void adamw_elem(const AdamWStep& h, float* w, float* m, float* 
 namespace cpu {
 // Moments FP32 (m, v) or BF16 bits (m16, v16; the others null), n elements.
 void adamw(const AdamWStep& h, float* w, const float* g, float* m, float* v, uint16_t* m16, uint16_t* v16, int64_t n);
-// sum of (g * unscale)^2 in double: partial sums of fixed chunks of 2^14, added in order (the same
-// bits for any thread count).
+// sum of (g * unscale)^2 in double: partial sums of fixed chunks of 2^14 (each in kernels/cpu/vmath.h's
+// 16-lane order), added in order (the same bits for any thread count and vector width).
 double sum_squares(const float* g, int64_t n, float unscale);
 // x[0] + x[1] + ... in order.
 double sum(const double* x, int64_t n);

@@ -1,4 +1,5 @@
-// Causal grouped-query attention with softmax in FP32 (row sums in double on the CPU): query head
+// Causal grouped-query attention with softmax in FP32 (on the CPU: FP32 exponentials from
+// kernels/cpu/vmath.h, row sums in double): query head
 // h reads kv head h / (H / KVH). The value head size hdv may differ from the query/key head size
 // hd (DeepSeek-V3's multi-head latent attention: hd = qk_nope + qk_rope = 192, hdv = 128); the
 // scores are scaled by 1/sqrt(hd) either way.

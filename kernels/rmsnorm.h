@@ -1,5 +1,5 @@
 // RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, over rows of D (N = tokens). FP32 values, row sums
-// in double. CPU here; CUDA in kernels/cuda/rmsnorm.cu; the backend op in kernels/backend.h.
+// in double (on the CPU in kernels/cpu/vmath.h's 16-lane order). CPU here; CUDA in kernels/cuda/rmsnorm.cu; the backend op in kernels/backend.h.
 #pragma once
 
 #include <cstdint>

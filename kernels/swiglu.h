@@ -2,6 +2,9 @@
 // a is the gate projection (x W1^T), b the up projection (x W3^T); y goes into W2.
 //
 // The per-element math is written once here (FP8MOE_HD) and shared by kernels/cpu and kernels/cuda.
+// Only the exponential is each backend's own: the device's expf in the forms without s (the CUDA
+// kernels call them), and on the CPU SLEEF's, 16 at a time (kernels/cpu/vmath.h), handed in as
+// e = exp(-a) or s = sigmoid(a).
 #pragma once
 
 #include <cmath>
@@ -11,16 +14,21 @@
 
 namespace fp8moe {
 
-FP8MOE_HD inline float sigmoidf_(float a) { return 1.0f / (1.0f + expf(-a)); }
+// sigmoid(a) from e = exp(-a).
+FP8MOE_HD inline float sigmoid_from_exp_neg(float e) { return 1.0f / (1.0f + e); }
+FP8MOE_HD inline float sigmoidf_(float a) { return sigmoid_from_exp_neg(expf(-a)); }
 
-// y = a * sigmoid(a) * b
-FP8MOE_HD inline float swiglu_forward_elem(float a, float b) { return a * sigmoidf_(a) * b; }
+// y = a * sigmoid(a) * b, s = sigmoid(a)
+FP8MOE_HD inline float swiglu_forward_elem(float a, float b, float s) { return a * s * b; }
+FP8MOE_HD inline float swiglu_forward_elem(float a, float b) { return swiglu_forward_elem(a, b, sigmoidf_(a)); }
 
 // Given dy = dL/dy:  dL/da = dy * b * sigmoid(a) * (1 + a * (1 - sigmoid(a))),  dL/db = dy * silu(a).
-FP8MOE_HD inline void swiglu_backward_elem(float a, float b, float dy, float* da, float* db) {
-  const float s = sigmoidf_(a);
+FP8MOE_HD inline void swiglu_backward_elem(float a, float b, float dy, float s, float* da, float* db) {
   *da = dy * b * s * (1.0f + a * (1.0f - s));
   *db = dy * a * s;
+}
+FP8MOE_HD inline void swiglu_backward_elem(float a, float b, float dy, float* da, float* db) {
+  swiglu_backward_elem(a, b, dy, sigmoidf_(a), da, db);
 }
 
 // Both ops take (rows, cols) matrices. a, b (and da, db) are read (written) with row stride ld >= cols,

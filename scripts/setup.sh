@@ -21,6 +21,7 @@ packages=(
   libhdf5-openmpi-dev hdf5-tools                              # parallel HDF5 (checkpoints)
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev             # config, command line, the metrics log
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev          # BLAS (OpenMP build) and oneDNN for the CPU backend
+  libsleef-dev                                                # SLEEF: the CPU ops' vectorized exponentials
   ocl-icd-opencl-dev                                          # oneDNN's CMake package requires OpenCL (libdnnl-dev only recommends it)
   libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks
   python3 python3-venv                                        # the JAX reference of the model tests

@@ -2,20 +2,50 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "kernels/check.h"
+#include "kernels/cpu/vmath.h"
 #include "kernels/gemm_fp8.h"  // sgemm
 
 namespace fp8moe::cpu {
 
 namespace {
-// Scores S = Q K^T / sqrt(hd) of one (sequence, head) with the causal mask, (T, T).
-void causal_scores(const float* q, const float* k, int64_t T, int64_t q_stride, int64_t k_stride, int64_t hd, float* s) {
+// Scores S = Q K^T / sqrt(hd) of one (sequence, head), (T, T). The causal mask is in the row
+// functions below: row i reads S[i, 0..i] only and writes 0 after it.
+void scores(const float* q, const float* k, int64_t T, int64_t q_stride, int64_t k_stride, int64_t hd, float* s) {
   sgemm(false, true, T, T, hd, float(1.0 / std::sqrt(double(hd))), q, q_stride, k, k_stride, 0.0f, s, T);
-  for (int64_t i = 0; i < T; ++i)
-    for (int64_t j = i + 1; j < T; ++j) s[i * T + j] = -std::numeric_limits<float>::infinity();
+}
+
+// Row i of P = softmax(S) in place: row[0, len) the probabilities (len = i + 1), row[len, T) 0.
+// Returns the row's log-sum-exp. The exponentials are FP32 (kernels/cpu/vmath.h), their sum is
+// double; each probability is its exponential times the FP32 reciprocal of the sum.
+// NOTE: FP32 exponentials where they were double (glibc's exp), the sums still double. Measured
+// against FP64 (tests/kernels/test_attention.cpp, its seven shapes, 2026-12-04): out within 2.2e-6,
+// dq 1.3e-5, dk 1.0e-5, dv 2.0e-6 (with double exponentials 3.6e-6, 1.3e-5, 9.2e-6, 3.6e-6); the
+// bounds stay 1e-5 and 5e-5.
+FP8MOE_SIMD_CLONES double softmax_row(float* row, int64_t len, int64_t T) {
+  float m = row[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 1; j < len; ++j) m = std::max(m, row[j]);
+  const double sum = vm::exp_sub_sum(row, m, row, len);
+  const float inv = float(1.0 / sum);
+  for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+  for (int64_t j = len; j < T; ++j) row[j] = 0.0f;
+  return double(m) + std::log(sum);
+}
+
+// Row i of P recomputed from the saved log-sum-exp l: row[0, len) = exp(S - l), row[len, T) 0.
+FP8MOE_SIMD_CLONES void probabilities_row(float* row, float l, int64_t len, int64_t T) {
+  vm::exp_sub(row, l, row, len);
+  for (int64_t j = len; j < T; ++j) row[j] = 0.0f;
+}
+
+// Row i of dS = P (dP - di) in place of dP (di = sum_j P_ij dP_ij = dO_i . O_i), in double,
+// rounded once; 0 after the diagonal.
+FP8MOE_SIMD_CLONES void score_grad_row(const float* p, float* dp, double di, int64_t len, int64_t T) {
+  for (int64_t j = 0; j < len; ++j) dp[j] = float(p[j] * (dp[j] - di));
+  for (int64_t j = len; j < T; ++j) dp[j] = 0.0f;
 }
 }  // namespace
 
@@ -32,17 +62,8 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t B
       const float* qb = q + b * T * qs + h * hd;
       const float* kb = k + b * T * ks + (h / group) * hd;
       const float* vb = v + b * T * vs + (h / group) * hdv;
-      causal_scores(qb, kb, T, qs, ks, hd, s.data());
-      for (int64_t i = 0; i < T; ++i) {  // softmax rows in FP32 (sums in double), keep log-sum-exp
-        float* row = &s[i * T];
-        float m = row[0];
-        for (int64_t j = 1; j <= i; ++j) m = std::max(m, row[j]);
-        double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(double(row[j]) - m);
-        const double l = m + std::log(sum);
-        lse[(b * H + h) * T + i] = float(l);
-        for (int64_t j = 0; j < T; ++j) row[j] = j <= i ? float(std::exp(double(row[j]) - l)) : 0.0f;
-      }
+      scores(qb, kb, T, qs, ks, hd, s.data());
+      for (int64_t i = 0; i < T; ++i) lse[(b * H + h) * T + i] = float(softmax_row(&s[i * T], i + 1, T));
       sgemm(false, false, T, hdv, T, 1.0f, s.data(), T, vb, vs, 0.0f, out + b * T * os + h * hdv, os);
     }
 }
@@ -72,18 +93,15 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
         const float* ob = out + b * T * os + h * hdv;
         const float* dob = dout + b * T * os + h * hdv;
         // P recomputed from the saved log-sum-exp.
-        causal_scores(qb, kb, T, qs, ks, hd, p.data());
-        for (int64_t i = 0; i < T; ++i) {
-          const double l = lse[(b * H + h) * T + i];
-          for (int64_t j = 0; j < T; ++j) p[i * T + j] = j <= i ? float(std::exp(double(p[i * T + j]) - l)) : 0.0f;
-        }
+        scores(qb, kb, T, qs, ks, hd, p.data());
+        for (int64_t i = 0; i < T; ++i) probabilities_row(&p[i * T], lse[(b * H + h) * T + i], i + 1, T);
         sgemm(true, false, T, hdv, T, 1.0f, p.data(), T, dob, os, 1.0f, dvb, vs);  // dV += P^T dO
         sgemm(false, true, T, T, hdv, 1.0f, dob, os, vb, vs, 0.0f, dp.data(), T);   // dP = dO V^T
         for (int64_t i = 0; i < T; ++i) {
           // dS = P (dP - sum_j P dP), and sum_j P_ij dP_ij = dO_i . O_i
           double di = 0;
           for (int64_t d = 0; d < hdv; ++d) di += double(dob[i * os + d]) * ob[i * os + d];
-          for (int64_t j = 0; j < T; ++j) dp[i * T + j] = j <= i ? float(p[i * T + j] * (dp[i * T + j] - di)) : 0.0f;
+          score_grad_row(&p[i * T], &dp[i * T], di, i + 1, T);
         }
         sgemm(false, false, T, hd, T, scale, dp.data(), T, kb, ks, 0.0f, dq + b * T * qs + h * hd, qs);  // dQ
         sgemm(true, false, T, hd, T, scale, dp.data(), T, qb, qs, 1.0f, dkb, ks);                        // dK +=

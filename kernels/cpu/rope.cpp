@@ -4,8 +4,22 @@
 #include <vector>
 
 #include "kernels/check.h"
+#include "kernels/cpu/vmath.h"  // FP8MOE_SIMD_CLONES
 
 namespace fp8moe::cpu {
+
+namespace {
+// The heads of one token row by one position's table: the halves [0, half) and [half, 2 half) of
+// each head are distinct memory, which lets the pairs rotate a vector at a time.
+FP8MOE_SIMD_CLONES void rotate_row(float* x, int64_t heads, int64_t head_stride, int64_t half,
+                                   const float* __restrict c, const float* __restrict s) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* __restrict lo = x + h * head_stride;
+    float* __restrict hi = lo + half;
+    for (int64_t i = 0; i < half; ++i) rope_rotate(&lo[i], &hi[i], c[i], s[i]);
+  }
+}
+}  // namespace
 
 void rope_table(int64_t T, int64_t hd, double theta, bool inverse, float* cs, float* sn) {
   const int64_t half = hd / 2;
@@ -26,10 +40,7 @@ void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < B * T; ++row) {
     const int64_t t = row % T;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + (row * heads + h) * head_stride;
-      for (int64_t i = 0; i < half; ++i) rope_rotate(&v[i], &v[i + half], cs[t * half + i], sn[t * half + i]);
-    }
+    rotate_row(x + row * heads * head_stride, heads, head_stride, half, cs + t * half, sn + t * half);
   }
 }
 

@@ -6,8 +6,17 @@
 #include <vector>
 
 #include "kernels/check.h"
+#include "kernels/cpu/vmath.h"
 
 namespace fp8moe::cpu {
+
+namespace {
+// p = 1 / (1 + exp(-z)).
+FP8MOE_SIMD_CLONES void sigmoid(const float* z, float* p, int64_t n) {
+  vm::exp_neg(z, p, n);
+  for (int64_t i = 0; i < n; ++i) p[i] = 1.0f / (1.0f + p[i]);
+}
+}  // namespace
 
 void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& r) {
   const int64_t N = r.N, E = r.E, k = r.k, G = rule.n_group;
@@ -16,17 +25,19 @@ void route(const float* z, const float* bias, const RouterRule& rule, const Rout
   FP8MOE_ASSERT(E % G == 0 && rule.topk_group >= 1 && rule.topk_group <= G && k <= rule.topk_group * per_group,
                 "node-limited routing: ", E, " experts in ", G, " groups, ", rule.topk_group, " of them, top ", k);
   std::vector<float> key(static_cast<size_t>(E)), group_score(static_cast<size_t>(G));
+  std::vector<double> ez(rule.sigmoid ? 0 : static_cast<size_t>(E));  // a token's exp(z - max z)
   std::vector<int32_t> order(static_cast<size_t>(E)), group_order(static_cast<size_t>(G));
+  // Scores: sigmoid as 1 / (1 + exp(-z)) over all N E at once, softmax per token (double
+  // exponentials and sum, as the GPU's); the exponentials from kernels/cpu/vmath.h.
+  if (rule.sigmoid) sigmoid(z, r.prob, N * E);
   for (int64_t n = 0; n < N; ++n) {
     const float* zr = z + n * E;
     float* p = r.prob + n * E;
-    if (rule.sigmoid) {
-      for (int64_t e = 0; e < E; ++e) p[e] = 1.0f / (1.0f + std::exp(-zr[e]));
-    } else {
+    if (!rule.sigmoid) {
       const float m = *std::max_element(zr, zr + E);
-      double sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += std::exp(double(zr[e]) - m);
-      for (int64_t e = 0; e < E; ++e) p[e] = float(std::exp(double(zr[e]) - m) / sum);
+      vm::exp_sub_f64(zr, m, ez.data(), E);
+      const double sum = vm::lane_sum(E, [&](int64_t e) { return ez[e]; });
+      for (int64_t e = 0; e < E; ++e) p[e] = float(ez[e] / sum);
     }
     // Selection keys: score + bias. Node-limited routing keeps the topk_group groups whose two
     // best keys sum highest and takes the others out of the choice.

@@ -5,7 +5,7 @@
 //            kernels/fp8.h's bf16_encode / bf16_decode) and sum (serial, in order)
 //   close    sum_squares: the same chunks of 2^14 elements, added in chunk order, and the same
 //            element (the FP32 product g * unscale squared in double), but each chunk's sum is a
-//            block tree here and serial on the CPU
+//            block tree here and 16 lanes in a fixed order on the CPU (kernels/cpu/vmath.h)
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/launch.cuh"

@@ -2,8 +2,8 @@
 // key row (dk, dv), online softmax in FP32; the query/key rows hold hd elements, the value rows
 // hdv. The reference the fused kernel (kernels/cuda/attention_cudnn.h) is checked against.
 //
-// Against kernels/cpu/attention.cpp: close. The CPU forms the scores with SGEMM and the softmax in
-// double; here the dot products are warp trees in FP32 (with fused multiply-adds), the softmax is
+// Against kernels/cpu/attention.cpp: close. The CPU forms the scores with SGEMM and the softmax with
+// FP32 exponentials (SLEEF's, kernels/cpu/vmath.h) summed in double; here the dot products are warp trees in FP32 (with fused multiply-adds), the softmax is
 // online in FP32 and exp is the device expf. tests/kernels/test_attention.cpp bounds the difference
 // relative to the largest element (1e-5 forward, 1e-4 backward, with an absolute floor for dq and
 // dk at T = 1, where they cancel to rounding noise).

@@ -5,8 +5,8 @@
 // Against kernels/cpu/cross_entropy.cpp:
 //   bitwise  ce_row_max (a max is exact; NaN-free rows), ce_partials' target logits
 //   close    the row losses, their sum, se and dlogits: the device exp and log (double) differ from
-//            glibc's by an ulp, and each row's sum of exponentials is a block tree here, serial
-//            there. Every other operation is the CPU's, in its order, with the IEEE intrinsics.
+//            the CPU's (SLEEF's exp, kernels/cpu/vmath.h; glibc's log) by an ulp, and each row's sum
+//            of exponentials is a block tree here, 16 lanes in a fixed order there. Every other operation is the CPU's, in its order, with the IEEE intrinsics.
 // NOTE: a target outside [0, V) on the tp = 1 path (the CPU asserts; the data reader already
 // checks every token id) gives the row a NaN loss and a zero gradient row: visible in the loss,
 // never an out-of-bounds read, and no host synchronisation to check it.

@@ -3,7 +3,8 @@
 // column adding them in chunk order (parallel over tokens, and the same bits on every run).
 //
 // Against kernels/cpu/rmsnorm.cpp:
-//   close    rstd, y, dx: the row sums (double) are a block tree here and serial on the CPU, so
+//   close    rstd, y, dx: the row sums (double) are a block tree here and 16 lanes in a fixed order
+//            on the CPU (kernels/cpu/vmath.h's lane_sum), so
 //            rstd may differ in its last bit; every other operation is the CPU's, in its order,
 //            with the IEEE round-to-nearest intrinsics (y is bitwise given the same rstd)
 //   bitwise  dw given the same rstd: the CPU's chunked order of addition (kernels/rmsnorm.h)

@@ -15,8 +15,9 @@
 //            keys the CPU and the GPU compute order the same way (no near-ties at an ulp), and
 //            the gates and group scores given the same scores: the CPU's operations in its order
 //            (the chosen scores summed serially in double, IEEE intrinsics)
-//   close    the scores: the device expf / exp differ from glibc's by an ulp or two, and the
-//            softmax's sum of exponentials is a warp tree here, serial there
+//   close    the scores: the device expf / exp differ from the CPU's (SLEEF, kernels/cpu/vmath.h)
+//            by an ulp or two, and the softmax's sum of exponentials is a warp tree here, 16 lanes
+//            in a fixed order there
 // NOTE: NaN keys (a NaN router logit: a step that is already broken) order as -inf, so every slot
 // still gets a distinct expert and no later kernel indexes out of bounds; the CPU's order of NaN
 // keys is std::stable_sort's, unspecified.

@@ -1,7 +1,7 @@
 // SwiGLU on the GPU: the element functions of kernels/swiglu.h in grid-stride loops.
 //
 // Against kernels/cpu/swiglu.cpp: close. The same source runs on both sides, but the device expf
-// differs from glibc's by up to 2 ulp and nvcc fuses its multiply-adds (1 + a (1 - s) cancels near
+// differs from the CPU's exponential (SLEEF's, kernels/cpu/vmath.h) by up to 2 ulp and nvcc fuses its multiply-adds (1 + a (1 - s) cancels near
 // a = -1.28), so results agree to rounding relative to the size of the terms, not bitwise.
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/swiglu.h"

@@ -91,7 +91,7 @@ inline Routing copy_routing(const HostRouting& h, Backend& be) {
   return r;
 }
 
-// Router logits whose keys have no near-ties, so that expf vs glibc cannot flip a choice: per
+// Router logits whose keys have no near-ties, so that the device expf vs the CPU's exponential cannot flip a choice: per
 // token a random order of the groups and, inside each, of the experts, on a grid of 8 / E in
 // [-4, 4): every expert of a better-placed group scores above every expert of a worse one, so the
 // group scores are strictly ordered too.

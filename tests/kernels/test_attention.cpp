@@ -20,6 +20,7 @@
 #include "kernels/cuda/attention_cudnn.h"
 #endif
 #include "tests/kernels/fp64_reference.h"
+#include "tests/kernels/vmath_levels.h"
 #include "tests/test_random.h"
 
 namespace fp8moe::test {
@@ -84,6 +85,26 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
                                          AttnShape{2, 5, 4, 2, 24, 16},     // value heads narrower
                                          AttnShape{1, 6, 2, 1, 12, 20},     // value heads wider
                                          AttnShape{1, 4, 2, 2, 192, 128}));  // DeepSeek-V3's MLA sizes
+
+// The softmax rows' exponentials (kernels/cpu/vmath.h) on every vector width this CPU has: rows of
+// 1 to 37 scores, partial chunks of 16 included.
+TEST(Ops, AttentionIsTheSameOnEveryVectorMathLevel) {
+  const AttnShape s{2, 37, 4, 2, 12, 8};
+  const int64_t nq = s.B * s.T * s.H * s.hd, nk = s.B * s.T * s.KVH * s.hd, nv = s.B * s.T * s.KVH * s.hdv;
+  const int64_t no = s.B * s.T * s.H * s.hdv;
+  const Vec q = random_vec(nq, 16, 2.0f), k = random_vec(nk, 17, 2.0f), v = random_vec(nv, 18), r = random_vec(no, 19);
+  expect_same_bits_on_every_level(
+      [&] {
+        Vec out(no), lse(size_t(s.B * s.H * s.T)), dq(nq), dk(nk), dv(nv);
+        cpu::attention_forward(q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.hd, s.hdv, out.data(), lse.data());
+        cpu::attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), r.data(), s.B, s.T, s.H, s.KVH,
+                                s.hd, s.hdv, dq.data(), dk.data(), dv.data());
+        std::vector<double> all;
+        for (const Vec* x : {&out, &lse, &dq, &dk, &dv}) append(all, *x);
+        return all;
+      },
+      "attention forward and backward");
+}
 
 // ---- each device backend against the CPU backend ------------------------------------------------
 

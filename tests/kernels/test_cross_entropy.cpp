@@ -12,6 +12,7 @@
 #include "kernels/cross_entropy.h"
 #include "tests/kernels/backend_cases.h"
 #include "tests/kernels/fp64_reference.h"
+#include "tests/kernels/vmath_levels.h"
 #include "tests/test_random.h"
 
 namespace fp8moe::test {
@@ -46,6 +47,36 @@ TEST(Ops, CrossEntropyValueAndGradient) {
   Vec big = logits;
   for (float& x : big) x *= 1000.0f;
   EXPECT_TRUE(std::isfinite(cpu::cross_entropy(big.data(), targets.data(), N, V, -1, 1.0f, nullptr, &count)));
+}
+
+// The double exponentials (kernels/cpu/vmath.h) on every vector width this CPU has, whole and
+// vocabulary-parallel, over rows of 37 logits (two chunks of 16 and a partial one) split 18 + 19.
+TEST(Ops, CrossEntropyIsTheSameOnEveryVectorMathLevel) {
+  const int64_t N = 9, V = 37, Vl = 18;
+  const Vec logits = random_vec(N * V, 20, 4.0f);
+  std::vector<int32_t> t(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) t[n] = n == 4 ? -1 : int32_t((n * 11) % V);
+  expect_same_bits_on_every_level(
+      [&] {
+        Vec dl(N * V), mx(N), dl1(N * (V - Vl));
+        int64_t count = 0;
+        std::vector<double> all{cpu::cross_entropy(logits.data(), t.data(), N, V, -1, 0.7f, dl.data(), &count)};
+        append(all, dl);
+        // The second shard's steps on its own logits (the max and the sums as all-reduced: this
+        // shard's alone here, which the op does not know).
+        Vec shard;
+        for (int64_t n = 0; n < N; ++n)
+          shard.insert(shard.end(), logits.begin() + n * V + Vl, logits.begin() + (n + 1) * V);
+        std::vector<double> se(static_cast<size_t>(N)), tl(se.size());
+        cpu::ce_row_max(shard.data(), N, V - Vl, mx.data());
+        cpu::ce_partials(shard.data(), t.data(), N, V - Vl, Vl, -1, mx.data(), se.data(), tl.data());
+        all.push_back(cpu::ce_finish(shard.data(), t.data(), N, V - Vl, Vl, -1, mx.data(), se.data(), tl.data(), 0.7f,
+                                     dl1.data()));
+        all.insert(all.end(), se.begin(), se.end());
+        append(all, dl1);
+        return all;
+      },
+      "cross-entropy");
 }
 
 // ---- each device backend against the CPU backend ------------------------------------------------

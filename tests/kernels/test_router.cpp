@@ -10,9 +10,36 @@
 #include "kernels/router.h"
 #include "tests/kernels/backend_cases.h"
 #include "tests/kernels/routing_cases.h"
+#include "tests/kernels/vmath_levels.h"
 
 namespace fp8moe::test {
 namespace {
+
+// The scores' exponentials (kernels/cpu/vmath.h) on every vector width this CPU has: every case's
+// scores and gates (sigmoid and softmax, 8 to 1024 experts).
+TEST(Ops, RoutingIsTheSameOnEveryVectorMathLevel) {
+  for (const RouterCase& s : kRouterCases) {
+    const auto z = router_logits(s, 90 + s.N + s.E);
+    const std::vector<float> bias(static_cast<size_t>(s.E), 0.0f);
+    expect_same_bits_on_every_level(
+        [&] {
+          const int64_t Nk = s.N * s.k;
+          const size_t nk = static_cast<size_t>(Nk), e = static_cast<size_t>(s.E);
+          std::vector<float> prob(static_cast<size_t>(s.N) * e), gate(nk);
+          std::vector<int32_t> expert(nk), row_slot(nk), slot_row(nk);
+          std::vector<uint8_t> kept(nk);
+          std::vector<int64_t> load(e), offsets(e + 1), row_token(nk);
+          cpu::route(z.data(), bias.data(), rule_of(s),
+                     {s.N, s.E, s.k, prob.data(), expert.data(), gate.data(), kept.data(), load.data(), offsets.data(),
+                      row_token.data(), row_slot.data(), slot_row.data()});
+          std::vector<double> all;
+          append(all, prob), append(all, gate);
+          all.insert(all.end(), expert.begin(), expert.end());
+          return all;
+        },
+        s.sigmoid ? "router, sigmoid" : "router, softmax");
+  }
+}
 
 TEST_P(DeviceOps, RoutingMatchesCpu) {
   for (const RouterCase& s : kRouterCases) {
@@ -60,7 +87,7 @@ TEST_P(DeviceOps, RoutingMatchesCpu) {
     EXPECT_EQ(g.row_token, c.row_token);
     EXPECT_EQ(g.row_slot, c.row_slot);
     EXPECT_EQ(g.slot_row, c.slot_row);
-    // CUDA: expf against glibc's.
+    // CUDA: the device expf / exp against the CPU's (SLEEF, kernels/cpu/vmath.h).
     expect_match(g.prob, c.prob, 1e-6, "prob");
     expect_match(g.gate, c.gate, 1e-6, "gate");
   }

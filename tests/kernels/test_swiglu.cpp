@@ -12,6 +12,7 @@
 
 #include "kernels/swiglu.h"
 #include "tests/kernels/backend_cases.h"
+#include "tests/kernels/vmath_levels.h"
 
 namespace fp8moe::test {
 namespace {
@@ -88,10 +89,30 @@ TEST_P(SwigluCpu, BackwardIsTheDerivativeOfForward) {
 // 0: an expert with no tokens; 1: one element; odd and large sizes switch OpenMP chunking.
 INSTANTIATE_TEST_SUITE_P(Sizes, SwigluCpu, testing::Values<int64_t>(0, 1, 7, 1000, (1 << 20) + 3));
 
+// exp(-a) (kernels/cpu/vmath.h) on every vector width this CPU has, both layouts: 3 rows of 37
+// (partial chunks of 16 in every row of the strided layout).
+TEST(Ops, SwigluIsTheSameOnEveryVectorMathLevel) {
+  const int64_t rows = 3, cols = 37;
+  const Inputs in = random_inputs(2 * rows * cols, 77);  // the strided layout reads 2 cols per row
+  expect_same_bits_on_every_level(
+      [&] {
+        std::vector<double> all;
+        for (int64_t ld : {cols, 2 * cols}) {
+          std::vector<float> y(rows * cols), da(2 * rows * cols), db(2 * rows * cols);
+          const float* b = in.a.data() + (ld == cols ? rows * cols : cols);
+          cpu::swiglu_forward(in.a.data(), b, ld, y.data(), rows, cols);
+          cpu::swiglu_backward(in.a.data(), b, ld, in.dy.data(), da.data(), db.data(), rows, cols);
+          append(all, y), append(all, da), append(all, db);
+        }
+        return all;
+      },
+      "swiglu forward and backward");
+}
+
 // ---- each device backend against the CPU backend ------------------------------------------------
 
 // NOTE: the same source (kernels/swiglu.h) runs on both sides, but the device expf differs from
-// glibc's by up to 2 ulp and nvcc fuses multiply-adds (1 + a * (1 - s) cancels near a = -1.28),
+// the CPU's (SLEEF, kernels/cpu/vmath.h) by up to 2 ulp and nvcc fuses multiply-adds (1 + a * (1 - s) cancels near a = -1.28),
 // so CUDA's results agree to rounding relative to the size of the terms (`scale`), not bitwise.
 // The emulated device runs the CPU kernel: bitwise.
 void expect_close_to_terms(bool exact, const std::vector<float>& got, const std::vector<float>& cpu_result,
