@@ -11,10 +11,12 @@
 // ulp), and the inputs are taken 16 at a time on every level (a partial last chunk padded, the pad
 // dropped), so an element's result never depends on the vector width or on where it sits in the
 // span. The sums add element i into lane i % 16, in order, then the lanes pairwise (lane l + 8
-// into l, then + 4, + 2, + 1): the same additions in the same order at every width. A result of
-// the CPU backend is thus the same on every x86-64 machine, with or without AVX-512 (measured:
+// into l, then + 4, + 2, + 1): the same additions in the same order at every width. So these
+// functions, and the ops' parts built on them, do not depend on the CPU's vector width (measured:
 // all 2.2e9 floats in [-104, 89] give the same exp on the AVX-512, AVX and SSE2 levels, within
-// 0.95 ulp of the exact value). tests/kernels/test_vmath.cpp checks it on every level this CPU runs.
+// 0.95 ulp of the exact value), and the tests see every level on one machine
+// (tests/kernels/test_vmath.cpp, Ops.*IsTheSameOnEveryVectorMathLevel). (Not a whole step: the
+// SGEMMs beside them are OpenBLAS's, whose kernels are chosen per CPU.)
 //
 // Each function is serial (the ops call it from their OpenMP loops, on one row or one span) and
 // takes n >= 0 elements; y may be x itself (in place) but no other overlap.

@@ -1,6 +1,6 @@
 // The CPU ops that take their exponentials from kernels/cpu/vmath.h, on every level of it this
-// CPU runs (scalar, SSE2, AVX, AVX-512): the results must be the widest level's bit for bit, which
-// is what makes a CPU run's bits the same on every x86-64 machine (vmath.h).
+// CPU runs (scalar, SSE2, AVX, AVX-512): the results must be the widest level's bit for bit, so
+// that the op gives the same bits with or without AVX-512 (vmath.h).
 #pragma once
 
 #include <gtest/gtest.h>
