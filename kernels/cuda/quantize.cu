@@ -26,7 +26,7 @@ __global__ void amax_kernel(const float* __restrict__ x, int64_t n, uint32_t* ou
   if (threadIdx.x == 0) atomicMax(out, m);
 }
 
-// One element, with kernels/cpu/quantize.cpp's encode_span counters: saturated beyond the value
+// One element, with kernels/cpu/fp8_simd.cpp's encode_span counters: saturated beyond the value
 // that still rounds to max finite (E4M3: > 464, the tie at 464 rounds down to even 448; E5M2:
 // >= 61440, whose tie rounds up to infinity); underflowed when non-zero became +-0.
 template <Fp8Dtype F>
