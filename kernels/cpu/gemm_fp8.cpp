@@ -127,7 +127,8 @@ struct Matmul {
   dnnl::matmul prim;
   std::string impl;
 };
-const Matmul& bf16_matmul_primitive(const MatmulKey& k) {
+// A copy (the primitive is a shared handle), so that a clear() by another thread cannot pull it away.
+Matmul bf16_matmul_primitive(const MatmulKey& k) {
   static std::mutex mu;
   static std::map<MatmulKey, Matmul> cache;
   std::lock_guard<std::mutex> lock(mu);
@@ -156,7 +157,7 @@ std::string bf16_matmul(const uint16_t* A, bool trans_a, const uint16_t* B, bool
   using dnnl::memory;
   Dnnl& ctx = dnnl_ctx();
   const MatmulKey key{M, N, K, ldc, trans_a, trans_b, float_bits(alpha), beta == 0.0f ? 0u : float_bits(beta)};
-  const Matmul& mm = bf16_matmul_primitive(key);
+  const Matmul mm = bf16_matmul_primitive(key);
   const memory::desc a_md({M, K}, memory::data_type::bf16, trans_a ? memory::dims{1, M} : memory::dims{K, 1});
   const memory::desc b_md({K, N}, memory::data_type::bf16, trans_b ? memory::dims{1, K} : memory::dims{N, 1});
   const memory::desc c_md({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
