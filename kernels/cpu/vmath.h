@@ -26,8 +26,8 @@
 
 // NOTE: the build targets baseline x86-64 (SSE2). The ops' loops around these calls (the
 // multiplications, divisions, maxima, square roots) are compiled also for AVX2 and AVX-512 and
-// picked at load time, as kernels/cpu/quantize.cpp does its FP8 encoders (the same definition).
-// They are elementwise IEEE operations without contraction (-ffp-contract=off), so the clones
+// picked at load time (GCC's target_clones; the FP8 encoders, whose per-lane shifts GCC does not
+// vectorize, are intrinsics instead: kernels/cpu/fp8_simd.h). They are elementwise IEEE operations without contraction (-ffp-contract=off), so the clones
 // agree bit for bit.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FP8MOE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
