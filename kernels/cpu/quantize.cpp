@@ -42,12 +42,6 @@ void prepare(QuantTensor* out, int64_t rows, int64_t cols, Fp8Dtype dtype, Tilin
   out->underflowed = 0;
 }
 
-// q[i] = fp8(x[i] * scale[per_element ? i : 0]) for i in [0, n), saturating (kernels/cpu/fp8_simd.h);
-// saturated (clamped) and underflowed (non-zero -> 0) elements counted into *st.
-void encode(Fp8Dtype f, const float* x, uint8_t* q, int64_t n, const float* scale, bool per_element, cpu::EncodeStats* st) {
-  cpu::encode_span(f, x, q, n, scale, per_element, false, st);
-}
-
 }  // namespace
 
 namespace cpu {
@@ -100,7 +94,7 @@ void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int6
         scale_inv[i * cols + c] = div_rn(1.0f, scale[c]);
       }
       EncodeStats st;
-      for (int64_t r = r0; r < r1; ++r) encode(dtype, &x[r * cols], &q[r * cols], cols, scale.data(), true, &st);
+      for (int64_t r = r0; r < r1; ++r) encode_span(dtype, &x[r * cols], &q[r * cols], cols, scale.data(), true, false, &st);
       sat += st.saturated;
       under += st.underflowed;
     }
@@ -116,7 +110,7 @@ void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int6
         const float scale = compute_scale(bits_float(m), fmax, opt.margin, opt.power_of_two);
         scale_inv[i * sc + j] = div_rn(1.0f, scale);
         EncodeStats st;
-        for (int64_t r = r0; r < r1; ++r) encode(dtype, &x[r * cols + c0], &q[r * cols + c0], c1 - c0, &scale, false, &st);
+        for (int64_t r = r0; r < r1; ++r) encode_span(dtype, &x[r * cols + c0], &q[r * cols + c0], c1 - c0, &scale, false, false, &st);
         sat += st.saturated;
         under += st.underflowed;
       }
