@@ -11,41 +11,48 @@
 namespace fp8moe::cpu {
 
 namespace {
-// Scores S = Q K^T / sqrt(hd) of one (sequence, head), (T, T). The causal mask is in the row
-// functions below: row i reads S[i, 0..i] only and writes 0 after it.
-void scores(const float* q, const float* k, int64_t T, int64_t q_stride, int64_t k_stride, int64_t hd, float* s) {
-  sgemm(false, true, T, T, hd, float(1.0 / std::sqrt(double(hd))), q, q_stride, k, k_stride, 0.0f, s, T);
+// The causal tiles: attention works on row blocks of this many queries, each against the keys up
+// to its last row, so that the score tiles above the diagonal are neither computed nor read.
+constexpr int64_t kCausalBlock = 64;
+
+// Scores S = Q K^T / sqrt(hd) of m queries against n keys of one (sequence, head), into rows of
+// stride T. The causal mask is in the row functions below: row i reads S[i, 0..i] only and writes
+// 0 after it, up to the end of its block's keys.
+void scores(const float* q, const float* k, int64_t m, int64_t n, int64_t q_stride, int64_t k_stride, int64_t hd,
+            float* s, int64_t T) {
+  sgemm(false, true, m, n, hd, float(1.0 / std::sqrt(double(hd))), q, q_stride, k, k_stride, 0.0f, s, T);
 }
 
-// Row i of P = softmax(S) in place: row[0, len) the probabilities (len = i + 1), row[len, T) 0.
+// Row i of P = softmax(S) in place: row[0, len) the probabilities (len = i + 1), row[len, n) 0
+// (n: the keys of its row block).
 // Returns the row's log-sum-exp. The exponentials are FP32 (kernels/cpu/vmath.h), their sum is
 // double; each probability is its exponential times the FP32 reciprocal of the sum.
 // NOTE: FP32 exponentials where they were double (glibc's exp), the sums still double. Measured
-// against FP64 (tests/kernels/test_attention.cpp, its seven shapes, 2026-12-04): out within 2.2e-6,
+// against FP64 (tests/kernels/test_attention.cpp, its first seven shapes, 2026-12-04): out within 2.2e-6,
 // dq 1.3e-5, dk 1.0e-5, dv 2.0e-6 (with double exponentials 3.6e-6, 1.3e-5, 9.2e-6, 3.6e-6); the
 // bounds stay 1e-5 and 5e-5.
-FP8MOE_SIMD_CLONES double softmax_row(float* row, int64_t len, int64_t T) {
+FP8MOE_SIMD_CLONES double softmax_row(float* row, int64_t len, int64_t n) {
   float m = row[0];
 #pragma omp simd reduction(max : m)
   for (int64_t j = 1; j < len; ++j) m = std::max(m, row[j]);
   const double sum = vm::exp_sub_sum(row, m, row, len);
   const float inv = float(1.0 / sum);
   for (int64_t j = 0; j < len; ++j) row[j] *= inv;
-  for (int64_t j = len; j < T; ++j) row[j] = 0.0f;
+  for (int64_t j = len; j < n; ++j) row[j] = 0.0f;
   return double(m) + std::log(sum);
 }
 
-// Row i of P recomputed from the saved log-sum-exp l: row[0, len) = exp(S - l), row[len, T) 0.
-FP8MOE_SIMD_CLONES void probabilities_row(float* row, float l, int64_t len, int64_t T) {
+// Row i of P recomputed from the saved log-sum-exp l: row[0, len) = exp(S - l), row[len, n) 0.
+FP8MOE_SIMD_CLONES void probabilities_row(float* row, float l, int64_t len, int64_t n) {
   vm::exp_sub(row, l, row, len);
-  for (int64_t j = len; j < T; ++j) row[j] = 0.0f;
+  for (int64_t j = len; j < n; ++j) row[j] = 0.0f;
 }
 
 // Row i of dS = P (dP - di) in place of dP (di = sum_j P_ij dP_ij = dO_i . O_i), in double,
-// rounded once; 0 after the diagonal.
-FP8MOE_SIMD_CLONES void score_grad_row(const float* p, float* dp, double di, int64_t len, int64_t T) {
+// rounded once; 0 after the diagonal up to n.
+FP8MOE_SIMD_CLONES void score_grad_row(const float* p, float* dp, double di, int64_t len, int64_t n) {
   for (int64_t j = 0; j < len; ++j) dp[j] = float(p[j] * (dp[j] - di));
-  for (int64_t j = len; j < T; ++j) dp[j] = 0.0f;
+  for (int64_t j = len; j < n; ++j) dp[j] = 0.0f;
 }
 }  // namespace
 
@@ -62,9 +69,16 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t B
       const float* qb = q + b * T * qs + h * hd;
       const float* kb = k + b * T * ks + (h / group) * hd;
       const float* vb = v + b * T * vs + (h / group) * hdv;
-      scores(qb, kb, T, qs, ks, hd, s.data());
-      for (int64_t i = 0; i < T; ++i) lse[(b * H + h) * T + i] = float(softmax_row(&s[i * T], i + 1, T));
-      sgemm(false, false, T, hdv, T, 1.0f, s.data(), T, vb, vs, 0.0f, out + b * T * os + h * hdv, os);
+      float* ob = out + b * T * os + h * hdv;
+      // Row block [r0, r1) reads keys and values [0, r1) only: the tiles above the diagonal are
+      // never computed (about half of S for long sequences).
+      for (int64_t r0 = 0; r0 < T; r0 += kCausalBlock) {
+        const int64_t r1 = std::min(T, r0 + kCausalBlock), m = r1 - r0;
+        float* sb = s.data() + r0 * T;
+        scores(qb + r0 * qs, kb, m, r1, qs, ks, hd, sb, T);
+        for (int64_t i = r0; i < r1; ++i) lse[(b * H + h) * T + i] = float(softmax_row(&s[i * T], i + 1, r1));
+        sgemm(false, false, m, hdv, r1, 1.0f, sb, T, vb, vs, 0.0f, ob + r0 * os, os);
+      }
     }
 }
 
@@ -92,19 +106,32 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
         const float* qb = q + b * T * qs + h * hd;
         const float* ob = out + b * T * os + h * hdv;
         const float* dob = dout + b * T * os + h * hdv;
-        // P recomputed from the saved log-sum-exp.
-        scores(qb, kb, T, qs, ks, hd, p.data());
-        for (int64_t i = 0; i < T; ++i) probabilities_row(&p[i * T], lse[(b * H + h) * T + i], i + 1, T);
-        sgemm(true, false, T, hdv, T, 1.0f, p.data(), T, dob, os, 1.0f, dvb, vs);  // dV += P^T dO
-        sgemm(false, true, T, T, hdv, 1.0f, dob, os, vb, vs, 0.0f, dp.data(), T);   // dP = dO V^T
-        for (int64_t i = 0; i < T; ++i) {
-          // dS = P (dP - sum_j P dP), and sum_j P_ij dP_ij = dO_i . O_i
-          double di = 0;
-          for (int64_t d = 0; d < hdv; ++d) di += double(dob[i * os + d]) * ob[i * os + d];
-          score_grad_row(&p[i * T], &dp[i * T], di, i + 1, T);
+        float* dqb = dq + b * T * qs + h * hd;
+        // By row block [r0, r1), over the keys [0, r1) only (the causal tiles): P recomputed from
+        // the saved log-sum-exp, dP = dO V^T, dS = P (dP - sum_j P dP) with sum_j P_ij dP_ij =
+        // dO_i . O_i, and dQ = scale dS K. Each written row is 0 from its diagonal to r1.
+        for (int64_t r0 = 0; r0 < T; r0 += kCausalBlock) {
+          const int64_t r1 = std::min(T, r0 + kCausalBlock), m = r1 - r0;
+          float* pb = p.data() + r0 * T;
+          float* dpb = dp.data() + r0 * T;
+          scores(qb + r0 * qs, kb, m, r1, qs, ks, hd, pb, T);
+          for (int64_t i = r0; i < r1; ++i) probabilities_row(&p[i * T], lse[(b * H + h) * T + i], i + 1, r1);
+          sgemm(false, true, m, r1, hdv, 1.0f, dob + r0 * os, os, vb, vs, 0.0f, dpb, T);
+          for (int64_t i = r0; i < r1; ++i) {
+            double di = 0;
+            for (int64_t d = 0; d < hdv; ++d) di += double(dob[i * os + d]) * ob[i * os + d];
+            score_grad_row(&p[i * T], &dp[i * T], di, i + 1, r1);
+          }
+          sgemm(false, false, m, hd, r1, scale, dpb, T, kb, ks, 0.0f, dqb + r0 * qs, qs);
         }
-        sgemm(false, false, T, hd, T, scale, dp.data(), T, kb, ks, 0.0f, dq + b * T * qs + h * hd, qs);  // dQ
-        sgemm(true, false, T, hd, T, scale, dp.data(), T, qb, qs, 1.0f, dkb, ks);                        // dK +=
+        // By column block [c0, c1), over the queries [c0, T) (the rows that can attend to it; the
+        // row blocks above wrote every one of those entries): dV += P^T dO, dK += scale dS^T Q.
+        for (int64_t c0 = 0; c0 < T; c0 += kCausalBlock) {
+          const int64_t c1 = std::min(T, c0 + kCausalBlock), n = c1 - c0, rows = T - c0;
+          sgemm(true, false, n, hdv, rows, 1.0f, p.data() + c0 * T + c0, T, dob + c0 * os, os, 1.0f, dvb + c0 * vs, vs);
+          sgemm(true, false, n, hd, rows, scale, dp.data() + c0 * T + c0, T, qb + c0 * qs, qs, 1.0f, dkb + c0 * ks,
+                ks);
+        }
       }
     }
 }

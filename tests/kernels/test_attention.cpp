@@ -84,7 +84,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
                                          AttnShape{1, 12, 4, 1, 8, 8},      // multi-query
                                          AttnShape{2, 5, 4, 2, 24, 16},     // value heads narrower
                                          AttnShape{1, 6, 2, 1, 12, 20},     // value heads wider
-                                         AttnShape{1, 4, 2, 2, 192, 128}));  // DeepSeek-V3's MLA sizes
+                                         AttnShape{1, 4, 2, 2, 192, 128},   // DeepSeek-V3's MLA sizes
+                                         AttnShape{1, 150, 2, 1, 4, 4}));   // causal tiles: 64, 64, a part
 
 // The softmax rows' exponentials (kernels/cpu/vmath.h) on every vector width this CPU has: rows of
 // 1 to 37 scores, partial chunks of 16 included.
