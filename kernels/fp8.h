@@ -48,6 +48,18 @@ struct Fp8Traits<Fp8Dtype::e5m2> {
   static constexpr float kMinSubnormal = 1.52587890625e-05f;  // 2^-16
 };
 
+// The encoder's constants, derived from the format: fp8_encode below and its vector forms
+// (kernels/cpu/fp8_simd.cpp) take them from here.
+template <Fp8Dtype F>
+struct Fp8EncodeConsts {
+  using T = Fp8Traits<F>;
+  static constexpr uint32_t kDrop = 23 - T::kMantBits;               // mantissa bits rounded away
+  static constexpr uint32_t kExpShift = 127 - T::kBias;              // FP32 -> FP8 exponent bias change
+  static constexpr uint32_t kMinNormalBits = (kExpShift + 1) << 23;  // 2^(1 - bias) as FP32 bits
+  // A subnormal result's code is the FP32 mantissa (with its implicit bit) >> (kSubShift - e).
+  static constexpr uint32_t kSubShift = 150 + 1 - T::kBias - T::kMantBits;
+};
+
 FP8MOE_HD inline uint32_t float_bits(float x) {
   uint32_t u;
   memcpy(&u, &x, sizeof u);
@@ -64,10 +76,9 @@ FP8MOE_HD inline float bits_float(uint32_t u) {
 template <Fp8Dtype F, bool kSaturate>
 FP8MOE_HD inline uint8_t fp8_encode(float x) {
   using T = Fp8Traits<F>;
-  constexpr int kDrop = 23 - T::kMantBits;                    // mantissa bits rounded away
-  constexpr uint32_t kExpShift = uint32_t(127 - T::kBias);    // FP32 -> FP8 exponent bias change
-  constexpr uint32_t kMinNormalBits = (kExpShift + 1) << 23;  // 2^(1 - bias) as FP32 bits
-  constexpr uint32_t kSubShift = 150u + 1u - T::kBias - T::kMantBits;
+  using C = Fp8EncodeConsts<F>;
+  constexpr uint32_t kDrop = C::kDrop, kExpShift = C::kExpShift, kMinNormalBits = C::kMinNormalBits,
+                     kSubShift = C::kSubShift;
   const uint32_t u = float_bits(x);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7FFFFFFFu;

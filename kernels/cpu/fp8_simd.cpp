@@ -126,10 +126,9 @@ void to_bf16_scalar(const uint8_t* src, uint16_t* out, int64_t n, const int16_t*
 template <Fp8Dtype F, bool kSat>
 FP8MOE_AVX512 inline __m512i encode16(__m512 v) {
   using T = Fp8Traits<F>;
-  constexpr int kDrop = 23 - T::kMantBits;
-  constexpr int kExpShift = 127 - T::kBias;
-  constexpr int kMinNormalBits = (kExpShift + 1) << 23;
-  constexpr int kSubShift = 150 + 1 - T::kBias - T::kMantBits;
+  using C = Fp8EncodeConsts<F>;
+  constexpr int kDrop = C::kDrop, kExpShift = C::kExpShift, kMinNormalBits = C::kMinNormalBits,
+                kSubShift = C::kSubShift;
   const __m512i one = _mm512_set1_epi32(1);
   const __m512i u = _mm512_castps_si512(v);
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
@@ -250,10 +249,9 @@ FP8MOE_AVX512 void to_bf16_avx512(const uint8_t* src, uint16_t* out, int64_t n, 
 template <Fp8Dtype F, bool kSat>
 FP8MOE_AVX2 inline __m256i encode8(__m256 v) {
   using T = Fp8Traits<F>;
-  constexpr int kDrop = 23 - T::kMantBits;
-  constexpr int kExpShift = 127 - T::kBias;
-  constexpr int kMinNormalBits = (kExpShift + 1) << 23;
-  constexpr int kSubShift = 150 + 1 - T::kBias - T::kMantBits;
+  using C = Fp8EncodeConsts<F>;
+  constexpr int kDrop = C::kDrop, kExpShift = C::kExpShift, kMinNormalBits = C::kMinNormalBits,
+                kSubShift = C::kSubShift;
   const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
   const __m256i u = _mm256_castps_si256(v);
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
