@@ -4,6 +4,7 @@
 
 #include <omp.h>
 
+#include <cstdlib>
 #include <string>
 
 #if FP8MOE_HAVE_CUDNN
@@ -16,6 +17,7 @@
 
 extern "C" char* openblas_get_config(void);   // OpenBLAS (BLA_VENDOR=OpenBLAS in CMake)
 extern "C" int openblas_get_parallel(void);    // 0 sequential, 1 pthreads, 2 OpenMP
+extern "C" char* openblas_get_corename(void);  // the kernels it chose at load (DYNAMIC_ARCH)
 
 namespace fp8moe {
 
@@ -75,8 +77,10 @@ std::string cudnn_version_text() {
 std::string kernels_build_info() {
   std::string s;
   const int par = openblas_get_parallel();
+  const char* env = std::getenv("OPENBLAS_CORETYPE");
   s += "  BLAS:       OpenBLAS (" + std::string(openblas_get_config()) + "), " +
-       (par == 2 ? "OpenMP" : par == 1 ? "pthreads" : "sequential") + " threading\n";
+       (par == 2 ? "OpenMP" : par == 1 ? "pthreads" : "sequential") + " threading, " + openblas_get_corename() +
+       " kernels" + (env ? std::string(" (OPENBLAS_CORETYPE=") + env + ")" : std::string()) + "\n";
   s += "  oneDNN:     BF16 GEMM ISA " + cpu_isa_name() + (cpu_has_bf16_gemm() ? " (BF16 in hardware)" : " (no BF16 hardware)") + "\n";
   s += "  OpenMP:     " + std::to_string(_OPENMP) + ", max threads " + std::to_string(omp_get_max_threads()) + "\n";
 #ifdef FP8MOE_HAVE_CUDA
