@@ -65,7 +65,8 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t B
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      std::vector<float> s(size_t(T * T));
+      // One row block of scores at a time: the forward keeps none of them (the backward recomputes).
+      std::vector<float> s(size_t(std::min(T, kCausalBlock) * T));
       const float* qb = q + b * T * qs + h * hd;
       const float* kb = k + b * T * ks + (h / group) * hd;
       const float* vb = v + b * T * vs + (h / group) * hdv;
@@ -74,9 +75,9 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t B
       // never computed (about half of S for long sequences).
       for (int64_t r0 = 0; r0 < T; r0 += kCausalBlock) {
         const int64_t r1 = std::min(T, r0 + kCausalBlock), m = r1 - r0;
-        float* sb = s.data() + r0 * T;
+        float* sb = s.data();
         scores(qb + r0 * qs, kb, m, r1, qs, ks, hd, sb, T);
-        for (int64_t i = r0; i < r1; ++i) lse[(b * H + h) * T + i] = float(softmax_row(&s[i * T], i + 1, r1));
+        for (int64_t i = r0; i < r1; ++i) lse[(b * H + h) * T + i] = float(softmax_row(&sb[(i - r0) * T], i + 1, r1));
         sgemm(false, false, m, hdv, r1, 1.0f, sb, T, vb, vs, 0.0f, ob + r0 * os, os);
       }
     }
