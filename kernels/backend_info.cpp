@@ -17,7 +17,6 @@
 
 extern "C" char* openblas_get_config(void);   // OpenBLAS (BLA_VENDOR=OpenBLAS in CMake)
 extern "C" int openblas_get_parallel(void);    // 0 sequential, 1 pthreads, 2 OpenMP
-extern "C" char* openblas_get_corename(void);  // the kernels it chose at load (DYNAMIC_ARCH)
 
 namespace fp8moe {
 
@@ -79,8 +78,8 @@ std::string kernels_build_info() {
   const int par = openblas_get_parallel();
   const char* env = std::getenv("OPENBLAS_CORETYPE");
   s += "  BLAS:       OpenBLAS (" + std::string(openblas_get_config()) + "), " +
-       (par == 2 ? "OpenMP" : par == 1 ? "pthreads" : "sequential") + " threading, " + openblas_get_corename() +
-       " kernels" + (env ? std::string(" (OPENBLAS_CORETYPE=") + env + ")" : std::string()) + "\n";
+       (par == 2 ? "OpenMP" : par == 1 ? "pthreads" : "sequential") + " threading" +
+       (env ? std::string(" (OPENBLAS_CORETYPE=") + env + ")" : std::string()) + "\n";
   s += "  oneDNN:     BF16 GEMM ISA " + cpu_isa_name() + (cpu_has_bf16_gemm() ? " (BF16 in hardware)" : " (no BF16 hardware)") + "\n";
   s += "  OpenMP:     " + std::to_string(_OPENMP) + ", max threads " + std::to_string(omp_get_max_threads()) + "\n";
 #ifdef FP8MOE_HAVE_CUDA
