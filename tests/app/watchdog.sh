@@ -23,9 +23,13 @@ prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
 small_moe_config "$tmp/cfg.yaml" "$tmp/data/lic" 100000 0 "{dir: $tmp/ckpt, every: 10, keep_last: 2}"
 echo "runtime: {timeout_s: $limit}" >>"$tmp/cfg.yaml"
 
-"$mpiexec" -n "$ranks" "$exe" train "$tmp/cfg.yaml" >"$tmp/a.txt" 2>"$tmp/a.err" &
+# Saves every 20 steps here, so that the freeze after step 25 lands mid-training and not inside the
+# save of step 30 (steps take ~4 ms: with saves every 10, a CI run once froze a rank in that save,
+# and the close's guard ended the job before the watchdog's report); the save is the second part's.
+every=(--set checkpoint.every=20)
+"$mpiexec" -n "$ranks" "$exe" train "$tmp/cfg.yaml" "${every[@]}" >"$tmp/a.txt" 2>"$tmp/a.err" &
 launcher=$!
-for _ in $(seq 600); do grep -q "^step *25/" "$tmp/a.txt" && break; sleep 0.05; done
+for _ in $(seq 3000); do grep -q "^step *25/" "$tmp/a.txt" && break; sleep 0.01; done
 grep -q "^step *25/" "$tmp/a.txt" || fail "the run did not reach step 25: $(tail -3 "$tmp/a.err")"
 victim=$(pgrep -f "$exe train $tmp/cfg.yaml" | grep -v "^$launcher$" | tail -1)
 [[ -n $victim ]] || fail "no rank process found"
@@ -46,10 +50,10 @@ report=$(grep -m1 "no progress for" "$tmp/a.err") || fail "no watchdog report: $
   fail "the report does not name the rank, step, phase and call: $report"
 kill -KILL "$victim" 2>/dev/null
 
-# The rerun resumes from the newest committed checkpoint (a multiple of 10, at least 20).
+# The rerun resumes from the newest committed checkpoint (a multiple of 20, at least 20).
 last=$(sed -n 's/^checkpoint .*step_\([0-9]*\) committed$/\1/p' "$tmp/a.txt" | tail -1)
 [[ -n $last ]] || fail "no checkpoint was committed before the freeze"
-"$mpiexec" -n "$ranks" "$exe" train "$tmp/cfg.yaml" --set train.steps=$((10#$last + 2)) >"$tmp/b.txt" 2>&1 ||
+"$mpiexec" -n "$ranks" "$exe" train "$tmp/cfg.yaml" "${every[@]}" --set train.steps=$((10#$last + 2)) >"$tmp/b.txt" 2>&1 ||
   fail "the rerun failed: $(tail -3 "$tmp/b.txt")"
 grep -q "resumed from $tmp/ckpt/step_$last" "$tmp/b.txt" || fail "the rerun did not resume from step_$last"
 echo "watchdog: SIGSTOP of 1 of $ranks ranks after step 25 -> exit 4 after $took s" \
