@@ -32,7 +32,7 @@ namespace {
 // ---- the CPU, measured --------------------------------------------------------------------------
 
 double seconds_of(const std::function<void()>& fn, int reps) {
-  fn();  // warm-up: page faults, oneDNN's primitive creation, OpenBLAS's buffers
+  fn();  // warm-up: page faults, oneDNN's primitive creation and buffers
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();

@@ -1,5 +1,5 @@
 // FP8 on the CPU (Google Benchmark): quantize throughput per recipe, and the emulated FP8 GEMM of
-// each path beside OpenBLAS SGEMM on the same shapes in the same run. After the runs a table
+// each path beside oneDNN's SGEMM on the same shapes in the same run. After the runs a table
 // prints each FP8 path's GFLOPS as a ratio to SGEMM's.
 //   build/bench/bench_fp8 [--benchmark_filter=Gemm] [--benchmark_min_time=0.5]
 #include <benchmark/benchmark.h>
@@ -79,7 +79,7 @@ void BM_Sgemm(benchmark::State& state) {
     benchmark::DoNotOptimize(in.y.data());
   }
   set_flops(state, in);
-  state.SetLabel("OpenBLAS sgemm");
+  state.SetLabel("oneDNN sgemm");
 }
 
 void BM_Fp8Gemm(benchmark::State& state) {
@@ -124,7 +124,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
   void Finalize() override {
     ConsoleReporter::Finalize();
     if (results_.empty()) return;
-    std::printf("\nFP8 GEMM (emulated, blockwise 1x128 x 128x128, power-of-two scales) vs OpenBLAS SGEMM, CPU ISA %s:\n",
+    std::printf("\nFP8 GEMM (emulated, blockwise 1x128 x 128x128, power-of-two scales) vs oneDNN SGEMM, CPU ISA %s:\n",
                 cpu_isa_name().c_str());
     std::printf("%-22s %-58s %9s %7s\n", "M,N,K", "path", "GFLOPS", "ratio");
     std::map<std::string, double> sgemm;  // shape -> SGEMM GFLOPS

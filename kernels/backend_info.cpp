@@ -4,6 +4,8 @@
 
 #include <omp.h>
 
+#include <oneapi/dnnl/dnnl.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -14,9 +16,6 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 #endif
-
-extern "C" char* openblas_get_config(void);   // OpenBLAS (BLA_VENDOR=OpenBLAS in CMake)
-extern "C" int openblas_get_parallel(void);    // 0 sequential, 1 pthreads, 2 OpenMP
 
 namespace fp8moe {
 
@@ -75,12 +74,11 @@ std::string cudnn_version_text() {
 
 std::string kernels_build_info() {
   std::string s;
-  const int par = openblas_get_parallel();
-  const char* env = std::getenv("OPENBLAS_CORETYPE");
-  s += "  BLAS:       OpenBLAS (" + std::string(openblas_get_config()) + "), " +
-       (par == 2 ? "OpenMP" : par == 1 ? "pthreads" : "sequential") + " threading" +
-       (env ? std::string(" (OPENBLAS_CORETYPE=") + env + ")" : std::string()) + "\n";
-  s += "  oneDNN:     BF16 GEMM ISA " + cpu_isa_name() + (cpu_has_bf16_gemm() ? " (BF16 in hardware)" : " (no BF16 hardware)") + "\n";
+  const dnnl_version_t* v = dnnl_version();
+  s += "  oneDNN:     " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +
+       " (" + (v->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "non-OpenMP") +
+       " threading), every CPU GEMM (FP32 sgemm, the FP8 GEMM's BF16 matmul); ISA " + cpu_isa_name() +
+       (cpu_has_bf16_gemm() ? " (BF16 in hardware)" : " (no BF16 hardware)") + "\n";
   s += "  OpenMP:     " + std::to_string(_OPENMP) + ", max threads " + std::to_string(omp_get_max_threads()) + "\n";
 #ifdef FP8MOE_HAVE_CUDA
   int rt = 0;

@@ -5,8 +5,8 @@
 
 namespace fp8moe {
 
-// Multi-line "name: value" text: BLAS (OpenBLAS's configuration, which ends with the kernels it
-// chose at load, and OPENBLAS_CORETYPE when set), OpenMP, CUDA runtime, cuBLASLt, visible devices.
+// Multi-line "name: value" text: oneDNN (version, threading, the instruction set its GEMMs use),
+// OpenMP, CUDA runtime, cuBLASLt, visible devices.
 std::string kernels_build_info();
 
 // Number of visible CUDA devices; 0 with *why set when there are none or CUDA is not built in.

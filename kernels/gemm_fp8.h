@@ -15,7 +15,7 @@
 //                 accumulation (oneDNN; AMX or AVX512-BF16 hardware). NOTE: BF16 hardware flushes
 //                 denormals; dequantized values are kept normal by requiring 2^-100 <= scale_inv
 //                 <= 2^100, so only products below FP32's normal range (~1e-38) could differ.
-//   dequant_fp32  power-of-two scales: the same dequantized operands through OpenBLAS SGEMM.
+//   dequant_fp32  power-of-two scales: the same dequantized operands through oneDNN's SGEMM.
 //   block_scaled  any FP32 scales: raw FP8 values (exact in FP32) multiplied per K block of T
 //                 (one block for per-tensor operands) through SGEMM, each partial product scaled
 //                 by its (tile, block) pair of scales and accumulated in FP32, as DeepSeek-V3's
@@ -37,7 +37,7 @@ const char* to_string(GemmPath p);
 
 struct GemmInfo {
   GemmPath path = GemmPath::automatic;  // the path that ran
-  std::string impl;                     // e.g. "oneDNN brg:avx512_core_amx_bf16" or "OpenBLAS sgemm"
+  std::string impl;                     // e.g. "oneDNN gemm:jit" or "oneDNN sgemm"
 };
 
 void gemm_fp8(const QuantTensor& A, bool trans_a, const QuantTensor& B, bool trans_b, float alpha, float beta,
@@ -54,7 +54,10 @@ bool has_exact_pow2_scales(const QuantView& q);
 bool cpu_has_bf16_gemm();
 std::string cpu_isa_name();
 
-// Plain FP32 SGEMM, C = alpha op(A) op(B) + beta C, row-major (the reference the benchmarks use).
+// Plain FP32 SGEMM, C = alpha op(A) op(B) + beta C, row-major: oneDNN's dnnl_sgemm, on the calling
+// thread's OpenMP team (one thread inside a parallel region). Its kernels follow the CPU's features
+// (AVX-512, AVX2, ...), and for some shapes it splits K over the threads, so its bits may change
+// with the CPU and the thread count; a rerun with the same threads on the same CPU repeats them.
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Collects what the GPU-side checks need into one self-contained folder for a machine that has a
-# GPU driver and CUDA but no Open MPI, HDF5, yaml-cpp, OpenBLAS or oneDNN (the device machine):
+# GPU driver and CUDA but no Open MPI, HDF5, yaml-cpp or oneDNN (the device machine):
 #   bin/       fp8moe, test_kernels, test_nccl, bench_gemm_cuda (RPATH $ORIGIN/../lib)
 #   lib/       every shared library they load that is not glibc, the GPU driver, cuBLASLt or NCCL
 #              (RPATH $ORIGIN); cuBLASLt (~540 MB) and NCCL (~220 MB) are too large to carry and are

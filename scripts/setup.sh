@@ -20,7 +20,7 @@ packages=(
   libopenmpi-dev openmpi-bin                                  # MPI
   libhdf5-openmpi-dev hdf5-tools                              # parallel HDF5 (checkpoints)
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev             # config, command line, the metrics log
-  libopenblas-dev libopenblas-openmp-dev libdnnl-dev          # BLAS (OpenMP build) and oneDNN for the CPU backend
+  libdnnl-dev                                                 # oneDNN: the CPU backend's GEMMs (FP32 and BF16)
   libsleef-dev                                                # SLEEF: the CPU ops' vectorized exponentials
   ocl-icd-opencl-dev                                          # oneDNN's CMake package requires OpenCL (libdnnl-dev only recommends it)
   libgtest-dev libgmock-dev libbenchmark-dev                  # tests, benchmarks

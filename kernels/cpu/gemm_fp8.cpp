@@ -1,7 +1,5 @@
 #include "kernels/gemm_fp8.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -25,16 +23,15 @@ const char* to_string(GemmPath p) {
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  if (K == 0) {  // BLAS rejects lda = 0; the product is empty: C = beta C
+  if (K == 0) {  // the product is empty: C = beta C
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
     return;
   }
-  constexpr int64_t kIntMax = 2147483647;
-  FP8MOE_ASSERT(M <= kIntMax && N <= kIntMax && K <= kIntMax && lda <= kIntMax && ldb <= kIntMax && ldc <= kIntMax,
-                "sgemm: dimensions beyond the 32-bit BLAS interface: ", M, " x ", N, " x ", K);
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(M), int(N),
-              int(K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
+  const dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta,
+                                      C, ldc);
+  FP8MOE_ASSERT(st == dnnl_success, "sgemm: oneDNN's dnnl_sgemm failed (status ", int(st), ") for ", M, " x ", N,
+                " x ", K, ", lda ", lda, ", ldb ", ldb, ", ldc ", ldc);
 }
 
 namespace {
@@ -114,11 +111,17 @@ Dnnl& dnnl_ctx() {
   return ctx;
 }
 
-// A BF16 matmul primitive of one shape, built once: oneDNN's own primitive cache still costs a
-// descriptor, a lookup and a primitive object per call, and a training step makes thousands of
-// calls of a few dozen shapes.
+// oneDNN's descriptor of a row-major BF16 or FP32 matrix of R x C, stored transposed when `trans`;
+// DNNL_RUNTIME_DIM_VAL dimensions give a descriptor for any shape.
+dnnl::memory::desc matrix_desc(int64_t rows, int64_t cols, bool trans, dnnl::memory::data_type type, int64_t ld) {
+  return {{rows, cols}, type, trans ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1}};
+}
+
+// The BF16 matmul primitives, one per (transposes, alpha, beta), each built once for every shape
+// (runtime dimensions and strides): the routed experts' GEMMs change shape with the tokens each
+// expert gets, every micro-batch, and a primitive built per shape cost ~1 ms of JIT each time
+// (more than the GEMM it runs; 160 a step on tiny.yaml).
 struct MatmulKey {
-  int64_t M, N, K, ldc;
   bool trans_a, trans_b;
   uint32_t alpha, beta;  // bit patterns
   auto operator<=>(const MatmulKey&) const = default;
@@ -127,18 +130,17 @@ struct Matmul {
   dnnl::matmul prim;
   std::string impl;
 };
-// A copy (the primitive is a shared handle), so that a clear() by another thread cannot pull it away.
+// A copy (the primitive is a shared handle), so that no other thread can pull it away.
 Matmul bf16_matmul_primitive(const MatmulKey& k) {
   static std::mutex mu;
   static std::map<MatmulKey, Matmul> cache;
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(k); it != cache.end()) return it->second;
-  if (cache.size() >= 4096) cache.clear();  // bounded: shapes vary with the tokens an expert gets
   using dnnl::memory;
-  Dnnl& ctx = dnnl_ctx();
-  const memory::desc a_md({k.M, k.K}, memory::data_type::bf16, k.trans_a ? memory::dims{1, k.M} : memory::dims{k.K, 1});
-  const memory::desc b_md({k.K, k.N}, memory::data_type::bf16, k.trans_b ? memory::dims{1, k.K} : memory::dims{k.N, 1});
-  const memory::desc c_md({k.M, k.N}, memory::data_type::f32, memory::dims{k.ldc, 1});
+  constexpr int64_t R = DNNL_RUNTIME_DIM_VAL;
+  const memory::desc a_md = matrix_desc(R, R, k.trans_a, memory::data_type::bf16, R);
+  const memory::desc b_md = matrix_desc(R, R, k.trans_b, memory::data_type::bf16, R);
+  const memory::desc c_md = matrix_desc(R, R, false, memory::data_type::f32, R);
   dnnl::primitive_attr attr;
   if (k.alpha != float_bits(1.0f)) attr.set_output_scales(0, {bits_float(k.alpha)});
   if (k.beta != 0) {
@@ -146,7 +148,7 @@ Matmul bf16_matmul_primitive(const MatmulKey& k) {
     po.append_sum(bits_float(k.beta));
     attr.set_post_ops(po);
   }
-  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, ctx.engine);
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, dnnl_ctx().engine);
   return cache.emplace(k, Matmul{dnnl::matmul(pd), pd.impl_info_str()}).first->second;
 }
 
@@ -156,13 +158,10 @@ std::string bf16_matmul(const uint16_t* A, bool trans_a, const uint16_t* B, bool
                         int64_t K, float alpha, float beta, float* C, int64_t ldc) {
   using dnnl::memory;
   Dnnl& ctx = dnnl_ctx();
-  const MatmulKey key{M, N, K, ldc, trans_a, trans_b, float_bits(alpha), beta == 0.0f ? 0u : float_bits(beta)};
-  const Matmul mm = bf16_matmul_primitive(key);
-  const memory::desc a_md({M, K}, memory::data_type::bf16, trans_a ? memory::dims{1, M} : memory::dims{K, 1});
-  const memory::desc b_md({K, N}, memory::data_type::bf16, trans_b ? memory::dims{1, K} : memory::dims{N, 1});
-  const memory::desc c_md({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
-  memory a(a_md, ctx.engine, const_cast<uint16_t*>(A)), b(b_md, ctx.engine, const_cast<uint16_t*>(B)),
-      c(c_md, ctx.engine, C);
+  const Matmul mm = bf16_matmul_primitive({trans_a, trans_b, float_bits(alpha), beta == 0.0f ? 0u : float_bits(beta)});
+  memory a(matrix_desc(M, K, trans_a, memory::data_type::bf16, trans_a ? M : K), ctx.engine, const_cast<uint16_t*>(A));
+  memory b(matrix_desc(K, N, trans_b, memory::data_type::bf16, trans_b ? K : N), ctx.engine, const_cast<uint16_t*>(B));
+  memory c(matrix_desc(M, N, false, memory::data_type::f32, ldc), ctx.engine, C);
   mm.prim.execute(ctx.stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
   ctx.stream.wait();
   return mm.impl;
@@ -283,12 +282,12 @@ void gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, bool trans_b
       dequant_fp32(A, a32);
       dequant_fp32(B, b32);
       sgemm(trans_a, trans_b, M, N, K, alpha, a32.data(), A.cols, b32.data(), B.cols, beta, C, ldc);
-      if (info) info->impl = "OpenBLAS sgemm";
+      if (info) info->impl = "oneDNN sgemm";
       break;
     }
     default:
       block_scaled(a, b, M, N, K, alpha, beta, C, ldc);
-      if (info) info->impl = "OpenBLAS sgemm per K block";
+      if (info) info->impl = "oneDNN sgemm per K block";
   }
 }
 

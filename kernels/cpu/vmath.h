@@ -16,7 +16,7 @@
 // all 2.2e9 floats in [-104, 89] give the same exp on the AVX-512, AVX and SSE2 levels, within
 // 0.95 ulp of the exact value), and the tests see every level on one machine
 // (tests/kernels/test_vmath.cpp, Ops.*IsTheSameOnEveryVectorMathLevel). (Not a whole step: the
-// SGEMMs beside them are OpenBLAS's, whose kernels are chosen per CPU.)
+// SGEMMs beside them are oneDNN's, whose kernels are chosen per CPU.)
 //
 // Each function is serial (the ops call it from their OpenMP loops, on one row or one span) and
 // takes n >= 0 elements; y may be x itself (in place) but no other overlap.

@@ -3,7 +3,7 @@
 // Against the CPU's kernels/cpu/gemm_fp8.cpp: close. The FP8 products are exact on both sides;
 // the accumulation differs (Hopper's FP8 tensor cores keep about 14 bits in the accumulator and
 // promote to FP32 every 128 of K without fast accumulation; the CPU accumulates in FP32 or BF16
-// hardware). sgemm: FP32 (no TF32) in another summation order than OpenBLAS. The packing is exact
+// hardware). sgemm: FP32 (no TF32) in another summation order than the CPU's (oneDNN). The packing is exact
 // (bytes and scales moved, never re-rounded) and checked against the CPU by
 // tests/kernels/test_tn_layout.cpp through kernels/tn_layout.h's index functions.
 #include <cublasLt.h>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device bundle (scripts/bundle.sh) is self-contained: unpacked, its programs run in a
 # bubblewrap sandbox whose /usr/lib/x86_64-linux-gnu holds glibc alone (no Open MPI, PMIx, HDF5,
-# yaml-cpp, OpenBLAS, oneDNN, libstdc++, ...; CUDA's own folder stays, as on the GPU machine).
+# yaml-cpp, oneDNN, libstdc++, ...; CUDA's own folder stays, as on the GPU machine).
 # There fp8moe starts, prepares data, trains as an MPI singleton and under the bundle's own
 # `mpirun -np 2`, and test_kernels runs: its CUDA cases (DeviceOps.*/cuda, CudaOps.*) must all
 # report SKIPPED here, without a GPU, and every other case (the CPU ops, the emulated device) must

@@ -3,7 +3,7 @@
 # and cuda, per FP8 recipe. Checked:
 #  - the per-step losses: relative difference at step s (a non-finite loss on either side fails)
 #      off        at most 1e-5 x s: FP32 everywhere, only summation order differs (cuBLASLt vs
-#                 OpenBLAS, the GPU's reductions and exp), and the runs drift apart as training
+#                 oneDNN, the GPU's reductions and exp), and the runs drift apart as training
 #                 compounds it. Derived from the one H200 run of the first CUDA backend (2026-11-30):
 #                 1.15e-4 after 20 steps, 5.8e-6 per step on average; the allowance is 1e-5 per
 #                 step (1.7x). The table prints the measured worst drift per step (difference / s),

@@ -39,17 +39,18 @@ TEST(Cli, TrainHelpShowsSetAndDryRun) {
 TEST(Cli, VersionNamesTheLibraries) {
   const RunResult r = run({exe(), "--version"});
   EXPECT_EQ(r.status, 0) << r.all();
-  for (const char* want : {"fp8moe 0.", "MPI:", "Open MPI", "HDF5:", "parallel", "yaml-cpp:", "OpenBLAS", "NCCL:"})
+  for (const char* want : {"fp8moe 0.", "MPI:", "Open MPI", "HDF5:", "parallel", "yaml-cpp:", "oneDNN:", "NCCL:"})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
-  // OPENBLAS_CORETYPE, when the environment sets it, and the kernels it made OpenBLAS choose (the
-  // end of OpenBLAS's configuration string).
-  const size_t blas = r.out.find("BLAS:");
-  ASSERT_NE(blas, std::string::npos) << r.out;
-  const std::string line = r.out.substr(blas, r.out.find('\n', blas) - blas);
-  if (const char* core = std::getenv("OPENBLAS_CORETYPE")) {
-    EXPECT_NE(line.find(std::string("threading (OPENBLAS_CORETYPE=") + core + ")"), std::string::npos) << line;
-    EXPECT_NE(line.find(std::string(" ") + core + " MAX_THREADS"), std::string::npos) << line;
-  }
+  // oneDNN's line: its version as the library reports it (Debian 12: 2.6.x), OpenMP threading
+  // (shared with the CPU ops' OpenMP teams) and the instruction set of its GEMMs.
+  const size_t dnnl = r.out.find("oneDNN:");
+  ASSERT_NE(dnnl, std::string::npos) << r.out;
+  const std::string line = r.out.substr(dnnl, r.out.find('\n', dnnl) - dnnl);
+  EXPECT_NE(line.find("oneDNN:     2."), std::string::npos) << line;
+  EXPECT_NE(line.find("(OpenMP threading)"), std::string::npos) << line;
+  EXPECT_NE(line.find("FP32 sgemm"), std::string::npos) << line;
+  EXPECT_NE(line.find("; ISA "), std::string::npos) << line;
+  EXPECT_EQ(r.out.find("OpenBLAS"), std::string::npos) << "no OpenBLAS is linked any more\n" << r.out;
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
