@@ -1,8 +1,10 @@
 #include "kernels/host_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 #include "kernels/attention.h"
 #include "kernels/cross_entropy.h"
@@ -33,7 +35,15 @@ HostBackend::HostBackend(DeviceKind kind) : Backend(kind) {
   FP8MOE_ASSERT(kind == DeviceKind::cpu || kind == DeviceKind::emulated, "HostBackend of kind ", to_string(kind));
 }
 
-HostBackend::~HostBackend() = default;
+HostBackend::~HostBackend() {
+  for (auto& [size, blocks] : cached_)
+    for (void* p : blocks) std::free(p);
+}
+
+size_t HostBackend::block_size(size_t bytes) {
+  constexpr size_t kMiB = size_t(1) << 20, kLarge = size_t(64) << 10;
+  return bytes < kMiB ? round_up(bytes) : (bytes + kLarge - 1) / kLarge * kLarge;
+}
 
 std::string HostBackend::describe() const {
   return kind() == DeviceKind::cpu ? "cpu" : "emulated device (CPU kernels; the host cannot read its memory)";
@@ -41,14 +51,49 @@ std::string HostBackend::describe() const {
 
 double HostBackend::dense_peak_flops(bool) const { return std::nan(""); }
 
+// NOTE: the cpu kind keeps released blocks and hands them out again, as the CUDA arena does
+// (kernels/cuda/arena.h): a training step frees and allocates the same tensors every micro-batch,
+// and without the cache glibc unmaps every block above its mmap threshold on free, so each step
+// faulted its activations in again (about 15% of a blockwise step on this project's 2-core VM). A
+// request takes the smallest cached block at least its size that wastes at most a quarter of it.
+// The cache is bounded: on a miss, cached blocks are freed (largest first) until the blocks held,
+// live and cached, are no more than the most the live blocks have ever needed, so the cache never
+// raises the process's tensor memory above its high water. The emulated kind frees at once, so
+// that its resident memory is what `fp8moe plan` models and bench/plan-vs-measured.sh measures.
 void* HostBackend::allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
-  void* p = std::aligned_alloc(kAlign, round_up(bytes));
-  FP8MOE_ASSERT(p, "out of host memory allocating ", bytes, " bytes");
+  const size_t want = block_size(bytes);
   std::lock_guard<std::mutex> lock(mu_);
-  live_[reinterpret_cast<uintptr_t>(p)] = bytes;
+  void* p = nullptr;
+  size_t block = want;
+  if (auto it = cached_.lower_bound(want); it != cached_.end() && it->first - want <= it->first / 4) {
+    block = it->first;
+    p = it->second.back();
+    it->second.pop_back();
+    if (it->second.empty()) cached_.erase(it);
+    cached_bytes_ -= int64_t(block);
+    ++cache_stats_.hits;
+  } else {
+    // A miss: give cached blocks back, largest first, until what is held (live blocks, the cache and
+    // this block) is no more than the most live blocks have ever needed.
+    const int64_t limit = std::max(block_high_water_, live_block_bytes_ + int64_t(want));
+    while (!cached_.empty() && live_block_bytes_ + cached_bytes_ + int64_t(want) > limit) {
+      auto last = std::prev(cached_.end());
+      std::free(last->second.back());
+      last->second.pop_back();
+      cached_bytes_ -= int64_t(last->first);
+      ++cache_stats_.evictions;
+      if (last->second.empty()) cached_.erase(last);
+    }
+    p = std::aligned_alloc(kAlign, want);
+    FP8MOE_ASSERT(p, "out of host memory allocating ", bytes, " bytes");
+    ++cache_stats_.misses;
+  }
+  live_[reinterpret_cast<uintptr_t>(p)] = Live{bytes, block};
+  live_block_bytes_ += int64_t(block);
+  block_high_water_ = std::max(block_high_water_, live_block_bytes_);
   stats_.in_use += int64_t(bytes);
-  stats_.reserved = stats_.in_use;
+  stats_.reserved = live_block_bytes_ + cached_bytes_;
   if (stats_.in_use > stats_.peak) stats_.peak = stats_.in_use;
   return kind() == DeviceKind::emulated ? reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | kDeviceTag) : p;
 }
@@ -56,15 +101,20 @@ void* HostBackend::allocate(size_t bytes) {
 void HostBackend::release(void* p) {
   if (!p) return;
   void* raw = h(p);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(reinterpret_cast<uintptr_t>(raw));
-    FP8MOE_ASSERT(it != live_.end(), "release of memory this backend did not allocate");
-    stats_.in_use -= int64_t(it->second);
-    stats_.reserved = stats_.in_use;
-    live_.erase(it);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(reinterpret_cast<uintptr_t>(raw));
+  FP8MOE_ASSERT(it != live_.end(), "release of memory this backend did not allocate");
+  const Live blk = it->second;
+  live_.erase(it);
+  stats_.in_use -= int64_t(blk.bytes);
+  live_block_bytes_ -= int64_t(blk.block);
+  if (kind() == DeviceKind::cpu) {
+    cached_[blk.block].push_back(raw);
+    cached_bytes_ += int64_t(blk.block);
+  } else {
+    std::free(raw);
   }
-  std::free(raw);
+  stats_.reserved = live_block_bytes_ + cached_bytes_;
 }
 
 void* HostBackend::allocate_host(size_t bytes) {
@@ -93,6 +143,13 @@ MemoryStats HostBackend::memory_stats() const {
 void HostBackend::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.peak = stats_.in_use;
+}
+
+HostBackend::CacheStats HostBackend::cache_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CacheStats c = cache_stats_;
+  c.cached_bytes = cached_bytes_;
+  return c;
 }
 
 template <class T>

@@ -33,8 +33,17 @@ class HostBackend final : public Backend {
   void release(void* p) override;
   void* allocate_host(size_t bytes) override;
   void release_host(void* p) override;
+  // in_use and peak count requested bytes; reserved is the blocks held, the cache's included.
   MemoryStats memory_stats() const override;
   void reset_peak() override;
+  // The cpu kind's cache of released blocks (see allocate() in host_backend.cpp). The emulated kind
+  // frees at once (misses only), so that its memory is what the planner models.
+  struct CacheStats {
+    int64_t hits = 0, misses = 0, evictions = 0, cached_bytes = 0;
+  };
+  CacheStats cache_stats() const;
+  // Requests are rounded up to blocks: 256 B below 1 MiB, 64 KiB from 1 MiB on.
+  static size_t block_size(size_t bytes);
   void copy(void* dst, const void* src, size_t bytes) override;
   void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override;
   void zero(void* dst, size_t bytes) override;
@@ -118,7 +127,13 @@ class HostBackend final : public Backend {
 
   mutable std::mutex mu_;
   MemoryStats stats_;
-  std::unordered_map<uintptr_t, size_t> live_;  // untagged address -> bytes
+  struct Live {
+    size_t bytes, block;  // requested; the block's size
+  };
+  std::unordered_map<uintptr_t, Live> live_;  // untagged address -> its block
+  std::map<size_t, std::vector<void*>> cached_;  // cpu: block size -> released blocks, last released on top
+  int64_t cached_bytes_ = 0, live_block_bytes_ = 0, block_high_water_ = 0;
+  CacheStats cache_stats_;
   std::map<uintptr_t, size_t> host_live_;       // allocate_host memory: address -> bytes
   struct PendingDownload {
     void* host;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/host_backend.h"
 
 namespace fp8moe {
 namespace {
@@ -44,6 +45,48 @@ TEST(Backend, MemoryIsCountedAndReturned) {
     EXPECT_GE(be->memory_stats().peak, before + 4000);
   }
   EXPECT_EQ(be->memory_stats().in_use, before);
+}
+
+// The cpu kind keeps released blocks for the next request of about their size (a step frees and
+// allocates the same tensors every micro-batch); the blocks it holds, live and cached, never exceed
+// the most its live blocks have needed. The emulated kind frees at once.
+TEST(Backend, CpuReusesReleasedBlocksWithinItsHighWater) {
+  constexpr size_t kMiB = size_t(1) << 20;
+  EXPECT_EQ(HostBackend::block_size(1), 256u);
+  EXPECT_EQ(HostBackend::block_size(kMiB - 1), kMiB);
+  EXPECT_EQ(HostBackend::block_size(kMiB + 1), kMiB + (64 << 10));
+  HostBackend be(DeviceKind::cpu);
+  void* a = be.allocate(4 * kMiB);
+  be.release(a);
+  EXPECT_EQ(be.memory_stats().in_use, 0);
+  EXPECT_EQ(be.memory_stats().reserved, int64_t(4 * kMiB)) << "the released block is kept";
+  void* b = be.allocate(3 * kMiB + kMiB / 2);  // wastes an eighth of the cached block: taken
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(be.cache_stats().hits, 1);
+  EXPECT_EQ(be.memory_stats().in_use, int64_t(3 * kMiB + kMiB / 2));
+  be.release(b);
+  // A request that would waste over a quarter of the cached block misses; the cached block goes,
+  // since keeping it would hold 5 MiB where the live blocks never needed more than 4.
+  void* c = be.allocate(kMiB);
+  EXPECT_EQ(be.cache_stats().misses, 2);
+  EXPECT_EQ(be.cache_stats().evictions, 1);
+  EXPECT_EQ(be.memory_stats().reserved, int64_t(kMiB));
+  // Under the high water the cache keeps blocks of several sizes.
+  void* d = be.allocate(2 * kMiB);
+  be.release(c);
+  be.release(d);
+  EXPECT_EQ(be.cache_stats().cached_bytes, int64_t(3 * kMiB));
+  EXPECT_EQ(be.allocate(2 * kMiB), d);
+  EXPECT_EQ(be.allocate(kMiB), c);
+  EXPECT_EQ(be.cache_stats().cached_bytes, 0);
+  be.release(c);
+  be.release(d);
+
+  HostBackend emu(DeviceKind::emulated);
+  emu.release(emu.allocate(4 * kMiB));
+  EXPECT_EQ(emu.memory_stats().reserved, 0) << "the emulated kind keeps nothing";
+  EXPECT_EQ(emu.cache_stats().hits, 0);
+  EXPECT_EQ(emu.cache_stats().cached_bytes, 0);
 }
 
 TEST(Backend, TransfersAndSynchronisationsAreCounted) {
