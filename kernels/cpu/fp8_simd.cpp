@@ -170,31 +170,50 @@ FP8MOE_AVX512 inline __m512i encode16(__m512 v) {
                                _mm512_set1_epi32(0x7F));
 }
 
+// 16 lanes of encode_avx512: the codes stored, the counts kept as lane-wise vector sums (no mask
+// moves to scalar registers in the loop), the amax folded in when asked.
+template <Fp8Dtype F, bool kSat, bool kPerElement>
+FP8MOE_AVX512 inline void encode_step16(const float* x, uint8_t* q, const float* scale, __m512 one_scale,
+                                        __mmask16 live, bool want_amax, __m512i* sat, __m512i* under, __m512i* m) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+  const bool full = live == __mmask16(0xFFFF);
+  const __m512 xv = full ? _mm512_loadu_ps(x) : _mm512_maskz_loadu_ps(live, x);
+  const __m512 sv = !kPerElement ? one_scale : full ? _mm512_loadu_ps(scale) : _mm512_maskz_loadu_ps(live, scale);
+  const __m512 v = _mm512_mul_ps(xv, sv);
+  const __m512i code = encode16<F, kSat>(v);
+  if (full)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(code));
+  else
+    _mm512_mask_cvtepi32_storeu_epi8(q, live, code);
+  const __m512 av = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+  const __m512 limit = _mm512_set1_ps(kSaturateFrom<F>);
+  const __mmask16 s = F == Fp8Dtype::e4m3 ? _mm512_cmp_ps_mask(av, limit, _CMP_GT_OQ)
+                                          : _mm512_cmp_ps_mask(av, limit, _CMP_GE_OQ);
+  const __mmask16 u = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ) &
+                      _mm512_testn_epi32_mask(code, _mm512_set1_epi32(0x7F));
+  *sat = _mm512_mask_add_epi32(*sat, s & live, *sat, one);
+  *under = _mm512_mask_add_epi32(*under, u & live, *under, one);
+  if (want_amax) *m = _mm512_max_epu32(*m, _mm512_and_si512(_mm512_castps_si512(xv), abs_mask));
+}
+
 template <Fp8Dtype F, bool kSat, bool kPerElement>
 FP8MOE_AVX512 void encode_avx512(const float* x, uint8_t* q, int64_t n, const float* scale, bool want_amax,
                                  EncodeStats* st) {
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-  const __m512 limit = _mm512_set1_ps(kSaturateFrom<F>);
   const __m512 one_scale = _mm512_set1_ps(scale[0]);
-  __m512i m = _mm512_setzero_si512();
-  int64_t sat = 0, under = 0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1u);
-    const __m512 xv = _mm512_maskz_loadu_ps(live, x + i);
-    const __m512 v = _mm512_mul_ps(xv, kPerElement ? _mm512_maskz_loadu_ps(live, scale + i) : one_scale);
-    const __m512i code = encode16<F, kSat>(v);
-    _mm512_mask_cvtepi32_storeu_epi8(q + i, live, code);
-    const __m512 av = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
-    const __mmask16 s = F == Fp8Dtype::e4m3 ? _mm512_cmp_ps_mask(av, limit, _CMP_GT_OQ)
-                                            : _mm512_cmp_ps_mask(av, limit, _CMP_GE_OQ);
-    const __mmask16 u = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ) &
-                        _mm512_testn_epi32_mask(code, _mm512_set1_epi32(0x7F));
-    sat += __builtin_popcount(unsigned(s & live));
-    under += __builtin_popcount(unsigned(u & live));
-    if (want_amax) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(xv), abs_mask));
-  }
-  st->saturated += sat;
-  st->underflowed += under;
+  __m512i m = _mm512_setzero_si512(), sat = _mm512_setzero_si512(), under = _mm512_setzero_si512();
+  // Lane counters hold at most 2^31 - 1 each: spans of up to 2^35 elements.
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    encode_step16<F, kSat, kPerElement>(x + i, q + i, kPerElement ? scale + i : scale, one_scale, __mmask16(0xFFFF),
+                                        want_amax, &sat, &under, &m);
+  if (i < n)
+    encode_step16<F, kSat, kPerElement>(x + i, q + i, kPerElement ? scale + i : scale, one_scale,
+                                        __mmask16((1u << (n - i)) - 1u), want_amax, &sat, &under, &m);
+  st->saturated += _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(sat)),
+                                                            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sat, 1))));
+  st->underflowed +=
+      _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(under)),
+                                               _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(under, 1))));
   if (want_amax) st->amax_bits = std::max(st->amax_bits, uint32_t(_mm512_reduce_max_epu32(m)));
 }
 
