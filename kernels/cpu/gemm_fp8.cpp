@@ -75,11 +75,15 @@ void dequant_fp32(const QuantView& q, std::vector<float>& out) {
 
 // Dequantize to BF16 bits: BF16 of an FP8 value is its FP32 bits >> 16 (<= 3 mantissa bits), and
 // times 2^k only its exponent field changes (values stay normal by the range check). Vectorized
-// (kernels/cpu/fp8_simd.h), one run of a shared scale at a time.
-void dequant_bf16(const QuantView& q, std::vector<uint16_t>& out) {
-  out.resize(size_t(q.rows * q.cols));
+// (kernels/cpu/fp8_simd.h), one run of a shared scale at a time. The output is rows_p x cols_p
+// (>= the operand's rows x cols), the padding zero.
+void dequant_bf16(const QuantView& q, std::vector<uint16_t>& out, int64_t rows_p, int64_t cols_p) {
+  out.resize(size_t(rows_p * cols_p));
   const int64_t cols = q.cols;
   uint16_t* dst_all = out.data();
+  const auto zero_pad = [&](int64_t r) {
+    std::fill(dst_all + r * cols_p + cols, dst_all + (r + 1) * cols_p, uint16_t(0));
+  };
   if (q.tiling == Tiling::cols_Tx1) {
     // A scale per column per band of T rows: the exponent steps of a band, then its rows.
     const int64_t bands = q.scale_rows();
@@ -87,19 +91,23 @@ void dequant_bf16(const QuantView& q, std::vector<uint16_t>& out) {
     for (int64_t b = 0; b < bands; ++b) {
       std::vector<int16_t> add(static_cast<size_t>(cols));
       for (int64_t c = 0; c < cols; ++c) add[c] = int16_t(pow2_exponent(q.scale_inv[b * cols + c]) * 128);
-      for (int64_t r = b * q.tile; r < std::min(q.rows, (b + 1) * q.tile); ++r)
-        cpu::fp8_to_bf16_span(q.dtype, q.data + r * cols, dst_all + r * cols, cols, add.data());
+      for (int64_t r = b * q.tile; r < std::min(q.rows, (b + 1) * q.tile); ++r) {
+        cpu::fp8_to_bf16_span(q.dtype, q.data + r * cols, dst_all + r * cols_p, cols, add.data());
+        zero_pad(r);
+      }
     }
-    return;
-  }
+  } else {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < q.rows; ++r) {
-    const uint8_t* src = q.data + r * cols;
-    uint16_t* dst = dst_all + r * cols;
-    q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
-      cpu::fp8_to_bf16_span(q.dtype, src + c0, dst + c0, c1 - c0, pow2_exponent(s));
-    });
+    for (int64_t r = 0; r < q.rows; ++r) {
+      const uint8_t* src = q.data + r * cols;
+      uint16_t* dst = dst_all + r * cols_p;
+      q.for_each_scale_run(r, [&](int64_t c0, int64_t c1, float s) {
+        cpu::fp8_to_bf16_span(q.dtype, src + c0, dst + c0, c1 - c0, pow2_exponent(s));
+      });
+      zero_pad(r);
+    }
   }
+  std::fill(dst_all + q.rows * cols_p, dst_all + rows_p * cols_p, uint16_t(0));
 }
 
 struct Dnnl {
@@ -111,17 +119,22 @@ Dnnl& dnnl_ctx() {
   return ctx;
 }
 
-// oneDNN's descriptor of a row-major BF16 or FP32 matrix of R x C, stored transposed when `trans`;
-// DNNL_RUNTIME_DIM_VAL dimensions give a descriptor for any shape.
+// oneDNN's descriptor of a row-major matrix of rows x cols, stored transposed when `trans`.
 dnnl::memory::desc matrix_desc(int64_t rows, int64_t cols, bool trans, dnnl::memory::data_type type, int64_t ld) {
   return {{rows, cols}, type, trans ? dnnl::memory::dims{1, ld} : dnnl::memory::dims{ld, 1}};
 }
 
-// The BF16 matmul primitives, one per (transposes, alpha, beta), each built once for every shape
-// (runtime dimensions and strides): the routed experts' GEMMs change shape with the tokens each
-// expert gets, every micro-batch, and a primitive built per shape cost ~1 ms of JIT each time
-// (more than the GEMM it runs; 160 a step on tiny.yaml).
+// The BF16 GEMM's dimensions are padded to multiples of kBf16Pad (zero rows and columns in the
+// BF16 copies, which are made anyway): oneDNN 2.6's AMX matmul runs whole 32-row tiles several
+// times faster than ragged ones (177 x 256 x 512: 75 GFLOP/s; padded to 192 rows, ~450-900), and
+// one primitive per padded shape serves the routed experts' token counts, which change every
+// micro-batch (a primitive per exact shape cost ~1 ms of JIT each, 160 a step on tiny.yaml).
+constexpr int64_t kBf16Pad = 32;
+int64_t pad_dim(int64_t n) { return (n + kBf16Pad - 1) / kBf16Pad * kBf16Pad; }
+
+// A BF16 matmul primitive of one (padded) shape, built once.
 struct MatmulKey {
+  int64_t M, N, K, ldc;
   bool trans_a, trans_b;
   uint32_t alpha, beta;  // bit patterns
   auto operator<=>(const MatmulKey&) const = default;
@@ -130,17 +143,17 @@ struct Matmul {
   dnnl::matmul prim;
   std::string impl;
 };
-// A copy (the primitive is a shared handle), so that no other thread can pull it away.
+// A copy (the primitive is a shared handle), so that a clear() by another thread cannot pull it away.
 Matmul bf16_matmul_primitive(const MatmulKey& k) {
   static std::mutex mu;
   static std::map<MatmulKey, Matmul> cache;
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(k); it != cache.end()) return it->second;
+  if (cache.size() >= 4096) cache.clear();  // bounded
   using dnnl::memory;
-  constexpr int64_t R = DNNL_RUNTIME_DIM_VAL;
-  const memory::desc a_md = matrix_desc(R, R, k.trans_a, memory::data_type::bf16, R);
-  const memory::desc b_md = matrix_desc(R, R, k.trans_b, memory::data_type::bf16, R);
-  const memory::desc c_md = matrix_desc(R, R, false, memory::data_type::f32, R);
+  const memory::desc a_md = matrix_desc(k.M, k.K, k.trans_a, memory::data_type::bf16, k.trans_a ? k.M : k.K);
+  const memory::desc b_md = matrix_desc(k.K, k.N, k.trans_b, memory::data_type::bf16, k.trans_b ? k.K : k.N);
+  const memory::desc c_md = matrix_desc(k.M, k.N, false, memory::data_type::f32, k.ldc);
   dnnl::primitive_attr attr;
   if (k.alpha != float_bits(1.0f)) attr.set_output_scales(0, {bits_float(k.alpha)});
   if (k.beta != 0) {
@@ -153,12 +166,14 @@ Matmul bf16_matmul_primitive(const MatmulKey& k) {
 }
 
 // C (M,N) = alpha op(A) op(B) + beta C with BF16 operands stored as given (strides express the
-// transposes) and FP32 accumulation and output. Returns oneDNN's implementation name.
+// transposes; dimensions already padded) and FP32 accumulation and output. Returns oneDNN's
+// implementation name.
 std::string bf16_matmul(const uint16_t* A, bool trans_a, const uint16_t* B, bool trans_b, int64_t M, int64_t N,
                         int64_t K, float alpha, float beta, float* C, int64_t ldc) {
   using dnnl::memory;
   Dnnl& ctx = dnnl_ctx();
-  const Matmul mm = bf16_matmul_primitive({trans_a, trans_b, float_bits(alpha), beta == 0.0f ? 0u : float_bits(beta)});
+  const Matmul mm = bf16_matmul_primitive({M, N, K, ldc, trans_a, trans_b, float_bits(alpha),
+                                           beta == 0.0f ? 0u : float_bits(beta)});
   memory a(matrix_desc(M, K, trans_a, memory::data_type::bf16, trans_a ? M : K), ctx.engine, const_cast<uint16_t*>(A));
   memory b(matrix_desc(K, N, trans_b, memory::data_type::bf16, trans_b ? K : N), ctx.engine, const_cast<uint16_t*>(B));
   memory c(matrix_desc(M, N, false, memory::data_type::f32, ldc), ctx.engine, C);
@@ -270,10 +285,26 @@ void gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, bool trans_b
 
   switch (path) {
     case GemmPath::dequant_bf16: {
+      // Zero-padded BF16 copies (pad_dim): the padding adds exact zeros to every sum, and rows and
+      // columns of the product that are not kept.
       thread_local std::vector<uint16_t> a16, b16;
-      dequant_bf16(A, a16);
-      dequant_bf16(B, b16);
-      const std::string impl = bf16_matmul(a16.data(), trans_a, b16.data(), trans_b, M, N, K, alpha, beta, C, ldc);
+      thread_local std::vector<float> c32;
+      const int64_t Mp = pad_dim(M), Np = pad_dim(N), Kp = pad_dim(K);
+      dequant_bf16(A, a16, trans_a ? Kp : Mp, trans_a ? Mp : Kp);
+      dequant_bf16(B, b16, trans_b ? Np : Kp, trans_b ? Kp : Np);
+      std::string impl;
+      if (Mp == M && Np == N) {
+        impl = bf16_matmul(a16.data(), trans_a, b16.data(), trans_b, M, N, Kp, alpha, beta, C, ldc);
+      } else {
+        // Into a padded scratch, then its M x N corner into C (plus beta C).
+        c32.resize(size_t(Mp * Np));
+        impl = bf16_matmul(a16.data(), trans_a, b16.data(), trans_b, Mp, Np, Kp, alpha, 0.0f, c32.data(), Np);
+        const float* P = c32.data();
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n)
+            C[m * ldc + n] = beta == 0.0f ? P[m * Np + n] : P[m * Np + n] + beta * C[m * ldc + n];
+      }
       if (info) info->impl = "oneDNN " + impl;
       break;
     }
