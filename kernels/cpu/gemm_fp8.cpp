@@ -85,17 +85,21 @@ void dequant_bf16(const QuantView& q, std::vector<uint16_t>& out, int64_t rows_p
     std::fill(dst_all + r * cols_p + cols, dst_all + (r + 1) * cols_p, uint16_t(0));
   };
   if (q.tiling == Tiling::cols_Tx1) {
-    // A scale per column per band of T rows: the exponent steps of a band, then its rows.
-    const int64_t bands = q.scale_rows();
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < bands; ++b) {
-      std::vector<int16_t> add(static_cast<size_t>(cols));
-      for (int64_t c = 0; c < cols; ++c) add[c] = int16_t(pow2_exponent(q.scale_inv[b * cols + c]) * 128);
-      for (int64_t r = b * q.tile; r < std::min(q.rows, (b + 1) * q.tile); ++r) {
-        cpu::fp8_to_bf16_span(q.dtype, q.data + r * cols, dst_all + r * cols_p, cols, add.data());
-        zero_pad(r);
+    // A scale per column per band of T rows: a chunk of columns' exponent steps, then its rows.
+    // The chunks share a band among the threads (an expert's tokens are often one band).
+    constexpr int64_t kChunk = 128;
+    const int64_t bands = q.scale_rows(), chunks = (cols + kChunk - 1) / kChunk;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < bands; ++b)
+      for (int64_t j = 0; j < chunks; ++j) {
+        const int64_t c0 = j * kChunk, w = std::min(cols, c0 + kChunk) - c0;
+        int16_t add[kChunk];
+        for (int64_t c = 0; c < w; ++c) add[c] = int16_t(pow2_exponent(q.scale_inv[b * cols + c0 + c]) * 128);
+        for (int64_t r = b * q.tile; r < std::min(q.rows, (b + 1) * q.tile); ++r) {
+          cpu::fp8_to_bf16_span(q.dtype, q.data + r * cols + c0, dst_all + r * cols_p + c0, w, add);
+          if (j == chunks - 1) zero_pad(r);
+        }
       }
-    }
   } else {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < q.rows; ++r) {

@@ -67,6 +67,9 @@ void quantize_scaled(const float* x, float scale, QuantView out, int64_t* satura
   if (amax) *amax = bits_float(m);
 }
 
+// Columns per task of the column-tiled (T x 1) quantization.
+constexpr int64_t kColChunk = 128;
+
 void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int64_t* saturated, int64_t* underflowed) {
   const Tiling tiling = out.tiling;
   const int tile = out.tile;
@@ -82,22 +85,27 @@ void quantize_tiled(const float* x, const ScaleOptions& opt, QuantView out, int6
   float* scale_inv = out.scale_inv;
   int64_t sat = 0, under = 0;
   if (tiling == Tiling::cols_Tx1) {
-    // Column tiles: walk each band of T rows once, keeping one amax per column (cache friendly).
-#pragma omp parallel for reduction(+ : sat, under) schedule(static)
-    for (int64_t i = 0; i < sr; ++i) {
-      const int64_t r0 = i * tile, r1 = std::min(rows, r0 + tile);
-      std::vector<uint32_t> m(static_cast<size_t>(cols), 0u);
-      for (int64_t r = r0; r < r1; ++r) abs_bits_max_into(m.data(), &x[r * cols], cols);
-      std::vector<float> scale(static_cast<size_t>(cols));
-      for (int64_t c = 0; c < cols; ++c) {
-        scale[c] = compute_scale(bits_float(m[c]), fmax, opt.margin, opt.power_of_two);
-        scale_inv[i * cols + c] = div_rn(1.0f, scale[c]);
+    // Column tiles: each band of T rows in chunks of kColChunk columns, walked once for one amax
+    // per column and once to encode (cache friendly). The chunks share the band among the threads:
+    // an expert's tokens are often a single band.
+    const int64_t chunks = (cols + kColChunk - 1) / kColChunk;
+#pragma omp parallel for collapse(2) reduction(+ : sat, under) schedule(static)
+    for (int64_t i = 0; i < sr; ++i)
+      for (int64_t j = 0; j < chunks; ++j) {
+        const int64_t r0 = i * tile, r1 = std::min(rows, r0 + tile);
+        const int64_t c0 = j * kColChunk, w = std::min(cols, c0 + kColChunk) - c0;
+        uint32_t m[kColChunk] = {};
+        for (int64_t r = r0; r < r1; ++r) abs_bits_max_into(m, &x[r * cols + c0], w);
+        float scale[kColChunk];
+        for (int64_t c = 0; c < w; ++c) {
+          scale[c] = compute_scale(bits_float(m[c]), fmax, opt.margin, opt.power_of_two);
+          scale_inv[i * cols + c0 + c] = div_rn(1.0f, scale[c]);
+        }
+        EncodeStats st;
+        for (int64_t r = r0; r < r1; ++r) encode_span(dtype, &x[r * cols + c0], &q[r * cols + c0], w, scale, true, false, &st);
+        sat += st.saturated;
+        under += st.underflowed;
       }
-      EncodeStats st;
-      for (int64_t r = r0; r < r1; ++r) encode_span(dtype, &x[r * cols], &q[r * cols], cols, scale.data(), true, false, &st);
-      sat += st.saturated;
-      under += st.underflowed;
-    }
   } else {
     // Row and block tiles: each tile's amax, then its bytes, while the tile is in cache.
 #pragma omp parallel for collapse(2) reduction(+ : sat, under) schedule(static)
