@@ -60,7 +60,9 @@ Device gpu(const std::string& name) {
 //   /proc/PID/smaps: 84 MB of anonymous memory that OpenBLAS's GEMM buffers fill (the 1024^3
 //   SGEMM app/step_report.cpp times at start-up), ~60 MB of libcublasLt's pages (linked by the
 //   CUDA build even on the CPU), the other libraries' pages, a 7 MB heap; ru_maxrss also keeps the
-//   12.6 MB of that SGEMM's operands. A CPU-only build has no libcublasLt (--baseline-bytes);
+//   12.6 MB of that SGEMM's operands. A CPU-only build has no libcublasLt (--baseline-bytes).
+//   Since 2026-12-05 the SGEMMs are oneDNN's (no OpenBLAS): the same run peaks at 203 MB (1
+//   thread) and 210 MB (2 threads) on an Intel Xeon (Emerald Rapids) VM; not broken down again;
 // - the libraries' heap beside the tensors: heaptrack over tiny.yaml on one rank (10 steps) peaks
 //   at 221.8 MB of heap, of which 171.8 MB are the backend's tensors (HostBackend::allocate) and
 //   50.0 MB the rest: 38.2 MB oneDNN's (its primitives' scratchpads and JIT code), the CPU FP8
