@@ -23,7 +23,8 @@ const char* to_string(GemmPath p) {
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  if (K == 0) {  // the product is empty: C = beta C
+  if (K == 0) {  // the product is empty: C = beta C (an expert without tokens: its weight gradient)
+    if (beta == 1.0f) return;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
     return;
