@@ -162,6 +162,17 @@ TEST_P(GemmExact, EqualsNaiveLoopOverDequantizedValues) {
   const Problem& p = ec.p;
   const Matrix x = representable_matrix(p.M, p.K, ec.tile, 1), w = representable_matrix(p.N, p.K, ec.tile, 2),
                dy = representable_matrix(p.M, p.N, ec.tile, 3);
+  {
+    // The BF16 path's operand copies are this thread's and padded to multiples of 32: a larger
+    // product first leaves non-zero values where this shape's padding lies, so padding that is not
+    // zeroed again shows below.
+    const Problem big{p.M + 40, p.N + 40, p.K + 40};
+    const FormRun r = setup(Form::forward, big, representable_matrix(big.M, big.K, ec.tile, 4),
+                            representable_matrix(big.N, big.K, ec.tile, 5), representable_matrix(big.M, big.N, ec.tile, 6),
+                            ec.tile, true);
+    Matrix c(static_cast<size_t>(r.rows * r.cols));
+    gemm_fp8(r.A, r.ta, r.B, r.tb, 1.0f, 0.0f, c.data(), r.cols, GemmPath::dequant_bf16);
+  }
   for (Form f : {Form::forward, Form::dgrad, Form::wgrad}) {
     const FormRun r = setup(f, p, x, w, dy, ec.tile, true);
     const std::vector<double> want = dequantized_product(r);
