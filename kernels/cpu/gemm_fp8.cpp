@@ -131,7 +131,8 @@ dnnl::memory::desc matrix_desc(int64_t rows, int64_t cols, bool trans, dnnl::mem
 
 // The BF16 GEMM's dimensions are padded to multiples of kBf16Pad (zero rows and columns in the
 // BF16 copies, which are made anyway): oneDNN 2.6's AMX matmul runs whole 32-row tiles several
-// times faster than ragged ones (177 x 256 x 512: 75 GFLOP/s; padded to 192 rows, ~450-900), and
+// times faster than ragged ones (M x N x K = 177 x 512 x 256: 616 us built for that shape, 94 us
+// padded to 192 rows, on a 2-core Xeon with AMX), and
 // one primitive per padded shape serves the routed experts' token counts, which change every
 // micro-batch (a primitive per exact shape cost ~1 ms of JIT each, 160 a step on tiny.yaml).
 constexpr int64_t kBf16Pad = 32;
