@@ -170,6 +170,12 @@ FP8MOE_AVX512 inline __m512i encode16(__m512 v) {
                                _mm512_set1_epi32(0x7F));
 }
 
+// The sum of 16 unsigned 32-bit lanes, in 64 bits.
+FP8MOE_AVX512 inline int64_t sum_u32_lanes(__m512i v) {
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(v)),
+                                                  _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
+
 // 16 lanes of encode_avx512: the codes stored, the counts kept as lane-wise vector sums (no mask
 // moves to scalar registers in the loop), the amax folded in when asked.
 template <Fp8Dtype F, bool kSat, bool kPerElement>
@@ -209,11 +215,8 @@ FP8MOE_AVX512 void encode_avx512(const float* x, uint8_t* q, int64_t n, const fl
   if (i < n)
     encode_step16<F, kSat, kPerElement>(x + i, q + i, kPerElement ? scale + i : scale, one_scale,
                                         __mmask16((1u << (n - i)) - 1u), want_amax, &sat, &under, &m);
-  st->saturated += _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(sat)),
-                                                            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sat, 1))));
-  st->underflowed +=
-      _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(under)),
-                                               _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(under, 1))));
+  st->saturated += sum_u32_lanes(sat);
+  st->underflowed += sum_u32_lanes(under);
   if (want_amax) st->amax_bits = std::max(st->amax_bits, uint32_t(_mm512_reduce_max_epu32(m)));
 }
 
