@@ -37,7 +37,7 @@ const char* to_string(GemmPath p);
 
 struct GemmInfo {
   GemmPath path = GemmPath::automatic;  // the path that ran
-  std::string impl;                     // e.g. "oneDNN gemm:jit" or "oneDNN sgemm"
+  std::string impl;                     // e.g. "oneDNN brg:avx512_core_amx_bf16" or "oneDNN sgemm"
 };
 
 void gemm_fp8(const QuantTensor& A, bool trans_a, const QuantTensor& B, bool trans_b, float alpha, float beta,
