@@ -16,6 +16,21 @@
 namespace fp8moe::plan_detail {
 namespace {
 
+// What one routed row of the expert all-to-all is, by train.activations (model/plan_model.h
+// expert_row_bytes).
+std::string expert_rows_text(const Config& c) {
+  const int64_t D = c.model.d_model;
+  const ExpertRowBytes b = expert_row_bytes(D, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, c.train.activations);
+  if (c.train.activations == ActivationDtype::fp32)
+    return "FP32 rows of D = " + std::to_string(D) + " values, " + std::to_string(int64_t(b.dispatch)) +
+           " bytes each exchange (train.activations fp32)";
+  const bool fp8 = b.dispatch < 2.0 * double(D);
+  return std::string(fp8 ? "FP8 dispatch, " : "BF16 dispatch, ") + std::to_string(int64_t(b.dispatch)) +
+         " bytes a row" + (fp8 ? " (1 x " + std::to_string(c.fp8.tile) + " tiles and their scales)" : "") +
+         " both ways; BF16 combine, " + std::to_string(int64_t(b.combine)) + " bytes a row both ways; D = " +
+         std::to_string(D) + " (train.activations bf16)";
+}
+
 std::string bytes_text(double b) {
   char s[32];
   if (b >= 1e12) std::snprintf(s, sizeof s, "%.2f TB", b / 1e12);
@@ -102,11 +117,11 @@ void print_target_communication(const PlanReport& rep, double budget) {
   }
   if (unreachable && L.expert > 1) {
     const Roofline top = roofline(p, d, o, 1.0, CommMode::exposed);
-    std::printf("      why: the expert all-to-all alone sends %s per rank per step (FP32 rows of D = %d floats, 4 "
-                "exchanges per MoE layer and micro-batch: dispatch and combine, forward and backward; uniform routing, "
-                "no node-limited deduplication): %s at %s/s of NVLink to the peers inside a node and %s/s of InfiniBand "
-                "to the rest, %.2fx the budget of a whole step\n",
-                bytes_text(ep_bytes).c_str(), p.cfg.model.d_model, seconds_text(top.comm_s[1]).c_str(),
+    std::printf("      why: the expert all-to-all alone sends %s per rank per step (%s; 4 exchanges per MoE layer and "
+                "micro-batch: dispatch and combine, forward and backward; uniform routing, no node-limited "
+                "deduplication): %s at %s/s of NVLink to the peers inside a node and %s/s of InfiniBand to the rest, "
+                "%.2fx the budget of a whole step\n",
+                bytes_text(ep_bytes).c_str(), expert_rows_text(p.cfg).c_str(), seconds_text(top.comm_s[1]).c_str(),
                 bytes_text(d.nvlink).c_str(), bytes_text(d.ib).c_str(), top.comm_s[1] / budget);
   }
 }
@@ -321,8 +336,8 @@ void print_communication(const PlanReport& rep) {
                   seconds_text(r.comm_s[size_t(g)]).c_str());
   }
   if (L.expert > 1)
-    std::printf("  ep: uniform routing, tokens x top_k x (1 - 1/%d) rows leave each rank, FP32 rows as fp8moe sends them\n",
-                L.expert);
+    std::printf("  ep: uniform routing, tokens x top_k x (1 - 1/%d) rows leave each rank; %s\n", L.expert,
+                expert_rows_text(p.cfg).c_str());
 }
 
 void print_bubble(const PlanReport& rep) {

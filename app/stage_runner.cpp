@@ -20,6 +20,8 @@ StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGrou
   // their gradient) after the activation (or its gradient).
   x_in_ = Tensor(be_, DType::f32, {first_ ? 0 : (1 + depth_) * act_});
   dy_in_ = Tensor(be_, DType::f32, {last_ ? 0 : (1 + depth_) * act_});
+  bf16_wire_ = cfg.train.activations == ActivationDtype::bf16;
+  if (bf16_wire_ && !(first_ && last_)) wire_in_ = Tensor(be_, DType::bf16, {(1 + depth_) * act_});
   counts_h_ = HostBuffer<uint64_t>(be_, 2);
 }
 
@@ -79,8 +81,32 @@ void StageRunner::upload_batches(int64_t batches, bool with_mtp) {
 // non-blocking, collected once a step.
 void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* local) {
   const auto t0 = std::chrono::steady_clock::now();
-  g_.pipe->recv(buf, n, peer, tag);
+  if (bf16_wire_) {  // n BF16 values are n / 2 words (d_model is a multiple of 4: io/config_rules.cpp)
+    g_.pipe->recv(static_cast<float*>(wire_in_.raw()), n / 2, peer, tag);
+    be_.from_bf16(wire_in_.data<uint16_t>(), buf, n);
+  } else {
+    g_.pipe->recv(buf, n, peer, tag);
+  }
   if (local) local->waited_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag) {
+  const int64_t n = act_ + n_extra;
+  if (bf16_wire_) {
+    keep = Tensor(be_, DType::bf16, {n});
+    be_.to_bf16(a, keep.data<uint16_t>(), act_);
+    if (n_extra > 0) be_.to_bf16(extra, keep.data<uint16_t>() + act_, n_extra);
+    g_.pipe->isend(static_cast<const float*>(keep.raw()), n / 2, peer, tag);
+    return;
+  }
+  if (n_extra == 0) {  // the activation itself, no copy
+    g_.pipe->isend(a, act_, peer, tag);
+    return;
+  }
+  keep = Tensor(be_, DType::f32, {n});
+  be_.copy(keep.f32(), a, size_t(act_) * sizeof(float));
+  be_.copy(keep.f32() + act_, extra, size_t(n_extra) * sizeof(float));
+  g_.pipe->isend(keep.f32(), n, peer, tag);
 }
 
 void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local) {
@@ -103,13 +129,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   // stay one per micro-batch and direction, as without the modules: nothing new to match (the
   // NCCL communicator posts a stage's sends together with its next receive).
   const int64_t msg = (1 + depth_) * act_;
-  std::vector<Tensor> sent(depth_ > 0 ? 2 * size_t(M) : 0);  // the messages built here, alive until wait_sends
-  auto pack = [&](Tensor& out, const float* a, const float* extra) {
-    out = Tensor(be_, DType::f32, {msg});
-    be_.copy(out.f32(), a, size_t(act_) * sizeof(float));
-    be_.copy(out.f32() + act_, extra, size_t(depth_ * act_) * sizeof(float));
-    return out.f32();
-  };
+  std::vector<Tensor> sent(2 * size_t(M));  // the messages built here (send()), alive until wait_sends
   auto forward = [&](int mb) {
     if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * mb, local);
     double* slot = losses_.data<double>() + mb * slots();
@@ -124,10 +144,9 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
                                             counted_[size_t(mb)], mbs_, T_, first_ ? nullptr : x_in_.f32(), true,
                                             {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale,
                                             counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr);
-    if (!last_ && depth_ == 0) g_.pipe->isend(runs[size_t(mb)].output(), act_, stage + 1, 2 * mb);
-    if (!last_ && depth_ > 0) {
-      const float* emb = first_ ? runs[size_t(mb)].mtp_output() : x_in_.f32() + act_;
-      g_.pipe->isend(pack(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb), msg, stage + 1, 2 * mb);
+    if (!last_) {
+      const float* emb = depth_ == 0 ? nullptr : first_ ? runs[size_t(mb)].mtp_output() : x_in_.f32() + act_;
+      send(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb, depth_ * act_, stage + 1, 2 * mb);
     }
     const StepResult& r = runs[size_t(mb)].result();
     for (size_t l = 0; l < r.expert_load.size(); ++l)
@@ -140,10 +159,9 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
     const bool mtp_in = depth_ > 0 && first_ && !last_;
     model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? dy_in_.f32() + act_ : nullptr);
-    if (!first_ && depth_ == 0) g_.pipe->isend(runs[size_t(mb)].input_grad(), act_, stage - 1, 2 * mb + 1);
-    if (!first_ && depth_ > 0) {
-      const float* demb = last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
-      g_.pipe->isend(pack(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb), msg, stage - 1, 2 * mb + 1);
+    if (!first_) {
+      const float* demb = depth_ == 0 ? nullptr : last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
+      send(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb, depth_ * act_, stage - 1, 2 * mb + 1);
     }
   };
   for (const PipelineOp& op : one_f_one_b(g_.pipe->size(), stage, M)) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
@@ -213,7 +231,8 @@ double StageRunner::validation_loss(DataBlend& data) {
                                               counted_[size_t(b)], mbs_, T_, first_ ? nullptr : x_in_.f32(), false,
                                               {ce.data<double>() + b, nullptr});
     if (!last_) {
-      g_.pipe->isend(run.output(), act_, stage + 1, 0);
+      Tensor keep;
+      send(keep, run.output(), nullptr, 0, stage + 1, 0);
       g_.pipe->wait_sends();
     } else {
       tokens[size_t(b)] = run.result().tokens;

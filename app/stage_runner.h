@@ -73,7 +73,14 @@ class StageRunner {
   // the replicas).
   void sample(DataBlend& data, uint64_t seed, int64_t first_sample, int64_t mb0, int64_t batches, bool count_all);
   void upload_batches(int64_t batches, bool with_mtp);
+  // A message of n values from `peer` into buf (FP32); with train.activations bf16 it travels as
+  // BF16 (n / 2 words) and is widened here, exactly: what was sent is already BF16
+  // (model/context.h's rounding points).
   void recv(float* buf, int64_t n, int peer, int tag, StepLocal* local);
+  // The non-blocking send of a (act_ values) and, with multi-token prediction, extra (depth_ x act_)
+  // to `peer`, built into `keep` where it is not `a` itself (BF16, or the two parts in one message);
+  // keep stays alive until wait_sends().
+  void send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag);
   // Losses per micro-batch: CE, each MoE layer's aux, each multi-token prediction module's CE.
   int64_t slots() const { return 1 + moe_layers_ + depth_; }
 
@@ -88,6 +95,8 @@ class StageRunner {
   std::vector<int64_t> counted_, counted_all_;           // per micro-batch: this replica's, every replica's
   Tensor tokens_, targets_;                              // the same on the device
   Tensor x_in_, dy_in_;                                  // from the previous stage, from the next one (+ MTP's)
+  bool bf16_wire_ = false;                               // train.activations bf16: messages in BF16
+  Tensor wire_in_;                                       // a received BF16 message before widening
   // Multi-token prediction (training): the modules' shifted tokens and targets (batches, depth,
   // mbs, T), their counted targets per micro-batch and module (this replica's, every replica's).
   HostBuffer<int32_t> mtp_tokens_h_, mtp_targets_h_;

@@ -94,6 +94,10 @@ void training_rules(const Rule& rule, const Config& c) {
   // 1 - beta2 is at least half a BF16 step (2^-9 relative); 0.999 would freeze v.
   rule(c.train.moments_dtype != MomentsDtype::bf16 || c.train.beta2 <= 0.996, "train.beta2",
        "at most 0.996 with train.moments_dtype bf16 (a BF16 second moment cannot decay by a smaller factor)");
+  // NOTE: the expert all-to-all and the pipeline move 32-bit words (parallel/communicator.h); a
+  // row of D BF16 values or D FP8 bytes is whole words when D is a multiple of 4.
+  rule(c.train.activations != ActivationDtype::bf16 || c.model.d_model % 4 == 0, "model.d_model",
+       "a multiple of 4 with train.activations bf16 (BF16 and FP8 rows travel as 32-bit words)");
   rule(!(c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.format == Fp8Format::hybrid), "fp8.format",
        "e4m3 with fp8.recipe blockwise (DeepSeek-V3 block scaling is E4M3 only)");
   // The watchdog looks every 250 ms (parallel/watchdog.cpp): a limit under a second is no limit a

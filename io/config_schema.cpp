@@ -412,6 +412,11 @@ const std::vector<Field>& schema() {
                      "Dynamic loss scaling: factor after a step with non-finite gradients (which is skipped)."));
     v.push_back(choice("train.recompute", REF(train.recompute),
                        "Recompute in backward instead of saving: nothing, the MoE blocks, or every block."));
+    v.push_back(choice("train.activations", REF(train.activations),
+                       "fp32: every activation and message FP32 (exact). bf16 (DeepSeek-V3's wire precisions): "
+                       "the residual stream rounded to BF16 between blocks, pipeline messages in BF16, the "
+                       "experts' all-to-all rows in FP8 (blockwise: 1 x tile tiles, quantized once before "
+                       "dispatch) or BF16 (other recipes), combine in BF16; ops inside a block stay FP32."));
     // optim
     v.push_back(integer("optim.zero", REF(optim.zero), 0, 1,
                         "1: shard the Adam moments over the data-parallel replicas (ZeRO-1: reduce-scatter "

@@ -183,6 +183,11 @@ class Backend {
   virtual void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db,
                                int64_t rows, int64_t cols) = 0;
   virtual void add(const float* a, const float* b, float* out, int64_t n) = 0;
+  // BF16 (kernels/elementwise.h): FP32 -> BF16 bits rounded to nearest even, back exactly, and the
+  // rounding in FP32 (y may be x). train.activations: bf16's rounding points and wire formats.
+  virtual void to_bf16(const float* x, uint16_t* y, int64_t n) = 0;
+  virtual void from_bf16(const uint16_t* x, float* y, int64_t n) = 0;
+  virtual void round_bf16(const float* x, float* y, int64_t n) = 0;
 
   // ---- MoE (kernels/router.h, kernels/moe_ops.h) -------------------------------------------------
   virtual void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) = 0;

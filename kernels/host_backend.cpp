@@ -370,6 +370,9 @@ void HostBackend::swiglu_backward(const float* a, const float* b, int64_t ld, co
 }
 
 void HostBackend::add(const float* a, const float* b, float* out, int64_t n) { cpu::add(h(a), h(b), h(out), n); }
+void HostBackend::to_bf16(const float* x, uint16_t* y, int64_t n) { cpu::to_bf16(h(x), h(y), n); }
+void HostBackend::from_bf16(const uint16_t* x, float* y, int64_t n) { cpu::from_bf16(h(x), h(y), n); }
+void HostBackend::round_bf16(const float* x, float* y, int64_t n) { cpu::round_bf16(h(x), h(y), n); }
 
 void HostBackend::route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) {
   cpu::route(h(z), h(bias), rule, h(out));

@@ -97,6 +97,9 @@ class HostBackend final : public Backend {
   void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
                        int64_t cols) override;
   void add(const float* a, const float* b, float* out, int64_t n) override;
+  void to_bf16(const float* x, uint16_t* y, int64_t n) override;
+  void from_bf16(const uint16_t* x, float* y, int64_t n) override;
+  void round_bf16(const float* x, float* y, int64_t n) override;
   void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) override;
   void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows) override;
   void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out) override;

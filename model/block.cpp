@@ -85,7 +85,8 @@ void Block::forward(const float* x, int64_t B, int64_t T, float* out, BlockSaved
     ffn_forward(be, s->h2.f32(), N, D, m.d_ff_dense, dense_.weights(), dense_.fp8(ctx_.fp8, pass), f.f32(), &s->dense);
     if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2.reset();
   } else {
-    moe_forward(be, s->h2.f32(), N, D, m.moe, moe_, moe_fp8(pass), f.f32(), &s->moe, ctx_.dispatcher, aux, ctx_.loads);
+    moe_forward(be, s->h2.f32(), N, D, m.moe, moe_, moe_fp8(pass), f.f32(), &s->moe, ctx_.dispatcher, aux, ctx_.loads,
+                ctx_.activations);
   }
   ctx_.tp_sum(f.f32(), N * D);  // row-parallel W2 (dense, shared and routed experts alike)
   be.add(s->x_mid.f32(), f.f32(), out, N * D);
@@ -103,7 +104,7 @@ void Block::backward(const BlockSaved& s, const float* dout, float* dx, float au
     ctx_.tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
   } else {
     moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
-                 ctx_.dispatcher, ctx_.tp);
+                 ctx_.dispatcher, ctx_.tp, ctx_.activations);
   }
   be.rmsnorm_backward(s.x_mid.f32(), ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
   be.add(dx_mid.f32(), dout, dx_mid.f32(), N * D);

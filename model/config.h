@@ -17,6 +17,7 @@ enum class NormTopk { automatic, yes, no };  // auto: with sigmoid gating (DeepS
 enum class Schedule { cosine, linear, constant };
 enum class MomentsDtype { fp32, bf16 };
 enum class Recompute { none, moe, full };
+enum class ActivationDtype { fp32, bf16 };  // train.activations
 enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
@@ -124,6 +125,11 @@ struct TrainConfig {
   double loss_scale_growth = 2.0;            // dynamic: factor after growth_interval finite steps
   double loss_scale_backoff = 0.5;           // dynamic: factor after a non-finite step
   Recompute recompute = Recompute::none;
+  // bf16 (DeepSeek-V3's precisions, so far): the residual stream rounded to BF16 between blocks,
+  // the pipeline's messages in BF16, the expert all-to-all's rows in FP8 (blockwise recipe: 1 x
+  // tile tiles, quantized once before dispatch) or BF16 (other recipes), and combine in BF16.
+  // Inside a block the ops still run and keep FP32. fp32: every activation and message FP32.
+  ActivationDtype activations = ActivationDtype::fp32;
   bool operator==(const TrainConfig&) const = default;
 };
 
@@ -236,6 +242,7 @@ FP8MOE_ENUM_NAMES(NormTopk, "auto", "true", "false");
 FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Recompute, "none", "moe", "full");
+FP8MOE_ENUM_NAMES(ActivationDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");
 FP8MOE_ENUM_NAMES(AmaxCompute, "max", "most_recent");

@@ -34,6 +34,15 @@ struct ModelContext {
   RopeTables& rope;
   ExpertDispatcher* dispatcher;  // expert parallelism (ep > 1), else nullptr
   HostBuffer<int64_t>* loads;    // (n_experts) pinned: each MoE layer's loads, read back
+  // train.activations: with bf16 the residual stream is rounded to BF16 between blocks and the
+  // expert all-to-all sends FP8 / BF16 rows (model/moe.h, MoeWire).
+  ActivationDtype activations = ActivationDtype::fp32;
+
+  bool bf16_activations() const { return activations == ActivationDtype::bf16; }
+  // x rounded to BF16 in place under train.activations bf16 (a rounding point); nothing under fp32.
+  void round_activation(float* x, int64_t n) const {
+    if (bf16_activations()) be.round_bf16(x, x, n);
+  }
 
   // Sum over the tensor group (row-parallel outputs, column-parallel input gradients); nothing
   // without one.

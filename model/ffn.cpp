@@ -30,13 +30,13 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
     s.h3.reset(), s.l3 = LinearSaved{};
     if (s.fused) {
       s.h1 = Tensor(be, DType::f32, {f.M, 2 * F});
-      l13.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1});
+      l13.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1, f.xq});
       continue;
     }
     s.h1 = Tensor(be, DType::f32, {f.M, F});
     s.h3 = Tensor(be, DType::f32, {f.M, F});
-    l1.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1});
-    l3.push_back({f.x, f.M, f.w->w3, &f.fp8->w3, s.h3.f32(), &s.l3});
+    l1.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1, f.xq});
+    l3.push_back({f.x, f.M, f.w->w3, &f.fp8->w3, s.h3.f32(), &s.l3, f.xq});
   }
   if (!l13.empty()) linear_forward_grouped(be, D, 2 * F, l13);
   if (!l1.empty()) linear_forward_grouped(be, D, F, l1);
@@ -72,7 +72,7 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
     const FfnSaved& s = *f.saved;
     const int64_t M = s.l1.M, D = s.l1.K, F = s.l2.K;
     t[i].da = Tensor(be, DType::f32, {M, F});
-    l2.push_back({&s.l2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2});
+    l2.push_back({&s.l2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2, f.dyq});
     if (s.fused) {
       FP8MOE_ASSERT(f.g->w3 == f.g->w1 + F * D, "ffn_backward: fused W1|W3 needs W3's gradient after W1's");
       t[i].dh1 = Tensor(be, DType::f32, {M, 2 * F});

@@ -54,6 +54,7 @@ struct FfnGroup {
   const FfnFp8* fp8 = nullptr;
   float* y = nullptr;
   FfnSaved* saved = nullptr;  // may be nullptr
+  const QuantView* xq = nullptr;  // blockwise: x already in 1 x T FP8 tiles (LinearGroup::xq); x unread
 };
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups);
 
@@ -70,6 +71,7 @@ struct FfnGradGroup {
   const FfnFp8* fp8 = nullptr;
   float* dx = nullptr;  // may be nullptr
   const FfnGrads* g = nullptr;
+  const QuantView* dyq = nullptr;  // blockwise: dy already in 1 x T FP8 tiles (LinearGradGroup::dyq); dy unread
 };
 void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups);
 

@@ -62,6 +62,24 @@ void quantize_tiled_pair(Backend& be, const float* x, int64_t rows, int64_t cols
   be.quantize_tiled_pair(x, scale_options(c), rows_out->view(), counts, cols_out->view(), nullptr);
 }
 
+// A blockwise operand the caller quantized: 1 x T tiles of this recipe's tile, (rows, cols).
+void check_prequantized(const QuantView& q, int64_t rows, int64_t cols, const LinearFp8& f, const char* what) {
+  FP8MOE_ASSERT(f.enabled() && f.cfg->recipe == Fp8Recipe::blockwise, what,
+                " given in FP8 to a layer that is not blockwise FP8");
+  FP8MOE_ASSERT(q.tiling == Tiling::rows_1xT && q.tile == f.cfg->tile && q.dtype == Fp8Dtype::e4m3, what,
+                " given in FP8 is not in E4M3 1 x ", f.cfg->tile, " tiles");
+  FP8MOE_ASSERT(q.rows == rows && q.cols == cols, what, " given in FP8 is (", q.rows, ", ", q.cols, "), not (", rows,
+                ", ", cols, ")");
+}
+
+// The T x 1 copy of a 1 x T FP8 tensor, through its FP32 values (the transposed tiling needs other
+// scales: DeepSeek-V3's re-tiling of cached activations).
+void retile_cols(Backend& be, const QuantView& rows, const Fp8Config& c, QTensor* out) {
+  Tensor x(be, DType::f32, {rows.rows, rows.cols});
+  if (rows.rows * rows.cols > 0) be.dequantize(rows, x.f32());
+  quantize_tiled(be, x.f32(), rows.rows, rows.cols, Tiling::cols_Tx1, c, nullptr, out);
+}
+
 // The weight's FP8 copy for this call: the step's cached one, or quantized now (into the cache
 // when there is one). Its counts are added when it is quantized, never on reuse.
 const QTensor* quantized_weight(Backend& be, const float* W, int64_t N, int64_t K, const LinearFp8& f,
@@ -83,6 +101,7 @@ LinearSaved& LinearSaved::operator=(LinearSaved&& o) noexcept {
   if (this != &o) {
     const bool own = o.wq == &o.own_wq;
     x = o.x, xq = std::move(o.xq), xt = std::move(o.xt), own_wq = std::move(o.own_wq), M = o.M, K = o.K, N = o.N;
+    xq_ext = o.xq_ext, has_xq_ext = o.has_xq_ext;
     wq = own ? &own_wq : o.wq;
     o.wq = nullptr, o.x = nullptr;
   }
@@ -107,6 +126,17 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     s.M = l.M, s.K = K, s.N = N;
     s.x = l.x;
     s.xt = QTensor{};
+    s.has_xq_ext = false;
+    if (l.xq) {  // quantized by the caller: read as it is
+      check_prequantized(*l.xq, l.M, K, fp8, "a linear layer's input");
+      const Fp8Config& c = *fp8.cfg;
+      s.xq = QTensor{};
+      if (fp8.backward_follows && c.cache_activations) s.xq_ext = *l.xq, s.has_xq_ext = true;
+      if (fp8.backward_follows && !c.cache_activations) retile_cols(be, *l.xq, c, &s.xt);
+      s.wq = quantized_weight(be, l.W, N, K, fp8, fp8.reuse_last_scale ? nullptr : fp8.counts, &s.own_wq);
+      A.push_back(*l.xq), B.push_back(s.wq->view()), C.push_back(l.y);
+      continue;
+    }
     if (!fp8.enabled()) {
       be.sgemm(false, true, l.M, N, K, 1.0f, l.x, K, l.W, K, 0.0f, l.y, N);
       continue;
@@ -161,6 +191,13 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     }
     const Fp8Config& c = *fp8.cfg;
     FP8MOE_ASSERT(s.wq, "linear_backward without its forward's FP8 weight");
+    if (l.dyq) {  // quantized by the caller (dispatched): dgrad reads it, wgrad its re-tiled copy
+      check_prequantized(*l.dyq, M, N, fp8, "a linear layer's output gradient");
+      retile_cols(be, *l.dyq, c, &dyt[g]);
+      if (!l.dx) continue;
+      A.push_back(*l.dyq), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
+      continue;
+    }
     if (c.recipe == Fp8Recipe::blockwise) {
       if (!l.dx) {
         quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt[g]);
@@ -195,9 +232,7 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     if (!c.cache_activations) {
       FP8MOE_ASSERT(s.xt.rows == M && s.xt.cols == K, "linear_backward: its forward kept no T x 1 input (LinearFp8::backward_follows was false)");
     } else {
-      Tensor x_from_cache(be, DType::f32, {M, K});
-      if (M * K > 0) be.dequantize(s.xq.view(), x_from_cache.f32());
-      quantize_tiled(be, x_from_cache.f32(), M, K, Tiling::cols_Tx1, c, nullptr, &xt[g]);
+      retile_cols(be, s.has_xq_ext ? s.xq_ext : s.xq.view(), c, &xt[g]);
       x = &xt[g];
     }
     A.push_back(dyt[g].view()), B.push_back(x->view()), C.push_back(l.dW);

@@ -86,8 +86,70 @@ void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out) {
   cpu::unpermute_add(host_buffers(r), r.offsets.back(), rows, D, true, out);
 }
 
+MoeWire moe_wire(const MoeFp8& fp8, ActivationDtype activations) {
+  MoeWire w;
+  if (activations != ActivationDtype::bf16) return w;
+  w.bf16 = true;
+  if (fp8.experts.empty()) return w;
+  auto blockwise = [](const LinearFp8& l) { return l.enabled() && l.cfg->recipe == Fp8Recipe::blockwise; };
+  const FfnFp8& e = fp8.experts.front();  // every expert's layers have one configuration
+  w.fp8_in = blockwise(e.w1) && blockwise(e.w3);
+  w.fp8_grad = blockwise(e.w2);
+  return w;
+}
+
 namespace {
 bool has_shared(const MoeWeights& w) { return w.shared.w1 != nullptr; }
+
+// rows (R, D) FP32 -> the 1 x T FP8 copy a blockwise layer's GEMM reads (its tile and scale options).
+QTensor quantize_rows(Backend& be, const float* rows, int64_t R, int64_t D, const LinearFp8& layer) {
+  const Fp8Config& c = *layer.cfg;
+  QTensor q(be, R, D, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
+  // A recomputation quantizes again what its forward counted already.
+  if (R > 0) be.quantize_tiled(rows, {c.margin, c.power_of_two_scales}, q.view(), layer.reuse_last_scale ? nullptr : layer.counts);
+  return q;
+}
+
+// Rows [r0, r0 + rows) of a 1 x T FP8 tensor.
+QuantView row_slice(const QTensor& q, int64_t r0, int64_t rows) {
+  QuantView v = q.view();
+  if (v.data) v.data += r0 * v.cols, v.scale_inv += r0 * v.scale_cols();
+  v.rows = rows;
+  return v;
+}
+
+// rows (R, D) rounded to BF16 where they stay on this rank, or sent as BF16 to the experts' ranks
+// and widened there into *out (plan.received rows). Returns the FP32 rows the experts read.
+const float* bf16_dispatch(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan, float* rows, int64_t R,
+                           int64_t D, Tensor* out) {
+  if (!ep) {
+    be.round_bf16(rows, rows, R * D);
+    return rows;
+  }
+  Tensor r16(be, DType::bf16, {R, D}), l16;
+  be.to_bf16(rows, r16.data<uint16_t>(), R * D);
+  ep->dispatch(plan, r16.data<uint16_t>(), D, &l16);
+  *out = Tensor(be, DType::f32, {plan.received, D});
+  be.from_bf16(l16.data<uint16_t>(), out->f32(), plan.received * D);
+  return out->f32();
+}
+
+// The experts' rows (rows_in, D) FP32 -> BF16, brought back to their senders (R rows) in BF16.
+Tensor bf16_combine(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan, const float* rows, int64_t rows_in,
+                    int64_t R, int64_t D) {
+  Tensor r16(be, DType::bf16, {rows_in, D});
+  be.to_bf16(rows, r16.data<uint16_t>(), rows_in * D);
+  if (!ep) return r16;
+  Tensor out(be, DType::bf16, {R, D});
+  ep->combine(plan, r16.data<uint16_t>(), D, out.data<uint16_t>());
+  return out;
+}
+
+Tensor widen(Backend& be, const Tensor& t16) {
+  Tensor out(be, DType::f32, t16.shape());
+  be.from_bf16(t16.data<uint16_t>(), out.f32(), t16.numel());
+  return out;
+}
 
 // Routes the N tokens on the device and reads the loads back (the layer's one synchronisation);
 // with expert parallelism, exchanges them into the plan.
@@ -126,7 +188,7 @@ void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeCo
 
 void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                  const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep, double* aux,
-                 HostBuffer<int64_t>* load_staging) {
+                 HostBuffer<int64_t>* load_staging, ActivationDtype activations) {
   MoeSaved local;
   MoeSaved& s = saved ? *saved : local;
   const int64_t F = cfg.d_expert;
@@ -144,44 +206,72 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   // Routed experts: permute, (expert parallelism: send each row to its expert's rank,) one FFN per
   // expert on its rows (possibly none), (bring the outputs back,) unpermute with gates.
   const int64_t R = r.rows;
+  const MoeWire wire = moe_wire(fp8, activations);
+  const int64_t L = int64_t(r.local_rows.size());
+  FP8MOE_ASSERT(int64_t(w.experts.size()) == L && int64_t(fp8.experts.size()) == L, "MoE: ", w.experts.size(),
+                " expert weights for ", L, " experts");
   s.xr = Tensor(be, DType::f32, {R, D});
   be.permute(x, r.row_token.data<int64_t>(), R, D, s.xr.f32());
   const float* xin = s.xr.f32();
-  if (ep) {
+  s.xq = QTensor{};
+  if (wire.fp8_in) {  // quantized once, here; the experts' first GEMM reads these bytes
+    QTensor q = quantize_rows(be, s.xr.f32(), R, D, fp8.experts.front().w1);
+    s.xr.reset();
+    if (ep) ep->dispatch(r.plan, q, &s.xq);
+    else s.xq = std::move(q);
+    xin = nullptr;
+  } else if (wire.bf16) {
+    xin = bf16_dispatch(be, ep, r.plan, s.xr.f32(), R, D, &s.xl);
+    if (ep) s.xr.reset();
+  } else if (ep) {
     ep->dispatch(r.plan, s.xr.f32(), D, &s.xl);
     s.xr.reset();  // the experts read xl
     xin = s.xl.f32();
   }
-  const int64_t L = int64_t(r.local_rows.size());
-  FP8MOE_ASSERT(int64_t(w.experts.size()) == L && int64_t(fp8.experts.size()) == L, "MoE: ", w.experts.size(),
-                " expert weights for ", L, " experts");
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
   Tensor y(be, DType::f32, {rows_in, D});
   s.experts.clear();
   s.experts.resize(static_cast<size_t>(L));
   std::vector<FfnGroup> groups;  // one FFN per local expert, their GEMMs grouped
-  for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e)
-    groups.push_back({xin + r0 * D, r.local_rows[size_t(e)], &w.experts[size_t(e)], &fp8.experts[size_t(e)],
+  std::vector<QuantView> xq(static_cast<size_t>(L));  // FP8 wire: each expert's rows of s.xq
+  for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e) {
+    const int64_t M = r.local_rows[size_t(e)];
+    groups.push_back({xin ? xin + r0 * D : nullptr, M, &w.experts[size_t(e)], &fp8.experts[size_t(e)],
                       y.f32() + r0 * D, &s.experts[size_t(e)]});
-  ffn_forward_grouped(be, D, F, groups);
-  if (ep) {
-    s.expert_out = Tensor(be, DType::f32, {R, D});
-    ep->combine(r.plan, y.f32(), D, s.expert_out.f32());
-  } else {
-    s.expert_out = std::move(y);
+    if (wire.fp8_in) xq[size_t(e)] = row_slice(s.xq, r0, M), groups.back().xq = &xq[size_t(e)];
   }
-  be.unpermute_add(rb, R, s.expert_out.f32(), D, true, out);
+  ffn_forward_grouped(be, D, F, groups);
+  s.expert_out.reset(), s.expert_out16.reset();
+  if (wire.bf16) {  // combine in BF16; kept so for the gates' gradient
+    s.expert_out16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D);
+    y.reset();
+    const Tensor e32 = widen(be, s.expert_out16);
+    be.unpermute_add(rb, R, e32.f32(), D, true, out);
+  } else {
+    if (ep) {
+      s.expert_out = Tensor(be, DType::f32, {R, D});
+      ep->combine(r.plan, y.f32(), D, s.expert_out.f32());
+    } else {
+      s.expert_out = std::move(y);
+    }
+    be.unpermute_add(rb, R, s.expert_out.f32(), D, true, out);
+  }
   const bool inputs_cached = std::none_of(s.experts.begin(), s.experts.end(), [](const FfnSaved& e) {
     return e.l1.needs_fp32_input() || e.l3.needs_fp32_input();
   });
   if (inputs_cached) s.xr.reset(), s.xl.reset();  // the experts keep their inputs in FP8
+  // The FP8 rows stay only where the layers kept them as their input (fp8.cache_activations).
+  const bool xq_read = std::any_of(s.experts.begin(), s.experts.end(), [](const FfnSaved& e) {
+    return e.l1.has_xq_ext || e.l3.has_xq_ext;
+  });
+  if (!xq_read) s.xq = QTensor{};
 
   if (aux) be.aux_loss(rb, cfg.aux_loss_coef, cfg.gating == Gating::sigmoid, aux);
 }
 
 void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                   const float* dout, float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g,
-                  ExpertDispatcher* ep, Communicator* tp) {
+                  ExpertDispatcher* ep, Communicator* tp, ActivationDtype activations) {
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
   const int64_t N = r.N, E = r.E, k = r.k, R = r.rows;
@@ -191,12 +281,25 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     be.zero(dx, size_t(N * D) * sizeof(float));
 
   // Per permuted row: the gradient of the expert's output (gate x dout) and of the gate.
+  const MoeWire wire = moe_wire(fp8, activations);
   Tensor dgate(be, DType::f64, {N, k}), dye(be, DType::f32, {R, D});
-  be.gate_grad(rb, R, dout, s.expert_out.f32(), D, dye.f32(), dgate.data<double>());
+  {
+    const Tensor e32 = wire.bf16 ? widen(be, s.expert_out16) : Tensor{};
+    be.gate_grad(rb, R, dout, wire.bf16 ? e32.f32() : s.expert_out.f32(), D, dye.f32(), dgate.data<double>());
+  }
   // (Expert parallelism: to the experts' ranks and back.)
   Tensor dyl;
+  QTensor dyq;
   const float* dyin = dye.f32();
-  if (ep) {
+  if (wire.fp8_grad) {  // quantized once, here; the down-projection's dgrad reads these bytes
+    QTensor q = quantize_rows(be, dye.f32(), R, D, fp8.experts.front().w2);
+    dye.reset();
+    if (ep) ep->dispatch(r.plan, q, &dyq);
+    else dyq = std::move(q);
+    dyin = nullptr;
+  } else if (wire.bf16) {
+    dyin = bf16_dispatch(be, ep, r.plan, dye.f32(), R, D, &dyl);
+  } else if (ep) {
     ep->dispatch(r.plan, dye.f32(), D, &dyl);
     dyin = dyl.f32();
   }
@@ -204,12 +307,18 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
   Tensor dxl(be, DType::f32, {rows_in, D});
   std::vector<FfnGradGroup> groups;  // one FFN per local expert, their GEMMs grouped
-  for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e)
-    groups.push_back({&s.experts[size_t(e)], &w.experts[size_t(e)], dyin + r0 * D, &fp8.experts[size_t(e)],
-                      dxl.f32() + r0 * D, &g.experts[size_t(e)]});
+  std::vector<QuantView> dq(static_cast<size_t>(L));  // FP8 wire: each expert's rows of dyq
+  for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e) {
+    groups.push_back({&s.experts[size_t(e)], &w.experts[size_t(e)], dyin ? dyin + r0 * D : nullptr,
+                      &fp8.experts[size_t(e)], dxl.f32() + r0 * D, &g.experts[size_t(e)]});
+    if (wire.fp8_grad) dq[size_t(e)] = row_slice(dyq, r0, r.local_rows[size_t(e)]), groups.back().dyq = &dq[size_t(e)];
+  }
   ffn_backward_grouped(be, groups);
+  dyq = QTensor{}, dyl.reset();
   Tensor dxe;
-  if (ep) {
+  if (wire.bf16) {  // combine's backward in BF16 too
+    dxe = widen(be, bf16_combine(be, ep, r.plan, dxl.f32(), rows_in, R, D));
+  } else if (ep) {
     dxe = Tensor(be, DType::f32, {R, D});
     ep->combine(r.plan, dxl.f32(), D, dxe.f32());
   } else {

@@ -62,11 +62,16 @@ struct MoeSaved {
   MoeRouting routing;
   Tensor xr;          // (R, D) permuted inputs of the experts (freed when cached in FP8)
   Tensor xl;          // expert parallelism: the local experts' input rows (freed when cached in FP8)
-  Tensor expert_out;  // (R, D) in permuted order: expert e's rows at offsets[e]
+  Tensor expert_out;  // (R, D) in permuted order: expert e's rows at offsets[e] (FP32 wire)
+  // train.activations bf16: the experts' input rows as they arrived in FP8 (1 x T tiles), kept while
+  // their layers read them (fp8.cache_activations); and expert_out in BF16, as combine brought it.
+  QTensor xq;
+  Tensor expert_out16;
   std::vector<FfnSaved> experts;
   FfnSaved shared;
   int64_t bytes() const {
-    int64_t b = int64_t(xr.bytes() + xl.bytes() + expert_out.bytes()) + routing.bytes() + shared.bytes();
+    int64_t b = int64_t(xr.bytes() + xl.bytes() + expert_out.bytes() + expert_out16.bytes()) + routing.bytes() +
+                shared.bytes() + (xq.empty() ? 0 : xq.bytes());
     for (const FfnSaved& e : experts) b += e.bytes();
     return b;
   }
@@ -74,6 +79,21 @@ struct MoeSaved {
 
 // The router's rule of a config for N tokens (capacity resolved).
 RouterRule router_rule(const MoeConfig& cfg, int64_t N);
+
+// How the routed experts' rows travel (the expert all-to-all's payload) and are kept, by
+// train.activations: fp32: every row FP32. bf16 (DeepSeek-V3): the experts' inputs quantized ONCE
+// before dispatch, in the blockwise recipe's 1 x T tiles (its scale options: power-of-two scales by
+// default), rows and scales sent together, and read as they are by the experts' first GEMM; the
+// gradient of the experts' outputs likewise before the down-projection's backward; combine, both
+// ways, in BF16. Where the experts' layers are not blockwise FP8 (recipe off, per-tensor recipes),
+// their inputs and output gradients travel in BF16. The rounding happens with or without expert
+// parallelism, so that the layouts compute the same.
+struct MoeWire {
+  bool fp8_in = false;    // the experts' inputs in FP8
+  bool fp8_grad = false;  // the gradients of their outputs in FP8
+  bool bf16 = false;      // BF16 where not FP8, and combine in BF16
+};
+MoeWire moe_wire(const MoeFp8& fp8, ActivationDtype activations);
 
 // Top-k routing of router logits z (N, E) with the selection bias (E) on the host, for tests and
 // tools (the CPU kernel of kernels/router.h; the model runs the backend's).
@@ -101,14 +121,15 @@ void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out);
 // allocated here).
 void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                  const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep = nullptr,
-                 double* aux = nullptr, HostBuffer<int64_t>* load_staging = nullptr);
+                 double* aux = nullptr, HostBuffer<int64_t>* load_staging = nullptr,
+                 ActivationDtype activations = ActivationDtype::fp32);
 // dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
 // With `tp` (tensor parallelism: expert and shared widths split, w1/w3 column- and w2 row-parallel;
 // router replicated), the gates' gradients and the experts' input gradients are summed over it
 // here (collective); the caller sums the forward output over it.
 void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
                   float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep = nullptr,
-                  Communicator* tp = nullptr);
+                  Communicator* tp = nullptr, ActivationDtype activations = ActivationDtype::fp32);
 
 // Aux-loss-free balancing after a step on the host: bias_e += rate * sign(mean load - load_e).
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate);

@@ -174,6 +174,17 @@ PlanLayout plan_layout(const Config& c, int world) {
 // mtp the modules' blocks count in L_s and the MoE layers of the last stage; tp adds per module an
 //     all-reduce of N x D on the first stage (its embedding) and N x D plus 20 N bytes on the last
 //     (its head's input gradient, its cross-entropy).
+ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations) {
+  const double d = double(D);
+  if (activations == ActivationDtype::fp32) return {4 * d, 4 * d, 4 * d, 4 * d};
+  // model/moe.cpp moe_wire: the routed experts' layers blockwise FP8 (all three, one configuration).
+  const bool fp8_rows = fp8 && fp8->recipe == Fp8Recipe::blockwise && fp8->layers.experts;
+  const double fp8_row = fp8_rows ? fp8_copy_bytes(1, D, PlanTiling::rows_1xT, fp8->tile) : 2 * d;
+  return {fp8_row, 2 * d, fp8_row, 2 * d};
+}
+
+double pipeline_value_bytes(ActivationDtype activations) { return activations == ActivationDtype::bf16 ? 2 : 4; }
+
 std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   const ModelConfig& m = *s.model;
   const double N = s.tokens, D = m.d_model, Mb = s.micro_batches;
@@ -186,10 +197,11 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   b[0] = ring(s.tensor) * Mb *
          (((3 * Ls + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
-  b[1] = s.expert > 1 ? 4 * s.rows_off_rank * D * 4 + Mb * Lm * (s.expert - 1) * s.local_experts * 8 : 0;
+  const double row = expert_row_bytes(m.d_model, s.fp8, s.activations).total();
+  b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 : 0;
   b[2] = ring(s.data) * s.dense_bytes;
   b[3] = ring(s.expert_data) * s.expert_bytes;
-  b[4] = Mb * N * D * 4 * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
+  b[4] = Mb * N * D * pipeline_value_bytes(s.activations) * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
   return b;
 }
 

@@ -39,8 +39,23 @@ struct CommShape {
   int local_experts = 0;
   double dense_bytes = 0, expert_bytes = 0;  // the trainable parameters this rank holds, FP32
   double rows_off_rank = 0;  // routed rows of this rank sent to another expert rank, over the step
+  const Fp8Config* fp8 = nullptr;                       // nullptr: FP8 off
+  ActivationDtype activations = ActivationDtype::fp32;  // train.activations
 };
 std::array<double, 5> analytic_comm_bytes(const CommShape& s);
+
+// The bytes of one routed row of D values in each of the expert all-to-all's four exchanges
+// (model/moe.h MoeWire): the experts' input (dispatch), their output (combine), its gradient
+// (dispatch, backward) and the input's gradient (combine, backward). fp32: 4 D each; bf16: FP8 rows
+// of D bytes and ceil(D / tile) FP32 scales where the experts are blockwise FP8, else 2 D; combine
+// 2 D both ways.
+struct ExpertRowBytes {
+  double dispatch = 0, combine = 0, grad_dispatch = 0, grad_combine = 0;
+  double total() const { return dispatch + combine + grad_dispatch + grad_combine; }
+};
+ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations);
+// The bytes of one value of the pipeline's messages (activations and their gradients): 4 or 2.
+double pipeline_value_bytes(ActivationDtype activations);
 inline constexpr const char* kCommGroupNames[5] = {"tp", "ep", "dp", "edp", "pp"};
 
 // One FP8 copy's bytes (kernels/tensor.h QTensor: one byte per element and its FP32 scales in the

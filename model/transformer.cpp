@@ -80,7 +80,8 @@ Transformer::Transformer(Backend& be, const Config& cfg, ModelGroups groups)
   loads_h_ = HostBuffer<int64_t>(be, m.moe.n_experts);
   rope_.ensure(be, m, cfg.train.seq_len);
   ctx_ = std::make_unique<ModelContext>(
-      ModelContext{be, m, placement_, placement_.local(), tp, *fp8_, rope_, dispatcher_.get(), &loads_h_});
+      ModelContext{be, m, placement_, placement_.local(), tp, *fp8_, rope_, dispatcher_.get(), &loads_h_,
+                   cfg.train.activations});
   // The blocks of this stage and, on the last, the multi-token prediction modules' blocks.
   const int end = placement_.last_stage() ? m.n_layers + m.mtp_depth : placement_.layer_end();
   for (int l = placement_.layer_begin(); l < end; ++l) {
@@ -116,6 +117,7 @@ void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
   const int64_t D = local().d_model, Vl = local().vocab_size, v0 = placement_.vocab_first();
   be_.embedding_forward(embed_.w, tokens, N, D, v0, Vl, out);
   ctx_->tp_sum(out, N * D);  // each token's row comes from the one rank holding it
+  ctx_->round_activation(out, N * D);  // the residual stream's first rounding point
 }
 
 void Transformer::embed_backward(const float* dx, const int32_t* tokens, int64_t N) {
@@ -209,6 +211,7 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
     const int moe = l - m.first_dense_layers;
     block.forward(st.xs[size_t(l - L0)].f32(), B, T, st.xs[size_t(l - L0 + 1)].f32(), &sv,
                   backward ? block.training() : Pass::evaluation(), moe >= 0 && slots.aux ? slots.aux + moe : nullptr);
+    ctx_->round_activation(st.xs[size_t(l - L0 + 1)].f32(), N * D);  // between blocks (and stages)
     finish_block(block, &sv, &result);
     // A recomputed block keeps only its input (the stage's) and its routing.
     saved_bytes += sv.kept ? sv.bytes(D) : N * D * int64_t(sizeof(float)) + sv.moe.routing.bytes();
@@ -257,6 +260,7 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
       if (st.mtp_n == 0) return;
       st.mtp_demb = Tensor(be_, DType::f32, {st.mtp_n});
       mtp_->backward(&st.mtp, st.mtp_emb.f32(), st.head.hf.f32(), N, st.aux_grad_scale, st.mtp_demb.f32(), dhf);
+      ctx_->round_activation(st.mtp_demb.f32(), st.mtp_n);  // a pipeline message on several stages
       if (!placement_.first_stage()) st.mtp_emb.reset();
     });
   } else {
@@ -267,6 +271,7 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
     BlockSaved& sv = st.saved[size_t(l - L0)];
     block.recompute_if_dropped(st.xs[size_t(l - L0)].f32(), &sv);
     block.backward(sv, dx.f32(), dnext.f32(), st.aux_grad_scale);
+    ctx_->round_activation(dnext.f32(), N * D);  // the gradient between blocks (and stages)
     sv = BlockSaved{};
     std::swap(dx, dnext);
   }
@@ -302,9 +307,11 @@ std::vector<float> Transformer::last_logits(const int32_t* tokens, int64_t T, in
   const Tensor ids = tensor_from(be_, std::vector<int32_t>(tokens, tokens + T), {T});
   Tensor x(be_, DType::f32, {T, D}), y(be_, DType::f32, {T, D});
   be_.embedding_forward(embed_.w, ids.data<int32_t>(), T, D, 0, V, x.f32());
+  ctx_->round_activation(x.f32(), T * D);  // the training forward's rounding points
   for (int l = 0; l < m.n_layers; ++l) {
     BlockSaved s;
     blocks_[size_t(l)]->forward(x.f32(), 1, T, y.f32(), &s, Pass::evaluation(), nullptr);
+    ctx_->round_activation(y.f32(), T * D);
     std::swap(x, y);
   }
   HeadSaved h;

@@ -47,41 +47,76 @@ void block_offsets(const DispatchPlan& p, std::vector<int64_t>* source_major, st
 }
 }  // namespace
 
-void ExpertDispatcher::dispatch(const DispatchPlan& p, const float* rows, int64_t D, Tensor* out) {
+// The communicator moves FP32 values; every format's rows are whole 32-bit words of bytes, which
+// it moves unchanged (an all-to-all does no arithmetic).
+void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
+  FP8MOE_ASSERT(row_bytes % 4 == 0, "expert dispatch: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const int P = p.ranks, L = p.local_experts;
+  const int64_t words = row_bytes / 4;
   std::vector<int64_t> sc(static_cast<size_t>(P)), rc(static_cast<size_t>(P), 0);
   for (int j = 0; j < P; ++j) {
-    sc[size_t(j)] = p.send_rows[size_t(j)] * D;
-    for (int l = 0; l < L; ++l) rc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * D;
+    sc[size_t(j)] = p.send_rows[size_t(j)] * words;
+    for (int l = 0; l < L; ++l) rc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * words;
   }
-  Tensor buf(be_, DType::f32, {p.received, D});
-  rows_.alltoallv(rows, sc.data(), buf.f32(), rc.data());
+  Tensor buf(be_, DType::f32, {p.received * words});
+  rows_.alltoallv(static_cast<const float*>(rows), sc.data(), buf.f32(), rc.data());
   // Source-major -> expert-major: P x L contiguous blocks moved on the device.
-  *out = Tensor(be_, DType::f32, {p.received, D});
   std::vector<int64_t> src_off, dst_off;
   block_offsets(p, &src_off, &dst_off);
+  auto* o = static_cast<char*>(out);
+  const auto* b = static_cast<const char*>(buf.raw());
   for (int i = 0; i < P * L; ++i)
     if (p.recv_counts[size_t(i)] > 0)
-      be_.copy(out->f32() + dst_off[size_t(i)] * D, buf.f32() + src_off[size_t(i)] * D,
-               size_t(p.recv_counts[size_t(i)] * D) * sizeof(float));
+      be_.copy(o + dst_off[size_t(i)] * row_bytes, b + src_off[size_t(i)] * row_bytes,
+               size_t(p.recv_counts[size_t(i)] * row_bytes));
+}
+
+void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
+  FP8MOE_ASSERT(row_bytes % 4 == 0, "expert combine: rows of ", row_bytes, " bytes are not whole 32-bit words");
+  const int P = p.ranks, L = p.local_experts;
+  const int64_t words = row_bytes / 4;
+  // Expert-major -> source-major, then back to the senders.
+  Tensor buf(be_, DType::f32, {p.received * words});
+  std::vector<int64_t> src_off, dst_off;
+  block_offsets(p, &dst_off, &src_off);
+  auto* b = static_cast<char*>(buf.raw());
+  const auto* r = static_cast<const char*>(rows);
+  for (int i = 0; i < P * L; ++i)
+    if (p.recv_counts[size_t(i)] > 0)
+      be_.copy(b + dst_off[size_t(i)] * row_bytes, r + src_off[size_t(i)] * row_bytes,
+               size_t(p.recv_counts[size_t(i)] * row_bytes));
+  std::vector<int64_t> sc(static_cast<size_t>(P), 0), rc(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j) {
+    for (int l = 0; l < L; ++l) sc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * words;
+    rc[size_t(j)] = p.send_rows[size_t(j)] * words;
+  }
+  rows_.alltoallv(buf.f32(), sc.data(), static_cast<float*>(out), rc.data());
+}
+
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const float* rows, int64_t D, Tensor* out) {
+  *out = Tensor(be_, DType::f32, {p.received, D});
+  dispatch_bytes(p, rows, D * int64_t(sizeof(float)), out->raw());
 }
 
 void ExpertDispatcher::combine(const DispatchPlan& p, const float* rows, int64_t D, float* out) {
-  const int P = p.ranks, L = p.local_experts;
-  // Expert-major -> source-major, then back to the senders.
-  Tensor buf(be_, DType::f32, {p.received, D});
-  std::vector<int64_t> src_off, dst_off;
-  block_offsets(p, &dst_off, &src_off);
-  for (int i = 0; i < P * L; ++i)
-    if (p.recv_counts[size_t(i)] > 0)
-      be_.copy(buf.f32() + dst_off[size_t(i)] * D, rows + src_off[size_t(i)] * D,
-               size_t(p.recv_counts[size_t(i)] * D) * sizeof(float));
-  std::vector<int64_t> sc(static_cast<size_t>(P), 0), rc(static_cast<size_t>(P));
-  for (int j = 0; j < P; ++j) {
-    for (int l = 0; l < L; ++l) sc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * D;
-    rc[size_t(j)] = p.send_rows[size_t(j)] * D;
-  }
-  rows_.alltoallv(buf.f32(), sc.data(), out, rc.data());
+  combine_bytes(p, rows, D * int64_t(sizeof(float)), out);
+}
+
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const uint16_t* rows, int64_t D, Tensor* out) {
+  *out = Tensor(be_, DType::bf16, {p.received, D});
+  dispatch_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out->raw());
+}
+
+void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int64_t D, uint16_t* out) {
+  combine_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out);
+}
+
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const QTensor& rows, QTensor* out) {
+  FP8MOE_ASSERT(rows.tiling == Tiling::rows_1xT, "FP8 expert dispatch takes rows in 1 x T tiles");
+  const int64_t D = rows.cols, S = tiling_scale_cols(rows.tiling, rows.tile, D);
+  *out = QTensor(be_, p.received, D, rows.dtype, rows.tiling, rows.tile);
+  dispatch_bytes(p, rows.data.raw(), D, out->data.raw());
+  dispatch_bytes(p, rows.scale_inv.raw(), S * int64_t(sizeof(float)), out->scale_inv.raw());
 }
 
 }  // namespace fp8moe

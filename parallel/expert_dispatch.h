@@ -54,7 +54,20 @@ class ExpertDispatcher {
   // counts, D) in this rank's dispatch input order. Backend memory.
   void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out);
 
+  // The same exchanges of other row formats (train.activations bf16), the bytes moved unchanged:
+  // BF16 rows (D values of 2 bytes), and FP8 rows with their scales (DeepEP's FP8 dispatch): a
+  // QTensor of 1 x T tiles, each row's D bytes and its ceil(D / T) FP32 scales going together.
+  // D (and so every row) is a whole number of 32-bit words: D a multiple of 4 (BF16: even).
+  void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out);
+  void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out);
+  void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out);
+
  private:
+  // The exchanges over rows of row_bytes bytes each (a multiple of 4): dispatch into `out`
+  // (plan.received rows, expert-major), combine into `out` (this rank's sent rows, its order).
+  void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+  void combine_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+
   Backend& be_;
   Communicator &rows_, &counts_;
   int experts_ = 0, local_ = 0;

@@ -331,6 +331,9 @@ class CudaBackendImpl final : public CudaBackend {
     cuda::swiglu_backward(a, b, ld, dy, da, db, rows, cols, compute_);
   }
   void add(const float* a, const float* b, float* out, int64_t n) override { cuda::add(a, b, out, n, compute_); }
+  void to_bf16(const float* x, uint16_t* y, int64_t n) override { cuda::to_bf16(x, y, n, compute_); }
+  void from_bf16(const uint16_t* x, float* y, int64_t n) override { cuda::from_bf16(x, y, n, compute_); }
+  void round_bf16(const float* x, float* y, int64_t n) override { cuda::round_bf16(x, y, n, compute_); }
 
   // ---- MoE --------------------------------------------------------------------------------------
   void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) override {

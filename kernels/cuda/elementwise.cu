@@ -22,7 +22,18 @@ __global__ void from_bf16_kernel(const uint16_t* __restrict__ x, float* __restri
   FP8MOE_GRID_STRIDE(i, n) y[i] = bf16_decode(x[i]);
 }
 
+// NOTE: no __restrict__: y may be x.
+__global__ void round_bf16_kernel(const float* x, float* y, int64_t n) {
+  FP8MOE_GRID_STRIDE(i, n) y[i] = bf16_decode(bf16_encode(x[i]));
+}
+
 }  // namespace
+
+void round_bf16(const float* x, float* y, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  round_bf16_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(x, y, n);
+  check_launch();
+}
 
 void to_bf16(const float* x, uint16_t* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return;

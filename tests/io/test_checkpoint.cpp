@@ -481,6 +481,9 @@ class WatchedDevice final : public Backend {
     d_->swiglu_backward(a, b, ld, dy, da, db, rows, cols);
   }
   void add(const float* a, const float* b, float* out, int64_t n) override { d_->add(a, b, out, n); }
+  void to_bf16(const float* x, uint16_t* y, int64_t n) override { d_->to_bf16(x, y, n); }
+  void from_bf16(const uint16_t* x, float* y, int64_t n) override { d_->from_bf16(x, y, n); }
+  void round_bf16(const float* x, float* y, int64_t n) override { d_->round_bf16(x, y, n); }
   void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) override {
     d_->route(z, bias, rule, out);
   }

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -49,6 +51,73 @@ TEST_P(DeviceOps, ElementwiseAddMatchesCpuBitwise) {
     expect_bitwise(c.second, again, "cpu backend a += out vs the rounded FP64 sum");
     expect_bitwise(g.first, c.first, "a + b");
     expect_bitwise(g.second, c.second, "a += out");
+  }
+}
+
+// ---- BF16 (train.activations: bf16) -------------------------------------------------------------
+
+// The BF16 nearest to x, found without bf16_encode's bit trick: of the two BF16 values around x
+// (x's high 16 bits, and the next BF16 away from zero), the closer in FP64; a tie goes to the one
+// whose last mantissa bit is 0. Past BF16's largest finite value rounding gives infinity (RNE).
+uint16_t nearest_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (std::isnan(x)) return uint16_t((u >> 16) | 0x40u);
+  const uint16_t lo = uint16_t(u >> 16), hi = uint16_t(lo + 1);  // same sign, larger magnitude
+  auto val = [](uint16_t b) {
+    const uint32_t w = uint32_t(b) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return double(f);
+  };
+  if ((u & 0xFFFFu) == 0) return lo;
+  // Past the largest finite BF16 the next value is infinity, which rounding treats as 2^128.
+  const double vh = std::isinf(val(hi)) ? std::copysign(std::ldexp(1.0, 128), double(x)) : val(hi);
+  const double dl = std::abs(double(x) - val(lo)), dh = std::abs(vh - double(x));
+  if (dl != dh) return dl < dh ? lo : hi;
+  return (lo & 1u) ? hi : lo;
+}
+
+TEST_P(DeviceOps, Bf16ConversionsRoundToNearestEven) {
+  // Random values over many binades, the half-way cases either way, the largest values, subnormals,
+  // infinities, NaN and signed zeros.
+  std::vector<float> x = normal_vector(4099, 71);
+  for (size_t i = 0; i < x.size(); i += 3) x[i] = std::ldexp(x[i], int(i % 200) - 100);
+  auto bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  for (uint32_t u : {0x3F808000u, 0x3F818000u, 0xBF808000u, 0x3F808001u, 0x7F7FFFFFu, 0x7F7F8000u, 0x7F7F7FFFu,
+                     0x00000001u, 0x00008000u, 0x00018000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u,
+                     0x80000000u, 0x00000000u})
+    x.push_back(bits(u));
+  const int64_t n = int64_t(x.size());
+  std::vector<uint16_t> want(x.size());
+  std::vector<float> want_f(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    want[i] = nearest_bf16(x[i]);
+    want_f[i] = bits(uint32_t(want[i]) << 16);
+  }
+  auto [c, g] = both([&](Backend& be) {
+    Tensor gx = up(be, x), y16 = poisoned(be, DType::bf16, n), yf = poisoned(be, DType::f32, n);
+    Tensor inplace = up(be, x);
+    be.to_bf16(gx.f32(), y16.data<uint16_t>(), n);
+    be.from_bf16(y16.data<uint16_t>(), yf.f32(), n);
+    be.round_bf16(inplace.f32(), inplace.f32(), n);
+    expect_unchanged(gx, x, "x");
+    return std::make_tuple(down<uint16_t>(y16), down<float>(yf), down<float>(inplace));
+  });
+  expect_bitwise(std::get<0>(c), want, "cpu backend to_bf16 vs the nearest BF16");
+  expect_bitwise(std::get<1>(c), want_f, "cpu backend from_bf16 vs the nearest BF16's value");
+  expect_bitwise(std::get<2>(c), want_f, "cpu backend round_bf16 in place");
+  // CUDA's conversion is bf16_encode too: bitwise on both devices.
+  expect_bitwise(std::get<0>(g), want, "device to_bf16");
+  expect_bitwise(std::get<1>(g), want_f, "device from_bf16");
+  expect_bitwise(std::get<2>(g), want_f, "device round_bf16 in place");
+  // Nothing to convert is nothing done.
+  for (Backend* be : {&cpu(), &dev()}) {
+    be->to_bf16(nullptr, nullptr, 0), be->from_bf16(nullptr, nullptr, 0), be->round_bf16(nullptr, nullptr, 0);
   }
 }
 

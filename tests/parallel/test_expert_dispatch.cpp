@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "kernels/backend.h"
+#include "kernels/fp8.h"
 #include "parallel/device_communicator.h"
 #include "parallel/expert_dispatch.h"
 #include "parallel/mpi_communicator.h"
@@ -130,6 +131,47 @@ TEST_P(ExpertDispatchOn, SelfDescribingRowsRoundTrip) {
         for (int s = 0; s < k; ++s) gsum += rt.gate[size_t(t * k + s)];
         for (int d = 4; d < kD; ++d) EXPECT_EQ(y[size_t(t * kD + d)], x[size_t(t * kD + d)] * gsum);
       }
+
+      // train.activations bf16's formats, the bytes moved unchanged: BF16 rows (the FP32 rows'
+      // values rounded), and FP8 rows of 8 self-describing bytes with their two 1 x 4 tiles' scales.
+      std::vector<uint16_t> rows16(rows.size()), want16(want.size());
+      for (size_t i = 0; i < rows.size(); ++i) rows16[i] = bf16_encode(rows[i]);
+      for (size_t i = 0; i < want.size(); ++i) want16[i] = bf16_encode(want[i]);
+      const Tensor rows16_d = tensor_from(*be, rows16, {int64_t(rows16.size())});
+      Tensor got16_d;
+      disp.dispatch(plan, rows16_d.data<uint16_t>(), kD, &got16_d);
+      EXPECT_EQ(to_host<uint16_t>(got16_d), want16) << "BF16 rows, E " << E << " T " << T;
+      Tensor back16_d(*be, DType::bf16, {int64_t(rows.size())});
+      disp.combine(plan, got16_d.data<uint16_t>(), kD, back16_d.data<uint16_t>());
+      EXPECT_EQ(to_host<uint16_t>(back16_d), rows16) << "BF16 combine, E " << E << " T " << T;
+
+      constexpr int kQ = 8;  // FP8 row: src, token, slot, expert and 4 payload bytes; scales (2) per row
+      auto fp8_row = [](int r, int t, int s, int e, std::vector<uint8_t>* b, std::vector<float>* sc) {
+        for (int v : {r, t, s, e, r * 7 + t, t * 3 + s, e + 1, 255 - t}) b->push_back(uint8_t(v));
+        sc->push_back(float(r) + float(t) / 64), sc->push_back(float(s) + float(e) / 64);
+      };
+      std::vector<uint8_t> qb, want_qb;
+      std::vector<float> qs, want_qs;
+      for (size_t i = 0; i < order.size(); ++i) {
+        const int a = order[i];
+        fp8_row(me, a / k, a % k, rt.expert[size_t(a)], &qb, &qs);
+      }
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < P; ++r) {
+          const Routed o = route(r, T, k, E);
+          for (int a = 0; a < T * k; ++a)
+            if (o.expert[size_t(a)] == first + l) fp8_row(r, a / k, a % k, first + l, &want_qb, &want_qs);
+        }
+      const int64_t R = int64_t(order.size());
+      QTensor q(*be, R, kQ, Fp8Dtype::e4m3, Tiling::rows_1xT, 4);
+      if (R > 0) to_device(*be, qb, q.data.data<uint8_t>()), to_device(*be, qs, q.scale_inv.data<float>());
+      QTensor got_q;
+      disp.dispatch(plan, q, &got_q);
+      ASSERT_EQ(got_q.rows, plan.received);
+      ASSERT_EQ(got_q.tiling, Tiling::rows_1xT);
+      ASSERT_EQ(got_q.tile, 4);
+      EXPECT_EQ(to_host<uint8_t>(got_q.data), want_qb) << "FP8 rows, E " << E << " T " << T;
+      EXPECT_EQ(to_host<float>(got_q.scale_inv), want_qs) << "FP8 rows' scales, E " << E << " T " << T;
     }
   }
 }

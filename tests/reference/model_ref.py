@@ -16,6 +16,9 @@ re-quantized in T x 1 tiles. The expert choice (top-k) is taken from the C++ run
 also makes its own top-k choice (score + bias, ties to the lower index) and writes to
 routing_check.txt how many tokens it would route differently where the choice is not a near-tie
 (gap between the k-th and the next key above 1e-6): the C++ test requires 0.
+
+BF16 activations ("activations": "bf16", fp8moe's train.activations): values and gradients rounded
+to BF16 (ml_dtypes, from FP64) at fp8moe's rounding points, in custom VJPs; see forward().
 """
 import json
 import math
@@ -72,8 +75,10 @@ def tensor_quant_dequant(x, dtype=ml_dtypes.float8_e4m3fn):
     return _qdq(x, np.max(np.abs(x)), dtype)
 
 
-def make_linear(recipe, tile, cache=False, hybrid=False):
-    """y = x W^T with the recipe's quantization in all three GEMMs."""
+def make_linear(recipe, tile, cache=False, hybrid=False, retile_dy=False):
+    """y = x W^T with the recipe's quantization in all three GEMMs. cache: the weight gradient
+    re-tiles x's 1 x T values (FP8-cached inputs, or inputs quantized before dispatch); retile_dy:
+    likewise dy's (an output gradient quantized before dispatch)."""
     if recipe == "off":
         return lambda x, w: x @ w.T
     if recipe == "current":
@@ -93,7 +98,9 @@ def make_linear(recipe, tile, cache=False, hybrid=False):
     def _bwd(res, dy):
         x, wq = res
         dyq = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 1), jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
-        dyt = jax.pure_callback(lambda a: tile_quant_dequant(a, tile, 0), jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
+        dyt = jax.pure_callback((lambda a: tile_quant_dequant(tile_quant_dequant(a, tile, 1), tile, 0)) if retile_dy
+                                else (lambda a: tile_quant_dequant(a, tile, 0)),
+                                jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
         # With FP8-cached activations the weight gradient re-tiles the cached 1 x T values.
         retile = (lambda a: tile_quant_dequant(tile_quant_dequant(a, tile, 1), tile, 0)) if cache else \
                  (lambda a: tile_quant_dequant(a, tile, 0))
@@ -176,15 +183,38 @@ def mla(p, pre, m, la, h, B, T):
     return attention(q, k, kv[..., nope:]).reshape(N, H * vd)
 
 
-def swiglu_ffn(x, w1, w3, w2, lin, fused):
+def swiglu_ffn(x, w1, w3, w2, lin, fused, lin_out=None):
     """fused: fp8moe runs w1 and w3 as one linear layer [w1; w3] (model/ffn.h): one quantization
     of the pair and one of its output gradient (per-tensor: one scale each; blockwise with F a
-    multiple of the tile: the two layers' tiles)."""
+    multiple of the tile: the two layers' tiles). lin_out: w2's linear layer where it differs."""
+    lin_out = lin_out or lin
     if not fused:
-        return lin(jax.nn.silu(lin(x, w1)) * lin(x, w3), w2)
+        return lin_out(jax.nn.silu(lin(x, w1)) * lin(x, w3), w2)
     F = w1.shape[0]
     h = lin(x, jnp.concatenate([w1, w3], axis=0))
-    return lin(jax.nn.silu(h[:, :F]) * h[:, F:], w2)
+    return lin_out(jax.nn.silu(h[:, :F]) * h[:, F:], w2)
+
+
+def to_bf16(a):
+    """FP64 -> the nearest BF16 (round to nearest even, ml_dtypes), as FP64."""
+    return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def make_rounding(forward, backward):
+    """The identity with BF16 rounding of its value (forward) and of its gradient (backward):
+    train.activations bf16's rounding points."""
+    cb = lambda a: jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
+
+    @jax.custom_vjp
+    def r(x):
+        return cb(x) if forward else x
+
+    r.defvjp(lambda x: (r(x), None), lambda _, g: (cb(g) if backward else g,))
+    return r
+
+
+ROUND_BOTH, ROUND_VALUE, ROUND_GRAD = make_rounding(True, True), make_rounding(True, False), make_rounding(False, True)
+IDENTITY = lambda x: x
 
 
 def capacity_mask(chosen, E, capacity_factor):
@@ -254,6 +284,16 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
     (concrete arrays only: the choice reads the keys' values)."""
     N, D, E, k = B * T, m["d_model"], m["n_experts"], m["top_k"]
     H, KVH, hd = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+    # train.activations bf16 (model/moe.h MoeWire, model/transformer.cpp): the residual stream
+    # rounded between blocks, forward and backward; the routed experts' rows rounded where they
+    # travel in BF16 (their inputs and output gradients where the experts are not blockwise FP8,
+    # combine both ways), quantized where they travel in FP8 (which the experts' linear layers
+    # do, re-tiling for the weight gradients what was sent).
+    bf16 = lin_for.bf16
+    fp8_rows = bf16 and lin_for.fp8_experts
+    stream = ROUND_BOTH if bf16 else IDENTITY
+    expert_in = (ROUND_GRAD if fp8_rows else ROUND_BOTH) if bf16 else IDENTITY
+    expert_out = (ROUND_VALUE if fp8_rows else ROUND_BOTH) if bf16 else IDENTITY
     state = {"moe_i": 0, "aux": 0.0}
     keys, choices = [], []
 
@@ -295,8 +335,9 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
                 if len(rows) == 0:
                     continue
                 q_ = f"{pre}moe.experts.{e}."
-                ye = swiglu_ffn(h[rows], p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_for("experts"),
-                                lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]))
+                lin_in, lin_out = lin_for.expert_linears()
+                ye = expert_out(swiglu_ffn(expert_in(h[rows]), p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_in,
+                                           lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out))
                 f = f.at[rows].add(gates[rows, slots][:, None] * ye)
             if m["aux_loss_coef"] > 0:
                 counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
@@ -307,9 +348,11 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
         x = x + f
         return x
 
-    x = p["embed.weight"][tokens]
+    x = stream(p["embed.weight"][tokens])
     for l in range(m["n_layers"]):
         x = block(x, f"layers.{l}.", l < m["first_dense_layers"])
+        # The last block's output is rounded, not its gradient (the head's, which no block sends on).
+        x = stream(x) if l + 1 < m["n_layers"] else (ROUND_VALUE if bf16 else IDENTITY)(x)
     # Multi-token prediction (DeepSeek-V3 2.2): module k joins the previous depth's hidden state and
     # the embedding of the token k + 1 ahead, [enorm(emb); hnorm(h)] @ eh_proj^T, runs its MoE
     # block, and its own final norm feeds the shared head. The hidden state it reads is the one the
@@ -322,7 +365,7 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
     for d in range(m.get("mtp_depth", 0)):
         pre = f"mtp.{d}."
         ahead = shift(tokens.reshape(B, T), d + 1, 0).reshape(N)
-        e = rmsnorm(p["embed.weight"][ahead], p[pre + "enorm.weight"][0], m["norm_eps"])
+        e = rmsnorm(stream(p["embed.weight"][ahead]), p[pre + "enorm.weight"][0], m["norm_eps"])
         hn = rmsnorm(h, p[pre + "hnorm.weight"][0], m["norm_eps"])
         h = rmsnorm(block(jnp.concatenate([e, hn], axis=-1) @ p[pre + "eh_proj"].T, pre, False),
                     p[pre + "norm.weight"][0], m["norm_eps"])
@@ -343,6 +386,18 @@ def linear_for(cfg):
         return not (cls in cfg["fp8_layers"] and cfg["recipe"] == "blockwise" and F % cfg["tile"] != 0)
 
     lin_for.fuses_w13 = fuses_w13
+    lin_for.bf16 = cfg.get("activations", "fp32") == "bf16"
+    lin_for.fp8_experts = "experts" in cfg["fp8_layers"] and cfg["recipe"] == "blockwise"
+
+    def expert_linears():
+        """The routed experts' input layer (w1, w3) and output layer (w2): with FP8 rows on the
+        wire, the weight gradients re-tile the dispatched 1 x T inputs and output gradients."""
+        if not (lin_for.bf16 and lin_for.fp8_experts):
+            return lin_for("experts"), lin_for("experts")
+        return (make_linear("blockwise", cfg["tile"], True),
+                make_linear("blockwise", cfg["tile"], cfg.get("cache_activations", False), retile_dy=True))
+
+    lin_for.expert_linears = expert_linears
     return lin_for
 
 
