@@ -25,7 +25,7 @@ void CommAccounting::end_step(double rows_off) {
   CommShape shape;
   shape.model = &cfg_.model;
   shape.tensor = g_.tensor.size(), shape.expert = g_.expert.size(), shape.data = g_.data.size();
-  shape.expert_data = g_.expert_data.size();
+  shape.expert_data = g_.expert_data.size(), shape.pipeline = g_.pipeline.size();
   shape.tokens = double(sequences_ * cfg_.train.seq_len), shape.micro_batches = cfg_.parallel.micro_batches;
   shape.first = place.first_stage(), shape.last = place.last_stage();
   shape.layer_begin = place.layer_begin(), shape.layer_end = place.layer_end();

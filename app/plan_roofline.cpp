@@ -49,6 +49,7 @@ Plan make_plan(const Config& c, int world) {
     CommShape sh;
     sh.model = &c.model;
     sh.tensor = p.L.tensor, sh.expert = p.L.expert, sh.data = p.L.data, sh.expert_data = p.L.expert_data;
+    sh.pipeline = p.L.pipeline;
     sh.tokens = double(p.L.tokens()), sh.micro_batches = p.L.micro_batches;
     sh.first = s.first, sh.last = s.last, sh.layer_begin = s.layer_begin, sh.layer_end = s.layer_end;
     sh.local_experts = m.moe.n_experts / p.L.expert;

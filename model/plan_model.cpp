@@ -202,6 +202,10 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   b[2] = ring(s.data) * s.dense_bytes;
   b[3] = ring(s.expert_data) * s.expert_bytes;
   b[4] = Mb * N * D * pipeline_value_bytes(s.activations) * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
+  // Once a step the stages sum the loss, the modules' loss and every MoE layer's expert loads
+  // (app/stage_runner.cpp finish_step), an all-reduce over the pipeline group.
+  const double all_moe_layers = std::max(0, m.n_layers - m.first_dense_layers) + depth;
+  b[4] += ring(s.pipeline) * (2 * 8 + all_moe_layers * m.moe.n_experts * 8);
   return b;
 }
 

@@ -31,7 +31,7 @@ PlanLayout plan_layout(const Config& c, int world);
 // of README "Communication", which app/comm_accounting.cpp compares with the counted bytes.
 struct CommShape {
   const ModelConfig* model = nullptr;
-  int tensor = 1, expert = 1, data = 1, expert_data = 1;
+  int tensor = 1, expert = 1, data = 1, expert_data = 1, pipeline = 1;
   double tokens = 0;          // N: per micro-batch on this rank
   double micro_batches = 1;
   bool first = true, last = true;  // this rank's stage
