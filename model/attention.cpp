@@ -10,6 +10,8 @@ namespace {
 
 // Queries, keys and values after RoPE: q (N, H*qk), k (N, KVH*qk), v (N, KVH*vd); the attention
 // output attn (N, H*vd) with its log-sum-exp lse (B, H, T), and the output projection's input.
+// train.activations bf16: q, k, v and attn rounded to BF16 where they are made, and kept in BF16
+// (ModelContext::stash) for the backward.
 struct AttentionCore {
   Tensor q, k, v, attn, lse;
   LinearSaved lo;
@@ -21,16 +23,21 @@ struct CoreShape {
   int64_t B, T, H, KVH, qk, vd;
 };
 
-// o = Wo softmax(q k^T / sqrt(qk)) v, from s's q, k and v.
+// o = Wo softmax(q k^T / sqrt(qk)) v, from s's q, k and v (rounded by the caller). saving: a
+// backward reads s (stashed).
 void core_forward(const ModelContext& c, AttentionCore* s, const CoreShape& d, const LinearWeight& wo,
-                  const LinearFp8& f, float* o) {
+                  const LinearFp8& f, float* o, bool saving) {
   Backend& be = c.be;
   const int64_t N = d.B * d.T;
   s->attn = Tensor(be, DType::f32, {N, d.H * d.vd});
   s->lse = Tensor(be, DType::f32, {d.B * d.H * d.T});
   be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, s->attn.f32(),
                        s->lse.f32());
+  c.round_activation(s->attn);
   linear_forward(be, s->attn.f32(), N, d.H * d.vd, wo.w, c.local.d_model, f, o, &s->lo);
+  if (!saving) return;
+  c.stash(&s->q), c.stash(&s->k), c.stash(&s->v);
+  if (!s->lo.needs_fp32_input()) c.stash(&s->attn);  // (an FP32 wo holds a pointer to it)
 }
 
 // Its backward from dout (N, D): da (Wo's input gradient) and dq, dk, dv, allocated here and
@@ -44,8 +51,9 @@ void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShap
   *dk = Tensor(be, DType::f32, {N, d.KVH * d.qk});
   *dv = Tensor(be, DType::f32, {N, d.KVH * d.vd});
   linear_backward(be, s.lo, wo.w, dout, f, da->f32(), wo.g);
-  be.attention_backward(s.q.f32(), s.k.f32(), s.v.f32(), s.attn.f32(), s.lse.f32(), da->f32(), d.B, d.T, d.H, d.KVH,
-                        d.qk, d.vd, dq->f32(), dk->f32(), dv->f32());
+  Tensor q, k, v, attn;  // FP32 copies of what was kept in BF16
+  be.attention_backward(c.unstash(s.q, &q), c.unstash(s.k, &k), c.unstash(s.v, &v), c.unstash(s.attn, &attn),
+                        s.lse.f32(), da->f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, dq->f32(), dk->f32(), dv->f32());
 }
 
 // ---------------------------------------------------------------- GQA
@@ -80,7 +88,8 @@ class Gqa final : public Attention {
     linear_forward(be, h1, N, D, wv_.w, KVH * hd, fp8(wv_, pass), a.v.f32(), &s->lv);
     be.rope(a.q.f32(), B, T, H, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
     be.rope(a.k.f32(), B, T, KVH, hd, c_.rope.cs.f32(), c_.rope.sn.f32(), hd);
-    core_forward(c_, &a, {B, T, H, KVH, hd, hd}, wo_, fp8(wo_, pass), o);
+    c_.round_activation(a.q), c_.round_activation(a.k), c_.round_activation(a.v);
+    core_forward(c_, &a, {B, T, H, KVH, hd, hd}, wo_, fp8(wo_, pass), o, pass.saving);
     return s;
   }
 
@@ -157,26 +166,32 @@ class Mla final : public Attention {
     if (ql > 0) {
       s->cq = Tensor(be, DType::f32, {N, ql});
       linear_forward(be, h1, N, D, wq_a_.w, ql, fp8(wq_a_, pass), s->cq.f32(), &s->lq_a);
+      c_.round_activation(s->cq);
       s->cqn = Tensor(be, DType::f32, {N, ql});
       s->rstd_q = Tensor(be, DType::f32, {N});
       be.rmsnorm_forward(s->cq.f32(), q_norm_.w, N, ql, eps, s->cqn.f32(), s->rstd_q.f32());
+      c_.round_activation(s->cqn);
       linear_forward(be, s->cqn.f32(), N, ql, wq_.w, H * qk, fp8(wq_, pass), a.q.f32(), &s->lq);
       if (!s->lq.needs_fp32_input()) s->cqn.reset();
+      if (pass.saving) c_.stash(&s->cq);
     } else {
       linear_forward(be, h1, N, D, wq_.w, H * qk, fp8(wq_, pass), a.q.f32(), &s->lq);
     }
     // The key-value latent and the shared rotary key: h1 Wkv_a^T = [ckv (kv_lora) | kpe (rope)].
     Tensor ckv_pe(be, DType::f32, {N, kvl + rope}), kpe(be, DType::f32, {N, rope});
     linear_forward(be, h1, N, D, wkv_a_.w, kvl + rope, fp8(wkv_a_, pass), ckv_pe.f32(), &s->lkv_a);
+    c_.round_activation(ckv_pe);
     s->ckv = Tensor(be, DType::f32, {N, kvl});
     be.copy_2d(s->ckv.f32(), kvl, ckv_pe.f32(), kvl + rope, N, kvl);
     be.copy_2d(kpe.f32(), rope, ckv_pe.f32() + kvl, kvl + rope, N, rope);
     s->ckvn = Tensor(be, DType::f32, {N, kvl});
     s->rstd_kv = Tensor(be, DType::f32, {N});
     be.rmsnorm_forward(s->ckv.f32(), kv_norm_.w, N, kvl, eps, s->ckvn.f32(), s->rstd_kv.f32());
+    c_.round_activation(s->ckvn);
     Tensor kv(be, DType::f32, {N, H * (nope + vd)});  // per head [k_nope | v]
     linear_forward(be, s->ckvn.f32(), N, kvl, wkv_b_.w, H * (nope + vd), fp8(wkv_b_, pass), kv.f32(), &s->lkv_b);
     if (!s->lkv_b.needs_fp32_input()) s->ckvn.reset();
+    if (pass.saving) c_.stash(&s->ckv);
     // RoPE on the last `rope` channels of each query head and on the shared key; then every head's
     // key is [k_nope | kpe].
     be.rope(a.q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
@@ -184,7 +199,8 @@ class Mla final : public Attention {
     a.k = Tensor(be, DType::f32, {N, H * qk});
     a.v = Tensor(be, DType::f32, {N, H * vd});
     be.mla_expand_kv(kv.f32(), kpe.f32(), N, H, nope, rope, vd, a.k.f32(), a.v.f32());
-    core_forward(c_, &a, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), o);
+    c_.round_activation(a.q), c_.round_activation(a.k), c_.round_activation(a.v);
+    core_forward(c_, &a, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), o, pass.saving);
     return s;
   }
 
@@ -210,14 +226,18 @@ class Mla final : public Attention {
     c_.tp_sum(dckvn.f32(), N * kvl);  // partial sums over this rank's heads
     c_.tp_sum(dkpe.f32(), N * rope);
     Tensor dckv(be, DType::f32, {N, kvl}), dckv_pe(be, DType::f32, {N, kvl + rope});
-    be.rmsnorm_backward(s.ckv.f32(), kv_norm_.w, s.rstd_kv.f32(), dckvn.f32(), N, kvl, dckv.f32(), kv_norm_.g);
+    Tensor ckv;
+    be.rmsnorm_backward(c_.unstash(s.ckv, &ckv), kv_norm_.w, s.rstd_kv.f32(), dckvn.f32(), N, kvl, dckv.f32(),
+                        kv_norm_.g);
+    ckv.reset();
     be.copy_2d(dckv_pe.f32(), kvl + rope, dckv.f32(), kvl, N, kvl);
     be.copy_2d(dckv_pe.f32() + kvl, kvl + rope, dkpe.f32(), rope, N, rope);
     if (ql > 0) {
       Tensor dcqn(be, DType::f32, {N, ql}), dcq(be, DType::f32, {N, ql});
       linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dcqn.f32(), wq_.g);
       c_.tp_sum(dcqn.f32(), N * ql);
-      be.rmsnorm_backward(s.cq.f32(), q_norm_.w, s.rstd_q.f32(), dcqn.f32(), N, ql, dcq.f32(), q_norm_.g);
+      Tensor cq;
+      be.rmsnorm_backward(c_.unstash(s.cq, &cq), q_norm_.w, s.rstd_q.f32(), dcqn.f32(), N, ql, dcq.f32(), q_norm_.g);
       linear_backward(be, s.lq_a, wq_a_.w, dcq.f32(), fp8(wq_a_, pass), dh1, wq_a_.g);
     } else {
       linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g);

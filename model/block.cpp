@@ -12,9 +12,9 @@ FfnFp8 FfnParams::fp8(Fp8State& state, const Pass& pass) const {
   return {state.context(w1, pass), state.context(w3, pass), state.context(w2, pass)};
 }
 
-int64_t BlockSaved::bytes(int64_t D) const {
+int64_t BlockSaved::bytes(int64_t D, int64_t x_value_bytes) const {
   const size_t b = h1.bytes() + rstd1.bytes() + x_mid.bytes() + h2.bytes() + rstd2.bytes();
-  return int64_t(b) + B * T * D * int64_t(sizeof(float)) + (attn ? attn->bytes() : 0) + dense.bytes() + moe.bytes();
+  return int64_t(b) + B * T * D * x_value_bytes + (attn ? attn->bytes() : 0) + dense.bytes() + moe.bytes();
 }
 
 void BlockSaved::finish(bool keep) {
@@ -70,26 +70,37 @@ void Block::forward(const float* x, int64_t B, int64_t T, float* out, BlockSaved
   s->h1 = Tensor(be, DType::f32, {N, D});
   s->rstd1 = Tensor(be, DType::f32, {N});
   be.rmsnorm_forward(x, attn_norm_.w, N, D, float(m.norm_eps), s->h1.f32(), s->rstd1.f32());
+  ctx_.round_activation(s->h1);  // train.activations bf16: every norm output, projection and sum below
   Tensor o(be, DType::f32, {N, D});
   s->attn = attn_->forward(s->h1.f32(), B, T, o.f32(), pass);
   if (!s->attn->needs_h1()) s->h1.reset();  // its linear layers keep it in FP8
   ctx_.tp_sum(o.f32(), N * D);  // row-parallel: partial sums over the heads of each rank
   s->x_mid = Tensor(be, DType::f32, {N, D});
   be.add(x, o.f32(), s->x_mid.f32(), N * D);
+  ctx_.round_activation(s->x_mid);
 
   s->h2 = Tensor(be, DType::f32, {N, D});
   s->rstd2 = Tensor(be, DType::f32, {N});
   be.rmsnorm_forward(s->x_mid.f32(), ffn_norm_.w, N, D, float(m.norm_eps), s->h2.f32(), s->rstd2.f32());
+  ctx_.round_activation(s->h2);
   Tensor f(be, DType::f32, {N, D});
+  bool h2_held = false;  // a linear layer holds a pointer to h2 (it reads it in FP32 in backward)
   if (!is_moe()) {
-    ffn_forward(be, s->h2.f32(), N, D, m.d_ff_dense, dense_.weights(), dense_.fp8(ctx_.fp8, pass), f.f32(), &s->dense);
+    ffn_forward(be, s->h2.f32(), N, D, m.d_ff_dense, dense_.weights(), dense_.fp8(ctx_.fp8, pass), f.f32(), &s->dense,
+                ctx_.activations);
     if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2.reset();
+    h2_held = !s->h2.empty();
   } else {
     moe_forward(be, s->h2.f32(), N, D, m.moe, moe_, moe_fp8(pass), f.f32(), &s->moe, ctx_.dispatcher, aux, ctx_.loads,
                 ctx_.activations);
+    h2_held = s->moe.shared.l1.needs_fp32_input() || s->moe.shared.l3.needs_fp32_input();
   }
   ctx_.tp_sum(f.f32(), N * D);  // row-parallel W2 (dense, shared and routed experts alike)
   be.add(s->x_mid.f32(), f.f32(), out, N * D);
+  if (pass.saving) {  // what the backward reads, in BF16 under train.activations bf16
+    ctx_.stash(&s->x_mid);
+    if (!h2_held) ctx_.stash(&s->h2);  // (MoE: the router's input for its weight gradient)
+  }
 }
 
 void Block::backward(const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale) {
@@ -103,10 +114,14 @@ void Block::backward(const BlockSaved& s, const float* dout, float* dx, float au
     ffn_backward(be, s.dense, dense_.weights(), dout, dense_.fp8(ctx_.fp8, pass), dh2.f32(), dense_.grads());
     ctx_.tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
   } else {
+    Tensor h2w;
     moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
-                 ctx_.dispatcher, ctx_.tp, ctx_.activations);
+                 ctx_.dispatcher, ctx_.tp, ctx_.activations, ctx_.unstash(s.h2, &h2w));
   }
-  be.rmsnorm_backward(s.x_mid.f32(), ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
+  Tensor x_mid;
+  be.rmsnorm_backward(ctx_.unstash(s.x_mid, &x_mid), ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(),
+                      ffn_norm_.g);
+  x_mid.reset();
   be.add(dx_mid.f32(), dout, dx_mid.f32(), N * D);
 
   // Attention branch: x_mid = x + Attention(h1), h1 = RMSNorm(x).

@@ -30,15 +30,16 @@ struct BlockSaved {
   const float* x = nullptr;  // (N, D) block input, held by the stage run
   Tensor h1, rstd1;          // attention norm output (N, D) (freed when its layers keep it in FP8), (N)
   std::unique_ptr<AttentionSaved> attn;
-  Tensor x_mid;              // (N, D) after the attention residual
-  Tensor h2, rstd2;          // FFN norm output, (N)
+  Tensor x_mid;              // (N, D) after the attention residual (BF16 once kept, train.activations bf16)
+  Tensor h2, rstd2;          // FFN norm output (likewise where no FP32 linear layer reads it), (N)
   FfnSaved dense;
   MoeSaved moe;
   int64_t B = 0, T = 0;
   bool kept = false;         // false: recomputed in backward
 
-  // Activation bytes held for backward, the block input included.
-  int64_t bytes(int64_t D) const;
+  // Activation bytes held for backward, the block input included (x_value_bytes: 4, or 2 where the
+  // stage keeps it in BF16, train.activations bf16).
+  int64_t bytes(int64_t D, int64_t x_value_bytes = 4) const;
   // After a training forward: `kept`, or everything dropped but B, T and the MoE routing (the block
   // is recomputed in backward with the forward's routing: no synchronisation of its own).
   void finish(bool kept);

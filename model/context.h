@@ -8,6 +8,7 @@
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "model/fp8_state.h"
+#include "model/linear.h"
 #include "model/placement.h"
 #include "parallel/communicator.h"
 #include "parallel/expert_dispatch.h"
@@ -43,6 +44,15 @@ struct ModelContext {
   void round_activation(float* x, int64_t n) const {
     if (bf16_activations()) be.round_bf16(x, x, n);
   }
+  void round_activation(Tensor& t) const { round_activation(t.f32(), t.numel()); }
+  // A tensor kept for the backward: under bf16 its FP32 values (rounded at a rounding point, so
+  // BF16 exactly) are replaced by their BF16 copy, half the bytes and nothing lost; under fp32
+  // nothing. Nothing may hold a pointer into the FP32 tensor afterwards.
+  void stash(Tensor* t) const {
+    if (bf16_activations()) stash_bf16(be, t);
+  }
+  // The FP32 values of a kept tensor: its own (FP32), or its BF16 copy widened into *tmp.
+  const float* unstash(const Tensor& t, Tensor* tmp) const { return fp8moe::unstash(be, t, tmp); }
 
   // Sum over the tensor group (row-parallel outputs, column-parallel input gradients); nothing
   // without one.

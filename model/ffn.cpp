@@ -5,8 +5,8 @@
 namespace fp8moe {
 
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
-                 float* y, FfnSaved* saved) {
-  ffn_forward_grouped(be, D, F, {FfnGroup{x, M, &w, &fp8, y, saved}});
+                 float* y, FfnSaved* saved, ActivationDtype activations) {
+  ffn_forward_grouped(be, D, F, {FfnGroup{x, M, &w, &fp8, y, saved}}, activations);
 }
 
 bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D) {
@@ -17,7 +17,9 @@ bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D) {
   return c.recipe != Fp8Recipe::blockwise || F % c.tile == 0;
 }
 
-void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups) {
+void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups,
+                         ActivationDtype activations) {
+  const bool bf16 = activations == ActivationDtype::bf16;
   std::vector<FfnSaved> local(groups.size());  // for the groups without a saved (no backward)
   std::vector<FfnSaved*> saved(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) saved[g] = groups[g].saved ? groups[g].saved : &local[g];
@@ -44,6 +46,10 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
   for (size_t g = 0; g < groups.size(); ++g) {
     const FfnGroup& f = groups[g];
     FfnSaved& s = *saved[g];
+    if (bf16) {  // the pre-activations: a rounding point
+      be.round_bf16(s.h1.f32(), s.h1.f32(), s.h1.numel());
+      if (!s.h3.empty()) be.round_bf16(s.h3.f32(), s.h3.f32(), s.h3.numel());
+    }
     s.a = Tensor(be, DType::f32, {f.M, F});
     if (s.fused) {
       if (f.M > 0) be.swiglu_forward(s.h1.f32(), s.h1.f32() + F, 2 * F, s.a.f32(), f.M, F);  // (no rows: no memory)
@@ -52,8 +58,11 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
     l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
   }
   linear_forward_grouped(be, F, D, l2);
-  for (FfnSaved* s : saved)
+  for (size_t g = 0; g < groups.size(); ++g) {
+    FfnSaved* s = saved[g];
     if (!s->l2.needs_fp32_input()) s->a.reset();  // kept in FP8 by the W2 layer
+    if (bf16 && groups[g].saved && groups[g].fp8->w2.backward_follows) stash_bf16(be, &s->h1), stash_bf16(be, &s->h3);
+  }
 }
 
 void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
@@ -89,10 +98,12 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnSaved& s = *groups[i].saved;
     const int64_t M = s.l1.M, F = s.l2.K;
+    Tensor w1, w3;  // FP32 copies of pre-activations kept in BF16
+    const float *h1 = unstash(be, s.h1, &w1), *h3 = unstash(be, s.h3, &w3);
     if (s.fused) {
-      if (M > 0) be.swiglu_backward(s.h1.f32(), s.h1.f32() + F, 2 * F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh1.f32() + F, M, F);
+      if (M > 0) be.swiglu_backward(h1, h1 + F, 2 * F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh1.f32() + F, M, F);
     } else
-      be.swiglu_backward(s.h1.f32(), s.h3.f32(), F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh3.f32(), M, F);
+      be.swiglu_backward(h1, h3, F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh3.f32(), M, F);
     t[i].da.reset();  // every expert's temporaries are alive at once: each freed when it is read
   }
   if (!l13.empty()) linear_backward_grouped(be, l13);

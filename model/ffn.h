@@ -29,7 +29,7 @@ struct FfnFp8 {
 
 struct FfnSaved {
   LinearSaved l1, l3, l2;  // FP32 layers read the caller's x in backward: it must outlive it
-  Tensor h1, h3;           // (M, F) pre-activation gate and up projections
+  Tensor h1, h3;           // (M, F) pre-activation gate and up projections (BF16 once kept, activations bf16)
   Tensor a;                // (M, F) swiglu output, the input of W2 (freed when cached in FP8)
   // W1|W3 fused: l1 is the W13 layer (N = 2F) and h1 its (M, 2F) output, row m = [gate | up];
   // l3 and h3 are empty.
@@ -43,8 +43,10 @@ struct FfnSaved {
 // Whether an FFN of width F runs W1|W3 as one layer (above).
 bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D);
 
+// activations bf16: the pre-activations h1, h3 rounded to BF16 where they are made and kept in BF16
+// for the backward (model/context.h's stash).
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
-                 float* y, FfnSaved* saved);
+                 float* y, FfnSaved* saved, ActivationDtype activations = ActivationDtype::fp32);
 // One FFN per group (the routed experts of a MoE layer), each as ffn_forward, with each of the
 // three layers' GEMMs grouped over them (linear_forward_grouped).
 struct FfnGroup {
@@ -56,7 +58,8 @@ struct FfnGroup {
   FfnSaved* saved = nullptr;  // may be nullptr
   const QuantView* xq = nullptr;  // blockwise: x already in 1 x T FP8 tiles (LinearGroup::xq); x unread
 };
-void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups);
+void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups,
+                         ActivationDtype activations = ActivationDtype::fp32);
 
 // dx (M, D) written (may be nullptr); weight gradients accumulated (fused: W3's gradient must follow
 // W1's in memory, as in the parameter store; asserted).

@@ -240,6 +240,20 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
   if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
 }
 
+void stash_bf16(Backend& be, Tensor* t) {
+  if (t->dtype() != DType::f32 || t->empty()) return;
+  Tensor h(be, DType::bf16, t->shape());
+  be.to_bf16(t->f32(), h.data<uint16_t>(), t->numel());
+  *t = std::move(h);
+}
+
+const float* unstash(Backend& be, const Tensor& t, Tensor* tmp) {
+  if (t.dtype() == DType::f32) return t.f32();
+  *tmp = Tensor(be, DType::f32, t.shape());
+  be.from_bf16(t.data<uint16_t>(), tmp->f32(), t.numel());
+  return tmp->f32();
+}
+
 DelayedScaling delayed_to_host(Backend& be, const DelayedState& s) {
   DelayedScaling d;
   if (s.empty()) return d;

@@ -124,6 +124,12 @@ struct LinearGradGroup {
 };
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);
 
+// train.activations bf16's kept tensors (model/context.h): t's FP32 values, BF16 exactly after a
+// rounding point, replaced by their BF16 copy (half the bytes, nothing lost); and the FP32 values
+// of a kept tensor, its own (FP32) or its BF16 copy widened into *tmp.
+void stash_bf16(Backend& be, Tensor* t);
+const float* unstash(Backend& be, const Tensor& t, Tensor* tmp);
+
 // Delayed-scaling state in device memory from its host form and back (checkpoints, tests).
 DelayedScaling delayed_to_host(Backend& be, const DelayedState& s);
 DelayedState delayed_from_host(Backend& be, const DelayedScaling& s);

@@ -199,7 +199,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
 
   // Shared experts see every token.
   if (has_shared(w))
-    ffn_forward(be, x, N, D, int64_t(cfg.n_shared_experts) * F, w.shared, fp8.shared, out, &s.shared);
+    ffn_forward(be, x, N, D, int64_t(cfg.n_shared_experts) * F, w.shared, fp8.shared, out, &s.shared, activations);
   else
     be.zero(out, size_t(N * D) * sizeof(float));
 
@@ -240,7 +240,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
                       y.f32() + r0 * D, &s.experts[size_t(e)]});
     if (wire.fp8_in) xq[size_t(e)] = row_slice(s.xq, r0, M), groups.back().xq = &xq[size_t(e)];
   }
-  ffn_forward_grouped(be, D, F, groups);
+  ffn_forward_grouped(be, D, F, groups, activations);
   s.expert_out.reset(), s.expert_out16.reset();
   if (wire.bf16) {  // combine in BF16; kept so for the gates' gradient
     s.expert_out16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D);
@@ -271,7 +271,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
 
 void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                   const float* dout, float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g,
-                  ExpertDispatcher* ep, Communicator* tp, ActivationDtype activations) {
+                  ExpertDispatcher* ep, Communicator* tp, ActivationDtype activations, const float* x) {
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
   const int64_t N = r.N, E = r.E, k = r.k, R = r.rows;
@@ -337,7 +337,7 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   rule.scaling = cfg.routed_scaling_factor, rule.aux_coef = cfg.aux_loss_coef, rule.aux_grad_scale = aux_grad_scale;
   be.router_grad(rb, dgate.data<double>(), rule, dz.f32());
   // Router: dWr += dz^T x, dx += dz Wr.
-  be.sgemm(true, false, E, D, N, 1.0f, dz.f32(), E, s.x, D, 1.0f, g.router, D);
+  be.sgemm(true, false, E, D, N, 1.0f, dz.f32(), E, x ? x : s.x, D, 1.0f, g.router, D);
   be.sgemm(false, false, N, D, E, 1.0f, dz.f32(), E, w.router, D, 1.0f, dx, D);
 }
 

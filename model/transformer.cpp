@@ -213,8 +213,11 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
                   backward ? block.training() : Pass::evaluation(), moe >= 0 && slots.aux ? slots.aux + moe : nullptr);
     ctx_->round_activation(st.xs[size_t(l - L0 + 1)].f32(), N * D);  // between blocks (and stages)
     finish_block(block, &sv, &result);
+    // The block's input, for its backward (or its recomputation): in BF16 under bf16 activations.
+    if (backward) ctx_->stash(&st.xs[size_t(l - L0)]);
+    const int64_t xb = int64_t(dtype_size(st.xs[size_t(l - L0)].dtype()));
     // A recomputed block keeps only its input (the stage's) and its routing.
-    saved_bytes += sv.kept ? sv.bytes(D) : N * D * int64_t(sizeof(float)) + sv.moe.routing.bytes();
+    saved_bytes += sv.kept ? sv.bytes(D, xb) : N * D * xb + sv.moe.routing.bytes();
   }
   saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
   if (placement_.last_stage()) stage_head_forward(run, targets, counted, slots, loss_scale, mean_over, with_mtp ? mtp : nullptr);
@@ -269,7 +272,10 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
   for (int l = L1 - 1; l >= L0; --l) {
     Block& block = *blocks_[size_t(l - L0)];
     BlockSaved& sv = st.saved[size_t(l - L0)];
-    block.recompute_if_dropped(st.xs[size_t(l - L0)].f32(), &sv);
+    Tensor xw;  // the block's input in FP32 where it was kept in BF16
+    const float* x = ctx_->unstash(st.xs[size_t(l - L0)], &xw);
+    block.recompute_if_dropped(x, &sv);
+    sv.x = x;
     block.backward(sv, dx.f32(), dnext.f32(), st.aux_grad_scale);
     ctx_->round_activation(dnext.f32(), N * D);  // the gradient between blocks (and stages)
     sv = BlockSaved{};

@@ -405,9 +405,10 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
     EXPECT_LE(w, tp ? 1e-2 : 2e-3) << l.name;
   }
 
-  auto step_bytes = [&](int ranks, std::vector<std::string> sets, const std::string& name) {
+  auto step_bytes = [&](int ranks, std::vector<std::string> sets, const std::string& name, int steps = 2) {
     std::vector<std::string> argv = {mpiexec(), "-n", std::to_string(ranks), exe(), "train", *cfg_};
-    sets.insert(sets.end(), {"train.steps=2", "train.warmup_steps=1", r, "checkpoint.dir=" + dir_->path + "/" + name});
+    sets.insert(sets.end(), {"train.steps=" + std::to_string(steps), "train.warmup_steps=" + std::to_string(steps - 1),
+                             r, "checkpoint.dir=" + dir_->path + "/" + name});
     for (const std::string& s : sets) argv.push_back("--set"), argv.push_back(s);
     const RunResult out = run(argv, 600);
     EXPECT_EQ(out.status, 0) << out.all();
@@ -424,7 +425,9 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
   const double N = 2 * 32, D = 64, M = 2;
   // 4 pipelines, a message each way per micro-batch, and the stages' sums once a step (as above)
   EXPECT_EQ(bytes["pp"].second, 4 * M * 2 * N * D * 2 + 8 * (2 + 3 * 8) * 8.0);
-  const auto ep16 = step_bytes(2, {a, "parallel.expert=2"}, "bf16-ep"), ep32 = step_bytes(2, {"parallel.expert=2"}, "fp32-ep");
+  // One step: both runs route the same weights (the rounding may move a near-tie, not more).
+  const auto ep16 = step_bytes(2, {a, "parallel.expert=2"}, "bf16-ep", 1),
+             ep32 = step_bytes(2, {"parallel.expert=2"}, "fp32-ep", 1);
   ASSERT_TRUE(ep16.count("ep") && ep32.count("ep"));
   const double ratio = ep16.at("ep").first / ep32.at("ep").first;
   std::printf("expert all-to-all, ep2 (dp2): BF16 activations %.0f bytes, FP32 %.0f: %.3f\n", ep16.at("ep").first,

@@ -161,37 +161,40 @@ def attention(q, k, v):
     return jnp.einsum("bhij,bjhd->bihd", p, v)
 
 
-def mla(p, pre, m, la, h, B, T):
+def mla(p, pre, m, la, h, B, T, rv, att):
     """DeepSeek-V2/V3 multi-head latent attention as their published modeling code writes it:
     queries through an optional low-rank latent with its RMSNorm, keys and values up-projected
     from one normalised latent, a rotary part of each query head and one rotary key (from the
-    hidden state) shared by all heads, value heads of their own size. Returns (N, H * v_head_dim)."""
+    hidden state) shared by all heads, value heads of their own size. Returns (N, H * v_head_dim).
+    rv: the BF16 rounding of values (train.activations bf16) or the identity; att: attention() or
+    attention_bf16()."""
     N, H, eps, theta = B * T, m["n_heads"], m["norm_eps"], m["rope_theta"]
     nope, rd, vd = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
     kvl = m["kv_lora_rank"]
     if m["q_lora_rank"] > 0:
-        cq = rmsnorm(la(h, p[pre + "wq_a"]), p[pre + "q_norm.weight"][0], eps)
+        cq = rv(rmsnorm(rv(la(h, p[pre + "wq_a"])), p[pre + "q_norm.weight"][0], eps))
         q = la(cq, p[pre + "wq_b"])
     else:
         q = la(h, p[pre + "wq"])
     q = q.reshape(B, T, H, nope + rd)
-    ckv = la(h, p[pre + "wkv_a"])  # (N, kv_lora + rope): the latent and the shared rotary key
-    kv = la(rmsnorm(ckv[:, :kvl], p[pre + "kv_norm.weight"][0], eps), p[pre + "wkv_b"]).reshape(B, T, H, nope + vd)
+    ckv = rv(la(h, p[pre + "wkv_a"]))  # (N, kv_lora + rope): the latent and the shared rotary key
+    kv = la(rv(rmsnorm(ckv[:, :kvl], p[pre + "kv_norm.weight"][0], eps)), p[pre + "wkv_b"]).reshape(B, T, H, nope + vd)
     k_pe = rope(ckv[:, kvl:].reshape(B, T, 1, rd), theta)
-    q = jnp.concatenate([q[..., :nope], rope(q[..., nope:], theta)], axis=-1)
-    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (B, T, H, rd))], axis=-1)
-    return attention(q, k, kv[..., nope:]).reshape(N, H * vd)
+    q = rv(jnp.concatenate([q[..., :nope], rope(q[..., nope:], theta)], axis=-1))
+    k = rv(jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (B, T, H, rd))], axis=-1))
+    return att(q, k, rv(kv[..., nope:])).reshape(N, H * vd)
 
 
-def swiglu_ffn(x, w1, w3, w2, lin, fused, lin_out=None):
+def swiglu_ffn(x, w1, w3, w2, lin, fused, lin_out=None, rv=lambda a: a):
     """fused: fp8moe runs w1 and w3 as one linear layer [w1; w3] (model/ffn.h): one quantization
     of the pair and one of its output gradient (per-tensor: one scale each; blockwise with F a
-    multiple of the tile: the two layers' tiles). lin_out: w2's linear layer where it differs."""
+    multiple of the tile: the two layers' tiles). lin_out: w2's linear layer where it differs; rv:
+    the BF16 rounding of the pre-activations (train.activations bf16)."""
     lin_out = lin_out or lin
     if not fused:
-        return lin_out(jax.nn.silu(lin(x, w1)) * lin(x, w3), w2)
+        return lin_out(jax.nn.silu(rv(lin(x, w1))) * rv(lin(x, w3)), w2)
     F = w1.shape[0]
-    h = lin(x, jnp.concatenate([w1, w3], axis=0))
+    h = rv(lin(x, jnp.concatenate([w1, w3], axis=0)))
     return lin_out(jax.nn.silu(h[:, :F]) * h[:, F:], w2)
 
 
@@ -215,6 +218,41 @@ def make_rounding(forward, backward):
 
 ROUND_BOTH, ROUND_VALUE, ROUND_GRAD = make_rounding(True, True), make_rounding(True, False), make_rounding(False, True)
 IDENTITY = lambda x: x
+
+
+@jax.custom_vjp
+def attention_bf16(q, k, v):
+    """attention() with its output rounded to BF16, and the backward a fused kernel runs from what
+    it keeps (fp8moe's, FlashAttention's): the probabilities recomputed, and D = rowsum(dO * O) from
+    the KEPT (rounded) output O, where autograd through the rounding would use the exact one."""
+    return _attention_bf16_fwd(q, k, v)[0]
+
+
+def _attention_bf16_fwd(q, k, v):
+    o = jax.pure_callback(to_bf16, jax.ShapeDtypeStruct((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), jnp.float64),
+                          attention(q, k, v))
+    return o, (q, k, v, o)
+
+
+def _attention_bf16_bwd(res, do):
+    q, k, v, o = res
+    B, T, H, hd = q.shape
+    KVH, group = k.shape[2], H // k.shape[2]
+    kr, vr = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bihd,bjhd->bhij", q, kr) / np.sqrt(hd)
+    s = jnp.where(np.tril(np.ones((T, T), dtype=bool))[None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    dp = jnp.einsum("bihd,bjhd->bhij", do, vr)
+    d = jnp.einsum("bihd,bihd->bhi", do, o)
+    ds = p * (dp - d[..., None]) / np.sqrt(hd)
+    dq = jnp.einsum("bhij,bjhd->bihd", ds, kr)
+    # jnp.repeat puts query head h on key head h // group: sum each key head's group.
+    dk = jnp.einsum("bhij,bihd->bjhd", ds, q).reshape(B, T, KVH, group, hd).sum(axis=3)
+    dv = jnp.einsum("bhij,bihd->bjhd", p, do).reshape(B, T, KVH, group, v.shape[3]).sum(axis=3)
+    return dq, dk, dv
+
+
+attention_bf16.defvjp(_attention_bf16_fwd, _attention_bf16_bwd)
 
 
 def capacity_mask(chosen, E, capacity_factor):
@@ -292,27 +330,31 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
     bf16 = lin_for.bf16
     fp8_rows = bf16 and lin_for.fp8_experts
     stream = ROUND_BOTH if bf16 else IDENTITY
+    # Inside a block every norm output, query, key, value, attention output, pre-activation and the
+    # attention residual: the values (the gradients stay unrounded, as fp8moe's stay FP32).
+    rv = ROUND_VALUE if bf16 else IDENTITY
+    att = attention_bf16 if bf16 else attention  # its backward reads the kept, rounded output
     expert_in = (ROUND_GRAD if fp8_rows else ROUND_BOTH) if bf16 else IDENTITY
     expert_out = (ROUND_VALUE if fp8_rows else ROUND_BOTH) if bf16 else IDENTITY
     state = {"moe_i": 0, "aux": 0.0}
     keys, choices = [], []
 
     def block(x, pre, dense):
-        h = rmsnorm(x, p[pre + "attn_norm.weight"][0], m["norm_eps"])
+        h = rv(rmsnorm(x, p[pre + "attn_norm.weight"][0], m["norm_eps"]))
         la = lin_for("attention")
         if m.get("attention", "gqa") == "mla":
-            a = mla(p, pre + "attn.", m, la, h, B, T)
+            a = mla(p, pre + "attn.", m, la, h, B, T, rv, att)
         else:
             q = la(h, p[pre + "attn.wq"]).reshape(B, T, H, hd)
             kk = la(h, p[pre + "attn.wk"]).reshape(B, T, KVH, hd)
-            v = la(h, p[pre + "attn.wv"]).reshape(B, T, KVH, hd)
-            a = attention(rope(q, m["rope_theta"]), rope(kk, m["rope_theta"]), v).reshape(N, H * hd)
-        x = x + la(a, p[pre + "attn.wo"])
-        h = rmsnorm(x, p[pre + "ffn_norm.weight"][0], m["norm_eps"])
+            v = rv(la(h, p[pre + "attn.wv"]).reshape(B, T, KVH, hd))
+            a = att(rv(rope(q, m["rope_theta"])), rv(rope(kk, m["rope_theta"])), v).reshape(N, H * hd)
+        x = rv(x + la(a, p[pre + "attn.wo"]))
+        h = rv(rmsnorm(x, p[pre + "ffn_norm.weight"][0], m["norm_eps"]))
         if dense:
             w1 = p[pre + "mlp.w1"]
             f = swiglu_ffn(h, w1, p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"),
-                           lin_for.fuses_w13("mlp", w1.shape[0]))
+                           lin_for.fuses_w13("mlp", w1.shape[0]), rv=rv)
         else:
             z = h @ p[pre + "moe.router"].T
             prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
@@ -329,7 +371,7 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
             if m["n_shared_experts"] > 0:
                 w1 = p[pre + "moe.shared.w1"]
                 f = f + swiglu_ffn(h, w1, p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
-                                   lin_for("shared_experts"), lin_for.fuses_w13("shared_experts", w1.shape[0]))
+                                   lin_for("shared_experts"), lin_for.fuses_w13("shared_experts", w1.shape[0]), rv=rv)
             for e in range(E):
                 rows, slots = np.nonzero((chosen == e) & kept)
                 if len(rows) == 0:
@@ -337,7 +379,7 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
                 q_ = f"{pre}moe.experts.{e}."
                 lin_in, lin_out = lin_for.expert_linears()
                 ye = expert_out(swiglu_ffn(expert_in(h[rows]), p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_in,
-                                           lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out))
+                                           lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out, rv))
                 f = f.at[rows].add(gates[rows, slots][:, None] * ye)
             if m["aux_loss_coef"] > 0:
                 counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
