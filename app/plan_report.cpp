@@ -106,14 +106,18 @@ void print_target_communication(const PlanReport& rep, double budget) {
                   seconds_text(at.comm_mb * L.micro_batches + at.dp).c_str(), seconds_text(at.bubble).c_str());
       continue;
     }
-    unreachable = true;
     // The step with the compute taking no time at all: what communication alone costs.
     const Roofline top = roofline(p, d, o, 1.0, mode), floor = roofline(p, d, o, 1e12, mode);
+    const bool comm_bound = floor.step > budget;
+    unreachable = unreachable || comm_bound;
     std::printf("  %s: cannot be reached at any efficiency: at 1.0 the step takes %s; with the compute taking no time "
-                "at all still %s (communication %s per micro-batch over %d micro-batch slots of 1F1B, dp/edp %s) > %s\n",
+                "at all %s (communication %s per micro-batch over %d micro-batch slots of 1F1B, dp/edp %s) %s %s%s\n",
                 what, seconds_text(top.step).c_str(), seconds_text(floor.step).c_str(), seconds_text(floor.comm_mb).c_str(),
                 L.micro_batches + L.pipeline - 1,
-                mode == CommMode::overlapped ? "hidden" : seconds_text(floor.dp).c_str(), seconds_text(budget).c_str());
+                mode == CommMode::overlapped ? "hidden" : seconds_text(floor.dp).c_str(), comm_bound ? ">" : "<=",
+                seconds_text(budget).c_str(),
+                comm_bound ? "" : ": the compute as configured (recomputation, the FP32 router, eh_proj and head, the "
+                                  "slowest stage setting the pace) is what does not fit; see (b)");
   }
   if (unreachable && L.expert > 1) {
     const Roofline top = roofline(p, d, o, 1.0, CommMode::exposed);
@@ -377,6 +381,7 @@ void print_summary(const PlanReport& rep) {
 void print_fp8_savings(const Config& c, int world) {
   Config off = c;
   off.fp8.recipe = Fp8Recipe::off;
+  off.train.activations = ActivationDtype::fp32;  // the FP32 run; the BF16 model halves its activations
   const Plan a = make_plan(c, world), b = make_plan(off, world);
   size_t worst = 0;
   for (size_t s = 0; s < a.mem.size(); ++s)

@@ -40,9 +40,13 @@ bool fused_w13(const Config& c, bool on, int64_t F) {
   return !on || c.fp8.recipe != Fp8Recipe::blockwise || F % c.fp8.tile == 0;
 }
 
+// The bytes of a value the backward reads that train.activations bf16 keeps in BF16
+// (ModelContext::stash): 2, else 4.
+double kept_value_bytes(const Config& c) { return c.train.activations == ActivationDtype::bf16 ? 2 : kF32; }
+
 // model/ffn.h FfnSaved::bytes for M rows of an FFN of width F on one rank.
 double ffn_saved(const Config& c, bool on, double M, int64_t D, int64_t F) {
-  double b = M * 2 * double(F) * kF32;  // the gate and up pre-activations (h1 | h3)
+  double b = M * 2 * double(F) * kept_value_bytes(c);  // the gate and up pre-activations (h1 | h3)
   if (!on) b += M * double(F) * kF32;   // the SwiGLU output W2 reads in FP32
   b += linear_saved(c, on, M, double(D)) * (fused_w13(c, on, F) ? 1 : 2) + linear_saved(c, on, M, double(F));
   return b;
@@ -74,26 +78,30 @@ bool is_moe_layer(const ModelConfig& m, int layer) { return layer >= m.first_den
 // the rows per local expert.
 double routed_rows(const ModelConfig& m, const PlanLayout& L) { return double(L.tokens()) * m.moe.top_k; }
 
-// Bytes of a block's kept state (BlockSaved::bytes, model/transformer.cpp).
+// Bytes of a block's kept state (BlockSaved::bytes, model/transformer.cpp). kA: what
+// train.activations bf16 keeps in BF16 (ModelContext::stash); a tensor an FP32 linear layer holds
+// a pointer to stays FP32.
 double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig& m, int layer) {
   const double N = double(L.tokens()), D = m.d_model, H = m.n_heads;  // m: this rank's widths
+  const double kA = kept_value_bytes(c);
   const bool attn_fp8 = fp8_on(c, LinearClass::attention);
-  double b = N * D * kF32 + N * kF32 + N * D * kF32 + N * kF32;  // input, rstd1, x_mid, rstd2
+  const double attn_out = attn_fp8 ? kA : kF32;                  // an FP32 wo holds its input
+  double b = N * D * kA + N * kF32 + N * D * kA + N * kF32;      // input, rstd1, x_mid, rstd2
   if (!attn_fp8) b += N * D * kF32;                              // h1, read by FP32 q/k/v in backward
   if (!m.mla()) {
     const double hd = m.head_dim, kvh = m.n_kv_heads;
-    b += N * (H * hd * 2 + kvh * hd * 2) * kF32 + N * H * kF32;  // q, attn, k, v; lse
+    b += N * (H * hd + kvh * hd * 2) * kA + N * H * hd * attn_out + N * H * kF32;  // q, k, v; attn; lse
     b += 3 * linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, H * hd);
   } else {
     const double qk = m.qk_head_dim(), vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
-    b += N * H * (2 * qk + 2 * vd) * kF32 + N * H * kF32;  // q, k, v, attn; lse
+    b += N * H * (2 * qk + vd) * kA + N * H * vd * attn_out + N * H * kF32;  // q, k, v; attn; lse
     if (ql > 0) {
-      b += N * ql * kF32 + N * kF32 + (attn_fp8 ? 0 : N * ql * kF32);  // cq, rstd_q, cqn
+      b += N * ql * kA + N * kF32 + (attn_fp8 ? 0 : N * ql * kF32);  // cq, rstd_q, cqn
       b += linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, ql);
     } else {
       b += linear_saved(c, attn_fp8, N, D);
     }
-    b += N * kvl * kF32 + N * kF32 + (attn_fp8 ? 0 : N * kvl * kF32);  // ckv, rstd_kv, ckvn
+    b += N * kvl * kA + N * kF32 + (attn_fp8 ? 0 : N * kvl * kF32);  // ckv, rstd_kv, ckvn
     b += linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, kvl) + linear_saved(c, attn_fp8, N, H * vd);
   }
   if (!is_moe_layer(m, layer)) {
@@ -101,13 +109,14 @@ double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig&
     if (!on) b += N * D * kF32;  // h2
     return b + ffn_saved(c, on, N, int64_t(D), m.d_ff_dense);
   }
-  b += N * D * kF32;  // h2: the FP32 router's weight gradient reads it
+  const bool shared_fp32 = m.moe.n_shared_experts > 0 && !fp8_on(c, LinearClass::shared_experts);
+  b += N * D * (shared_fp32 ? kF32 : kA);  // h2: the FP32 router's weight gradient reads it
   b += routing_bytes(N, m.moe.n_experts, m.moe.top_k);
   if (m.moe.n_shared_experts > 0)
     b += ffn_saved(c, fp8_on(c, LinearClass::shared_experts), N, int64_t(D), int64_t(m.moe.n_shared_experts) * m.moe.d_expert);
   const bool on = fp8_on(c, LinearClass::experts);
   const double R = routed_rows(m, L), local = double(m.moe.n_experts) / L.expert;
-  b += R * D * kF32;                // expert_out
+  b += R * D * kA;                  // expert_out (BF16: as combine brought it)
   if (!on) b += R * D * kF32;       // xr (one rank) or xl (expert parallelism): the experts' FP32 inputs
   b += local * ffn_saved(c, on, R / local, int64_t(D), m.moe.d_expert);
   return b;
@@ -224,7 +233,7 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer) {
   const ModelConfig& m = place.local();
   if (!is_recomputed(c, layer)) return kept_block_bytes(c, L, m, layer);
   const double N = double(L.tokens());
-  return N * m.d_model * kF32 + (is_moe_layer(m, layer) ? routing_bytes(N, m.moe.n_experts, m.moe.top_k) : 0);
+  return N * m.d_model * kept_value_bytes(c) + (is_moe_layer(m, layer) ? routing_bytes(N, m.moe.n_experts, m.moe.top_k) : 0);
 }
 
 double bubble_fraction(int stages, int micro_batches) {

@@ -106,9 +106,9 @@ TEST(Plan, DeepSeekV3FitsOnItsLayoutOnlyWithRecomputation) {
   EXPECT_NE(r.out.find("layout: tensor 1, pipeline 16, expert 64, data 128 (expert-data 2)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("recompute full"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("WARNING"), std::string::npos) << r.out;
-  // fp8moe keeps FP32 activations between the FP8 GEMMs: without recomputation the first stage's
-  // 16 micro-batches in flight are far beyond 80 GB, and the plan says which change fits; with
-  // `moe` the first stage's dense blocks still keep theirs.
+  // Even in BF16 (the config's train.activations) without recomputation the first stage's 16
+  // micro-batches in flight are far beyond 80 GB, and the plan says which change fits; with `moe`
+  // the first stage's dense blocks still keep theirs.
   for (const char* mode : {"none", "moe"}) {
     r = run({exe(), "plan", cfg, "--world", "2048", "--device", "h800", "--set", std::string("train.recompute=") + mode});
     ASSERT_EQ(r.status, 0) << r.all();
@@ -143,7 +143,16 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   EXPECT_NE(r.out.find("leave 19.907 s per step"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("(a) fp8moe's communication exposed (as it runs): cannot be reached at any efficiency"),
             std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("why: the expert all-to-all alone sends 1.78 TB per rank per step"), std::string::npos) << r.out;
+  // The config's BF16 activations: FP8 dispatch and BF16 combine, 2 x (7,392 + 14,336) bytes a row
+  // for 8,192 tokens x 8 x 63 / 64 rows x 4 MoE blocks x 60 micro-batches = 672.82 GB.
+  EXPECT_NE(r.out.find("  ep      672.82 GB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  pp       28.19 GB"), std::string::npos) << r.out;
+  // Communication alone now fits the step (the compute as configured does not); in FP32 it did not.
+  EXPECT_NE(r.out.find("is what does not fit; see (b)"), std::string::npos) << r.out;
+  const RunResult f = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
+                           "h800", "--tokens", "1e12", "--target-gpu-hours", "180000", "--set", "train.activations=fp32"});
+  ASSERT_EQ(f.status, 0) << f.all();
+  EXPECT_NE(f.out.find("why: the expert all-to-all alone sends 1.78 TB per rank per step"), std::string::npos) << f.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m, std::regex("\\(b\\) compute only, the router, eh_proj and head in BF16 "
                                                      "\\(as DeepSeek-V3\\), stages balanced[^:]*: efficiency ([0-9.]+)")))

@@ -12,6 +12,7 @@
 #include "model/ffn.h"
 #include "model/param_store.h"
 #include "model/placement.h"
+#include "model/plan_model.h"
 #include "model/transformer.h"
 
 namespace fp8moe {
@@ -302,6 +303,19 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
               b16.saved / f32.saved, f32.peak, b16.peak, b16.peak / f32.peak);
   EXPECT_LE(b16.saved, 0.6 * f32.saved);
   EXPECT_LE(b16.peak, 0.7 * f32.peak);
+  // `fp8moe plan`'s model of the same (model/plan_model.h block_saved_bytes, uniform routing): the
+  // measured routing's uneven expert loads only move the per-expert FP8 scale rows.
+  c.train.seq_len = 256, c.train.global_batch = 1, c.parallel.micro_batches = 1;
+  for (const auto& [a, measured] : {std::make_pair(ActivationDtype::fp32, f32.saved), std::make_pair(ActivationDtype::bf16, b16.saved)}) {
+    c.train.activations = a;
+    const PlanLayout L = plan_layout(c, 1);
+    ASSERT_EQ(L.tokens(), 256);
+    double planned = 0;
+    for (int l = 0; l < m.n_layers; ++l) planned += block_saved_bytes(c, L, l);
+    planned /= 256.0 * m.n_layers;
+    std::printf("  %s: planned %.0f B per token per block, measured %.0f B\n", to_string(a).data(), planned, measured);
+    EXPECT_NEAR(measured / planned, 1.0, 0.02) << to_string(a);
+  }
 }
 
 TEST(Model, RouterBiasesMoveTowardsBalanceAfterAStep) {
