@@ -402,10 +402,12 @@ void print_fp8_savings(const Config& c, int world) {
   row("workspace", x.workspace, y.workspace, y.workspace / 2);
   const double bf16 = y.weights + w16 + y.grads + y.moments + (y.activations + y.workspace) / 2;
   row("total", x.total(), y.total(), bf16);
-  std::printf("  FP8 / recipe off: %.2f; FP8 / BF16 model: %.2f. FP8 changes only the activations a linear layer keeps\n"
-              "  (its input in FP8 instead of FP32) and adds the step's FP8 weight copies; the master weights,\n"
-              "  gradients and moments are the optimizer's and stay as they are.\n",
-              x.total() / y.total(), x.total() / bf16);
+  std::printf("  FP8 / recipe off: %.2f; FP8 / BF16 model: %.2f. FP8 changes the activations a linear layer keeps\n"
+              "  (its input in FP8 instead of FP32) and adds the step's FP8 weight copies; train.activations %s\n"
+              "  keeps the other activations in %s; the master weights, gradients and moments are the\n"
+              "  optimizer's and stay as they are; the step's temporaries stay FP32.\n",
+              x.total() / y.total(), x.total() / bf16, to_string(c.train.activations).data(),
+              c.train.activations == ActivationDtype::bf16 ? "BF16" : "FP32");
 }
 
 void print_misfit(const PlanReport& rep) {

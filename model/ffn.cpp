@@ -98,8 +98,8 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnSaved& s = *groups[i].saved;
     const int64_t M = s.l1.M, F = s.l2.K;
-    Tensor w1, w3;  // FP32 copies of pre-activations kept in BF16
-    const float *h1 = unstash(be, s.h1, &w1), *h3 = unstash(be, s.h3, &w3);
+    Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16
+    const float *h1 = unstash(be, s.h1, &h1_32), *h3 = unstash(be, s.h3, &h3_32);
     if (s.fused) {
       if (M > 0) be.swiglu_backward(h1, h1 + F, 2 * F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh1.f32() + F, M, F);
     } else
