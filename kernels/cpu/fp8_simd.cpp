@@ -398,6 +398,83 @@ FP8MOE_AVX2 void to_bf16_avx2(const uint8_t* src, uint16_t* out, int64_t n, cons
   }
   to_bf16_scalar<F, kPerElement>(src + i, out + i, n - i, kPerElement ? exp_add + i : exp_add);
 }
+
+// ---- FP32 <-> BF16 (kernels/fp8.h's bf16_encode / bf16_decode, 16 or 8 lanes) -------------------
+
+// bf16_encode's integer steps as 32-bit lanes, the BF16 bits in the high half: u + 0x7FFF + the
+// kept part's lowest bit, or (NaN) u | 0x00400000 (quiet).
+FP8MOE_AVX512 inline __m512i bf16_round16(__m512i u) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                 _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+}
+
+FP8MOE_AVX512 void f32_to_bf16_avx512(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i r = bf16_round16(_mm512_loadu_si512(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+  for (; i < n; ++i) y[i] = bf16_encode(x[i]);
+}
+
+FP8MOE_AVX512 void bf16_to_f32_avx512(const uint16_t* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    _mm512_storeu_si512(y + i, _mm512_slli_epi32(w, 16));
+  }
+  for (; i < n; ++i) y[i] = bf16_decode(x[i]);
+}
+
+FP8MOE_AVX512 void round_bf16_avx512(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i r = bf16_round16(_mm512_loadu_si512(x + i));
+    _mm512_storeu_si512(y + i, _mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
+  for (; i < n; ++i) y[i] = bf16_decode(bf16_encode(x[i]));
+}
+
+FP8MOE_AVX2 inline __m256i bf16_round8(__m256i u) {
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+  // |u| > 0x7F800000 as signed 32-bit compares: |u| < 2^31.
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+}
+
+FP8MOE_AVX2 void f32_to_bf16_avx2(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a = _mm256_srli_epi32(bf16_round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16);
+    const __m256i b = _mm256_srli_epi32(bf16_round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8))), 16);
+    // packus works per 128-bit half: put the quarters back in order.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
+  }
+  for (; i < n; ++i) y[i] = bf16_encode(x[i]);
+}
+
+FP8MOE_AVX2 void bf16_to_f32_avx2(const uint16_t* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm256_slli_epi32(w, 16));
+  }
+  for (; i < n; ++i) y[i] = bf16_decode(x[i]);
+}
+
+FP8MOE_AVX2 void round_bf16_avx2(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i r = bf16_round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u))));
+  }
+  for (; i < n; ++i) y[i] = bf16_decode(bf16_encode(x[i]));
+}
 #endif  // FP8MOE_X86_SIMD
 
 using EncodeFn = void (*)(const float*, uint8_t*, int64_t, const float*, bool, EncodeStats*);
@@ -473,6 +550,36 @@ void fp8_to_bf16_span(SimdLevel level, Fp8Dtype f, const uint8_t* src, uint16_t*
 void fp8_to_bf16_span(SimdLevel level, Fp8Dtype f, const uint8_t* src, uint16_t* out, int64_t n,
                       const int16_t* exp_add) {
   to_bf16<true>(level, f, src, out, n, exp_add);
+}
+
+void f32_to_bf16_span(SimdLevel level, const float* x, uint16_t* y, int64_t n) {
+  if (n <= 0) return;
+#if FP8MOE_X86_SIMD
+  if (level == SimdLevel::avx512) return f32_to_bf16_avx512(x, y, n);
+  if (level == SimdLevel::avx2) return f32_to_bf16_avx2(x, y, n);
+#endif
+  (void)level;
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16_encode(x[i]);
+}
+
+void bf16_to_f32_span(SimdLevel level, const uint16_t* x, float* y, int64_t n) {
+  if (n <= 0) return;
+#if FP8MOE_X86_SIMD
+  if (level == SimdLevel::avx512) return bf16_to_f32_avx512(x, y, n);
+  if (level == SimdLevel::avx2) return bf16_to_f32_avx2(x, y, n);
+#endif
+  (void)level;
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16_decode(x[i]);
+}
+
+void round_bf16_span(SimdLevel level, const float* x, float* y, int64_t n) {
+  if (n <= 0) return;
+#if FP8MOE_X86_SIMD
+  if (level == SimdLevel::avx512) return round_bf16_avx512(x, y, n);
+  if (level == SimdLevel::avx2) return round_bf16_avx2(x, y, n);
+#endif
+  (void)level;
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16_decode(bf16_encode(x[i]));
 }
 
 }  // namespace fp8moe::cpu

@@ -61,4 +61,11 @@ inline void fp8_to_bf16_span(Fp8Dtype f, const uint8_t* src, uint16_t* out, int6
   fp8_to_bf16_span(cpu_simd_level(), f, src, out, n, exp_add);
 }
 
+// FP32 -> BF16 bits rounded to nearest even (kernels/fp8.h's bf16_encode, lane-wise: the same
+// bits, NaN quiet, subnormals kept), BF16 -> FP32 (exact), and the rounding in FP32 (y may be x):
+// train.activations bf16's conversions (kernels/elementwise.h).
+void f32_to_bf16_span(SimdLevel level, const float* x, uint16_t* y, int64_t n);
+void bf16_to_f32_span(SimdLevel level, const uint16_t* x, float* y, int64_t n);
+void round_bf16_span(SimdLevel level, const float* x, float* y, int64_t n);
+
 }  // namespace fp8moe::cpu

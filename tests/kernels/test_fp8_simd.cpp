@@ -159,6 +159,34 @@ TEST_P(Fp8Simd, WidenToBf16IsExact) {
     }
 }
 
+// FP32 <-> BF16 (train.activations bf16): every level gives bf16_encode's bits (NaN quiet, ties to
+// even, FP32 subnormals rounded like any value), decodes exactly, and rounds in place; and writes
+// nothing past the span.
+TEST_P(Fp8Simd, Bf16ConversionsAreTheScalarEncoder) {
+  const SimdLevel level = GetParam();
+  std::vector<float> x = mixed_values(1000, 91);
+  for (uint32_t u : {0x3F808000u, 0x3F818000u, 0x7F7FFFFFu, 0x7F7F8000u, 0x00008000u, 0x00018000u, 0xFF800001u,
+                     0x7FC00001u, 0x80000000u})
+    x.push_back(bits_float(u));
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(16), int64_t(17), int64_t(33), int64_t(x.size()) - 1}) {
+    std::vector<uint16_t> y(static_cast<size_t>(n) + 1, 0xBEEF);
+    cpu::f32_to_bf16_span(level, x.data() + 1, y.data(), n);
+    std::vector<float> back(static_cast<size_t>(n) + 1, 7.0f), rounded(x.begin() + 1, x.begin() + 1 + n);
+    rounded.push_back(7.0f);
+    cpu::bf16_to_f32_span(level, y.data(), back.data(), n);
+    cpu::round_bf16_span(level, rounded.data(), rounded.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t want = bf16_encode(x[size_t(i) + 1]);
+      ASSERT_EQ(y[size_t(i)], want) << "element " << i << " bits " << std::hex << float_bits(x[size_t(i) + 1]);
+      ASSERT_EQ(float_bits(back[size_t(i)]), uint32_t(want) << 16) << "element " << i;
+      ASSERT_EQ(float_bits(rounded[size_t(i)]), uint32_t(want) << 16) << "element " << i;
+    }
+    EXPECT_EQ(y[size_t(n)], 0xBEEF) << "wrote past the span";
+    EXPECT_EQ(back[size_t(n)], 7.0f) << "wrote past the span";
+    EXPECT_EQ(rounded[size_t(n)], 7.0f) << "wrote past the span";
+  }
+}
+
 // A different step per element (a cols_Tx1 row): each element moved by its own k.
 TEST_P(Fp8Simd, WidenToBf16WithAStepPerElement) {
   const SimdLevel level = GetParam();
