@@ -306,10 +306,11 @@ void print_memory(const PlanReport& rep) {
   for (const StageMemory& s : p.mem)
     if (s.total() > worst->total()) worst = &s;
   std::printf("  ZeRO-1 (optim.zero %d): moments of %lld dense elements over %d data replica%s and %lld expert elements "
-              "over %d expert-data replica%s; moments %s; recompute %s; fp8.recipe %s\n",
+              "over %d expert-data replica%s; moments %s; recompute %s; fp8.recipe %s; activations %s\n",
               c.optim.zero, (long long)worst->dense_trainable, L.data, L.data == 1 ? "" : "s",
               (long long)worst->expert_trainable, L.expert_data, L.expert_data == 1 ? "" : "s",
-              to_string(c.train.moments_dtype).data(), to_string(c.train.recompute).data(), to_string(c.fp8.recipe).data());
+              to_string(c.train.moments_dtype).data(), to_string(c.train.recompute).data(), to_string(c.fp8.recipe).data(),
+              to_string(c.train.activations).data());
   std::printf("  %s limit: %s%s\n", d.cpu ? "RAM" : "device memory", bytes_text(d.memory).c_str(),
               d.cpu ? " (processes of one machine share it: all ranks' RSS together count)" : "");
   if (d.cpu) {
