@@ -238,16 +238,22 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
   }
 }
 
+// configs/tiny.yaml's model shape (its 128-wide FP8 tiles) on the test config.
+Config tiny_model_config(Fp8Recipe recipe) {
+  Config c = model_config(recipe);
+  ModelConfig& m = c.model;
+  m.vocab_size = 256, m.d_model = 256, m.n_layers = 4, m.n_heads = 8, m.n_kv_heads = 8, m.head_dim = 32;
+  m.first_dense_layers = 1, m.d_ff_dense = 1024, m.moe.n_experts = 8, m.moe.top_k = 2, m.moe.d_expert = 256;
+  c.fp8.tile = 128;
+  return c;
+}
+
 TEST(Model, SavedActivationBytesOfTiny) {
   // configs/tiny.yaml's model, one 256-token sequence, a training pass: what the blocks hold for
   // backward (measured at the end of the forward) with FP32 linears, blockwise FP8 (each linear
   // input kept as wgrad's T x 1 FP8 copy), blockwise FP8 with cached 1 x T FP8 inputs, and
   // per-tensor FP8 (whose weight gradients use the FP8 inputs anyway).
-  Config c = model_config(Fp8Recipe::off);
-  ModelConfig& m = c.model;
-  m.vocab_size = 256, m.d_model = 256, m.n_layers = 4, m.n_heads = 8, m.n_kv_heads = 8, m.head_dim = 32;
-  m.first_dense_layers = 1, m.d_ff_dense = 1024, m.moe.n_experts = 8, m.moe.top_k = 2, m.moe.d_expert = 256;
-  c.fp8.tile = 128;
+  Config c = tiny_model_config(Fp8Recipe::off);
   auto measure = [&](Fp8Recipe recipe, bool cache) {
     c.fp8.recipe = recipe;
     c.fp8.cache_activations = cache;
@@ -276,11 +282,8 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
   // (2-core VM, 2026-12-05) 10,252 against 17,804 bytes per token and block, 0.576x. The peak also
   // holds the backward's FP32 temporaries (gradients, the widened copies of one block), about
   // 4.3 MB in both: 0.658x, bound 0.7.
-  Config c = model_config(Fp8Recipe::blockwise);
-  ModelConfig& m = c.model;
-  m.vocab_size = 256, m.d_model = 256, m.n_layers = 4, m.n_heads = 8, m.n_kv_heads = 8, m.head_dim = 32;
-  m.first_dense_layers = 1, m.d_ff_dense = 1024, m.moe.n_experts = 8, m.moe.top_k = 2, m.moe.d_expert = 256;
-  c.fp8.tile = 128;
+  Config c = tiny_model_config(Fp8Recipe::blockwise);
+  const ModelConfig& m = c.model;
   struct Measured {
     double saved = 0, peak = 0;
   };
