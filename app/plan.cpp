@@ -52,7 +52,7 @@ std::vector<Candidate> search_fits(const PlanOptions& o, const std::string& text
   for (int v = 1; v <= o.node_size && v <= world; v *= 2)
     if (v != base.parallel.tensor) add("parallel.tensor", std::to_string(v));
   for (int v = base.parallel.micro_batches * 2; v <= base.train.global_batch; v *= 2) add("parallel.micro_batches", std::to_string(v));
-  for (const char* v : {"moe", "full"})
+  for (const char* v : {"selective", "moe", "full"})
     if (to_string(base.train.recompute) != v) add("train.recompute", v);
   if (base.optim.zero != 1) add("optim.zero", "1");
   if (base.train.moments_dtype != MomentsDtype::bf16) add("train.moments_dtype", "bf16");

@@ -411,7 +411,9 @@ const std::vector<Field>& schema() {
     v.push_back(real("train.loss_scale_backoff", REF(train.loss_scale_backoff), 0, B::open, 1, B::open,
                      "Dynamic loss scaling: factor after a step with non-finite gradients (which is skipped)."));
     v.push_back(choice("train.recompute", REF(train.recompute),
-                       "Recompute in backward instead of saving: nothing, the MoE blocks, or every block."));
+                       "Recompute in backward instead of saving: nothing; selected ops of every block (DeepSeek-V3: the "
+                       "FFN norm's output, MLA's per-head queries, keys and values, the SwiGLU outputs); the MoE "
+                       "blocks; or every block."));
     v.push_back(choice("train.activations", REF(train.activations),
                        "fp32: every activation and message FP32 (exact). bf16 (DeepSeek-V3's wire precisions): "
                        "the residual stream rounded to BF16 between blocks, pipeline messages in BF16, the "

@@ -40,10 +40,16 @@ void core_forward(const ModelContext& c, AttentionCore* s, const CoreShape& d, c
   if (!s->lo.needs_fp32_input()) c.stash(&s->attn);  // (an FP32 wo holds a pointer to it)
 }
 
+// Queries, keys and values made again in backward (train.recompute selective); an empty one: s's.
+struct QkvTensors {
+  Tensor q, k, v;
+};
+
 // Its backward from dout (N, D): da (Wo's input gradient) and dq, dk, dv, allocated here and
 // owned by the caller (so that they live as long as the caller's other gradients).
 void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShape& d, const LinearWeight& wo,
-                   const LinearFp8& f, const float* dout, Tensor* da, Tensor* dq, Tensor* dk, Tensor* dv) {
+                   const LinearFp8& f, const float* dout, Tensor* da, Tensor* dq, Tensor* dk, Tensor* dv,
+                   const QkvTensors* again = nullptr) {
   Backend& be = c.be;
   const int64_t N = d.B * d.T;
   *da = Tensor(be, DType::f32, {N, d.H * d.vd});
@@ -52,7 +58,12 @@ void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShap
   *dv = Tensor(be, DType::f32, {N, d.KVH * d.vd});
   linear_backward(be, s.lo, wo.w, dout, f, da->f32(), wo.g);
   Tensor q, k, v, attn;  // FP32 copies of what was kept in BF16
-  be.attention_backward(c.unstash(s.q, &q), c.unstash(s.k, &k), c.unstash(s.v, &v), c.unstash(s.attn, &attn),
+  const QkvTensors none;
+  const QkvTensors& a = again ? *again : none;
+  auto pick = [&](const Tensor& made, const Tensor& kept, Tensor* tmp) {
+    return made.empty() ? c.unstash(kept, tmp) : made.f32();
+  };
+  be.attention_backward(pick(a.q, s.q, &q), pick(a.k, s.k, &k), pick(a.v, s.v, &v), c.unstash(s.attn, &attn),
                         s.lse.f32(), da->f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, dq->f32(), dk->f32(), dv->f32());
 }
 
@@ -130,9 +141,13 @@ struct MlaSaved final : AttentionSaved {
   Tensor cq, rstd_q, cqn, ckv, rstd_kv, ckvn;
   LinearSaved lq, lq_a, lkv_a, lkv_b;  // lq: wq_b with the query latent, else wq
   bool q_latent = false;
+  // train.recompute selective: the up-projections' outputs are not kept (core.k, core.v, and core.q
+  // with the query latent); the backward makes them again from the latents and the rotated shared
+  // key kpe (N, rope), kept instead.
+  Tensor kpe;
   int64_t bytes() const override {
     int64_t b = core.bytes() + int64_t(cq.bytes() + rstd_q.bytes() + cqn.bytes() + ckv.bytes() + rstd_kv.bytes() +
-                                       ckvn.bytes());
+                                       ckvn.bytes() + kpe.bytes());
     for (const LinearSaved* l : {&lq, &lq_a, &lkv_a, &lkv_b}) b += l->fp8_activation_bytes();
     return b;
   }
@@ -196,11 +211,18 @@ class Mla final : public Attention {
     // key is [k_nope | kpe].
     be.rope(a.q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
     be.rope(kpe.f32(), B, T, 1, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), rope);
+    c_.round_activation(kpe);  // (k's copies of it are rounded anyway: the same k)
     a.k = Tensor(be, DType::f32, {N, H * qk});
     a.v = Tensor(be, DType::f32, {N, H * vd});
     be.mla_expand_kv(kv.f32(), kpe.f32(), N, H, nope, rope, vd, a.k.f32(), a.v.f32());
     c_.round_activation(a.q), c_.round_activation(a.k), c_.round_activation(a.v);
     core_forward(c_, &a, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), o, pass.saving);
+    if (pass.saving && c_.selective) {  // made again in backward (rebuild_qkv)
+      a.k.reset(), a.v.reset();
+      if (ql > 0) a.q.reset();
+      s->kpe = std::move(kpe);
+      c_.stash(&s->kpe);
+    }
     return s;
   }
 
@@ -215,7 +237,11 @@ class Mla final : public Attention {
     Backend& be = c_.be;
     const Pass pass = Pass::backward();
     Tensor da, dq, dk, dv;
-    core_backward(c_, s.core, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv);
+    {
+      QkvTensors again;  // train.recompute selective
+      if (!s.kpe.empty()) rebuild_qkv(s, &again);
+      core_backward(c_, s.core, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv, &again);
+    }
     be.rope(dq.f32() + nope, B, T, H, rope, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), qk);
     // Keys and values back to the up-projection's output and the shared rotary key (summed over heads).
     Tensor dkv(be, DType::f32, {N, H * (nope + vd)}), dkpe(be, DType::f32, {N, rope});
@@ -249,6 +275,45 @@ class Mla final : public Attention {
   }
 
  private:
+  // train.recompute selective: the queries (with the query latent), keys and values the forward
+  // made and dropped, made again from the kept latents with the forward's FP8 scales and weights:
+  // the same bits.
+  void rebuild_qkv(const MlaSaved& s, QkvTensors* core) {
+    const ModelConfig& m = c_.local;
+    const int64_t B = s.B, T = s.T, N = B * T, H = m.n_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
+    const int64_t qk = nope + rope, vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
+    const float eps = float(m.norm_eps);
+    Backend& be = c_.be;
+    const Pass pass = Pass::rebuild();
+    // A latent's normed copy: the one an FP32 up-projection keeps, else the forward's norm again.
+    auto normed = [&](const Tensor& kept_normed, const Tensor& latent, const Weight& norm, int64_t width, Tensor* out) {
+      if (!kept_normed.empty()) return kept_normed.f32();
+      Tensor lat32, rstd(be, DType::f32, {N});
+      *out = Tensor(be, DType::f32, {N, width});
+      be.rmsnorm_forward(c_.unstash(latent, &lat32), norm.w, N, width, eps, out->f32(), rstd.f32());
+      c_.round_activation(*out);
+      return static_cast<const float*>(out->f32());
+    };
+    if (ql > 0) {
+      Tensor cqn;
+      core->q = Tensor(be, DType::f32, {N, H * qk});
+      linear_forward(be, normed(s.cqn, s.cq, q_norm_, ql, &cqn), N, ql, wq_.w, H * qk, fp8(wq_, pass), core->q.f32(),
+                     nullptr);
+      be.rope(core->q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
+      c_.round_activation(core->q);
+    }
+    {
+      Tensor ckvn, kpe32, kv(be, DType::f32, {N, H * (nope + vd)});
+      linear_forward(be, normed(s.ckvn, s.ckv, kv_norm_, kvl, &ckvn), N, kvl, wkv_b_.w, H * (nope + vd),
+                     fp8(wkv_b_, pass), kv.f32(), nullptr);
+      ckvn.reset();
+      core->k = Tensor(be, DType::f32, {N, H * qk});
+      core->v = Tensor(be, DType::f32, {N, H * vd});
+      be.mla_expand_kv(kv.f32(), c_.unstash(s.kpe, &kpe32), N, H, nope, rope, vd, core->k.f32(), core->v.f32());
+      c_.round_activation(core->k), c_.round_activation(core->v);
+    }
+  }
+
   LinearFp8 fp8(const LinearWeight& w, const Pass& pass) const { return c_.fp8.context(w, pass); }
   const ModelContext& c_;
   LinearWeight wq_, wq_a_, wkv_a_, wkv_b_, wo_;  // wq_: wq_b with the query latent, else wq

@@ -87,19 +87,22 @@ void Block::forward(const float* x, int64_t B, int64_t T, float* out, BlockSaved
   bool h2_held = false;  // a linear layer holds a pointer to h2 (it reads it in FP32 in backward)
   if (!is_moe()) {
     ffn_forward(be, s->h2.f32(), N, D, m.d_ff_dense, dense_.weights(), dense_.fp8(ctx_.fp8, pass), f.f32(), &s->dense,
-                ctx_.activations);
+                ctx_.activations, ctx_.selective);
     if (!s->dense.l1.needs_fp32_input() && !s->dense.l3.needs_fp32_input()) s->h2.reset();
     h2_held = !s->h2.empty();
   } else {
     moe_forward(be, s->h2.f32(), N, D, m.moe, moe_, moe_fp8(pass), f.f32(), &s->moe, ctx_.dispatcher, aux, ctx_.loads,
-                ctx_.activations);
+                ctx_.activations, ctx_.selective);
     h2_held = s->moe.shared.l1.needs_fp32_input() || s->moe.shared.l3.needs_fp32_input();
   }
   ctx_.tp_sum(f.f32(), N * D);  // row-parallel W2 (dense, shared and routed experts alike)
   be.add(s->x_mid.f32(), f.f32(), out, N * D);
   if (pass.saving) {  // what the backward reads, in BF16 under train.activations bf16
     ctx_.stash(&s->x_mid);
-    if (!h2_held) ctx_.stash(&s->h2);  // (MoE: the router's input for its weight gradient)
+    // MoE: h2 is the router's input for its weight gradient; train.recompute selective makes it
+    // again from x_mid in backward.
+    if (!h2_held && ctx_.selective) s->h2.reset();
+    if (!h2_held) ctx_.stash(&s->h2);
   }
 }
 
@@ -113,15 +116,25 @@ void Block::backward(const BlockSaved& s, const float* dout, float* dx, float au
   if (!is_moe()) {
     ffn_backward(be, s.dense, dense_.weights(), dout, dense_.fp8(ctx_.fp8, pass), dh2.f32(), dense_.grads());
     ctx_.tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
-  } else {
-    Tensor h2w;
-    moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
-                 ctx_.dispatcher, ctx_.tp, ctx_.activations, ctx_.unstash(s.h2, &h2w));
   }
-  Tensor x_mid;
-  be.rmsnorm_backward(ctx_.unstash(s.x_mid, &x_mid), ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(),
-                      ffn_norm_.g);
-  x_mid.reset();
+  Tensor x_mid32;
+  const float* x_mid = ctx_.unstash(s.x_mid, &x_mid32);
+  if (is_moe()) {
+    Tensor h2w, rstd;
+    const float* h2 = nullptr;
+    if (!s.h2.empty()) {
+      h2 = ctx_.unstash(s.h2, &h2w);
+    } else {  // train.recompute selective dropped it: the forward's norm again, the same bits
+      h2w = Tensor(be, DType::f32, {N, D}), rstd = Tensor(be, DType::f32, {N});
+      be.rmsnorm_forward(x_mid, ffn_norm_.w, N, D, float(m.norm_eps), h2w.f32(), rstd.f32());
+      ctx_.round_activation(h2w);
+      h2 = h2w.f32();
+    }
+    moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
+                 ctx_.dispatcher, ctx_.tp, ctx_.activations, h2);
+  }
+  be.rmsnorm_backward(x_mid, ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
+  x_mid32.reset();
   be.add(dx_mid.f32(), dout, dx_mid.f32(), N * D);
 
   // Attention branch: x_mid = x + Attention(h1), h1 = RMSNorm(x).

@@ -16,7 +16,7 @@ enum class AttentionKind { gqa, mla };  // model.attention
 enum class NormTopk { automatic, yes, no };  // auto: with sigmoid gating (DeepSeek-V3), not softmax (V2)
 enum class Schedule { cosine, linear, constant };
 enum class MomentsDtype { fp32, bf16 };
-enum class Recompute { none, moe, full };
+enum class Recompute { none, selective, moe, full };
 enum class ActivationDtype { fp32, bf16 };  // train.activations
 enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
@@ -241,7 +241,7 @@ FP8MOE_ENUM_NAMES(AttentionKind, "gqa", "mla");
 FP8MOE_ENUM_NAMES(NormTopk, "auto", "true", "false");
 FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
-FP8MOE_ENUM_NAMES(Recompute, "none", "moe", "full");
+FP8MOE_ENUM_NAMES(Recompute, "none", "selective", "moe", "full");
 FP8MOE_ENUM_NAMES(ActivationDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");

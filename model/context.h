@@ -38,6 +38,10 @@ struct ModelContext {
   // train.activations: with bf16 the residual stream is rounded to BF16 between blocks and the
   // expert all-to-all sends FP8 / BF16 rows (model/moe.h, MoeWire).
   ActivationDtype activations = ActivationDtype::fp32;
+  // train.recompute selective: a kept block's backward makes again what is cheap to make from what
+  // it keeps (the FFN norm's output the router reads, MLA's per-head queries, keys and values, the
+  // SwiGLU outputs) instead of keeping it.
+  bool selective = false;
 
   bool bf16_activations() const { return activations == ActivationDtype::bf16; }
   // x rounded to BF16 in place under train.activations bf16 (a rounding point); nothing under fp32.

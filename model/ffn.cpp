@@ -5,8 +5,8 @@
 namespace fp8moe {
 
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
-                 float* y, FfnSaved* saved, ActivationDtype activations) {
-  ffn_forward_grouped(be, D, F, {FfnGroup{x, M, &w, &fp8, y, saved}}, activations);
+                 float* y, FfnSaved* saved, ActivationDtype activations, bool rebuild_a) {
+  ffn_forward_grouped(be, D, F, {FfnGroup{x, M, &w, &fp8, y, saved}}, activations, rebuild_a);
 }
 
 bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D) {
@@ -18,7 +18,7 @@ bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D) {
 }
 
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups,
-                         ActivationDtype activations) {
+                         ActivationDtype activations, bool rebuild_a) {
   const bool bf16 = activations == ActivationDtype::bf16;
   std::vector<FfnSaved> local(groups.size());  // for the groups without a saved (no backward)
   std::vector<FfnSaved*> saved(groups.size());
@@ -30,6 +30,7 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
     FfnSaved& s = *saved[g];
     s.fused = fuses_w13(*f.w, *f.fp8, F, D);
     s.h3.reset(), s.l3 = LinearSaved{};
+    s.a_rebuilt = false, s.h1q = QTensor{}, s.h3q = QTensor{};
     if (s.fused) {
       s.h1 = Tensor(be, DType::f32, {f.M, 2 * F});
       l13.push_back({f.x, f.M, f.w->w1, &f.fp8->w1, s.h1.f32(), &s.l1, f.xq});
@@ -60,10 +61,32 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
   linear_forward_grouped(be, F, D, l2);
   for (size_t g = 0; g < groups.size(); ++g) {
     FfnSaved* s = saved[g];
+    const bool kept = groups[g].saved && groups[g].fp8->w2.backward_follows;
+    if (kept && rebuild_a) {  // made again from h1, h3 in backward
+      s->a_rebuilt = true;
+      s->l2.x = nullptr, s->l2.xq = QTensor{}, s->l2.xt = QTensor{};
+      s->a.reset();
+      const LinearFp8& w2 = groups[g].fp8->w2;
+      if (w2.enabled() && w2.cfg->recipe == Fp8Recipe::blockwise && w2.cfg->cache_activations) {
+        s->h1q = quantize_1xT(be, s->h1.f32(), s->h1.shape()[0], s->h1.shape()[1], *w2.cfg, nullptr);
+        s->h1.reset();
+        if (!s->h3.empty()) s->h3q = quantize_1xT(be, s->h3.f32(), groups[g].M, F, *w2.cfg, nullptr), s->h3.reset();
+      }
+    }
     if (!s->l2.needs_fp32_input()) s->a.reset();  // kept in FP8 by the W2 layer
-    if (bf16 && groups[g].saved && groups[g].fp8->w2.backward_follows) stash_bf16(be, &s->h1), stash_bf16(be, &s->h3);
+    if (bf16 && kept) stash_bf16(be, &s->h1), stash_bf16(be, &s->h3);
   }
 }
+
+namespace {
+// The FP32 values of a kept pre-activation: its own, widened from BF16, or dequantized from FP8.
+const float* pre_activation(Backend& be, const Tensor& kept, const QTensor& fp8, Tensor* tmp) {
+  if (fp8.empty()) return unstash(be, kept, tmp);
+  *tmp = Tensor(be, DType::f32, {fp8.rows, fp8.cols});
+  if (fp8.rows * fp8.cols > 0) be.dequantize(fp8.view(), tmp->f32());
+  return tmp->f32();
+}
+}  // namespace
 
 void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
                   const FfnGrads& g) {
@@ -75,13 +98,28 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
     Tensor da, dh1, dh3, dx3;  // fused: dh1 is (M, 2F), [d gate | d up] per row
   };
   std::vector<Scratch> t(groups.size());
+  std::vector<LinearSaved> l2_again(groups.size());  // train.recompute selective: W2's input made again
+  std::vector<Tensor> a_again(groups.size());        // (the SwiGLU output itself while W2 is FP32)
   std::vector<LinearGradGroup> l2, l13, l1, l3;
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnGradGroup& f = groups[i];
     const FfnSaved& s = *f.saved;
     const int64_t M = s.l1.M, D = s.l1.K, F = s.l2.K;
+    const LinearSaved* s2 = &s.l2;
+    if (s.a_rebuilt) {  // the forward's SwiGLU of the kept h1, h3 (the same bits, unless kept in FP8)
+      Tensor h1_32, h3_32;
+      const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
+      a_again[i] = Tensor(be, DType::f32, {M, F});
+      if (s.fused) {
+        if (M > 0) be.swiglu_forward(h1, h1 + F, 2 * F, a_again[i].f32(), M, F);
+      } else
+        be.swiglu_forward(h1, h3, F, a_again[i].f32(), M, F);
+      linear_reinput(be, s.l2, a_again[i].f32(), f.fp8->w2, &l2_again[i]);
+      if (!l2_again[i].needs_fp32_input()) a_again[i].reset();
+      s2 = &l2_again[i];
+    }
     t[i].da = Tensor(be, DType::f32, {M, F});
-    l2.push_back({&s.l2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2, f.dyq});
+    l2.push_back({s2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2, f.dyq});
     if (s.fused) {
       FP8MOE_ASSERT(f.g->w3 == f.g->w1 + F * D, "ffn_backward: fused W1|W3 needs W3's gradient after W1's");
       t[i].dh1 = Tensor(be, DType::f32, {M, 2 * F});
@@ -95,11 +133,12 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
     l3.push_back({&s.l3, f.w->w3, t[i].dh3.f32(), &f.fp8->w3, f.dx ? t[i].dx3.f32() : nullptr, f.g->w3});
   }
   linear_backward_grouped(be, l2);
+  l2_again.clear(), a_again.clear();
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnSaved& s = *groups[i].saved;
     const int64_t M = s.l1.M, F = s.l2.K;
-    Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16
-    const float *h1 = unstash(be, s.h1, &h1_32), *h3 = unstash(be, s.h3, &h3_32);
+    Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16 or FP8
+    const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
     if (s.fused) {
       if (M > 0) be.swiglu_backward(h1, h1 + F, 2 * F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh1.f32() + F, M, F);
     } else

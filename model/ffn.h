@@ -34,9 +34,16 @@ struct FfnSaved {
   // W1|W3 fused: l1 is the W13 layer (N = 2F) and h1 its (M, 2F) output, row m = [gate | up];
   // l3 and h3 are empty.
   bool fused = false;
+  // train.recompute selective: the SwiGLU output is not kept (nor W2's copy of it); the backward
+  // makes it again from h1, h3 (linear_reinput). Where W2 is blockwise FP8 with
+  // fp8.cache_activations (DeepSeek-V3), h1 and h3 themselves are kept only in FP8, 1 x T tiles
+  // (h1q, h3q): the backward differentiates the SwiGLU at those values and W2's weight gradient
+  // reads the output made from them.
+  bool a_rebuilt = false;
+  QTensor h1q, h3q;
   int64_t bytes() const {
     return int64_t(h1.bytes() + h3.bytes() + a.bytes()) + l1.fp8_activation_bytes() + l3.fp8_activation_bytes() +
-           l2.fp8_activation_bytes();
+           l2.fp8_activation_bytes() + (h1q.empty() ? 0 : h1q.bytes()) + (h3q.empty() ? 0 : h3q.bytes());
   }
 };
 
@@ -44,9 +51,11 @@ struct FfnSaved {
 bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D);
 
 // activations bf16: the pre-activations h1, h3 rounded to BF16 where they are made and kept in BF16
-// for the backward (model/context.h's stash).
+// for the backward (model/context.h's stash). rebuild_a (train.recompute selective): what a backward
+// reads of the SwiGLU output is made again there, not kept (FfnSaved::a_rebuilt).
 void ffn_forward(Backend& be, const float* x, int64_t M, int64_t D, int64_t F, const FfnWeights& w, const FfnFp8& fp8,
-                 float* y, FfnSaved* saved, ActivationDtype activations = ActivationDtype::fp32);
+                 float* y, FfnSaved* saved, ActivationDtype activations = ActivationDtype::fp32,
+                 bool rebuild_a = false);
 // One FFN per group (the routed experts of a MoE layer), each as ffn_forward, with each of the
 // three layers' GEMMs grouped over them (linear_forward_grouped).
 struct FfnGroup {
@@ -59,7 +68,7 @@ struct FfnGroup {
   const QuantView* xq = nullptr;  // blockwise: x already in 1 x T FP8 tiles (LinearGroup::xq); x unread
 };
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups,
-                         ActivationDtype activations = ActivationDtype::fp32);
+                         ActivationDtype activations = ActivationDtype::fp32, bool rebuild_a = false);
 
 // dx (M, D) written (may be nullptr); weight gradients accumulated (fused: W3's gradient must follow
 // W1's in memory, as in the parameter store; asserted).

@@ -36,6 +36,9 @@ struct Pass {
   // An evaluation or generation: the current scales, the weights quantized afresh, no cache.
   static Pass evaluation() { return {false, false, false}; }
   static Pass backward() { return {true, false, false}; }
+  // train.recompute selective: a kept block's backward makes one of its layers' outputs again (MLA's
+  // per-head queries, keys and values): the forward's scales and FP8 weights, nothing kept.
+  static Pass rebuild() { return {false, true, false}; }
 };
 
 // A parameter's shard and its gradient (backend memory; nullptr where the rank does not hold it),

@@ -240,6 +240,33 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
   if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
 }
 
+QTensor quantize_1xT(Backend& be, const float* x, int64_t rows, int64_t cols, const Fp8Config& c, uint64_t* counts) {
+  QTensor q(be, rows, cols, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
+  if (rows * cols > 0) be.quantize_tiled(x, scale_options(c), q.view(), counts);
+  return q;
+}
+
+void linear_reinput(Backend& be, const LinearSaved& from, const float* x, const LinearFp8& fp8, LinearSaved* out) {
+  *out = LinearSaved{};
+  out->M = from.M, out->K = from.K, out->N = from.N;
+  out->wq = from.wq;  // (the cache's, or `from`'s own: *out must not outlive `from`)
+  if (!fp8.enabled()) {
+    out->x = x;
+    return;
+  }
+  const Fp8Config& c = *fp8.cfg;
+  if (c.recipe == Fp8Recipe::blockwise) {  // the copy the forward kept: 1 x T cached, or wgrad's T x 1
+    quantize_tiled(be, x, from.M, from.K, c.cache_activations ? Tiling::rows_1xT : Tiling::cols_Tx1, c, nullptr,
+                   c.cache_activations ? &out->xq : &out->xt);
+    return;
+  }
+  // Per-tensor: the forward's scale (delayed: the last one used; current: the same amax again),
+  // advancing and counting nothing.
+  LinearFp8 f = fp8;
+  f.record = false, f.reuse_last_scale = true, f.counts = nullptr;
+  quantize_per_tensor(be, x, from.M, from.K, Fp8Dtype::e4m3, f, f.state ? &f.state->x : nullptr, nullptr, &out->xq);
+}
+
 void stash_bf16(Backend& be, Tensor* t) {
   if (t->dtype() != DType::f32 || t->empty()) return;
   Tensor h(be, DType::bf16, t->shape());

@@ -124,6 +124,17 @@ struct LinearGradGroup {
 };
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);
 
+// x (rows, cols) in a blockwise recipe's 1 x T tiles (E4M3, its scale options): the operand a
+// layer's forward GEMM reads as it is (LinearGroup::xq); quantizations counted in `counts` (may be
+// nullptr).
+QTensor quantize_1xT(Backend& be, const float* x, int64_t rows, int64_t cols, const Fp8Config& c, uint64_t* counts);
+
+// train.recompute selective: the input of a kept layer that its forward dropped (W2's, the SwiGLU
+// output), made again in backward as x: *out gets `from`'s shapes and FP8 weight and x as the
+// forward kept it (x itself for an FP32 layer, which must then outlive *out; else its FP8 copy,
+// quantized with the forward's scale). fp8: the layer's context of the backward.
+void linear_reinput(Backend& be, const LinearSaved& from, const float* x, const LinearFp8& fp8, LinearSaved* out);
+
 // train.activations bf16's kept tensors (model/context.h): t's FP32 values, BF16 exactly after a
 // rounding point, replaced by their BF16 copy (half the bytes, nothing lost); and the FP32 values
 // of a kept tensor, its own (FP32) or its BF16 copy widened into *tmp.

@@ -103,11 +103,8 @@ bool has_shared(const MoeWeights& w) { return w.shared.w1 != nullptr; }
 
 // rows (R, D) FP32 -> the 1 x T FP8 copy a blockwise layer's GEMM reads (its tile and scale options).
 QTensor quantize_rows(Backend& be, const float* rows, int64_t R, int64_t D, const LinearFp8& layer) {
-  const Fp8Config& c = *layer.cfg;
-  QTensor q(be, R, D, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
   // A recomputation quantizes again what its forward counted already.
-  if (R > 0) be.quantize_tiled(rows, {c.margin, c.power_of_two_scales}, q.view(), layer.reuse_last_scale ? nullptr : layer.counts);
-  return q;
+  return quantize_1xT(be, rows, R, D, *layer.cfg, layer.reuse_last_scale ? nullptr : layer.counts);
 }
 
 // Rows [r0, r0 + rows) of a 1 x T FP8 tensor.
@@ -188,7 +185,7 @@ void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeCo
 
 void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                  const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep, double* aux,
-                 HostBuffer<int64_t>* load_staging, ActivationDtype activations) {
+                 HostBuffer<int64_t>* load_staging, ActivationDtype activations, bool rebuild_a) {
   MoeSaved local;
   MoeSaved& s = saved ? *saved : local;
   const int64_t F = cfg.d_expert;
@@ -199,7 +196,8 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
 
   // Shared experts see every token.
   if (has_shared(w))
-    ffn_forward(be, x, N, D, int64_t(cfg.n_shared_experts) * F, w.shared, fp8.shared, out, &s.shared, activations);
+    ffn_forward(be, x, N, D, int64_t(cfg.n_shared_experts) * F, w.shared, fp8.shared, out, &s.shared, activations,
+                rebuild_a);
   else
     be.zero(out, size_t(N * D) * sizeof(float));
 
@@ -240,7 +238,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
                       y.f32() + r0 * D, &s.experts[size_t(e)]});
     if (wire.fp8_in) xq[size_t(e)] = row_slice(s.xq, r0, M), groups.back().xq = &xq[size_t(e)];
   }
-  ffn_forward_grouped(be, D, F, groups, activations);
+  ffn_forward_grouped(be, D, F, groups, activations, rebuild_a);
   s.expert_out.reset(), s.expert_out16.reset();
   if (wire.bf16) {  // combine in BF16; kept so for the gates' gradient
     s.expert_out16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D);

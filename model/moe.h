@@ -118,11 +118,11 @@ void unpermute_add(const Routing& r, const float* rows, int64_t D, float* out);
 // With `ep`, the routed rows go to their experts' ranks and back (collective over the expert
 // group). When saved->routing is filled (a recomputation), it is used instead of routing again.
 // load_staging: pinned host memory of at least n_experts counts for the loads' download (nullptr:
-// allocated here).
+// allocated here). rebuild_a: the experts' SwiGLU outputs are made again in backward (ffn_forward).
 void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                  const MoeFp8& fp8, float* out, MoeSaved* saved, ExpertDispatcher* ep = nullptr,
                  double* aux = nullptr, HostBuffer<int64_t>* load_staging = nullptr,
-                 ActivationDtype activations = ActivationDtype::fp32);
+                 ActivationDtype activations = ActivationDtype::fp32, bool rebuild_a = false);
 // dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
 // x: the forward's input (the router's weight gradient reads it) where the caller no longer keeps
 // it at s.x (kept in BF16 and widened); nullptr: s.x.

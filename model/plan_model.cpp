@@ -44,12 +44,25 @@ bool fused_w13(const Config& c, bool on, int64_t F) {
 // (ModelContext::stash): 2, else 4.
 double kept_value_bytes(const Config& c) { return c.train.activations == ActivationDtype::bf16 ? 2 : kF32; }
 
+bool selective(const Config& c) { return c.train.recompute == Recompute::selective; }
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
 // model/ffn.h FfnSaved::bytes for M rows of an FFN of width F on one rank.
 double ffn_saved(const Config& c, bool on, double M, int64_t D, int64_t F) {
-  double b = M * 2 * double(F) * kept_value_bytes(c);  // the gate and up pre-activations (h1 | h3)
+  const bool fused = fused_w13(c, on, F);
+  // The gate and up pre-activations (h1 | h3); selective with blockwise cached inputs: in FP8.
+  double b = M * 2 * double(F) * kept_value_bytes(c);
+  if (selective(c) && on && c.fp8.recipe == Fp8Recipe::blockwise && c.fp8.cache_activations) {
+    const double T = c.fp8.tile, f = double(F);  // a byte each, an FP32 scale per 1 x T tile
+    b = M * 2 * f + M * (fused ? std::ceil(2 * f / T) : 2 * std::ceil(f / T)) * kF32;
+  }
+  b += linear_saved(c, on, M, double(D)) * (fused ? 1 : 2);
+  if (selective(c)) return b;  // the SwiGLU output (W2's input) made again in backward
   if (!on) b += M * double(F) * kF32;   // the SwiGLU output W2 reads in FP32
-  b += linear_saved(c, on, M, double(D)) * (fused_w13(c, on, F) ? 1 : 2) + linear_saved(c, on, M, double(F));
-  return b;
+  return b + linear_saved(c, on, M, double(F));
 }
 
 // model/moe.cpp MoeRouting::bytes: prob (N, E) f32; expert, gate, row_slot, slot_row (N k) 4 bytes
@@ -94,7 +107,13 @@ double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig&
     b += 3 * linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, H * hd);
   } else {
     const double qk = m.qk_head_dim(), vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
-    b += N * H * (2 * qk + vd) * kA + N * H * vd * attn_out + N * H * kF32;  // q, k, v; attn; lse
+    // q, k, v (selective: the rotated shared key instead of k and v, and of q with the query latent);
+    // attn; lse
+    if (!selective(c))
+      b += N * H * (2 * qk + vd) * kA;
+    else
+      b += N * m.qk_rope_head_dim * kA + (ql > 0 ? 0 : N * H * qk * kA);
+    b += N * H * vd * attn_out + N * H * kF32;
     if (ql > 0) {
       b += N * ql * kA + N * kF32 + (attn_fp8 ? 0 : N * ql * kF32);  // cq, rstd_q, cqn
       b += linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, ql);
@@ -110,7 +129,10 @@ double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig&
     return b + ffn_saved(c, on, N, int64_t(D), m.d_ff_dense);
   }
   const bool shared_fp32 = m.moe.n_shared_experts > 0 && !fp8_on(c, LinearClass::shared_experts);
-  b += N * D * (shared_fp32 ? kF32 : kA);  // h2: the FP32 router's weight gradient reads it
+  if (shared_fp32)
+    b += N * D * kF32;  // h2: the FP32 router's weight gradient (and the shared experts') reads it
+  else if (!selective(c))
+    b += N * D * kA;  // (selective: made again from x_mid)
   b += routing_bytes(N, m.moe.n_experts, m.moe.top_k);
   if (m.moe.n_shared_experts > 0)
     b += ffn_saved(c, fp8_on(c, LinearClass::shared_experts), N, int64_t(D), int64_t(m.moe.n_shared_experts) * m.moe.d_expert);
@@ -136,18 +158,22 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     const double ql = m.q_lora_rank, kvl = m.kv_lora_rank;
     attn_bwd = N * (2 * H * vd + 2 * H * qk + H * (nope + vd) + rope + 2 * kvl + (kvl + rope) + 2 * ql + D) * kF32;
     attn_fwd = N * ((kvl + rope) + rope + H * (nope + vd)) * kF32;  // ckv_pe, kpe, kv
+    if (selective(c)) attn_bwd += N * H * (2 * qk + vd) * kF32;      // q, k, v made again
   }
   double ffn_bwd = 0, ffn_fwd = 0;
   if (!is_moe_layer(m, layer)) {
     const double F = m.d_ff_dense;
     const bool fused = fused_w13(c, fp8_on(c, LinearClass::mlp), m.d_ff_dense);
     ffn_bwd = N * (F + 2 * F) * kF32 + (fused ? 0 : N * D * kF32) + 2 * N * 2 * F;  // da, dh1|dh3, dx3; dy in FP8
+    if (selective(c)) ffn_bwd += N * F * kF32;  // the SwiGLU output made again
   } else {
     const double R = routed_rows(m, L), F = m.moe.d_expert, E = m.moe.n_experts, k = m.moe.top_k;
     const bool ep = L.expert > 1;
     // dgate, dye (and its received rows), the experts' da, dh1|dh3 and input gradients (and the
     // rows sent back); the router's logits in the forward.
     ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * 3 * F * kF32 + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
+    // selective: the router's input made again; the SwiGLU outputs' copies W2 reads
+    if (selective(c)) ffn_bwd += N * D * kF32 + R * F * (fp8_on(c, LinearClass::experts) ? 1 : kF32);
     ffn_fwd = N * E * kF32 + R * D * kF32 * (ep ? 2 : 1);  // logits; y (and the rows before the exchange)
   }
   const double fwd = 2 * N * D * kF32 + std::max(attn_fwd, ffn_fwd);        // o, f
@@ -359,8 +385,11 @@ std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L) {
       const double rows = p.linear == LinearClass::experts ? N * g.moe.top_k * L.expert / g.moe.n_experts : N;
       const double fwd = 2 * rows * double(sh.numel()) * (head ? 1 + g.mtp_depth : 1);  // the head serves the modules too
       // A recomputed block runs its linear layers again; not its router (the forward's routing is
-      // reused), nor eh_proj and the head (outside the blocks).
-      const bool recomputed = p.linear != LinearClass::none && is_recomputed(c, p.layer);
+      // reused), nor eh_proj and the head (outside the blocks). Selective recomputation runs MLA's
+      // up-projections of the keys and values (and of the queries from their latent) again.
+      const bool up = selective(c) && g.mla() && p.linear != LinearClass::none &&
+                      (ends_with(p.name, "attn.wkv_b") || (g.q_lora_rank > 0 && ends_with(p.name, "attn.wq_b")));
+      const bool recomputed = p.linear != LinearClass::none && (is_recomputed(c, p.layer) || up);
       const double flops = 3 * fwd + (recomputed ? fwd : 0);
       (fp8_on(c, p.linear) ? f.fp8_gemm : f.hp_gemm) += flops;
       if (recomputed) f.recompute += fwd;

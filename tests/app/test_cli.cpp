@@ -443,7 +443,7 @@ const BadConfig kBadConfigs[] = {
     {"moments_fp16", "train:\n  moments_dtype: fp16\n", "train.moments_dtype", "2:18", "expected one of fp32, bf16"},
     {"loss_scale_negative", "train:\n  loss_scale: -5\n", "train.loss_scale", "2:15", "none, dynamic, or a number > 0"},
     {"loss_scale_word", "train:\n  loss_scale: auto\n", "train.loss_scale", "2:15", "got 'auto'"},
-    {"recompute_all", "train:\n  recompute: all\n", "train.recompute", "2:14", "expected one of none, moe, full"},
+    {"recompute_all", "train:\n  recompute: all\n", "train.recompute", "2:14", "expected one of none, selective, moe, full"},
     {"activations_fp16", "train:\n  activations: fp16\n", "train.activations", "2:16", "expected one of fp32, bf16"},
     {"seed_negative", "train:\n  seed: -1\n", "train.seed", "2:9", "expected an integer >= 0"},
     {"global_batch_overflow", "train:\n  global_batch: 99999999999\n", "train.global_batch", "2:17", "got '99999999999'"},

@@ -1,7 +1,7 @@
 // The training step keeps its tensors on the device (README "CUDA backend"): `fp8moe train` on the
 // emulated device (kernels/host_backend.h: CPU kernels on memory the host cannot dereference, so a
 // host access of a tensor outside the backend's ops crashes the run) against the same run on the
-// cpu backend, for every recipe, the recompute modes, cached FP8 activations and the tp2, ep2 and
+// cpu backend, for every recipe, the recompute modes (selective included), cached FP8 activations and the tp2, ep2 and
 // pp2 layouts on 2 ranks. Checked per step, from the JSONL log:
 //   - loss and gradient norm bitwise equal to the cpu run's (the same kernels in the same order);
 //   - host_syncs at most (MoE layers x micro-batches + 1), with the device's own collectives
@@ -167,7 +167,14 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{"bf16_off_recompute", 1, {"fp8.recipe=off", "train.recompute=full", "train.activations=bf16"}, 2},
                     Case{"bf16_mla_mtp_pp2", 2, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5], "model.mtp_depth=1",
                                                  "fp8.recipe=blockwise", "parallel.pipeline=2", "train.activations=bf16"},
-                         2, false, true, 1}),
+                         2, false, true, 1},
+                    // train.recompute selective: MLA's queries, keys and values, the router's input
+                    // and the SwiGLU outputs made again in backward on the device, the heads split
+                    // (current scaling: the rebuilt inputs' amax reduced over the tensor group).
+                    Case{"selective_mla_mtp_tp2", 2, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5],
+                                                      "model.mtp_depth=1", "fp8.recipe=current", "parallel.tensor=2",
+                                                      "train.activations=bf16", "train.recompute=selective"},
+                         2, false, false, 1}),
     [](const testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 }  // namespace

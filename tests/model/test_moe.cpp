@@ -208,12 +208,26 @@ Batch batch(int64_t N, unsigned seed, int V) {
 
 TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
   // Also with DeepSeek-V3's latent attention and a multi-token prediction module (whose MoE block
-  // is recomputed with the others).
+  // is recomputed with the others), and with BF16 activations. `selective` makes again inside a
+  // kept block the FFN norm's output, MLA's queries, keys and values and the SwiGLU outputs (and
+  // W2's FP8 copy of them), with every recipe but blockwise with cached FP8 inputs: there it keeps
+  // the SwiGLU's inputs in FP8 (DeepSeek-V3), which changes the backward (checked against the JAX
+  // model instead, ModelReference.SelectiveRecomputationWithFp8SwigluInputsMatchesJax).
+  struct Variant {
+    Fp8Recipe recipe;
+    bool cache = false;
+  };
+  for (const ActivationDtype act : {ActivationDtype::fp32, ActivationDtype::bf16})
   for (const bool v3 : {false, true})
-  for (Fp8Recipe recipe : {Fp8Recipe::off, Fp8Recipe::delayed, Fp8Recipe::blockwise}) {
+  for (const Variant var : {Variant{Fp8Recipe::off}, Variant{Fp8Recipe::delayed}, Variant{Fp8Recipe::current},
+                            Variant{Fp8Recipe::blockwise}, Variant{Fp8Recipe::blockwise, true}}) {
+    const Fp8Recipe recipe = var.recipe;
     std::vector<std::vector<float>> reference;
-    for (Recompute rc : {Recompute::none, Recompute::moe, Recompute::full}) {
+    for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::moe, Recompute::full}) {
+      if (rc == Recompute::selective && var.cache && recipe == Fp8Recipe::blockwise) continue;
       Config c = model_config(recipe);
+      c.train.activations = act;
+      c.fp8.cache_activations = var.cache;
       if (v3) {
         ModelConfig& m = c.model;
         m.attention = AttentionKind::mla, m.q_lora_rank = 12, m.kv_lora_rank = 16;
@@ -233,7 +247,9 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
       if (rc == Recompute::none)
         reference = model.grads_to_host();
       else
-        EXPECT_EQ(model.grads_to_host(), reference) << to_string(recipe) << " recompute " << to_string(rc) << " v3 " << v3;
+        EXPECT_EQ(model.grads_to_host(), reference)
+            << to_string(recipe) << (var.cache ? " cached" : "") << " recompute " << to_string(rc) << " v3 " << v3
+            << " activations " << to_string(act);
     }
   }
 }
@@ -318,6 +334,57 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
     planned /= 256.0 * m.n_layers;
     std::printf("  %s: planned %.0f B per token per block, measured %.0f B\n", to_string(a).data(), planned, measured);
     EXPECT_NEAR(measured / planned, 1.0, 0.02) << to_string(a);
+  }
+}
+
+TEST(Model, SelectiveRecomputationKeepsLessAsPlanned) {
+  // train.recompute selective against none, blockwise FP8 with BF16 activations (DeepSeek-V3's
+  // precisions), one 256-token sequence: on tiny.yaml's model (GQA: the FFN norm's output and the
+  // SwiGLU outputs' FP8 copies are not kept) and on it with latent attention (MLA: the per-head
+  // queries, keys and values neither), what the blocks hold for backward, measured against
+  // `fp8moe plan`'s model of it (block_saved_bytes). The gradients are the same bits
+  // (Model.RecomputationGivesTheSameGradientsBitwise). With cached FP8 inputs
+  // (fp8.cache_activations) selective also keeps the SwiGLU's inputs in FP8 instead of BF16.
+  for (const bool cache : {false, true})
+  for (const bool mla : {false, true}) {
+    Config c = tiny_model_config(Fp8Recipe::blockwise);
+    c.train.activations = ActivationDtype::bf16;
+    c.fp8.cache_activations = cache;
+    if (mla) {
+      ModelConfig& m = c.model;
+      m.attention = AttentionKind::mla, m.q_lora_rank = 128, m.kv_lora_rank = 64;
+      m.qk_nope_head_dim = 32, m.qk_rope_head_dim = 16, m.v_head_dim = 32;
+    }
+    const ModelConfig& m = c.model;
+    c.train.seq_len = 256, c.train.global_batch = 1, c.parallel.micro_batches = 1;
+    double measured[2] = {0, 0};
+    for (const Recompute rc : {Recompute::none, Recompute::selective}) {
+      c.train.recompute = rc;
+      Transformer model(cpu_backend(), c);
+      const Batch b = batch(256, 6, 256);
+      model.zero_grads();
+      model.forward_backward(b.tokens.data(), b.targets.data(), 1, 256, true);
+      const double got = model.saved_bytes_per_token_per_layer();
+      measured[rc == Recompute::selective] = got;
+      const PlanLayout L = plan_layout(c, 1);
+      double planned = 0;
+      for (int l = 0; l < m.n_layers; ++l) planned += block_saved_bytes(c, L, l);
+      planned /= 256.0 * m.n_layers;
+      std::printf("%s%s, recompute %s: planned %.0f B per token per block, measured %.0f B\n", mla ? "MLA" : "GQA",
+                  cache ? " cached" : "", to_string(rc).data(), planned, got);
+      EXPECT_NEAR(got / planned, 1.0, 0.02) << to_string(rc) << " mla " << mla << " cache " << cache;
+    }
+    // What selective drops, per token and block (MoE blocks: 3 of 4): the router's BF16 input
+    // (2 D x 3/4); the SwiGLU outputs' FP8 copies (the dense F, the shared expert's d_expert, top_k
+    // routed rows of d_expert) and their scales; with MLA, the BF16 queries, keys and values less
+    // the kept rotated key; with cached inputs, of each FFN row's 2 F pre-activations 2 bytes
+    // kept for 1 and a scale per 128.
+    const double D = m.d_model, F = m.d_ff_dense, Fe = m.moe.d_expert, k = m.moe.top_k;
+    const double ffn_width = (F + 3 * (Fe + k * Fe)) / 4;  // per token and block
+    double drop = 2 * D * 0.75 + ffn_width * (1 + 4.0 / 128);
+    if (mla) drop += 2.0 * m.n_heads * (2 * m.qk_head_dim() + m.v_head_dim) - 2.0 * m.qk_rope_head_dim;
+    if (cache) drop += 2 * ffn_width * (1 - 4.0 / 128);
+    EXPECT_NEAR(measured[0] - measured[1], drop, 0.02 * drop) << "mla " << mla << " cache " << cache;
   }
 }
 

@@ -66,7 +66,9 @@ std::vector<float> read_floats(const std::string& path) {
 // w3_scale multiplies every FFN's w3 (so that its amax lies in another binade than w1's).
 // ref_activations: the reference's train.activations where it differs from the run's (a test that
 // the comparison sees the rounding points).
-Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f, const char* ref_activations = nullptr) {
+// ref_activations, ref_recompute: what the reference is told instead of the run's own (a negative check).
+Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f, const char* ref_activations = nullptr,
+                                  const char* ref_recompute = nullptr) {
   const int64_t B = 2, T = 8, N = B * T;
   const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
   Transformer model(*be, cfg);
@@ -107,6 +109,7 @@ Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f, cons
   std::ofstream(dir.path + "/config.json")
       << "{\"B\":" << B << ",\"T\":" << T << ",\"recipe\":\"" << to_string(cfg.fp8.recipe) << "\",\"tile\":" << cfg.fp8.tile
       << ",\"cache_activations\":" << (cfg.fp8.cache_activations ? "true" : "false")
+      << ",\"recompute\":\"" << (ref_recompute ? std::string(ref_recompute) : std::string(to_string(cfg.train.recompute))) << "\""
       << ",\"format\":\"" << to_string(cfg.fp8.format) << "\""
       << ",\"activations\":\"" << (ref_activations ? std::string(ref_activations) : std::string(to_string(cfg.train.activations))) << "\""
       << ",\"fp8_layers\":[\"attention\",\"mlp\",\"experts\",\"shared_experts\"]"
@@ -261,6 +264,30 @@ TEST(ModelReference, Bf16ActivationsMatchJaxRoundingAtTheSamePoints) {
     const Comparison unrounded = compare_with_reference(cfg, 1.0f, "bf16");
     EXPECT_GT(unrounded.worst, 1e-3) << "FP32 activations against the BF16 reference";
   }
+}
+
+TEST(ModelReference, SelectiveRecomputationWithFp8SwigluInputsMatchesJax) {
+  // train.recompute selective with blockwise FP8 and cached inputs, BF16 activations (DeepSeek-V3's
+  // recipe): every FFN (dense, shared, routed) keeps its SwiGLU's inputs only in 1 x T FP8 tiles;
+  // the backward differentiates the SwiGLU at those values and W2's weight gradient reads the
+  // output made again from them. The reference does the same in a custom VJP (model_ref.py
+  // make_fp8_kept_swiglu); MLA's queries, keys and values and the router's input, made again
+  // bitwise, are the plain model there. Bounds of the FP8 tests. The run with recompute none
+  // against this reference must be off by more than the bound (the comparison sees the FP8
+  // pre-activations).
+  Config cfg = mla_config(Fp8Recipe::blockwise, 12);
+  cfg.model.mtp_depth = 1;
+  cfg.train.activations = ActivationDtype::bf16;
+  cfg.fp8.cache_activations = true;
+  cfg.train.recompute = Recompute::selective;
+  const Comparison c = compare_with_reference(cfg);
+  EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss));
+  EXPECT_LE(c.worst, 1e-2) << c.worst_name;
+  EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements";
+  cfg.train.recompute = Recompute::none;
+  const Comparison kept = compare_with_reference(cfg, 1.0f, nullptr, "selective");
+  EXPECT_GT(kept.off * 1000, kept.elements) << "recompute none against the selective reference: " << kept.off << " of "
+                                            << kept.elements << " elements off by > 1e-3";
 }
 
 TEST(ModelReference, RoutedExpertsOnlyMatchJax) {

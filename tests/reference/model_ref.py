@@ -185,17 +185,51 @@ def mla(p, pre, m, la, h, B, T, rv, att):
     return att(q, k, rv(kv[..., nope:])).reshape(N, H * vd)
 
 
-def swiglu_ffn(x, w1, w3, w2, lin, fused, lin_out=None, rv=lambda a: a):
+def make_fp8_kept_swiglu(tile):
+    """(g, u, lin_out, w2) -> lin_out(silu(g) * u, w2) as fp8moe's train.recompute selective runs it
+    with blockwise FP8 and cached inputs (model/ffn.h FfnSaved::h1q): the forward from g and u as
+    they are; the backward keeps only their 1 x T FP8 values, makes the SwiGLU output again from
+    those (w2's gradients read that one) and differentiates the SwiGLU there."""
+    qdq = lambda a: jax.pure_callback(lambda v: tile_quant_dequant(v, tile, 1),
+                                      jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
+
+    def tail(g, u, lin_out, w2):
+        @jax.custom_vjp
+        def f(g, u, w2):
+            return lin_out(jax.nn.silu(g) * u, w2)
+
+        def fwd(g, u, w2):
+            return lin_out(jax.nn.silu(g) * u, w2), (qdq(g), qdq(u), w2)
+
+        def bwd(res, dy):
+            gq, uq, w = res
+            a, swiglu_vjp = jax.vjp(lambda g_, u_: jax.nn.silu(g_) * u_, gq, uq)
+            da, dw = jax.vjp(lin_out, a, w)[1](dy)
+            dg, du = swiglu_vjp(da)
+            return dg, du, dw
+
+        f.defvjp(fwd, bwd)
+        return f(g, u, w2)
+
+    return tail
+
+
+def plain_swiglu(g, u, lin_out, w2):
+    return lin_out(jax.nn.silu(g) * u, w2)
+
+
+def swiglu_ffn(x, w1, w3, w2, lin, fused, lin_out=None, rv=lambda a: a, tail=plain_swiglu):
     """fused: fp8moe runs w1 and w3 as one linear layer [w1; w3] (model/ffn.h): one quantization
     of the pair and one of its output gradient (per-tensor: one scale each; blockwise with F a
     multiple of the tile: the two layers' tiles). lin_out: w2's linear layer where it differs; rv:
-    the BF16 rounding of the pre-activations (train.activations bf16)."""
+    the BF16 rounding of the pre-activations (train.activations bf16); tail: the SwiGLU and w2
+    (make_fp8_kept_swiglu's where fp8moe keeps the pre-activations in FP8)."""
     lin_out = lin_out or lin
     if not fused:
-        return lin_out(jax.nn.silu(rv(lin(x, w1))) * rv(lin(x, w3)), w2)
+        return tail(rv(lin(x, w1)), rv(lin(x, w3)), lin_out, w2)
     F = w1.shape[0]
     h = rv(lin(x, jnp.concatenate([w1, w3], axis=0)))
-    return lin_out(jax.nn.silu(h[:, :F]) * h[:, F:], w2)
+    return tail(h[:, :F], h[:, F:], lin_out, w2)
 
 
 def to_bf16(a):
@@ -354,7 +388,7 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
         if dense:
             w1 = p[pre + "mlp.w1"]
             f = swiglu_ffn(h, w1, p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"),
-                           lin_for.fuses_w13("mlp", w1.shape[0]), rv=rv)
+                           lin_for.fuses_w13("mlp", w1.shape[0]), rv=rv, tail=lin_for.swiglu("mlp"))
         else:
             z = h @ p[pre + "moe.router"].T
             prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
@@ -371,7 +405,8 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
             if m["n_shared_experts"] > 0:
                 w1 = p[pre + "moe.shared.w1"]
                 f = f + swiglu_ffn(h, w1, p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
-                                   lin_for("shared_experts"), lin_for.fuses_w13("shared_experts", w1.shape[0]), rv=rv)
+                                   lin_for("shared_experts"), lin_for.fuses_w13("shared_experts", w1.shape[0]), rv=rv,
+                                   tail=lin_for.swiglu("shared_experts"))
             for e in range(E):
                 rows, slots = np.nonzero((chosen == e) & kept)
                 if len(rows) == 0:
@@ -379,7 +414,8 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
                 q_ = f"{pre}moe.experts.{e}."
                 lin_in, lin_out = lin_for.expert_linears()
                 ye = expert_out(swiglu_ffn(expert_in(h[rows]), p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_in,
-                                           lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out, rv))
+                                           lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out, rv,
+                                           lin_for.swiglu("experts")))
                 f = f.at[rows].add(gates[rows, slots][:, None] * ye)
             if m["aux_loss_coef"] > 0:
                 counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
@@ -428,6 +464,16 @@ def linear_for(cfg):
         return not (cls in cfg["fp8_layers"] and cfg["recipe"] == "blockwise" and F % cfg["tile"] != 0)
 
     lin_for.fuses_w13 = fuses_w13
+
+    def swiglu(cls):
+        """An FFN's SwiGLU and w2: train.recompute selective keeps the pre-activations in FP8 where
+        w2 is blockwise FP8 with cached inputs."""
+        if (cfg.get("recompute") == "selective" and cfg.get("cache_activations", False)
+                and cfg["recipe"] == "blockwise" and cls in cfg["fp8_layers"]):
+            return make_fp8_kept_swiglu(cfg["tile"])
+        return plain_swiglu
+
+    lin_for.swiglu = swiglu
     lin_for.bf16 = cfg.get("activations", "fp32") == "bf16"
     lin_for.fp8_experts = "experts" in cfg["fp8_layers"] and cfg["recipe"] == "blockwise"
 
