@@ -116,8 +116,11 @@ void print_target_communication(const PlanReport& rep, double budget) {
                 L.micro_batches + L.pipeline - 1,
                 mode == CommMode::overlapped ? "hidden" : seconds_text(floor.dp).c_str(), comm_bound ? ">" : "<=",
                 seconds_text(budget).c_str(),
-                comm_bound ? "" : ": the compute as configured (recomputation, the FP32 router, eh_proj and head, the "
-                                  "slowest stage setting the pace) is what does not fit; see (b)");
+                comm_bound ? "" : rep.p.cfg.train.hp_gemm == GemmDtype::bf16
+                                      ? ": the compute as configured (recomputation, the slowest stage setting the "
+                                        "pace) is what does not fit; see (b)"
+                                      : ": the compute as configured (recomputation, the FP32 router, eh_proj and "
+                                        "head, the slowest stage setting the pace) is what does not fit; see (b)");
   }
   if (unreachable && L.expert > 1) {
     const Roofline top = roofline(p, d, o, 1.0, CommMode::exposed);
@@ -137,20 +140,27 @@ void print_target_compute(const PlanReport& rep, double budget) {
   const Plan& p = rep.p;
   const Device& d = rep.d;
   const PlanLayout& L = p.L;
+  const bool configured_bf16 = p.cfg.train.hp_gemm == GemmDtype::bf16;
   for (const char* hp : {"bf16", "fp32"}) {
+    const bool bf16 = std::string(hp) == "bf16";
+    // The plan with the router, eh_proj and head at this precision whatever train.hp_gemm says.
+    Plan q = p;
+    for (StageFlops& f : q.flops)
+      if (!bf16) f.hp_gemm += f.bf16_gemm, f.bf16_gemm = 0;
     for (bool balanced : {false, true}) {
       PlanOptions oo = o;
       oo.higher_precision = hp;
-      auto step_at = [&](double e) { return roofline(p, d, oo, e, CommMode::hidden, balanced).step; };
+      auto step_at = [&](double e) { return roofline(q, d, oo, e, CommMode::hidden, balanced).step; };
       const double e = solve_efficiency(step_at, budget);
-      std::printf("  (b) compute only, the router, eh_proj and head in %s%s, %s: ",
-                  std::string(hp) == "bf16" ? "BF16" : "FP32", std::string(hp) == "bf16" ? " (as DeepSeek-V3)" : " (as fp8moe)",
+      std::printf("  (b) compute only, the router, eh_proj and head in %s%s, %s: ", bf16 ? "BF16" : "FP32",
+                  bf16 ? (configured_bf16 ? " (as DeepSeek-V3 and as configured)" : " (as DeepSeek-V3)")
+                       : (configured_bf16 ? "" : " (as configured)"),
                   balanced ? "stages balanced (each the stages' mean work)" : "the slowest stage setting the pace");
       if (e < 0) {
         std::printf("cannot be reached at any efficiency: at 1.0 the step takes %s\n", seconds_text(step_at(1.0)).c_str());
         continue;
       }
-      const Roofline at = roofline(p, d, oo, e, CommMode::hidden, balanced);
+      const Roofline at = roofline(q, d, oo, e, CommMode::hidden, balanced);
       std::printf("efficiency %.3f (%s); per step %d x %s per micro-batch (compute %s, memory-bound %s) + bubble %s "
                   "(%d / %d, as configured) + optimizer %s\n",
                   e, verdict(e), L.micro_batches, seconds_text(at.compute_mb + at.memory_mb).c_str(),
@@ -236,17 +246,20 @@ void print_roofline_step(const PlanReport& rep) {
   const double tps = step_tokens / r.step;
   std::printf("  %.0f tokens/s, MFU %.3f of the %s peak\n", tps, tps * model_flops / (world * (c.fp8.recipe != Fp8Recipe::off ? d.fp8 : d.fp32)),
               c.fp8.recipe != Fp8Recipe::off ? "FP8" : "FP32");
+  const bool hp16 = c.train.hp_gemm == GemmDtype::bf16;
   std::printf("  assumptions: GEMMs at %.2f of %s: FP8 %.4g FLOP/s for the linear layers fp8.layers runs in FP8, %s %.4g "
-              "for the others (router, eh_proj, head; every linear layer with recipe off), attention core %.4g "
+              "for the others (%severy linear layer with recipe off), attention core %.4g "
               "(%s); memory-bound traffic 4 x the activations kept per micro-batch plus AdamW's and the FP8 "
               "weights' bytes, at %.4g B/s; communication at %s; uniform routing; 1F1B with the slowest stage "
-              "setting the pace; no kernel-launch or host overhead.\n",
+              "setting the pace; no kernel-launch or host overhead%s.\n",
               eff, d.cpu ? "the rates measured here" : "the peaks", d.fp8, o.higher_precision.c_str(),
-              o.higher_precision == "bf16" ? d.bf16 : d.fp32, d.attention, d.cpu ? "measured" : "the BF16 peak", d.hbm,
+              o.higher_precision == "bf16" ? d.bf16 : d.fp32,
+              hp16 ? "" : "router, eh_proj, head; ", d.attention, d.cpu ? "measured" : "the BF16 peak", d.hbm,
               d.cpu ? "the memory bandwidth (ranks of one machine)"
                     : ("NVLink " + bytes_text(d.nvlink) + "/s inside a node of " + std::to_string(o.node_size) +
                        ", InfiniBand " + bytes_text(d.ib) + "/s per GPU across nodes")
-                          .c_str());
+                          .c_str(),
+              hp16 ? "; the router, eh_proj and head at the BF16 peak (train.hp_gemm bf16)" : "");
 }
 
 }  // namespace
@@ -288,8 +301,8 @@ void print_flops(const PlanReport& rep) {
   for (const StageFlops& f : p.flops) executed += f.total();
   executed *= double(L.tensor) * L.data * L.micro_batches;  // every rank of every stage
   std::printf("\nFLOPs per token (forward + backward, attention included): %.4g model (the MFU's numerator); "
-              "%.4g run (recomputation, tensor-parallel replicated work, FP32 router and head included)\n",
-              rep.model_flops, executed / rep.step_tokens);
+              "%.4g run (recomputation, tensor-parallel replicated work, %s router and head included)\n",
+              rep.model_flops, executed / rep.step_tokens, p.cfg.train.hp_gemm == GemmDtype::bf16 ? "BF16" : "FP32");
 }
 
 void print_memory(const PlanReport& rep) {

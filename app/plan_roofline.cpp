@@ -88,7 +88,8 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   double slowest = -1, sum_compute = 0, sum_memory = 0;
   for (size_t s = 0; s < p.mem.size(); ++s) {
     const StageFlops& f = p.flops[s];
-    const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.attention / (eff * d.attention);
+    const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.bf16_gemm / (eff * d.bf16) +
+                           f.attention / (eff * d.attention);
     // Memory-bound traffic (an estimate): every activation kept for backward is written in the
     // forward and read in the backward, and its gradient written and read once each.
     const double memory = 4 * p.mem[s].saved_per_micro_batch / d.hbm;

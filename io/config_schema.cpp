@@ -419,6 +419,9 @@ const std::vector<Field>& schema() {
                        "the residual stream rounded to BF16 between blocks, pipeline messages in BF16, the "
                        "experts' all-to-all rows in FP8 (blockwise: 1 x tile tiles, quantized once before "
                        "dispatch) or BF16 (other recipes), combine in BF16; ops inside a block stay FP32."));
+    v.push_back(choice("train.hp_gemm", REF(train.hp_gemm),
+                       "The GEMMs outside the linear layers (MoE router, head, MTP eh_proj): fp32, or bf16 "
+                       "(DeepSeek-V3's): BF16 operands, FP32 accumulation and outputs."));
     // optim
     v.push_back(integer("optim.zero", REF(optim.zero), 0, 1,
                         "1: shard the Adam moments over the data-parallel replicas (ZeRO-1: reduce-scatter "

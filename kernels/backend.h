@@ -106,6 +106,11 @@ class Backend {
   // ---- GEMMs (row-major; C = alpha op(A) op(B) + beta C) -----------------------------------------
   virtual void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) = 0;
+  // BF16 operands (bits, uint16_t), FP32 accumulation and C (train.hp_gemm bf16: the router, head
+  // and eh_proj). CPU: the operands widened exactly and sgemm, so the same products and FP32 sums
+  // in sgemm's order; CUDA: cuBLASLt's BF16 GEMM.
+  virtual void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
+                         int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) = 0;
   // kernels/gemm_fp8.h's contract on FP8 operands in this backend's memory.
   virtual void gemm_fp8(GemmRole role, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                         float beta, float* C, int64_t ldc) = 0;

@@ -60,5 +60,9 @@ std::string cpu_isa_name();
 // with the CPU and the thread count; a rerun with the same threads on the same CPU repeats them.
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// The same on BF16 operands (bits), FP32 accumulation and C: the operands widened to FP32 (exact)
+// and sgemm, so each product is the exact product of the BF16 values and the sums are sgemm's.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
+               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 }  // namespace fp8moe

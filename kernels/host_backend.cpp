@@ -237,6 +237,12 @@ void HostBackend::sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_
   fp8moe::sgemm(trans_a, trans_b, M, N, K, alpha, h(A), lda, h(B), ldb, beta, h(C), ldc);
 }
 
+void HostBackend::gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                            const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
+                            int64_t ldc) {
+  fp8moe::gemm_bf16(trans_a, trans_b, M, N, K, alpha, h(A), lda, h(B), ldb, beta, h(C), ldc);
+}
+
 void HostBackend::gemm_fp8(GemmRole, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                            float beta, float* C, int64_t ldc) {
   fp8moe::gemm_fp8(h(A), trans_a, h(B), trans_b, alpha, beta, h(C), ldc);

@@ -51,6 +51,8 @@ class HostBackend final : public Backend {
 
   void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override;
+  void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
+                 int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) override;
   void gemm_fp8(GemmRole role, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                 float beta, float* C, int64_t ldc) override;
   void grouped_gemm_fp8_forward(const std::vector<QuantView>& X, const std::vector<QuantView>& W,

@@ -41,6 +41,7 @@ Block::Block(const ModelContext& ctx, int layer, bool recomputed) : ctx_(ctx), l
   const Weight router = ctx.fp8.weight(q + "router");
   moe_.router = router.w, moe_grads_.router = router.g;
   moe_.router_bias = ctx.fp8.weight(q + "router_bias").w;
+  moe_.router_gemm = ctx.hp_gemm;
   moe_.shared = {nullptr, nullptr, nullptr};
   if (m.moe.n_shared_experts > 0) {
     shared_ = FfnParams(ctx.fp8, q + "shared.");

@@ -18,6 +18,7 @@ enum class Schedule { cosine, linear, constant };
 enum class MomentsDtype { fp32, bf16 };
 enum class Recompute { none, selective, moe, full };
 enum class ActivationDtype { fp32, bf16 };  // train.activations
+enum class GemmDtype { fp32, bf16 };        // train.hp_gemm
 enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
@@ -130,6 +131,9 @@ struct TrainConfig {
   // tile tiles, quantized once before dispatch) or BF16 (other recipes), and combine in BF16.
   // Inside a block the ops still run and keep FP32. fp32: every activation and message FP32.
   ActivationDtype activations = ActivationDtype::fp32;
+  // The GEMMs outside the linear layers (the MoE router, the head, the MTP modules' eh_proj): fp32,
+  // or bf16 (DeepSeek-V3's): BF16 operands, FP32 accumulation and outputs.
+  GemmDtype hp_gemm = GemmDtype::fp32;
   bool operator==(const TrainConfig&) const = default;
 };
 
@@ -242,6 +246,7 @@ FP8MOE_ENUM_NAMES(NormTopk, "auto", "true", "false");
 FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Recompute, "none", "selective", "moe", "full");
+FP8MOE_ENUM_NAMES(GemmDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(ActivationDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");

@@ -42,6 +42,8 @@ struct ModelContext {
   // it keeps (the FFN norm's output the router reads, MLA's per-head queries, keys and values, the
   // SwiGLU outputs) instead of keeping it.
   bool selective = false;
+  // train.hp_gemm: the router, head and eh_proj GEMMs in FP32 or BF16 (model/linear.h hp_forward).
+  GemmDtype hp_gemm = GemmDtype::fp32;
 
   bool bf16_activations() const { return activations == ActivationDtype::bf16; }
   // x rounded to BF16 in place under train.activations bf16 (a rounding point); nothing under fp32.

@@ -12,7 +12,7 @@ void head_forward(const ModelContext& ctx, const HeadParams& p, const float* x, 
   Tensor& out = loss ? own : *logits;
   out = Tensor(be, DType::f32, {N, V});
   be.rmsnorm_forward(x, p.norm.w, N, D, float(ctx.local.norm_eps), s->hf.f32(), s->rstd.f32());
-  be.sgemm(false, true, N, V, D, 1.0f, s->hf.f32(), D, p.head.w, D, 0.0f, out.f32(), V);  // FP32 head
+  hp_forward(be, ctx.hp_gemm, s->hf.f32(), N, D, p.head.w, V, out.f32());  // FP32 or BF16 head
   if (!loss) return;
   if (loss->backward) s->dlogits = Tensor(be, DType::f32, {N, V});
   Tensor scratch;
@@ -27,8 +27,7 @@ void head_backward(const ModelContext& ctx, const HeadParams& p, const float* x,
   Backend& be = ctx.be;
   const int64_t D = ctx.local.d_model, V = ctx.local.vocab_size;
   Tensor dh(be, DType::f32, {N, D});
-  be.sgemm(true, false, V, D, N, 1.0f, s->dlogits.f32(), V, s->hf.f32(), D, 1.0f, p.head.g, D);
-  be.sgemm(false, false, N, D, V, 1.0f, s->dlogits.f32(), V, p.head.w, D, 0.0f, dh.f32(), D);
+  hp_backward(be, ctx.hp_gemm, s->dlogits.f32(), N, V, s->hf.f32(), D, p.head.w, dh.f32(), 0.0f, p.head.g);
   ctx.tp_sum(dh.f32(), N * D);  // vocabulary-parallel head: each rank's rows' share
   if (more) more(dh.f32());
   be.rmsnorm_backward(x, p.norm.w, s->rstd.f32(), dh.f32(), N, D, dx, p.norm.g);

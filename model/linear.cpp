@@ -240,6 +240,37 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
   if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
 }
 
+namespace {
+Tensor bf16_copy(Backend& be, const float* x, int64_t n) {
+  Tensor t(be, DType::bf16, {n});
+  if (n > 0) be.to_bf16(x, t.data<uint16_t>(), n);
+  return t;
+}
+}  // namespace
+
+void hp_forward(Backend& be, GemmDtype t, const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y) {
+  if (t == GemmDtype::fp32) return be.sgemm(false, true, M, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
+  const Tensor x16 = bf16_copy(be, x, M * K), w16 = bf16_copy(be, W, N * K);
+  be.gemm_bf16(false, true, M, N, K, 1.0f, x16.data<uint16_t>(), K, w16.data<uint16_t>(), K, 0.0f, y, N);
+}
+
+void hp_backward(Backend& be, GemmDtype t, const float* dy, int64_t M, int64_t N, const float* x, int64_t K,
+                 const float* W, float* dx, float beta_dx, float* dW) {
+  if (t == GemmDtype::fp32) {
+    be.sgemm(true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dW, K);
+    if (dx) be.sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, beta_dx, dx, K);
+    return;
+  }
+  const Tensor dy16 = bf16_copy(be, dy, M * N);
+  {
+    const Tensor x16 = bf16_copy(be, x, M * K);
+    be.gemm_bf16(true, false, N, K, M, 1.0f, dy16.data<uint16_t>(), N, x16.data<uint16_t>(), K, 1.0f, dW, K);
+  }
+  if (!dx) return;
+  const Tensor w16 = bf16_copy(be, W, N * K);
+  be.gemm_bf16(false, false, M, K, N, 1.0f, dy16.data<uint16_t>(), N, w16.data<uint16_t>(), K, beta_dx, dx, K);
+}
+
 QTensor quantize_1xT(Backend& be, const float* x, int64_t rows, int64_t cols, const Fp8Config& c, uint64_t* counts) {
   QTensor q(be, rows, cols, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
   if (rows * cols > 0) be.quantize_tiled(x, scale_options(c), q.view(), counts);

@@ -124,6 +124,15 @@ struct LinearGradGroup {
 };
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);
 
+// The GEMMs outside the linear layers (the MoE router, the head, eh_proj), by train.hp_gemm: fp32:
+// sgemm; bf16 (DeepSeek-V3's): x, dy and W rounded to BF16 (W's copy made for the call), FP32
+// accumulation and outputs (Backend::gemm_bf16). x (M, K), W (N, K), y and dy (M, N).
+// y = x W^T.
+void hp_forward(Backend& be, GemmDtype t, const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y);
+// dx = dy W + beta_dx dx (dx may be nullptr: none), dW += dy^T x.
+void hp_backward(Backend& be, GemmDtype t, const float* dy, int64_t M, int64_t N, const float* x, int64_t K,
+                 const float* W, float* dx, float beta_dx, float* dW);
+
 // x (rows, cols) in a blockwise recipe's 1 x T tiles (E4M3, its scale options): the operand a
 // layer's forward GEMM reads as it is (LinearGroup::xq); quantizations counted in `counts` (may be
 // nullptr).

@@ -155,7 +155,7 @@ void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeCo
   const int64_t E = cfg.n_experts, k = cfg.top_k;
   r->N = N, r->E = E, r->k = k;
   Tensor z(be, DType::f32, {N, E});
-  be.sgemm(false, true, N, E, D, 1.0f, x, D, w.router, D, 0.0f, z.f32(), E);  // FP32 router
+  hp_forward(be, w.router_gemm, x, N, D, w.router, E, z.f32());  // FP32 or BF16 router
   r->prob = Tensor(be, DType::f32, {N, E});
   r->expert = Tensor(be, DType::i32, {N, k});
   r->gate = Tensor(be, DType::f32, {N, k});
@@ -335,8 +335,7 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   rule.scaling = cfg.routed_scaling_factor, rule.aux_coef = cfg.aux_loss_coef, rule.aux_grad_scale = aux_grad_scale;
   be.router_grad(rb, dgate.data<double>(), rule, dz.f32());
   // Router: dWr += dz^T x, dx += dz Wr.
-  be.sgemm(true, false, E, D, N, 1.0f, dz.f32(), E, x ? x : s.x, D, 1.0f, g.router, D);
-  be.sgemm(false, false, N, D, E, 1.0f, dz.f32(), E, w.router, D, 1.0f, dx, D);
+  hp_backward(be, w.router_gemm, dz.f32(), N, E, x ? x : s.x, D, w.router, dx, 1.0f, g.router);
 }
 
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate) {

@@ -30,6 +30,7 @@ struct MoeWeights {
   const float* router_bias;  // (E)
   FfnWeights shared;         // width n_shared x d_expert; w1 == nullptr when there are none
   std::vector<FfnWeights> experts;  // (E), or the local experts
+  GemmDtype router_gemm = GemmDtype::fp32;  // train.hp_gemm
 };
 struct MoeGrads {
   float* router;  // (E, D), accumulated

@@ -53,7 +53,7 @@ void Mtp::module_forward(const Module& mod, const float* emb, const float* h, in
   be.copy_2d(s->cat.f32(), 2 * D, en.f32(), D, N, D);
   be.copy_2d(s->cat.f32() + D, 2 * D, hn.f32(), D, N, D);
   s->x = Tensor(be, DType::f32, {N, D});
-  be.sgemm(false, true, N, D, 2 * D, 1.0f, s->cat.f32(), 2 * D, mod.eh_proj.w, 2 * D, 0.0f, s->x.f32(), D);
+  hp_forward(be, ctx_.hp_gemm, s->cat.f32(), N, 2 * D, mod.eh_proj.w, D, s->x.f32());
   s->out = Tensor(be, DType::f32, {N, D});
   mod.block->forward(s->x.f32(), B, T, s->out.f32(), &s->block, pass, aux);
 }
@@ -102,8 +102,7 @@ void Mtp::backward(std::vector<MtpSaved>* saved, const float* emb, const float* 
     Tensor dxk(be, DType::f32, {N, D}), dcat(be, DType::f32, {N, 2 * D});
     mod.block->backward(s.block, dout.f32(), dxk.f32(), aux_grad_scale);
     s.block = BlockSaved{};
-    be.sgemm(false, false, N, 2 * D, D, 1.0f, dxk.f32(), D, mod.eh_proj.w, 2 * D, 0.0f, dcat.f32(), 2 * D);
-    be.sgemm(true, false, D, 2 * D, N, 1.0f, dxk.f32(), D, s.cat.f32(), 2 * D, 1.0f, mod.eh_proj.g, 2 * D);
+    hp_backward(be, ctx_.hp_gemm, dxk.f32(), N, D, s.cat.f32(), 2 * D, mod.eh_proj.w, dcat.f32(), 0.0f, mod.eh_proj.g);
     Tensor den(be, DType::f32, {N, D}), dhn(be, DType::f32, {N, D});
     be.copy_2d(den.f32(), D, dcat.f32(), 2 * D, N, D);
     be.copy_2d(dhn.f32(), D, dcat.f32() + D, 2 * D, N, D);

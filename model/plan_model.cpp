@@ -347,13 +347,15 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
     if (r.first && depth > 0) saved += depth * N * D * kF32;              // the modules' input embeddings
     if (r.last) {
       saved += N * D * kF32 + N * kF32 + N * V * kF32;                     // hf, rstd, dlogits
-      work = std::max(work, N * V * kF32);                                 // the logits
+      // the logits; train.hp_gemm bf16: the head's BF16 copy and its input's (or dlogits') for the call
+      const double head16 = c.train.hp_gemm == GemmDtype::bf16 ? V * D * 2 + N * std::max(D, V) * 2 : 0;
+      work = std::max(work, N * V * kF32 + head16);
       if (depth > 0 && !r.first) saved += depth * N * D * kF32;            // the received embeddings
       for (int k = 0; k < g.mtp_depth; ++k) {
         const int l = g.n_layers + k;
         // rstd_e, rstd_h, cat (N, 2D), out, hf, rstd_f, dlogits; the block (its input x included)
         saved += 3 * N * kF32 + N * 2 * D * kF32 + 2 * N * D * kF32 + N * V * kF32 + block_saved_bytes(c, L, l);
-        work = std::max(work, std::max(block_workspace(c, L, m, l), N * V * kF32 + 2 * N * D * kF32));
+        work = std::max(work, std::max(block_workspace(c, L, m, l), N * V * kF32 + 2 * N * D * kF32 + head16));
       }
     }
     r.saved_per_micro_batch = saved;
@@ -391,7 +393,8 @@ std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L) {
                       (ends_with(p.name, "attn.wkv_b") || (g.q_lora_rank > 0 && ends_with(p.name, "attn.wq_b")));
       const bool recomputed = p.linear != LinearClass::none && (is_recomputed(c, p.layer) || up);
       const double flops = 3 * fwd + (recomputed ? fwd : 0);
-      (fp8_on(c, p.linear) ? f.fp8_gemm : f.hp_gemm) += flops;
+      const bool bf16 = c.train.hp_gemm == GemmDtype::bf16 && (head || eh || router);
+      (fp8_on(c, p.linear) ? f.fp8_gemm : bf16 ? f.bf16_gemm : f.hp_gemm) += flops;
       if (recomputed) f.recompute += fwd;
     }
     // The attention core, causal (T / 2 keys per query on average): QK^T and PV, 3x for training.

@@ -97,7 +97,8 @@ struct StageFlops {
                           // router, eh_proj, head
   double attention = 0;   // QK^T and PV, causal, forward and backward
   double recompute = 0;   // of the above, the recomputed forwards
-  double total() const { return fp8_gemm + hp_gemm + attention; }
+  double bf16_gemm = 0;   // the router, eh_proj and head under train.hp_gemm bf16 (at the BF16 peak)
+  double total() const { return fp8_gemm + hp_gemm + bf16_gemm + attention; }
 };
 std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L);
 

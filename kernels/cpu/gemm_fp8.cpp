@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/check.h"
+#include "kernels/elementwise.h"
 #include "kernels/cpu/fp8_simd.h"
 
 namespace fp8moe {
@@ -33,6 +34,21 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
                                       C, ldc);
   FP8MOE_ASSERT(st == dnnl_success, "sgemm: oneDNN's dnnl_sgemm failed (status ", int(st), ") for ", M, " x ", N,
                 " x ", K, ", lda ", lda, ", ldb ", ldb, ", ldc ", ldc);
+}
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
+               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  // The stored matrices: A (M, K) or, transposed, (K, M); B (K, N) or (N, K); rows of ld elements,
+  // the last one only as long as its columns.
+  auto widen = [](const uint16_t* x, int64_t rows, int64_t cols, int64_t ld) {
+    std::vector<float> w(rows > 0 ? size_t((rows - 1) * ld + cols) : 0);
+    if (!w.empty()) cpu::from_bf16(x, w.data(), int64_t(w.size()));
+    return w;
+  };
+  if (M == 0 || N == 0) return;
+  const std::vector<float> a = widen(A, trans_a ? K : M, trans_a ? M : K, lda);
+  const std::vector<float> b = widen(B, trans_b ? N : K, trans_b ? K : N, ldb);
+  sgemm(trans_a, trans_b, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, C, ldc);
 }
 
 namespace {

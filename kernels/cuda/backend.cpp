@@ -170,6 +170,10 @@ class CudaBackendImpl final : public CudaBackend {
              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
     cuda::sgemm(lt(), trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, compute_);
   }
+  void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
+                 int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
+    cuda::gemm_bf16(lt(), trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, compute_);
+  }
 
   void gemm_fp8(GemmRole role, const QuantView& A, bool trans_a, const QuantView& B, bool trans_b, float alpha,
                 float beta, float* C, int64_t ldc) override {

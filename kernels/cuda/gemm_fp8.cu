@@ -346,6 +346,33 @@ void sgemm(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N
                           " ldb ", ldb, " ldc ", ldc, beta != 0.0f ? " beta" : ""));
 }
 
+void gemm_bf16(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc,
+               cudaStream_t stream) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // cuBLASLt needs K >= 1: C = beta C
+    if (beta != 1.0f) {
+      scale_matrix_kernel<<<grid_for(M * N), kBlockThreads, 0, stream>>>(C, M, N, ldc, beta);
+      check_launch();
+    }
+    return;
+  }
+  LtCall call;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (as sgemm).
+  call.set(CUBLASLT_MATMUL_DESC_TRANSA, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+  call.set(CUBLASLT_MATMUL_DESC_TRANSB, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, CUDA_R_16BF, trans_b ? uint64_t(K) : uint64_t(N),
+                                          trans_b ? uint64_t(N) : uint64_t(K), ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, CUDA_R_16BF, trans_a ? uint64_t(M) : uint64_t(K),
+                                          trans_a ? uint64_t(K) : uint64_t(M), lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, CUDA_R_32F, uint64_t(N), uint64_t(M), ldc));
+  call.d = call.c;
+  call.run(lt, &alpha, B, A, &beta, C, C, stream,
+           detail::concat("the BF16 GEMM ", M, "x", N, "x", K, trans_a ? " T" : " N", trans_b ? "T" : "N", " lda ", lda,
+                          " ldb ", ldb, " ldc ", ldc, beta != 0.0f ? " beta" : ""));
+}
+
 void gemm_bf16_tn(const LtContext& lt, const uint16_t* A, const uint16_t* B, uint16_t* D, int64_t M, int64_t N,
                   int64_t K, cudaStream_t stream) {
   if (M == 0 || N == 0) return;

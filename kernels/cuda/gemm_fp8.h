@@ -98,6 +98,11 @@ void gemm_fp8(const LtContext& lt, const Fp8GemmPlan& plan, const QuantView& A, 
 void sgemm(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc,
            cudaStream_t stream);
+// The same on BF16 operands (bf16 bits, uint16_t), FP32 accumulation, FP32 C: cuBLASLt's BF16
+// GEMM (CUBLAS_COMPUTE_32F). K may be 0 (C = beta C).
+void gemm_bf16(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc,
+               cudaStream_t stream);
 // BF16 GEMM with FP32 accumulation and BF16 output, TN: D (M, N) = A (M, K) . B (N, K)^T (the
 // benchmark's baseline), all row-major and dense. Pointers to bf16 bits (uint16_t). K >= 1.
 void gemm_bf16_tn(const LtContext& lt, const uint16_t* A, const uint16_t* B, uint16_t* D, int64_t M, int64_t N,

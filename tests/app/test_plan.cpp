@@ -155,10 +155,19 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   EXPECT_NE(f.out.find("why: the expert all-to-all alone sends 1.78 TB per rank per step"), std::string::npos) << f.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m, std::regex("\\(b\\) compute only, the router, eh_proj and head in BF16 "
-                                                     "\\(as DeepSeek-V3\\), stages balanced[^:]*: efficiency ([0-9.]+)")))
+                                                     "\\(as DeepSeek-V3 and as configured\\), stages balanced[^:]*: "
+                                                     "efficiency ([0-9.]+)")))
       << r.out;
   EXPECT_GE(std::stod(m[1]), 0.30);
   EXPECT_LE(std::stod(m[1]), 0.45);
+  // The config's train.hp_gemm bf16: the router, eh_proj and head at the BF16 peak. The FP32 run
+  // of them takes 2.77e6 H800-hours at the roofline's 0.40 (the last stage pacing 1F1B).
+  EXPECT_NE(r.out.find("BF16 router and head included"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("4.898e+05 h800-hours"), std::string::npos) << r.out;
+  const RunResult h = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
+                           "h800", "--tokens", "1e12", "--set", "train.hp_gemm=fp32"});
+  ASSERT_EQ(h.status, 0) << h.all();
+  EXPECT_NE(h.out.find("2.77e+06 h800-hours"), std::string::npos) << h.out;
 }
 
 TEST(Plan, BadInputExitsTwo) {

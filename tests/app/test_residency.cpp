@@ -170,10 +170,13 @@ INSTANTIATE_TEST_SUITE_P(
                          2, false, true, 1},
                     // train.recompute selective: MLA's queries, keys and values, the router's input
                     // and the SwiGLU outputs made again in backward on the device, the heads split
-                    // (current scaling: the rebuilt inputs' amax reduced over the tensor group).
+                    // (current scaling: the rebuilt inputs' amax reduced over the tensor group); and
+                    // train.hp_gemm bf16: the router, the vocabulary-parallel head and eh_proj as
+                    // BF16 GEMMs.
                     Case{"selective_mla_mtp_tp2", 2, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5],
                                                       "model.mtp_depth=1", "fp8.recipe=current", "parallel.tensor=2",
-                                                      "train.activations=bf16", "train.recompute=selective"},
+                                                      "train.activations=bf16", "train.recompute=selective",
+                                                      "train.hp_gemm=bf16"},
                          2, false, false, 1}),
     [](const testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 

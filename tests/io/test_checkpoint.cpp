@@ -403,6 +403,10 @@ class WatchedDevice final : public Backend {
              int64_t ldb, float beta, float* C, int64_t ldc) override {
     d_->sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
+  void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A, int64_t lda,
+                 const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) override {
+    d_->gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
   void gemm_fp8(GemmRole role, const QuantView& A, bool ta, const QuantView& B, bool tb, float alpha, float beta,
                 float* C, int64_t ldc) override {
     d_->gemm_fp8(role, A, ta, B, tb, alpha, beta, C, ldc);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -564,6 +565,60 @@ TEST_P(DeviceOps, Fp32GemmMatchesCpu) {
         expect_bitwise(c, ref, "cpu backend vs sgemm");
         if (s.K == 0) expect_bitwise(g, c, "C = beta C");
         else expect_match(g, c, 1e-5, "C");
+      }
+}
+
+TEST_P(DeviceOps, Bf16GemmIsExactOnExactOperands) {
+  // train.hp_gemm bf16's GEMM: BF16 operands, FP32 accumulation and C. Operands k / 8 (k in
+  // -8..8, BF16 exactly: their bits are the float's high half), alpha 0.5 and C0 in steps of 1 /
+  // 64: every product and partial sum is exact in FP32 whatever the order, so C must equal the
+  // FP64 sum exactly on every backend. Transposes, beta 0 (C poisoned), 1 and 0.5, K = 0, and
+  // rows of A and B longer than their columns (leading dimensions past the width).
+  struct S {
+    int64_t M, N, K;
+    float beta;
+    int64_t pad;  // extra elements per stored row of A and B
+  };
+  std::mt19937 rng(91);
+  auto exact = [&](int64_t n, int den) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = float(int(rng() % 17) - 8) / float(den);
+    return v;
+  };
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &v[i], 4);
+      b[i] = uint16_t(u >> 16);
+    }
+    return b;
+  };
+  for (S s : {S{1, 1, 1, 1.0f, 0}, S{37, 300, 200, 1.0f, 3}, S{256, 512, 1024, 0.5f, 0}, S{64, 48, 32, 0.0f, 5},
+              S{5, 7, 0, 0.5f, 0}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        SCOPED_TRACE(testing::Message() << s.M << "x" << s.N << "x" << s.K << " beta " << s.beta << " ta " << ta << " tb " << tb);
+        const int64_t ar = ta ? s.K : s.M, ac = ta ? s.M : s.K, br = tb ? s.N : s.K, bc = tb ? s.K : s.N;
+        const int64_t lda = std::max<int64_t>(1, ac + s.pad), ldb = std::max<int64_t>(1, bc + s.pad);
+        const std::vector<float> a = exact(ar * lda, 8), b = exact(br * ldb, 8);
+        const std::vector<float> c0 = s.beta == 0.0f ? poisoned_f32(s.M * s.N) : exact(s.M * s.N, 64);
+        std::vector<float> want(size_t(s.M * s.N));
+        for (int64_t m = 0; m < s.M; ++m)
+          for (int64_t n = 0; n < s.N; ++n) {
+            double acc = 0;
+            for (int64_t k = 0; k < s.K; ++k)
+              acc += double(ta ? a[k * lda + m] : a[m * lda + k]) * double(tb ? b[n * ldb + k] : b[k * ldb + n]);
+            want[m * s.N + n] = float(0.5 * acc + (s.beta == 0.0f ? 0.0 : double(s.beta) * c0[m * s.N + n]));
+          }
+        auto [c, g] = both([&](Backend& be) {
+          Tensor ga = up(be, bits(a)), gb = up(be, bits(b)), gc = up(be, c0);
+          be.gemm_bf16(ta, tb, s.M, s.N, s.K, 0.5f, ga.data<uint16_t>(), lda, gb.data<uint16_t>(), ldb, s.beta,
+                       gc.f32(), s.N);
+          return down<float>(gc);
+        });
+        expect_bitwise(c, want, "cpu backend vs the FP64 sum");
+        expect_bitwise(g, want, "device vs the FP64 sum");
       }
 }
 

@@ -255,6 +255,28 @@ IDENTITY = lambda x: x
 
 
 @jax.custom_vjp
+def bf16_linear(x, w):
+    """x w^T with BF16 operands and FP64 (fp8moe: FP32) accumulation: fp8moe's train.hp_gemm bf16
+    (the router, head and eh_proj). The backward rounds dy and reads the rounded x and w."""
+    return _bf16_linear_fwd(x, w)[0]
+
+
+def _bf16_linear_fwd(x, w):
+    cb = lambda a: jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
+    x16, w16 = cb(x), cb(w)
+    return x16 @ w16.T, (x16, w16)
+
+
+def _bf16_linear_bwd(res, dy):
+    x16, w16 = res
+    dy16 = jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
+    return dy16 @ w16, dy16.T @ x16
+
+
+bf16_linear.defvjp(_bf16_linear_fwd, _bf16_linear_bwd)
+
+
+@jax.custom_vjp
 def attention_bf16(q, k, v):
     """attention() with its output rounded to BF16, and the backward a fused kernel runs from what
     it keeps (fp8moe's, FlashAttention's): the probabilities recomputed, and D = rowsum(dO * O) from
@@ -390,7 +412,7 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
             f = swiglu_ffn(h, w1, p[pre + "mlp.w3"], p[pre + "mlp.w2"], lin_for("mlp"),
                            lin_for.fuses_w13("mlp", w1.shape[0]), rv=rv, tail=lin_for.swiglu("mlp"))
         else:
-            z = h @ p[pre + "moe.router"].T
+            z = lin_for.hp(h, p[pre + "moe.router"])
             prob = jax.nn.sigmoid(z) if m["gating"] == "sigmoid" else jax.nn.softmax(z, axis=-1)
             key = prob + p[pre + "moe.router_bias"][0]
             keys.append(key)
@@ -439,15 +461,15 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
     # MtpLayer).
     mtp_logits = []
     h = rmsnorm(x, p["final_norm.weight"][0], m["norm_eps"])
-    main_logits = h @ p["head.weight"].T
+    main_logits = lin_for.hp(h, p["head.weight"])
     for d in range(m.get("mtp_depth", 0)):
         pre = f"mtp.{d}."
         ahead = shift(tokens.reshape(B, T), d + 1, 0).reshape(N)
         e = rmsnorm(stream(p["embed.weight"][ahead]), p[pre + "enorm.weight"][0], m["norm_eps"])
         hn = rmsnorm(h, p[pre + "hnorm.weight"][0], m["norm_eps"])
-        h = rmsnorm(block(jnp.concatenate([e, hn], axis=-1) @ p[pre + "eh_proj"].T, pre, False),
+        h = rmsnorm(block(lin_for.hp(jnp.concatenate([e, hn], axis=-1), p[pre + "eh_proj"]), pre, False),
                     p[pre + "norm.weight"][0], m["norm_eps"])
-        mtp_logits.append(h @ p["head.weight"].T)
+        mtp_logits.append(lin_for.hp(h, p["head.weight"]))
     return main_logits, state["aux"], keys, choices, mtp_logits
 
 
@@ -474,6 +496,8 @@ def linear_for(cfg):
         return plain_swiglu
 
     lin_for.swiglu = swiglu
+    # The router, head and eh_proj (train.hp_gemm).
+    lin_for.hp = bf16_linear if cfg.get("hp_gemm", "fp32") == "bf16" else (lambda x, w: x @ w.T)
     lin_for.bf16 = cfg.get("activations", "fp32") == "bf16"
     lin_for.fp8_experts = "experts" in cfg["fp8_layers"] and cfg["recipe"] == "blockwise"
 
