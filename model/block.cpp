@@ -118,14 +118,15 @@ void Block::backward(const BlockSaved& s, const float* dout, float* dx, float au
     ffn_backward(be, s.dense, dense_.weights(), dout, dense_.fp8(ctx_.fp8, pass), dh2.f32(), dense_.grads());
     ctx_.tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
   }
-  Tensor x_mid32;
-  const float* x_mid = ctx_.unstash(s.x_mid, &x_mid32);
+  Tensor x_mid32;  // x_mid in FP32 where it was kept in BF16, widened where first needed
+  const float* x_mid = nullptr;
   if (is_moe()) {
     Tensor h2w, rstd;
     const float* h2 = nullptr;
     if (!s.h2.empty()) {
       h2 = ctx_.unstash(s.h2, &h2w);
     } else {  // train.recompute selective dropped it: the forward's norm again, the same bits
+      x_mid = ctx_.unstash(s.x_mid, &x_mid32);
       h2w = Tensor(be, DType::f32, {N, D}), rstd = Tensor(be, DType::f32, {N});
       be.rmsnorm_forward(x_mid, ffn_norm_.w, N, D, float(m.norm_eps), h2w.f32(), rstd.f32());
       ctx_.round_activation(h2w);
@@ -134,6 +135,7 @@ void Block::backward(const BlockSaved& s, const float* dout, float* dx, float au
     moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
                  ctx_.dispatcher, ctx_.tp, ctx_.activations, h2);
   }
+  if (!x_mid) x_mid = ctx_.unstash(s.x_mid, &x_mid32);
   be.rmsnorm_backward(x_mid, ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
   x_mid32.reset();
   be.add(dx_mid.f32(), dout, dx_mid.f32(), N * D);

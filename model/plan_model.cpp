@@ -172,8 +172,11 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     // dgate, dye (and its received rows), the experts' da, dh1|dh3 and input gradients (and the
     // rows sent back); the router's logits in the forward.
     ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * 3 * F * kF32 + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
-    // selective: the router's input made again; the SwiGLU outputs' copies W2 reads
-    if (selective(c)) ffn_bwd += N * D * kF32 + R * F * (fp8_on(c, LinearClass::experts) ? 1 : kF32);
+    // selective: the router's input made again (from x_mid, widened from BF16 first where kept so);
+    // the SwiGLU outputs' copies W2 reads
+    if (selective(c))
+      ffn_bwd += N * D * kF32 * (kept_value_bytes(c) < kF32 ? 2 : 1) +
+                 R * F * (fp8_on(c, LinearClass::experts) ? 1 : kF32);
     ffn_fwd = N * E * kF32 + R * D * kF32 * (ep ? 2 : 1);  // logits; y (and the rows before the exchange)
   }
   const double fwd = 2 * N * D * kF32 + std::max(attn_fwd, ffn_fwd);        // o, f
