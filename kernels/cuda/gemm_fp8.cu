@@ -318,9 +318,13 @@ void gemm_fp8(const LtContext& lt, const Fp8GemmPlan& p, const QuantView& A, con
   CUDA_CHECK(cudaMemcpy2DAsync(C, cpitch, s.d, pitch, width, size_t(p.M), cudaMemcpyDeviceToDevice, stream));
 }
 
-void sgemm(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc,
-           cudaStream_t stream) {
+namespace {
+
+// Row-major C (M, N) FP32 = alpha op(A) op(B) + beta C, A and B of type `ab` (FP32 or BF16), FP32
+// accumulation (no TF32): sgemm and gemm_bf16.
+void gemm_row_major(const LtContext& lt, cudaDataType_t ab, const char* what, bool trans_a, bool trans_b, int64_t M,
+                    int64_t N, int64_t K, float alpha, const void* A, int64_t lda, const void* B, int64_t ldb,
+                    float beta, float* C, int64_t ldc, cudaStream_t stream) {
   if (M == 0 || N == 0) return;
   if (K == 0) {  // cuBLASLt needs K >= 1: C = beta C
     if (beta != 1.0f) {
@@ -335,42 +339,31 @@ void sgemm(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N
   call.set(CUBLASLT_MATMUL_DESC_TRANSA, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
   call.set(CUBLASLT_MATMUL_DESC_TRANSB, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
   // Column-major shapes of the stored matrices: B is (K, N) row-major -> (N, K) col-major when not transposed.
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, CUDA_R_32F, trans_b ? uint64_t(K) : uint64_t(N),
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, ab, trans_b ? uint64_t(K) : uint64_t(N),
                                           trans_b ? uint64_t(N) : uint64_t(K), ldb));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, CUDA_R_32F, trans_a ? uint64_t(M) : uint64_t(K),
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, ab, trans_a ? uint64_t(M) : uint64_t(K),
                                           trans_a ? uint64_t(K) : uint64_t(M), lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, CUDA_R_32F, uint64_t(N), uint64_t(M), ldc));
   call.d = call.c;
   call.run(lt, &alpha, B, A, &beta, C, C, stream,
-           detail::concat("the FP32 GEMM ", M, "x", N, "x", K, trans_a ? " T" : " N", trans_b ? "T" : "N", " lda ", lda,
+           detail::concat(what, " ", M, "x", N, "x", K, trans_a ? " T" : " N", trans_b ? "T" : "N", " lda ", lda,
                           " ldb ", ldb, " ldc ", ldc, beta != 0.0f ? " beta" : ""));
+}
+
+}  // namespace
+
+void sgemm(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc,
+           cudaStream_t stream) {
+  gemm_row_major(lt, CUDA_R_32F, "the FP32 GEMM", trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
+                 stream);
 }
 
 void gemm_bf16(const LtContext& lt, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc,
                cudaStream_t stream) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {  // cuBLASLt needs K >= 1: C = beta C
-    if (beta != 1.0f) {
-      scale_matrix_kernel<<<grid_for(M * N), kBlockThreads, 0, stream>>>(C, M, N, ldc, beta);
-      check_launch();
-    }
-    return;
-  }
-  LtCall call;
-  CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (as sgemm).
-  call.set(CUBLASLT_MATMUL_DESC_TRANSA, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
-  call.set(CUBLASLT_MATMUL_DESC_TRANSB, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, CUDA_R_16BF, trans_b ? uint64_t(K) : uint64_t(N),
-                                          trans_b ? uint64_t(N) : uint64_t(K), ldb));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, CUDA_R_16BF, trans_a ? uint64_t(M) : uint64_t(K),
-                                          trans_a ? uint64_t(K) : uint64_t(M), lda));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, CUDA_R_32F, uint64_t(N), uint64_t(M), ldc));
-  call.d = call.c;
-  call.run(lt, &alpha, B, A, &beta, C, C, stream,
-           detail::concat("the BF16 GEMM ", M, "x", N, "x", K, trans_a ? " T" : " N", trans_b ? "T" : "N", " lda ", lda,
-                          " ldb ", ldb, " ldc ", ldc, beta != 0.0f ? " beta" : ""));
+  gemm_row_major(lt, CUDA_R_16BF, "the BF16 GEMM", trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
+                 stream);
 }
 
 void gemm_bf16_tn(const LtContext& lt, const uint16_t* A, const uint16_t* B, uint16_t* D, int64_t M, int64_t N,
