@@ -94,7 +94,7 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L);
 struct StageFlops {
   double fp8_gemm = 0;    // linear layers fp8.recipe and fp8.layers run in FP8
   double hp_gemm = 0;     // the other GEMMs (FP32 in fp8moe): linear layers FP8 is off for,
-                          // router, eh_proj, head
+                          // router, eh_proj, head (under train.hp_gemm fp32)
   double attention = 0;   // QK^T and PV, causal, forward and backward
   double recompute = 0;   // of the above, the recomputed forwards
   double bf16_gemm = 0;   // the router, eh_proj and head under train.hp_gemm bf16 (at the BF16 peak)
