@@ -445,6 +445,7 @@ const BadConfig kBadConfigs[] = {
     {"loss_scale_word", "train:\n  loss_scale: auto\n", "train.loss_scale", "2:15", "got 'auto'"},
     {"recompute_all", "train:\n  recompute: all\n", "train.recompute", "2:14", "expected one of none, selective, moe, full"},
     {"activations_fp16", "train:\n  activations: fp16\n", "train.activations", "2:16", "expected one of fp32, bf16"},
+    {"hp_gemm_fp16", "train:\n  hp_gemm: fp16\n", "train.hp_gemm", "2:12", "expected one of fp32, bf16"},
     {"seed_negative", "train:\n  seed: -1\n", "train.seed", "2:9", "expected an integer >= 0"},
     {"global_batch_overflow", "train:\n  global_batch: 99999999999\n", "train.global_batch", "2:17", "got '99999999999'"},
     {"grad_clip_inf", "train:\n  grad_clip: .inf\n", "train.grad_clip", "2:14", ""},
@@ -493,6 +494,9 @@ const BadConfig kBadConfigs[] = {
     {"expert_not_dividing_experts", "parallel:\n  expert: 3\n", "parallel.expert", "2:11", "a divisor of model.moe.n_experts = 8"},
     {"pipeline_deeper_than_model", "parallel:\n  pipeline: 5\n", "parallel.pipeline", "2:13", "at most model.n_layers = 4"},
     {"recompute_delayed_pipeline", "train:\n  recompute: moe\nfp8:\n  recipe: delayed\nparallel:\n  pipeline: 2\n",
+     "train.recompute", "2:14", "none with fp8.recipe delayed and parallel.pipeline > 1"},
+    // selective rebuilds layers' inputs with the forward's delayed scale too
+    {"selective_delayed_pipeline", "train:\n  recompute: selective\nfp8:\n  recipe: delayed\nparallel:\n  pipeline: 2\n",
      "train.recompute", "2:14", "none with fp8.recipe delayed and parallel.pipeline > 1"},
     {"tile_straddles_tp_shard", "model:\n  n_kv_heads: 4\nparallel:\n  tensor: 2\nfp8:\n  tile: 128\n", "fp8.tile", "6:9",
      "model.n_kv_heads x model.head_dim / parallel.tensor = 128 / 2 = 64"},
