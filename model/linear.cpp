@@ -51,7 +51,7 @@ void quantize_per_tensor(Backend& be, const float* x, int64_t rows, int64_t cols
 void quantize_tiled(Backend& be, const float* x, int64_t rows, int64_t cols, Tiling tiling, const Fp8Config& c,
                     uint64_t* counts, QTensor* out) {
   *out = QTensor(be, rows, cols, Fp8Dtype::e4m3, tiling, c.tile);
-  be.quantize_tiled(x, scale_options(c), out->view(), counts);
+  if (rows * cols > 0) be.quantize_tiled(x, scale_options(c), out->view(), counts);
 }
 
 // Blockwise: x's 1 x T copy (counted) and T x 1 copy (not counted) from one read of it.
@@ -272,8 +272,8 @@ void hp_backward(Backend& be, GemmDtype t, const float* dy, int64_t M, int64_t N
 }
 
 QTensor quantize_1xT(Backend& be, const float* x, int64_t rows, int64_t cols, const Fp8Config& c, uint64_t* counts) {
-  QTensor q(be, rows, cols, Fp8Dtype::e4m3, Tiling::rows_1xT, c.tile);
-  if (rows * cols > 0) be.quantize_tiled(x, scale_options(c), q.view(), counts);
+  QTensor q;
+  quantize_tiled(be, x, rows, cols, Tiling::rows_1xT, c, counts, &q);
   return q;
 }
 
