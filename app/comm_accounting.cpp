@@ -32,6 +32,7 @@ void CommAccounting::end_step(double rows_off) {
   shape.local_experts = place.local_experts();
   shape.dense_bytes = dense_bytes_, shape.expert_bytes = expert_bytes_, shape.rows_off_rank = rows_off;
   shape.fp8 = cfg_.fp8.recipe == Fp8Recipe::off ? nullptr : &cfg_.fp8, shape.activations = cfg_.train.activations;
+  shape.grad_reduce = cfg_.optim.grad_reduce;
   const std::array<double, 5> expected = analytic_comm_bytes(shape);
   double local[10] = {};
   for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)].bytes_sent()), local[5 + g] = expected[size_t(g)];

@@ -356,6 +356,11 @@ void print_communication(const PlanReport& rep) {
   if (L.expert > 1)
     std::printf("  ep: uniform routing, tokens x top_k x (1 - 1/%d) rows leave each rank; %s\n", L.expert,
                 expert_rows_text(p.cfg).c_str());
+  if (L.data > 1)
+    std::printf("  dp, edp: %s\n", p.cfg.optim.grad_reduce == ReduceDtype::bf16
+                                        ? "the gradients' reduce-scatter in BF16 (optim.grad_reduce bf16), the "
+                                          "all-gather in FP32: 0.75 of the FP32 bytes"
+                                        : "the gradients' reduction and the all-gather in FP32 (optim.grad_reduce fp32)");
 }
 
 void print_bubble(const PlanReport& rep) {

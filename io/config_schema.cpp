@@ -426,6 +426,10 @@ const std::vector<Field>& schema() {
     v.push_back(integer("optim.zero", REF(optim.zero), 0, 1,
                         "1: shard the Adam moments over the data-parallel replicas (ZeRO-1: reduce-scatter "
                         "gradients, update the shard, all-gather weights); 0: every replica keeps full copies."));
+    v.push_back(choice("optim.grad_reduce", REF(optim.grad_reduce),
+                       "The gradients' reduction over the data-parallel replicas: fp32, or bf16: each replica's "
+                       "gradients rounded to BF16 on the wire (half the reduce-scatter's bytes), summed in FP32 "
+                       "in rank order; the ZeRO-1 all-gather of the weights stays FP32."));
     // fp8
     v.push_back(choice("fp8.recipe", REF(fp8.recipe),
                        "off: FP32 GEMMs; delayed / current: per-tensor scales from an amax history / "

@@ -19,6 +19,7 @@ enum class MomentsDtype { fp32, bf16 };
 enum class Recompute { none, selective, moe, full };
 enum class ActivationDtype { fp32, bf16 };  // train.activations
 enum class GemmDtype { fp32, bf16 };        // train.hp_gemm
+enum class ReduceDtype { fp32, bf16 };      // optim.grad_reduce
 enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
@@ -140,6 +141,9 @@ struct TrainConfig {
 // The distributed optimizer.
 struct OptimConfig {
   int zero = 1;  // 1: Adam moments sharded over the data-parallel replicas (ZeRO-1); 0: full copies
+  // The gradients' reduction over the replicas: fp32, or bf16: each replica's gradients rounded to
+  // BF16 and exchanged as such, the sum in FP32 (model/data_parallel.h).
+  ReduceDtype grad_reduce = ReduceDtype::fp32;
   bool operator==(const OptimConfig&) const = default;
 };
 
@@ -247,6 +251,7 @@ FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Recompute, "none", "selective", "moe", "full");
 FP8MOE_ENUM_NAMES(GemmDtype, "fp32", "bf16");
+FP8MOE_ENUM_NAMES(ReduceDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(ActivationDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");

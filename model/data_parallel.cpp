@@ -7,8 +7,8 @@
 namespace fp8moe {
 
 DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group,
-                           bool zero)
-    : segment_(segment), group_(group), zero_(zero && group.size() > 1) {
+                           bool zero, ReduceDtype reduce)
+    : segment_(segment), group_(group), zero_(zero && group.size() > 1), reduce_(reduce) {
   const int R = group.size();
   const ParamTable& t = store.table();
   // ZeRO chunks: replica r's begins at the row boundary at or before begin + size r / R (the row
@@ -29,6 +29,8 @@ DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector
   }
   counts_.resize(size_t(R));
   for (int r = 0; r < R; ++r) counts_[size_t(r)] = zero_ ? cut[size_t(r + 1)] - cut[size_t(r)] : segment.size();
+  split_.resize(size_t(R));
+  for (int r = 0; r < R; ++r) split_[size_t(r)] = segment.size() * (r + 1) / R - segment.size() * r / R;
   const int me = group.rank();
   for (size_t i : members) {
     const Shard& sh = store.shard(i);
@@ -51,6 +53,7 @@ RowRange DataParallel::owned(size_t i) const {
 void DataParallel::reduce_gradients(ParamStore& store) {
   if (group_.size() == 1 || segment_.size() == 0) return;
   float* g = store.grads().f32() + segment_.begin;
+  if (reduce_ == ReduceDtype::bf16) return reduce_bf16(store.backend(), g);
   if (!zero_) {
     group_.allreduce_sum(g, segment_.size());
     return;
@@ -60,6 +63,42 @@ void DataParallel::reduce_gradients(ParamStore& store) {
   Tensor chunk(store.backend(), DType::f32, {counts_[size_t(group_.rank())]});
   group_.reduce_scatterv_sum(g, chunk.f32(), counts_.data());
   if (!chunk.empty()) store.backend().copy(g + mine, chunk.f32(), chunk.bytes());
+}
+
+void DataParallel::reduce_bf16(Backend& be, float* g) {
+  const int R = group_.size(), me = group_.rank();
+  const std::vector<int64_t>& blocks = zero_ ? counts_ : split_;
+  // Block r as BF16 pairs packed in 32-bit words (the communicators move floats), an odd block
+  // padded with a zero value: words[r] = ceil(blocks[r] / 2).
+  std::vector<int64_t> words(size_t(R), 0), recv_words(size_t(R), (blocks[size_t(me)] + 1) / 2);
+  int64_t total = 0;
+  for (int r = 0; r < R; ++r) words[size_t(r)] = (blocks[size_t(r)] + 1) / 2, total += words[size_t(r)];
+  Tensor send = Tensor::zeros(be, DType::f32, {total}), recv(be, DType::f32, {R * recv_words[0]});
+  int64_t at = 0, word = 0;
+  for (int r = 0; r < R; ++r) {
+    be.to_bf16(g + at, reinterpret_cast<uint16_t*>(send.f32() + word), blocks[size_t(r)]);
+    at += blocks[size_t(r)], word += words[size_t(r)];
+  }
+  group_.alltoallv(send.f32(), words.data(), recv.f32(), recv_words.data());
+  // The sum of this replica's block, in rank order, in FP32.
+  const int64_t n = blocks[size_t(me)];
+  Tensor sum(be, DType::f32, {n}), part(be, DType::f32, {n});
+  for (int r = 0; r < R && n > 0; ++r) {
+    const auto* bits = reinterpret_cast<const uint16_t*>(recv.f32() + r * recv_words[0]);
+    if (r == 0) {
+      be.from_bf16(bits, sum.f32(), n);
+    } else {
+      be.from_bf16(bits, part.f32(), n);
+      be.add(sum.f32(), part.f32(), sum.f32(), n);
+    }
+  }
+  int64_t mine = 0;
+  for (int r = 0; r < me; ++r) mine += blocks[size_t(r)];
+  if (zero_) {
+    if (n > 0) be.copy(g + mine, sum.f32(), sum.bytes());
+    return;
+  }
+  group_.allgatherv(sum.f32(), g, split_.data());
 }
 
 void DataParallel::gather_weights(ParamStore& store) {
@@ -78,12 +117,12 @@ ParamTable localise(ParamTable t, const ParamStore& s) {
 }  // namespace
 
 ReplicaSync::ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank,
-                         bool zero)
+                         bool zero, ReduceDtype reduce)
     : table_(store.table()),
       local_(localise(store.table(), store)),
       tensor_rank_(tensor_rank),
-      dense_(store, store.dense(), store.dense_members(), data, zero),
-      experts_(store, store.experts(), store.expert_members(), expert_data, zero) {
+      dense_(store, store.dense(), store.dense_members(), data, zero, reduce),
+      experts_(store, store.experts(), store.expert_members(), expert_data, zero, reduce) {
   for (size_t i = 0; i < table_.params.size(); ++i) shards_.push_back(store.shard(i));
 }
 

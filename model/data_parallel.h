@@ -6,11 +6,18 @@
 //           reduce-scatter the gradients so that replica r holds the sum over its chunk, AdamW
 //           updates those rows (moments for them only: about 8 bytes x parameters / R per rank
 //           instead of 8 x parameters), then an all-gather gives every replica the updated weights.
+// optim.grad_reduce bf16: the reduction is a reduce-scatter of BF16 values summed in FP32. Each
+// replica rounds its gradients to BF16 once and sends block r (ZeRO's chunk r; without ZeRO an even
+// split) to replica r in one all-to-all; replica r widens the R blocks it receives and adds them in
+// FP32 in rank order (the same order whatever ZeRO or the transport does, so the two ZeRO settings
+// give the same bits). The reduce-scatter sends half the FP32 bytes. Without ZeRO an FP32 all-gather
+// of the sums follows (every replica then holds the same FP32 sums): 0.75 of the all-reduce's bytes.
 #pragma once
 
 #include <unordered_map>
 #include <vector>
 
+#include "model/config.h"
 #include "model/optimizer.h"
 #include "model/param_store.h"
 #include "model/param_table.h"
@@ -24,7 +31,8 @@ class DataParallel {
  public:
   // The parameters `members` (layout order) fill `segment` of `store`; `group` works on the
   // store's backend memory.
-  DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group, bool zero);
+  DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group, bool zero,
+               ReduceDtype reduce);
   bool zero() const { return zero_; }
   Communicator& group() const { return group_; }
   bool includes(size_t i) const { return rows_.count(i) > 0; }
@@ -40,10 +48,13 @@ class DataParallel {
   bool counts_in_norm(size_t i) const { return includes(i) && (zero_ || group_.rank() == 0); }
 
  private:
+  void reduce_bf16(Backend& be, float* g);
   Segment segment_;
   Communicator& group_;
   bool zero_;
+  ReduceDtype reduce_;
   std::vector<int64_t> counts_;                  // elements of each replica's chunk (ZeRO)
+  std::vector<int64_t> split_;                   // without ZeRO: the BF16 reduction's even blocks
   std::unordered_map<size_t, RowRange> rows_;    // this replica's owned rows per member
 };
 
@@ -60,7 +71,8 @@ class ReplicaSync {
  public:
   // data, expert_data: on the store's backend memory. tensor_rank: replicated parameters
   // (TpSplit::none) count in the norm on tensor rank 0 only. Collective-free.
-  ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank, bool zero);
+  ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank, bool zero,
+              ReduceDtype reduce);
   bool zero() const { return dense_.zero(); }
   // The table with each parameter's shape replaced by this rank's block (what AdamW works on).
   const ParamTable& local_table() const { return local_; }

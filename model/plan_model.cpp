@@ -205,7 +205,9 @@ PlanLayout plan_layout(const Config& c, int world) {
 // ep  per MoE layer and micro-batch: 4 x (routed rows whose expert is on another rank) x D floats
 //     (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8.
 // dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes: ZeRO-1
-//     reduce-scatter + all-gather, or an all-reduce: 2 (R - 1) / R x B.
+//     reduce-scatter + all-gather, or an all-reduce: 2 (R - 1) / R x B; with optim.grad_reduce
+//     bf16 the reduce-scatter sends BF16 values and the all-gather FP32 (ZeRO-1's weights, or
+//     without ZeRO the sums): 1.5 (R - 1) / R x B.
 // pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one (not
 //     the first); with mtp_depth modules every message also carries their depth x N x D
 //     embeddings (forward) or gradient (backward), from the first stage to the last and back.
@@ -237,8 +239,9 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
   const double row = expert_row_bytes(m.d_model, s.fp8, s.activations).total();
   b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 : 0;
-  b[2] = ring(s.data) * s.dense_bytes;
-  b[3] = ring(s.expert_data) * s.expert_bytes;
+  const double reduce = s.grad_reduce == ReduceDtype::bf16 ? 0.75 : 1.0;  // of the FP32 reduce-scatter + all-gather
+  b[2] = reduce * ring(s.data) * s.dense_bytes;
+  b[3] = reduce * ring(s.expert_data) * s.expert_bytes;
   b[4] = Mb * N * D * pipeline_value_bytes(s.activations) * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
   // Once a step the stages sum the loss, the modules' loss and every MoE layer's expert loads
   // (app/stage_runner.cpp finish_step), an all-reduce over the pipeline group.

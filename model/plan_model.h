@@ -41,6 +41,7 @@ struct CommShape {
   double rows_off_rank = 0;  // routed rows of this rank sent to another expert rank, over the step
   const Fp8Config* fp8 = nullptr;                       // nullptr: FP8 off
   ActivationDtype activations = ActivationDtype::fp32;  // train.activations
+  ReduceDtype grad_reduce = ReduceDtype::fp32;          // optim.grad_reduce
 };
 std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 

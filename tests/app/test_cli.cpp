@@ -446,6 +446,7 @@ const BadConfig kBadConfigs[] = {
     {"recompute_all", "train:\n  recompute: all\n", "train.recompute", "2:14", "expected one of none, selective, moe, full"},
     {"activations_fp16", "train:\n  activations: fp16\n", "train.activations", "2:16", "expected one of fp32, bf16"},
     {"hp_gemm_fp16", "train:\n  hp_gemm: fp16\n", "train.hp_gemm", "2:12", "expected one of fp32, bf16"},
+    {"grad_reduce_fp16", "optim:\n  grad_reduce: fp16\n", "optim.grad_reduce", "2:16", "expected one of fp32, bf16"},
     {"seed_negative", "train:\n  seed: -1\n", "train.seed", "2:9", "expected an integer >= 0"},
     {"global_batch_overflow", "train:\n  global_batch: 99999999999\n", "train.global_batch", "2:17", "got '99999999999'"},
     {"grad_clip_inf", "train:\n  grad_clip: .inf\n", "train.grad_clip", "2:14", ""},

@@ -168,6 +168,14 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
                            "h800", "--tokens", "1e12", "--set", "train.hp_gemm=fp32"});
   ASSERT_EQ(h.status, 0) << h.all();
   EXPECT_NE(h.out.find("2.77e+06 h800-hours"), std::string::npos) << h.out;
+  // optim.grad_reduce bf16: the reduce-scatter half of dp's and edp's FP32 bytes halved, 0.75 in all
+  // (23.10 GB x 0.75 = 17.32; 2.82 x 0.75 = 2.11).
+  EXPECT_NE(r.out.find("  dp       23.10 GB"), std::string::npos) << r.out;
+  const RunResult g = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
+                           "h800", "--set", "optim.grad_reduce=bf16"});
+  ASSERT_EQ(g.status, 0) << g.all();
+  EXPECT_NE(g.out.find("  dp       17.32 GB"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("  edp       2.11 GB"), std::string::npos) << g.out;
 }
 
 TEST(Plan, BadInputExitsTwo) {

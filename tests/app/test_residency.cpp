@@ -162,8 +162,10 @@ INSTANTIATE_TEST_SUITE_P(
                                             "fp8.recipe=current", "parallel.pipeline=2"}, 2, false, true, 1},
                     // train.activations bf16: FP8 rows and their scales dispatched on the device
                     // (blockwise), BF16 rows (recipe off, recomputed), BF16 pipeline messages with
-                    // the module's embeddings and the kept BF16 activations of MLA.
-                    Case{"bf16_ep2", 2, {"parallel.expert=2", "fp8.recipe=blockwise", "train.activations=bf16"}, 2},
+                    // the module's embeddings and the kept BF16 activations of MLA; with the
+                    // gradients' reduction in BF16 (optim.grad_reduce) on ep2's two replicas.
+                    Case{"bf16_ep2", 2, {"parallel.expert=2", "fp8.recipe=blockwise", "train.activations=bf16",
+                                         "optim.grad_reduce=bf16"}, 2},
                     Case{"bf16_off_recompute", 1, {"fp8.recipe=off", "train.recompute=full", "train.activations=bf16"}, 2},
                     Case{"bf16_mla_mtp_pp2", 2, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5], "model.mtp_depth=1",
                                                  "fp8.recipe=blockwise", "parallel.pipeline=2", "train.activations=bf16"},
