@@ -171,51 +171,39 @@ class Mla final : public Attention {
     const ModelConfig& m = c_.local;  // n_heads: this rank's heads
     const int64_t N = B * T, D = m.d_model, H = m.n_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
     const int64_t qk = nope + rope, vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
-    const float eps = float(m.norm_eps);
     Backend& be = c_.be;
     auto s = std::make_unique<MlaSaved>();
     s->B = B, s->T = T, s->q_latent = ql > 0;
     AttentionCore& a = s->core;
     // Queries (N, H, qk): through the latent cq = RMSNorm(h1 Wq_a^T) when q_lora_rank > 0.
-    a.q = Tensor(be, DType::f32, {N, H * qk});
     if (ql > 0) {
       s->cq = Tensor(be, DType::f32, {N, ql});
       linear_forward(be, h1, N, D, wq_a_.w, ql, fp8(wq_a_, pass), s->cq.f32(), &s->lq_a);
       c_.round_activation(s->cq);
-      s->cqn = Tensor(be, DType::f32, {N, ql});
       s->rstd_q = Tensor(be, DType::f32, {N});
-      be.rmsnorm_forward(s->cq.f32(), q_norm_.w, N, ql, eps, s->cqn.f32(), s->rstd_q.f32());
-      c_.round_activation(s->cqn);
-      linear_forward(be, s->cqn.f32(), N, ql, wq_.w, H * qk, fp8(wq_, pass), a.q.f32(), &s->lq);
+      norm_latent(s->cq.f32(), q_norm_, N, ql, &s->cqn, &s->rstd_q);
+      queries(s->cqn.f32(), B, T, ql, pass, &s->lq, &a.q);
       if (!s->lq.needs_fp32_input()) s->cqn.reset();
       if (pass.saving) c_.stash(&s->cq);
     } else {
-      linear_forward(be, h1, N, D, wq_.w, H * qk, fp8(wq_, pass), a.q.f32(), &s->lq);
+      queries(h1, B, T, D, pass, &s->lq, &a.q);
     }
-    // The key-value latent and the shared rotary key: h1 Wkv_a^T = [ckv (kv_lora) | kpe (rope)].
+    // The key-value latent and the shared rotary key: h1 Wkv_a^T = [ckv (kv_lora) | kpe (rope)];
+    // kpe rotated (every head's key is [k_nope | kpe]).
     Tensor ckv_pe(be, DType::f32, {N, kvl + rope}), kpe(be, DType::f32, {N, rope});
     linear_forward(be, h1, N, D, wkv_a_.w, kvl + rope, fp8(wkv_a_, pass), ckv_pe.f32(), &s->lkv_a);
     c_.round_activation(ckv_pe);
     s->ckv = Tensor(be, DType::f32, {N, kvl});
     be.copy_2d(s->ckv.f32(), kvl, ckv_pe.f32(), kvl + rope, N, kvl);
     be.copy_2d(kpe.f32(), rope, ckv_pe.f32() + kvl, kvl + rope, N, rope);
-    s->ckvn = Tensor(be, DType::f32, {N, kvl});
-    s->rstd_kv = Tensor(be, DType::f32, {N});
-    be.rmsnorm_forward(s->ckv.f32(), kv_norm_.w, N, kvl, eps, s->ckvn.f32(), s->rstd_kv.f32());
-    c_.round_activation(s->ckvn);
-    Tensor kv(be, DType::f32, {N, H * (nope + vd)});  // per head [k_nope | v]
-    linear_forward(be, s->ckvn.f32(), N, kvl, wkv_b_.w, H * (nope + vd), fp8(wkv_b_, pass), kv.f32(), &s->lkv_b);
-    if (!s->lkv_b.needs_fp32_input()) s->ckvn.reset();
-    if (pass.saving) c_.stash(&s->ckv);
-    // RoPE on the last `rope` channels of each query head and on the shared key; then every head's
-    // key is [k_nope | kpe].
-    be.rope(a.q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
     be.rope(kpe.f32(), B, T, 1, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), rope);
     c_.round_activation(kpe);  // (k's copies of it are rounded anyway: the same k)
-    a.k = Tensor(be, DType::f32, {N, H * qk});
-    a.v = Tensor(be, DType::f32, {N, H * vd});
-    be.mla_expand_kv(kv.f32(), kpe.f32(), N, H, nope, rope, vd, a.k.f32(), a.v.f32());
-    c_.round_activation(a.q), c_.round_activation(a.k), c_.round_activation(a.v);
+    // Keys and values from the normed key-value latent.
+    s->rstd_kv = Tensor(be, DType::f32, {N});
+    norm_latent(s->ckv.f32(), kv_norm_, N, kvl, &s->ckvn, &s->rstd_kv);
+    keys_values(s->ckvn.f32(), kpe.f32(), N, pass, &s->lkv_b, &a.k, &a.v);
+    if (!s->lkv_b.needs_fp32_input()) s->ckvn.reset();
+    if (pass.saving) c_.stash(&s->ckv);
     core_forward(c_, &a, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), o, pass.saving);
     if (pass.saving && c_.selective) {  // made again in backward (rebuild_qkv)
       a.k.reset(), a.v.reset();
@@ -275,43 +263,57 @@ class Mla final : public Attention {
   }
 
  private:
-  // train.recompute selective: the queries (with the query latent), keys and values the forward
-  // made and dropped, made again from the kept latents with the forward's FP8 scales and weights:
-  // the same bits.
-  void rebuild_qkv(const MlaSaved& s, QkvTensors* core) {
+  // A latent's RMSNorm (N, width) into *out, rounded where activations are BF16; *rstd (N) given.
+  void norm_latent(const float* latent, const Weight& norm, int64_t N, int64_t width, Tensor* out, Tensor* rstd) const {
+    *out = Tensor(c_.be, DType::f32, {N, width});
+    c_.be.rmsnorm_forward(latent, norm.w, N, width, float(c_.local.norm_eps), out->f32(), rstd->f32());
+    c_.round_activation(*out);
+  }
+  // The per-head queries (N, H, qk) from x (N, K): the query latent's normed copy, or h1 without
+  // one; RoPE on each head's last qk_rope_head_dim channels, then rounded.
+  void queries(const float* x, int64_t B, int64_t T, int64_t K, const Pass& pass, LinearSaved* saved, Tensor* q) const {
     const ModelConfig& m = c_.local;
-    const int64_t B = s.B, T = s.T, N = B * T, H = m.n_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
-    const int64_t qk = nope + rope, vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
-    const float eps = float(m.norm_eps);
-    Backend& be = c_.be;
+    const int64_t N = B * T, H = m.n_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim, qk = nope + rope;
+    *q = Tensor(c_.be, DType::f32, {N, H * qk});
+    linear_forward(c_.be, x, N, K, wq_.w, H * qk, fp8(wq_, pass), q->f32(), saved);
+    c_.be.rope(q->f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
+    c_.round_activation(*q);
+  }
+  // Every head's key [k_nope | kpe] (N, H, qk) and value (N, H, vd) from the normed key-value
+  // latent (through wkv_b) and the rotated shared key kpe (N, rope), rounded.
+  void keys_values(const float* ckvn, const float* kpe, int64_t N, const Pass& pass, LinearSaved* saved, Tensor* k,
+                   Tensor* v) const {
+    const ModelConfig& m = c_.local;
+    const int64_t H = m.n_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim, vd = m.v_head_dim;
+    Tensor kv(c_.be, DType::f32, {N, H * (nope + vd)});  // per head [k_nope | v]
+    linear_forward(c_.be, ckvn, N, m.kv_lora_rank, wkv_b_.w, H * (nope + vd), fp8(wkv_b_, pass), kv.f32(), saved);
+    *k = Tensor(c_.be, DType::f32, {N, H * (nope + rope)});
+    *v = Tensor(c_.be, DType::f32, {N, H * vd});
+    c_.be.mla_expand_kv(kv.f32(), kpe, N, H, nope, rope, vd, k->f32(), v->f32());
+    c_.round_activation(*k), c_.round_activation(*v);
+  }
+
+  // train.recompute selective: the queries (with the query latent), keys and values the forward
+  // made and dropped, made again from the kept latents by the forward's own steps (norm_latent,
+  // queries, keys_values) with its FP8 scales and weights: the same bits.
+  void rebuild_qkv(const MlaSaved& s, QkvTensors* core) const {
+    const ModelConfig& m = c_.local;
+    const int64_t N = s.B * s.T;
     const Pass pass = Pass::rebuild();
     // A latent's normed copy: the one an FP32 up-projection keeps, else the forward's norm again.
     auto normed = [&](const Tensor& kept_normed, const Tensor& latent, const Weight& norm, int64_t width, Tensor* out) {
       if (!kept_normed.empty()) return kept_normed.f32();
-      Tensor lat32, rstd(be, DType::f32, {N});
-      *out = Tensor(be, DType::f32, {N, width});
-      be.rmsnorm_forward(c_.unstash(latent, &lat32), norm.w, N, width, eps, out->f32(), rstd.f32());
-      c_.round_activation(*out);
+      Tensor lat32, rstd(c_.be, DType::f32, {N});
+      norm_latent(c_.unstash(latent, &lat32), norm, N, width, out, &rstd);
       return static_cast<const float*>(out->f32());
     };
-    if (ql > 0) {
+    if (m.q_lora_rank > 0) {
       Tensor cqn;
-      core->q = Tensor(be, DType::f32, {N, H * qk});
-      linear_forward(be, normed(s.cqn, s.cq, q_norm_, ql, &cqn), N, ql, wq_.w, H * qk, fp8(wq_, pass), core->q.f32(),
-                     nullptr);
-      be.rope(core->q.f32() + nope, B, T, H, rope, c_.rope.cs.f32(), c_.rope.sn.f32(), qk);
-      c_.round_activation(core->q);
+      queries(normed(s.cqn, s.cq, q_norm_, m.q_lora_rank, &cqn), s.B, s.T, m.q_lora_rank, pass, nullptr, &core->q);
     }
-    {
-      Tensor ckvn, kpe32, kv(be, DType::f32, {N, H * (nope + vd)});
-      linear_forward(be, normed(s.ckvn, s.ckv, kv_norm_, kvl, &ckvn), N, kvl, wkv_b_.w, H * (nope + vd),
-                     fp8(wkv_b_, pass), kv.f32(), nullptr);
-      ckvn.reset();
-      core->k = Tensor(be, DType::f32, {N, H * qk});
-      core->v = Tensor(be, DType::f32, {N, H * vd});
-      be.mla_expand_kv(kv.f32(), c_.unstash(s.kpe, &kpe32), N, H, nope, rope, vd, core->k.f32(), core->v.f32());
-      c_.round_activation(core->k), c_.round_activation(core->v);
-    }
+    Tensor ckvn, kpe32;
+    keys_values(normed(s.ckvn, s.ckv, kv_norm_, m.kv_lora_rank, &ckvn), c_.unstash(s.kpe, &kpe32), N, pass, nullptr,
+                &core->k, &core->v);
   }
 
   LinearFp8 fp8(const LinearWeight& w, const Pass& pass) const { return c_.fp8.context(w, pass); }
