@@ -25,8 +25,11 @@ std::string expert_rows_text(const Config& c) {
     return "FP32 rows of D = " + std::to_string(D) + " values, " + std::to_string(int64_t(b.dispatch)) +
            " bytes each exchange (train.activations fp32)";
   const bool fp8 = b.dispatch < 2.0 * double(D);
+  const std::string scales = c.fp8.recipe == Fp8Recipe::blockwise
+                                 ? " (1 x " + std::to_string(c.fp8.tile) + " tiles and their scales)"
+                                 : " (one scale per exchange, its amax all-reduced over the expert group)";
   return std::string(fp8 ? "FP8 dispatch, " : "BF16 dispatch, ") + std::to_string(int64_t(b.dispatch)) +
-         " bytes a row" + (fp8 ? " (1 x " + std::to_string(c.fp8.tile) + " tiles and their scales)" : "") +
+         " bytes a row" + (fp8 ? scales : "") +
          " both ways; BF16 combine, " + std::to_string(int64_t(b.combine)) + " bytes a row both ways; D = " +
          std::to_string(D) + " (train.activations bf16)";
 }

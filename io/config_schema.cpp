@@ -417,8 +417,9 @@ const std::vector<Field>& schema() {
     v.push_back(choice("train.activations", REF(train.activations),
                        "fp32: every activation and message FP32 (exact). bf16 (DeepSeek-V3's wire precisions): "
                        "the residual stream rounded to BF16 between blocks, pipeline messages in BF16, the "
-                       "experts' all-to-all rows in FP8 (blockwise: 1 x tile tiles, quantized once before "
-                       "dispatch) or BF16 (other recipes), combine in BF16; ops inside a block stay FP32."));
+                       "experts' all-to-all rows in FP8, quantized once before dispatch (blockwise: 1 x tile "
+                       "tiles; delayed, current: one scale per exchange) or BF16 (experts out of FP8), combine "
+                       "in BF16; ops inside a block stay FP32."));
     v.push_back(choice("train.hp_gemm", REF(train.hp_gemm),
                        "The GEMMs outside the linear layers (MoE router, head, MTP eh_proj): fp32, or bf16 "
                        "(DeepSeek-V3's): BF16 operands, FP32 accumulation and outputs."));

@@ -128,8 +128,9 @@ struct TrainConfig {
   double loss_scale_backoff = 0.5;           // dynamic: factor after a non-finite step
   Recompute recompute = Recompute::none;
   // bf16 (DeepSeek-V3's precisions, so far): the residual stream rounded to BF16 between blocks,
-  // the pipeline's messages in BF16, the expert all-to-all's rows in FP8 (blockwise recipe: 1 x
-  // tile tiles, quantized once before dispatch) or BF16 (other recipes), and combine in BF16.
+  // the pipeline's messages in BF16, the expert all-to-all's rows in FP8 (quantized once before
+  // dispatch: blockwise in 1 x tile tiles, per-tensor recipes at one scale per exchange) or BF16
+  // (experts out of FP8), and combine in BF16.
   // Inside a block the ops still run and keep FP32. fp32: every activation and message FP32.
   ActivationDtype activations = ActivationDtype::fp32;
   // The GEMMs outside the linear layers (the MoE router, the head, the MTP modules' eh_proj): fp32,

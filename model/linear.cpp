@@ -62,12 +62,17 @@ void quantize_tiled_pair(Backend& be, const float* x, int64_t rows, int64_t cols
   be.quantize_tiled_pair(x, scale_options(c), rows_out->view(), counts, cols_out->view(), nullptr);
 }
 
-// A blockwise operand the caller quantized: 1 x T tiles of this recipe's tile, (rows, cols).
-void check_prequantized(const QuantView& q, int64_t rows, int64_t cols, const LinearFp8& f, const char* what) {
-  FP8MOE_ASSERT(f.enabled() && f.cfg->recipe == Fp8Recipe::blockwise, what,
-                " given in FP8 to a layer that is not blockwise FP8");
-  FP8MOE_ASSERT(q.tiling == Tiling::rows_1xT && q.tile == f.cfg->tile && q.dtype == Fp8Dtype::e4m3, what,
-                " given in FP8 is not in E4M3 1 x ", f.cfg->tile, " tiles");
+// An operand the caller quantized, (rows, cols): for a blockwise layer E4M3 1 x T tiles of its
+// tile; for a per-tensor one a per-tensor tensor of `dt` (E4M3, or a hybrid layer's E5M2 gradient).
+void check_prequantized(const QuantView& q, int64_t rows, int64_t cols, const LinearFp8& f, Fp8Dtype dt,
+                        const char* what) {
+  FP8MOE_ASSERT(f.enabled(), what, " given in FP8 to a layer whose FP8 is off");
+  if (f.cfg->recipe == Fp8Recipe::blockwise)
+    FP8MOE_ASSERT(q.tiling == Tiling::rows_1xT && q.tile == f.cfg->tile && q.dtype == Fp8Dtype::e4m3, what,
+                  " given in FP8 is not in E4M3 1 x ", f.cfg->tile, " tiles");
+  else
+    FP8MOE_ASSERT(q.tiling == Tiling::per_tensor && q.dtype == dt, what, " given in FP8 is not a per-tensor ",
+                  dt == Fp8Dtype::e4m3 ? "E4M3" : "E5M2", " tensor");
   FP8MOE_ASSERT(q.rows == rows && q.cols == cols, what, " given in FP8 is (", q.rows, ", ", q.cols, "), not (", rows,
                 ", ", cols, ")");
 }
@@ -128,11 +133,14 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     s.xt = QTensor{};
     s.has_xq_ext = false;
     if (l.xq) {  // quantized by the caller: read as it is
-      check_prequantized(*l.xq, l.M, K, fp8, "a linear layer's input");
+      check_prequantized(*l.xq, l.M, K, fp8, Fp8Dtype::e4m3, "a linear layer's input");
       const Fp8Config& c = *fp8.cfg;
+      const bool blockwise = c.recipe == Fp8Recipe::blockwise;
       s.xq = QTensor{};
-      if (fp8.backward_follows && c.cache_activations) s.xq_ext = *l.xq, s.has_xq_ext = true;
-      if (fp8.backward_follows && !c.cache_activations) retile_cols(be, *l.xq, c, &s.xt);
+      // The weight gradient reads it as it is (per-tensor; blockwise with cache_activations, re-tiled
+      // then), or its T x 1 copy made now (blockwise).
+      if (fp8.backward_follows && (!blockwise || c.cache_activations)) s.xq_ext = *l.xq, s.has_xq_ext = true;
+      if (fp8.backward_follows && blockwise && !c.cache_activations) retile_cols(be, *l.xq, c, &s.xt);
       s.wq = quantized_weight(be, l.W, N, K, fp8, fp8.reuse_last_scale ? nullptr : fp8.counts, &s.own_wq);
       A.push_back(*l.xq), B.push_back(s.wq->view()), C.push_back(l.y);
       continue;
@@ -191,9 +199,9 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     }
     const Fp8Config& c = *fp8.cfg;
     FP8MOE_ASSERT(s.wq, "linear_backward without its forward's FP8 weight");
-    if (l.dyq) {  // quantized by the caller (dispatched): dgrad reads it, wgrad its re-tiled copy
-      check_prequantized(*l.dyq, M, N, fp8, "a linear layer's output gradient");
-      retile_cols(be, *l.dyq, c, &dyt[g]);
+    if (l.dyq) {  // quantized by the caller (dispatched): dgrad reads it, wgrad it too (per-tensor) or its re-tiled copy
+      check_prequantized(*l.dyq, M, N, fp8, grad_dtype(c), "a linear layer's output gradient");
+      if (c.recipe == Fp8Recipe::blockwise) retile_cols(be, *l.dyq, c, &dyt[g]);
       if (!l.dx) continue;
       A.push_back(*l.dyq), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
       continue;
@@ -224,7 +232,8 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     const int64_t M = s.M, K = s.K;
     ldc = K;
     if (fp8.cfg->recipe != Fp8Recipe::blockwise) {
-      A.push_back(dyq[g].view()), B.push_back(s.xq.view()), C.push_back(l.dW);
+      A.push_back(l.dyq ? *l.dyq : dyq[g].view()), B.push_back(s.has_xq_ext ? s.xq_ext : s.xq.view());
+      C.push_back(l.dW);
       continue;
     }
     const Fp8Config& c = *fp8.cfg;

@@ -73,8 +73,9 @@ struct LinearSaved {
   QTensor xt;                   // blockwise without cache_activations: the input in T x 1 tiles for wgrad
   const QTensor* wq = nullptr;  // the weight as the forward GEMM used it: the cache or own_wq
   QTensor own_wq;               // the weight quantized for this call alone (no cache)
-  // Blockwise with cache_activations, an input the caller quantized (LinearGroup::xq): that 1 x T
-  // copy, NOT owned (the caller keeps it until backward), read where xq would be.
+  // An input the caller quantized (LinearGroup::xq) that the weight gradient reads (per-tensor
+  // recipes; blockwise with cache_activations: that 1 x T copy): NOT owned (the caller keeps it
+  // until backward), read where xq would be.
   QuantView xq_ext;
   bool has_xq_ext = false;
   int64_t M = 0, K = 0, N = 0;
@@ -98,9 +99,11 @@ struct LinearGroup {
   const LinearFp8* fp8 = nullptr;
   float* y = nullptr;
   LinearSaved* saved = nullptr;  // may be nullptr
-  // Blockwise FP8 only: x already quantized in the layer's 1 x T tiles (the experts' rows, quantized
-  // once before their dispatch); the forward GEMM reads it as it is, x is not read (may be
-  // nullptr), and the weight gradient's T x 1 copy is re-tiled from it.
+  // x already quantized (the experts' rows, quantized once before their dispatch): blockwise, in
+  // the layer's 1 x T tiles; per-tensor recipes, one E4M3 scale for the tensor. The forward GEMM
+  // reads it as it is, x is not read (may be nullptr); the weight gradient reads it too
+  // (per-tensor) or its T x 1 copy re-tiled from it (blockwise). The layer's own input scaling (a
+  // delayed-scaling x history) is not used.
   const QuantView* xq = nullptr;
 };
 void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector<LinearGroup>& groups);
@@ -118,8 +121,9 @@ struct LinearGradGroup {
   const LinearFp8* fp8 = nullptr;
   float* dx = nullptr;  // may be nullptr
   float* dW = nullptr;
-  // Blockwise FP8 only: dy already quantized in 1 x T tiles (dispatched so): dgrad reads it as it
-  // is, dy is not read (may be nullptr), wgrad's T x 1 copy is re-tiled from it.
+  // dy already quantized (dispatched so): blockwise in 1 x T tiles, per-tensor recipes one scale in
+  // the layer's gradient format. dgrad reads it as it is, dy is not read (may be nullptr); wgrad
+  // reads it too (per-tensor) or its T x 1 copy re-tiled from it (blockwise).
   const QuantView* dyq = nullptr;
 };
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);

@@ -45,7 +45,7 @@ RoutingBuffers MoeRouting::buffers() const {
 
 int64_t MoeRouting::bytes() const {
   return int64_t(prob.bytes() + expert.bytes() + gate.bytes() + kept.bytes() + load.bytes() + offsets.bytes() +
-                 row_token.bytes() + row_slot.bytes() + slot_row.bytes());
+                 row_token.bytes() + row_slot.bytes() + slot_row.bytes() + wire_scale.bytes());
 }
 
 Routing route(const float* z, const float* bias, int64_t N, int64_t E, const MoeConfig& cfg, std::vector<float>* prob) {
@@ -91,10 +91,10 @@ MoeWire moe_wire(const MoeFp8& fp8, ActivationDtype activations) {
   if (activations != ActivationDtype::bf16) return w;
   w.bf16 = true;
   if (fp8.experts.empty()) return w;
-  auto blockwise = [](const LinearFp8& l) { return l.enabled() && l.cfg->recipe == Fp8Recipe::blockwise; };
   const FfnFp8& e = fp8.experts.front();  // every expert's layers have one configuration
-  w.fp8_in = blockwise(e.w1) && blockwise(e.w3);
-  w.fp8_grad = blockwise(e.w2);
+  w.fp8_in = e.w1.enabled() && e.w3.enabled();
+  w.fp8_grad = e.w2.enabled();
+  w.tensor_scale = (w.fp8_in || w.fp8_grad) && e.w2.cfg->recipe != Fp8Recipe::blockwise;
   return w;
 }
 
@@ -107,10 +107,30 @@ QTensor quantize_rows(Backend& be, const float* rows, int64_t R, int64_t D, cons
   return quantize_1xT(be, rows, R, D, *layer.cfg, layer.reuse_last_scale ? nullptr : layer.counts);
 }
 
-// Rows [r0, r0 + rows) of a 1 x T FP8 tensor.
+// rows (R, D) FP32 -> the FP8 rows of an exchange (MoeWire): a blockwise layer's 1 x T copy, or for
+// a per-tensor one every row at one scale, *scale (1 value): from the amax over the expert group's
+// rows (ep; else this rank's), or as given (not empty: a recomputation's, the forward's scale).
+QTensor quantize_wire(Backend& be, const float* rows, int64_t R, int64_t D, const LinearFp8& layer, Fp8Dtype dt,
+                      ExpertDispatcher* ep, Tensor* scale) {
+  if (layer.cfg->recipe == Fp8Recipe::blockwise) return quantize_rows(be, rows, R, D, layer);
+  const Fp8Config& c = *layer.cfg;
+  if (scale->empty()) {
+    *scale = Tensor(be, DType::f32, {1});
+    Tensor amax(be, DType::f32, {1});
+    be.amax(rows, R * D, amax.f32());
+    if (ep) ep->reduce_amax(amax.f32());
+    be.scale_from_amax(amax.f32(), dt, {c.margin, c.power_of_two_scales}, scale->f32());
+  }
+  QTensor q(be, R, D, dt, Tiling::per_tensor, 1);
+  be.quantize_scaled(rows, scale->f32(), q.view(), layer.reuse_last_scale ? nullptr : layer.counts);
+  return q;
+}
+
+// Rows [r0, r0 + rows) of an FP8 tensor of 1 x T tiles or one scale.
 QuantView row_slice(const QTensor& q, int64_t r0, int64_t rows) {
   QuantView v = q.view();
-  if (v.data) v.data += r0 * v.cols, v.scale_inv += r0 * v.scale_cols();
+  if (v.data) v.data += r0 * v.cols;
+  if (v.data && v.tiling == Tiling::rows_1xT) v.scale_inv += r0 * v.scale_cols();
   v.rows = rows;
   return v;
 }
@@ -154,6 +174,7 @@ void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeCo
                   ExpertDispatcher* ep, HostBuffer<int64_t>* staging, MoeRouting* r) {
   const int64_t E = cfg.n_experts, k = cfg.top_k;
   r->N = N, r->E = E, r->k = k;
+  r->wire_scale.reset();  // this forward's, made at its dispatch
   Tensor z(be, DType::f32, {N, E});
   hp_forward(be, w.router_gemm, x, N, D, w.router, E, z.f32());  // FP32 or BF16 router
   r->prob = Tensor(be, DType::f32, {N, E});
@@ -213,7 +234,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   const float* xin = s.xr.f32();
   s.xq = QTensor{};
   if (wire.fp8_in) {  // quantized once, here; the experts' first GEMM reads these bytes
-    QTensor q = quantize_rows(be, s.xr.f32(), R, D, fp8.experts.front().w1);
+    QTensor q = quantize_wire(be, s.xr.f32(), R, D, fp8.experts.front().w1, Fp8Dtype::e4m3, ep, &s.routing.wire_scale);
     s.xr.reset();
     if (ep) ep->dispatch(r.plan, q, &s.xq);
     else s.xq = std::move(q);
@@ -290,7 +311,10 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   QTensor dyq;
   const float* dyin = dye.f32();
   if (wire.fp8_grad) {  // quantized once, here; the down-projection's dgrad reads these bytes
-    QTensor q = quantize_rows(be, dye.f32(), R, D, fp8.experts.front().w2);
+    const LinearFp8& w2 = fp8.experts.front().w2;
+    const Fp8Dtype dt = w2.cfg->format == Fp8Format::hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3;
+    Tensor scale;
+    QTensor q = quantize_wire(be, dye.f32(), R, D, w2, dt, ep, &scale);
     dye.reset();
     if (ep) ep->dispatch(r.plan, q, &dyq);
     else dyq = std::move(q);

@@ -49,6 +49,9 @@ struct MoeRouting {
   std::vector<int64_t> load_host;  // (E) tokens each expert received: the layer's synchronisation
   int64_t rows = 0;                // R = sum of load_host: the permuted rows
   DispatchPlan plan;               // expert parallelism: the exchange of this forward
+  // train.activations bf16 with a per-tensor recipe: the one scale of this forward's FP8 rows
+  // (their amax over the expert group), kept for a recomputation to quantize them the same way.
+  Tensor wire_scale;
   std::vector<int64_t> local_rows; // rows of each local expert (all experts without a dispatcher)
   bool empty() const { return prob.backend() == nullptr; }
   RoutingBuffers buffers() const;
@@ -86,13 +89,18 @@ RouterRule router_rule(const MoeConfig& cfg, int64_t N);
 // before dispatch, in the blockwise recipe's 1 x T tiles (its scale options: power-of-two scales by
 // default), rows and scales sent together, and read as they are by the experts' first GEMM; the
 // gradient of the experts' outputs likewise before the down-projection's backward; combine, both
-// ways, in BF16. Where the experts' layers are not blockwise FP8 (recipe off, per-tensor recipes),
-// their inputs and output gradients travel in BF16. The rounding happens with or without expert
-// parallelism, so that the layouts compute the same.
+// ways, in BF16. Where the experts' layers are per-tensor FP8 (delayed or current), the rows travel
+// in FP8 with ONE scale for the whole exchange: from the amax of every rank's rows (reduced over
+// the expert group, so that each expert's GEMM reads one scale and the layouts agree), current
+// scaling under either recipe (a delayed history lives with each expert's layer on its own rank,
+// which the senders do not hold); the scale itself is not sent. Where the experts' layers are not
+// FP8 (recipe off, fp8.layers.experts false), their inputs and output gradients travel in BF16.
+// The rounding happens with or without expert parallelism, so that the layouts compute the same.
 struct MoeWire {
-  bool fp8_in = false;    // the experts' inputs in FP8
-  bool fp8_grad = false;  // the gradients of their outputs in FP8
-  bool bf16 = false;      // BF16 where not FP8, and combine in BF16
+  bool fp8_in = false;        // the experts' inputs in FP8
+  bool fp8_grad = false;      // the gradients of their outputs in FP8
+  bool tensor_scale = false;  // FP8 with one scale per exchange (per-tensor recipes), not 1 x T tiles
+  bool bf16 = false;          // BF16 where not FP8, and combine in BF16
 };
 MoeWire moe_wire(const MoeFp8& fp8, ActivationDtype activations);
 

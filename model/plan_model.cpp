@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "model/placement.h"
+#include "parallel/communicator.h"
 #include "parallel/pipeline_schedule.h"
 
 namespace fp8moe {
@@ -203,7 +204,9 @@ PlanLayout plan_layout(const Config& c, int world) {
 //     N x q_lora, or N x D without a query latent), MoE layers' gate gradients (N x k doubles),
 //     the cross-entropy's 3 vectors of N; each all-reduce of B bytes sends 2 (T - 1) / T x B.
 // ep  per MoE layer and micro-batch: 4 x (routed rows whose expert is on another rank) x D floats
-//     (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8.
+//     (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8; train.activations
+//     bf16: the rows of expert_row_bytes, and with a per-tensor recipe the two exchanges' amax
+//     all-reduces (expert_wire_scale_bytes).
 // dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes: ZeRO-1
 //     reduce-scatter + all-gather, or an all-reduce: 2 (R - 1) / R x B; with optim.grad_reduce
 //     bf16 the reduce-scatter sends BF16 values and the all-gather FP32 (ZeRO-1's weights, or
@@ -217,10 +220,20 @@ PlanLayout plan_layout(const Config& c, int world) {
 ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations) {
   const double d = double(D);
   if (activations == ActivationDtype::fp32) return {4 * d, 4 * d, 4 * d, 4 * d};
-  // model/moe.cpp moe_wire: the routed experts' layers blockwise FP8 (all three, one configuration).
-  const bool fp8_rows = fp8 && fp8->recipe == Fp8Recipe::blockwise && fp8->layers.experts;
-  const double fp8_row = fp8_rows ? fp8_copy_bytes(1, D, PlanTiling::rows_1xT, fp8->tile) : 2 * d;
+  // model/moe.cpp moe_wire: the routed experts' layers FP8 (all three, one configuration):
+  // blockwise rows carry their 1 x T scales; per-tensor rows D bytes (the exchange's one scale is
+  // not sent: expert_wire_scale_bytes).
+  const bool fp8_rows = fp8 && fp8->recipe != Fp8Recipe::off && fp8->layers.experts;
+  const double fp8_row = !fp8_rows ? 2 * d
+                         : fp8->recipe == Fp8Recipe::blockwise ? fp8_copy_bytes(1, D, PlanTiling::rows_1xT, fp8->tile)
+                                                               : d;
   return {fp8_row, 2 * d, fp8_row, 2 * d};
+}
+
+double expert_wire_scale_bytes(int P, const Fp8Config* fp8, ActivationDtype activations) {
+  const bool tensor_scale = activations == ActivationDtype::bf16 && fp8 && fp8->layers.experts &&
+                            (fp8->recipe == Fp8Recipe::delayed || fp8->recipe == Fp8Recipe::current);
+  return tensor_scale ? 2 * double(ring_allreduce_bytes(P, 4)) : 0;
 }
 
 double pipeline_value_bytes(ActivationDtype activations) { return activations == ActivationDtype::bf16 ? 2 : 4; }
@@ -238,7 +251,9 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
          (((3 * Ls + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
   const double row = expert_row_bytes(m.d_model, s.fp8, s.activations).total();
-  b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 : 0;
+  b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 +
+                           Mb * Lm * expert_wire_scale_bytes(s.expert, s.fp8, s.activations)
+                     : 0;
   const double reduce = s.grad_reduce == ReduceDtype::bf16 ? 0.75 : 1.0;  // of the FP32 reduce-scatter + all-gather
   b[2] = reduce * ring(s.data) * s.dense_bytes;
   b[3] = reduce * ring(s.expert_data) * s.expert_bytes;

@@ -48,13 +48,17 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 // The bytes of one routed row of D values in each of the expert all-to-all's four exchanges
 // (model/moe.h MoeWire): the experts' input (dispatch), their output (combine), its gradient
 // (dispatch, backward) and the input's gradient (combine, backward). fp32: 4 D each; bf16: FP8 rows
-// of D bytes and ceil(D / tile) FP32 scales where the experts are blockwise FP8, else 2 D; combine
-// 2 D both ways.
+// of D bytes and ceil(D / tile) FP32 scales where the experts are blockwise FP8, D bytes where they
+// are per-tensor FP8, else 2 D; combine 2 D both ways.
 struct ExpertRowBytes {
   double dispatch = 0, combine = 0, grad_dispatch = 0, grad_combine = 0;
   double total() const { return dispatch + combine + grad_dispatch + grad_combine; }
 };
 ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations);
+// Per MoE layer and micro-batch, what one rank of an expert group of P sends for the FP8 rows' one
+// scale under a per-tensor recipe (train.activations bf16): two 4-byte amax all-reduces (dispatch,
+// and the gradients' dispatch); else 0.
+double expert_wire_scale_bytes(int P, const Fp8Config* fp8, ActivationDtype activations);
 // The bytes of one value of the pipeline's messages (activations and their gradients): 4 or 2.
 double pipeline_value_bytes(ActivationDtype activations);
 inline constexpr const char* kCommGroupNames[5] = {"tp", "ep", "dp", "edp", "pp"};

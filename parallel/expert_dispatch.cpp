@@ -112,10 +112,15 @@ void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int6
 }
 
 void ExpertDispatcher::dispatch(const DispatchPlan& p, const QTensor& rows, QTensor* out) {
-  FP8MOE_ASSERT(rows.tiling == Tiling::rows_1xT, "FP8 expert dispatch takes rows in 1 x T tiles");
+  FP8MOE_ASSERT(rows.tiling == Tiling::rows_1xT || rows.tiling == Tiling::per_tensor,
+                "FP8 expert dispatch takes rows in 1 x T tiles or with one scale");
   const int64_t D = rows.cols, S = tiling_scale_cols(rows.tiling, rows.tile, D);
   *out = QTensor(be_, p.received, D, rows.dtype, rows.tiling, rows.tile);
   dispatch_bytes(p, rows.data.raw(), D, out->data.raw());
+  if (rows.tiling == Tiling::per_tensor) {  // the group's one scale, which every rank holds
+    be_.copy(out->scale_inv.raw(), rows.scale_inv.raw(), sizeof(float));
+    return;
+  }
   dispatch_bytes(p, rows.scale_inv.raw(), S * int64_t(sizeof(float)), out->scale_inv.raw());
 }
 

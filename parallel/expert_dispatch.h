@@ -56,11 +56,16 @@ class ExpertDispatcher {
 
   // The same exchanges of other row formats (train.activations bf16), the bytes moved unchanged:
   // BF16 rows (D values of 2 bytes), and FP8 rows with their scales (DeepEP's FP8 dispatch): a
-  // QTensor of 1 x T tiles, each row's D bytes and its ceil(D / T) FP32 scales going together.
+  // QTensor of 1 x T tiles, each row's D bytes and its ceil(D / T) FP32 scales going together;
   // D (and so every row) is a whole number of 32-bit words: D a multiple of 4 (BF16: even).
   void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out);
   void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out);
   void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out);
+  // Per-tensor FP8 rows (the per-tensor recipes): the D bytes of each row only. The scale is not
+  // sent: the caller made it the same on every rank of the group (its amax reduced by
+  // reduce_amax), and out takes this rank's.
+  // Collective: *amax (backend memory, one value) = the maximum over the group.
+  void reduce_amax(float* amax) { rows_.allreduce_max(amax, 1); }
 
  private:
   // The exchanges over rows of row_bytes bytes each (a multiple of 4): dispatch into `out`

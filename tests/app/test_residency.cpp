@@ -167,6 +167,13 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{"bf16_ep2", 2, {"parallel.expert=2", "fp8.recipe=blockwise", "train.activations=bf16",
                                          "optim.grad_reduce=bf16"}, 2},
                     Case{"bf16_off_recompute", 1, {"fp8.recipe=off", "train.recompute=full", "train.activations=bf16"}, 2},
+                    // The per-tensor recipes' FP8 rows (one scale per exchange, its amax reduced
+                    // over the expert group on the device), E5M2 gradients under hybrid; a
+                    // recomputation reusing the forward's scale.
+                    Case{"bf16_current_hybrid_ep2", 2, {"parallel.expert=2", "fp8.recipe=current", "fp8.format=hybrid",
+                                                        "train.activations=bf16"}, 2},
+                    Case{"bf16_delayed_recompute_ep2", 2, {"parallel.expert=2", "fp8.recipe=delayed",
+                                                           "train.recompute=full", "train.activations=bf16"}, 2},
                     Case{"bf16_mla_mtp_pp2", 2, {kMla[0], kMla[1], kMla[2], kMla[3], kMla[4], kMla[5], "model.mtp_depth=1",
                                                  "fp8.recipe=blockwise", "parallel.pipeline=2", "train.activations=bf16"},
                          2, false, true, 1},

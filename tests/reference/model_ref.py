@@ -254,6 +254,35 @@ ROUND_BOTH, ROUND_VALUE, ROUND_GRAD = make_rounding(True, True), make_rounding(T
 IDENTITY = lambda x: x
 
 
+def make_tensor_wire(grad_dtype):
+    """The per-tensor recipes' FP8 rows of the expert all-to-all (fp8moe's model/moe.h MoeWire):
+    value(x, rows) quantizes the rows of x at one scale from their amax (the experts' input: every
+    routed row of the layer), the gradient passing through; grad(y) passes y and quantizes its
+    gradient at one scale from its amax (the gradients of all the experts' outputs together, in
+    grad_dtype). The experts' per-tensor layers quantize these values again with their own
+    scales, which is exact: with power-of-two scales a smaller amax gives a scale 2^j >= the
+    wire's, and values on the wire's FP8 grid stay on it."""
+    f64 = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float64)
+
+    def value(x, rows):
+        if len(rows) == 0:
+            return x
+        quantized = lambda a: jax.pure_callback(lambda v: _qdq(v, np.max(np.abs(v[rows]))), f64(a), a)
+
+        @jax.custom_vjp
+        def q(x):
+            return quantized(x)
+        q.defvjp(lambda x: (quantized(x), None), lambda _, g: (g,))
+        return q(x)
+
+    @jax.custom_vjp
+    def grad(y):
+        return y
+    grad.defvjp(lambda y: (y, None),
+                lambda _, g: (jax.pure_callback(lambda a: tensor_quant_dequant(a, grad_dtype), f64(g), g),))
+    return value, grad
+
+
 @jax.custom_vjp
 def bf16_linear(x, w):
     """x w^T with BF16 operands and FP64 (fp8moe: FP32) accumulation: fp8moe's train.hp_gemm bf16
@@ -385,13 +414,14 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
     # do, re-tiling for the weight gradients what was sent).
     bf16 = lin_for.bf16
     fp8_rows = bf16 and lin_for.fp8_experts
+    tensor_wire = bf16 and lin_for.tensor_wire  # per-tensor FP8 rows: one scale per exchange
     stream = ROUND_BOTH if bf16 else IDENTITY
     # Inside a block every norm output, query, key, value, attention output, pre-activation and the
     # attention residual: the values (the gradients stay unrounded, as fp8moe's stay FP32).
     rv = ROUND_VALUE if bf16 else IDENTITY
     att = attention_bf16 if bf16 else attention  # its backward reads the kept, rounded output
-    expert_in = (ROUND_GRAD if fp8_rows else ROUND_BOTH) if bf16 else IDENTITY
-    expert_out = (ROUND_VALUE if fp8_rows else ROUND_BOTH) if bf16 else IDENTITY
+    expert_in = (ROUND_GRAD if fp8_rows or tensor_wire else ROUND_BOTH) if bf16 else IDENTITY
+    expert_out = (ROUND_VALUE if fp8_rows or tensor_wire else ROUND_BOTH) if bf16 else IDENTITY
     state = {"moe_i": 0, "aux": 0.0}
     keys, choices = [], []
 
@@ -429,16 +459,27 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
                 f = f + swiglu_ffn(h, w1, p[pre + "moe.shared.w3"], p[pre + "moe.shared.w2"],
                                    lin_for("shared_experts"), lin_for.fuses_w13("shared_experts", w1.shape[0]), rv=rv,
                                    tail=lin_for.swiglu("shared_experts"))
+            # Per-tensor FP8 rows: the experts' input at the scale of every routed row's amax; the
+            # gradients of all their outputs at one scale (applied to them together below).
+            xw = lin_for.wire[0](h, np.nonzero(kept.any(axis=1))[0]) if tensor_wire else h
+            placed, outs = [], []
             for e in range(E):
                 rows, slots = np.nonzero((chosen == e) & kept)
                 if len(rows) == 0:
                     continue
                 q_ = f"{pre}moe.experts.{e}."
                 lin_in, lin_out = lin_for.expert_linears()
-                ye = expert_out(swiglu_ffn(expert_in(h[rows]), p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_in,
-                                           lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out, rv,
-                                           lin_for.swiglu("experts")))
-                f = f.at[rows].add(gates[rows, slots][:, None] * ye)
+                outs.append(swiglu_ffn(expert_in(xw[rows]), p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_in,
+                                       lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out, rv,
+                                       lin_for.swiglu("experts")))
+                placed.append((rows, slots))
+            if outs:
+                ys = jnp.concatenate(outs)
+                ys = expert_out(lin_for.wire[1](ys) if tensor_wire else ys)
+                at = 0
+                for rows, slots in placed:
+                    f = f.at[rows].add(gates[rows, slots][:, None] * ys[at:at + len(rows)])
+                    at += len(rows)
             if m["aux_loss_coef"] > 0:
                 counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
                 fe = counts / (N * k)
@@ -500,6 +541,8 @@ def linear_for(cfg):
     lin_for.hp = bf16_linear if cfg.get("hp_gemm", "fp32") == "bf16" else (lambda x, w: x @ w.T)
     lin_for.bf16 = cfg.get("activations", "fp32") == "bf16"
     lin_for.fp8_experts = "experts" in cfg["fp8_layers"] and cfg["recipe"] == "blockwise"
+    lin_for.tensor_wire = "experts" in cfg["fp8_layers"] and cfg["recipe"] == "current"
+    lin_for.wire = make_tensor_wire(ml_dtypes.float8_e5m2 if cfg.get("format") == "hybrid" else ml_dtypes.float8_e4m3fn)
 
     def expert_linears():
         """The routed experts' input layer (w1, w3) and output layer (w2): with FP8 rows on the
