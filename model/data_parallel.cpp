@@ -7,8 +7,8 @@
 namespace fp8moe {
 
 DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group,
-                           bool zero, ReduceDtype reduce)
-    : segment_(segment), group_(group), zero_(zero && group.size() > 1), reduce_(reduce) {
+                           bool zero, ReduceDtype reduce, int64_t round_values)
+    : segment_(segment), group_(group), zero_(zero && group.size() > 1), reduce_(reduce), round_values_(round_values) {
   const int R = group.size();
   const ParamTable& t = store.table();
   // ZeRO chunks: replica r's begins at the row boundary at or before begin + size r / R (the row
@@ -68,37 +68,48 @@ void DataParallel::reduce_gradients(ParamStore& store) {
 void DataParallel::reduce_bf16(Backend& be, float* g) {
   const int R = group_.size(), me = group_.rank();
   const std::vector<int64_t>& blocks = zero_ ? counts_ : split_;
-  // Block r as BF16 pairs packed in 32-bit words (the communicators move floats), an odd block
-  // padded with a zero value: words[r] = ceil(blocks[r] / 2).
-  std::vector<int64_t> words(size_t(R), 0), recv_words(size_t(R), (blocks[size_t(me)] + 1) / 2);
-  int64_t total = 0;
-  for (int r = 0; r < R; ++r) words[size_t(r)] = (blocks[size_t(r)] + 1) / 2, total += words[size_t(r)];
-  Tensor send = Tensor::zeros(be, DType::f32, {total}), recv(be, DType::f32, {R * recv_words[0]});
-  int64_t at = 0, word = 0;
-  for (int r = 0; r < R; ++r) {
-    be.to_bf16(g + at, reinterpret_cast<uint16_t*>(send.f32() + word), blocks[size_t(r)]);
-    at += blocks[size_t(r)], word += words[size_t(r)];
-  }
-  group_.alltoallv(send.f32(), words.data(), recv.f32(), recv_words.data());
-  // The sum of this replica's block, in rank order, in FP32.
-  const int64_t n = blocks[size_t(me)];
-  Tensor sum(be, DType::f32, {n}), part(be, DType::f32, {n});
-  for (int r = 0; r < R && n > 0; ++r) {
-    const auto* bits = reinterpret_cast<const uint16_t*>(recv.f32() + r * recv_words[0]);
-    if (r == 0) {
-      be.from_bf16(bits, sum.f32(), n);
-    } else {
-      be.from_bf16(bits, part.f32(), n);
-      be.add(sum.f32(), part.f32(), sum.f32(), n);
+  std::vector<int64_t> start(size_t(R) + 1, 0);
+  int64_t longest = 0;
+  for (int r = 0; r < R; ++r)
+    start[size_t(r + 1)] = start[size_t(r)] + blocks[size_t(r)], longest = std::max(longest, blocks[size_t(r)]);
+  // Rounds of at most c values of every block: round k sends values [k c, (k + 1) c) of block r to
+  // replica r, so that the buffers stay small (about 4 round_values_ bytes each way) and every
+  // round involves every replica. A slice's BF16 values are packed in pairs into 32-bit words (the
+  // communicators move floats), an odd slice padded with a zero value.
+  const int64_t c = std::max<int64_t>(1, round_values_ / R);
+  auto slice = [&](int r, int64_t k) { return std::clamp<int64_t>(blocks[size_t(r)] - k * c, 0, c); };
+  const int64_t mine = start[size_t(me)];
+  for (int64_t k = 0; k * c < longest; ++k) {
+    std::vector<int64_t> words(size_t(R), 0), recv_words(size_t(R), (slice(me, k) + 1) / 2);
+    int64_t total = 0;
+    for (int r = 0; r < R; ++r) words[size_t(r)] = (slice(r, k) + 1) / 2, total += words[size_t(r)];
+    Tensor send(be, DType::f32, {total}), recv(be, DType::f32, {R * recv_words[0]});
+    int64_t word = 0;
+    for (int r = 0; r < R; word += words[size_t(r)], ++r) {
+      auto* bits = reinterpret_cast<uint16_t*>(send.f32() + word);
+      const int64_t n = slice(r, k);
+      be.to_bf16(g + start[size_t(r)] + k * c, bits, n);
+      if (n % 2) be.zero(bits + n, sizeof(uint16_t));
+    }
+    group_.alltoallv(send.f32(), words.data(), recv.f32(), recv_words.data());
+    // This replica's slice: the sum over the replicas, in rank order, in FP32, written over its own
+    // values (already sent: later rounds read only later slices).
+    const int64_t n = slice(me, k);
+    if (n == 0) continue;
+    float* out = g + mine + k * c;
+    Tensor part(be, DType::f32, {n});
+    for (int r = 0; r < R; ++r) {
+      const auto* bits = reinterpret_cast<const uint16_t*>(recv.f32() + r * recv_words[0]);
+      if (r == 0) {
+        be.from_bf16(bits, out, n);
+      } else {
+        be.from_bf16(bits, part.f32(), n);
+        be.add(out, part.f32(), out, n);
+      }
     }
   }
-  int64_t mine = 0;
-  for (int r = 0; r < me; ++r) mine += blocks[size_t(r)];
-  if (zero_) {
-    if (n > 0) be.copy(g + mine, sum.f32(), sum.bytes());
-    return;
-  }
-  group_.allgatherv(sum.f32(), g, split_.data());
+  // Without ZeRO every replica takes every block's sums (this replica's block of g is its own part).
+  if (!zero_) group_.allgatherv(g + mine, g, split_.data());
 }
 
 void DataParallel::gather_weights(ParamStore& store) {

@@ -8,10 +8,12 @@
 //           instead of 8 x parameters), then an all-gather gives every replica the updated weights.
 // optim.grad_reduce bf16: the reduction is a reduce-scatter of BF16 values summed in FP32. Each
 // replica rounds its gradients to BF16 once and sends block r (ZeRO's chunk r; without ZeRO an even
-// split) to replica r in one all-to-all; replica r widens the R blocks it receives and adds them in
-// FP32 in rank order (the same order whatever ZeRO or the transport does, so the two ZeRO settings
-// give the same bits). The reduce-scatter sends half the FP32 bytes. Without ZeRO an FP32 all-gather
-// of the sums follows (every replica then holds the same FP32 sums): 0.75 of the all-reduce's bytes.
+// split) to replica r by all-to-alls (in rounds of 2^24 values over all the replicas: the buffers
+// take about 32 MB each way, not a copy of the bucket); replica r widens the R blocks it receives
+// and adds them in FP32 in rank order (the same order whatever ZeRO, the rounds or the transport
+// do, so the two ZeRO settings give the same bits). The reduce-scatter sends half the FP32 bytes.
+// Without ZeRO an FP32 all-gather of the sums follows (every replica then holds the same FP32
+// sums): 0.75 of the all-reduce's bytes.
 #pragma once
 
 #include <unordered_map>
@@ -31,8 +33,10 @@ class DataParallel {
  public:
   // The parameters `members` (layout order) fill `segment` of `store`; `group` works on the
   // store's backend memory.
+  // round_values: the BF16 reduction's values per round over all the replicas (its buffers' size).
+  static constexpr int64_t kRoundValues = int64_t(1) << 24;
   DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group, bool zero,
-               ReduceDtype reduce);
+               ReduceDtype reduce, int64_t round_values = kRoundValues);
   bool zero() const { return zero_; }
   Communicator& group() const { return group_; }
   bool includes(size_t i) const { return rows_.count(i) > 0; }
@@ -53,6 +57,7 @@ class DataParallel {
   Communicator& group_;
   bool zero_;
   ReduceDtype reduce_;
+  int64_t round_values_;
   std::vector<int64_t> counts_;                  // elements of each replica's chunk (ZeRO)
   std::vector<int64_t> split_;                   // without ZeRO: the BF16 reduction's even blocks
   std::unordered_map<size_t, RowRange> rows_;    // this replica's owned rows per member

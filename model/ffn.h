@@ -9,7 +9,9 @@
 // each 1 x T gradient tile lies inside W1 or inside W3, so the quantization is the two layers'.
 // Per-tensor recipes: one scale for W13 and one for its output gradient (as Transformer Engine's
 // fused gate/up projection); delayed scaling keeps that layer's state under W1's name (W3's stays
-// empty).
+// empty). Routed experts under train.activations bf16 read their input and W2's output gradient
+// at the expert exchange's one scale instead (model/moe.h MoeWire): those x and dy histories stay
+// empty, the weight's is kept.
 #pragma once
 
 #include "model/linear.h"

@@ -94,7 +94,6 @@ MoeWire moe_wire(const MoeFp8& fp8, ActivationDtype activations) {
   const FfnFp8& e = fp8.experts.front();  // every expert's layers have one configuration
   w.fp8_in = e.w1.enabled() && e.w3.enabled();
   w.fp8_grad = e.w2.enabled();
-  w.tensor_scale = (w.fp8_in || w.fp8_grad) && e.w2.cfg->recipe != Fp8Recipe::blockwise;
   return w;
 }
 

@@ -97,10 +97,9 @@ RouterRule router_rule(const MoeConfig& cfg, int64_t N);
 // FP8 (recipe off, fp8.layers.experts false), their inputs and output gradients travel in BF16.
 // The rounding happens with or without expert parallelism, so that the layouts compute the same.
 struct MoeWire {
-  bool fp8_in = false;        // the experts' inputs in FP8
-  bool fp8_grad = false;      // the gradients of their outputs in FP8
-  bool tensor_scale = false;  // FP8 with one scale per exchange (per-tensor recipes), not 1 x T tiles
-  bool bf16 = false;          // BF16 where not FP8, and combine in BF16
+  bool fp8_in = false;    // the experts' inputs in FP8 (quantize_wire: 1 x T tiles, or one scale)
+  bool fp8_grad = false;  // the gradients of their outputs in FP8
+  bool bf16 = false;      // BF16 where not FP8, and combine in BF16
 };
 MoeWire moe_wire(const MoeFp8& fp8, ActivationDtype activations);
 

@@ -67,9 +67,12 @@ double ffn_saved(const Config& c, bool on, double M, int64_t D, int64_t F) {
 }
 
 // model/moe.cpp MoeRouting::bytes: prob (N, E) f32; expert, gate, row_slot, slot_row (N k) 4 bytes
-// each, kept (N k) u8, row_token (N k) i64; load (E) and offsets (E + 1) i64.
-double routing_bytes(double N, double E, double k) {
-  return N * E * kF32 + N * k * (4 * 4 + 1 + kI64) + E * kI64 + (E + 1) * kI64;
+// each, kept (N k) u8, row_token (N k) i64; load (E) and offsets (E + 1) i64; with per-tensor FP8
+// rows on the wire (train.activations bf16), their one scale (f32).
+double routing_bytes(const Config& c, double N, double E, double k) {
+  const bool wire_scale = c.train.activations == ActivationDtype::bf16 && fp8_on(c, LinearClass::experts) &&
+                          c.fp8.recipe != Fp8Recipe::blockwise;
+  return N * E * kF32 + N * k * (4 * 4 + 1 + kI64) + E * kI64 + (E + 1) * kI64 + (wire_scale ? kF32 : 0);
 }
 
 bool is_recomputed(const Config& c, int layer) {
@@ -134,7 +137,7 @@ double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig&
     b += N * D * kF32;  // h2: the FP32 router's weight gradient (and the shared experts') reads it
   else if (!selective(c))
     b += N * D * kA;  // (selective: made again from x_mid)
-  b += routing_bytes(N, m.moe.n_experts, m.moe.top_k);
+  b += routing_bytes(c, N, m.moe.n_experts, m.moe.top_k);
   if (m.moe.n_shared_experts > 0)
     b += ffn_saved(c, fp8_on(c, LinearClass::shared_experts), N, int64_t(D), int64_t(m.moe.n_shared_experts) * m.moe.d_expert);
   const bool on = fp8_on(c, LinearClass::experts);
@@ -280,7 +283,7 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer) {
   const ModelConfig& m = place.local();
   if (!is_recomputed(c, layer)) return kept_block_bytes(c, L, m, layer);
   const double N = double(L.tokens());
-  return N * m.d_model * kept_value_bytes(c) + (is_moe_layer(m, layer) ? routing_bytes(N, m.moe.n_experts, m.moe.top_k) : 0);
+  return N * m.d_model * kept_value_bytes(c) + (is_moe_layer(m, layer) ? routing_bytes(c, N, m.moe.n_experts, m.moe.top_k) : 0);
 }
 
 double bubble_fraction(int stages, int micro_batches) {

@@ -175,20 +175,21 @@ TEST_P(ExpertDispatchOn, SelfDescribingRowsRoundTrip) {
 
       // Per-tensor FP8 rows (the per-tensor recipes): the same bytes, no scales on the wire; the
       // group's one scale is its amax reduced over the ranks (rank r's amax r + 0.5: max P - 0.5),
-      // and the received tensor carries this rank's copy.
+      // and the received tensor carries this rank's copy (which the caller made the group's).
       Tensor amax = tensor_from(*be, std::vector<float>{float(me) + 0.5f}, {1});
       disp.reduce_amax(amax.f32());
       EXPECT_EQ(to_host<float>(amax), std::vector<float>{float(P) - 0.5f});
       QTensor t(*be, R, kQ, Fp8Dtype::e5m2, Tiling::per_tensor, 1);
       if (R > 0) to_device(*be, qb, t.data.data<uint8_t>());
-      to_device(*be, std::vector<float>{0.25f}, t.scale_inv.data<float>());
+      // (Each rank's own value here, to tell the receiver's copy from a sender's.)
+      to_device(*be, std::vector<float>{0.25f * float(me + 1)}, t.scale_inv.data<float>());
       QTensor got_t;
       disp.dispatch(plan, t, &got_t);
       ASSERT_EQ(got_t.rows, plan.received);
       ASSERT_EQ(got_t.tiling, Tiling::per_tensor);
       ASSERT_EQ(got_t.dtype, Fp8Dtype::e5m2);
       EXPECT_EQ(to_host<uint8_t>(got_t.data), want_qb) << "per-tensor FP8 rows, E " << E << " T " << T;
-      EXPECT_EQ(to_host<float>(got_t.scale_inv), std::vector<float>{0.25f});
+      EXPECT_EQ(to_host<float>(got_t.scale_inv), std::vector<float>{0.25f * float(me + 1)});
     }
   }
 }
