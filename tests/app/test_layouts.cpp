@@ -82,6 +82,18 @@ class Layouts : public testing::Test {
     EXPECT_EQ(r.status, 0) << r.all();
     return losses(r.out);
   }
+  // A run of `steps` steps with `sets`: the bytes each group sent in its last step, measured and
+  // analytical (comm_bytes). name: its checkpoint directory.
+  static std::map<std::string, std::pair<double, double>> last_step_bytes(int ranks, std::vector<std::string> sets,
+                                                                          const std::string& name, int steps = 2);
+  // Layout l's 20 steps with `sets` added, against the 1-rank run ref: {step 1, every step}.
+  static std::pair<double, double> against_one_rank(const std::map<int, double>& ref, const Layout& l,
+                                                    const std::vector<std::string>& sets) {
+    auto all = l.sets;
+    all.insert(all.end(), sets.begin(), sets.end());
+    const auto got = train(l.ranks, all);
+    return {worst({{1, ref.at(1)}}, got), worst(ref, got)};
+  }
   static double worst(const std::map<int, double>& ref, const std::map<int, double>& got, int from = 1) {
     double w = 0;
     for (const auto& [step, loss] : ref)
@@ -123,6 +135,17 @@ std::map<std::string, std::pair<double, double>> comm_bytes(const std::string& o
     if (std::regex_match(line, m, re)) bytes[m[1]] = {std::stod(m[2]), std::stod(m[3])};
   }
   return bytes;
+}
+
+std::map<std::string, std::pair<double, double>> Layouts::last_step_bytes(int ranks, std::vector<std::string> sets,
+                                                                           const std::string& name, int steps) {
+  std::vector<std::string> argv = {mpiexec(), "-n", std::to_string(ranks), exe(), "train", *cfg_};
+  sets.insert(sets.end(), {"train.steps=" + std::to_string(steps), "train.warmup_steps=" + std::to_string(steps - 1),
+                           "checkpoint.dir=" + dir_->path + "/" + name});
+  for (const std::string& s : sets) argv.push_back("--set"), argv.push_back(s);
+  const RunResult out = run(argv, 600);
+  EXPECT_EQ(out.status, 0) << out.all();
+  return comm_bytes(out.out);
 }
 
 const std::vector<Layout> kLayouts = {
@@ -392,10 +415,7 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
   for (const Layout& l : {Layout{"pp2", 2, {"parallel.pipeline=2"}}, Layout{"ep2 (dp2)", 2, {"parallel.expert=2"}},
                           Layout{"tp2 x pp2 x ep2 (dp2)", 8,
                                  {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}}}) {
-    auto sets = l.sets;
-    sets.push_back(r), sets.push_back(a);
-    const auto got = train(l.ranks, sets);
-    const double w1 = worst({{1, ref.at(1)}}, got), w = worst(ref, got);
+    const auto [w1, w] = against_one_rank(ref, l, {r, a});
     std::printf("BF16 activations %-22s %d ranks: step 1 loss %.2e, 20 steps %.2e (relative to 1 rank)\n", l.name,
                 l.ranks, w1, w);
     // Tensor parallelism splits each expert's width: its ranks round their partial outputs (and
@@ -405,16 +425,7 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
     EXPECT_LE(w, tp ? 1e-2 : 2e-3) << l.name;
   }
 
-  auto step_bytes = [&](int ranks, std::vector<std::string> sets, const std::string& name, int steps = 2) {
-    std::vector<std::string> argv = {mpiexec(), "-n", std::to_string(ranks), exe(), "train", *cfg_};
-    sets.insert(sets.end(), {"train.steps=" + std::to_string(steps), "train.warmup_steps=" + std::to_string(steps - 1),
-                             r, "checkpoint.dir=" + dir_->path + "/" + name});
-    for (const std::string& s : sets) argv.push_back("--set"), argv.push_back(s);
-    const RunResult out = run(argv, 600);
-    EXPECT_EQ(out.status, 0) << out.all();
-    return comm_bytes(out.out);
-  };
-  auto bytes = step_bytes(8, {a, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}, "bf16-comm");
+  auto bytes = last_step_bytes(8, {r, a, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}, "bf16-comm");
   ASSERT_EQ(bytes.size(), 4u);
   for (const auto& [group, b] : bytes) {
     std::printf("BF16 activations: %-3s measured %9.0f analytical %9.0f ratio %.4f\n", group.c_str(), b.first,
@@ -426,8 +437,8 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
   // 4 pipelines, a message each way per micro-batch, and the stages' sums once a step (as above)
   EXPECT_EQ(bytes["pp"].second, 4 * M * 2 * N * D * 2 + 8 * (2 + 3 * 8) * 8.0);
   // One step: both runs route the same weights (the rounding may move a near-tie, not more).
-  const auto ep16 = step_bytes(2, {a, "parallel.expert=2"}, "bf16-ep", 1),
-             ep32 = step_bytes(2, {"parallel.expert=2"}, "fp32-ep", 1);
+  const auto ep16 = last_step_bytes(2, {r, a, "parallel.expert=2"}, "bf16-ep", 1),
+             ep32 = last_step_bytes(2, {r, "parallel.expert=2"}, "fp32-ep", 1);
   ASSERT_TRUE(ep16.count("ep") && ep32.count("ep"));
   const double ratio = ep16.at("ep").first / ep32.at("ep").first;
   std::printf("expert all-to-all, ep2 (dp2): BF16 activations %.0f bytes, FP32 %.0f: %.3f\n", ep16.at("ep").first,
@@ -454,33 +465,22 @@ TEST_F(Layouts, PerTensorFp8DispatchAgreesAndSendsLess) {
     for (const Layout& l : {Layout{"ep2 (dp2)", 2, {"parallel.expert=2"}},
                             Layout{"tp2 x pp2 x ep2 (dp2)", 8,
                                    {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}}}) {
-      auto sets = l.sets;
-      sets.push_back(r), sets.push_back(a);
-      const auto got = train(l.ranks, sets);
-      const double w1 = worst({{1, ref.at(1)}}, got), w = worst(ref, got);
+      const auto [w1, w] = against_one_rank(ref, l, {r, a});
       std::printf("per-tensor FP8 dispatch, recipe %-8s %-22s %d ranks: step 1 loss %.2e, 20 steps %.2e (relative to "
                   "1 rank)\n", recipe, l.name, l.ranks, w1, w);
       const bool tp = std::string(l.name).find("tp2") != std::string::npos;
       EXPECT_LE(w1, tp ? 1e-5 : 1e-8) << recipe << " " << l.name;
       EXPECT_LE(w, 2e-2) << recipe << " " << l.name;
     }
-    auto step_bytes = [&](int ranks, std::vector<std::string> sets, const std::string& name) {
-      std::vector<std::string> argv = {mpiexec(), "-n", std::to_string(ranks), exe(), "train", *cfg_};
-      sets.insert(sets.end(), {"train.steps=2", "train.warmup_steps=1", r, "checkpoint.dir=" + dir_->path + "/" + name});
-      for (const std::string& s : sets) argv.push_back("--set"), argv.push_back(s);
-      const RunResult out = run(argv, 600);
-      EXPECT_EQ(out.status, 0) << out.all();
-      return comm_bytes(out.out);
-    };
-    const auto bytes = step_bytes(8, {a, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"},
-                                  std::string("pt-comm-") + recipe);
+    const auto bytes = last_step_bytes(8, {r, a, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"},
+                                       std::string("pt-comm-") + recipe);
     ASSERT_EQ(bytes.size(), 4u);
     for (const auto& [group, b] : bytes) {
       EXPECT_GE(b.first, b.second) << recipe << " " << group;
       EXPECT_LE(b.first, 1.01 * b.second) << recipe << " " << group;
     }
-    const auto ep16 = step_bytes(2, {a, "parallel.expert=2"}, std::string("pt-ep16-") + recipe),
-               ep32 = step_bytes(2, {"parallel.expert=2"}, std::string("pt-ep32-") + recipe);
+    const auto ep16 = last_step_bytes(2, {r, a, "parallel.expert=2"}, std::string("pt-ep16-") + recipe),
+               ep32 = last_step_bytes(2, {r, "parallel.expert=2"}, std::string("pt-ep32-") + recipe);
     ASSERT_TRUE(ep16.count("ep") && ep32.count("ep"));
     const double ratio = ep16.at("ep").first / ep32.at("ep").first;
     std::printf("per-tensor FP8 dispatch, recipe %s: tp2 x pp2 x ep2 ep measured / analytical %.4f; ep2 expert "
