@@ -5,7 +5,6 @@
 namespace fp8moe {
 namespace {
 
-Fp8Dtype grad_dtype(const Fp8Config& c) { return c.format == Fp8Format::hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3; }
 ScaleOptions scale_options(const Fp8Config& c) { return {c.margin, c.power_of_two_scales}; }
 DelayedScalingCompute compute_of(const Fp8Config& c) {
   return c.amax_compute == AmaxCompute::max ? DelayedScalingCompute::max : DelayedScalingCompute::most_recent;
@@ -23,7 +22,6 @@ void quantize_per_tensor(Backend& be, const float* x, int64_t rows, int64_t cols
                          DelayedState* st, uint64_t* counts, QTensor* out) {
   const Fp8Config& c = *f.cfg;
   *out = QTensor(be, rows, cols, dt, Tiling::per_tensor, 1);
-  const int64_t n = rows * cols;
   if (c.recipe == Fp8Recipe::delayed) {
     FP8MOE_ASSERT(st, "delayed scaling needs the layer's LinearScaling state");
     if (st->empty()) init_delayed(be, st, c.amax_history_len);
@@ -41,11 +39,8 @@ void quantize_per_tensor(Backend& be, const float* x, int64_t rows, int64_t cols
     ++st->steps;
     return;
   }
-  Tensor a(be, DType::f32, {1}), s(be, DType::f32, {1});
-  be.amax(x, n, a.f32());
-  if (f.reduce) f.reduce(a.f32(), 1);
-  be.scale_from_amax(a.f32(), dt, scale_options(c), s.f32());
-  be.quantize_scaled(x, s.f32(), out->view(), counts);
+  Tensor s;
+  quantize_current(be, x, c, f.reduce, counts, &s, out);
 }
 
 void quantize_tiled(Backend& be, const float* x, int64_t rows, int64_t cols, Tiling tiling, const Fp8Config& c,
@@ -278,6 +273,20 @@ void hp_backward(Backend& be, GemmDtype t, const float* dy, int64_t M, int64_t N
   if (!dx) return;
   const Tensor w16 = bf16_copy(be, W, N * K);
   be.gemm_bf16(false, false, M, K, N, 1.0f, dy16.data<uint16_t>(), N, w16.data<uint16_t>(), K, beta_dx, dx, K);
+}
+
+Fp8Dtype grad_dtype(const Fp8Config& c) { return c.format == Fp8Format::hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3; }
+
+void quantize_current(Backend& be, const float* x, const Fp8Config& c, const AmaxReduce& reduce, uint64_t* counts,
+                      Tensor* scale, QTensor* out) {
+  if (scale->empty()) {
+    *scale = Tensor(be, DType::f32, {1});
+    Tensor a(be, DType::f32, {1});
+    be.amax(x, out->rows * out->cols, a.f32());
+    if (reduce) reduce(a.f32(), 1);
+    be.scale_from_amax(a.f32(), out->dtype, scale_options(c), scale->f32());
+  }
+  be.quantize_scaled(x, scale->f32(), out->view(), counts);
 }
 
 QTensor quantize_1xT(Backend& be, const float* x, int64_t rows, int64_t cols, const Fp8Config& c, uint64_t* counts) {

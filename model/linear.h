@@ -141,6 +141,14 @@ void hp_backward(Backend& be, GemmDtype t, const float* dy, int64_t M, int64_t N
 // layer's forward GEMM reads as it is (LinearGroup::xq); quantizations counted in `counts` (may be
 // nullptr).
 QTensor quantize_1xT(Backend& be, const float* x, int64_t rows, int64_t cols, const Fp8Config& c, uint64_t* counts);
+// The FP8 format of a recipe's gradients: E5M2 under fp8.format hybrid, else E4M3.
+Fp8Dtype grad_dtype(const Fp8Config& c);
+// Per-tensor current scaling of x into *out (allocated: a per-tensor QTensor of its shape and
+// dtype): *scale (1 value) from x's amax, reduced by `reduce` where given (the tensor-parallel
+// group, or the expert exchange's), with c's margin and power-of-two rule; or, where *scale holds
+// one already (a recomputation), that one. counts may be nullptr (not counted).
+void quantize_current(Backend& be, const float* x, const Fp8Config& c, const AmaxReduce& reduce, uint64_t* counts,
+                      Tensor* scale, QTensor* out);
 
 // train.recompute selective: the input of a kept layer that its forward dropped (W2's, the SwiGLU
 // output), made again in backward as x: *out gets `from`'s shapes and FP8 weight and x as the

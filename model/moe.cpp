@@ -112,16 +112,10 @@ QTensor quantize_rows(Backend& be, const float* rows, int64_t R, int64_t D, cons
 QTensor quantize_wire(Backend& be, const float* rows, int64_t R, int64_t D, const LinearFp8& layer, Fp8Dtype dt,
                       ExpertDispatcher* ep, Tensor* scale) {
   if (layer.cfg->recipe == Fp8Recipe::blockwise) return quantize_rows(be, rows, R, D, layer);
-  const Fp8Config& c = *layer.cfg;
-  if (scale->empty()) {
-    *scale = Tensor(be, DType::f32, {1});
-    Tensor amax(be, DType::f32, {1});
-    be.amax(rows, R * D, amax.f32());
-    if (ep) ep->reduce_amax(amax.f32());
-    be.scale_from_amax(amax.f32(), dt, {c.margin, c.power_of_two_scales}, scale->f32());
-  }
+  AmaxReduce over_experts;
+  if (ep) over_experts = [ep](float* amax, int64_t) { ep->reduce_amax(amax); };
   QTensor q(be, R, D, dt, Tiling::per_tensor, 1);
-  be.quantize_scaled(rows, scale->f32(), q.view(), layer.reuse_last_scale ? nullptr : layer.counts);
+  quantize_current(be, rows, *layer.cfg, over_experts, layer.reuse_last_scale ? nullptr : layer.counts, scale, &q);
   return q;
 }
 
@@ -311,9 +305,8 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   const float* dyin = dye.f32();
   if (wire.fp8_grad) {  // quantized once, here; the down-projection's dgrad reads these bytes
     const LinearFp8& w2 = fp8.experts.front().w2;
-    const Fp8Dtype dt = w2.cfg->format == Fp8Format::hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3;
     Tensor scale;
-    QTensor q = quantize_wire(be, dye.f32(), R, D, w2, dt, ep, &scale);
+    QTensor q = quantize_wire(be, dye.f32(), R, D, w2, grad_dtype(*w2.cfg), ep, &scale);
     dye.reset();
     if (ep) ep->dispatch(r.plan, q, &dyq);
     else dyq = std::move(q);

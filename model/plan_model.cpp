@@ -66,13 +66,19 @@ double ffn_saved(const Config& c, bool on, double M, int64_t D, int64_t F) {
   return b + linear_saved(c, on, M, double(F));
 }
 
+// model/moe.h MoeWire: the routed experts' rows travel in FP8 at one scale per exchange (the
+// per-tensor recipes under train.activations bf16).
+bool tensor_scaled_wire(const Fp8Config* fp8, ActivationDtype activations) {
+  return activations == ActivationDtype::bf16 && fp8 && fp8->layers.experts &&
+         (fp8->recipe == Fp8Recipe::delayed || fp8->recipe == Fp8Recipe::current);
+}
+
 // model/moe.cpp MoeRouting::bytes: prob (N, E) f32; expert, gate, row_slot, slot_row (N k) 4 bytes
 // each, kept (N k) u8, row_token (N k) i64; load (E) and offsets (E + 1) i64; with per-tensor FP8
 // rows on the wire (train.activations bf16), their one scale (f32).
 double routing_bytes(const Config& c, double N, double E, double k) {
-  const bool wire_scale = c.train.activations == ActivationDtype::bf16 && fp8_on(c, LinearClass::experts) &&
-                          c.fp8.recipe != Fp8Recipe::blockwise;
-  return N * E * kF32 + N * k * (4 * 4 + 1 + kI64) + E * kI64 + (E + 1) * kI64 + (wire_scale ? kF32 : 0);
+  return N * E * kF32 + N * k * (4 * 4 + 1 + kI64) + E * kI64 + (E + 1) * kI64 +
+         (tensor_scaled_wire(&c.fp8, c.train.activations) ? kF32 : 0);
 }
 
 bool is_recomputed(const Config& c, int layer) {
@@ -234,9 +240,7 @@ ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype
 }
 
 double expert_wire_scale_bytes(int P, const Fp8Config* fp8, ActivationDtype activations) {
-  const bool tensor_scale = activations == ActivationDtype::bf16 && fp8 && fp8->layers.experts &&
-                            (fp8->recipe == Fp8Recipe::delayed || fp8->recipe == Fp8Recipe::current);
-  return tensor_scale ? 2 * double(ring_allreduce_bytes(P, 4)) : 0;
+  return tensor_scaled_wire(fp8, activations) ? 2 * double(ring_allreduce_bytes(P, 4)) : 0;
 }
 
 double pipeline_value_bytes(ActivationDtype activations) { return activations == ActivationDtype::bf16 ? 2 : 4; }
