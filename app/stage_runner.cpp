@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "parallel/pipeline_schedule.h"
+#include "parallel/trace.h"
 
 namespace fp8moe {
 
@@ -132,6 +133,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   std::vector<Tensor> sent(2 * size_t(M));  // the messages built here (send()), alive until wait_sends
   auto forward = [&](int mb) {
     if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * mb, local);
+    const trace::Span span("forward", "compute", mb);
     double* slot = losses_.data<double>() + mb * slots();
     const int64_t at = int64_t(mb) * mbs_ * T_;
     MtpBatch mtp;
@@ -155,16 +157,32 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
         if (place.expert_owner(int(e)) != place.at().expert_rank) local->rows_off_rank += double(r.expert_load[l][e]);
       }
   };
+  // The step's last backward on this stage makes each layer's gradients final as it passes it.
+  const std::vector<PipelineOp> ops = one_f_one_b(g_.pipe->size(), stage, M);
+  int last_backward = -1;
+  for (const PipelineOp& op : ops)
+    if (!op.forward) last_backward = op.micro_batch;
+  ParamStore& store = model_.store();
+  const std::function<void(int)> post_layer = [&](int layer) {
+    sync_->post_layer(store, layer);
+    sync_->progress();
+  };
   auto backward = [&](int mb) {
     if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
     const bool mtp_in = depth_ > 0 && first_ && !last_;
-    model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? dy_in_.f32() + act_ : nullptr);
+    const bool final = sync_ && mb == last_backward;
+    {
+      const trace::Span span("backward", "compute", mb);
+      model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? dy_in_.f32() + act_ : nullptr,
+                            final ? post_layer : std::function<void(int)>{});
+    }
+    if (final) sync_->post_rest(store);
     if (!first_) {
       const float* demb = depth_ == 0 ? nullptr : last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
       send(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb, depth_ * act_, stage - 1, 2 * mb + 1);
     }
   };
-  for (const PipelineOp& op : one_f_one_b(g_.pipe->size(), stage, M)) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
+  for (const PipelineOp& op : ops) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
   g_.pipe->wait_sends();
 }
 

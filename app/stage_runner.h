@@ -15,6 +15,7 @@
 
 #include "io/token_data.h"
 #include "model/config.h"
+#include "model/data_parallel.h"
 #include "model/transformer.h"
 #include "parallel/communicator.h"
 
@@ -58,6 +59,11 @@ class StageRunner {
   // global_batch) of `data`, each micro-batch's loss scaled by loss_scale (model.begin_step() and
   // the FP8 counters zeroed first). Collective.
   void train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local);
+  // The data-parallel reduction to post during the step's last backward, layer by layer
+  // (optim.overlap_grad_reduce; model/data_parallel.h): its buckets are posted by the time
+  // train_step returns, and the caller waits for them (ReplicaSync::reduce_gradients).
+  void set_gradient_sync(ReplicaSync* sync) { sync_ = sync; }
+
   // The step's one host synchronisation, once the gradients are reduced: the losses the forwards
   // wrote, the FP8 counters and *grad_sq (device: this rank's part of the squared gradient norm),
   // then their sums over the ranks. Collective.
@@ -86,6 +92,7 @@ class StageRunner {
 
   const Config& cfg_;
   Transformer& model_;
+  ReplicaSync* sync_ = nullptr;
   Backend& be_;
   RunnerGroups g_;
   int64_t T_ = 0, mbs_ = 0, act_ = 0, moe_layers_ = 0;  // sequence length, sequences per replica, activation floats

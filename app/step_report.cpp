@@ -100,11 +100,13 @@ void StepReporter::report(const StepSummary& s) {
     char bubble[64] = "";
     if (pipeline) std::snprintf(bubble, sizeof bubble, "  bubble %.2f (ideal %.2f)", s.bubble, s.bubble_ideal);
     // The loss also as its exact bits (%a): resumed and uninterrupted runs are compared bitwise.
+    char comm[48] = "";
+    if (world_.size() > 1) std::snprintf(comm, sizeof comm, "  comm %.3f s", s.comm_exposed_s);
     std::printf("step %5lld/%lld  loss %.4f%s  val %s  lr %.3e  gnorm %.3f  %6.0f tok/s  %.2f s/step  mfu %.2f  "
-                "mem %.0f MB%s  syncs %.0f  load %.2f  sat %lld  under %lld  skipped %lld%s  eta %.0f s  [%a]\n",
+                "mem %.0f MB%s  syncs %.0f  load %.2f  sat %lld  under %lld  skipped %lld%s%s  eta %.0f s  [%a]\n",
                 (long long)s.step, (long long)cfg_.train.steps, s.loss, mtp, val, s.lr, s.grad_norm, tokens_per_s, s.step_s,
                 mfu, mem / 1e6, dmem_text, most[2], s.expert_load_imbalance, (long long)s.fp8_saturated,
-                (long long)s.fp8_underflowed, (long long)s.skipped_steps, bubble, s.eta_s, s.loss);
+                (long long)s.fp8_underflowed, (long long)s.skipped_steps, bubble, comm, s.eta_s, s.loss);
     std::fflush(stdout);
   }
   StepMetrics m;
@@ -114,7 +116,7 @@ void StepReporter::report(const StepSummary& s) {
   if (on_device) m.peak_device_mem_bytes = int64_t(dmem);
   m.expert_load_imbalance = s.expert_load_imbalance, m.fp8_saturated = s.fp8_saturated;
   m.fp8_underflowed = s.fp8_underflowed, m.skipped_steps = s.skipped_steps, m.loss_scale = s.loss_scale;
-  m.pipeline_bubble = s.bubble, m.pipeline_bubble_ideal = s.bubble_ideal;
+  m.pipeline_bubble = s.bubble, m.pipeline_bubble_ideal = s.bubble_ideal, m.comm_exposed_s = s.comm_exposed_s;
   m.host_syncs = int64_t(most[2]), m.h2d_bytes = int64_t(most[3]), m.d2h_bytes = int64_t(most[4]);
   log_.write(m);
 }

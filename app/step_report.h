@@ -45,6 +45,7 @@ struct StepSummary {
   double expert_load_imbalance = 0;  // max over MoE layers of max load / mean load (NaN: no MoE load)
   double step_s = 0;                 // the slowest rank's step time
   double bubble = 0, bubble_ideal = 0;  // NaN without pipeline parallelism
+  double comm_exposed_s = 0;         // the ranks' mean seconds blocked in collectives and waits (io/metrics.h)
   double eta_s = 0;
   TransferCounts transfers;          // this rank's host synchronisations and copies of the step
 };

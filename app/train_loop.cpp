@@ -2,9 +2,12 @@
 
 #include <csignal>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -22,6 +25,7 @@
 #include "model/optimizer.h"
 #include "model/transformer.h"
 #include "parallel/mpi_session.h"
+#include "parallel/trace.h"
 #include "parallel/watchdog.h"
 
 namespace fp8moe {
@@ -136,6 +140,18 @@ void install_stop_handlers() {
 
 namespace {
 
+// log.trace: the directory exists (made if not) and this rank's file can be written there; an
+// error message, or empty.
+std::string open_trace_dir(const std::string& dir, int rank) {
+  if (dir.empty()) return "";
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string path = dir + "/rank" + std::to_string(rank) + ".json";
+  std::ofstream probe(path, std::ios::trunc);
+  if (!probe) return "log.trace: cannot write " + path + (ec ? " (" + ec.message() + ")" : "");
+  return "";
+}
+
 // One run of the loop over its steps: the trainer's parts, the data, the reporting. Every method
 // is collective over the world.
 class TrainLoop {
@@ -146,7 +162,9 @@ class TrainLoop {
         pipe_h_(*comms.groups().pipeline.host), root_(world_.rank() == 0), eval_on_(eval_on),
         runner_(cfg, t.model, comms.runner()), comm_(cfg, t.model, comms.groups(), runner_.sequences()),
         peak_(training_peak(cfg, be, world_.size())), reporter_(cfg, be, world_, jsonl, peak_),
-        grad_sq_(be, DType::f64, {1}), first_step_(t.progress.step) {}
+        grad_sq_(be, DType::f64, {1}), first_step_(t.progress.step) {
+    runner_.set_gradient_sync(&t.sync);
+  }
 
   // Steps first_step + 1 .. train.steps; the exit status.
   int run() {
@@ -154,6 +172,7 @@ class TrainLoop {
     t_start_ = Clock::now();
     for (int64_t step = first_step_; step < cfg_.train.steps; ++step) {
       const StepDone done = train_step(step);
+      write_trace(done.step);
       report(done);
       const int status = after_step(step);
       if (status == kEndRun) break;
@@ -176,7 +195,7 @@ class TrainLoop {
     StepTotals totals;
     OptimizerStats opt;
     float used_scale = 1;
-    double step_s = 0, bubble = 0;
+    double step_s = 0, bubble = 0, comm_exposed_s = 0;
     bool evaluated = false;
     TransferCounts transfers;
   };
@@ -188,6 +207,9 @@ class TrainLoop {
     StepDone d;
     d.step = step + 1;
     watch_step(d.step, "forward and backward");
+    if (tracing(d.step) && !trace::on()) trace::start();
+    const trace::Span step_span("step", "step", -1);
+    trace::reset_comm_blocked();
     const TransferCounts transfers0 = be_.transfers();
     Transformer& model = t_.model;
     model.zero_grads();
@@ -196,14 +218,23 @@ class TrainLoop {
     d.used_scale = t_.scaler.scale();
     runner_.train_step(*data_.train, t_.progress.samples, d.used_scale, &local);
     watch_step(d.step, "gradient sync and optimizer");
-    t_.sync.reduce_gradients(model.store());
+    {
+      const trace::Span span("gradient reduction", "phase", -1);  // the waits for what the backward posted
+      t_.sync.reduce_gradients(model.store());
+    }
     // The gradients are divided by the micro-batch count and the loss scale inside the norm and
     // the AdamW kernel (kernels/adamw.h), never rewritten.
     const float unscale = 1.0f / (float(cfg_.parallel.micro_batches) * d.used_scale);
-    t_.opt.grad_sq(model.store(), unscale, norm_mask_, grad_sq_.data<double>());
-    d.totals = runner_.finish_step(grad_sq_.data<double>());  // the step's host synchronisation
-    d.opt = t_.opt.step(model.store(), step, d.totals.grad_sq, unscale);
-    if (!d.opt.skipped) t_.sync.gather_weights(model.store());
+    {
+      const trace::Span span("optimizer", "compute", -1);
+      t_.opt.grad_sq(model.store(), unscale, norm_mask_, grad_sq_.data<double>());
+      d.totals = runner_.finish_step(grad_sq_.data<double>());  // the step's host synchronisation
+      d.opt = t_.opt.step(model.store(), step, d.totals.grad_sq, unscale);
+      if (!d.opt.skipped) t_.sync.gather_weights(model.store());
+    }
+    // Communication the step's compute did not hide: this rank's time blocked in collectives and
+    // waits, less its pipeline receives (the bubble, reported apart).
+    d.comm_exposed_s = std::max(0.0, trace::comm_blocked_s() - local.waited_s);
     comm_.end_step(local.rows_off_rank);
     t_.scaler.update(!d.opt.skipped);
     if (!d.opt.skipped && !d.totals.expert_load.empty()) model.update_router_biases(d.totals.expert_load);
@@ -220,6 +251,8 @@ class TrainLoop {
     d.bubble = d.step_s > 0 ? local.waited_s / d.step_s : 0;
     pipe_h_.allreduce_sum(&d.bubble, 1);
     d.bubble /= double(pipe_h_.size());
+    world_.allreduce_sum(&d.comm_exposed_s, 1);
+    d.comm_exposed_s /= double(world_.size());
     d.evaluated = eval_on_ && (d.step % cfg_.eval.every == 0 || d.step == cfg_.train.steps);
     watch_step(d.step, "evaluation and metrics");
     if (d.evaluated) progress.last_val_loss = runner_.validation_loss(*data_.val);
@@ -240,8 +273,27 @@ class TrainLoop {
                       .fp8_underflowed = totals.fp8_underflowed,
                       .expert_load_imbalance = load_imbalance(totals.expert_load), .step_s = d.step_s,
                       .bubble = P > 1 ? d.bubble : NAN, .bubble_ideal = P > 1 ? double(P - 1) / double(M + P - 1) : NAN,
+                      .comm_exposed_s = d.comm_exposed_s,
                       .eta_s = seconds_since(t_start_) / double(d.step - first_step_) * double(cfg_.train.steps - d.step),
                       .transfers = d.transfers});
+  }
+
+  // log.trace: whether step (1-based) is one the timeline records.
+  bool tracing(int64_t step) const {
+    const LogConfig& l = cfg_.log;
+    return !l.trace.empty() && step >= l.trace_start && step < l.trace_start + l.trace_steps;
+  }
+
+  // After the timeline's last step (or the run's last step inside it): every rank writes its file.
+  // A file that cannot be written is a warning; the run goes on.
+  void write_trace(int64_t step) {
+    if (!trace::on() || (tracing(step + 1) && step < cfg_.train.steps)) return;
+    const std::string path = cfg_.log.trace + "/rank" + std::to_string(world_.rank()) + ".json";
+    const std::string error = trace::stop_and_write(path, world_.rank());
+    if (!error.empty()) std::fprintf(stderr, "fp8moe: warning: log.trace: %s\n", error.c_str());
+    else if (root_) std::printf("trace: steps %lld-%lld in %s/rank*.json (scripts/trace.py summary %s)\n",
+                                (long long)cfg_.log.trace_start, (long long)step, cfg_.log.trace.c_str(),
+                                cfg_.log.trace.c_str());
   }
 
   bool checkpoint() {
@@ -329,6 +381,9 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
     jsonl_error = e.what();
   }
   if (any_rank(grid.world(), !jsonl_error.empty())) return fail(jsonl_error);
+
+  if (const std::string error = open_trace_dir(cfg.log.trace, world.rank()); any_rank(grid.world(), !error.empty()))
+    return fail(error.empty() ? "log.trace: " + cfg.log.trace + ": cannot be written on some rank" : error);
 
   Trainer t(cfg, be, comms, layout_text(grid.dims()));
   std::string resumed;

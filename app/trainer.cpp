@@ -45,7 +45,8 @@ RunnerGroups TrainComms::runner() const {
 Trainer::Trainer(const Config& cfg, Backend& be, const TrainComms& comms, std::string layout)
     : model(be, cfg, comms.model()),
       sync(model.store(), *comms.groups().data.device, *comms.groups().expert_data.device,
-           model.placement().at().tensor_rank, cfg.optim.zero == 1, cfg.optim.grad_reduce),
+           model.placement().at().tensor_rank, cfg.optim.zero == 1, cfg.optim.grad_reduce,
+           cfg.optim.overlap_grad_reduce),
       opt(be, sync.local_table(), cfg.train, sync.owned()),
       scaler(cfg.train),
       state{&cfg, &model, &opt, &scaler, &progress, std::move(layout), sync.write_rows(), sync.moment_write_rows()} {}

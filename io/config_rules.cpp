@@ -88,6 +88,8 @@ void training_rules(const Rule& rule, const Config& c) {
   rule(c.checkpoint.save || c.train.exit_interval == 0, "train.exit_interval",
        "0 with checkpoint.save false (exiting at an interval is for resuming from its checkpoint)");
   rule(c.train.min_lr <= c.train.lr, "train.min_lr", "at most train.lr = " + format_double(c.train.lr));
+  rule(c.log.trace.empty() || c.log.trace_start <= c.train.steps, "log.trace_start",
+       "at most train.steps = " + num(c.train.steps) + " (a step the run takes)");
   rule(c.train.warmup_steps < c.train.steps, "train.warmup_steps",
        "fewer than train.steps = " + num(c.train.steps) + " (the schedule must reach its decay)");
   // NOTE: a BF16 moment holds 8 significant bits: multiplying by beta2 changes it only when

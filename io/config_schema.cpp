@@ -431,6 +431,11 @@ const std::vector<Field>& schema() {
                        "The gradients' reduction over the data-parallel replicas: fp32, or bf16: each replica's "
                        "gradients rounded to BF16 on the wire (half the reduce-scatter's bytes), summed in FP32 "
                        "in rank order; the ZeRO-1 all-gather of the weights stays FP32."));
+    v.push_back(boolean("optim.overlap_grad_reduce", REF(optim.overlap_grad_reduce),
+                        "The FP32 gradient reduction in one bucket per layer, each posted as a non-blocking "
+                        "collective once the step's last backward has passed its layer, waited before the "
+                        "optimizer (Megatron's --overlap-grad-reduce); false: one reduction after the backward. "
+                        "MPI on host memory overlaps; the staged and NCCL transports run a post in line."));
     // fp8
     v.push_back(choice("fp8.recipe", REF(fp8.recipe),
                        "off: FP32 GEMMs; delayed / current: per-tensor scales from an amax history / "
@@ -479,6 +484,12 @@ const std::vector<Field>& schema() {
     // log
     v.push_back(integer("log.every", REF(log.every), 1, kNoMax, "Print metrics every this many steps."));
     v.push_back(text("log.jsonl", REF(log.jsonl), true, "Path of the JSONL metrics file; empty = none."));
+    v.push_back(text("log.trace", REF(log.trace), true,
+                     "Directory of the step timeline: rank<r>.json per rank, Chrome trace JSON (Perfetto): compute "
+                     "phases, every collective's call or post and wait, pipeline sends and receives; "
+                     "scripts/trace.py merges and summarises. Empty = none."));
+    v.push_back(integer("log.trace_start", REF(log.trace_start), 1, kNoMax, "The first step the timeline records."));
+    v.push_back(integer("log.trace_steps", REF(log.trace_steps), 1, 1000, "Steps the timeline records."));
     // runtime
     v.push_back(choice("runtime.device", REF(runtime.device),
                        "Where the step runs: cpu, cuda (rank -> GPU by its node-local rank), auto (cuda when "

@@ -35,6 +35,7 @@ std::string metrics_json(const StepMetrics& m) {
   j["host_syncs"] = m.host_syncs;
   j["h2d_bytes"] = m.h2d_bytes;
   j["d2h_bytes"] = m.d2h_bytes;
+  j["comm_exposed_s"] = number(m.comm_exposed_s);
   return j.dump();
 }
 

@@ -24,6 +24,9 @@ struct StepMetrics {
   // The step's host synchronisations (the host waited for the device) and bytes copied host to
   // device and back, the maxima over the ranks (kernels/backend.h's TransferCounts).
   int64_t host_syncs = 0, h2d_bytes = 0, d2h_bytes = 0;
+  // Seconds of the step the ranks spent blocked in collectives and in waits for posted ones (not
+  // in pipeline receives: the bubble), their mean: communication compute did not hide.
+  double comm_exposed_s = 0;
 };
 
 // The JSON line of one step (no newline).

@@ -145,6 +145,9 @@ struct OptimConfig {
   // The gradients' reduction over the replicas: fp32, or bf16: each replica's gradients rounded to
   // BF16 and exchanged as such, the sum in FP32 (model/data_parallel.h).
   ReduceDtype grad_reduce = ReduceDtype::fp32;
+  // The FP32 reduction in per-layer buckets posted during the step's last backward, waited before
+  // the optimizer (model/data_parallel.h); false: one reduction per group after the backward.
+  bool overlap_grad_reduce = true;
   bool operator==(const OptimConfig&) const = default;
 };
 
@@ -220,6 +223,11 @@ struct RuntimeConfig {
 struct LogConfig {
   int64_t every = 1;
   std::string jsonl;  // metrics file; empty = none
+  // The step timeline (parallel/trace.h): a directory, one Chrome-trace JSON per rank
+  // (rank<r>.json) of steps trace_start .. trace_start + trace_steps - 1; empty = none.
+  std::string trace;
+  int64_t trace_start = 2;
+  int64_t trace_steps = 1;
   bool operator==(const LogConfig&) const = default;
 };
 

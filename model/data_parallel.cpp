@@ -7,7 +7,7 @@
 namespace fp8moe {
 
 DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group,
-                           bool zero, ReduceDtype reduce, int64_t round_values)
+                           bool zero, ReduceDtype reduce, int64_t round_values, bool overlap)
     : segment_(segment), group_(group), zero_(zero && group.size() > 1), reduce_(reduce), round_values_(round_values) {
   const int R = group.size();
   const ParamTable& t = store.table();
@@ -27,6 +27,7 @@ DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector
     }
     cut[size_t(r)] = std::max(at, cut[size_t(r - 1)]);
   }
+  cut_ = cut;
   counts_.resize(size_t(R));
   for (int r = 0; r < R; ++r) counts_[size_t(r)] = zero_ ? cut[size_t(r + 1)] - cut[size_t(r)] : segment.size();
   split_.resize(size_t(R));
@@ -43,6 +44,27 @@ DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector
                   hi = std::clamp(cut[size_t(me + 1)], off, off + sh.numel());
     rows_[i] = {(lo - off) / sh.cols, (hi - off) / sh.cols};
   }
+  if (!overlap || reduce_ != ReduceDtype::fp32 || R == 1 || segment.size() == 0) return;
+  // One bucket per run of members of one layer (in layout order the members of a layer are
+  // adjacent; where they are not, the layer gets several buckets).
+  for (size_t i : members) {
+    const int layer = t.params[i].layer;
+    const int64_t off = store.offset(i), end = off + store.shard(i).numel();
+    if (!buckets_.empty() && buckets_.back().layer == layer && buckets_.back().end == off) {
+      buckets_.back().end = end;
+      continue;
+    }
+    Bucket b;
+    b.layer = layer, b.begin = off, b.end = end;
+    buckets_.push_back(std::move(b));
+  }
+  for (Bucket& b : buckets_) {
+    if (!zero_) continue;
+    b.counts.resize(size_t(R));
+    for (int r = 0; r < R; ++r)
+      b.counts[size_t(r)] =
+          std::max<int64_t>(0, std::min(b.end, cut_[size_t(r + 1)]) - std::max(b.begin, cut_[size_t(r)]));
+  }
 }
 
 RowRange DataParallel::owned(size_t i) const {
@@ -50,7 +72,40 @@ RowRange DataParallel::owned(size_t i) const {
   return it == rows_.end() ? RowRange{0, 0} : it->second;
 }
 
+void DataParallel::post(ParamStore& store, Bucket& b) {
+  float* g = store.grads().f32() + b.begin;
+  if (!zero_) {
+    b.ticket = group_.iallreduce_sum(g, b.end - b.begin);
+    return;
+  }
+  b.part = Tensor(store.backend(), DType::f32, {b.counts[size_t(group_.rank())]});
+  b.ticket = group_.ireduce_scatterv_sum(g, b.part.f32(), b.counts.data());
+}
+
+void DataParallel::post_layer(ParamStore& store, int layer) {
+  for (Bucket& b : buckets_)
+    if (b.layer == layer && b.ticket < 0) post(store, b);
+}
+
+void DataParallel::post_rest(ParamStore& store) {
+  for (Bucket& b : buckets_)
+    if (b.ticket < 0) post(store, b);
+}
+
 void DataParallel::reduce_gradients(ParamStore& store) {
+  if (overlapped()) {
+    post_rest(store);  // (a caller that posted nothing: every bucket now, in layout order)
+    const int me = group_.rank();
+    for (Bucket& b : buckets_) {
+      group_.wait(b.ticket);
+      b.ticket = -1;
+      if (!zero_ || b.part.empty()) continue;
+      // This replica's part of the bucket: where its chunk and the bucket meet.
+      store.backend().copy(store.grads().f32() + std::max(b.begin, cut_[size_t(me)]), b.part.f32(), b.part.bytes());
+      b.part.reset();
+    }
+    return;
+  }
   if (group_.size() == 1 || segment_.size() == 0) return;
   float* g = store.grads().f32() + segment_.begin;
   if (reduce_ == ReduceDtype::bf16) return reduce_bf16(store.backend(), g);
@@ -128,12 +183,13 @@ ParamTable localise(ParamTable t, const ParamStore& s) {
 }  // namespace
 
 ReplicaSync::ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank,
-                         bool zero, ReduceDtype reduce)
+                         bool zero, ReduceDtype reduce, bool overlap)
     : table_(store.table()),
       local_(localise(store.table(), store)),
       tensor_rank_(tensor_rank),
-      dense_(store, store.dense(), store.dense_members(), data, zero, reduce),
-      experts_(store, store.experts(), store.expert_members(), expert_data, zero, reduce) {
+      dense_(store, store.dense(), store.dense_members(), data, zero, reduce, DataParallel::kRoundValues, overlap),
+      experts_(store, store.experts(), store.expert_members(), expert_data, zero, reduce, DataParallel::kRoundValues,
+               overlap) {
   for (size_t i = 0; i < table_.params.size(); ++i) shards_.push_back(store.shard(i));
 }
 

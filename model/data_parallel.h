@@ -14,6 +14,15 @@
 // do, so the two ZeRO settings give the same bits). The reduce-scatter sends half the FP32 bytes.
 // Without ZeRO an FP32 all-gather of the sums follows (every replica then holds the same FP32
 // sums): 0.75 of the all-reduce's bytes.
+//
+// optim.overlap_grad_reduce (FP32 reduction): the reduction runs in buckets, one per layer
+// (ParamSpec::layer) of the segment, each posted as a non-blocking collective once that layer's
+// gradients are final (post_layer: after the layer's backward of the step's last micro-batch;
+// post_rest: whatever is left once the backward is over), and waited before the optimizer reads
+// the sums (reduce_gradients). With ZeRO a bucket's reduce-scatter gives each replica the bucket's
+// part of its chunk: the same chunks, the same sums per element as one reduce-scatter of the
+// segment, but the transport may add the replicas in another order (with 2 replicas the bits are
+// the same). BF16 reductions stay whole-segment and in line.
 #pragma once
 
 #include <unordered_map>
@@ -36,7 +45,7 @@ class DataParallel {
   // round_values: the BF16 reduction's values per round over all the replicas (its buffers' size).
   static constexpr int64_t kRoundValues = int64_t(1) << 24;
   DataParallel(const ParamStore& store, Segment segment, std::vector<size_t> members, Communicator& group, bool zero,
-               ReduceDtype reduce, int64_t round_values = kRoundValues);
+               ReduceDtype reduce, int64_t round_values = kRoundValues, bool overlap = false);
   bool zero() const { return zero_; }
   Communicator& group() const { return group_; }
   bool includes(size_t i) const { return rows_.count(i) > 0; }
@@ -45,6 +54,16 @@ class DataParallel {
   RowRange owned(size_t i) const;
   // Sums the gradients over the replicas (zero: only this replica's chunk receives the sum).
   void reduce_gradients(ParamStore& store);
+  // Whether the reduction runs in buckets posted during the backward (see the top of this file).
+  bool overlapped() const { return !buckets_.empty(); }
+  // Posts the reduction of layer `layer`'s buckets, whose gradients no later backward of this step
+  // changes; the sums are in place once reduce_gradients returns. Every replica posts the same
+  // layers in the same order. No-op without overlap, or for a layer posted already this step.
+  void post_layer(ParamStore& store, int layer);
+  // Posts every bucket not posted yet this step (the backward is over).
+  void post_rest(ParamStore& store);
+  // Lets the posted reductions move (the caller computes meanwhile).
+  void progress() { if (overlapped()) group_.progress(); }
   // zero: every replica's updated chunk to every replica; otherwise nothing to do.
   void gather_weights(ParamStore& store);
   // Whether this replica's owned rows of parameter i count in the global gradient norm: with ZeRO
@@ -53,6 +72,17 @@ class DataParallel {
 
  private:
   void reduce_bf16(Backend& be, float* g);
+  // A contiguous range [begin, end) of the flat buffers holding one layer's members.
+  struct Bucket {
+    int layer = 0;
+    int64_t begin = 0, end = 0;
+    std::vector<int64_t> counts;  // ZeRO: each replica's part of the bucket (of its chunk)
+    Tensor part;                  // ZeRO: this replica's part of the sums, until the wait
+    int64_t ticket = -1;          // posted this step when >= 0
+  };
+  void post(ParamStore& store, Bucket& b);
+  std::vector<Bucket> buckets_;   // overlap only
+  std::vector<int64_t> cut_;      // ZeRO chunk boundaries (R + 1)
   Segment segment_;
   Communicator& group_;
   bool zero_;
@@ -77,7 +107,7 @@ class ReplicaSync {
   // data, expert_data: on the store's backend memory. tensor_rank: replicated parameters
   // (TpSplit::none) count in the norm on tensor rank 0 only. Collective-free.
   ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank, bool zero,
-              ReduceDtype reduce);
+              ReduceDtype reduce, bool overlap = false);
   bool zero() const { return dense_.zero(); }
   // The table with each parameter's shape replaced by this rank's block (what AdamW works on).
   const ParamTable& local_table() const { return local_; }
@@ -88,6 +118,11 @@ class ReplicaSync {
   // every element once. moment_write_rows: the same for the Adam moments (the owned rows with ZeRO).
   std::vector<RowRange> write_rows() const;
   std::vector<RowRange> moment_write_rows() const;
+  // The reductions of both groups (DataParallel::post_layer, post_rest, progress; reduce_gradients
+  // waits for what was posted).
+  void post_layer(ParamStore& store, int layer) { dense_.post_layer(store, layer), experts_.post_layer(store, layer); }
+  void post_rest(ParamStore& store) { dense_.post_rest(store), experts_.post_rest(store); }
+  void progress() { dense_.progress(), experts_.progress(); }
   void reduce_gradients(ParamStore& store);
   void gather_weights(ParamStore& store);
   // Per parameter: whether this rank's owned rows of it count in the global gradient norm, so

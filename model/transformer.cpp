@@ -250,7 +250,8 @@ void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int6
                 [&](const Block& block, BlockSaved* s) { finish_block(block, s, &st.result); });
 }
 
-void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_mtp) {
+void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_mtp,
+                                 const std::function<void(int)>& after_block) {
   StageRun::Impl& st = *run.impl_;
   FP8MOE_ASSERT(st.backward, "stage_backward of a forward without backward");
   const ModelConfig& m = cfg_.model;
@@ -280,6 +281,7 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
     ctx_->round_activation(dnext.f32(), N * D);  // the gradient between blocks (and stages)
     sv = BlockSaved{};
     std::swap(dx, dnext);
+    if (after_block) after_block(l);
   }
   if (placement_.first_stage()) {
     embed_backward(dx.f32(), st.tokens, N);

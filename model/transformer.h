@@ -15,6 +15,7 @@
 // LossSlots, the FP8 counters, the gradient norm).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -151,7 +152,10 @@ class Transformer {
                          int64_t mean_over = 0, double aux_weight = 1.0, const MtpBatch* mtp = nullptr);
   // dy: the gradient of output() from the next stage (device memory); nullptr on the last stage.
   // d_mtp: on the first stage of several, the last stage's mtp_input_grad() (with the modules).
-  void stage_backward(StageRun& run, const float* dy, const float* d_mtp = nullptr);
+  // after_block (optional): called with each block's index once its backward is over (the
+  // data-parallel reduction posts that layer's buckets when this is the step's last backward).
+  void stage_backward(StageRun& run, const float* dy, const float* d_mtp = nullptr,
+                      const std::function<void(int)>& after_block = {});
 
   // Logits (V) of the token after tokens[0..T) (one sequence, host ids), for generation. FP8
   // histories are not advanced.

@@ -51,6 +51,25 @@ class Communicator {
   virtual void isend(const float* data, int64_t n, int peer, int tag) = 0;
   virtual void wait_sends() = 0;
 
+  // Non-blocking collectives (the gradients' reduction behind the backward, optim.overlap_grad_reduce):
+  // a post returns a ticket and wait(ticket) returns once the result is in place. Between the two
+  // the input is not changed and the output not read; every member posts the same calls in the same
+  // order and may wait in any order. The MPI communicators (and the emulated device's own) return
+  // at once; the others, by default, run the collective in line at the post (nothing overlaps:
+  // overlaps() false; NCCL on a communication stream is not built). progress() lets posted
+  // collectives move while the caller computes (MPI progresses them only inside its calls).
+  virtual int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
+    reduce_scatterv_sum(in, out, counts);
+    return 0;
+  }
+  virtual int64_t iallreduce_sum(float* data, int64_t n) {
+    allreduce_sum(data, n);
+    return 0;
+  }
+  virtual void wait(int64_t /*ticket*/) {}
+  virtual void progress() {}
+  virtual bool overlaps() const { return false; }
+
   // Bytes this rank has handed to the network through this communicator (payload that leaves the
   // rank: for collectives, by the algorithm's textbook count; see README "Communication").
   int64_t bytes_sent() const { return bytes_sent_; }

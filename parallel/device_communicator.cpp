@@ -52,6 +52,21 @@ class EmulatedCommunicator final : public Communicator {
   void recv(float* d, int64_t n, int peer, int tag) override { counted([&] { mpi_.recv(h(d), n, peer, tag); }); }
   void isend(const float* d, int64_t n, int peer, int tag) override { counted([&] { mpi_.isend(h(d), n, peer, tag); }); }
   void wait_sends() override { mpi_.wait_sends(); }
+  // Non-blocking as MPI is: the emulated device's ops have run by the time they return, so the
+  // memory behind the tags holds what a post reads.
+  int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override {
+    int64_t t = 0;
+    counted([&] { t = mpi_.ireduce_scatterv_sum(h(in), h(out), counts); });
+    return t;
+  }
+  int64_t iallreduce_sum(float* d, int64_t n) override {
+    int64_t t = 0;
+    counted([&] { t = mpi_.iallreduce_sum(h(d), n); });
+    return t;
+  }
+  void wait(int64_t ticket) override { mpi_.wait(ticket); }
+  void progress() override { mpi_.progress(); }
+  bool overlaps() const override { return true; }
 
  private:
   template <class T>

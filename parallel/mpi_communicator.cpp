@@ -6,6 +6,7 @@
 
 #include "kernels/check.h"
 #include "parallel/mpi_session.h"
+#include "parallel/trace.h"
 #include "parallel/watchdog.h"
 
 
@@ -141,6 +142,64 @@ void MpiCommunicator::wait_sends() {
   const WatchScope watch("wait for sends", name_);
   MPI_CHECK(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE));
   pending_.clear();
+}
+
+}  // namespace fp8moe
+
+namespace fp8moe {
+
+// Non-blocking collectives: the textbook bytes count at the post, as the blocking calls count them.
+int64_t MpiCommunicator::post(Posted p) {
+  p.ticket = trace::next_id();
+  trace::async_begin(p.what, name_, p.ticket);
+  posted_.push_back(std::move(p));
+  return posted_.back().ticket;
+}
+
+int64_t MpiCommunicator::ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
+  const WatchScope watch("post reduce_scatterv", name_);
+  Posted p;
+  p.what = "reduce_scatterv";
+  p.counts.resize(static_cast<size_t>(size_));
+  int64_t total = 0;
+  for (int j = 0; j < size_; ++j) p.counts[size_t(j)] = as_count(counts[j], "reduce_scatterv"), total += counts[j];
+  as_count(total, "reduce_scatterv total");
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
+  p.requests.resize(1);
+  MPI_CHECK(MPI_Ireduce_scatter(in, out, p.counts.data(), MPI_FLOAT, MPI_SUM, comm_, p.requests.data()));
+  return post(std::move(p));
+}
+
+int64_t MpiCommunicator::iallreduce_sum(float* data, int64_t n) {
+  const WatchScope watch("post allreduce", name_);
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 4);
+  Posted p;
+  p.what = "allreduce";
+  constexpr int64_t kChunk = int64_t(1) << 30;  // MPI counts are int
+  for (int64_t off = 0; off < n; off += kChunk) {
+    p.requests.emplace_back();
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data + off, int(std::min(kChunk, n - off)), MPI_FLOAT, MPI_SUM, comm_,
+                             &p.requests.back()));
+  }
+  return post(std::move(p));
+}
+
+void MpiCommunicator::wait(int64_t ticket) {
+  const auto it = std::find_if(posted_.begin(), posted_.end(), [&](const Posted& p) { return p.ticket == ticket; });
+  FP8MOE_ASSERT(it != posted_.end(), "wait for collective ", ticket, ", which was not posted here (or waited already)");
+  {
+    const WatchScope watch("wait", name_);
+    MPI_CHECK(MPI_Waitall(int(it->requests.size()), it->requests.data(), MPI_STATUSES_IGNORE));
+  }
+  trace::async_end(it->what, name_, ticket);
+  posted_.erase(it);
+}
+
+void MpiCommunicator::progress() {
+  for (Posted& p : posted_) {
+    int done = 0;
+    MPI_CHECK(MPI_Testall(int(p.requests.size()), p.requests.data(), &done, MPI_STATUSES_IGNORE));
+  }
 }
 
 }  // namespace fp8moe

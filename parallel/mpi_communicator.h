@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "parallel/communicator.h"
@@ -38,8 +39,22 @@ class MpiCommunicator final : public Communicator {
   void recv(float* data, int64_t n, int peer, int tag) override;
   void isend(const float* data, int64_t n, int peer, int tag) override;
   void wait_sends() override;
+  int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
+  int64_t iallreduce_sum(float* data, int64_t n) override;
+  void wait(int64_t ticket) override;
+  void progress() override;
+  bool overlaps() const override { return true; }
 
  private:
+  // A posted collective: its requests and the counts MPI reads until it completes.
+  struct Posted {
+    int64_t ticket = 0;
+    const char* what = nullptr;
+    std::vector<MPI_Request> requests;
+    std::vector<int> counts;
+  };
+  int64_t post(Posted p);
+  std::vector<Posted> posted_;
   template <class T>
   void allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op);
   std::vector<MPI_Request> pending_;

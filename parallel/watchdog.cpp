@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/check.h"
+#include "parallel/trace.h"
 
 namespace fp8moe {
 namespace {
@@ -133,6 +134,7 @@ WatchScope::WatchScope(const char* what, const char* group)
   g_marks.what.store(what, std::memory_order_relaxed);
   g_marks.group.store(group, std::memory_order_relaxed);
   g_marks.since.store(now_ns(), std::memory_order_release);
+  if (group) comm_ = what, trace::comm_enter();
 }
 
 WatchScope::WatchScope(const char* what, double limit_s, std::function<WatchVerdict()> verdict) : WatchScope(what) {
@@ -142,6 +144,7 @@ WatchScope::WatchScope(const char* what, double limit_s, std::function<WatchVerd
 }
 
 WatchScope::~WatchScope() {
+  if (comm_) trace::comm_leave(comm_, g_marks.group.load(std::memory_order_relaxed));
   if (guard_) {  // one guard at a time; its limit applies to the innermost call inside it
     std::lock_guard<std::mutex> lock(state().mu);
     state().guard_limit = 0;

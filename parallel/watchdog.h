@@ -33,6 +33,8 @@ class Watchdog {
 
 // From construction to destruction the main thread is in `what` (a static string: "allreduce",
 // "checkpoint save") over `group` ("dp", "world", or nullptr). Nested scopes restore the outer one.
+// A scope with a group is communication: its time counts in parallel/trace.h's exposed clock and
+// timeline.
 // A guard has a limit of its own, and past it the watchdog asks `verdict` (on its own thread) for
 // the status and the message to end the job with, instead of its report: for calls that may never
 // return after a failure (closing an HDF5 file whose writes failed on some ranks, or on a file
@@ -52,6 +54,7 @@ class WatchScope {
 
  private:
   const char *what_, *group_;
+  const char* comm_ = nullptr;  // this call's name when it is communication (a group): the exposed clock
   int64_t since_;
   bool guard_ = false;
 };

@@ -192,7 +192,7 @@ TEST(Cli, TrainsEndToEndAndWritesTheMetrics) {
       "rows = [json.loads(l) for l in open(sys.argv[1])]\n"
       "need = ['step','loss','val_loss','lr','grad_norm','tokens_per_s','step_time_s','mfu','peak_mem_bytes',\n"
       "        'expert_load_imbalance','fp8_saturated','fp8_underflowed','skipped_steps','loss_scale',\n"
-      "        'host_syncs','h2d_bytes','d2h_bytes']\n"
+      "        'host_syncs','h2d_bytes','d2h_bytes','comm_exposed_s']\n"
       "assert len(rows) == 30, len(rows)\n"
       "for r in rows:\n"
       "    missing = [k for k in need if k not in r]\n"

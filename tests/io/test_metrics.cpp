@@ -19,7 +19,7 @@ StepMetrics sample_step() {
   m.step_time_s = 0.125, m.mfu = 0.0625, m.peak_mem_bytes = 123456789, m.expert_load_imbalance = 1.5;
   m.fp8_saturated = 7, m.fp8_underflowed = 0, m.skipped_steps = 1, m.loss_scale = 65536;
   m.pipeline_bubble = NAN, m.pipeline_bubble_ideal = INFINITY;
-  m.host_syncs = 5, m.h2d_bytes = 2048, m.d2h_bytes = 96;
+  m.host_syncs = 5, m.h2d_bytes = 2048, m.d2h_bytes = 96, m.comm_exposed_s = 0.25;
   return m;
 }
 
@@ -31,7 +31,7 @@ TEST(Metrics, OneStepIsOneJsonObjectWithTheKeysInOrder) {
             "\"step_time_s\":0.125,\"mfu\":0.0625,\"peak_mem_bytes\":123456789,\"peak_device_mem_bytes\":null,"
             "\"expert_load_imbalance\":1.5,\"fp8_saturated\":7,\"fp8_underflowed\":0,\"skipped_steps\":1,"
             "\"loss_scale\":65536.0,\"pipeline_bubble\":null,\"pipeline_bubble_ideal\":null,\"host_syncs\":5,"
-            "\"h2d_bytes\":2048,\"d2h_bytes\":96}");
+            "\"h2d_bytes\":2048,\"d2h_bytes\":96,\"comm_exposed_s\":0.25}");
   StepMetrics gpu = sample_step();
   gpu.peak_device_mem_bytes = 4096;
   gpu.loss = 0.1;  // not exact in binary: written with the digits that read back to the same double

@@ -130,6 +130,60 @@ TEST_P(GradReduce, Bf16GivesTheSameBitsWithAndWithoutZero) {
       ASSERT_EQ(zero[p][size_t(e)], full[p][size_t(e)]) << table.params[p].name << "[" << e << "]";
 }
 
+// optim.overlap_grad_reduce: one bucket per run of a layer's members (a and c are layer 0 around
+// b, layer 1: three buckets), posted layer by layer as the backward would, waited in
+// reduce_gradients. Integer gradients: every order of the sum is exact, so the expected sums are
+// known without the code under test; the bytes are those of the reduction in one piece.
+TEST_P(GradReduce, OverlappedBucketsGiveTheSumsAndTheBytesOfOneReduction) {
+  const int R = comm->size();
+  table.params[0].layer = 0, table.params[1].layer = 1, table.params[2].layer = 0;
+  auto integer_grad = [](int r, int64_t i) { return double((7 * i + 13 * r) % 23 - 11); };
+  for (bool zero : {true, false})
+  for (bool overlap : {true, false}) {
+    SCOPED_TRACE(std::string("zero ") + (zero ? "1" : "0") + " overlap " + (overlap ? "on" : "off"));
+    ParamStore store(*be, table, shards, 1);
+    int64_t at = 0;
+    for (size_t p = 0; p < table.params.size(); ++p) {
+      std::vector<float> g(size_t(table.params[p].numel()));
+      for (float& x : g) x = float(integer_grad(comm->rank(), at++));
+      store.grad_from_host(p, g);
+    }
+    DataParallel dp(store, store.dense(), store.dense_members(), *comm, zero, ReduceDtype::fp32,
+                    DataParallel::kRoundValues, overlap);
+    EXPECT_EQ(dp.overlapped(), overlap && R > 1);
+    comm->reset_bytes_sent();
+    dp.post_layer(store, 1);  // the backward passes layer 1 first
+    dp.progress();
+    dp.post_layer(store, 1);  // posted already: nothing
+    dp.post_layer(store, 0);
+    dp.reduce_gradients(store);
+    int64_t bytes = comm->bytes_sent();
+    const auto got = store.grads_to_host();
+    at = 0;
+    int64_t checked = 0;
+    for (size_t p = 0; p < table.params.size(); ++p) {
+      const RowRange own = dp.owned(p);
+      const int64_t cols = table.params[p].cols;
+      for (int64_t e = 0; e < table.params[p].numel(); ++e, ++at) {
+        if (e / cols < own.begin || e / cols >= own.end) continue;
+        double want = 0;
+        for (int r = 0; r < R; ++r) want += integer_grad(r, at);
+        ASSERT_EQ(double(got[p][size_t(e)]), want) << table.params[p].name << "[" << e << "]";
+        ++checked;
+      }
+    }
+    int64_t sums[2] = {checked, bytes};
+    host.allreduce_sum(sums, 2);
+    EXPECT_EQ(sums[0], zero || R == 1 ? 25 : 25 * R);
+    // Over the ranks: the reduce-scatter sends (R - 1) x 25 values; an all-reduce twice that (the
+    // ring's count rounds down per rank and bucket).
+    const int64_t want_bytes = (zero ? 1 : 2) * (R - 1) * 25 * 4;
+    EXPECT_NEAR(double(sums[1]), double(want_bytes), zero ? 0 : 3 * R);
+    // A second step reuses the buckets: posted again, waited again.
+    dp.reduce_gradients(store);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, GradReduce, testing::Values(DeviceKind::cpu, DeviceKind::emulated),
                          [](const testing::TestParamInfo<DeviceKind>& i) { return std::string(to_string(i.param)); });
 
