@@ -76,7 +76,10 @@ struct Roofline {
   double compute_mb = 0;   // the slowest stage's compute per micro-batch, s
   double comm_mb = 0;      // its tp, ep and pp communication per micro-batch, s
   double memory_mb = 0;    // its memory-bound traffic per micro-batch, s
-  double dp = 0;           // the step's dp + edp communication, s
+  double dp = 0;           // the step's dp + edp communication, s (the whole of it)
+  double dp_exposed = 0;   // of it, what the step waits for (optim.overlap_grad_reduce, --overlap)
+  int pace_stage = 0;      // the slowest stage (its time per micro-batch sets 1F1B's pace)
+  double pace_ratio = 1;   // its time per micro-batch over the stages' mean
   double optimizer = 0;    // the step's AdamW and FP8 weight quantization, s
   double bubble = 0;       // s
   double step = 0;         // s

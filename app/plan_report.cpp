@@ -244,8 +244,15 @@ void print_roofline_step(const PlanReport& rep) {
               seconds_text(r.compute_mb).c_str(), seconds_text(r.memory_mb).c_str(), seconds_text(r.comm_mb).c_str(),
               o.overlap ? " (hidden behind compute: --overlap)" : " (exposed)");
   std::printf("  x %d micro-batches + bubble %s + dp/edp %s%s + optimizer %s = %s per step\n", L.micro_batches,
-              seconds_text(r.bubble).c_str(), seconds_text(r.dp).c_str(), o.overlap ? " (overlapped)" : "",
+              seconds_text(r.bubble).c_str(), seconds_text(r.dp_exposed).c_str(),
+              o.overlap ? " (the rest overlapped: --overlap)"
+              : r.dp_exposed < r.dp ? (" exposed of " + seconds_text(r.dp) + " (optim.overlap_grad_reduce: the reduce-scatter behind the last backward)").c_str()
+                                    : "",
               seconds_text(r.optimizer).c_str(), seconds_text(r.step).c_str());
+  if (p.mem.size() > 1)
+    std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch (parallel.stage_layers %s)\n",
+                r.pace_stage, r.pace_ratio,
+                c.parallel.stage_layers.split == StageSplit::even ? "even" : c.parallel.stage_layers.split == StageSplit::balanced ? "balanced" : "given");
   const double tps = step_tokens / r.step;
   std::printf("  %.0f tokens/s, MFU %.3f of the %s peak\n", tps, tps * model_flops / (world * (c.fp8.recipe != Fp8Recipe::off ? d.fp8 : d.fp32)),
               c.fp8.recipe != Fp8Recipe::off ? "FP8" : "FP32");

@@ -86,7 +86,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     r.step = L.micro_batches * r.compute_mb + r.quantize + r.optimizer;
     return r;
   }
-  double slowest = -1, sum_compute = 0, sum_memory = 0;
+  double slowest = -1, sum_compute = 0, sum_memory = 0, sum_t = 0, backward_share = 0;
   for (size_t s = 0; s < p.mem.size(); ++s) {
     const StageFlops& f = p.flops[s];
     const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.bf16_gemm / (eff * d.bf16) +
@@ -101,8 +101,11 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     for (int g : {0, 1, 4}) comm += per_group[size_t(g)] / L.micro_batches;
     if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
+    sum_t += t;
     if (t > slowest) {
-      slowest = t;
+      slowest = t, r.pace_stage = int(s);
+      // The backward's share of the stage's work: the forward is a third of what is not recomputed.
+      backward_share = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
       r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group;
       r.dp = hidden ? 0 : per_group[2] + per_group[3];
       // AdamW on the owned rows: parameter, gradient (read), m and v (read and written), the
@@ -113,12 +116,24 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
       r.optimizer = (owned * (4 + 4 + 4 + 4 * mb) + m.fp8_weights * 5) / d.hbm;
     }
   }
+  r.pace_ratio = sum_t > 0 ? slowest / (sum_t / double(p.mem.size())) : 1;
   if (balanced) r.compute_mb = sum_compute / double(p.mem.size()), r.memory_mb = sum_memory / double(p.mem.size());
   const double per_mb = o.overlap ? std::max(r.compute_mb + r.memory_mb, r.comm_mb) : r.compute_mb + r.memory_mb + r.comm_mb;
   r.bubble = (L.pipeline - 1) * per_mb;
   const double busy = L.micro_batches * per_mb;
-  const double dp = o.overlap ? std::max(0.0, r.dp - busy) : r.dp;
-  r.step = busy + r.bubble + dp + r.optimizer;
+  if (o.overlap) {
+    r.dp_exposed = std::max(0.0, r.dp - busy);
+  } else if (c.optim.overlap_grad_reduce && c.optim.grad_reduce == ReduceDtype::fp32) {
+    // fp8moe's overlap (model/data_parallel.h): each layer's reduction posted once the step's last
+    // backward has passed it, so it runs behind the rest of that backward, at most one
+    // micro-batch's backward; ZeRO-1's all-gather of the weights (half the bytes) follows the
+    // optimizer, exposed. Without ZeRO the all-reduce is all of it.
+    const double behind = c.optim.zero == 1 ? r.dp / 2 : r.dp;
+    r.dp_exposed = r.dp - behind + std::max(0.0, behind - backward_share * r.compute_mb);
+  } else {
+    r.dp_exposed = r.dp;
+  }
+  r.step = busy + r.bubble + r.dp_exposed + r.optimizer;
   return r;
 }
 

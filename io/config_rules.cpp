@@ -7,6 +7,7 @@
 #include "io/config_internal.h"
 #include "parallel/grid.h"  // grid_layout_problem: the world-size rules
 
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,6 +128,13 @@ void split_rules(const Rule& rule, const Config& c) {
        "a divisor of model.moe.n_experts = " + num(m.moe.n_experts) + " (each expert rank owns whole experts)");
   rule(p.pipeline <= m.n_layers, "parallel.pipeline",
        "at most model.n_layers = " + num(m.n_layers) + " (every stage needs a layer)");
+  if (p.stage_layers.split == StageSplit::given) {
+    const std::vector<int>& g = p.stage_layers.given;
+    rule(int(g.size()) == p.pipeline, "parallel.stage_layers",
+         "one count per pipeline stage: parallel.pipeline = " + num(p.pipeline) + " counts, got " + num(int64_t(g.size())));
+    rule(std::accumulate(g.begin(), g.end(), int64_t(0)) == m.n_layers, "parallel.stage_layers",
+         "counts that add up to model.n_layers = " + num(m.n_layers));
+  }
   rule(c.train.recompute == Recompute::none || c.fp8.recipe != Fp8Recipe::delayed || p.pipeline == 1,
        "train.recompute",
        "none with fp8.recipe delayed and parallel.pipeline > 1 (1F1B runs later micro-batches' forwards before a "

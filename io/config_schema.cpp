@@ -189,6 +189,46 @@ Field choice(std::string path, Ref ref, std::string doc) {
   return f;
 }
 
+// parallel.stage_layers: even | balanced | [blocks of stage 0, blocks of stage 1, ...].
+Field stage_layers_field() {
+  const std::string path = "parallel.stage_layers",
+                    expected = "even, balanced, or a list of blocks per stage [n0, n1, ...], each >= 1";
+  Field f{path, expected,
+          "The blocks of each pipeline stage: even (earlier stages take the extra blocks), balanced (by "
+          "work: each block's GEMM and attention FLOPs, the last stage's head and multi-token prediction "
+          "modules counted; the split whose slowest stage is fastest), or the counts, one per stage "
+          "(Megatron's first/last-stage layer counts, in full).",
+          {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    StageLayers& s = c.parallel.stage_layers;
+    if (n.IsSequence()) {
+      if (n.size() == 0) fail(where, path, describe(n), expected);
+      s.split = StageSplit::given, s.given.clear();
+      for (size_t i = 0; i < n.size(); ++i) {
+        int64_t v = 0;
+        const std::string item = path + "[" + std::to_string(i) + "]";
+        if (!n[i].IsScalar() || !parse_number(n[i].Scalar(), &v) || v < 1 || v > (1 << 20))
+          fail(where, item, describe(n[i]), "an integer >= 1");
+        s.given.push_back(int(v));
+      }
+      return;
+    }
+    const std::string& v = scalar_or_fail(n, where, path, expected);
+    if (v == "even") s.split = StageSplit::even, s.given.clear();
+    else if (v == "balanced") s.split = StageSplit::balanced, s.given.clear();
+    else fail(where, path, describe(n), expected);
+  };
+  f.show = [=](const Config& c) {
+    const StageLayers& s = c.parallel.stage_layers;
+    if (s.split != StageSplit::given) return YAML::Node(s.split == StageSplit::even ? "even" : "balanced");
+    YAML::Node list(YAML::NodeType::Sequence);
+    for (int v : s.given) list.push_back(v);
+    list.SetStyle(YAML::EmitterStyle::Flow);
+    return list;
+  };
+  return f;
+}
+
 // train.loss_scale: none | dynamic | a positive number (static scale).
 Field loss_scale_field() {
   const std::string path = "train.loss_scale", expected = "none, dynamic, or a number > 0 (a static scale)";
@@ -375,6 +415,7 @@ const std::vector<Field>& schema() {
     // parallel
     v.push_back(integer("parallel.tensor", REF(parallel.tensor), 1, 1 << 16, "Tensor-parallel size."));
     v.push_back(integer("parallel.pipeline", REF(parallel.pipeline), 1, 1 << 16, "Pipeline stages."));
+    v.push_back(stage_layers_field());
     v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,
                         "Expert-parallel size; divides the data-parallel size (world / (tensor x pipeline))."));
     v.push_back(integer("parallel.micro_batches", REF(parallel.micro_batches), 1, 1 << 16,

@@ -20,6 +20,7 @@ enum class Recompute { none, selective, moe, full };
 enum class ActivationDtype { fp32, bf16 };  // train.activations
 enum class GemmDtype { fp32, bf16 };        // train.hp_gemm
 enum class ReduceDtype { fp32, bf16 };      // optim.grad_reduce
+enum class StageSplit { even, balanced, given };  // parallel.stage_layers
 enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
@@ -91,11 +92,19 @@ struct ModelConfig {
   bool operator==(const ModelConfig&) const = default;
 };
 
+// parallel.stage_layers: the blocks of each pipeline stage (model/placement.h stage_split).
+struct StageLayers {
+  StageSplit split = StageSplit::even;
+  std::vector<int> given;  // split given: one count per stage
+  bool operator==(const StageLayers&) const = default;
+};
+
 struct ParallelConfig {
   int tensor = 1;
   int pipeline = 1;
   int expert = 1;
   int micro_batches = 1;
+  StageLayers stage_layers;
   bool operator==(const ParallelConfig&) const = default;
 };
 

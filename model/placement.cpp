@@ -1,5 +1,8 @@
 #include "model/placement.h"
 
+#include <algorithm>
+#include <numeric>
+
 #include "kernels/check.h"
 
 namespace fp8moe {
@@ -7,6 +10,67 @@ namespace fp8moe {
 std::pair<int, int> stage_layers(int n_layers, int stage, int stages) {
   auto first = [&](int s) { return int((int64_t(s) * n_layers + stages - 1) / stages); };
   return {first(stage), first(stage + 1)};
+}
+
+LayerCosts layer_costs(const ModelConfig& m, int64_t T) {
+  LayerCosts c;
+  c.block.assign(size_t(m.n_layers), 0.0);
+  const double routed = double(m.moe.top_k) / double(std::max(1, m.moe.n_experts));
+  for (const ParamSpec& p : build_param_table(m).params) {
+    if (p.cols == 1 || p.rows == 1 || !p.trainable || p.name == "embed.weight") continue;  // norms, lookups
+    const double fwd = 2 * double(p.numel()) * (p.expert >= 0 ? routed : 1.0) * (p.name == "head.weight" ? 1 + m.mtp_depth : 1);
+    (p.layer >= 0 && p.layer < m.n_layers ? c.block[size_t(p.layer)] : c.last) += fwd;
+  }
+  const double core = double(m.n_heads) * double(m.qk_head_dim() + m.v_dim()) * double(T);
+  for (double& b : c.block) b += core;
+  c.last += core * m.mtp_depth;
+  return c;
+}
+
+std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T) {
+  const int L = m.n_layers, P = stages;
+  FP8MOE_ASSERT(P >= 1 && P <= L, L, " blocks over ", P, " pipeline stages");
+  std::vector<int> counts(static_cast<size_t>(P));
+  if (P == 1) return {L};  // (a one-rank tool of a pipelined config: generate, export)
+  if (s.split == StageSplit::given) {
+    FP8MOE_ASSERT(int(s.given.size()) == P, "parallel.stage_layers gives ", s.given.size(), " stages, not ", P);
+    return s.given;
+  }
+  if (s.split == StageSplit::even) {
+    for (int p = 0; p < P; ++p) {
+      const auto [b, e] = stage_layers(L, p, P);
+      counts[size_t(p)] = e - b;
+    }
+    return counts;
+  }
+  // Balanced. cost(p, l, e): stage p holding blocks [l, e) (the last stage carries costs.last);
+  // best[p][l]: the least cost of the most expensive stage when stages 0..p hold blocks [0, l).
+  const LayerCosts c = layer_costs(m, T);
+  std::vector<double> prefix(size_t(L) + 1, 0.0);
+  for (int l = 0; l < L; ++l) prefix[size_t(l + 1)] = prefix[size_t(l)] + c.block[size_t(l)];
+  auto cost = [&](int p, int l, int e) { return prefix[size_t(e)] - prefix[size_t(l)] + (p == P - 1 ? c.last : 0); };
+  constexpr double kInf = 1e300;
+  std::vector<std::vector<double>> best(size_t(P), std::vector<double>(size_t(L) + 1, kInf));
+  for (int l = 1; l <= L; ++l) best[0][size_t(l)] = cost(0, 0, l);
+  for (int p = 1; p < P; ++p)
+    for (int l = p + 1; l <= L; ++l)
+      for (int j = p; j < l; ++j)
+        best[size_t(p)][size_t(l)] = std::min(best[size_t(p)][size_t(l)], std::max(best[size_t(p - 1)][size_t(j)], cost(p, j, l)));
+  const double worst = best[size_t(P - 1)][size_t(L)];
+  // fits[p][l]: stages p.. can hold blocks [l, L), at least one each, none costing more than worst.
+  // Then each stage in turn takes the most blocks that leave the rest a split that fits.
+  std::vector<std::vector<char>> fits(size_t(P) + 1, std::vector<char>(size_t(L) + 1, 0));
+  fits[size_t(P)][size_t(L)] = 1;
+  for (int p = P - 1; p >= 0; --p)
+    for (int l = 0; l < L; ++l)
+      for (int e = l + 1; e <= L && !fits[size_t(p)][size_t(l)]; ++e)
+        fits[size_t(p)][size_t(l)] = fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst;
+  for (int p = 0, l = 0; p < P; ++p) {
+    int e = L;
+    while (!(fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst)) --e;
+    counts[size_t(p)] = e - l, l = e;
+  }
+  return counts;
 }
 
 RowRange replica_rows(int64_t rows, int replica, int replicas) {
@@ -18,7 +82,16 @@ Placement::Placement(const ModelConfig& m, const GridPosition& at)
   FP8MOE_ASSERT(at.stages <= m.n_layers, m.n_layers, " blocks over ", at.stages, " pipeline stages");
   FP8MOE_ASSERT(m.moe.n_experts % at.experts == 0, m.moe.n_experts, " experts over ", at.experts,
                 " expert-parallel ranks");
-  std::tie(layer_begin_, layer_end_) = stage_layers(m.n_layers, at.stage, at.stages);
+  if (at.split.empty()) {
+    std::tie(layer_begin_, layer_end_) = stage_layers(m.n_layers, at.stage, at.stages);
+  } else {
+    FP8MOE_ASSERT(int(at.split.size()) == at.stages, at.split.size(), " stage block counts for ", at.stages, " stages");
+    FP8MOE_ASSERT(std::accumulate(at.split.begin(), at.split.end(), 0) == m.n_layers &&
+                      *std::min_element(at.split.begin(), at.split.end()) >= 1,
+                  "the stages' block counts must be at least 1 each and add up to ", m.n_layers);
+    layer_begin_ = std::accumulate(at.split.begin(), at.split.begin() + at.stage, 0);
+    layer_end_ = layer_begin_ + at.split[size_t(at.stage)];
+  }
   const int t = at.tensor;
   // (MLA's latents are replicated: its ranks are not split.)
   FP8MOE_ASSERT(m.n_heads % t == 0 && (m.mla() || m.n_kv_heads % t == 0) && m.d_ff_dense % t == 0 &&

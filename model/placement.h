@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "model/config.h"
 #include "model/param_table.h"
@@ -18,17 +19,36 @@
 
 namespace fp8moe {
 
-// A rank's position in each model-parallel group: its rank in it and the group's size.
+// A rank's position in each model-parallel group: its rank in it and the group's size; split: the
+// blocks of each pipeline stage (stage_split), empty for the even split.
 struct GridPosition {
   int tensor_rank = 0, tensor = 1;
   int stage = 0, stages = 1;
   int expert_rank = 0, experts = 1;
+  std::vector<int> split;
 };
 
 // The blocks of pipeline stage `stage` of `stages`: [ceil(s L / P), ceil((s + 1) L / P)) — the
 // earlier stages take the extra blocks of an uneven split (the last one also runs the head and the
 // loss).
 std::pair<int, int> stage_layers(int n_layers, int stage, int stages);
+
+// The work of the model's pieces for splitting it into stages: forward FLOPs per token of each
+// block's GEMMs (the routed experts at top_k of n_experts, the router included) and attention core
+// at sequence length T (causal: T / 2 keys a query on average); `last`: what the last stage runs
+// besides its blocks (the head, for the model and each multi-token prediction module, and the
+// modules themselves, eh_proj and block). The embedding is a lookup: no work counted.
+struct LayerCosts {
+  std::vector<double> block;
+  double last = 0;
+};
+LayerCosts layer_costs(const ModelConfig& m, int64_t T);
+
+// Blocks per stage by parallel.stage_layers: even (stage_layers above), given, or balanced: the
+// contiguous split, every stage at least one block, whose most expensive stage (its blocks, and
+// the last stage's head and modules, by layer_costs) costs least; among equals, the one with the
+// most blocks on the earlier stages.
+std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T);
 
 // Rows [begin, end) of a parameter's (rows, cols) tensor.
 struct RowRange {

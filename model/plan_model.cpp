@@ -91,7 +91,7 @@ bool is_recomputed(const Config& c, int layer) {
 
 GridPosition position(const PlanLayout& L, int stage) {
   GridPosition at;
-  at.tensor = L.tensor, at.stages = L.pipeline, at.stage = stage, at.experts = L.expert;
+  at.tensor = L.tensor, at.stages = L.pipeline, at.stage = stage, at.experts = L.expert, at.split = L.split;
   return at;
 }
 
@@ -205,6 +205,7 @@ PlanLayout plan_layout(const Config& c, int world) {
   L.micro_batches = c.parallel.micro_batches;
   L.sequences = int64_t(c.train.global_batch) / (int64_t(L.data) * L.micro_batches);
   L.seq_len = c.train.seq_len;
+  L.split = stage_split(c.model, c.parallel.stage_layers, L.pipeline, L.seq_len);
   return L;
 }
 

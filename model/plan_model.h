@@ -22,6 +22,7 @@ struct PlanLayout {
   int world = 1, tensor = 1, pipeline = 1, expert = 1, data = 1, expert_data = 1, micro_batches = 1;
   int64_t sequences = 1;  // per replica and micro-batch (StageRunner::sequences())
   int64_t seq_len = 1;
+  std::vector<int> split;  // blocks per pipeline stage (parallel.stage_layers: model/placement.h stage_split)
   int64_t tokens() const { return sequences * seq_len; }  // N of one micro-batch on one rank
 };
 // Assumes a config load_config accepted for `world` ranks.

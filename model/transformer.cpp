@@ -51,11 +51,12 @@ void RopeTables::ensure(Backend& be, const ModelConfig& m, int64_t len) {
 }
 
 namespace {
-GridPosition position_in(const ModelGroups& g) {
+GridPosition position_in(const Config& c, const ModelGroups& g) {
   GridPosition at;
   if (g.tensor) at.tensor_rank = g.tensor->rank(), at.tensor = g.tensor->size();
   if (g.pipeline) at.stage = g.pipeline->rank(), at.stages = g.pipeline->size();
   if (g.expert) at.expert_rank = g.expert->rank(), at.experts = g.expert->size();
+  at.split = stage_split(c.model, c.parallel.stage_layers, at.stages, c.train.seq_len);
   return at;
 }
 
@@ -66,7 +67,7 @@ int64_t count_targets(const int32_t* targets, int64_t N, int32_t pad) {
 
 Transformer::Transformer(Backend& be, const Config& cfg, ModelGroups groups)
     : be_(be), cfg_(cfg), table_(build_param_table(cfg.model)), groups_(groups),
-      placement_(cfg.model, position_in(groups)) {
+      placement_(cfg.model, position_in(cfg, groups)) {
   const ModelConfig& m = cfg_.model;
   if (groups.expert && groups.expert->size() > 1) {
     FP8MOE_ASSERT(groups.expert_counts, "expert parallelism needs the expert group's host communicator");

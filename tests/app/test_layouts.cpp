@@ -165,6 +165,9 @@ const std::vector<Layout> kLayouts = {
     {"pp2 x ep2 (dp2)", 4, {"parallel.pipeline=2", "parallel.expert=2"}},
     {"tp2 x pp2 x ep2 (dp2)", 8, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}},
     {"pp4, 8 micro-batches", 4, {"parallel.pipeline=4", "parallel.micro_batches=8"}},
+    // parallel.stage_layers: the blocks given per stage, and split by work (model/placement.h).
+    {"pp2, stages [1, 3]", 2, {"parallel.pipeline=2", "parallel.stage_layers=[1,3]"}},
+    {"pp3 balanced x ep2", 6, {"parallel.pipeline=3", "parallel.stage_layers=balanced", "parallel.expert=2"}},
 };
 
 TEST_F(Layouts, SameLossOnEveryLayout) {

@@ -3,6 +3,7 @@
 // states (stages split blocks earlier-heavy, experts in consecutive runs, tp slices in rank order).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <vector>
 
 #include "model/placement.h"
@@ -25,6 +26,79 @@ TEST(Placement, StageBlocksAreContiguousAndTheEarlierStagesTakeTheRemainder) {
   EXPECT_EQ(stage_layers(5, 1, 3), (std::pair<int, int>{2, 4}));
   EXPECT_EQ(stage_layers(5, 2, 3), (std::pair<int, int>{4, 5}));
   EXPECT_EQ(stage_layers(61, 15, 16), (std::pair<int, int>{58, 61}));  // DeepSeek-V3's 61 over 16
+}
+
+// parallel.stage_layers: even is the rule above, given is taken as it is, and a Placement with a
+// split holds the blocks it says.
+TEST(Placement, StageSplitEvenGivenAndTheBlocksAStageHolds) {
+  const ModelConfig m = model();
+  EXPECT_EQ(stage_split(m, {}, 2, 16), (std::vector<int>{3, 2}));
+  EXPECT_EQ(stage_split(m, {}, 3, 16), (std::vector<int>{2, 2, 1}));
+  EXPECT_EQ(stage_split(m, {StageSplit::given, {1, 1, 3}}, 3, 16), (std::vector<int>{1, 1, 3}));
+  EXPECT_EQ(stage_split(m, {StageSplit::given, {1, 1, 3}}, 1, 16), (std::vector<int>{5}));  // a one-rank tool
+  const int begin[] = {0, 1, 2}, end[] = {1, 2, 5};
+  for (int s = 0; s < 3; ++s) {
+    const Placement pl(m, {.stage = s, .stages = 3, .split = {1, 1, 3}});
+    EXPECT_EQ(pl.layer_begin(), begin[s]);
+    EXPECT_EQ(pl.layer_end(), end[s]);
+    EXPECT_EQ(pl.first_stage(), s == 0);
+    EXPECT_EQ(pl.last_stage(), s == 2);
+  }
+}
+
+// The forward FLOPs per token of a block and of the last stage's extra work, written out for a
+// GQA model from its shapes (integers: every sum below is exact in a double).
+int64_t gqa_block_flops(const ModelConfig& m, int l, int64_t T) {
+  const int64_t D = m.d_model, q = int64_t(m.n_heads) * m.head_dim, kv = int64_t(m.n_kv_heads) * m.head_dim;
+  int64_t f = 2 * (D * q + 2 * D * kv + q * D);                                // wq, wk, wv, wo
+  f += int64_t(m.n_heads) * 2 * m.head_dim * T;                                // QK^T and PV, causal
+  if (l < m.first_dense_layers) return f + 2 * 3 * D * m.d_ff_dense;           // w1, w3, w2
+  const int64_t E = m.moe.n_experts, k = m.moe.top_k, F = m.moe.d_expert;
+  return f + 2 * E * D + 2 * 3 * D * F * m.moe.n_shared_experts + 2 * 3 * D * F * k;  // router, shared, routed top k
+}
+
+// balanced: against every composition of the blocks into the stages, by the costs above: the split
+// whose most expensive stage costs least, and among those the one with the most blocks earliest
+// (the lexicographically greatest counts).
+TEST(Placement, BalancedSplitIsTheBestOfEveryComposition) {
+  for (const int64_t T : {int64_t(16), int64_t(4096)})
+  for (const int depth : {0, 1})
+  for (const int64_t V : {int64_t(64), int64_t(4096)}) {
+    ModelConfig m = model();
+    m.n_layers = 7, m.mtp_depth = depth, m.vocab_size = int(V);
+    std::vector<int64_t> block;
+    for (int l = 0; l < m.n_layers; ++l) block.push_back(gqa_block_flops(m, l, T));
+    // The last stage: the head for the model and each module, and each module's eh_proj and block
+    // (an MoE block).
+    const int64_t last = 2 * V * m.d_model * (1 + depth) +
+                         depth * (2 * 2 * int64_t(m.d_model) * m.d_model + gqa_block_flops(m, m.n_layers, T));
+    const LayerCosts c = layer_costs(m, T);
+    for (int l = 0; l < m.n_layers; ++l) ASSERT_EQ(c.block[size_t(l)], double(block[size_t(l)])) << "block " << l;
+    ASSERT_EQ(c.last, double(last));
+    for (int P = 2; P <= 5; ++P) {
+      SCOPED_TRACE("T " + std::to_string(T) + " mtp " + std::to_string(depth) + " V " + std::to_string(V) + " P " +
+                   std::to_string(P));
+      std::vector<int> best, counts(size_t(P), 1);
+      int64_t best_cost = -1;
+      // Every composition of n_layers into P parts >= 1, in lexicographically decreasing order.
+      std::function<void(int, int)> visit = [&](int p, int left) {
+        if (p == P - 1) {
+          counts[size_t(p)] = left;
+          int64_t worst = 0;
+          for (int s = 0, l = 0; s < P; ++s) {
+            int64_t stage = s == P - 1 ? last : 0;
+            for (int i = 0; i < counts[size_t(s)]; ++i) stage += block[size_t(l++)];
+            worst = std::max(worst, stage);
+          }
+          if (best_cost < 0 || worst < best_cost) best_cost = worst, best = counts;
+          return;
+        }
+        for (int n = left - (P - 1 - p); n >= 1; --n) counts[size_t(p)] = n, visit(p + 1, left - n);
+      };
+      visit(0, m.n_layers);
+      EXPECT_EQ(stage_split(m, {StageSplit::balanced, {}}, P, T), best);
+    }
+  }
 }
 
 TEST(Placement, ExpertsAreConsecutiveRunsOfEOverPAndTheOwnerAgrees) {
