@@ -135,6 +135,10 @@ void MpiCommunicator::isend(const float* data, int64_t n, int peer, int tag) {
   MPI_Request r;
   MPI_CHECK(MPI_Isend(data, as_count(n, "isend"), MPI_FLOAT, peer, tag, comm_, &r));
   pending_.push_back(r);
+  if (trace::on()) {  // the timeline: from the post to the end of wait_sends
+    pending_ids_.push_back(trace::next_id());
+    trace::async_begin("send", name_, pending_ids_.back());
+  }
 }
 
 void MpiCommunicator::wait_sends() {
@@ -142,6 +146,8 @@ void MpiCommunicator::wait_sends() {
   const WatchScope watch("wait for sends", name_);
   MPI_CHECK(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE));
   pending_.clear();
+  for (int64_t id : pending_ids_) trace::async_end("send", name_, id);
+  pending_ids_.clear();
 }
 
 }  // namespace fp8moe

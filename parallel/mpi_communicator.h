@@ -58,6 +58,7 @@ class MpiCommunicator final : public Communicator {
   template <class T>
   void allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op);
   std::vector<MPI_Request> pending_;
+  std::vector<int64_t> pending_ids_;  // their timeline ids, while tracing
   MPI_Comm comm_;
   const char* name_;
   int rank_ = 0, size_ = 1;

@@ -11,7 +11,7 @@
 Events: "X" complete events (cat compute: forward / backward of a micro-batch, optimizer; cat
 phase: the gradient reduction's waits after the backward; cat step: the whole step; cat = a group name, tp ep dp edp pp world: a blocking call or
 a wait), and "b"/"e" pairs (cat = the group) from a non-blocking collective's post to the end of its
-wait. Standard library only.
+wait, and from each pipeline send's post to the end of the wait for it. Standard library only.
 """
 import argparse
 import glob
@@ -98,7 +98,7 @@ def summary(directory):
         by_group = {}
         for e in comm:
             by_group[e["cat"]] = by_group.get(e["cat"], 0) + e["dur"]
-        pairs = posted(events)
+        pairs = [x for x in posted(events) if x[1] != "send"]  # the reductions (not the pipeline's sends)
         backward = intervals(events, lambda e: e.get("cat") == "compute" and e["name"] == "backward")
         span = sum(w - p for _, _, p, w in pairs)
         hidden = sum(covered((p, w), backward) for _, _, p, w in pairs)
@@ -108,7 +108,8 @@ def summary(directory):
               f"  {span / 1e6:6.3f}  {hidden / 1e6:6.3f}  {waits / 1e6:12.3f}  {groups}")
     print("step: the traced steps' wall time; compute: forward, backward and optimizer;\n"
           "blocked: inside communication calls (pipeline receives in parentheses: the bubble); posted:\n"
-          "post-to-wait spans of the non-blocking reductions, hidden: their part under a backward;\n"
+          "post-to-wait spans of the non-blocking reductions (not the pipeline's sends), hidden: their\n"
+          "part under a backward;\n"
           "exposed-wait: the time their waits blocked.")
 
 
