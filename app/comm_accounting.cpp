@@ -5,22 +5,24 @@
 
 namespace fp8moe {
 
-CommAccounting::CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups,
-                               int64_t sequences)
+CommAccounting::CommAccounting(const Config& cfg, const Transformer& model, ExpertDispatcher* dispatcher,
+                               const TrainGroups& groups, int64_t sequences)
     : cfg_(cfg), model_(model), g_(groups),
       counted_{groups.tensor, groups.expert, groups.data, groups.expert_data, groups.pipeline}, sequences_(sequences) {
   for (size_t i = 0; i < model.table().params.size(); ++i)
     if (model.holds(i) && model.table().params[i].trainable)
       (model.table().params[i].expert >= 0 ? expert_bytes_ : dense_bytes_) += double(model.shard(i).numel()) * 4;
+  dispatcher_ = dispatcher;
 }
 
 void CommAccounting::start_step() {
   for (const GroupPair& c : counted_) c.reset_bytes_sent();
+  if (dispatcher_) dispatcher_->reset_node_bytes();
 }
 
 // The analytical count, per step: model/plan_model.h's analytic_comm_bytes (README
 // "Communication"), which `fp8moe plan` also prints; here for this rank's stage, summed over the ranks.
-void CommAccounting::end_step(double rows_off) {
+void CommAccounting::end_step(double rows_off, double rows_off_node) {
   const Placement& place = model_.placement();
   CommShape shape;
   shape.model = &cfg_.model;
@@ -34,10 +36,20 @@ void CommAccounting::end_step(double rows_off) {
   shape.fp8 = cfg_.fp8.recipe == Fp8Recipe::off ? nullptr : &cfg_.fp8, shape.activations = cfg_.train.activations;
   shape.grad_reduce = cfg_.optim.grad_reduce;
   const std::array<double, 5> expected = analytic_comm_bytes(shape);
-  double local[10] = {};
+  double local[15] = {};
   for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)].bytes_sent()), local[5 + g] = expected[size_t(g)];
-  g_.world->allreduce_sum(local, 10);
+  // The rows by node: each routed row whose expert is on another rank crosses once in each of the
+  // four exchanges, at each exchange's row size (model/plan_model.h expert_row_bytes).
+  if (dispatcher_) {
+    const double row = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations).total();
+    local[10] = double(dispatcher_->node_bytes().in_node), local[11] = double(dispatcher_->node_bytes().across);
+    local[12] = (rows_off - rows_off_node) * row, local[13] = rows_off_node * row;
+    local[14] = dispatcher_->spans_nodes() ? 1 : 0;
+  }
+  g_.world->allreduce_sum(local, 15);
   for (int g = 0; g < 5; ++g) measured_[size_t(g)] = local[g], expected_[size_t(g)] = local[5 + g];
+  node_measured_ = {local[10], local[11]}, node_expected_ = {local[12], local[13]};
+  spans_nodes_ = local[14] > 0;
 }
 
 void CommAccounting::print() const {
@@ -47,6 +59,12 @@ void CommAccounting::print() const {
     if (expected_[g] > 0 || measured_[g] > 0)
       std::printf("  %-5s  %12.0f  %12.0f  %5.3f\n", kCommGroupNames[g], measured_[g], expected_[g],
                   expected_[g] > 0 ? measured_[g] / expected_[g] : NAN);
+  if (!spans_nodes_) return;
+  std::printf("  the expert rows of ep (runtime.ranks_per_node), in the same node and across nodes:\n");
+  const char* names[2] = {"ep-in", "ep-x"};
+  for (size_t k = 0; k < 2; ++k)
+    std::printf("  %-5s  %12.0f  %12.0f  %5.3f\n", names[k], node_measured_[k], node_expected_[k],
+                node_expected_[k] > 0 ? node_measured_[k] / node_expected_[k] : NAN);
 }
 
 }  // namespace fp8moe

@@ -33,12 +33,16 @@ struct TrainGroups {
 class CommAccounting {
  public:
   // sequences: per data-parallel replica in each micro-batch (StageRunner::sequences()).
-  CommAccounting(const Config& cfg, const Transformer& model, const TrainGroups& groups, int64_t sequences);
+  // dispatcher: the model's expert exchange (nullptr without expert parallelism), whose rows'
+  // bytes in-node and across nodes are counted too.
+  CommAccounting(const Config& cfg, const Transformer& model, ExpertDispatcher* dispatcher, const TrainGroups& groups,
+                 int64_t sequences);
   // Before a step: zero every group's byte counter.
   void start_step();
   // After a step (collective over the world): this step's measured and analytical bytes.
-  // rows_off_rank: the routed rows of this rank whose expert lives on another expert rank.
-  void end_step(double rows_off_rank);
+  // rows_off_rank: the routed rows of this rank whose expert lives on another expert rank;
+  // rows_off_node: of them, those whose expert's rank is on another node.
+  void end_step(double rows_off_rank, double rows_off_node = 0);
   // The table of the last measured step (rank 0 calls it).
   void print() const;
 
@@ -50,6 +54,11 @@ class CommAccounting {
   int64_t sequences_ = 0;
   double dense_bytes_ = 0, expert_bytes_ = 0;  // the trainable parameters this rank holds, FP32
   std::array<double, 5> measured_{}, expected_{};
+  // The expert rows' bytes (the 4 exchanges, every row format) to ranks of this node and of other
+  // nodes, measured and analytical; printed where the expert group spans nodes.
+  ExpertDispatcher* dispatcher_ = nullptr;
+  bool spans_nodes_ = false;
+  std::array<double, 2> node_measured_{}, node_expected_{};
 };
 
 }  // namespace fp8moe

@@ -154,7 +154,10 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     for (size_t l = 0; l < r.expert_load.size(); ++l)
       for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
         load_flat_[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
-        if (place.expert_owner(int(e)) != place.at().expert_rank) local->rows_off_rank += double(r.expert_load[l][e]);
+        const int owner = place.expert_owner(int(e));
+        if (owner != place.at().expert_rank) local->rows_off_rank += double(r.expert_load[l][e]);
+        if (owner != place.at().expert_rank && !model_.dispatcher()->same_node(owner))
+          local->rows_off_node += double(r.expert_load[l][e]);
       }
   };
   // The step's last backward on this stage makes each layer's gradients final as it passes it.

@@ -36,6 +36,7 @@ struct StepTotals {
 // This rank's part of the step, for the communication and bubble accounting.
 struct StepLocal {
   double rows_off_rank = 0;  // routed rows whose expert lives on another expert-parallel rank
+  double rows_off_node = 0;  // of them, those whose expert's rank is on another node (runtime.ranks_per_node)
   double waited_s = 0;       // seconds blocked in pipeline receives
 };
 

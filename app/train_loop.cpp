@@ -160,7 +160,7 @@ class TrainLoop {
             TrainData& data, MetricsLog& jsonl, bool eval_on)
       : cfg_(cfg), grid_(grid), be_(be), t_(t), data_(data), world_(comms.world()),
         pipe_h_(*comms.groups().pipeline.host), root_(world_.rank() == 0), eval_on_(eval_on),
-        runner_(cfg, t.model, comms.runner()), comm_(cfg, t.model, comms.groups(), runner_.sequences()),
+        runner_(cfg, t.model, comms.runner()), comm_(cfg, t.model, t.model.dispatcher(), comms.groups(), runner_.sequences()),
         peak_(training_peak(cfg, be, world_.size())), reporter_(cfg, be, world_, jsonl, peak_),
         grad_sq_(be, DType::f64, {1}), first_step_(t.progress.step) {
     runner_.set_gradient_sync(&t.sync);
@@ -235,7 +235,7 @@ class TrainLoop {
     // Communication the step's compute did not hide: this rank's time blocked in collectives and
     // waits, less its pipeline receives (the bubble, reported apart).
     d.comm_exposed_s = std::max(0.0, trace::comm_blocked_s() - local.waited_s);
-    comm_.end_step(local.rows_off_rank);
+    comm_.end_step(local.rows_off_rank, local.rows_off_node);
     t_.scaler.update(!d.opt.skipped);
     if (!d.opt.skipped && !d.totals.expert_load.empty()) model.update_router_biases(d.totals.expert_load);
     d.transfers = be_.transfers() - transfers0;
@@ -362,7 +362,7 @@ class TrainLoop {
 }  // namespace
 
 int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
-  const TrainComms comms(grid, be, cfg.runtime.comm == CommChoice::nccl);
+  const TrainComms comms(grid, be, cfg.runtime.comm == CommChoice::nccl, cfg.runtime.ranks_per_node);
   Communicator& world = comms.world();
   const bool root = world.rank() == 0;
   // Bad input is found on every rank alike: every rank returns the same status, only rank 0 speaks.

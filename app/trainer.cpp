@@ -2,11 +2,12 @@
 
 #include "parallel/device_communicator.h"
 #include "parallel/mpi_communicator.h"
+#include "parallel/mpi_session.h"
 #include "parallel/self_communicator.h"
 
 namespace fp8moe {
 
-TrainComms::TrainComms(const ProcessGrid& grid, Backend& be, bool nccl) {
+TrainComms::TrainComms(const ProcessGrid& grid, Backend& be, bool nccl, int ranks_per_node) {
   auto host = [&](MPI_Comm comm, const char* name) {
     owned_.push_back(std::make_unique<MpiCommunicator>(comm, name));
     return owned_.back().get();
@@ -24,12 +25,16 @@ TrainComms::TrainComms(const ProcessGrid& grid, Backend& be, bool nccl) {
                *dp_d = on_device(dp, grid.data(), "dp"), *edp_d = on_device(edp, grid.expert_data(), "edp"),
                *pp_d = on_device(pp, grid.pipeline(), "pp");
   groups_ = {{tp_d, tp}, {ep_d, ep}, {dp_d, dp}, {edp_d, edp}, {pp_d, pp}, world};
+  const std::vector<int64_t> mine(size_t(ep->size()), node_index(grid.world(), ranks_per_node));
+  expert_nodes_.resize(mine.size());
+  ep->alltoall(mine.data(), expert_nodes_.data(), 1);  // block j of the result: rank j's node
 }
 
 TrainComms::TrainComms(Backend& be) {
   owned_.push_back(std::make_unique<SelfCommunicator>(be));
   Communicator* self = owned_.back().get();
   groups_ = {{self, self}, {self, self}, {self, self}, {self, self}, {self, self}, self};
+  expert_nodes_ = {0};
 }
 
 ModelGroups TrainComms::model() const {
@@ -49,6 +54,8 @@ Trainer::Trainer(const Config& cfg, Backend& be, const TrainComms& comms, std::s
            cfg.optim.overlap_grad_reduce),
       opt(be, sync.local_table(), cfg.train, sync.owned()),
       scaler(cfg.train),
-      state{&cfg, &model, &opt, &scaler, &progress, std::move(layout), sync.write_rows(), sync.moment_write_rows()} {}
+      state{&cfg, &model, &opt, &scaler, &progress, std::move(layout), sync.write_rows(), sync.moment_write_rows()} {
+  if (ExpertDispatcher* d = model.dispatcher()) d->set_nodes(comms.expert_nodes());
+}
 
 }  // namespace fp8moe

@@ -24,8 +24,9 @@ namespace fp8moe {
 // or the emulated device's own; on the CPU backend the host ones themselves).
 class TrainComms {
  public:
-  // Collective over the grid's world (NCCL's set-up on a GPU).
-  TrainComms(const ProcessGrid& grid, Backend& be, bool nccl);
+  // Collective over the grid's world (NCCL's set-up on a GPU). ranks_per_node: runtime.ranks_per_node
+  // (parallel/mpi_session.h node_index).
+  TrainComms(const ProcessGrid& grid, Backend& be, bool nccl, int ranks_per_node = 0);
   // One process alone, without MPI: every group is this rank (parallel/self_communicator.h).
   explicit TrainComms(Backend& be);
   TrainComms(const TrainComms&) = delete;
@@ -35,10 +36,13 @@ class TrainComms {
   Communicator& world() const { return *groups_.world; }
   ModelGroups model() const;
   RunnerGroups runner() const;
+  // The node of each rank of this rank's expert group (ExpertDispatcher::set_nodes).
+  const std::vector<int64_t>& expert_nodes() const { return expert_nodes_; }
 
  private:
   std::vector<std::unique_ptr<Communicator>> owned_;
   TrainGroups groups_{};
+  std::vector<int64_t> expert_nodes_;
 };
 
 // The trainer's objects over those groups: the model initialised from train.seed, AdamW with zero

@@ -177,6 +177,8 @@ void world_rules(const Rule& rule, const Config& c, int world_size) {
   rule(c.train.global_batch % (int64_t(data) * p.micro_batches) == 0, "train.global_batch",
        "a multiple of data-parallel size x parallel.micro_batches = " + num(data) + " x " + num(p.micro_batches) +
            " = " + num(int64_t(data) * p.micro_batches));
+  rule(c.runtime.ranks_per_node == 0 || world_size % c.runtime.ranks_per_node == 0, "runtime.ranks_per_node",
+       "0 or a divisor of the world size " + num(world_size) + " (every node holds as many ranks)");
 }
 
 }  // namespace

@@ -553,6 +553,10 @@ const std::vector<Field>& schema() {
                         "(CUTLASS's block-scaled FP8 grouped GEMM on cuda with fp8.recipe blockwise; the other "
                         "recipes and devices loop over the experts either way); false: one cuBLASLt GEMM per "
                         "expert."));
+    v.push_back(integer("runtime.ranks_per_node", REF(runtime.ranks_per_node), 0, 1 << 16,
+                        "The nodes the expert all-to-all's bytes are split by (in-node / across nodes, in the "
+                        "communication table): 0 = as MPI places the ranks (its shared-memory split); N = world "
+                        "ranks [k N, (k + 1) N) form node k (several simulated nodes on one machine)."));
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "

@@ -226,6 +226,10 @@ struct RuntimeConfig {
   // Watchdog limit (parallel/watchdog.h): longer than this in one collective, checkpoint I/O call
   // or training step ends the job. Generous: a step of a large model, a save on a slow file system.
   double timeout_s = 600;
+  // Ranks per node for the expert all-to-all's in-node / across-node accounting: 0 = the nodes MPI
+  // reports (its shared-memory split); N: world ranks [k N, (k + 1) N) are node k (tests simulate
+  // several nodes on one machine).
+  int ranks_per_node = 0;
   bool operator==(const RuntimeConfig&) const = default;
 };
 

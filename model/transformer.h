@@ -113,6 +113,9 @@ class Transformer {
   Backend& backend() const { return be_; }
   const ParamTable& table() const { return table_; }
   ParamStore& store() { return *store_; }
+  // Expert parallelism's exchange (nullptr without it).
+  ExpertDispatcher* dispatcher() { return dispatcher_.get(); }
+  const ExpertDispatcher* dispatcher() const { return dispatcher_.get(); }
   const ParamStore& store() const { return *store_; }
   void zero_grads() { store_->zero_grads(); }
   // Host copies and writes of parameters (tests, tools): a download and synchronisation each.

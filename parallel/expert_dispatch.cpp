@@ -13,6 +13,21 @@ ExpertDispatcher::ExpertDispatcher(Backend& be, Communicator& rows, Communicator
   FP8MOE_ASSERT(rows.size() == counts.size(), "the expert group's two communicators differ in size");
   FP8MOE_ASSERT(n_experts % rows.size() == 0, n_experts, " experts over ", rows.size(), " expert-parallel ranks");
   local_ = ExpertOwnership{n_experts, rows.size()}.per_rank();
+  node_.assign(size_t(rows.size()), 0);
+}
+
+void ExpertDispatcher::set_nodes(std::vector<int64_t> node) {
+  FP8MOE_ASSERT(int(node.size()) == rows_.size(), node.size(), " node indices for an expert group of ", rows_.size());
+  node_ = std::move(node);
+}
+
+bool ExpertDispatcher::spans_nodes() const {
+  return std::any_of(node_.begin(), node_.end(), [&](int64_t n) { return n != node_.front(); });
+}
+
+void ExpertDispatcher::count(const std::vector<int64_t>& send_words) {
+  for (int j = 0; j < int(send_words.size()); ++j)
+    if (j != rows_.rank()) (same_node(j) ? node_bytes_.in_node : node_bytes_.across) += send_words[size_t(j)] * 4;
 }
 
 DispatchPlan ExpertDispatcher::plan(const int64_t* counts) {
@@ -59,6 +74,7 @@ void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, i
     for (int l = 0; l < L; ++l) rc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * words;
   }
   Tensor buf(be_, DType::f32, {p.received * words});
+  count(sc);
   rows_.alltoallv(static_cast<const float*>(rows), sc.data(), buf.f32(), rc.data());
   // Source-major -> expert-major: P x L contiguous blocks moved on the device.
   std::vector<int64_t> src_off, dst_off;
@@ -90,6 +106,7 @@ void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, in
     for (int l = 0; l < L; ++l) sc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * words;
     rc[size_t(j)] = p.send_rows[size_t(j)] * words;
   }
+  count(sc);
   rows_.alltoallv(buf.f32(), sc.data(), static_cast<float*>(out), rc.data());
 }
 

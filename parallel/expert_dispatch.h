@@ -67,15 +67,31 @@ class ExpertDispatcher {
   // Collective: *amax (backend memory, one value) = the maximum over the group.
   void reduce_amax(float* amax) { rows_.allreduce_max(amax, 1); }
 
+  // Nodes (runtime.ranks_per_node): node[j] of each rank of the group (default: one node). The
+  // rows' bytes this rank sends to the others (dispatch and combine, every format), split into
+  // those to ranks of its node and to other nodes, since the last reset.
+  void set_nodes(std::vector<int64_t> node);
+  bool same_node(int rank) const { return node_[size_t(rank)] == node_[size_t(rows_.rank())]; }
+  bool spans_nodes() const;
+  struct NodeBytes {
+    int64_t in_node = 0, across = 0;
+  };
+  const NodeBytes& node_bytes() const { return node_bytes_; }
+  void reset_node_bytes() { node_bytes_ = {}; }
+
  private:
   // The exchanges over rows of row_bytes bytes each (a multiple of 4): dispatch into `out`
   // (plan.received rows, expert-major), combine into `out` (this rank's sent rows, its order).
   void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
   void combine_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
 
+  void count(const std::vector<int64_t>& send_words);
+
   Backend& be_;
   Communicator &rows_, &counts_;
   int experts_ = 0, local_ = 0;
+  std::vector<int64_t> node_;
+  NodeBytes node_bytes_;
 };
 
 }  // namespace fp8moe

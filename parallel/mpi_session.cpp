@@ -76,6 +76,18 @@ NodePlace node_place(MPI_Comm comm) {
   return p;
 }
 
+int node_index(MPI_Comm comm, int ranks_per_node) {
+  int rank = 0;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  if (ranks_per_node > 0) return rank / ranks_per_node;
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int lowest = rank;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &lowest, 1, MPI_INT, MPI_MIN, node));
+  MPI_CHECK(MPI_Comm_free(&node));
+  return lowest;
+}
+
 bool distinct_gpus_per_node(MPI_Comm comm, int ordinal) {
   constexpr int kIdLen = 32;  // "0000:8a:00.0"
   char mine[kIdLen] = {};

@@ -42,6 +42,9 @@ struct NodePlace {
   int local_rank = 0, local_size = 1;
 };
 NodePlace node_place(MPI_Comm comm);
+// The index of this rank's node: ranks_per_node > 0: rank / ranks_per_node (declared); 0: the
+// lowest rank of `comm` on this rank's node (MPI's shared-memory split). Collective when 0.
+int node_index(MPI_Comm comm, int ranks_per_node);
 
 // True on every rank when, on every node, the ranks that each take CUDA device `ordinal` of those
 // they see use distinct GPUs (compared by PCI bus id, so per-rank CUDA_VISIBLE_DEVICES counts

@@ -3,8 +3,11 @@
 # expert 2 x data 2) and a 4-rank one with expert-data replicas (expert 2 x data 4) trace step 2.
 # scripts/trace.py check: every rank's file is valid trace JSON, every posted collective's post
 # comes before its wait, and a reduction of dp (and edp) ran while a backward computed. Without
-# overlap the same run posts nothing (no async pair) and trains the same loss bits (2 replicas:
-# a sum of two is the same in any order). The metrics carry comm_exposed_s.
+# overlap the same run posts no collective (its only async pairs are the pipeline's sends) and trains the same loss bits (2 replicas:
+# a sum of two is the same in any order). The metrics carry comm_exposed_s. And
+# runtime.ranks_per_node: 4 ranks of ep4 as 2 simulated nodes of 2 split the expert rows' bytes
+# into in-node and across-node, each equal to its formula (1 peer in the node, 2 outside); a
+# ranks_per_node that does not divide the world is exit 2.
 #
 # usage: trace.sh FP8MOE MPIEXEC PYTHON SOURCE_DIR
 set -uo pipefail
@@ -44,13 +47,28 @@ assert {e["pid"] for e in merged} == set(range(8)), "merged: one pid per rank"
 assert any(e["ph"] == "b" and e["cat"] == "dp" for e in merged), "merged: posted dp reductions"
 for path in glob.glob(f"{tmp}/inline8/rank*.json"):
     ev = json.load(open(path))["traceEvents"]
-    assert not [e for e in ev if e["ph"] in ("b", "e")], f"{path}: posted collectives without overlap"
+    assert not [e for e in ev if e["ph"] in ("b", "e") and e["name"] != "send"], f"{path}: posted collectives without overlap"
+    assert any(e["ph"] == "b" and e["name"] == "send" and e["cat"] == "pp" for e in ev), f"{path}: no pipeline send"
     assert any(e["ph"] == "X" and e.get("cat") == "dp" and e["name"] == "reduce_scatterv" for e in ev), path
 for name in ("tiny8", "inline8", "edp4"):
     rows = [json.loads(l) for l in open(f"{tmp}/{name}.jsonl")]
     for r in rows:
         assert 0 <= r["comm_exposed_s"] < r["step_time_s"], (name, r)
 PY
+run nodes4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=4 --set parallel.micro_batches=2 \
+  --set runtime.ranks_per_node=2
+in=$(awk '$1 == "ep-in" {print $2, $3, $4}' "$tmp/nodes4.txt")
+x=$(awk '$1 == "ep-x" {print $2, $3, $4}' "$tmp/nodes4.txt")
+read -r in_m in_a in_r <<<"$in"
+read -r x_m x_a x_r <<<"$x"
+[[ $in_r == 1.000 && $x_r == 1.000 && $in_m == "$in_a" && $x_m == "$x_a" ]] || fail "node split: in '$in' across '$x'"
+(( in_m > 0 && x_m > in_m )) || fail "node split: in $in_m across $x_m (2 peers across, 1 in the node)"
+"$mpiexec" -n 4 "$exe" train "$src/configs/tiny.yaml" "${common[@]}" --set parallel.tensor=1 --set parallel.pipeline=1 \
+  --set parallel.expert=4 --set parallel.micro_batches=2 --set runtime.ranks_per_node=3 >"$tmp/bad.txt" 2>&1
+status=$?
+[[ $status == 2 ]] || fail "ranks_per_node 3 of 4 ranks: exit $status, expected 2"
+grep -q "runtime.ranks_per_node.*a divisor of the world size 4" "$tmp/bad.txt" || fail "no message: $(tail -3 "$tmp/bad.txt")"
+
 bits() { loss_bits <"$tmp/$1.txt"; }
 [[ -n $(bits tiny8) && $(bits tiny8) == "$(bits inline8)" ]] || fail "overlap changed the loss bits: $(bits tiny8) vs $(bits inline8)"
 echo "trace: ok"
