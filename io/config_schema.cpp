@@ -476,7 +476,7 @@ const std::vector<Field>& schema() {
                         "The FP32 gradient reduction in one bucket per layer, each posted as a non-blocking "
                         "collective once the step's last backward has passed its layer, waited before the "
                         "optimizer (Megatron's --overlap-grad-reduce); false: one reduction after the backward. "
-                        "MPI on host memory overlaps; the staged and NCCL transports run a post in line."));
+                        "MPI and NCCL overlap; the staged MPI transport runs a post in line."));
     // fp8
     v.push_back(choice("fp8.recipe", REF(fp8.recipe),
                        "off: FP32 GEMMs; delayed / current: per-tensor scales from an amax history / "

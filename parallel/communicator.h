@@ -55,9 +55,10 @@ class Communicator {
   // a post returns a ticket and wait(ticket) returns once the result is in place. Between the two
   // the input is not changed and the output not read; every member posts the same calls in the same
   // order and may wait in any order. The MPI communicators (and the emulated device's own) return
-  // at once; the others, by default, run the collective in line at the post (nothing overlaps:
-  // overlaps() false; NCCL on a communication stream is not built). progress() lets posted
-  // collectives move while the caller computes (MPI progresses them only inside its calls).
+  // at once; NCCL queues the collective on a stream of its own and its wait makes the compute
+  // stream wait (the host never does); the staged transport, by default, runs the collective in
+  // line at the post (nothing overlaps: overlaps() false). progress() lets posted collectives move
+  // while the caller computes (MPI progresses them only inside its calls).
   virtual int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
     reduce_scatterv_sum(in, out, counts);
     return 0;

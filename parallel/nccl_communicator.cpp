@@ -1,10 +1,12 @@
 #include "parallel/nccl_communicator.h"
 
+#include <algorithm>
 #include <mutex>
 #include <numeric>
 #include <set>
 
 #include "kernels/check.h"
+#include "parallel/trace.h"
 #include "parallel/watchdog.h"
 
 namespace fp8moe {
@@ -47,6 +49,9 @@ NcclCommunicator::~NcclCommunicator() {
   // NOTE: the queued operations finish before the communicator goes (no fatal check while tearing
   // down: the job may be failing already).
   (void)cudaStreamSynchronize(be_.comm_stream());
+  if (post_stream_) (void)cudaStreamSynchronize(post_stream_);
+  for (const Posted& p : posted_) (void)cudaEventDestroy(p.done);
+  if (post_stream_) (void)cudaStreamDestroy(post_stream_);
   {
     std::lock_guard<std::mutex> lock(g_live_mu);
     g_live.erase(nccl_);
@@ -231,6 +236,67 @@ void NcclCommunicator::wait_sends() {
   NCCL_CHECK(ncclGroupEnd());
   be_.compute_waits_for_comm();
   pending_.clear();
+}
+
+// The posted collectives: their own stream, ordered after the compute work queued before the post
+// by an event, and a completion event the compute stream waits for at wait().
+cudaStream_t NcclCommunicator::post_stream() {
+  if (!post_stream_) CUDA_CHECK(cudaStreamCreateWithFlags(&post_stream_, cudaStreamNonBlocking));
+  cudaEvent_t ready;
+  CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(ready, be_.compute_stream()));
+  CUDA_CHECK(cudaStreamWaitEvent(post_stream_, ready, 0));
+  CUDA_CHECK(cudaEventDestroy(ready));  // released once the wait has run
+  return post_stream_;
+}
+
+int64_t NcclCommunicator::posted(const char* what) {
+  Posted p{trace::next_id(), what, nullptr};
+  CUDA_CHECK(cudaEventCreateWithFlags(&p.done, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(p.done, post_stream_));
+  trace::async_begin(what, name_, p.ticket);
+  posted_.push_back(p);
+  return p.ticket;
+}
+
+int64_t NcclCommunicator::ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
+  const WatchScope watch("post reduce_scatterv", name_);
+  const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
+  cudaStream_t s = post_stream();
+  if (total > 0) {
+    NCCL_CHECK(ncclGroupStart());
+    int64_t off = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (counts[r] > 0)
+        NCCL_CHECK(
+            ncclReduce(in + off, r == rank_ ? out : nullptr, size_t(counts[r]), ncclFloat32, ncclSum, r, nccl_, s));
+      off += counts[r];
+    }
+    NCCL_CHECK(ncclGroupEnd());
+  }
+  return posted("reduce_scatterv");
+}
+
+int64_t NcclCommunicator::iallreduce_sum(float* data, int64_t n) {
+  const WatchScope watch("post allreduce", name_);
+  bytes_sent_ += ring_allreduce_bytes(size_, n * 4);
+  cudaStream_t s = post_stream();
+  if (n > 0) NCCL_CHECK(ncclAllReduce(data, data, size_t(n), ncclFloat32, ncclSum, nccl_, s));
+  return posted("allreduce");
+}
+
+// The host does not wait: the compute stream does (what it queues next runs after the collective).
+void NcclCommunicator::wait(int64_t ticket) {
+  const auto it = std::find_if(posted_.begin(), posted_.end(), [&](const Posted& p) { return p.ticket == ticket; });
+  FP8MOE_ASSERT(it != posted_.end(), "wait for collective ", ticket, ", which was not posted here (or waited already)");
+  {
+    const WatchScope watch("wait", name_);
+    CUDA_CHECK(cudaStreamWaitEvent(be_.compute_stream(), it->done, 0));
+  }
+  trace::async_end(it->what, name_, ticket);
+  CUDA_CHECK(cudaEventDestroy(it->done));  // released once the wait has run
+  posted_.erase(it);
 }
 
 }  // namespace fp8moe

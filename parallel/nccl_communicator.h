@@ -7,10 +7,17 @@
 // so far on the compute stream (an event), the NCCL call(s) are queued on the communication
 // stream, and the compute stream then waits for them (another event) before the call returns.
 // Nothing waits on the host: the host sees the results through Backend::download and sync().
-// NOTE: the compute stream waits for every collective right away (no overlap yet), so that the
-// arena's stream-ordered reuse on the compute stream stays safe: a buffer the caller releases
-// after the call is reused only by compute work that runs after the collective is done
-// (kernels/cuda/arena.h). Overlapping communication with computation is a later change.
+// NOTE: the compute stream waits for every blocking collective right away, so that the arena's
+// stream-ordered reuse on the compute stream stays safe: a buffer the caller releases after the
+// call is reused only by compute work that runs after the collective is done
+// (kernels/cuda/arena.h). The posted collectives (ireduce_scatterv_sum, iallreduce_sum: the
+// gradient reduction behind the backward) run on a stream of their own, after the compute work
+// queued before the post, and the compute stream waits for each at its wait(): the caller keeps
+// its buffers until then (parallel/communicator.h). They have their own stream so that the
+// blocking collectives of the backward (the expert all-to-all, tensor parallelism's all-reduces),
+// which the compute stream waits for, do not wait for them too. This communicator's other calls
+// are not issued while a post is pending (the data-parallel groups post, then wait, then gather),
+// so its NCCL operations keep one order on every rank. Compiled; not run on a GPU.
 //
 // The byte counters count the payload as the MPI implementation does. Errors go through
 // NCCL_CHECK / CUDA_CHECK (rank, host). Every call is marked for the watchdog (WatchScope), which
@@ -65,6 +72,10 @@ class NcclCommunicator final : public Communicator {
   // Deferred (see nccl_communicator.cpp): `data` must stay unchanged until wait_sends().
   void isend(const float* data, int64_t n, int peer, int tag) override;
   void wait_sends() override;
+  int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
+  int64_t iallreduce_sum(float* data, int64_t n) override;
+  void wait(int64_t ticket) override;
+  bool overlaps() const override { return true; }
 
   ncclComm_t nccl() const { return nccl_; }
 
@@ -78,6 +89,17 @@ class NcclCommunicator final : public Communicator {
     bool posted;  // ncclSend queued (in a recv's group or by wait_sends)
   };
   void post_pending_sends();  // inside an NCCL group
+  // The posted collectives' stream (made at the first post): waits for the compute stream's work
+  // so far; returns it.
+  cudaStream_t post_stream();
+  int64_t posted(const char* what);  // records the post's completion event, returns its ticket
+  struct Posted {
+    int64_t ticket;
+    const char* what;
+    cudaEvent_t done;
+  };
+  cudaStream_t post_stream_ = nullptr;
+  std::vector<Posted> posted_;
   MPI_Comm comm_;
   CudaBackend& be_;
   const char* name_;
