@@ -64,7 +64,7 @@ void NcclCommunicator::allreduce(T* data, int64_t n, ncclDataType_t type, ncclRe
   const WatchScope watch("allreduce", name_);
   bytes_sent_ += ring_allreduce_bytes(size_, n * int64_t(sizeof(T)));
   if (n == 0) return;
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   NCCL_CHECK(ncclAllReduce(data, data, size_t(n), type, op, nccl_, be_.comm_stream()));
   be_.compute_waits_for_comm();
 }
@@ -88,7 +88,7 @@ void NcclCommunicator::broadcast(std::string& text, int root) {
 void NcclCommunicator::barrier() {
   const WatchScope watch("barrier", name_);
   // NOTE: no bytes counted, as MpiCommunicator's MPI_Barrier. The value is 0 and stays 0.
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   float* v = barrier_value_.f32();
   NCCL_CHECK(ncclAllReduce(v, v, 1, ncclFloat32, ncclSum, nccl_, be_.comm_stream()));
   be_.compute_waits_for_comm();
@@ -99,7 +99,7 @@ void NcclCommunicator::allgather(const float* in, int64_t n, float* out) {
   const WatchScope watch("allgather", name_);
   bytes_sent_ += int64_t(size_ - 1) * n * 4;
   if (n == 0) return;
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   NCCL_CHECK(ncclAllGather(in, out, size_t(n), ncclFloat32, nccl_, be_.comm_stream()));
   be_.compute_waits_for_comm();
 }
@@ -108,7 +108,7 @@ void NcclCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n
   const WatchScope watch("reduce_scatter", name_);
   bytes_sent_ += int64_t(size_ - 1) * n * 4;
   if (n == 0) return;
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   NCCL_CHECK(ncclReduceScatter(in, out, size_t(n), ncclFloat32, ncclSum, nccl_, be_.comm_stream()));
   be_.compute_waits_for_comm();
 }
@@ -119,7 +119,7 @@ void NcclCommunicator::reduce_scatterv_sum(const float* in, float* out, const in
   const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
   bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;  // as MpiCommunicator: the textbook ring
   if (total == 0) return;
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   int64_t off = 0;
@@ -141,7 +141,7 @@ void NcclCommunicator::allgatherv(const float* in, float* out, const int64_t* co
   const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
   bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
   if (total == 0) return;
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   int64_t at = 0;  // displacement of block r
@@ -158,7 +158,7 @@ void NcclCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
   const WatchScope watch("alltoall", name_);
   bytes_sent_ += int64_t(size_ - 1) * n * 8;
   if (n == 0) return;
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < size_; ++r) {
@@ -172,7 +172,7 @@ void NcclCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
 void NcclCommunicator::alltoallv(const float* send, const int64_t* send_counts, float* recv,
                                  const int64_t* recv_counts) {
   const WatchScope watch("alltoallv", name_);
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   cudaStream_t s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   int64_t so = 0, ro = 0;
@@ -212,7 +212,7 @@ void NcclCommunicator::recv(float* data, int64_t n, int peer, int /*tag: NCCL ma
   const WatchScope watch("recv", name_);
   if (n == 0) return;
   // Also orders the receive after the compute work that still reads `data`'s old contents.
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   NCCL_CHECK(ncclGroupStart());
   post_pending_sends();
   NCCL_CHECK(ncclRecv(data, size_t(n), ncclFloat32, peer, nccl_, be_.comm_stream()));
@@ -230,12 +230,26 @@ void NcclCommunicator::isend(const float* data, int64_t n, int peer, int /*tag*/
 void NcclCommunicator::wait_sends() {
   const WatchScope watch("wait for sends", name_);
   if (pending_.empty()) return;
-  be_.comm_waits_for_compute();
+  comm_after_compute();
   NCCL_CHECK(ncclGroupStart());
   post_pending_sends();
   NCCL_CHECK(ncclGroupEnd());
   be_.compute_waits_for_comm();
   pending_.clear();
+}
+
+// The communication stream waits for the compute stream's work so far and, while collectives are
+// posted, for those too: an NCCL communicator's operations must run in the order they were issued
+// on every rank, and a blocking call issued after a post (delayed scaling's amax all-reduce over
+// the replicas, during the backward) would otherwise run beside it on the other stream.
+void NcclCommunicator::comm_after_compute() {
+  be_.comm_waits_for_compute();
+  if (posted_.empty()) return;
+  cudaEvent_t posts;
+  CUDA_CHECK(cudaEventCreateWithFlags(&posts, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(posts, post_stream_));
+  CUDA_CHECK(cudaStreamWaitEvent(be_.comm_stream(), posts, 0));
+  CUDA_CHECK(cudaEventDestroy(posts));
 }
 
 // The posted collectives: their own stream, ordered after the compute work queued before the post

@@ -15,9 +15,10 @@
 // queued before the post, and the compute stream waits for each at its wait(): the caller keeps
 // its buffers until then (parallel/communicator.h). They have their own stream so that the
 // blocking collectives of the backward (the expert all-to-all, tensor parallelism's all-reduces),
-// which the compute stream waits for, do not wait for them too. This communicator's other calls
-// are not issued while a post is pending (the data-parallel groups post, then wait, then gather),
-// so its NCCL operations keep one order on every rank. Compiled; not run on a GPU.
+// which the compute stream waits for, do not wait for them too. A call of this communicator issued
+// while a post is pending (delayed scaling's amax all-reduce over the replicas) runs after the
+// posted ones (its stream waits for theirs), so its NCCL operations keep the order they were
+// issued in on every rank. Compiled; not run on a GPU.
 //
 // The byte counters count the payload as the MPI implementation does. Errors go through
 // NCCL_CHECK / CUDA_CHECK (rank, host). Every call is marked for the watchdog (WatchScope), which
@@ -92,6 +93,7 @@ class NcclCommunicator final : public Communicator {
   // The posted collectives' stream (made at the first post): waits for the compute stream's work
   // so far; returns it.
   cudaStream_t post_stream();
+  void comm_after_compute();  // the communication stream after the compute stream's work and the posts
   int64_t posted(const char* what);  // records the post's completion event, returns its ticket
   struct Posted {
     int64_t ticket;
