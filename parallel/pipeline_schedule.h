@@ -18,4 +18,29 @@ struct PipelineOp {
 // (stages - 1) / (M + stages - 1) of the step. One stage: F0 B0 F1 B1 ...
 std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches);
 
+// DualPipeV (deepseek-ai/DualPipe's V-shaped form of DualPipe) on P ranks. The model is cut into
+// 2P chunks; rank r holds chunk r, which phase 0 runs from rank 0 to P - 1, and chunk 2P - 1 - r,
+// which phase 1 runs back from P - 1 to 0: rank 0 holds the first chunk and the last (the
+// embedding, the head and the loss), and rank P - 1 turns the V. Every micro-batch runs both
+// phases forward and both backward. A backward may leave its weight gradient to a later `weight`
+// op (the zero-bubble split: input gradient first, weights later, in order), and a
+// `forward_backward` op runs one micro-batch's forward of one phase with another's backward of the
+// other phase, overlapped (DualPipe's F&B: one chunk's communication hidden behind the other's
+// compute). With F, B (a whole backward), W (its weight part) and F&B the ops' times, the bubble of
+// the slowest rank is (P - 1)(F&B + B - 3W) when a forward takes as long as a backward's input part
+// (F = B - W, W <= F: test_pipeline_schedule simulates it), against 1F1B's (P - 1)(F + B) per
+// stage of two chunks, 2(P - 1)(F + B). A rank holds at most 2P chunk activations (2P + 1 on rank
+// P - 1): P + 1/2 stages' worth. Needs micro_batches >= 2P. Not run by `fp8moe train` yet (1F1B
+// only): a rank would hold two stages of blocks.
+enum class DualOpKind { forward, backward, weight, forward_backward };
+struct DualOp {
+  DualOpKind kind;
+  int phase = 0;                  // forward, backward: the phase; forward_backward: the forward's
+  int micro_batch = 0;            // forward, backward: the micro-batch; forward_backward: the forward's
+  int backward_micro_batch = -1;  // forward_backward: the backward's (of the other phase)
+  bool defer_weight = false;      // backward: its weight gradient waits for a later weight op
+  bool operator==(const DualOp&) const = default;
+};
+std::vector<DualOp> dualpipev(int ranks, int rank, int micro_batches);
+
 }  // namespace fp8moe
