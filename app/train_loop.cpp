@@ -147,8 +147,11 @@ std::string open_trace_dir(const std::string& dir, int rank) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   const std::string path = dir + "/rank" + std::to_string(rank) + ".json";
-  std::ofstream probe(path, std::ios::trunc);
-  if (!probe) return "log.trace: cannot write " + path + (ec ? " (" + ec.message() + ")" : "");
+  {
+    std::ofstream probe(path, std::ios::trunc);
+    if (!probe) return "log.trace: cannot write " + path + (ec ? " (" + ec.message() + ")" : "");
+  }
+  std::filesystem::remove(path, ec);  // written after the traced steps
   return "";
 }
 
@@ -397,6 +400,10 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
   if (root && !resumed.empty())
     std::printf("resumed from %s: step %lld, %lld tokens consumed\n", resumed.c_str(), (long long)t.progress.step,
                 (long long)t.progress.tokens);
+  if (root && !cfg.log.trace.empty() && cfg.log.trace_start + cfg.log.trace_steps - 1 <= t.progress.step)
+    std::printf("log.trace: steps %lld-%lld are before this run's first step (%lld): no timeline\n",
+                (long long)cfg.log.trace_start, (long long)(cfg.log.trace_start + cfg.log.trace_steps - 1),
+                (long long)t.progress.step + 1);
   if (t.progress.step >= cfg.train.steps) {
     if (root) std::printf("nothing to train: the checkpoint is at step %lld, train.steps is %lld\n",
                           (long long)t.progress.step, (long long)cfg.train.steps);
