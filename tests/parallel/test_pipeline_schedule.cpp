@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <vector>
 
 #include "parallel/pipeline_schedule.h"
@@ -197,6 +198,16 @@ TEST(PipelineSchedule, DualPipeVSimulatedBubbleIsItsFormula) {
   // Against 1F1B with F = W = 1, B = 2, F&B = 3 (no overlap): 2 (P - 1) vs 6 (P - 1) per stage of two chunks.
   const Simulated s = simulate_dualpipev(8, 20, {1, 2, 1, 3});
   EXPECT_EQ(*std::max_element(s.idle.begin(), s.idle.end()), 14);
+  // The table of README "Parallelism": chunk times F = W = 1, B = 2; F&B = 3 (no overlap) and 2
+  // (fully overlapped); 1F1B on P stages of two chunks idles 2 (P - 1)(F + B).
+  std::printf("  P   M   1F1B (P-1)(2F+2B)   DualPipeV F&B=3 (formula)   F&B=2 (formula)\n");
+  for (int P : {2, 4, 8, 16}) {
+    const int M = 2 * P + 4;
+    const Simulated a = simulate_dualpipev(P, M, {1, 2, 1, 3}), b = simulate_dualpipev(P, M, {1, 2, 1, 2});
+    std::printf("%3d %3d   %17d   %12lld (%lld)   %9lld (%lld)\n", P, M, 6 * (P - 1),
+                (long long)*std::max_element(a.idle.begin(), a.idle.end()), (long long)(2 * (P - 1)),
+                (long long)*std::max_element(b.idle.begin(), b.idle.end()), (long long)(P - 1));
+  }
 }
 
 }  // namespace
