@@ -36,7 +36,7 @@ struct StepRecord {
 std::map<int, StepRecord> read_log(const std::string& path) {
   std::map<int, StepRecord> m;
   static const std::regex re(
-      R"re("step":(\d+),"loss":([^,]+),.*"grad_norm":([^,]+),.*"host_syncs":(\d+),"h2d_bytes":(\d+),"d2h_bytes":(\d+)\})re");
+      R"re("step":(\d+),"loss":([^,]+),.*"grad_norm":([^,]+),.*"host_syncs":(\d+),"h2d_bytes":(\d+),"d2h_bytes":(\d+)[,}])re");
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
     std::smatch s;
