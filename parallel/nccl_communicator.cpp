@@ -116,11 +116,17 @@ void NcclCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n
 // Uneven blocks: NCCL has no v-collectives; grouped reductions to each block's owner.
 void NcclCommunicator::reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
   const WatchScope watch("reduce_scatterv", name_);
+  if (queued_reduce_scatterv(in, out, counts, nullptr)) be_.compute_waits_for_comm();
+}
+
+// Counts the bytes (as MpiCommunicator: the textbook ring) and queues the grouped reductions on
+// `s`, or on the communication stream after the compute stream's work when s is null; false when
+// there is nothing to reduce.
+bool NcclCommunicator::queued_reduce_scatterv(const float* in, float* out, const int64_t* counts, cudaStream_t s) {
   const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
-  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;  // as MpiCommunicator: the textbook ring
-  if (total == 0) return;
-  comm_after_compute();
-  cudaStream_t s = be_.comm_stream();
+  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
+  if (total == 0) return false;
+  if (!s) comm_after_compute(), s = be_.comm_stream();
   NCCL_CHECK(ncclGroupStart());
   int64_t off = 0;
   for (int r = 0; r < size_; ++r) {
@@ -131,7 +137,7 @@ void NcclCommunicator::reduce_scatterv_sum(const float* in, float* out, const in
     off += counts[r];
   }
   NCCL_CHECK(ncclGroupEnd());
-  be_.compute_waits_for_comm();
+  return true;
 }
 
 // Uneven blocks: grouped broadcasts from each block's owner into its place in out. The owner's
@@ -275,20 +281,7 @@ int64_t NcclCommunicator::posted(const char* what) {
 
 int64_t NcclCommunicator::ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
   const WatchScope watch("post reduce_scatterv", name_);
-  const int64_t total = std::accumulate(counts, counts + size_, int64_t(0));
-  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
-  cudaStream_t s = post_stream();
-  if (total > 0) {
-    NCCL_CHECK(ncclGroupStart());
-    int64_t off = 0;
-    for (int r = 0; r < size_; ++r) {
-      if (counts[r] > 0)
-        NCCL_CHECK(
-            ncclReduce(in + off, r == rank_ ? out : nullptr, size_t(counts[r]), ncclFloat32, ncclSum, r, nccl_, s));
-      off += counts[r];
-    }
-    NCCL_CHECK(ncclGroupEnd());
-  }
+  queued_reduce_scatterv(in, out, counts, post_stream());
   return posted("reduce_scatterv");
 }
 

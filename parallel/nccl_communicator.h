@@ -94,6 +94,7 @@ class NcclCommunicator final : public Communicator {
   // so far; returns it.
   cudaStream_t post_stream();
   void comm_after_compute();  // the communication stream after the compute stream's work and the posts
+  bool queued_reduce_scatterv(const float* in, float* out, const int64_t* counts, cudaStream_t s);
   int64_t posted(const char* what);  // records the post's completion event, returns its ticket
   struct Posted {
     int64_t ticket;
