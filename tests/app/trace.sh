@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# log.trace and optim.overlap_grad_reduce: tiny.yaml's 8-rank layout (tensor 2 x pipeline 2 x
+# log.trace and optim.overlap_grad_reduce: tiny.yaml (on the licence texts) in its 8-rank layout (tensor 2 x pipeline 2 x
 # expert 2 x data 2) and a 4-rank one with expert-data replicas (expert 2 x data 4) trace step 2.
 # scripts/trace.py check: every rank's file is valid trace JSON, every posted collective's post
 # comes before its wait, and a reduction of dp (and edp) ran while a backward computed. Without
@@ -18,8 +18,9 @@ ompi_session_dir "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
+prepare_licence_data "$exe" "$tmp/data/lic" || fail "prepare-data"
 common=(--set train.steps=3 --set train.warmup_steps=1 --set checkpoint.save=false --set eval.every=0
-        --set data.path="$src/data/fortunes.train" --set data.valid_path="$src/data/fortunes.val")
+        --set data.path="$tmp/data/lic.train" --set data.valid_path="$tmp/data/lic.val")
 run() {  # NAME RANKS ARGS...
   local name=$1 ranks=$2
   shift 2
