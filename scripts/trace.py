@@ -5,7 +5,8 @@
   scripts/trace.py merge DIR -o OUT     one file of every rank (pid = rank) for https://ui.perfetto.dev
   scripts/trace.py check DIR [--overlap GROUP ...]
                                         exit 1 unless every file is valid trace JSON, every posted
-                                        collective's post comes before its wait, and (--overlap) some
+                                        collective's post comes before its wait and its end after
+                                        the wait returned, and (--overlap) some
                                         collective of each GROUP ran while a backward computed
 
 Events: "X" complete events (cat compute: forward / backward of a micro-batch, optimizer; cat
@@ -129,6 +130,11 @@ def check(directory, overlap_groups):
         try:
             validate(events)
             pairs = posted(events)
+            # A collective ends when its wait returns: a "wait" of its group between its post and its end.
+            waits = [(e["cat"], e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X" and e["name"] == "wait"]
+            for cat, name, p, w in pairs:
+                if name != "send" and not any(c == cat and p <= a and b <= w for c, a, b in waits):
+                    raise ValueError(f"{cat} {name} posted at {p} us ends at {w} us without a wait of {cat} inside")
         except ValueError as e:
             print(f"{path}: {e}")
             return 1
