@@ -68,7 +68,10 @@ std::vector<Candidate> search_fits(const PlanOptions& o, const std::string& text
     *searched = s.str();
   }
   std::vector<Candidate> fits;
-  auto consider = [&](const std::vector<std::string>& sets) {
+  auto consider = [&](std::vector<std::string> sets) {
+    // A split given per stage does not fit another stage count: those candidates split by work.
+    const bool pipeline = std::any_of(sets.begin(), sets.end(), [](const std::string& s) { return s.rfind("parallel.pipeline=", 0) == 0; });
+    if (pipeline && base.parallel.stage_layers.split == StageSplit::given) sets.push_back("parallel.stage_layers=balanced");
     const Loaded l = load(o, text, sets, world);
     if (!l.error.empty()) return;
     const Plan p = make_plan(l.cfg, l.world);

@@ -175,9 +175,10 @@ class TrainLoop {
     t_start_ = Clock::now();
     for (int64_t step = first_step_; step < cfg_.train.steps; ++step) {
       const StepDone done = train_step(step);
-      write_trace(done.step);
+      write_trace(done.step, false);
       report(done);
       const int status = after_step(step);
+      if (status != kCarryOn) write_trace(done.step, true);  // the run ends inside the window
       if (status == kEndRun) break;
       if (status != kCarryOn) return status;
     }
@@ -287,10 +288,11 @@ class TrainLoop {
     return !l.trace.empty() && step >= l.trace_start && step < l.trace_start + l.trace_steps;
   }
 
-  // After the timeline's last step (or the run's last step inside it): every rank writes its file.
-  // A file that cannot be written is a warning; the run goes on.
-  void write_trace(int64_t step) {
-    if (!trace::on() || (tracing(step + 1) && step < cfg_.train.steps)) return;
+  // After the timeline's last step (or the run's last step inside it, or `ending`: the run stops
+  // after this step): every rank writes its file. A file that cannot be written is a warning; the
+  // run goes on.
+  void write_trace(int64_t step, bool ending) {
+    if (!trace::on() || (!ending && tracing(step + 1) && step < cfg_.train.steps)) return;
     const std::string path = cfg_.log.trace + "/rank" + std::to_string(world_.rank()) + ".json";
     const std::string error = trace::stop_and_write(path, world_.rank());
     if (!error.empty()) std::fprintf(stderr, "fp8moe: warning: log.trace: %s\n", error.c_str());

@@ -25,7 +25,8 @@ struct StepMetrics {
   // device and back, the maxima over the ranks (kernels/backend.h's TransferCounts).
   int64_t host_syncs = 0, h2d_bytes = 0, d2h_bytes = 0;
   // Seconds of the step the ranks spent blocked in collectives and in waits for posted ones (not
-  // in pipeline receives: the bubble), their mean: communication compute did not hide.
+  // in pipeline receives: the bubble), their mean: communication compute did not hide, as the
+  // host sees it (NCCL calls only queue work: there it is their launch time).
   double comm_exposed_s = 0;
 };
 

@@ -44,7 +44,9 @@ DataParallel::DataParallel(const ParamStore& store, Segment segment, std::vector
                   hi = std::clamp(cut[size_t(me + 1)], off, off + sh.numel());
     rows_[i] = {(lo - off) / sh.cols, (hi - off) / sh.cols};
   }
-  if (!overlap || reduce_ != ReduceDtype::fp32 || R == 1 || segment.size() == 0) return;
+  // (A transport that runs a post in line, the staged one, keeps the one reduction: per-layer
+  // buckets would only add calls and host synchronisations there.)
+  if (!overlap || reduce_ != ReduceDtype::fp32 || R == 1 || segment.size() == 0 || !group.overlaps()) return;
   // One bucket per run of members of one layer (in layout order the members of a layer are
   // adjacent; where they are not, the layer gets several buckets).
   for (size_t i : members) {

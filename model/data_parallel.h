@@ -22,7 +22,8 @@
 // the sums (reduce_gradients). With ZeRO a bucket's reduce-scatter gives each replica the bucket's
 // part of its chunk: the same chunks, the same sums per element as one reduce-scatter of the
 // segment, but the transport may add the replicas in another order (with 2 replicas the bits are
-// the same). BF16 reductions stay whole-segment and in line.
+// the same). BF16 reductions stay whole-segment and in line, and so does every reduction over a
+// transport that would run a post in line (Communicator::overlaps() false: the staged one).
 #pragma once
 
 #include <unordered_map>

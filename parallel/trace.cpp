@@ -71,7 +71,7 @@ std::string stop_and_write(const std::string& path, int rank) {
     nlohmann::json j = {{"name", e.name}, {"cat", e.cat}, {"ph", std::string(1, e.ph)},
                         {"ts", e.ts - t0}, {"pid", rank}, {"tid", 0}};
     if (e.ph == 'X') j["dur"] = e.dur;
-    if (e.id >= 0) j["id"] = e.id;
+    if (e.id >= 0) j["id"] = (int64_t(rank) << 32) | e.id;  // unique over the ranks of a merged file
     if (e.arg >= 0) j["args"] = {{"mb", e.arg}};
     events.push_back(std::move(j));
   }

@@ -7,7 +7,8 @@
 # a sum of two is the same in any order). The metrics carry comm_exposed_s. And
 # runtime.ranks_per_node: 4 ranks of ep4 as 2 simulated nodes of 2 split the expert rows' bytes
 # into in-node and across-node, each equal to its formula (1 peer in the node, 2 outside); a
-# ranks_per_node that does not divide the world is exit 2.
+# ranks_per_node that does not divide the world is exit 2. A run that stops inside the traced
+# steps writes what it recorded.
 #
 # usage: trace.sh FP8MOE MPIEXEC PYTHON SOURCE_DIR
 set -uo pipefail
@@ -40,6 +41,13 @@ run edp4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.micr
 "$python" "$src/scripts/trace.py" check "$tmp/edp4" --overlap dp edp || fail "edp4 trace check"
 
 run inline8 8 --set log.trace="$tmp/inline8" --set optim.overlap_grad_reduce=false
+
+# A run that ends inside the window (train.exit_interval after step 2 of a window of steps 2-3)
+# writes what it recorded.
+run early4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.micro_batches=2 --set log.trace="$tmp/early4" \
+  --set log.trace_steps=2 --set checkpoint.save=true --set checkpoint.dir="$tmp/ckpt" --set train.exit_interval=2
+[[ $(ls "$tmp/early4" | wc -l) == 4 ]] || fail "early end: expected 4 rank files: $(ls "$tmp/early4")"
+"$python" "$src/scripts/trace.py" check "$tmp/early4" --overlap dp || fail "early4 trace check"
 "$python" - "$tmp" <<'PY' || fail "checks of the merged trace, the in-line run and the metrics"
 import glob, json, sys
 tmp = sys.argv[1]
