@@ -13,14 +13,11 @@
 namespace fp8moe {
 namespace {
 
-// MPI counts are int: long buffers go in pieces of at most 2^30 elements.
-template <class T>
-void allreduce_chunked(MPI_Comm comm, T* data, int64_t n, MPI_Datatype type, MPI_Op op) {
+// MPI counts are int: long buffers go in pieces of at most 2^30 elements, fn(offset, count).
+template <class Fn>
+void in_chunks(int64_t n, Fn&& fn) {
   constexpr int64_t kChunk = int64_t(1) << 30;
-  for (int64_t off = 0; off < n; off += kChunk) {
-    const int count = int(std::min(kChunk, n - off));
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + off, count, type, op, comm));
-  }
+  for (int64_t off = 0; off < n; off += kChunk) fn(off, int(std::min(kChunk, n - off)));
 }
 
 }  // namespace
@@ -37,7 +34,7 @@ template <class T>
 void MpiCommunicator::allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op) {
   const WatchScope watch("allreduce", name_);
   bytes_sent_ += ring_allreduce_bytes(size_, n * int64_t(sizeof(T)));
-  allreduce_chunked(comm_, data, n, type, op);
+  in_chunks(n, [&](int64_t off, int count) { MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + off, count, type, op, comm_)); });
 }
 
 void MpiCommunicator::allreduce_sum(float* d, int64_t n) { allreduce(d, n, MPI_FLOAT, MPI_SUM); }
@@ -74,13 +71,19 @@ void MpiCommunicator::reduce_scatter_sum(const float* in, float* out, int64_t n)
   MPI_CHECK(MPI_Reduce_scatter_block(in, out, as_count(n, "reduce_scatter"), MPI_FLOAT, MPI_SUM, comm_));
 }
 
-void MpiCommunicator::reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
-  const WatchScope watch("reduce_scatterv", name_);
+// The blocks' MPI counts, and the bytes counted.
+std::vector<int> MpiCommunicator::scatter_counts(const int64_t* counts) {
   std::vector<int> c(static_cast<size_t>(size_));
   int64_t total = 0;
   for (int j = 0; j < size_; ++j) c[size_t(j)] = as_count(counts[j], "reduce_scatterv"), total += counts[j];
   as_count(total, "reduce_scatterv total");
   bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;  // a ring passes on every block but its own
+  return c;
+}
+
+void MpiCommunicator::reduce_scatterv_sum(const float* in, float* out, const int64_t* counts) {
+  const WatchScope watch("reduce_scatterv", name_);
+  const std::vector<int> c = scatter_counts(counts);
   MPI_CHECK(MPI_Reduce_scatter(in, out, c.data(), MPI_FLOAT, MPI_SUM, comm_));
 }
 
@@ -166,11 +169,7 @@ int64_t MpiCommunicator::ireduce_scatterv_sum(const float* in, float* out, const
   const WatchScope watch("post reduce_scatterv", name_);
   Posted p;
   p.what = "reduce_scatterv";
-  p.counts.resize(static_cast<size_t>(size_));
-  int64_t total = 0;
-  for (int j = 0; j < size_; ++j) p.counts[size_t(j)] = as_count(counts[j], "reduce_scatterv"), total += counts[j];
-  as_count(total, "reduce_scatterv total");
-  bytes_sent_ += size_ > 1 ? (total - counts[rank_]) * 4 : 0;
+  p.counts = scatter_counts(counts);  // MPI reads them until the collective completes
   p.requests.resize(1);
   MPI_CHECK(MPI_Ireduce_scatter(in, out, p.counts.data(), MPI_FLOAT, MPI_SUM, comm_, p.requests.data()));
   return post(std::move(p));
@@ -181,12 +180,10 @@ int64_t MpiCommunicator::iallreduce_sum(float* data, int64_t n) {
   bytes_sent_ += ring_allreduce_bytes(size_, n * 4);
   Posted p;
   p.what = "allreduce";
-  constexpr int64_t kChunk = int64_t(1) << 30;  // MPI counts are int
-  for (int64_t off = 0; off < n; off += kChunk) {
+  in_chunks(n, [&](int64_t off, int count) {
     p.requests.emplace_back();
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data + off, int(std::min(kChunk, n - off)), MPI_FLOAT, MPI_SUM, comm_,
-                             &p.requests.back()));
-  }
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data + off, count, MPI_FLOAT, MPI_SUM, comm_, &p.requests.back()));
+  });
   return post(std::move(p));
 }
 

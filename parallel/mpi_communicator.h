@@ -54,6 +54,7 @@ class MpiCommunicator final : public Communicator {
     std::vector<int> counts;
   };
   int64_t post(Posted p);
+  std::vector<int> scatter_counts(const int64_t* counts);  // reduce_scatterv's, and its bytes counted
   std::vector<Posted> posted_;
   template <class T>
   void allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op);
