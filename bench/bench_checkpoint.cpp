@@ -1,9 +1,12 @@
 // Checkpoint save and load throughput beside `dd` on the same disk, in the same run.
 //
-//   mpirun -np R build/bench_checkpoint [DIR] [REPS] [STAGING_BYTES]
+//   mpirun -np R build/bench/bench_checkpoint [DIR] [REPS] [STAGING_BYTES] [SHAPE]
 //
-// A model of ~96M parameters (d_model 1024, 12 routed experts of width 2048): FP32 masters and
-// FP32 Adam moments make a checkpoint of ~1.15 GB. Each repetition: save (the whole commit
+// SHAPE `moe` (the default): a model of ~96M parameters (d_model 1024, 12 routed experts of width
+// 2048): FP32 masters and FP32 Adam moments make a checkpoint of ~1.15 GB. SHAPE `v3`:
+// configs/deepseek-v3-671b.yaml's shape at tiny dimensions (the same 61 blocks of which 58 MoE,
+// 256 routed experts, MLA and one MTP module; d_model 64, experts of width 16): 48M parameters,
+// ~0.6 GB, and as many tensors as the 671B model, so that the per-dataset costs show. Each repetition: save (the whole commit
 // protocol, fsync included), `dd if=/dev/zero of=... bs=64M conv=fsync` of the same size, load
 // (open, read, checksums), `dd of=/dev/null` of dd's file. Both reads come from the page cache
 // when it holds the file (the machine's memory decides; both are treated alike). Prints GB/s for
@@ -41,14 +44,8 @@ double timed_system(const std::string& cmd) {
   return seconds_since(t0);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  MpiSession mpi(&argc, &argv);
-  const std::string root_dir = argc > 1 ? argv[1] : "build/bench-ckpt";
-  const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
-  const bool root = mpi.rank() == 0;
-
+// ~96M parameters, a few large tensors.
+Config moe_96m() {
   Config cfg;
   cfg.model.vocab_size = 256;
   cfg.model.d_model = 1024;
@@ -60,6 +57,47 @@ int main(int argc, char** argv) {
   cfg.model.d_ff_dense = 4096;
   cfg.model.moe.n_experts = 12;
   cfg.model.moe.d_expert = 2048;
+  return cfg;
+}
+
+// configs/deepseek-v3-671b.yaml's blocks, experts, attention and MTP, at tiny widths.
+Config deepseek_v3_tiny() {
+  Config cfg;
+  ModelConfig& m = cfg.model;
+  m.vocab_size = 256;
+  m.d_model = 64;
+  m.n_layers = 61;
+  m.first_dense_layers = 3;
+  m.n_heads = 2;
+  m.attention = AttentionKind::mla;
+  m.q_lora_rank = 32;
+  m.kv_lora_rank = 16;
+  m.qk_nope_head_dim = 16;
+  m.qk_rope_head_dim = 8;
+  m.v_head_dim = 16;
+  m.d_ff_dense = 128;
+  m.mtp_depth = 1;
+  m.moe.n_experts = 256;
+  m.moe.top_k = 8;
+  m.moe.n_shared_experts = 1;
+  m.moe.d_expert = 16;
+  return cfg;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MpiSession mpi(&argc, &argv);
+  const std::string root_dir = argc > 1 ? argv[1] : "build/bench-ckpt";
+  const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
+  const bool root = mpi.rank() == 0;
+
+  const std::string shape = argc > 4 ? argv[4] : "moe";
+  if (shape != "moe" && shape != "v3") {
+    if (root) std::fprintf(stderr, "bench_checkpoint: SHAPE must be moe or v3, not %s\n", shape.c_str());
+    return 2;
+  }
+  Config cfg = shape == "v3" ? deepseek_v3_tiny() : moe_96m();
   cfg.fp8.recipe = Fp8Recipe::off;
   cfg.checkpoint.dir = root_dir + "/ckpt";
   cfg.checkpoint.keep_last = 1;
@@ -89,6 +127,7 @@ int main(int argc, char** argv) {
 
   double best_save = 1e30, best_load = 1e30, best_ddw = 1e30, best_ddr = 1e30;
   double bytes = 0;
+  std::string dir_of_last;
   for (int rep = 0; rep < reps; ++rep) {
     progress.step = rep + 1;
     MPI_Barrier(MPI_COMM_WORLD);
@@ -97,6 +136,7 @@ int main(int argc, char** argv) {
     MPI_Barrier(MPI_COMM_WORLD);
     best_save = std::min(best_save, seconds_since(t0));
     bytes = double(fs::file_size(dir + "/" + kCheckpointFile));
+    dir_of_last = dir;
     const long blocks = long(bytes / double(64 << 20)) + 1;
     if (root)
       best_ddw = std::min(best_ddw, timed_system("dd if=/dev/zero of=" + root_dir + "/dd.bin bs=64M count=" +
@@ -115,6 +155,7 @@ int main(int argc, char** argv) {
     const double dw = dd_bytes / best_ddw / 1e9, dr = dd_bytes / best_ddr / 1e9;
     std::printf("checkpoint of %lld parameters: %.2f GB (FP32 masters + FP32 Adam moments), %d rank(s), best of %d\n",
                 (long long)model.table().trainable_numel(), bytes / 1e9, mpi.size(), reps);
+    std::printf("  shape %s: %zu datasets\n", shape.c_str(), inspect_checkpoint(dir_of_last, false).datasets.size());
     std::printf("  staged through %lld bytes of host memory per rank\n", (long long)cfg.checkpoint.staging_bytes);
     std::printf("  %-34s %8s %8s\n", "", "GB/s", "vs dd");
     std::printf("  %-34s %8.2f %8.2f\n", "save (commit protocol, fsync)", gs, gs / dw);
