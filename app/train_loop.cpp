@@ -113,12 +113,17 @@ void announce_run(const Config& cfg, const Transformer& model, const AdamW& opt,
                 moments[1] / 1e6, sync.zero() ? "optim.zero 1: sharded over the data-parallel replicas" : "full copies");
 }
 
-// The stop signal any rank received (0: none); every rank gets the same answer.
-int agreed_stop_signal(MPI_Comm world) {
+// After a step, what every rank agrees on in one allreduce: the stop signal any rank received (0:
+// none), and whether an asynchronous save's writer is still busy on any rank.
+struct AfterStep {
+  int signal = 0;
+  bool writer_busy = false;
+};
+AfterStep agreed_after_step(MPI_Comm world, bool writer_busy) {
   const WatchScope watch("stop-signal agreement", "world");
-  int signal = int(g_stop_signal);
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &signal, 1, MPI_INT, MPI_MAX, world));
-  return signal;
+  int v[2] = {int(g_stop_signal), writer_busy ? 1 : 0};
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT, MPI_MAX, world));
+  return {v[0], v[1] != 0};
 }
 
 }  // namespace
@@ -172,6 +177,7 @@ class TrainLoop {
   // Steps first_step + 1 .. train.steps; the exit status.
   int run() {
     announce_run(cfg_, t_.model, t_.opt, t_.sync, runner_, t_.state.layout, first_step_, peak_, world_);
+    start_async_saves();
     t_start_ = Clock::now();
     for (int64_t step = first_step_; step < cfg_.train.steps; ++step) {
       const StepDone done = train_step(step);
@@ -301,7 +307,60 @@ class TrainLoop {
                                 cfg_.log.trace.c_str());
   }
 
+  // checkpoint.async with periodic saves: the writer, unless MPI lacks MPI_THREAD_MULTIPLE on some
+  // rank or some rank's share exceeds checkpoint.async_max_bytes (then synchronous saves, a
+  // warning). Collective.
+  void start_async_saves() {
+    const CheckpointConfig& c = cfg_.checkpoint;
+    if (!c.save || !c.async || c.every <= 0) return;
+    double v[2] = {double(checkpoint_copy_bytes(grid_.world(), t_.state)), threads_multiple() ? 0.0 : 1.0};
+    world_.allreduce_max(v, 2);
+    if (v[1] > 0) {
+      if (root_) std::fprintf(stderr, "fp8moe: warning: checkpoint.async: MPI does not provide MPI_THREAD_MULTIPLE "
+                                      "on every rank: checkpoint saves are synchronous\n");
+      return;
+    }
+    if (v[0] > double(c.async_max_bytes)) {
+      if (root_) std::fprintf(stderr, "fp8moe: warning: checkpoint.async: a rank's copy of the checkpoint would take "
+                                      "%.1f MB of host memory, more than checkpoint.async_max_bytes (%.1f MB): checkpoint "
+                                      "saves are synchronous\n", v[0] / 1e6, double(c.async_max_bytes) / 1e6);
+      return;
+    }
+    async_ = std::make_unique<AsyncCheckpointer>(grid_.world(), be_);
+    if (root_) std::printf("checkpoint.async: every %lld steps a save copies at most %.1f MB per rank to host memory and "
+                           "writes it in the background\n", (long long)c.every, v[0] / 1e6);
+  }
+
+  // The save in flight, if any, committed (and said so), or its failure reported. false: failed.
+  bool finish_background() {
+    if (!async_ || !async_->in_flight()) return true;
+    try {
+      const std::string dir = async_->wait();
+      if (root_) std::printf("checkpoint %s committed\n", dir.c_str());
+      std::fflush(stdout);
+      return true;
+    } catch (const CheckpointError& e) {
+      if (root_) std::fprintf(stderr, "fp8moe: error: checkpoint save failed: %s (the previous checkpoint is intact)\n", e.what());
+      return false;
+    }
+  }
+
+  // A periodic save in the background: the previous one committed first; then the copy, the only
+  // time training waits for it.
+  bool start_background() {
+    if (!finish_background()) return false;
+    const auto t0 = Clock::now();
+    const int64_t bytes = async_->start(grid_.world(), t_.state);
+    double v[2] = {seconds_since(t0), double(bytes)};
+    world_.allreduce_max(v, 2);
+    if (root_)
+      std::printf("checkpoint step %lld: copied (at most %.1f MB per rank) in %.3f s; writing in the background\n",
+                  (long long)t_.progress.step, v[1] / 1e6, v[0]);
+    return true;
+  }
+
   bool checkpoint() {
+    if (!finish_background()) return false;  // saves commit in order
     try {
       const std::string dir = save_checkpoint(grid_.world(), t_.state);
       if (root_) std::printf("checkpoint %s committed\n", dir.c_str());
@@ -323,12 +382,21 @@ class TrainLoop {
     const bool final_step = step + 1 == cfg_.train.steps;
     const bool periodic = c.save && c.every > 0 && (step + 1) % c.every == 0;
     const bool exit_now = cfg_.train.exit_interval > 0 && (step + 1) % cfg_.train.exit_interval == 0 && !final_step;
-    if ((periodic || (final_step && c.save) || exit_now) && !checkpoint()) return kExitFailure;
+    // A periodic save the run goes on after runs in the background (checkpoint.async); the others
+    // (the last step's, train.exit_interval's, a stop signal's) block, after the one in flight.
+    if (periodic && async_ && !final_step && !exit_now) {
+      if (!start_background()) return kExitFailure;
+    } else if ((periodic || (final_step && c.save) || exit_now) && !checkpoint()) {
+      return kExitFailure;
+    }
     if (exit_now) {
       if (root_) std::printf("exit: step %lld is a multiple of train.exit_interval\n", (long long)step + 1);
       return kEndRun;
     }
-    const int signal = agreed_stop_signal(grid_.world());
+    const AfterStep agreed = agreed_after_step(grid_.world(), async_ && !async_->finished());
+    // Every rank's writer is done: its result now (a failure ends the run here, on every rank).
+    if (!agreed.writer_busy && !finish_background()) return kExitFailure;
+    const int signal = agreed.signal;
     if (signal == 0 || final_step) return kCarryOn;
     if (root_)
       std::printf("signal %d (%s): stopping after step %lld %s\n", signal,
@@ -340,6 +408,7 @@ class TrainLoop {
       std::fflush(stdout);
       return kExitFailure;
     }
+    if (!finish_background()) return kExitFailure;  // this step's own periodic save, if in the background
     if (!periodic && !checkpoint()) return kExitFailure;
     if (root_) std::printf("exit %d: checkpointed at step %lld; requeue to continue\n", kExitRequeue, (long long)step + 1);
     std::fflush(stdout);
@@ -362,6 +431,7 @@ class TrainLoop {
   Tensor grad_sq_;
   const int64_t first_step_;
   Clock::time_point t_start_;
+  std::unique_ptr<AsyncCheckpointer> async_;  // checkpoint.async's writer (start_async_saves)
 };
 
 }  // namespace

@@ -6,7 +6,9 @@
 // 2048): FP32 masters and FP32 Adam moments make a checkpoint of ~1.15 GB. SHAPE `v3`:
 // configs/deepseek-v3-671b.yaml's shape at tiny dimensions (the same 61 blocks of which 58 MoE,
 // 256 routed experts, MLA and one MTP module; d_model 64, experts of width 16): 48M parameters,
-// ~0.6 GB, and as many tensors as the 671B model, so that the per-dataset costs show. Each repetition: save (the whole commit
+// ~0.6 GB, and as many tensors as the 671B model, so that the per-dataset costs show; each rank
+// writes what it would under expert parallelism over the R ranks (whole experts, E / R of each
+// layer; the other tensors' rows split evenly, as ZeRO-1's). Each repetition: save (the whole commit
 // protocol, fsync included), `dd if=/dev/zero of=... bs=64M conv=fsync` of the same size, load
 // (open, read, checksums), `dd of=/dev/null` of dd's file. Both reads come from the page cache
 // when it holds the file (the machine's memory decides; both are treated alike). Prints GB/s for
@@ -121,7 +123,15 @@ int main(int argc, char** argv) {
       to_device(*be, m, opt.moment(w, i).f32());
     }
   }
-  const TrainerState state{&cfg, &model, &opt, &scaler, &progress, "bench", {}, {}};
+  TrainerState state{&cfg, &model, &opt, &scaler, &progress, "bench", {}, {}};
+  if (shape == "v3") {  // expert parallelism's writers: rank r the whole of experts [r E / R, (r + 1) E / R)
+    const int64_t e = cfg.model.moe.n_experts;
+    for (const ParamSpec& p : model.table().params) {
+      const bool mine = p.expert < 0 || p.expert * mpi.size() / e == mpi.rank();
+      const RowRange rows = p.expert < 0 ? replica_rows(p.rows, mpi.rank(), mpi.size()) : mine ? RowRange{0, p.rows} : RowRange{0, 0};
+      state.write_rows.push_back(rows), state.moment_write_rows.push_back(rows);
+    }
+  }
   if (root) fs::create_directories(root_dir);
   MPI_Barrier(MPI_COMM_WORLD);
 

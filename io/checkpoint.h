@@ -5,17 +5,26 @@
 // loads under another. Commit protocol: write step_N.tmp/, close, all ranks agree, fsync, rename to
 // step_N/, fsync the directory, atomically replace <dir>/latest, then prune beyond keep_last.
 //
-// File layout (format version 1):
+// File layout (format version 2):
 //   /params/<name>        float32 (rows, cols)   every ParamTable entry (incl. the MoE router biases)
-//   /optim/m/<name>       float32 or bfloat16    AdamW first moments, trainable parameters only
-//   /optim/v/<name>       float32 or bfloat16    AdamW second moments
+//                                                but the routed experts'
+//   /params/<stacked>     float32 (n_experts, rows, cols)   one per MoE block and expert weight:
+//                         expert e's tensor in slot e; <stacked> is the tensors' name without the
+//                         expert's number ("layers.3.moe.experts.w1" holds layers.3.moe.experts.*.w1)
+//   /optim/m/<name|stacked>  float32 or bfloat16  AdamW first moments, trainable parameters only
+//   /optim/v/<name|stacked>  float32 or bfloat16  AdamW second moments
 //   /fp8/amax_history     float32 (n, len)       delayed scaling, one row per scaled tensor
 //   /fp8/scale            float32 (n, 2)         (scale of the next step, scale the last step used)
 //   /fp8/steps            int64 (n, 1)           amax values recorded so far
 //   /fp8 attribute `tensors`: the n tensor names, one per line ("layers.0.attn.wq.x")
-// Every dataset has a uint64 attribute `checksum`: sum over elements, modulo 2^64, of
+// Every 2-D dataset has a uint64 attribute `checksum`: sum over elements, modulo 2^64, of
 // splitmix64(splitmix64(i) ^ bits) with i the element's row-major GLOBAL index and bits its stored
-// bytes as an unsigned integer. The sum does not depend on who wrote which part.
+// bytes as an unsigned integer. The sum does not depend on who wrote which part. A stacked dataset
+// has `checksums`, uint64 (n_experts): slot e's is that formula over expert e's (rows, cols) tensor
+// alone (i from 0 in each slot), so damage is named down to the expert.
+// Format version 1 (fp8moe before 2026-12-06) stored every tensor in a 2-D dataset of its own,
+// the routed experts' too ("/params/layers.3.moe.experts.17.w1"), each with its `checksum`: the
+// value of that expert's slot in version 2. Every reader here reads both; a save writes version 2.
 // Root attributes: format_version, step, samples, tokens, seed, loss_scale, loss_scale_good_steps,
 // adam_updates, adam_skipped, last_val_loss, config (YAML), layout, code_version, checksum_scheme.
 #pragma once
@@ -34,7 +43,8 @@
 
 namespace fp8moe {
 
-constexpr int kCheckpointFormatVersion = 1;
+constexpr int kCheckpointFormatVersion = 2;        // what a save writes
+constexpr int kCheckpointOldestFormatVersion = 1;  // the oldest a load reads
 constexpr const char* kCheckpointFile = "checkpoint.h5";
 
 // A checkpoint that cannot be used: missing, truncated, corrupt, foreign. The message names the
@@ -109,6 +119,41 @@ static_assert(kCheckpointStagingBytes == CheckpointConfig{}.staging_bytes, "chec
 // directory's file system (a tmpfs only) at a point of the save.
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 
+// An asynchronous save (checkpoint.async): start() copies what this rank writes of the step's
+// state into host memory (one buffer, pinned under CUDA, allocated at the first save and grown
+// only when a later one needs more: last_copy_bytes() is this rank's share of the checkpoint,
+// `fp8moe plan` prints it) on the calling thread, then a writer thread of its own writes, reads
+// back and commits it exactly as save_checkpoint does (the same phases, fault points and commit
+// order), over a duplicate of the communicator (MPI_THREAD_MULTIPLE), its calls watched in the
+// watchdog's background lane. Training goes on meanwhile: the copy is all it waits for.
+// finished(): this rank's writer is done (the ranks' writers end together, at the commit's
+// agreement; callers agree on it before they wait). wait(): joins the writer and returns the
+// committed directory, or throws its CheckpointError, the same on every rank (the previous
+// checkpoint intact); "" when nothing is in flight. start() requires nothing in flight, and the
+// destructor joins a writer still running. Construction and start() are collective over comm.
+// The bytes of the state this rank writes (the rows it writes of every parameter and moment):
+// what AsyncCheckpointer::start copies. Not collective.
+int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s);
+
+class AsyncCheckpointer {
+ public:
+  AsyncCheckpointer(MPI_Comm comm, Backend& be);
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+  // Returns the bytes copied. Fault point (fp8moe-faults): halfway through the copy.
+  int64_t start(MPI_Comm comm, const TrainerState& s);
+  bool in_flight() const;
+  bool finished() const;
+  std::string wait();
+  int64_t host_bytes() const;       // the host copy's size
+  int64_t last_copy_bytes() const;  // the last start()'s copy
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // checkpoint.resume: "none" starts fresh; "auto" loads <dir>/latest when the directory holds
 // checkpoints, and when that one is missing or damaged says so on stderr and falls back to the
 // newest older valid one (a directory, `latest` or file that cannot be read is an error:
@@ -135,6 +180,8 @@ struct DatasetReport {
   std::vector<int64_t> shape;
   std::string dtype;               // float32, bfloat16, int64
   int64_t bytes = 0;
+  int64_t slots = 0;               // a stacked dataset's experts (0: a 2-D dataset)
+  // The checksum; a stacked dataset's: the sum of its slots' (mod 2^64).
   uint64_t stored_checksum = 0;
   uint64_t computed_checksum = 0;  // when checked
   bool checked = false, ok = false;

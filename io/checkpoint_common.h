@@ -78,8 +78,6 @@ struct Chunk {
 Chunks chunks_of(Rows rows, int64_t width, size_t elem, int64_t buffer);
 // Chunk k; k >= c.count (a rank with fewer chunks than the others): an empty one.
 Chunk chunk_at(const Chunks& c, int64_t k);
-// The bytes of the largest chunk (the first).
-int64_t largest_chunk(const Chunks& c, size_t elem);
 
 // The checksum terms of the rows of chunk `ch` (held in buf, (ch.rows.n, ch.w) row-major) that lie
 // in `mine`; c0: the block's first global column, cols the tensor's.
@@ -90,24 +88,45 @@ uint64_t checksum_chunk(const void* buf, Dt t, const Chunk& ch, Rows mine, int64
 // (each BF16 lands at or before its FP32), BF16 -> FP32 exactly back to front.
 void convert_in_place(unsigned char* buf, Dt from, Dt to, int64_t n);
 
-// One dataset's block as the staging sees it: its rows, its width and the bytes of an element in
-// the buffer.
+// One tensor's block as the staging sees it: the rows moved, its width, the bytes of an element in
+// the buffer and the dataset it belongs to (an index into the save's or load's datasets).
 struct StagedBlock {
   Rows rows;
   int64_t width = 0;
   size_t elem = 4;
+  size_t dataset = 0;
 };
 
-// The chunks of every dataset of a save or a load through a buffer of at most `bound` bytes
-// (checkpoint.staging_bytes), and the number of collective calls each dataset takes: the most
-// chunks any rank of `comm` has (one allreduce; MPI_COMM_NULL: this rank's), at least 1, since
-// every rank creates or opens every dataset, even with no rows.
-struct StagingPlan {
-  std::vector<Chunks> chunks;
-  std::vector<int64_t> steps;
-  int64_t buffer_bytes = 0;  // this rank's largest chunk: the staging buffer's size
+// One part of a collective call: chunk `ch` of block `block`, at element `offset` of the buffer.
+struct Piece {
+  size_t block = 0;
+  Chunk ch;
+  int64_t offset = 0;
 };
-StagingPlan plan_staging(MPI_Comm comm, const std::vector<StagedBlock>& blocks, int64_t bound);
+// One collective write or read of a dataset: its segments one after another in the buffer.
+struct Call {
+  std::vector<Piece> segments;
+  int64_t elems = 0;
+};
+
+// The calls of every dataset of a save or a load through a buffer of at most `bound` bytes
+// (checkpoint.staging_bytes). A block that fits the buffer whole shares a call with the blocks of
+// its dataset before it while their sum fits (a stacked dataset's experts: one call for all of a
+// rank's when they fit); a block that does not is cut into chunks (chunks_of), a call each. The
+// blocks of one dataset come in their slots' order. steps: the number of collective calls each
+// dataset takes, the most any rank of `comm` has (one allreduce; MPI_COMM_NULL: this rank's), at
+// least 1, since every rank creates or opens every dataset, even with nothing to move.
+struct StagingPlan {
+  std::vector<std::vector<Call>> calls;  // per dataset, this rank's
+  std::vector<int64_t> steps;            // per dataset
+  int64_t buffer_bytes = 0;              // this rank's largest call: the staging buffer's size
+  // Call k of dataset d on this rank; an empty one beyond its calls.
+  const Call& call(size_t d, int64_t k) const {
+    static const Call none;
+    return size_t(k) < calls[d].size() ? calls[d][size_t(k)] : none;
+  }
+};
+StagingPlan plan_staging(MPI_Comm comm, const std::vector<StagedBlock>& blocks, size_t n_datasets, int64_t bound);
 
 // ---------------------------------------------------------------- delayed scaling (io/checkpoint_scaling.cpp)
 

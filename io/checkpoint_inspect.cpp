@@ -134,29 +134,34 @@ std::vector<std::string> dataset_paths(hid_t f, CheckpointReport& rep) {
 }
 
 // The checksum of dataset ds (nd dimensions `dims`, element type dt), recomputed in pieces of
-// about 64 MB of whole rows.
-uint64_t recompute_checksum(hid_t ds, hid_t type, Dt dt, int nd, const hsize_t* dims, const std::string& at) {
+// about 64 MB of whole rows: of slot `slot` alone in a stacked dataset (nd 3; indices from 0 in
+// each slot), of everything else.
+uint64_t recompute_checksum(hid_t ds, hid_t type, Dt dt, int nd, const hsize_t* dims, int64_t slot, const std::string& at) {
   int64_t n = 1;
-  for (int i = 0; i < nd; ++i) n *= int64_t(dims[i]);
-  const int64_t cols = nd == 2 ? int64_t(dims[1]) : n, rows = nd == 2 ? int64_t(dims[0]) : 1;
+  for (int i = nd == 3 ? 1 : 0; i < nd; ++i) n *= int64_t(dims[i]);
+  const bool rows_of = nd >= 2;  // selected by rows (a slot's, or the 2-D dataset's)
+  const int64_t cols = rows_of ? int64_t(dims[nd - 1]) : n, rows = rows_of ? int64_t(dims[nd - 2]) : 1;
   const int64_t step_rows = std::max<int64_t>(1, (int64_t(1) << 26) / std::max<int64_t>(1, cols * int64_t(dt_size(dt))));
   std::vector<unsigned char> buf;
   uint64_t sum = 0;
   for (int64_t r0 = 0; r0 < rows && cols > 0; r0 += step_rows) {
     const int64_t nr = std::min(step_rows, rows - r0);
     buf.resize(size_t(nr * cols) * dt_size(dt));
-    const hsize_t start[2] = {hsize_t(r0), 0}, count[2] = {hsize_t(nr), hsize_t(cols)};
+    const hsize_t start[3] = {hsize_t(slot), hsize_t(r0), 0}, count[3] = {1, hsize_t(nr), hsize_t(cols)};
+    const int skip = nd == 3 ? 0 : 1;
     H5Handle fsel(h5(H5Dget_space(ds), at, "H5Dget_space"), H5Sclose);
-    if (nd == 2) h5(H5Sselect_hyperslab(fsel.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), at, "select");
-    H5Handle mem(h5(H5Screate_simple(nd == 2 ? 2 : 1, nd == 2 ? count : count + 1, nullptr), at, "H5Screate_simple"),
-                 H5Sclose);
-    h5(H5Dread(ds, type, mem.get(), nd == 2 ? fsel.get() : H5S_ALL, H5P_DEFAULT, buf.data()), at, "read failed");
+    if (rows_of)
+      h5(H5Sselect_hyperslab(fsel.get(), H5S_SELECT_SET, start + skip, nullptr, count + skip, nullptr), at, "select");
+    const hsize_t elems = hsize_t(nr * cols);
+    H5Handle mem(h5(H5Screate_simple(1, &elems, nullptr), at, "H5Screate_simple"), H5Sclose);
+    h5(H5Dread(ds, type, mem.get(), rows_of ? fsel.get() : H5S_ALL, H5P_DEFAULT, buf.data()), at, "read failed");
     sum += checksum_part(buf.data(), dt, nr * cols, r0 * cols);
   }
   return sum;
 }
 
-// One dataset's shape, type, size and stored checksum; with `verify`, the checksum recomputed.
+// One dataset's shape, type, size and stored checksum (a stacked one's: its slots'); with
+// `verify`, each recomputed, a stacked dataset's damage named down to the slot (the expert).
 DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, CheckpointReport& rep) {
   DatasetReport d;
   d.path = p;
@@ -166,6 +171,7 @@ DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, Checkp
     H5Handle space(h5(H5Dget_space(ds.get()), at, "H5Dget_space"), H5Sclose);
     hsize_t dims[8] = {};
     const int nd = h5(H5Sget_simple_extent_dims(space.get(), dims, nullptr), at, "no shape");
+    if (nd > 3) throw CheckpointError(at + ": " + std::to_string(nd) + " dimensions");
     int64_t n = 1;
     for (int i = 0; i < nd; ++i) d.shape.push_back(int64_t(dims[i])), n *= int64_t(dims[i]);
     H5Handle type(h5(H5Dget_type(ds.get()), at, "H5Dget_type"), H5Tclose);
@@ -173,32 +179,44 @@ DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, Checkp
     if (!dt_of(type.get(), &dt)) throw CheckpointError(at + ": unexpected element type");
     d.dtype = dt_name(dt);
     d.bytes = n * int64_t(dt_size(dt));
-    d.stored_checksum = read_attr_u64(ds.get(), "checksum", at);
+    d.slots = nd == 3 ? int64_t(dims[0]) : 0;
+    const std::vector<uint64_t> stored = d.slots > 0 ? read_attr_u64s(ds.get(), "checksums", d.slots, at)
+                                                     : std::vector<uint64_t>{read_attr_u64(ds.get(), "checksum", at)};
+    for (uint64_t v : stored) d.stored_checksum += v;
     if (!verify) return;
-    d.computed_checksum = recompute_checksum(ds.get(), type.get(), dt, nd, dims, at);
-    d.checked = true;
-    d.ok = d.computed_checksum == d.stored_checksum;
-    if (!d.ok) rep.problems.push_back(at + checksum_mismatch(d.stored_checksum, d.computed_checksum));
+    d.checked = true, d.ok = true;
+    for (size_t e = 0; e < stored.size(); ++e) {
+      const uint64_t got = recompute_checksum(ds.get(), type.get(), dt, nd, dims, int64_t(e), at);
+      d.computed_checksum += got;
+      if (got == stored[e]) continue;
+      d.ok = false;
+      rep.problems.push_back(at + (d.slots > 0 ? ", expert " + std::to_string(e) : "") + checksum_mismatch(stored[e], got));
+    }
   });
   return d;
 }
 
-// Everything a load of the checkpoint's own config needs is there, with its shape.
+// Everything a load of the checkpoint's own config needs is there, with its shape (the layout of
+// the file's format version).
 void check_expected_datasets(hid_t f, CheckpointReport& rep) {
   attempt(rep, [&] {
     const Config cfg = stored_config(f, rep.file);
     std::map<std::string, const DatasetReport*> by_path;
     for (const auto& d : rep.datasets) by_path[d.path] = &d;
-    auto expect = [&](const std::string& p, int64_t rows, int64_t cols) {
-      auto it = by_path.find(p);
-      if (it == by_path.end()) rep.problems.push_back(rep.file + ": dataset " + p + " is missing");
-      else if (it->second->shape != std::vector<int64_t>{rows, cols})
-        rep.problems.push_back(rep.file + ": dataset " + p + " has the wrong shape");
+    std::set<std::string> seen;
+    auto expect = [&](const Place& pl, int64_t rows, int64_t cols) {
+      if (!seen.insert(pl.path).second) return;
+      const std::vector<int64_t> shape =
+          pl.slots > 0 ? std::vector<int64_t>{pl.slots, rows, cols} : std::vector<int64_t>{rows, cols};
+      auto it = by_path.find(pl.path);
+      if (it == by_path.end()) rep.problems.push_back(rep.file + ": dataset " + pl.path + " is missing");
+      else if (it->second->shape != shape)
+        rep.problems.push_back(rep.file + ": dataset " + pl.path + " has the wrong shape");
     };
-    for (const ParamSpec& p : build_param_table(cfg.model).params) {
-      expect(param_dataset(p.name), p.rows, p.cols);
-      if (p.trainable) expect(moment_dataset(0, p.name), p.rows, p.cols), expect(moment_dataset(1, p.name), p.rows, p.cols);
-    }
+    const int version = int(rep.format_version);
+    const int64_t e = cfg.model.moe.n_experts;
+    for (const ParamSpec& p : build_param_table(cfg.model).params)
+      for (int which = -1; which < (p.trainable ? 2 : 0); ++which) expect(place_of(p, which, e, version), p.rows, p.cols);
   });
 }
 
@@ -212,7 +230,8 @@ CheckpointReport inspect_checkpoint(const std::string& path, bool verify) {
   H5Handle file = open_file(rep.file, MPI_COMM_NULL);
   read_root(file.get(), rep);
   for (const std::string& p : dataset_paths(file.get(), rep)) rep.datasets.push_back(inspect_dataset(file.get(), p, verify, rep));
-  if (verify && !rep.config_yaml.empty()) check_expected_datasets(file.get(), rep);
+  const bool version_ok = rep.format_version >= kCheckpointOldestFormatVersion && rep.format_version <= kCheckpointFormatVersion;
+  if (verify && !rep.config_yaml.empty() && version_ok) check_expected_datasets(file.get(), rep);
   return rep;
 }
 
@@ -221,6 +240,7 @@ struct CheckpointParams::Impl {
   H5Handle file;
   Config cfg;
   int64_t step = 0;
+  int version = kCheckpointFormatVersion;
 };
 
 CheckpointParams::CheckpointParams(const std::string& path) : impl_(std::make_unique<Impl>()) {
@@ -228,7 +248,7 @@ CheckpointParams::CheckpointParams(const std::string& path) : impl_(std::make_un
   impl_->dir = resolve_checkpoint_dir(path);
   impl_->file_path = impl_->dir + "/" + kCheckpointFile;
   impl_->file = open_file(impl_->file_path, MPI_COMM_NULL);
-  check_version(impl_->file.get(), impl_->file_path);
+  impl_->version = check_version(impl_->file.get(), impl_->file_path);
   impl_->cfg = stored_config(impl_->file.get(), impl_->file_path);
   impl_->step = read_attr_i64(impl_->file.get(), "step", impl_->file_path);
 }
@@ -239,11 +259,13 @@ const Config& CheckpointParams::config() const { return impl_->cfg; }
 int64_t CheckpointParams::step() const { return impl_->step; }
 
 std::vector<float> CheckpointParams::read(const ParamSpec& p) const {
-  const OpenDataset d = open_dataset(impl_->file.get(), param_dataset(p.name), p.rows, p.cols, {Dt::f32}, impl_->file_path);
+  const Place pl = place_of(p, -1, impl_->cfg.model.moe.n_experts, impl_->version);
+  const OpenDataset d = open_dataset(impl_->file.get(), pl.path, pl.slots, p.rows, p.cols, {Dt::f32}, impl_->file_path);
   std::vector<float> out(size_t(p.numel()));
-  read_block(d, H5P_DEFAULT, Rows{0, p.rows}, 0, p.cols, out.data());
+  read_blocks(d, H5P_DEFAULT, {Slab{pl.slot, Rows{0, p.rows}, 0, p.cols}}, out.data());
   const uint64_t sum = checksum_block(out.data(), Dt::f32, 0, p.rows, 0, p.cols, p.cols);
-  if (sum != d.stored_checksum) throw CheckpointError(d.at + checksum_mismatch(d.stored_checksum, sum));
+  if (sum != d.stored_checksum(pl.slot))
+    throw CheckpointError(impl_->file_path + ": " + tensor_text(pl) + checksum_mismatch(d.stored_checksum(pl.slot), sum));
   return out;
 }
 

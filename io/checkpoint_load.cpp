@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <sstream>
 
 #include "io/checkpoint_commit.h"
@@ -34,15 +35,15 @@ struct Staged {
   std::map<std::string, HostLinearScaling> scaling;
   bool have_scaling = false;
   std::string note;     // said by rank 0 after the load
-  size_t verified = 0;  // datasets whose checksum was compared
+  size_t verified = 0;  // datasets whose checksums were compared
   TrainProgress progress;
   float loss_scale = 1;
   int64_t good_steps = 0, updates = 0, skipped = 0;
 };
 
-// One tensor dataset of a load and where it goes.
+// One tensor of a load and where it goes.
 struct TensorLoad {
-  std::string path;
+  Place place;                 // its dataset (format 2: a routed expert's is stacked), and its slot
   int64_t rows = 1, cols = 1;  // the global shape
   bool moment = false;         // stored as float32 or bfloat16; else float32
   Rows part;                   // the rows read: this rank's block (its optimizer's rows, for a moment)
@@ -53,15 +54,17 @@ struct TensorLoad {
 };
 
 // One load's file and its checksums (collective over comm; MPI_COMM_NULL: serial, this process
-// holds everything). Every dataset read adds its stored checksum and this rank's part of the
+// holds everything). Every tensor read adds its stored checksum and this rank's part of the
 // computed one; the parts are summed over the ranks at the end.
 struct Load {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 1;
   std::string path;  // <dir>/checkpoint.h5
+  int version = kCheckpointFormatVersion;
   H5Handle file, dxpl;
-  std::vector<std::string> names;
+  std::vector<std::string> names;  // tensor_text of each
   std::vector<uint64_t> stored, partial;
+  size_t datasets = 0;             // datasets read
 
   Load(MPI_Comm c, std::string p) : comm(c), path(std::move(p)) {
     if (comm == MPI_COMM_NULL) return;
@@ -85,7 +88,7 @@ void open_and_validate(Load& l, const Config* current, Staged* st) {
     l.file = open_file(l.path, l.comm);
     if (l.comm != MPI_COMM_NULL) l.dxpl = collective_xfer(l.path);
     const hid_t f = l.file.get();
-    check_version(f, l.path);
+    l.version = check_version(f, l.path);
     st->stored = stored_config(f, l.path);
     st->progress.step = read_attr_i64(f, "step", l.path);
     st->progress.samples = read_attr_i64(f, "samples", l.path);
@@ -111,13 +114,14 @@ Shard block_of(const Staged& st, const ParamTable& table, size_t i) {
 }
 
 // Phase 2a: every parameter's block, into the model's shard or a host vector of st->params.
-void plan_param_reads(const Load& l, const ParamTable& table, Staged* st, std::vector<TensorLoad>* loads) {
+void plan_param_reads(const Load& l, const ParamTable& table, int64_t n_experts, Staged* st,
+                      std::vector<TensorLoad>* loads) {
   if (!st->model) st->params.resize(table.params.size());
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
     const Shard sh = block_of(*st, table, i);
     TensorLoad t;
-    t.path = param_dataset(p.name), t.rows = p.rows, t.cols = p.cols;
+    t.place = place_of(p, -1, n_experts, l.version), t.rows = p.rows, t.cols = p.cols;
     t.part = sh.held() ? Rows{sh.r0, sh.rows} : Rows{0, 0};
     t.mine = !sh.held() ? Rows{0, 0} : st->write_rows.empty() ? l.default_mine(p.rows) : rows_of(st->write_rows[i]);
     t.c0 = sh.c0, t.nc = sh.cols;
@@ -133,7 +137,8 @@ void plan_param_reads(const Load& l, const ParamTable& table, Staged* st, std::v
 
 // Phase 2b: both moments of every trainable parameter: the rows of this rank's block its
 // optimizer owns (all of them without ZeRO), in the optimizer's moments dtype.
-void plan_moment_reads(const Load& l, const ParamTable& table, const Staged& st, std::vector<TensorLoad>* loads) {
+void plan_moment_reads(const Load& l, const ParamTable& table, int64_t n_experts, const Staged& st,
+                       std::vector<TensorLoad>* loads) {
   AdamW& opt = *st.opt;
   for (int which = 0; which < 2; ++which)
     for (size_t i = 0; i < table.params.size(); ++i) {
@@ -142,7 +147,7 @@ void plan_moment_reads(const Load& l, const ParamTable& table, const Staged& st,
       const Shard sh = block_of(st, table, i);
       const RowRange o = opt.owned(i);
       TensorLoad t;
-      t.path = moment_dataset(which, p.name), t.rows = p.rows, t.cols = p.cols, t.moment = true;
+      t.place = place_of(p, which, n_experts, l.version), t.rows = p.rows, t.cols = p.cols, t.moment = true;
       t.part = {sh.r0 + o.begin, o.end - o.begin};
       t.mine = !st.moment_rows.empty() ? rows_of(st.moment_rows[i]) : opt.sharded() ? t.part : l.default_mine(p.rows);
       t.c0 = sh.c0, t.nc = sh.cols;
@@ -154,67 +159,110 @@ void plan_moment_reads(const Load& l, const ParamTable& table, const Staged& st,
 }
 
 // Phase 2: the tensors to read: every parameter's block, then the optimizer's rows of both moments.
-std::vector<TensorLoad> plan_reads(const Load& l, const ParamTable& table, Staged* st) {
+std::vector<TensorLoad> plan_reads(const Load& l, const ParamTable& table, int64_t n_experts, Staged* st) {
   std::vector<TensorLoad> loads;
-  plan_param_reads(l, table, st, &loads);
-  if (st->opt) plan_moment_reads(l, table, *st, &loads);
+  plan_param_reads(l, table, n_experts, st, &loads);
+  if (st->opt) plan_moment_reads(l, table, n_experts, *st, &loads);
   return loads;
 }
 
-// Chunk `ch` of tensor `t` (dataset d) into the staging buffer, its checksum terms (returned),
-// converted to the destination's dtype and uploaded into its place.
-uint64_t stage_chunk(const Load& l, const TensorLoad& t, const OpenDataset& d, const Chunk& ch, Backend& be,
-                     unsigned char* buf) {
-  read_block(d, l.xfer(), ch.rows, t.c0 + ch.col, ch.w, buf);
-  if (ch.empty()) return 0;
-  const uint64_t sum = checksum_chunk(buf, d.dt, ch, t.mine, t.c0, t.cols);
-  const int64_t n = ch.rows.n * ch.w;
-  convert_in_place(buf, d.dt, t.dest_dt, n);
-  const size_t es = dt_size(t.dest_dt);
-  be.upload(static_cast<unsigned char*>(t.dest) + size_t((ch.rows.r0 - t.part.r0) * t.nc + ch.col) * es, buf,
-            size_t(n) * es);
-  be.sync();  // the upload has read the buffer before the next chunk overwrites it
-  return sum;
+// The datasets of a load: each with its tensors (in slot order), in the order of their first.
+struct LoadDataset {
+  Place place;  // the first tensor's (path, slots)
+  int64_t rows = 1, cols = 1;
+  bool moment = false;
+  std::vector<size_t> tensors;  // indices into the loads
+};
+std::vector<LoadDataset> group_datasets(const std::vector<TensorLoad>& loads, std::vector<size_t>* dataset_of) {
+  std::vector<LoadDataset> out;
+  std::map<std::string, size_t> index;
+  for (size_t j = 0; j < loads.size(); ++j) {
+    const TensorLoad& t = loads[j];
+    const auto [it, added] = index.emplace(t.place.path, out.size());
+    if (added) out.push_back({t.place, t.rows, t.cols, t.moment, {}});
+    FP8MOE_ASSERT(out[it->second].tensors.empty() || t.place.slot > loads[out[it->second].tensors.back()].place.slot,
+                  t.place.path, ": tensors out of slot order");
+    out[it->second].tensors.push_back(j);
+    dataset_of->push_back(it->second);
+  }
+  return out;
 }
 
-// Phase 3a: one tensor in `steps` reads (the same number on every rank), agreed after every chunk:
-// no rank goes on into the next read alone. With a backend, chunk by chunk through the staging
-// buffer; without one (serial), the block in one read into its host vector.
-void read_tensor(Load& l, const TensorLoad& t, const Chunks* chunks, int64_t steps, Backend* be, unsigned char* buf) {
-  OpenDataset d;
-  uint64_t sum = 0;
-  for (int64_t k = 0; k < steps; ++k)
-    on_every_rank(l.comm, [&] {
-      if (k == 0)
-        d = t.moment ? open_dataset(l.file.get(), t.path, t.rows, t.cols, {Dt::f32, Dt::bf16}, l.path)
-                     : open_dataset(l.file.get(), t.path, t.rows, t.cols, {Dt::f32}, l.path);
-      if (be) {
-        sum += stage_chunk(l, t, d, chunk_at(*chunks, k), *be, buf);
-      } else {
-        FP8MOE_ASSERT(d.dt == t.dest_dt, t.path, ": a host destination of another dtype");
-        read_block(d, l.xfer(), t.part, t.c0, t.nc, t.dest);
-        sum += checksum_chunk(t.dest, d.dt, {t.part, 0, t.nc}, t.mine, t.c0, t.cols);
-      }
-      if (k + 1 == steps) l.add_checksum(t.path, d.stored_checksum, sum);
-    });
+OpenDataset open_for(const Load& l, const LoadDataset& d) {
+  return d.moment ? open_dataset(l.file.get(), d.place.path, d.place.slots, d.rows, d.cols, {Dt::f32, Dt::bf16}, l.path)
+                  : open_dataset(l.file.get(), d.place.path, d.place.slots, d.rows, d.cols, {Dt::f32}, l.path);
 }
 
-// Phase 3: every tensor. Into a model: through one buffer of at most `bound` bytes, in chunks of
-// whole FP32 elements (a moment's chunk holds either dtype), the same number of reads per dataset
-// on every rank (one allreduce of the counts).
+// Call `call` of a dataset (opened as od) into the staging buffer: its segments one after another
+// in the stored dtype; each segment's checksum terms added to its tensor's sum in sums; the whole
+// call converted to the destinations' dtype; each segment uploaded into its place; one
+// synchronisation (the uploads have read the buffer before the next call overwrites it).
+void stage_call(const Load& l, const std::vector<TensorLoad>& loads, const OpenDataset& od, const Call& call,
+                Backend& be, unsigned char* buf, std::vector<uint64_t>& sums) {
+  std::vector<Slab> blocks;
+  for (const Piece& sg : call.segments) {
+    const TensorLoad& t = loads[sg.block];
+    blocks.push_back({t.place.slot, sg.ch.rows, t.c0 + sg.ch.col, sg.ch.w});
+  }
+  read_blocks(od, l.xfer(), blocks, buf);
+  if (call.segments.empty()) return;
+  const size_t stored = dt_size(od.dt);
+  for (const Piece& sg : call.segments) {
+    const TensorLoad& t = loads[sg.block];
+    sums[sg.block] += checksum_chunk(buf + size_t(sg.offset) * stored, od.dt, sg.ch, t.mine, t.c0, t.cols);
+  }
+  const Dt dest_dt = loads[call.segments[0].block].dest_dt;  // one dataset: one destination dtype
+  convert_in_place(buf, od.dt, dest_dt, call.elems);
+  const size_t es = dt_size(dest_dt);
+  for (const Piece& sg : call.segments) {
+    const TensorLoad& t = loads[sg.block];
+    const Chunk& ch = sg.ch;
+    be.upload(static_cast<unsigned char*>(t.dest) + size_t((ch.rows.r0 - t.part.r0) * t.nc + ch.col) * es,
+              buf + size_t(sg.offset) * es, size_t(ch.rows.n * ch.w) * es);
+  }
+  be.sync();
+}
+
+// Phase 3: every tensor, dataset by dataset, agreed after every call: no rank goes on into the next
+// read alone. Into a model: through one buffer of at most `bound` bytes, in calls of whole FP32
+// elements (a moment's call holds either dtype), the same number of calls per dataset on every
+// rank (one allreduce of the counts). Without a model (serial): each tensor's block in one read
+// into its host vector.
 void read_tensors(Load& l, const std::vector<TensorLoad>& loads, const Staged& st, int64_t bound) {
   Backend* be = st.model ? &st.model->backend() : nullptr;
+  std::vector<size_t> dataset_of;
+  const std::vector<LoadDataset> datasets = group_datasets(loads, &dataset_of);
   StagingPlan plan;
   if (be) {
     std::vector<StagedBlock> blocks;
-    for (const TensorLoad& t : loads) blocks.push_back({t.part, t.nc, 4});
-    plan = plan_staging(l.comm, blocks, bound);
+    for (size_t j = 0; j < loads.size(); ++j) blocks.push_back({loads[j].part, loads[j].nc, 4, dataset_of[j]});
+    plan = plan_staging(l.comm, blocks, datasets.size(), bound);
   } else {
-    plan.steps.assign(loads.size(), 1);
+    plan.steps.assign(datasets.size(), 1);
   }
   HostBuffer<unsigned char> stage = be ? HostBuffer<unsigned char>(*be, plan.buffer_bytes) : HostBuffer<unsigned char>();
-  for (size_t j = 0; j < loads.size(); ++j)
-    read_tensor(l, loads[j], be ? &plan.chunks[j] : nullptr, plan.steps[j], be, stage.data());
+  std::vector<uint64_t> sums(loads.size(), 0);
+  for (size_t i = 0; i < datasets.size(); ++i) {
+    const LoadDataset& d = datasets[i];
+    OpenDataset od;
+    for (int64_t k = 0; k < plan.steps[i]; ++k)
+      on_every_rank(l.comm, [&] {
+        if (k == 0) od = open_for(l, d);
+        if (be) {
+          stage_call(l, loads, od, plan.call(i, k), *be, stage.data(), sums);
+        } else {
+          for (size_t j : d.tensors) {
+            const TensorLoad& t = loads[j];
+            FP8MOE_ASSERT(od.dt == t.dest_dt, t.place.path, ": a host destination of another dtype");
+            read_blocks(od, l.xfer(), {Slab{t.place.slot, t.part, t.c0, t.nc}}, t.dest);
+            sums[j] += checksum_chunk(t.dest, od.dt, {t.part, 0, t.nc}, t.mine, t.c0, t.cols);
+          }
+        }
+        if (k + 1 < plan.steps[i]) return;
+        for (size_t j : d.tensors) l.add_checksum(tensor_text(loads[j].place), od.stored_checksum(loads[j].place.slot), sums[j]);
+        ++l.datasets;
+      });
+  }
 }
 
 // A small host-side dataset (/fp8/*), read whole by every rank; this rank adds the checksum
@@ -225,10 +273,11 @@ DatasetRead read_whole(Load& l, const std::string& dpath, int64_t rows, int64_t 
   on_every_rank(l.comm, [&] {
     r = read_dataset(l.file.get(), l.xfer(), dpath, rows, cols, {0, rows}, allowed, l.path);
     const auto* data = static_cast<const unsigned char*>(r.data());
-    l.add_checksum(dpath, r.stored_checksum,
+    l.add_checksum("dataset " + dpath, r.stored_checksum,
                    mine.n == 0 ? 0
                                : checksum_block(data + size_t(mine.r0 * cols) * dt_size(r.dt), r.dt, mine.r0, mine.n, 0,
                                                 cols, cols));
+    ++l.datasets;
   });
   return r;
 }
@@ -265,11 +314,10 @@ void read_scaling(Load& l, const Config& cfg, const ParamTable& table, Staged* s
 void verify_checksums(Load& l, Staged* st) {
   if (l.comm != MPI_COMM_NULL)
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, l.partial.data(), int(l.partial.size()), MPI_UINT64_T, MPI_SUM, l.comm));
-  for (size_t i = 0; i < l.names.size(); ++i) {
+  for (size_t i = 0; i < l.names.size(); ++i)
     if (l.partial[i] != l.stored[i])
-      throw CheckpointError(l.path + ": dataset " + l.names[i] + checksum_mismatch(l.stored[i], l.partial[i]));
-    ++st->verified;
-  }
+      throw CheckpointError(l.path + ": " + l.names[i] + checksum_mismatch(l.stored[i], l.partial[i]));
+  st->verified = l.datasets;
 }
 
 // Reads one checkpoint into `st`. The checksums are checked over this rank's rows and summed over
@@ -281,7 +329,7 @@ void load_into(const std::string& dir, MPI_Comm comm, const Config* current, Sta
   open_and_validate(l, current, st);
   const Config& cfg = current ? *current : st->stored;
   const ParamTable table = build_param_table(cfg.model);
-  const std::vector<TensorLoad> loads = plan_reads(l, table, st);
+  const std::vector<TensorLoad> loads = plan_reads(l, table, cfg.model.moe.n_experts, st);
   read_tensors(l, loads, *st, current ? current->checkpoint.staging_bytes : kCheckpointStagingBytes);
   if (st->opt) read_scaling(l, cfg, table, st);
   verify_checksums(l, st);

@@ -1,12 +1,23 @@
-// save_checkpoint (io/checkpoint.h), in phases: where the save goes (an empty step_N.tmp/), the
-// datasets this rank writes, their staging and the room the file needs, the file written
-// (metadata, every dataset through the staging buffer, the checksums) and closed, read back, and
-// committed (io/checkpoint_commit.h). The HDF5 layer is io/hdf5_file.h, the staging
-// io/checkpoint_staging.cpp.
+// save_checkpoint and AsyncCheckpointer (io/checkpoint.h), in phases. On the calling thread
+// (prepare_save): where the save goes, the delayed-scaling state, the tensors this rank writes and
+// the datasets they go in (a MoE block's experts stacked), the root attributes; for an
+// asynchronous save, the copy of the tensors to host memory (copy_to_host). Then (run_save, on the
+// writer thread for an asynchronous save): an empty step_N.tmp/, the staging and the room the file
+// needs, the file written (metadata, every dataset through the staging buffer, the checksums) and
+// closed, read back, and committed (io/checkpoint_commit.h). The HDF5 layer is io/hdf5_file.h, the
+// staging io/checkpoint_staging.cpp.
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <map>
+#include <memory>
+#include <thread>
 
 #include "io/checkpoint_commit.h"
 #include "io/checkpoint_common.h"
@@ -20,10 +31,10 @@ namespace {
 
 constexpr int kExitFailure = 1;  // app/exit_codes.h
 
-// One dataset of a save: this rank's block of a (rows, cols) tensor, in backend memory (staged
-// through the host buffer) or host memory (the delayed-scaling arrays).
-struct SavedDataset {
-  std::string path;
+// One tensor of a save: this rank's block of a (rows, cols) tensor, in backend memory (staged
+// through the host buffer) or host memory (the delayed-scaling arrays), and where it goes.
+struct SavedTensor {
+  Place place;                 // its dataset, and its slot in a stacked one
   Dt dt = Dt::f32;
   int64_t rows = 1, cols = 1;  // the global shape
   const void* data = nullptr;  // the block: rows [row0, ...) x columns [c0, c0 + nc), row-major
@@ -38,6 +49,28 @@ struct SavedDataset {
   }
 };
 
+// One dataset of a save: 2-D with one tensor, or stacked with one tensor per slot (in slot order).
+struct SavedDataset {
+  std::string path;
+  Dt dt = Dt::f32;
+  int64_t slots = 0, rows = 1, cols = 1;
+  std::vector<size_t> tensors;  // indices into SavePlan::tensors
+};
+
+struct SavePlan {
+  std::vector<SavedTensor> tensors;
+  std::vector<SavedDataset> datasets;  // in file order: each where its first tensor is
+  std::vector<size_t> dataset_of;      // per tensor
+};
+
+// The root attributes (io/checkpoint.h), captured when the save starts: an asynchronous save's
+// writer must not read the trainer's objects, which training goes on changing.
+struct SaveMeta {
+  int64_t step = 0, samples = 0, tokens = 0, seed = 0, good_steps = 0, updates = 0, skipped = 0;
+  double last_val_loss = 0, loss_scale = 1;
+  std::string config, layout, created;
+};
+
 // Where a save writes, and how long closing the file may take.
 struct SaveTarget {
   int rank = 0, size = 1;
@@ -46,6 +79,8 @@ struct SaveTarget {
   // The watchdog's limit on a close that may never return (parallel/watchdog.h): after a failed
   // write, at most 5 s; for a close of a file written without error, runtime.timeout_s.
   double limit = 600, failed_limit = 5;
+  int keep_last = 1;
+  int64_t staging_bytes = kCheckpointStagingBytes;
 };
 
 SaveTarget save_target(MPI_Comm comm, const Config& cfg, int64_t step) {
@@ -57,6 +92,8 @@ SaveTarget save_target(MPI_Comm comm, const Config& cfg, int64_t step) {
   t.path = t.tmp_dir + "/" + kCheckpointFile;
   t.limit = cfg.runtime.timeout_s > 0 ? cfg.runtime.timeout_s : 600.0;
   t.failed_limit = std::min(t.limit, 5.0);
+  t.keep_last = cfg.checkpoint.keep_last;
+  t.staging_bytes = cfg.checkpoint.staging_bytes;
   return t;
 }
 
@@ -72,65 +109,86 @@ void make_tmp_dir(MPI_Comm comm, const SaveTarget& t) {
   });
 }
 
-// Phase 2: the datasets, in file order: every parameter's block, each moment's (the optimizer's
+// Phase 2: the tensors, in file order: every parameter's block, each moment's (the optimizer's
 // owned rows of this rank's block, global rows sh.r0 + ...; sharded, ZeRO-1, each rank writes
-// those), then the delayed-scaling arrays `sc` (host memory, written whole by the even split).
+// those), then the delayed-scaling arrays `sc` (host memory, written whole by the even split); and
+// the datasets they go in (format kCheckpointFormatVersion: a MoE block's routed experts stacked).
 // The parameters and moments stay in the model's backend memory.
-std::vector<SavedDataset> plan_datasets(const TrainerState& s, const SaveTarget& t, const ScalingArrays& sc) {
+SavePlan plan_datasets(const TrainerState& s, const SaveTarget& t, const ScalingArrays& sc) {
   const ParamTable& table = s.model->table();
-  std::vector<SavedDataset> tensors;
+  const int64_t n_experts = s.cfg->model.moe.n_experts;
+  SavePlan plan;
+  std::vector<SavedTensor>& tensors = plan.tensors;
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
     const Shard& sh = s.model->shard(i);
     const Rows mine = !sh.held() ? Rows{0, 0}
                       : s.write_rows.empty() ? my_rows(p.rows, t.rank, t.size)
                                              : rows_of(s.write_rows[i]);
-    tensors.push_back({param_dataset(p.name), Dt::f32, p.rows, p.cols, s.model->store().param(i), true, sh.r0, mine,
-                       sh.c0, sh.cols});
+    tensors.push_back({place_of(p, -1, n_experts, kCheckpointFormatVersion), Dt::f32, p.rows, p.cols,
+                       s.model->store().param(i), true, sh.r0, mine, sh.c0, sh.cols});
   }
   const Dt moment_dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;
   for (int w = 0; w < 2; ++w)
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
-      const std::string dpath = moment_dataset(w, p.name);
+      const Place place = place_of(p, w, n_experts, kCheckpointFormatVersion);
       const Shard& sh = s.model->shard(i);
       const RowRange o = s.opt->owned(i);
       const Rows mine = !s.moment_write_rows.empty() ? rows_of(s.moment_write_rows[i])
                         : s.opt->sharded()           ? Rows{sh.r0 + o.begin, o.end - o.begin}
                                                      : my_rows(p.rows, t.rank, t.size);
       FP8MOE_ASSERT(mine.n == 0 || (mine.r0 >= sh.r0 + o.begin && mine.r0 + mine.n <= sh.r0 + o.end), "checkpoint: ",
-                    dpath, " rows to write outside the optimizer's rows");
+                    place.path, " rows to write outside the optimizer's rows");
       tensors.push_back(
-          {dpath, moment_dt, p.rows, p.cols, s.opt->moment(w, i).raw(), true, sh.r0 + o.begin, mine, sh.c0, sh.cols});
+          {place, moment_dt, p.rows, p.cols, s.opt->moment(w, i).raw(), true, sh.r0 + o.begin, mine, sh.c0, sh.cols});
     }
   const int64_t n_sc = int64_t(sc.names.size());
   auto whole = [&](std::string path, Dt dt, int64_t cols, const void* data) {
-    tensors.push_back({std::move(path), dt, n_sc, cols, data, false, 0, my_rows(n_sc, t.rank, t.size)});
+    tensors.push_back({Place{std::move(path), -1, 0}, dt, n_sc, cols, data, false, 0, my_rows(n_sc, t.rank, t.size)});
   };
   if (n_sc > 0) {
     whole("/fp8/amax_history", Dt::f32, sc.len, sc.history.data());
     whole("/fp8/scale", Dt::f32, 2, sc.scale.data());
     whole("/fp8/steps", Dt::i64, 1, sc.steps.data());
   }
-  return tensors;
+  std::map<std::string, size_t> index;
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    const SavedTensor& x = tensors[j];
+    const auto [it, added] = index.emplace(x.place.path, plan.datasets.size());
+    if (added) plan.datasets.push_back({x.place.path, x.dt, x.place.slots, x.rows, x.cols, {}});
+    SavedDataset& d = plan.datasets[it->second];
+    FP8MOE_ASSERT(d.dt == x.dt && d.rows == x.rows && d.cols == x.cols && x.place.slot == (d.slots > 0 ? int64_t(d.tensors.size()) : -1),
+                  "checkpoint: ", d.path, ": tensors of another shape, or out of slot order");
+    d.tensors.push_back(j);
+    plan.dataset_of.push_back(it->second);
+  }
+  for (const SavedDataset& d : plan.datasets)
+    FP8MOE_ASSERT(d.tensors.size() == size_t(std::max<int64_t>(1, d.slots)), "checkpoint: ", d.path, ": ",
+                  d.tensors.size(), " tensors for ", d.slots, " slots");
+  return plan;
 }
 
-// Phase 3: each dataset's rows this rank writes, in chunks through one host buffer of at most
-// checkpoint.staging_bytes (io/checkpoint.h); the ranks agree on each dataset's number of chunks
+// Phase 3: each tensor's rows this rank writes, in calls through one host buffer of at most
+// checkpoint.staging_bytes (io/checkpoint.h); the ranks agree on each dataset's number of calls
 // (the most any rank has: one allreduce), since a collective write needs the same number of calls
 // on every rank.
-StagingPlan plan_save_staging(MPI_Comm comm, const std::vector<SavedDataset>& tensors, int64_t bound) {
+StagingPlan plan_save_staging(MPI_Comm comm, const SavePlan& sp, int64_t bound) {
   std::vector<StagedBlock> blocks;
-  for (const SavedDataset& d : tensors) blocks.push_back({d.mine, d.width(), dt_size(d.dt)});
-  return plan_staging(comm, blocks, bound);
+  for (size_t j = 0; j < sp.tensors.size(); ++j) {
+    const SavedTensor& x = sp.tensors[j];
+    blocks.push_back({x.mine, x.width(), dt_size(x.dt), sp.dataset_of[j]});
+  }
+  return plan_staging(comm, blocks, sp.datasets.size(), bound);
 }
 
-// Phase 4: room for the file, before any rank writes: the datasets' bytes, and for HDF5's metadata
-// 2 KiB a dataset (measured: about 520 bytes), the config text and 64 KiB.
-void check_room(MPI_Comm comm, const SaveTarget& t, const Config& cfg, const std::vector<SavedDataset>& tensors) {
-  double need = 65536 + double(config_to_yaml(cfg).size() + 2048 * tensors.size());
-  for (const SavedDataset& d : tensors) need += double(d.rows) * double(d.cols) * double(dt_size(d.dt));
+// Phase 4: room for the file, before any rank writes: the tensors' bytes, and for HDF5's metadata
+// 2 KiB a dataset (measured: about 520 bytes), 8 bytes a tensor (its checksum), the config text and
+// 64 KiB.
+void check_room(MPI_Comm comm, const SaveTarget& t, const SaveMeta& meta, const SavePlan& sp) {
+  double need = 65536 + double(meta.config.size() + 2048 * sp.datasets.size());
+  for (const SavedTensor& x : sp.tensors) need += double(x.rows) * double(x.cols) * double(dt_size(x.dt)) + 8;
   on_every_rank(comm, [&] {
     if (t.rank == 0) check_space(t.tmp_dir, int64_t(need));
   });
@@ -150,64 +208,88 @@ std::string creation_time(MPI_Comm comm, int rank) {
 }
 
 // The root attributes (io/checkpoint.h), in this order.
-void write_metadata(hid_t f, const TrainerState& s, const std::string& created, const std::string& path) {
-  const Config& cfg = *s.cfg;
-  const TrainProgress& pr = *s.progress;
+void write_metadata(hid_t f, const SaveMeta& m, const std::string& path) {
   write_attr(f, "format_version", int64_t(kCheckpointFormatVersion), path);
-  write_attr(f, "step", pr.step, path);
-  write_attr(f, "samples", pr.samples, path);
-  write_attr(f, "tokens", pr.tokens, path);
-  write_attr(f, "seed", int64_t(cfg.train.seed), path);
-  write_attr(f, "last_val_loss", pr.last_val_loss, path);
-  write_attr(f, "loss_scale", double(s.scaler->scale()), path);
-  write_attr(f, "loss_scale_good_steps", s.scaler->good_steps(), path);
-  write_attr(f, "adam_updates", s.opt->updates(), path);
-  write_attr(f, "adam_skipped", s.opt->skipped(), path);
-  write_attr(f, "config", config_to_yaml(cfg), path);
-  write_attr(f, "layout", s.layout, path);
+  write_attr(f, "step", m.step, path);
+  write_attr(f, "samples", m.samples, path);
+  write_attr(f, "tokens", m.tokens, path);
+  write_attr(f, "seed", m.seed, path);
+  write_attr(f, "last_val_loss", m.last_val_loss, path);
+  write_attr(f, "loss_scale", m.loss_scale, path);
+  write_attr(f, "loss_scale_good_steps", m.good_steps, path);
+  write_attr(f, "adam_updates", m.updates, path);
+  write_attr(f, "adam_skipped", m.skipped, path);
+  write_attr(f, "config", m.config, path);
+  write_attr(f, "layout", m.layout, path);
   write_attr(f, "code_version", std::string("fp8moe " FP8MOE_VERSION), path);
   write_attr(f, "checksum_scheme", std::string(kChecksumScheme), path);
-  write_attr(f, "created", created, path);
+  write_attr(f, "created", m.created, path);
 }
 
-// What the writing and the reading back share: the datasets, their staging and its buffer.
+SaveMeta save_meta(MPI_Comm comm, int rank, const TrainerState& s) {
+  const TrainProgress& pr = *s.progress;
+  SaveMeta m;
+  m.step = pr.step, m.samples = pr.samples, m.tokens = pr.tokens, m.seed = int64_t(s.cfg->train.seed);
+  m.last_val_loss = pr.last_val_loss, m.loss_scale = double(s.scaler->scale());
+  m.good_steps = s.scaler->good_steps(), m.updates = s.opt->updates(), m.skipped = s.opt->skipped();
+  m.config = config_to_yaml(*s.cfg), m.layout = s.layout;
+  m.created = creation_time(comm, rank);
+  return m;
+}
+
+// What the writing and the reading back share: the datasets, their staging and its buffer (be:
+// the backend whose memory the device tensors are in; none when every tensor is in host memory).
 struct Staging {
-  const std::vector<SavedDataset>& tensors;
+  const SavePlan& sp;
   const StagingPlan& plan;
-  Backend& be;
-  HostBuffer<unsigned char>& buffer;
+  Backend* be;
+  unsigned char* buffer;
 };
 
-// Phase 5a: dataset i, created collectively, then its rows chunk by chunk (downloaded through the
-// staging buffer, or from host memory), agreeing after every chunk so that no rank goes on into
-// the next write alone. Adds the chunks' checksum terms to *sum (the terms add up). `last`, when
+// Phase 5a: dataset i, created collectively, then its tensors' rows call by call (each call's
+// segments downloaded into the staging buffer one after another, one synchronisation, or copied
+// from host memory), agreeing after every call so that no rank goes on into the next write alone.
+// Adds each segment's checksum terms to its tensor's sum in sums (the terms add up). `last`, when
 // set, runs in the dataset's final step, after the dataset is closed.
 void write_dataset(MPI_Comm comm, const SaveTarget& t, const Staging& st, hid_t file, hid_t dxpl, size_t i,
-                   uint64_t* sum, const std::function<void()>& last) {
-  const SavedDataset& d = st.tensors[i];
+                   std::vector<uint64_t>& sums, const std::function<void()>& last) {
+  const SavedDataset& d = st.sp.datasets[i];
   const std::string at = t.path + ": dataset " + d.path;
   const int64_t steps = st.plan.steps[i];
+  const size_t elem = dt_size(d.dt);
   H5Handle ds;
   for (int64_t k = 0; k < steps; ++k)
     on_every_rank(comm, [&] {
-      if (k == 0) ds = create_dataset(file, d.path, d.dt, d.rows, d.cols, t.path);
-      const Chunk ch = chunk_at(st.plan.chunks[i], k);
-      const void* buf = nullptr;
-      if (!ch.empty()) {
-        if (d.device) {
-          st.be.download(st.buffer.data(), d.at(ch.rows.r0, ch.col), size_t(ch.rows.n * ch.w) * dt_size(d.dt));
-          st.be.sync();
-          buf = st.buffer.data();
-        } else {
-          buf = d.at(ch.rows.r0, ch.col);
-        }
-        *sum += checksum_chunk(buf, d.dt, ch, d.mine, d.c0, d.cols);
+      if (k == 0) ds = create_dataset(file, d.path, d.dt, d.slots, d.rows, d.cols, t.path);
+      const Call& call = st.plan.call(i, k);
+      std::vector<Slab> blocks;
+      bool downloaded = false;
+      for (const Piece& sg : call.segments) {
+        const SavedTensor& x = st.sp.tensors[sg.block];
+        const Chunk& ch = sg.ch;
+        unsigned char* to = st.buffer + size_t(sg.offset) * elem;
+        const size_t bytes = size_t(ch.rows.n * ch.w) * elem;
+        if (x.device) st.be->download(to, x.at(ch.rows.r0, ch.col), bytes), downloaded = true;
+        else std::memcpy(to, x.at(ch.rows.r0, ch.col), bytes);
+        blocks.push_back({x.place.slot, ch.rows, x.c0 + ch.col, ch.w});
       }
-      write_block(ds.get(), dxpl, d.dt, d.rows, d.cols, ch.rows, d.c0 + ch.col, ch.w, buf, at);
+      if (downloaded) st.be->sync();
+      for (const Piece& sg : call.segments) {
+        const SavedTensor& x = st.sp.tensors[sg.block];
+        sums[sg.block] += checksum_chunk(st.buffer + size_t(sg.offset) * elem, d.dt, sg.ch, x.mine, x.c0, x.cols);
+      }
+      write_blocks(ds.get(), dxpl, d.dt, blocks, st.buffer, at);
       if (k + 1 < steps) return;
       ds.reset();
       if (last) last();
     });
+}
+
+// The checksums of dataset d's tensors, in slot order, from the per-tensor sums.
+std::vector<uint64_t> dataset_sums(const SavedDataset& d, const std::vector<uint64_t>& sums) {
+  std::vector<uint64_t> out;
+  for (size_t j : d.tensors) out.push_back(sums[j]);
+  return out;
 }
 
 // Closing the file: HDF5's close runs collectives (metadata flush, MPI-IO close), and a close that
@@ -245,10 +327,10 @@ void close_file(H5Handle& file, H5Handle& dxpl, const SaveTarget& t, const std::
 // /fp8 names with the last one, then the checksum attributes once one allreduce made the sums
 // global (every rank writes the same values); closed under the guard. Returns the checksums.
 // Fault points: each dataset written, the close (io/checkpoint_faults.h).
-std::vector<uint64_t> write_file(MPI_Comm comm, const TrainerState& s, const SaveTarget& t, const Staging& st,
-                                 const ScalingArrays& sc, const std::string& created, FaultPoint& fault) {
-  const std::vector<SavedDataset>& tensors = st.tensors;
-  std::vector<uint64_t> sums(tensors.size(), 0);
+std::vector<uint64_t> write_file(MPI_Comm comm, const SaveMeta& meta, const SaveTarget& t, const Staging& st,
+                                 const ScalingArrays& sc, FaultPoint& fault) {
+  const std::vector<SavedDataset>& datasets = st.sp.datasets;
+  std::vector<uint64_t> sums(st.sp.tensors.size(), 0);
   H5Handle file, dxpl;
   auto scaling_names = [&] {  // the /fp8 group exists once its datasets do
     H5Handle g(h5(H5Gopen2(file.get(), "/fp8", H5P_DEFAULT), t.path, "cannot open group /fp8"), H5Gclose);
@@ -259,19 +341,19 @@ std::vector<uint64_t> write_file(MPI_Comm comm, const TrainerState& s, const Sav
     on_every_rank(comm, [&] {
       file = create_file(t.path, comm);
       dxpl = collective_xfer(t.path);
-      write_metadata(file.get(), s, created, t.path);
+      write_metadata(file.get(), meta, t.path);
     });
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const bool names_after = i + 1 == tensors.size() && !sc.names.empty();
-      write_dataset(comm, t, st, file.get(), dxpl.get(), i, &sums[i],
+    for (size_t i = 0; i < datasets.size(); ++i) {
+      const bool names_after = i + 1 == datasets.size() && !sc.names.empty();
+      write_dataset(comm, t, st, file.get(), dxpl.get(), i, sums,
                     names_after ? std::function<void()>(scaling_names) : nullptr);
       fault.hit();
       if (i == 0) fault.fill_at("first-dataset");
-      if (i == tensors.size() / 2) fault.fill_at("middle");
+      if (i == datasets.size() / 2) fault.fill_at("middle");
     }
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), int(sums.size()), MPI_UINT64_T, MPI_SUM, comm));
     on_every_rank(comm, [&] {
-      for (size_t i = 0; i < tensors.size(); ++i) write_checksum(file.get(), tensors[i].path, sums[i], t.path);
+      for (const SavedDataset& d : datasets) write_checksums(file.get(), d.path, dataset_sums(d, sums), t.path);
     });
     fault.fill_at("before-close");
   } catch (const CheckpointError& e) {  // every rank is here: on_every_rank agreed
@@ -283,11 +365,12 @@ std::vector<uint64_t> write_file(MPI_Comm comm, const TrainerState& s, const Sav
   return sums;
 }
 
-// Phase 6: the file read back before the commit, every rank its own rows through the same chunks:
+// Phase 6: the file read back before the commit, every rank its own rows through the same calls:
 // a write that did not reach the file (MPI-IO can report a failed write that HDF5 does not pass
 // on) never becomes a checkpoint.
 void read_back(MPI_Comm comm, const SaveTarget& t, const Staging& st, const std::vector<uint64_t>& sums) {
-  const std::vector<SavedDataset>& tensors = st.tensors;
+  const std::vector<SavedDataset>& datasets = st.sp.datasets;
+  const std::vector<SavedTensor>& tensors = st.sp.tensors;
   const std::string why = ": not every write reached the file system (is it full?)";
   H5Handle file, dxpl;
   std::vector<uint64_t> back(tensors.size(), 0), attr(tensors.size(), 0);
@@ -304,52 +387,208 @@ void read_back(MPI_Comm comm, const SaveTarget& t, const Staging& st, const std:
       dxpl = collective_xfer(t.path);
     });
   });
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const SavedDataset& d = tensors[i];
+  for (size_t i = 0; i < datasets.size(); ++i) {
+    const SavedDataset& d = datasets[i];
+    const size_t elem = dt_size(d.dt);
     OpenDataset od;
     for (int64_t k = 0; k < st.plan.steps[i]; ++k)
       on_every_rank(comm, [&] {
         reading_back([&] {
-          if (k == 0) od = open_dataset(file.get(), d.path, d.rows, d.cols, {d.dt}, t.path);
-          const Chunk ch = chunk_at(st.plan.chunks[i], k);
-          read_block(od, dxpl.get(), ch.rows, d.c0 + ch.col, ch.w, st.buffer.data());
-          back[i] += checksum_chunk(st.buffer.data(), d.dt, ch, d.mine, d.c0, d.cols);
-          attr[i] = od.stored_checksum;
+          if (k == 0) {
+            od = open_dataset(file.get(), d.path, d.slots, d.rows, d.cols, {d.dt}, t.path);
+            for (size_t j : d.tensors) attr[j] = od.stored_checksum(tensors[j].place.slot);
+          }
+          const Call& call = st.plan.call(i, k);
+          std::vector<Slab> blocks;
+          for (const Piece& sg : call.segments) {
+            const SavedTensor& x = tensors[sg.block];
+            blocks.push_back({x.place.slot, sg.ch.rows, x.c0 + sg.ch.col, sg.ch.w});
+          }
+          read_blocks(od, dxpl.get(), blocks, st.buffer);
+          for (const Piece& sg : call.segments) {
+            const SavedTensor& x = tensors[sg.block];
+            back[sg.block] += checksum_chunk(st.buffer + size_t(sg.offset) * elem, d.dt, sg.ch, x.mine, x.c0, x.cols);
+          }
         });
       });
   }
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, back.data(), int(back.size()), MPI_UINT64_T, MPI_SUM, comm));
-  for (size_t i = 0; i < tensors.size(); ++i)
-    if (back[i] != sums[i] || attr[i] != sums[i])
-      throw CheckpointError("reading the written file back: " + t.path + ": dataset " + tensors[i].path +
-                            checksum_mismatch(sums[i], back[i] != sums[i] ? back[i] : attr[i]) + why);
+  for (size_t j = 0; j < tensors.size(); ++j)
+    if (back[j] != sums[j] || attr[j] != sums[j])
+      throw CheckpointError("reading the written file back: " + t.path + ": " + tensor_text(tensors[j].place) +
+                            checksum_mismatch(sums[j], back[j] != sums[j] ? back[j] : attr[j]) + why);
+}
+
+}  // namespace
+
+namespace ckpt {
+
+// A save as the main thread prepares it: where it goes, the delayed-scaling arrays, the tensors
+// (in backend memory, or copied to host memory: copy_to_host) and the root attributes.
+struct SaveJob {
+  SaveTarget t;
+  ScalingArrays sc;
+  SavePlan sp;
+  SaveMeta meta;
+};
+
+}  // namespace ckpt
+
+namespace {
+
+// The main thread's part of every save: collective over comm (the delayed-scaling state's
+// allgather, the creation time's broadcast).
+std::unique_ptr<SaveJob> prepare_save(MPI_Comm comm, const TrainerState& s) {
+  auto job = std::make_unique<SaveJob>();
+  job->t = save_target(comm, *s.cfg, s.progress->step);
+  job->sc = pack_scaling(gather_scaling(comm, *s.model));
+  job->sp = plan_datasets(s, job->t, job->sc);
+  job->meta = save_meta(comm, job->t.rank, s);
+  return job;
+}
+
+// The rest, from the empty step_N.tmp/ to the commit: collective over comm. be: the backend of
+// tensors still in its memory (a synchronous save), nullptr when copy_to_host moved them all.
+std::string run_save(MPI_Comm comm, SaveJob& job, Backend* be, FaultPoint& fault) {
+  // The watchdog's mark for the whole save: its limit applies between the watched calls inside too
+  // (the checksum reductions, HDF5's own collectives).
+  const WatchScope watch("checkpoint save");
+  quiet_hdf5();
+  const SaveTarget& t = job.t;
+  make_tmp_dir(comm, t);
+  const StagingPlan plan = plan_save_staging(comm, job.sp, t.staging_bytes);
+  HostBuffer<unsigned char> pinned;  // pinned under CUDA
+  std::vector<unsigned char> plain;  // host tensors only: no backend call off the main thread
+  if (be) pinned = HostBuffer<unsigned char>(*be, plan.buffer_bytes);
+  else plain.resize(size_t(plan.buffer_bytes));
+  const Staging st{job.sp, plan, be, be ? pinned.data() : plain.data()};
+  check_room(comm, t, job.meta, job.sp);
+  const std::vector<uint64_t> sums = write_file(comm, job.meta, t, st, job.sc, fault);
+  read_back(comm, t, st, sums);
+  // Commit (rank 0): fsync, rename, fsync the directory, replace `latest`, prune.
+  on_every_rank(comm, [&] {
+    if (t.rank == 0) commit_checkpoint(t.dir, t.name, t.keep_last, fault);
+  });
+  return t.final_dir;
+}
+
+// The bytes of the rows this rank writes of the tensors in backend memory.
+int64_t device_bytes(const SavePlan& sp) {
+  int64_t n = 0;
+  for (const SavedTensor& x : sp.tensors)
+    if (x.device) n += x.mine.n * x.width() * int64_t(dt_size(x.dt));
+  return n;
+}
+
+// An asynchronous save's copy: each device tensor's rows this rank writes, downloaded into `host`
+// one after another (tensor order; one synchronisation at the end), the tensor pointed at them.
+// The fault point halfway through the tensors (io/checkpoint_faults.h) kills mid-copy.
+void copy_to_host(SavePlan& sp, Backend& be, unsigned char* host, FaultPoint& fault) {
+  size_t off = 0, n = 0, copied = 0;
+  for (const SavedTensor& x : sp.tensors) n += x.device && x.mine.n > 0;
+  for (SavedTensor& x : sp.tensors) {
+    if (!x.device) continue;
+    const size_t bytes = size_t(x.mine.n * x.width()) * dt_size(x.dt);
+    if (bytes > 0) {
+      be.download(host + off, x.at(x.mine.r0), bytes);
+      if (++copied == (n + 1) / 2) fault.hit();
+    }
+    x.data = host + off, x.row0 = x.mine.r0, x.device = false;
+    off += bytes;
+  }
+  be.sync();
 }
 
 }  // namespace
 
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
-  // The watchdog's mark for the whole save: its limit applies between the watched calls inside too
-  // (the checksum reductions, HDF5's own collectives).
   const WatchScope watch("checkpoint save");
-  quiet_hdf5();
-  const Config& cfg = *s.cfg;
-  const SaveTarget t = save_target(comm, cfg, s.progress->step);
-  FaultPoint fault(t.rank, t.dir);
-  make_tmp_dir(comm, t);
-  const ScalingArrays sc = pack_scaling(gather_scaling(comm, *s.model));
-  const std::vector<SavedDataset> tensors = plan_datasets(s, t, sc);
-  const StagingPlan plan = plan_save_staging(comm, tensors, cfg.checkpoint.staging_bytes);
-  HostBuffer<unsigned char> buffer(s.model->backend(), plan.buffer_bytes);  // pinned under CUDA
-  const Staging st{tensors, plan, s.model->backend(), buffer};
-  check_room(comm, t, cfg, tensors);
-  const std::string created = creation_time(comm, t.rank);
-  const std::vector<uint64_t> sums = write_file(comm, s, t, st, sc, created, fault);
-  read_back(comm, t, st, sums);
-  // Commit (rank 0): fsync, rename, fsync the directory, replace `latest`, prune.
-  on_every_rank(comm, [&] {
-    if (t.rank == 0) commit_checkpoint(t.dir, t.name, cfg.checkpoint.keep_last, fault);
+  const std::unique_ptr<SaveJob> job = prepare_save(comm, s);
+  FaultPoint fault(job->t.rank, job->t.dir);
+  return run_save(comm, *job, &s.model->backend(), fault);
+}
+
+int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s) {
+  SaveTarget t;
+  MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
+  MPI_CHECK(MPI_Comm_size(comm, &t.size));
+  return device_bytes(plan_datasets(s, t, ScalingArrays{}));
+}
+
+// ---------------------------------------------------------------- asynchronous save
+
+struct AsyncCheckpointer::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;  // the writer's own
+  Backend* be = nullptr;
+  HostBuffer<unsigned char> copy;
+  std::unique_ptr<SaveJob> job;
+  std::unique_ptr<FaultPoint> fault;
+  std::thread writer;
+  std::atomic<bool> done{false};
+  std::string dir, error;
+  int kind = 0;  // 1: CheckpointError, 2: CheckpointMismatch, 3: CheckpointUnreadable (on_every_rank's)
+  int64_t copied = 0, largest = 0;
+};
+
+AsyncCheckpointer::AsyncCheckpointer(MPI_Comm comm, Backend& be) : impl_(std::make_unique<Impl>()) {
+  FP8MOE_ASSERT(threads_multiple(), "an asynchronous checkpoint writer needs MPI_THREAD_MULTIPLE");
+  MPI_CHECK(MPI_Comm_dup(comm, &impl_->comm));
+  impl_->be = &be;
+}
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  if (impl_->writer.joinable()) impl_->writer.join();
+  if (impl_->comm != MPI_COMM_NULL) MPI_Comm_free(&impl_->comm);
+}
+
+bool AsyncCheckpointer::in_flight() const { return impl_->writer.joinable(); }
+bool AsyncCheckpointer::finished() const { return !in_flight() || impl_->done.load(std::memory_order_acquire); }
+int64_t AsyncCheckpointer::host_bytes() const { return impl_->copy.size(); }
+int64_t AsyncCheckpointer::last_copy_bytes() const { return impl_->copied; }
+
+int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
+  Impl& m = *impl_;
+  FP8MOE_ASSERT(!in_flight(), "AsyncCheckpointer::start with a save in flight: wait() first");
+  const WatchScope watch("checkpoint copy");
+  m.job = prepare_save(comm, s);
+  m.fault = std::make_unique<FaultPoint>(m.job->t.rank, m.job->t.dir);
+  m.copied = device_bytes(m.job->sp);
+  if (m.copied > m.copy.size()) m.copy = HostBuffer<unsigned char>(*m.be, m.copied);  // grows only
+  copy_to_host(m.job->sp, *m.be, m.copy.data(), *m.fault);
+  m.done.store(false), m.dir.clear(), m.error.clear(), m.kind = 0;
+  m.writer = std::thread([&m] {
+    const WatchLane lane("checkpoint writer");
+    // The lowest CPU priority (nice 19; Linux sets it per thread): the writer takes what training
+    // leaves idle. Where a rank has one core (mpirun's binding), an equal share would stall the
+    // training steps several-fold, each rank's collectives waiting for a peer's writer.
+    (void)setpriority(PRIO_PROCESS, int(gettid()), 19);
+    try {
+      m.dir = run_save(m.comm, *m.job, nullptr, *m.fault);
+    } catch (const CheckpointMismatch& e) {
+      m.error = e.what(), m.kind = 2;
+    } catch (const CheckpointUnreadable& e) {
+      m.error = e.what(), m.kind = 3;
+    } catch (const CheckpointError& e) {
+      m.error = e.what(), m.kind = 1;
+    }
+    m.done.store(true, std::memory_order_release);
   });
-  return t.final_dir;
+  return m.copied;
+}
+
+std::string AsyncCheckpointer::wait() {
+  Impl& m = *impl_;
+  if (!in_flight()) return "";
+  {
+    const WatchScope watch("waiting for the checkpoint writer");
+    m.writer.join();
+  }
+  m.job.reset();
+  m.fault.reset();
+  if (m.kind == 2) throw CheckpointMismatch(m.error);
+  if (m.kind == 3) throw CheckpointUnreadable(m.error);
+  if (m.kind == 1) throw CheckpointError(m.error);
+  return m.dir;
 }
 
 }  // namespace fp8moe

@@ -34,11 +34,6 @@ Chunk chunk_at(const Chunks& c, int64_t k) {
   return {{c.rows.r0 + k / c.pieces, 1}, col, std::min(c.piece, c.width - col)};
 }
 
-int64_t largest_chunk(const Chunks& c, size_t elem) {
-  const Chunk ch = chunk_at(c, 0);
-  return ch.empty() ? 0 : ch.rows.n * ch.w * int64_t(elem);
-}
-
 uint64_t checksum_chunk(const void* buf, Dt t, const Chunk& ch, Rows mine, int64_t c0, int64_t cols) {
   const int64_t lo = std::max(ch.rows.r0, mine.r0), hi = std::min(ch.rows.r0 + ch.rows.n, mine.r0 + mine.n);
   if (ch.empty() || mine.n <= 0 || lo >= hi) return 0;
@@ -67,19 +62,35 @@ void convert_in_place(unsigned char* buf, Dt from, Dt to, int64_t n) {
   }
 }
 
-StagingPlan plan_staging(MPI_Comm comm, const std::vector<StagedBlock>& blocks, int64_t bound) {
+StagingPlan plan_staging(MPI_Comm comm, const std::vector<StagedBlock>& blocks, size_t n_datasets, int64_t bound) {
   FP8MOE_ASSERT(bound >= 8, "checkpoint: a staging buffer of ", bound, " bytes (checkpoint.staging_bytes >= 8)");
   StagingPlan plan;
-  plan.chunks.resize(blocks.size());
-  plan.steps.resize(blocks.size());
+  plan.calls.resize(n_datasets);
+  plan.steps.assign(n_datasets, 0);
+  std::vector<bool> open(n_datasets, false);  // the dataset's last call takes more whole blocks
   for (size_t j = 0; j < blocks.size(); ++j) {
-    plan.chunks[j] = chunks_of(blocks[j].rows, blocks[j].width, blocks[j].elem, bound);
-    plan.steps[j] = plan.chunks[j].count;
-    plan.buffer_bytes = std::max(plan.buffer_bytes, largest_chunk(plan.chunks[j], blocks[j].elem));
+    const StagedBlock& b = blocks[j];
+    FP8MOE_ASSERT(b.dataset < n_datasets, "checkpoint: block of dataset ", b.dataset, " of ", n_datasets);
+    const Chunks c = chunks_of(b.rows, b.width, b.elem, bound);
+    if (c.count == 0) continue;  // nothing of this tensor here
+    std::vector<Call>& calls = plan.calls[b.dataset];
+    const int64_t n = b.rows.n * b.width, elem = int64_t(b.elem);
+    if (c.count == 1 && open[b.dataset] && (calls.back().elems + n) * elem <= bound) {
+      calls.back().segments.push_back({j, chunk_at(c, 0), calls.back().elems});
+      calls.back().elems += n;
+    } else {
+      for (int64_t k = 0; k < c.count; ++k) {
+        const Chunk ch = chunk_at(c, k);
+        calls.push_back({{{j, ch, 0}}, ch.rows.n * ch.w});
+      }
+      open[b.dataset] = c.count == 1;
+    }
+    plan.buffer_bytes = std::max(plan.buffer_bytes, calls.back().elems * elem);
   }
+  for (size_t d = 0; d < n_datasets; ++d) plan.steps[d] = int64_t(plan.calls[d].size());
   // A collective write or read needs the same number of calls on every rank.
-  if (comm != MPI_COMM_NULL && !plan.steps.empty())
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, plan.steps.data(), int(plan.steps.size()), MPI_INT64_T, MPI_MAX, comm));
+  if (comm != MPI_COMM_NULL && n_datasets > 0)
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, plan.steps.data(), int(n_datasets), MPI_INT64_T, MPI_MAX, comm));
   for (int64_t& s : plan.steps) s = std::max<int64_t>(1, s);
   return plan;
 }

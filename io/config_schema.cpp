@@ -250,6 +250,14 @@ const std::vector<Field>& schema() {
     v.push_back(integer("checkpoint.staging_bytes", REF(checkpoint.staging_bytes), 8, kNoMax,
                         "Bytes of the one host buffer (pinned under CUDA) a save or a load stages tensors "
                         "through, chunk by chunk."));
+    v.push_back(boolean("checkpoint.async", REF(checkpoint.async),
+                        "true: a periodic save copies what each rank writes into host memory (pinned under CUDA) "
+                        "and writes, reads back and commits it on a thread of its own while training goes on; "
+                        "the next save, a stop signal and the end of the run wait for it. false: every save "
+                        "blocks training until it is committed."));
+    v.push_back(integer("checkpoint.async_max_bytes", REF(checkpoint.async_max_bytes), 0, kNoMax,
+                        "The most host memory one rank's asynchronous copy may take (default 32 GiB); when a "
+                        "rank's share of the checkpoint is larger, saves are synchronous, with a warning."));
     // log
     v.push_back(integer("log.every", REF(log.every), 1, kNoMax, "Print metrics every this many steps."));
     v.push_back(text("log.jsonl", REF(log.jsonl), true, "Path of the JSONL metrics file; empty = none."));

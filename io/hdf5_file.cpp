@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <exception>
@@ -142,6 +143,15 @@ void write_attr_u64(hid_t obj, const std::string& name, uint64_t v, const std::s
   write_attr_raw(obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, where);
 }
 
+void write_attr_u64s(hid_t obj, const std::string& name, const std::vector<uint64_t>& v, const std::string& where) {
+  const hsize_t n = v.size();
+  H5Handle space(h5(H5Screate_simple(1, &n, nullptr), where, "H5Screate_simple"), H5Sclose);
+  H5Handle a(h5(H5Acreate2(obj, name.c_str(), H5T_STD_U64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT), where,
+                "cannot create attribute " + name),
+             H5Aclose);
+  h5(H5Awrite(a.get(), H5T_NATIVE_UINT64, v.data()), where, "cannot write attribute " + name);
+}
+
 H5Handle open_attr(hid_t obj, const std::string& name, const std::string& where) {
   if (H5Aexists(obj, name.c_str()) <= 0) throw CheckpointError(where + ": attribute " + name + " is missing");
   return H5Handle(h5(H5Aopen(obj, name.c_str(), H5P_DEFAULT), where, "cannot open attribute " + name), H5Aclose);
@@ -175,6 +185,15 @@ uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& wh
   h5(H5Aread(a.get(), H5T_NATIVE_UINT64, &v), where, "cannot read attribute " + name);
   return v;
 }
+std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t n, const std::string& where) {
+  H5Handle a = open_attr(obj, name, where);
+  H5Handle space(h5(H5Aget_space(a.get()), where, "attribute " + name), H5Sclose);
+  if (H5Sget_simple_extent_npoints(space.get()) != hssize_t(n))
+    throw CheckpointError(where + ": attribute " + name + " does not hold " + std::to_string(n) + " values");
+  std::vector<uint64_t> v(static_cast<size_t>(n));
+  h5(H5Aread(a.get(), H5T_NATIVE_UINT64, v.data()), where, "cannot read attribute " + name);
+  return v;
+}
 double read_attr_f64(hid_t obj, const std::string& name, const std::string& where) {
   H5Handle a = open_attr(obj, name, where);
   double v = 0;
@@ -203,11 +222,34 @@ Config stored_config(hid_t file, const std::string& where) {
   }
 }
 
-void check_version(hid_t file, const std::string& where) {
+int check_version(hid_t file, const std::string& where) {
   const int64_t v = read_attr_i64(file, "format_version", where);
-  if (v != kCheckpointFormatVersion)
-    throw CheckpointError(where + ": format version " + std::to_string(v) + ", this build reads version " +
+  if (v < kCheckpointOldestFormatVersion || v > kCheckpointFormatVersion)
+    throw CheckpointError(where + ": format version " + std::to_string(v) + ", this build reads versions " +
+                          std::to_string(kCheckpointOldestFormatVersion) + " to " +
                           std::to_string(kCheckpointFormatVersion));
+  return int(v);
+}
+
+// ---------------------------------------------------------------- dataset names
+
+std::string stacked_name(const std::string& name) {
+  static const std::string key = ".moe.experts.";
+  const size_t at = name.find(key);
+  if (at == std::string::npos) return name;
+  size_t end = at + key.size();
+  while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
+  if (end == at + key.size() || end >= name.size() || name[end] != '.') return name;
+  return name.substr(0, at + key.size()) + name.substr(end + 1);
+}
+
+Place place_of(const ParamSpec& p, int which, int64_t n_experts, int version) {
+  const bool stacked = version >= 2 && p.expert >= 0;
+  const std::string name = stacked ? stacked_name(p.name) : p.name;
+  Place pl;
+  pl.path = which < 0 ? param_dataset(name) : moment_dataset(which, name);
+  if (stacked) pl.slot = p.expert, pl.slots = n_experts;
+  return pl;
 }
 
 // ---------------------------------------------------------------- files
@@ -292,26 +334,50 @@ namespace {
 
 // The file and memory selections of a block: rows [part.r0, +part.n) x columns [c0, +nc) of the
 // dataset's space, (part.n, nc) in memory; nothing when the block is empty.
-H5Handle select_block(hid_t space, Rows part, int64_t c0, int64_t nc, const std::string& at) {
-  const hsize_t start[2] = {hsize_t(part.r0), hsize_t(c0)}, count[2] = {hsize_t(part.n), hsize_t(nc)};
-  const hsize_t one[2] = {1, 1};
-  const bool empty = part.n <= 0 || nc <= 0;
-  H5Handle mem(h5(H5Screate_simple(2, empty ? one : count, nullptr), at, "H5Screate_simple"), H5Sclose);
-  if (!empty) {
-    h5(H5Sselect_hyperslab(space, H5S_SELECT_SET, start, nullptr, count, nullptr), at, "H5Sselect_hyperslab");
-  } else {
-    h5(H5Sselect_none(space), at, "H5Sselect_none");
-    h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
+// Selects `blocks` in a dataset's file space (rank 2, or 3 for a stacked dataset) and returns the
+// memory space: the blocks' elements one after another. Nothing selected in either for no
+// elements.
+H5Handle select_blocks(hid_t space, const std::vector<Slab>& blocks, const std::string& at) {
+  const int nd = H5Sget_simple_extent_ndims(space);
+  hsize_t dims[3] = {0, 0, 0};
+  h5(nd == 2 || nd == 3 ? H5Sget_simple_extent_dims(space, dims, nullptr) : -1, at, "unexpected rank");
+  const hsize_t slots = nd == 3 ? dims[0] : 0, rows = dims[nd - 2], cols = dims[nd - 1];
+  hsize_t total = 0;
+  int64_t last_slot = -1;
+  h5(H5Sselect_none(space), at, "H5Sselect_none");
+  for (const Slab& b : blocks) {
+    if (b.empty()) continue;
+    FP8MOE_ASSERT((nd == 2) == (b.slot < 0) && (b.slot < 0 || (hsize_t(b.slot) < slots && (total == 0 || b.slot > last_slot))) &&
+                      b.rows.r0 >= 0 && hsize_t(b.rows.r0 + b.rows.n) <= rows && b.c0 >= 0 && hsize_t(b.c0 + b.nc) <= cols &&
+                      (nd == 3 || total == 0),
+                  at, ": block outside the dataset, or blocks out of the file's order");
+    const hsize_t start[3] = {hsize_t(b.slot), hsize_t(b.rows.r0), hsize_t(b.c0)};
+    const hsize_t count[3] = {1, hsize_t(b.rows.n), hsize_t(b.nc)};
+    const int skip = nd == 3 ? 0 : 1;
+    h5(H5Sselect_hyperslab(space, H5S_SELECT_OR, start + skip, nullptr, count + skip, nullptr), at, "H5Sselect_hyperslab");
+    total += hsize_t(b.numel()), last_slot = b.slot;
   }
+  const hsize_t one = std::max<hsize_t>(total, 1);
+  H5Handle mem(h5(H5Screate_simple(1, &one, nullptr), at, "H5Screate_simple"), H5Sclose);
+  if (total == 0) h5(H5Sselect_none(mem.get()), at, "H5Sselect_none");
   return mem;
+}
+
+int64_t total_elements(const std::vector<Slab>& blocks) {
+  int64_t n = 0;
+  for (const Slab& b : blocks) n += b.numel();
+  return n;
 }
 
 }  // namespace
 
-H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t rows, int64_t cols, const std::string& where) {
+H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t slots, int64_t rows, int64_t cols,
+                        const std::string& where) {
   const std::string at = where + ": dataset " + path;
-  const hsize_t dims[2] = {hsize_t(rows), hsize_t(cols)};
-  H5Handle space(h5(H5Screate_simple(2, dims, nullptr), at, "H5Screate_simple"), H5Sclose);
+  const hsize_t dims[3] = {hsize_t(slots), hsize_t(rows), hsize_t(cols)};
+  H5Handle space(h5(slots > 0 ? H5Screate_simple(3, dims, nullptr) : H5Screate_simple(2, dims + 1, nullptr), at,
+                    "H5Screate_simple"),
+                 H5Sclose);
   H5Handle lcpl(h5(H5Pcreate(H5P_LINK_CREATE), at, "H5Pcreate"), H5Pclose);
   h5(H5Pset_create_intermediate_group(lcpl.get(), 1), at, "H5Pset_create_intermediate_group");
   H5Handle dcpl(h5(H5Pcreate(H5P_DATASET_CREATE), at, "H5Pcreate"), H5Pclose);
@@ -319,69 +385,80 @@ H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t rows,
   H5Handle ds(h5(H5Dcreate2(file, path.c_str(), file_type(t), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT), at,
                  "cannot create"),
               H5Dclose);
-  // The attributes now, as they have always been laid out; the checksum's value comes later.
-  write_attr_u64(ds.get(), "checksum", 0, at);
+  // The attributes now, laid out at their final size; the checksums' values come later.
+  if (slots > 0) write_attr_u64s(ds.get(), "checksums", std::vector<uint64_t>(size_t(slots), 0), at);
+  else write_attr_u64(ds.get(), "checksum", 0, at);
   if (t == Dt::bf16) write_attr(ds.get(), "encoding", std::string("bfloat16"), at);
   return ds;
 }
 
-void write_block(hid_t ds, hid_t dxpl, Dt t, int64_t rows, int64_t cols, Rows part, int64_t c0, int64_t nc,
-                 const void* buf, const std::string& at) {
-  FP8MOE_ASSERT(part.n <= 0 || nc <= 0 || (part.r0 >= 0 && part.r0 + part.n <= rows && c0 >= 0 && c0 + nc <= cols),
-                at, ": block outside the dataset");
+void write_blocks(hid_t ds, hid_t dxpl, Dt t, const std::vector<Slab>& blocks, const void* buf, const std::string& at) {
   H5Handle space(h5(H5Dget_space(ds), at, "H5Dget_space"), H5Sclose);
-  const H5Handle mem = select_block(space.get(), part, c0, nc, at);
+  const H5Handle mem = select_blocks(space.get(), blocks, at);
   const unsigned char dummy = 0;  // never a null buffer, even for an empty selection
-  h5(H5Dwrite(ds, file_type(t), mem.get(), space.get(), dxpl, part.n > 0 && nc > 0 ? buf : &dummy), at,
+  h5(H5Dwrite(ds, file_type(t), mem.get(), space.get(), dxpl, total_elements(blocks) > 0 ? buf : &dummy), at,
      "write failed");
 }
 
-void write_checksum(hid_t file, const std::string& path, uint64_t checksum, const std::string& where) {
+void write_checksums(hid_t file, const std::string& path, const std::vector<uint64_t>& sums, const std::string& where) {
   const std::string at = where + ": dataset " + path;
   H5Handle ds(h5(H5Dopen2(file, path.c_str(), H5P_DEFAULT), at, "cannot open"), H5Dclose);
-  H5Handle a(h5(H5Aopen(ds.get(), "checksum", H5P_DEFAULT), at, "cannot open attribute checksum"), H5Aclose);
-  h5(H5Awrite(a.get(), H5T_NATIVE_UINT64, &checksum), at, "cannot write attribute checksum");
+  const char* name = H5Aexists(ds.get(), "checksums") > 0 ? "checksums" : "checksum";
+  H5Handle a(h5(H5Aopen(ds.get(), name, H5P_DEFAULT), at, std::string("cannot open attribute ") + name), H5Aclose);
+  H5Handle space(h5(H5Aget_space(a.get()), at, "H5Aget_space"), H5Sclose);
+  FP8MOE_ASSERT(H5Sget_simple_extent_npoints(space.get()) == hssize_t(sums.size()), at, ": ", sums.size(), " checksums");
+  h5(H5Awrite(a.get(), H5T_NATIVE_UINT64, sums.data()), at, std::string("cannot write attribute ") + name);
 }
 
-OpenDataset open_dataset(hid_t file, const std::string& path, int64_t rows, int64_t cols,
+OpenDataset open_dataset(hid_t file, const std::string& path, int64_t slots, int64_t rows, int64_t cols,
                          std::initializer_list<Dt> allowed, const std::string& where) {
   OpenDataset d;
   d.at = where + ": dataset " + path;
-  d.rows = rows, d.cols = cols;
+  d.slots = slots, d.rows = rows, d.cols = cols;
   if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) {
     H5Eclear2(H5E_DEFAULT);
     throw CheckpointError(d.at + " is missing");
   }
   d.ds = H5Handle(h5(H5Dopen2(file, path.c_str(), H5P_DEFAULT), d.at, "cannot open"), H5Dclose);
   H5Handle space(h5(H5Dget_space(d.ds.get()), d.at, "H5Dget_space"), H5Sclose);
-  hsize_t dims[2] = {0, 0};
-  if (H5Sget_simple_extent_ndims(space.get()) != 2 || H5Sget_simple_extent_dims(space.get(), dims, nullptr) < 0 ||
-      int64_t(dims[0]) != rows || int64_t(dims[1]) != cols)
-    throw CheckpointError(d.at + ": shape (" + std::to_string(dims[0]) + ", " + std::to_string(dims[1]) +
-                          "), expected (" + std::to_string(rows) + ", " + std::to_string(cols) + ")");
+  const int want_nd = slots > 0 ? 3 : 2;
+  const std::vector<int64_t> want = slots > 0 ? std::vector<int64_t>{slots, rows, cols} : std::vector<int64_t>{rows, cols};
+  hsize_t dims[3] = {0, 0, 0};
+  const int nd = H5Sget_simple_extent_ndims(space.get());
+  std::vector<int64_t> got;
+  if (nd >= 1 && nd <= 3 && H5Sget_simple_extent_dims(space.get(), dims, nullptr) >= 0)
+    for (int i = 0; i < nd; ++i) got.push_back(int64_t(dims[i]));
+  if (nd != want_nd || got != want) {
+    auto text = [](const std::vector<int64_t>& v) {
+      std::string t = "(";
+      for (size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+      return t + ")";
+    };
+    H5Eclear2(H5E_DEFAULT);
+    throw CheckpointError(d.at + ": shape " + text(got) + ", expected " + text(want));
+  }
   H5Handle type(h5(H5Dget_type(d.ds.get()), d.at, "H5Dget_type"), H5Tclose);
   if (!dt_of(type.get(), &d.dt) || std::find(allowed.begin(), allowed.end(), d.dt) == allowed.end())
     throw CheckpointError(d.at + ": unexpected element type");
-  d.stored_checksum = read_attr_u64(d.ds.get(), "checksum", d.at);
+  d.stored_checksums = slots > 0 ? read_attr_u64s(d.ds.get(), "checksums", slots, d.at)
+                                 : std::vector<uint64_t>{read_attr_u64(d.ds.get(), "checksum", d.at)};
   return d;
 }
 
-void read_block(const OpenDataset& d, hid_t dxpl, Rows part, int64_t c0, int64_t nc, void* buf) {
-  FP8MOE_ASSERT(part.n <= 0 || nc <= 0 || (part.r0 >= 0 && part.r0 + part.n <= d.rows && c0 >= 0 && c0 + nc <= d.cols),
-                d.at, ": block outside the dataset");
+void read_blocks(const OpenDataset& d, hid_t dxpl, const std::vector<Slab>& blocks, void* buf) {
   H5Handle space(h5(H5Dget_space(d.ds.get()), d.at, "H5Dget_space"), H5Sclose);
-  const H5Handle mem = select_block(space.get(), part, c0, nc, d.at);
+  const H5Handle mem = select_blocks(space.get(), blocks, d.at);
   unsigned char dummy = 0;
-  h5(H5Dread(d.ds.get(), file_type(d.dt), mem.get(), space.get(), dxpl, part.n > 0 && nc > 0 ? buf : &dummy), d.at,
+  h5(H5Dread(d.ds.get(), file_type(d.dt), mem.get(), space.get(), dxpl, total_elements(blocks) > 0 ? buf : &dummy), d.at,
      "read failed");
 }
 
 DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_t rows, int64_t cols, Rows part,
                          std::initializer_list<Dt> allowed, const std::string& where) {
-  const OpenDataset d = open_dataset(file, path, rows, cols, allowed, where);
+  const OpenDataset d = open_dataset(file, path, 0, rows, cols, allowed, where);
   DatasetRead r;
   r.dt = d.dt;
-  r.stored_checksum = d.stored_checksum;
+  r.stored_checksum = d.stored_checksum(-1);
   const size_t n = size_t(std::max<int64_t>(0, part.n) * cols);
   void* buf = nullptr;
   switch (r.dt) {
@@ -389,7 +466,7 @@ DatasetRead read_dataset(hid_t file, hid_t dxpl, const std::string& path, int64_
     case Dt::bf16: r.bf16.resize(n), buf = r.bf16.data(); break;
     case Dt::i64: r.i64.resize(n), buf = r.i64.data(); break;
   }
-  read_block(d, dxpl, part, 0, cols, buf);
+  read_blocks(d, dxpl, {Slab{-1, part, 0, cols}}, buf);
   return r;
 }
 

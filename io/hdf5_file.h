@@ -1,13 +1,15 @@
 // The HDF5 layer of the checkpoints (io/checkpoint.h has the file layout): handles and errors, the
 // element types (bfloat16 as an HDF5 float), the dataset checksums, attributes, parallel files
 // (MPI-IO, collective transfers) and the datasets that each rank writes and reads in blocks of
-// rows (io/checkpoint_staging.cpp stages them through a bounded host buffer).
+// rows, whole or one slot of a stacked dataset (io/checkpoint_staging.cpp stages them through a
+// bounded host buffer).
 // Internal to io/checkpoint*.cpp. Every failure throws CheckpointError naming the file.
 #pragma once
 
 #include <hdf5.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "io/checkpoint.h"
+#include "model/param_table.h"
 
 namespace fp8moe::ckpt {
 
@@ -60,6 +63,21 @@ T h5(T result, const std::string& where, const std::string& what) {
   return result;
 }
 
+// Rows [r0, r0 + n) of a tensor.
+struct Rows {
+  int64_t r0 = 0, n = 0;
+};
+
+// A rectangle of a dataset: rows `rows` x columns [c0, c0 + nc) of slot `slot` of a stacked
+// dataset, or of a 2-D dataset (slot -1).
+struct Slab {
+  int64_t slot = -1;
+  Rows rows;
+  int64_t c0 = 0, nc = 0;
+  bool empty() const { return rows.n <= 0 || nc <= 0; }
+  int64_t numel() const { return empty() ? 0 : rows.n * nc; }
+};
+
 // ---------------------------------------------------------------- element types
 
 enum class Dt { f32, bf16, i64 };
@@ -77,6 +95,24 @@ inline std::string param_dataset(const std::string& name) { return "/params/" + 
 // which 0: the first moment (/optim/m/), 1: the second (/optim/v/).
 inline std::string moment_dataset(int which, const std::string& name) {
   return (which == 0 ? "/optim/m/" : "/optim/v/") + name;
+}
+
+// A routed expert's tensor's name in the stacked form: "layers.3.moe.experts.17.w1" ->
+// "layers.3.moe.experts.w1" (the expert's number and its dot removed); other names unchanged.
+std::string stacked_name(const std::string& name);
+
+// Where a tensor lives in a file of format `version` (io/checkpoint.h): its dataset and, in a
+// stacked dataset, its slot (the expert's number) of `slots`. slot -1: a 2-D dataset of its own
+// (every tensor in format 1; all but the routed experts' in format 2).
+struct Place {
+  std::string path;
+  int64_t slot = -1, slots = 0;
+};
+// which -1: the parameter; 0, 1: its first and second moments.
+Place place_of(const ParamSpec& p, int which, int64_t n_experts, int version);
+// "dataset <path>", or "dataset <path>, expert <slot>" in a stacked one: a tensor, for messages.
+inline std::string tensor_text(const Place& p) {
+  return "dataset " + p.path + (p.slot >= 0 ? ", expert " + std::to_string(p.slot) : "");
 }
 
 // ---------------------------------------------------------------- checksums
@@ -104,14 +140,17 @@ void write_attr(hid_t obj, const std::string& name, const std::string& v, const 
 // A missing or unreadable attribute throws.
 int64_t read_attr_i64(hid_t obj, const std::string& name, const std::string& where);
 uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& where);
+// An array attribute of n values; another count throws.
+std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t n, const std::string& where);
 double read_attr_f64(hid_t obj, const std::string& name, const std::string& where);
 std::string read_attr_str(hid_t obj, const std::string& name, const std::string& where);
 
 // ---------------------------------------------------------------- root attributes of a load
 
-// The root attributes that a load and inspect_checkpoint check: format_version (throws unless it
-// is kCheckpointFormatVersion) and the stored config (throws when it is not valid).
-void check_version(hid_t file, const std::string& where);
+// The root attributes that a load and inspect_checkpoint check: format_version, returned (throws,
+// naming it and the versions this build reads, unless it is one of them) and the stored config
+// (throws when it is not valid).
+int check_version(hid_t file, const std::string& where);
 Config stored_config(hid_t file, const std::string& where);
 
 // ---------------------------------------------------------------- files
@@ -125,45 +164,42 @@ H5Handle open_file(const std::string& path, MPI_Comm comm);
 // A dataset transfer property list for collective MPI-IO.
 H5Handle collective_xfer(const std::string& where);
 
-// Rows [r0, r0 + n) of a tensor.
-struct Rows {
-  int64_t r0 = 0, n = 0;
-};
-
 // ---------------------------------------------------------------- datasets, in blocks of rows
 
-// A dataset of a save, created collectively with its global (rows, cols) shape, no fill and its
-// attributes (`checksum` 0 for now, `encoding` for bfloat16); its data are written block by block
-// (write_block), its checksum once every rank has written (write_checksum).
-H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t rows, int64_t cols, const std::string& where);
+// A dataset of a save, created collectively with its global shape, (rows, cols), or (slots, rows,
+// cols) when slots > 0 (a stacked dataset), no fill and its attributes (`checksum` 0 for now, or
+// `checksums`, one 0 per slot; `encoding` for bfloat16); its data are written block by block
+// (write_blocks), its checksums once every rank has written (write_checksums).
+H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t slots, int64_t rows, int64_t cols,
+                        const std::string& where);
 
-// Writes rows [part.r0, part.r0 + part.n) x columns [c0, c0 + nc) of dataset ds (global shape
-// (rows, cols), element type t) from buf, which holds them row-major (part.n, nc). Collective:
-// every rank makes the same number of calls per dataset; part.n == 0 or nc == 0 selects nothing
-// (a rank with less to write than the others).
-void write_block(hid_t ds, hid_t dxpl, Dt t, int64_t rows, int64_t cols, Rows part, int64_t c0, int64_t nc,
-                 const void* buf, const std::string& at);
+// Writes `blocks` of dataset ds (element type t) from buf, which holds them one after another, each
+// row-major (rows.n, nc): several blocks in one call only of distinct slots in ascending order (the
+// file's order, which HDF5 follows). Collective: every rank makes the same number of calls per
+// dataset; empty blocks select nothing (a rank with less to write than the others).
+void write_blocks(hid_t ds, hid_t dxpl, Dt t, const std::vector<Slab>& blocks, const void* buf, const std::string& at);
 
-// Sets the `checksum` attribute of a written dataset to the global sum (every rank passes the same
-// value). Collective.
-void write_checksum(hid_t file, const std::string& path, uint64_t checksum, const std::string& where);
+// Sets the checksum attribute of a written dataset to the global sums, one per slot (one for a 2-D
+// dataset); every rank passes the same values. Collective.
+void write_checksums(hid_t file, const std::string& path, const std::vector<uint64_t>& sums, const std::string& where);
 
-// A dataset opened for reading, its shape and element type checked, its checksum attribute read.
+// A dataset opened for reading, its shape and element type checked, its checksums read.
 struct OpenDataset {
   H5Handle ds;
   std::string at;  // "<file>: dataset <path>", for messages
   Dt dt = Dt::f32;
-  int64_t rows = 0, cols = 0;
-  uint64_t stored_checksum = 0;
+  int64_t slots = 0, rows = 0, cols = 0;  // slots 0: a 2-D dataset
+  std::vector<uint64_t> stored_checksums; // one per slot (one for a 2-D dataset)
+  uint64_t stored_checksum(int64_t slot) const { return stored_checksums[size_t(std::max<int64_t>(0, slot))]; }
 };
-// Throws when the dataset is missing, its shape is not (rows, cols) or its type not in `allowed`.
-OpenDataset open_dataset(hid_t file, const std::string& path, int64_t rows, int64_t cols,
+// Throws when the dataset is missing, its shape is not (rows, cols) (slots 0) or (slots, rows,
+// cols), or its type not in `allowed`.
+OpenDataset open_dataset(hid_t file, const std::string& path, int64_t slots, int64_t rows, int64_t cols,
                          std::initializer_list<Dt> allowed, const std::string& where);
 
-// Reads rows [part.r0, part.r0 + part.n) x columns [c0, c0 + nc) into buf, row-major (part.n, nc),
-// in the stored element type (no conversion: collective transfers stay collective). Collective as
-// write_block; part.n == 0 or nc == 0 selects nothing.
-void read_block(const OpenDataset& d, hid_t dxpl, Rows part, int64_t c0, int64_t nc, void* buf);
+// Reads `blocks` into buf as write_blocks lays them out, in the stored element type (no
+// conversion: collective transfers stay collective). Collective as write_blocks.
+void read_blocks(const OpenDataset& d, hid_t dxpl, const std::vector<Slab>& blocks, void* buf);
 
 struct DatasetRead {
   Dt dt = Dt::f32;

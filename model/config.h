@@ -209,6 +209,13 @@ struct CheckpointConfig {
   std::string resume = "auto";  // auto | none | path of a checkpoint
   // The host buffer a save or a load stages tensors through (pinned under CUDA), in bytes.
   int64_t staging_bytes = int64_t(64) << 20;
+  // Periodic saves copy what each rank writes to host memory (pinned under CUDA) and write it on a
+  // thread of their own while training goes on (io/checkpoint.h AsyncCheckpointer); false: every
+  // save blocks training until it is committed.
+  bool async = true;
+  // The most host memory one rank's copy may take; when some rank's share is larger, saves are
+  // synchronous (a warning at the start).
+  int64_t async_max_bytes = int64_t(32) << 30;
   bool operator==(const CheckpointConfig&) const = default;
 };
 

@@ -14,12 +14,23 @@
 #endif
 
 namespace fp8moe {
+namespace {
+
+int& thread_level() {  // as MPI_Init_thread provided it
+  static int level = MPI_THREAD_SINGLE;
+  return level;
+}
+
+}  // namespace
 
 MpiSession::MpiSession(int* argc, char*** argv) {
   int provided = 0;
-  // NOTE: FUNNELED is enough: only the main thread calls MPI; OpenMP threads compute.
-  if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+  // NOTE: MULTIPLE for the asynchronous checkpoint save, whose writer thread runs MPI-IO and its
+  // agreements on a communicator of its own while the main thread trains (io/checkpoint.h). Where
+  // the library gives less, saves are synchronous (threads_multiple()); the rest needs FUNNELED.
+  if (MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
     fatal_error(__FILE__, __LINE__, "MPI_Init_thread failed");
+  thread_level() = provided;
   MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
   MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
@@ -34,6 +45,8 @@ MpiSession::~MpiSession() {
   set_fatal_context(rank_, nullptr);
   MPI_Finalize();
 }
+
+bool threads_multiple() { return thread_level() >= MPI_THREAD_MULTIPLE; }
 
 void broadcast_string(MPI_Comm comm, std::string& text, int root) {
   const WatchScope watch("broadcast");

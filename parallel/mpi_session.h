@@ -25,6 +25,10 @@ class MpiSession {
   int size_ = 1;
 };
 
+// Whether MPI was started with MPI_THREAD_MULTIPLE (MpiSession asks for it): a second thread may
+// then make MPI calls, on a communicator of its own (the asynchronous checkpoint writer).
+bool threads_multiple();
+
 // Broadcasts `text` from `root` to every rank of `comm` (collective).
 void broadcast_string(MPI_Comm comm, std::string& text, int root);
 

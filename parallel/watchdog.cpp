@@ -21,12 +21,17 @@ int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// What the main thread is in. `since` 0: nothing.
+// What a thread is in. `since` 0: nothing. Lane 0 is the main thread (calls and steps), lane 1 a
+// background thread's (WatchLane: the checkpoint writer; calls only).
 struct Marks {
   std::atomic<const char*> what{nullptr}, group{nullptr}, phase{nullptr};
   std::atomic<int64_t> since{0}, step{0}, step_since{0};
 };
-Marks g_marks;
+constexpr int kLanes = 2;
+Marks g_lanes[kLanes];
+Marks& g_marks = g_lanes[0];
+std::atomic<const char*> g_lane_name{nullptr};  // lane 1's thread, for the report
+thread_local int t_lane = 0;
 
 struct State {
   std::mutex mu;
@@ -34,9 +39,9 @@ struct State {
   bool stop = false;
   std::thread thread;
   std::vector<std::function<void()>> hooks;
-  // The guard (WatchScope with a limit of its own): its limit (0: none) and verdict.
-  int64_t guard_limit = 0;
-  std::function<WatchVerdict()> guard_verdict;
+  // Each lane's guard (WatchScope with a limit of its own): its limit (0: none) and verdict.
+  int64_t guard_limit[kLanes] = {0, 0};
+  std::function<WatchVerdict()> guard_verdict[kLanes];
 };
 State& state() {
   static State s;
@@ -60,13 +65,16 @@ std::string seconds_text(double s) {
   return b;
 }
 
-[[noreturn]] void end_job(int rank, double limit, const char* which, double stuck_s) {
-  const char* what = g_marks.what.load();
-  const char* group = g_marks.group.load();
+[[noreturn]] void end_job(int rank, double limit, const char* which, double stuck_s, int lane) {
+  const Marks& m = g_lanes[lane];
+  const char* what = m.what.load();
+  const char* group = m.group.load();
   const char* phase = g_marks.phase.load();
   const int64_t step = g_marks.step.load();
-  char in[160] = "no collective";
-  if (what) std::snprintf(in, sizeof in, "in %s%s%s", what, group ? " over " : "", group ? group : "");
+  char in[200] = "no collective";
+  if (what)
+    std::snprintf(in, sizeof in, "in %s%s%s%s%s", what, group ? " over " : "", group ? group : "",
+                  lane > 0 ? " on the thread of the " : "", lane > 0 && g_lane_name.load() ? g_lane_name.load() : "");
   char at[128] = "before the first step";
   if (step > 0)
     std::snprintf(at, sizeof at, "%sstep %lld (%s)", g_marks.step_since.load() > 0 ? "" : "after ", (long long)step,
@@ -95,21 +103,23 @@ Watchdog::Watchdog(double timeout_s, int rank) {
   s.thread = std::thread([&s, limit, timeout_s, rank] {
     std::unique_lock<std::mutex> lock(s.mu);
     while (!s.cv.wait_for(lock, std::chrono::milliseconds(250), [&s] { return s.stop; })) {
-      const int64_t t = now_ns(), since = g_marks.since.load(), step_since = g_marks.step_since.load();
-      if (s.guard_limit > 0 && since > 0 && t - since > s.guard_limit) {
-        const auto verdict_of = s.guard_verdict;
-        lock.unlock();
-        const WatchVerdict v = verdict_of();
-        abort_job("rank " + std::to_string(rank) + ": " + v.message, v.exit_code);
+      const int64_t t = now_ns(), step_since = g_marks.step_since.load();
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const int64_t since = g_lanes[lane].since.load();
+        if (s.guard_limit[lane] > 0 && since > 0 && t - since > s.guard_limit[lane]) {
+          const auto verdict_of = s.guard_verdict[lane];
+          lock.unlock();
+          const WatchVerdict v = verdict_of();
+          abort_job("rank " + std::to_string(rank) + ": " + v.message, v.exit_code);
+        }
+        if (limit > 0 && since > 0 && t - since > limit) {
+          lock.unlock();
+          end_job(rank, timeout_s, "one call", double(t - since) * 1e-9, lane);
+        }
       }
-      if (limit <= 0) continue;
-      if (since > 0 && t - since > limit) {
+      if (limit > 0 && step_since > 0 && t - step_since > limit) {
         lock.unlock();
-        end_job(rank, timeout_s, "one call", double(t - since) * 1e-9);
-      }
-      if (step_since > 0 && t - step_since > limit) {
-        lock.unlock();
-        end_job(rank, timeout_s, "one step", double(t - step_since) * 1e-9);
+        end_job(rank, timeout_s, "one step", double(t - step_since) * 1e-9, 0);
       }
     }
   });
@@ -127,34 +137,52 @@ Watchdog::~Watchdog() {
 }
 
 WatchScope::WatchScope(const char* what, const char* group)
-    : what_(g_marks.what.load(std::memory_order_relaxed)),
-      group_(g_marks.group.load(std::memory_order_relaxed)),
-      since_(g_marks.since.load(std::memory_order_relaxed)) {
-  g_marks.since.store(0, std::memory_order_relaxed);  // never a new name with an old time
-  g_marks.what.store(what, std::memory_order_relaxed);
-  g_marks.group.store(group, std::memory_order_relaxed);
-  g_marks.since.store(now_ns(), std::memory_order_release);
-  if (group) comm_ = what, trace::comm_enter();
+    : lane_(t_lane),
+      what_(g_lanes[lane_].what.load(std::memory_order_relaxed)),
+      group_(g_lanes[lane_].group.load(std::memory_order_relaxed)),
+      since_(g_lanes[lane_].since.load(std::memory_order_relaxed)) {
+  Marks& m = g_lanes[lane_];
+  m.since.store(0, std::memory_order_relaxed);  // never a new name with an old time
+  m.what.store(what, std::memory_order_relaxed);
+  m.group.store(group, std::memory_order_relaxed);
+  m.since.store(now_ns(), std::memory_order_release);
+  if (group && lane_ == 0) comm_ = what, trace::comm_enter();  // the timeline is the main thread's
 }
 
 WatchScope::WatchScope(const char* what, double limit_s, std::function<WatchVerdict()> verdict) : WatchScope(what) {
   std::lock_guard<std::mutex> lock(state().mu);
-  state().guard_limit = int64_t(limit_s * 1e9), state().guard_verdict = std::move(verdict);
+  state().guard_limit[lane_] = int64_t(limit_s * 1e9), state().guard_verdict[lane_] = std::move(verdict);
   guard_ = true;
 }
 
 WatchScope::~WatchScope() {
-  if (comm_) trace::comm_leave(comm_, g_marks.group.load(std::memory_order_relaxed));
-  if (guard_) {  // one guard at a time; its limit applies to the innermost call inside it
+  Marks& m = g_lanes[lane_];
+  if (comm_) trace::comm_leave(comm_, m.group.load(std::memory_order_relaxed));
+  if (guard_) {  // one guard a lane at a time; its limit applies to the innermost call inside it
     std::lock_guard<std::mutex> lock(state().mu);
-    state().guard_limit = 0;
+    state().guard_limit[lane_] = 0;
   }
-  g_marks.since.store(0, std::memory_order_relaxed);
-  g_marks.what.store(what_, std::memory_order_relaxed);
-  g_marks.group.store(group_, std::memory_order_relaxed);
+  m.since.store(0, std::memory_order_relaxed);
+  m.what.store(what_, std::memory_order_relaxed);
+  m.group.store(group_, std::memory_order_relaxed);
   // The outer call goes on: its time counts from now, not from its start (a long sequence of
   // short inner calls is progress).
-  g_marks.since.store(since_ > 0 ? now_ns() : 0, std::memory_order_release);
+  m.since.store(since_ > 0 ? now_ns() : 0, std::memory_order_release);
+}
+
+WatchLane::WatchLane(const char* name) {
+  FP8MOE_ASSERT(t_lane == 0 && g_lane_name.load() == nullptr, "one background watch lane at a time");
+  g_lane_name.store(name);
+  t_lane = 1;
+}
+
+WatchLane::~WatchLane() {
+  Marks& m = g_lanes[1];
+  m.since.store(0, std::memory_order_relaxed);
+  m.what.store(nullptr, std::memory_order_relaxed);
+  m.group.store(nullptr, std::memory_order_relaxed);
+  t_lane = 0;
+  g_lane_name.store(nullptr);
 }
 
 void watch_step(int64_t step, const char* phase) {

@@ -1,6 +1,7 @@
 // A per-process watchdog for hung jobs (runtime.timeout_s; docs/ARCHITECTURE.md "Failures"). The
 // main thread marks what it is in: a training step and its phase (watch_step), and the innermost
-// collective or checkpoint I/O call (WatchScope). A thread looks twice a second; when the
+// collective or checkpoint I/O call (WatchScope); one background thread (WatchLane: the
+// asynchronous checkpoint writer) marks its calls in a lane of its own. A thread looks twice a second; when the
 // innermost mark, or the step, has lasted longer than the limit, it prints one line naming the
 // rank, the step, the phase and the call, runs the abort hooks (NCCL communicators register
 // ncclCommAbort there), and ends the whole job with MPI_Abort(kExitHung).
@@ -53,10 +54,22 @@ class WatchScope {
   WatchScope& operator=(const WatchScope&) = delete;
 
  private:
+  int lane_;
   const char *what_, *group_;
   const char* comm_ = nullptr;  // this call's name when it is communication (a group): the exposed clock
   int64_t since_;
   bool guard_ = false;
+};
+
+// For its lifetime, this thread's WatchScopes (and guards) are the background lane's: watched with
+// the same limit as the main thread's calls, reported "on the thread of the <name>", apart from the
+// main thread's marks and outside the timeline. One at a time, on a thread other than the main one.
+class WatchLane {
+ public:
+  explicit WatchLane(const char* name);
+  ~WatchLane();
+  WatchLane(const WatchLane&) = delete;
+  WatchLane& operator=(const WatchLane&) = delete;
 };
 
 // Prints "fp8moe: error: MESSAGE" on stderr and ends the whole job with exit_code (MPI_Abort; the

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Kills a rank of a 2-rank training job during a checkpoint save, at every save event of rank 0
 # (each dataset written, the close, the agreement, fsync, rename, latest, each deletion) and of
-# rank 1 (each dataset written, the close), through FP8MOE_CKPT_KILL; then at random moments with
+# rank 1 (each dataset written, the close), through FP8MOE_CKPT_KILL, of a blocking save and of an
+# asynchronous one (the copy to host memory, then the writer thread's events); then at random moments with
 # a real `kill -9` while the job saves every step. After every kill: <dir>/latest must name a
 # complete checkpoint that `fp8moe ckpt verify` accepts, and (every few kills, and always after a
 # random one) training must resume from it and reproduce the uninterrupted run's loss bit for bit.
@@ -71,7 +72,35 @@ for rank in 0 1; do
   echo "rank $rank: $((k - 1)) save events, each one killed"
   ((k > 20)) || fail "rank $rank had only $((k - 1)) save events: FP8MOE_CKPT_KILL not honoured?"
 done
-# Random real kills of a random rank while the job checkpoints every step.
+# The same sweep over an asynchronous save (checkpoint.async, the default for periodic saves): the
+# save at step 5 is copied to host memory (a fault point halfway through the copy) and written by
+# the writer thread while steps 6 and 7 train; train.exit_interval 7 then saves again (blocking)
+# and ends the run. Every event of the step-5 save is killed on each rank.
+async_events=()
+for rank in 0 1; do
+  k=1
+  while :; do
+    rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
+    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set checkpoint.every=5 \
+      --set checkpoint.keep_last=3 --set train.exit_interval=7 >"$tmp/run.txt" 2>&1
+    status=$?
+    if [[ $status == 0 ]]; then  # k is past the last event of the step-5 save
+      grep -q "^checkpoint step 5: copied .* writing in the background$" "$tmp/run.txt" ||
+        fail "the step-5 save did not run in the background: $(grep -m3 checkpoint "$tmp/run.txt")"
+      break
+    fi
+    killed_by_signal "$tmp/run.txt" || fail "async, rank $rank, save event $k: exit $status without the kill: $(tail -5 "$tmp/run.txt")"
+    kills=$((kills + 1))
+    name=$(check_dir "$tmp/w" "async save: rank $rank killed at save event $k") || exit 1
+    [[ $name == step_00000004 ]] && before=$((before + 1)) || after=$((after + 1))
+    if ((k % 8 == 1)); then resume_and_compare "$tmp/w"; resumed=$((resumed + 1)); fi
+    k=$((k + 1))
+  done
+  async_events+=($((k - 1)))
+  echo "rank $rank: $((k - 1)) events of an asynchronous save (the copy's and the writer's), each one killed"
+  ((k > 20)) || fail "rank $rank had only $((k - 1)) events in an asynchronous save"
+done
+# Random real kills of a random rank while the job checkpoints every step (in the background).
 during_save=0 random=0
 for ((i = 0; i < 4 * random_kills && random < random_kills; i++)); do
   rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"

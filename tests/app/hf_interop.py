@@ -25,6 +25,7 @@ Exit 77 (SKIPPED) from --part transformers when build/venv-hf is missing.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -196,9 +197,20 @@ def to_deepseek_rows(w, parts):
 
 
 def checkpoint_params(ckpt_dir):
+    """Every parameter by its name, from the checkpoint `latest` names (README "Checkpoints": a
+    stacked dataset <block>.moe.experts.<w> (format 2) holds expert e's <block>.moe.experts.e.<w>
+    in slot e)."""
     step = open(os.path.join(ckpt_dir, "latest")).read().strip()
+    out = {}
     with h5py.File(os.path.join(ckpt_dir, step, "checkpoint.h5"), "r") as f:
-        return {name: f["params"][name][()] for name in f["params"]}
+        for name in f["params"]:
+            v = f["params"][name][()]
+            m = re.fullmatch(r"(.*\.moe\.experts)\.(w[123])", name)
+            if m and v.ndim == 3:
+                out.update({"%s.%d.%s" % (m.group(1), e, m.group(2)): v[e] for e in range(v.shape[0])})
+            else:
+                out[name] = v
+    return out
 
 
 # safetensors' dtype names as NumPy types (ml_dtypes for BF16 and FP8, which NumPy lacks: the

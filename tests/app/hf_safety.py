@@ -180,12 +180,22 @@ def copy_checkpoint(src, dst):
     return os.path.join(dst, step, "checkpoint.h5")
 
 
-def damage_checkpoint(src, dst, dataset):
-    """A copy of checkpoint src with one byte of `dataset`'s data flipped in the file."""
+def where_stored(name):
+    """(dataset, slot) of parameter `name` in a checkpoint (README "Checkpoints", format 2): a
+    routed expert's tensor in slot <expert> of its layer's stacked dataset, anything else alone
+    (slot None)."""
+    m = re.fullmatch(r"(.*\.moe\.experts\.)(\d+)\.(.*)", name)
+    return ("params/" + m.group(1) + m.group(3), int(m.group(2))) if m else ("params/" + name, None)
+
+
+def damage_checkpoint(src, dst, name):
+    """A copy of checkpoint src with one byte of parameter `name`'s data flipped in the file."""
     h5 = copy_checkpoint(src, dst)
+    dataset, slot = where_stored(name)
     with h5py.File(h5, "r") as f:
         d = f[dataset]
-        at = d.id.get_offset() + d.dtype.itemsize * (d.size // 2)
+        per = d.size // d.shape[0] if slot is not None else d.size
+        at = d.id.get_offset() + d.dtype.itemsize * ((slot or 0) * per + per // 2)
     with open(h5, "r+b") as f:
         f.seek(at)
         b = f.read(1)
@@ -194,15 +204,24 @@ def damage_checkpoint(src, dst, dataset):
     return dst
 
 
-def poison_checkpoint(src, dst, dataset, index, value):
-    """A copy of checkpoint src whose `dataset` holds `value` at `index`, with a valid checksum."""
+def poison_checkpoint(src, dst, name, index, value):
+    """A copy of checkpoint src whose parameter `name` holds `value` at `index`, with a valid
+    checksum."""
     h5 = copy_checkpoint(src, dst)
+    dataset, slot = where_stored(name)
     with h5py.File(h5, "r+") as f:
         d = f[dataset]
         v = d[()]
-        v[index] = value
-        d[...] = v
-        d.attrs["checksum"] = np.uint64(checksum(v.view(np.uint32).reshape(-1)))
+        if slot is None:
+            v[index] = value
+            d[...] = v
+            d.attrs["checksum"] = np.uint64(checksum(v.view(np.uint32).reshape(-1)))
+        else:
+            v[slot][index] = value
+            d[...] = v
+            sums = np.array(d.attrs["checksums"], dtype=np.uint64)
+            sums[slot] = np.uint64(checksum(v[slot].view(np.uint32).reshape(-1)))
+            d.attrs["checksums"] = sums
     return dst
 
 
@@ -236,7 +255,7 @@ def f32(x):
 
 def case_reexport_damaged(env, tmp):
     good, good2 = env.checkpoint("good"), env.checkpoint("good2")
-    damaged = damage_checkpoint(good2, os.path.join(tmp, "damaged"), "params/layers.1.moe.experts.3.w2")
+    damaged = damage_checkpoint(good2, os.path.join(tmp, "damaged"), "layers.1.moe.experts.3.w2")
     keep = os.path.join(tmp, "hf", "keep")
     # The user's directory, with a mode (and as root an owner) of its own, which the replaced
     # directory keeps.
@@ -249,7 +268,7 @@ def case_reexport_damaged(env, tmp):
     before = snapshot(keep)
     check(len([f for f in before if f.endswith(".safetensors")]) == 3, f"expected 3 shards: {sorted(before)}")
     r = env.export(damaged, keep, "--max-shard-size", "100000", expect=None)
-    line = error_line(r, "checksum mismatch", "layers.1.moe.experts.3.w2")
+    line = error_line(r, "checksum mismatch", "layers.1.moe.experts.w2, expert 3")
     check(snapshot(keep) == before, "the failed export changed the earlier export")
     check(leftovers(keep) == [], f"the failed export left {leftovers(keep)}")
     # A good export replaces the weights (one shard now: the three old ones go) and keeps the user's file.
@@ -266,7 +285,7 @@ def case_reexport_damaged(env, tmp):
 
 def case_reexport_killed(env, tmp):
     good, good2 = env.checkpoint("good"), env.checkpoint("good2")
-    damaged = damage_checkpoint(good2, os.path.join(tmp, "damaged"), "params/layers.1.moe.experts.3.w2")
+    damaged = damage_checkpoint(good2, os.path.join(tmp, "damaged"), "layers.1.moe.experts.3.w2")
     keep = os.path.join(tmp, "hf", "keep")
     old = reference_export(env, tmp, good, "good", "--max-shard-size", "100000")
     new = reference_export(env, tmp, good2, "good2")
@@ -435,7 +454,7 @@ def case_nonfinite(env, tmp):
     env.export(good, keep)
     before = snapshot(keep)
     for value, word in ((np.nan, "NaN"), (np.inf, "inf")):
-        bad = poison_checkpoint(good, os.path.join(tmp, f"ck-{word}"), "params/" + OURS, (0, 5), value)
+        bad = poison_checkpoint(good, os.path.join(tmp, f"ck-{word}"), OURS, (0, 5), value)
         run([env.exe, "ckpt", "verify", bad])  # its checksums are valid: not damage
         line = error_line(env.export(bad, keep, expect=None), OURS, "[0, 5]")
         check(snapshot(keep) == before, "a refused export changed the directory")

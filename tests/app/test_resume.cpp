@@ -200,9 +200,12 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
     fs::remove_all(dir + "/step_00000009");
   };
 
-  // 1. A flipped byte in a dataset's data.
-  const long off = dataset_offset(f8, "params/layers.1.moe.experts.2.w1");
-  ASSERT_GT(off, 0);
+  // 1. A flipped byte in a dataset's data: in expert 2's slot of layer 1's stacked w1 (4 experts of
+  // (64, 64) FP32 values), named down to the expert.
+  const long at = dataset_offset(f8, "params/layers.1.moe.experts.w1");
+  ASSERT_GT(at, 0);
+  const long off = at + 2 * 64 * 64 * 4;
+  const std::string named = f8 + ": dataset /params/layers.1.moe.experts.w1, expert 2: checksum mismatch";
   {
     std::fstream f(f8, std::ios::in | std::ios::out | std::ios::binary);
     f.seekg(off + 100);
@@ -214,13 +217,10 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
   }
   r = run({exe(), "ckpt", "verify", dir});
   EXPECT_EQ(r.status, 1) << r.all();
-  EXPECT_NE(r.err.find(f8 + ": dataset /params/layers.1.moe.experts.2.w1: checksum mismatch"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(named), std::string::npos) << r.err;
   r = train(1, cfg, more);
   ASSERT_EQ(r.status, 0) << r.all();
-  EXPECT_NE(r.err.find("WARNING: checkpoint " + s8 + " is unusable: " + f8 +
-                       ": dataset /params/layers.1.moe.experts.2.w1: checksum mismatch"),
-            std::string::npos)
-      << r.err;
+  EXPECT_NE(r.err.find("WARNING: checkpoint " + s8 + " is unusable: " + named), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("falling back to " + s4), std::string::npos) << r.err;
   EXPECT_NE(r.out.find("resumed from " + s4 + ": step 4"), std::string::npos) << r.out;
   // The same damage named explicitly: an error, no fallback.
@@ -232,8 +232,7 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
   }
   r = train(1, cfg, {"checkpoint.resume=" + s8, "train.steps=9", "train.warmup_steps=1"});
   EXPECT_EQ(r.status, 2) << r.all();
-  EXPECT_NE(r.err.find("fp8moe: error: checkpoint.resume: " + f8 + ": dataset /params/layers.1.moe.experts.2.w1: checksum mismatch"),
-            std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fp8moe: error: checkpoint.resume: " + named), std::string::npos) << r.err;
 
   // 2. A truncated file.
   restore();
@@ -285,7 +284,8 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
 // A load compares the checksum of every dataset of the file: their number, counted by h5ls (not
 // by fp8moe), is the number the load reports verified; and a flipped byte in one dataset of each
 // group — parameters, both Adam moments (BF16 here), the delayed-scaling state, the last dataset
-// of the file — is refused by name on an explicit resume and by `ckpt verify`.
+// of the file, a stacked experts' dataset of each group — is refused by name (a stacked one's
+// first byte: expert 0's) on an explicit resume and by `ckpt verify`.
 TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
   const std::string cfg = config("groups");
   RunResult r = train(2, cfg, {"train.steps=4", "train.warmup_steps=1", "eval.every=0"});
@@ -313,7 +313,8 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
     return std::string();
   };
   std::vector<std::string> victims = {pick("/params/"), pick("/optim/m/"), pick("/optim/v/"), pick("/fp8/"),
-                                      datasets.back()};
+                                      datasets.back(), pick("/params/layers.1.moe.experts."),
+                                      pick("/optim/m/layers.1.moe.experts."), pick("/optim/v/layers.1.moe.experts.")};
   for (const std::string& victim : victims) {
     SCOPED_TRACE(victim);
     ASSERT_FALSE(victim.empty()) << ls.out;
@@ -328,14 +329,15 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
       f.seekp(off);
       f.put(char(c ^ 0x01));
     }
+    const std::string named = victim + (victim.find(".moe.experts.") != std::string::npos ? ", expert 0" : "");
     r = train(2, cfg, more);
     EXPECT_EQ(r.status, 2) << r.all();
-    EXPECT_NE(r.err.find("fp8moe: error: checkpoint.resume: " + f4 + ": dataset " + victim + ": checksum mismatch"),
+    EXPECT_NE(r.err.find("fp8moe: error: checkpoint.resume: " + f4 + ": dataset " + named + ": checksum mismatch"),
               std::string::npos)
         << r.err;
     r = run({exe(), "ckpt", "verify", s4});  // the offline check names it too
     EXPECT_EQ(r.status, 1) << r.all();
-    EXPECT_NE(r.err.find(victim + ": checksum mismatch"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(named + ": checksum mismatch"), std::string::npos) << r.err;
   }
 }
 
@@ -379,7 +381,7 @@ TEST_F(Resume, AnotherMomentsDtypeOrHistoryLength) {
         << r.out;
     const std::string s5 = ckpt(name) + "/step_00000005/checkpoint.h5";
     EXPECT_EQ(dtype_of(s5, "optim/m/head.weight"), to);
-    EXPECT_EQ(dtype_of(s5, "optim/v/layers.1.moe.experts.3.w2"), to);
+    EXPECT_EQ(dtype_of(s5, "optim/v/layers.1.moe.experts.w2"), to);
     EXPECT_EQ(run({exe(), "ckpt", "verify", ckpt(name) + "/step_00000005"}).status, 0);
     const auto got5 = losses(r.out);
     ASSERT_TRUE(got5.count(5)) << r.out;
@@ -400,6 +402,86 @@ TEST_F(Resume, AnotherMomentsDtypeOrHistoryLength) {
                 to.c_str(), new_history ? 16 : 8, worst);
     EXPECT_LE(worst, new_history ? 5e-4 : 1e-4);
   }
+}
+
+// A checkpoint of format version 1 (one dataset per tensor), written by fp8moe before the stacked
+// layout and kept in tests/data/ckpt-v1 with the losses of its uninterrupted run (2 ranks: expert
+// 2 x data 2, ZeRO-1; MLA, MTP, 4 routed experts, FP8 off): `ckpt verify` reads it, and it resumes
+// at step 6 on 1 rank, on tensor 2 x expert 2 and on pipeline 2, each continuing to step 12
+// within the layout tests' bound for FP8 off (5e-6 of the uninterrupted run; measured 9.4e-10).
+// The next save is of format 2, which resumes in turn. A file of an unknown version is refused
+// naming the version and the versions this build reads.
+TEST_F(Resume, OldFormatResumesUnderAnotherLayout) {
+  const std::string fixture = source_dir() + "/tests/data/ckpt-v1", v1 = fixture + "/step_00000006";
+  std::vector<std::string> prep = {exe(), "prepare-data", "--output", dir_->path + "/data-v1/lic", "--val-fraction",
+                                   "0.2", "--seed", "3", "--input"};
+  for (const char* f : {"GPL-3", "GPL-2", "LGPL-3", "Apache-2.0"}) prep.push_back(std::string("/usr/share/common-licenses/") + f);
+  ASSERT_EQ(run(prep).status, 0);
+  std::map<int, double> want;
+  {
+    std::ifstream in(fixture + "/losses.txt");
+    int step;
+    std::string bits;
+    while (in >> step >> bits) want[step] = std::strtod(bits.c_str(), nullptr);
+  }
+  ASSERT_EQ(want.size(), 12u);
+  RunResult r = run({exe(), "ckpt", "verify", v1});
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("valid: step 6, 285 datasets"), std::string::npos) << r.out;
+  struct Case {
+    int ranks;
+    std::vector<std::string> sets;
+  };
+  const std::vector<Case> cases = {{1, {"parallel.expert=1"}},
+                                   {4, {"parallel.tensor=2", "parallel.expert=2"}},
+                                   {2, {"parallel.pipeline=2", "parallel.expert=1"}}};
+  int n = 0;
+  for (const Case& c : cases) {
+    const std::string dir = ckpt("v1-" + std::to_string(++n));
+    std::vector<std::string> sets = c.sets;
+    sets.insert(sets.end(), {"data.path=" + dir_->path + "/data-v1/lic.train", "data.valid_path=" + dir_->path + "/data-v1/lic.val",
+                             "checkpoint.dir=" + dir, "checkpoint.resume=" + v1, "checkpoint.every=0"});
+    r = train(c.ranks, fixture + "/config.yaml", sets);
+    ASSERT_EQ(r.status, 0) << r.all();
+    EXPECT_NE(r.out.find(v1 + ": 285 datasets, every checksum verified"), std::string::npos) << r.out;
+    const auto got = losses(r.out);
+    double worst = 0;
+    for (int step = 7; step <= 12; ++step) {
+      ASSERT_TRUE(got.count(step)) << r.out;
+      worst = std::max(worst, std::fabs(std::strtod(got.at(step).c_str(), nullptr) - want.at(step)) / want.at(step));
+    }
+    EXPECT_EQ(got.begin()->first, 7) << r.out;
+    std::printf("format 1 checkpoint resumed on %d rank(s) (%s...): steps 7-12 within %.2e of the uninterrupted run\n",
+                c.ranks, c.sets[0].c_str(), worst);
+    EXPECT_LE(worst, 5e-6);
+  }
+  // The save at the end of the last run is of format 2; it resumes (one more step).
+  const std::string v2 = ckpt("v1-3") + "/step_00000012";
+  r = run({python(), source_dir() + "/tests/io/check_checkpoint.py", v2 + "/checkpoint.h5"}, 300);
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_NE(r.out.find("h5py: format 2"), std::string::npos) << r.out;
+  r = train(1, fixture + "/config.yaml",
+            {"data.path=" + dir_->path + "/data-v1/lic.train", "data.valid_path=" + dir_->path + "/data-v1/lic.val",
+             "checkpoint.dir=" + ckpt("v1-3"), "checkpoint.resume=" + v2, "checkpoint.every=0", "train.steps=13",
+             "parallel.expert=1"});
+  EXPECT_EQ(r.status, 0) << r.all();
+  EXPECT_TRUE(losses(r.out).count(13)) << r.out;
+  // A version this build does not know: refused, naming it.
+  const std::string v9 = ckpt("v9");
+  fs::create_directories(v9);
+  fs::copy_file(v1 + "/checkpoint.h5", v9 + "/checkpoint.h5");
+  r = run({python(), "-c",
+           "import h5py, numpy, sys; f = h5py.File(sys.argv[1], 'r+'); f.attrs['format_version'] = numpy.int64(9)",
+           v9 + "/checkpoint.h5"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  r = run({exe(), "ckpt", "verify", v9});
+  EXPECT_EQ(r.status, 1) << r.all();
+  EXPECT_NE(r.err.find("format version 9, this build reads versions 1 to 2"), std::string::npos) << r.err;
+  r = train(1, fixture + "/config.yaml",
+            {"data.path=" + dir_->path + "/data-v1/lic.train", "data.valid_path=" + dir_->path + "/data-v1/lic.val",
+             "checkpoint.resume=" + v9, "checkpoint.dir=" + ckpt("v9-run"), "parallel.expert=1"});
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find(v9 + "/checkpoint.h5: format version 9, this build reads versions 1 to 2"), std::string::npos) << r.err;
 }
 
 TEST_F(Resume, ReadableWithoutFp8moe) {

@@ -1,9 +1,13 @@
 """Reads an fp8moe checkpoint with h5py alone (no fp8moe code) and recomputes every dataset's
 checksum from the documented formula (README "Checkpoints"):
     sum mod 2^64 over elements of splitmix64(splitmix64(i) ^ bits),
-    i = row-major global index, bits = the stored element's bytes as an unsigned integer.
-BF16 datasets are also read through h5py's own conversion to float32, which must equal the
-bits shifted into a float32. Exit 0 when everything matches."""
+    i = row-major global index, bits = the stored element's bytes as an unsigned integer;
+a stacked dataset (format 2: a MoE block's routed experts, (n_experts, rows, cols)) holds one such
+checksum per expert in `checksums`, i counted from 0 in each. In format 2 every routed expert's
+tensor must be in its block's stacked dataset, and nothing else stacked. BF16 datasets are also
+read through h5py's own conversion to float32, which must equal the bits shifted into a float32.
+Exit 0 when everything matches."""
+import re
 import sys
 
 import h5py
@@ -32,7 +36,9 @@ def main(path):
         assert key in f.attrs, "missing root attribute " + key
     names = []
     f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
-    bf16 = 0
+    version = int(f.attrs["format_version"])
+    assert version in (1, 2), "format_version %d" % version
+    bf16 = stacked = 0
     for n in names:
         d = f[n]
         ftype = d.id.get_type()
@@ -45,11 +51,25 @@ def main(path):
             as_float = d.astype(np.float32)[()].reshape(-1)
             assert np.array_equal((raw.astype(np.uint32) << np.uint32(16)).view(np.float32), as_float), n
             bf16 += 1
+        expert = re.search(r"\.moe\.experts\.(\d+\.)?", n)
+        if version == 2 and expert:  # a routed expert's tensors: stacked, never alone
+            assert expert.group(1) is None and d.ndim == 3 and "checksum" not in d.attrs, n
+            want = [int(x) for x in d.attrs["checksums"]]
+            assert len(want) == d.shape[0], n
+            per = raw.size // d.shape[0]
+            for e in range(d.shape[0]):
+                got = checksum(raw[e * per:(e + 1) * per])
+                assert got == want[e], "%s, expert %d: checksum %016x, stored %016x" % (n, e, got, want[e])
+            stacked += 1
+            continue
+        assert d.ndim == 2 and "checksums" not in d.attrs, n
         want = int(d.attrs["checksum"])
         got = checksum(raw)
         assert got == want, "%s: checksum %016x, stored %016x" % (n, got, want)
-    print("h5py: %d datasets (%d bfloat16), every checksum recomputed independently matches; step %d, layout %s"
-          % (len(names), bf16, f.attrs["step"], f.attrs["layout"].decode() if isinstance(f.attrs["layout"], bytes) else f.attrs["layout"]))
+    print("h5py: format %d, %d datasets (%d bfloat16, %d stacked), every checksum recomputed independently matches; "
+          "step %d, layout %s"
+          % (version, len(names), bf16, stacked, f.attrs["step"],
+             f.attrs["layout"].decode() if isinstance(f.attrs["layout"], bytes) else f.attrs["layout"]))
 
 
 def compare(a_path, b_path, bound=1e-3):

@@ -13,7 +13,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <mutex>
+#include <regex>
 #include <string>
 #include <unordered_map>
 
@@ -544,6 +546,35 @@ int64_t chunk_count(int64_t n, int64_t width, int64_t elem, int64_t bound) {
   return width <= cap ? (n + cap / width - 1) / (cap / width) : n * ((width + cap - 1) / cap);
 }
 
+// The calls (one host synchronisation each) that a save or load makes through a buffer of `bound`
+// bytes, by the rule io/checkpoint_common.h documents: per dataset, in slot order, a tensor's block
+// that fits the buffer whole shares the dataset's previous call when that call holds whole blocks
+// and both fit together, else starts a call; a block that does not fit takes chunk_count calls.
+// A dataset is named by its tensors' name with the expert's number taken out (format 2 stacks
+// the routed experts).
+class CallCounter {
+ public:
+  explicit CallCounter(int64_t bound) : bound_(bound) {}
+  void add(const std::string& kind, const std::string& name, int64_t n, int64_t width, int64_t elem) {
+    if (n <= 0 || width <= 0) return;
+    static const std::regex expert(R"(\.experts\.[0-9]+\.)");
+    auto& [packable, bytes] = open_[kind + std::regex_replace(name, expert, ".experts.")];
+    const int64_t b = n * width * elem;
+    if (b <= bound_ && packable && bytes + b <= bound_) {
+      bytes += b;
+      return;
+    }
+    packable = b <= bound_;
+    bytes = packable ? b : 0;
+    calls_ += packable ? 1 : chunk_count(n, width, elem, bound_);
+  }
+  int64_t calls() const { return calls_; }
+
+ private:
+  int64_t bound_, calls_ = 0;
+  std::map<std::string, std::pair<bool, int64_t>> open_;
+};
+
 // (bound in bytes, BF16 moments, recipe). Rows are 32 FP32 values (128 bytes): 256 stages 2 whole
 // rows a chunk, 96 cuts each FP32 row into pieces of 24 elements (and takes 1 BF16 row a chunk).
 class CheckpointStaging : public testing::TestWithParam<std::tuple<int64_t, bool, Fp8Recipe>> {};
@@ -567,17 +598,25 @@ TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExa
       saved.write_rows.push_back(skewed_rows(table.params[i].rows, rank, size, i));
       saved.moment_write_rows.push_back(skewed_rows(table.params[i].rows, rank, size, i + 1));
     }
-    // What the save must download: this rank's rows, every dataset in chunks (one synchronisation
-    // each), besides the delayed-scaling state (fp8_scaling_to_host, measured alone).
+    // What the save must download: this rank's rows, every dataset in chunks, whole blocks of a
+    // stacked dataset together (one synchronisation a call), besides the delayed-scaling state
+    // (fp8_scaling_to_host, measured alone).
     int64_t down = 0, chunks = 0, datasets = 0;
+    CallCounter calls(bound);
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       const int64_t n = saved.write_rows[i].end - saved.write_rows[i].begin;
       down += n * p.cols * 4, chunks += chunk_count(n, p.cols, 4, bound), datasets += n > 0;
-      if (!p.trainable) continue;
-      const int64_t nm = saved.moment_write_rows[i].end - saved.moment_write_rows[i].begin;
-      down += 2 * nm * p.cols * elem_m, chunks += 2 * chunk_count(nm, p.cols, elem_m, bound), datasets += 2 * (nm > 0);
+      calls.add("p", p.name, n, p.cols, 4);
     }
+    for (const char* m : {"m", "v"})
+      for (size_t i = 0; i < table.params.size(); ++i) {
+        const ParamSpec& p = table.params[i];
+        if (!p.trainable) continue;
+        const int64_t nm = saved.moment_write_rows[i].end - saved.moment_write_rows[i].begin;
+        down += nm * p.cols * elem_m, chunks += chunk_count(nm, p.cols, elem_m, bound), datasets += nm > 0;
+        calls.add(m, p.name, nm, p.cols, elem_m);
+      }
     Backend& emu = dev.inner();
     TransferCounts t0 = emu.transfers();
     (void)saved.model.fp8_scaling_to_host();
@@ -588,7 +627,7 @@ TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExa
     committed = save_checkpoint(MPI_COMM_WORLD, saved.state());
     const TransferCounts moved = emu.transfers() - t0;
     EXPECT_EQ(moved.d2h_bytes, down + scaling.d2h_bytes);
-    EXPECT_EQ(moved.host_syncs, chunks + scaling.host_syncs);  // a download not into the staging buffer would add one
+    EXPECT_EQ(moved.host_syncs, calls.calls() + scaling.host_syncs);  // a download not into the staging buffer would add one
     EXPECT_EQ(moved.h2d_bytes, 0);
     EXPECT_GT(chunks, 3 * datasets) << "the bound does not make several chunks a dataset";
     EXPECT_LE(dev.host().largest, bound);
@@ -617,19 +656,23 @@ TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExa
       t0 = emu2.transfers();
       all.model.set_fp8_scaling(state);  // what the load does last, measured alone
       const TransferCounts set_scaling = emu2.transfers() - t0;
-      int64_t up = 0, load_chunks = 0;
+      int64_t up = 0;
+      CallCounter load_calls(bound);
       for (size_t i = 0; i < table.params.size(); ++i) {
         const ParamSpec& p = table.params[i];
-        up += p.numel() * 4, load_chunks += chunk_count(p.rows, p.cols, 4, bound);
-        if (p.trainable) up += 2 * p.numel() * elem_m, load_chunks += 2 * chunk_count(p.rows, p.cols, 4, bound);
+        up += p.numel() * 4, load_calls.add("p", p.name, p.rows, p.cols, 4);
+        if (p.trainable) up += 2 * p.numel() * elem_m;
       }
+      for (const char* m : {"m", "v"})
+        for (const ParamSpec& p : table.params)
+          if (p.trainable) load_calls.add(m, p.name, p.rows, p.cols, 4);  // a load's calls count FP32 elements
       dev2.reset_host();
       const int64_t live2 = dev2.host().live;
       t0 = emu2.transfers();
       EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, all.state()), committed);
       const TransferCounts loaded = emu2.transfers() - t0;
       EXPECT_EQ(loaded.h2d_bytes, up + set_scaling.h2d_bytes);
-      EXPECT_EQ(loaded.host_syncs, load_chunks + set_scaling.host_syncs);
+      EXPECT_EQ(loaded.host_syncs, load_calls.calls() + set_scaling.host_syncs);
       EXPECT_LE(dev2.host().largest, bound);
       EXPECT_LE(dev2.host().peak - live2, bound);
       saved.expect_same(all);
@@ -674,6 +717,65 @@ TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExa
       EXPECT_EQ(a.datasets[i].path, b.datasets[i].path);
       EXPECT_EQ(a.datasets[i].stored_checksum, b.datasets[i].stored_checksum) << a.datasets[i].path;
     }
+  }
+  remove_shared(dir);
+}
+
+// An asynchronous save (AsyncCheckpointer): the state at start() is what lands in the file, bit for
+// bit, although the model, moments, counters and scaling change while the writer runs (they are
+// refilled at once); start() downloads exactly this rank's share (checkpoint_copy_bytes, the
+// rows it writes; unequal shares here) with one host synchronisation, on the emulated device, and
+// the writer touches the backend no more (no transfer, no host allocation after start()). Two
+// saves in a row reuse the host copy. With a 256-byte staging buffer, so that the writer stages in
+// many calls.
+TEST(CheckpointAsync, TheStateAtStartIsWrittenWhileTrainingChangesIt) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const std::string dir = shared_dir("async");
+  const Config cfg = with_staging(small_config(dir, true, Fp8Recipe::delayed), 256);
+  const ParamTable table = build_param_table(cfg.model);
+  WatchedDevice dev;
+  Trainer saved(cfg, {}, dev), expected(cfg);
+  for (size_t i = 0; i < table.params.size(); ++i) {
+    saved.write_rows.push_back(skewed_rows(table.params[i].rows, rank, size, i));
+    saved.moment_write_rows.push_back(skewed_rows(table.params[i].rows, rank, size, i + 3));
+  }
+  AsyncCheckpointer writer(MPI_COMM_WORLD, dev);
+  EXPECT_FALSE(writer.in_flight());
+  EXPECT_EQ(writer.wait(), "");
+  Backend& emu = dev.inner();
+  for (int salt : {1, 3}) {
+    saved.fill(salt);
+    expected.fill(salt);
+    const int64_t share = checkpoint_copy_bytes(MPI_COMM_WORLD, saved.state());
+    dev.reset_host();
+    TransferCounts t0 = emu.transfers();
+    (void)saved.model.fp8_scaling_to_host();
+    const TransferCounts scaling_moves = emu.transfers() - t0;
+    const int64_t scaling_allocations = dev.host().allocations;
+    dev.reset_host();
+    t0 = emu.transfers();
+    EXPECT_EQ(writer.start(MPI_COMM_WORLD, saved.state()), share);
+    const TransferCounts copy = emu.transfers() - t0;
+    EXPECT_EQ(copy.d2h_bytes, share + scaling_moves.d2h_bytes);
+    EXPECT_EQ(copy.host_syncs, 1 + scaling_moves.host_syncs);
+    EXPECT_EQ(copy.h2d_bytes, 0);
+    EXPECT_EQ(writer.host_bytes(), share);
+    EXPECT_EQ(dev.host().allocations, scaling_allocations + (salt == 1 ? 1 : 0)) << "the host copy is allocated once";
+    EXPECT_TRUE(writer.in_flight());
+    saved.fill(salt + 10);  // training goes on: every tensor and counter changes under the writer
+    const TransferCounts t1 = emu.transfers();
+    const int64_t allocations = dev.host().allocations;
+    const std::string committed = writer.wait();
+    EXPECT_EQ(committed, dir + "/step_000000" + std::to_string(12 + salt));
+    EXPECT_EQ((emu.transfers() - t1).d2h_bytes, 0) << "the writer read backend memory";
+    EXPECT_EQ(dev.host().allocations, allocations) << "the writer allocated through the backend";
+    EXPECT_FALSE(writer.in_flight());
+    Trainer back(cfg);
+    back.fill(7);
+    EXPECT_EQ(resume_from_checkpoint(MPI_COMM_WORLD, back.state()), committed);
+    expected.expect_same(back);
   }
   remove_shared(dir);
 }
