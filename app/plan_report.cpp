@@ -65,6 +65,12 @@ void print_memory_table(const Plan& p, const Device& d, double baseline) {
     if (d.cpu) std::printf("   %s", bytes_text(s.total() + baseline).c_str());
     std::printf("%s\n", s.total() + baseline > d.memory ? "  DOES NOT FIT" : "");
   }
+  double copy = 0;
+  int at = 0;
+  for (const StageMemory& s : p.mem)
+    if (s.checkpoint_copy > copy) copy = s.checkpoint_copy, at = s.stage;
+  std::printf("  host memory for checkpoint.async's copy (what a rank writes of a checkpoint; pinned under CUDA): "
+              "%s per rank (stage %d)\n", bytes_text(copy).c_str(), at);
 }
 
 // The efficiency in (0, 1] at which step_at(efficiency) takes `budget`, or -1 where even 1.0 is

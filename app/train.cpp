@@ -205,7 +205,7 @@ int train_on_ranks(const TrainOptions& options, const MpiSession& mpi) {
   backend_options.grouped_gemm = config.runtime.grouped_gemm;
   backend_options.verbose = root;
   const std::unique_ptr<Backend> backend = make_backend(kind, ordinal, backend_options);
-  return train(config, grid, *backend);
+  return train(config, grid, *backend, threads.plan.binding_cpus / std::max(1, threads.plan.sharing));
 }
 
 }  // namespace

@@ -165,12 +165,12 @@ std::string open_trace_dir(const std::string& dir, int rank) {
 class TrainLoop {
  public:
   TrainLoop(const Config& cfg, const ProcessGrid& grid, Backend& be, const TrainComms& comms, Trainer& t,
-            TrainData& data, MetricsLog& jsonl, bool eval_on)
+            TrainData& data, MetricsLog& jsonl, bool eval_on, int cpus)
       : cfg_(cfg), grid_(grid), be_(be), t_(t), data_(data), world_(comms.world()),
         pipe_h_(*comms.groups().pipeline.host), root_(world_.rank() == 0), eval_on_(eval_on),
         runner_(cfg, t.model, comms.runner()), comm_(cfg, t.model, t.model.dispatcher(), comms.groups(), runner_.sequences()),
         peak_(training_peak(cfg, be, world_.size())), reporter_(cfg, be, world_, jsonl, peak_),
-        grad_sq_(be, DType::f64, {1}), first_step_(t.progress.step) {
+        grad_sq_(be, DType::f64, {1}), first_step_(t.progress.step), cpus_(cpus) {
     runner_.set_gradient_sync(&t.sync);
   }
 
@@ -307,14 +307,25 @@ class TrainLoop {
                                 cfg_.log.trace.c_str());
   }
 
-  // checkpoint.async with periodic saves: the writer, unless MPI lacks MPI_THREAD_MULTIPLE on some
-  // rank or some rank's share exceeds checkpoint.async_max_bytes (then synchronous saves, a
-  // warning). Collective.
+  // checkpoint.async with periodic saves: the writer, unless (auto) the host's CPUs compute (the
+  // cpu and emulated backends) or some rank has one CPU, MPI lacks MPI_THREAD_MULTIPLE on some
+  // rank, or some rank's share exceeds checkpoint.async_max_bytes (then blocking saves, a note or
+  // a warning). Collective.
   void start_async_saves() {
     const CheckpointConfig& c = cfg_.checkpoint;
-    if (!c.save || !c.async || c.every <= 0) return;
-    double v[2] = {double(checkpoint_copy_bytes(grid_.world(), t_.state)), threads_multiple() ? 0.0 : 1.0};
-    world_.allreduce_max(v, 2);
+    if (!c.save || c.async == AsyncChoice::off || c.every <= 0) return;
+    double v[3] = {double(checkpoint_copy_bytes(grid_.world(), t_.state)), threads_multiple() ? 0.0 : 1.0,
+                   -double(cpus_)};
+    world_.allreduce_max(v, 3);
+    if (c.async == AsyncChoice::automatic && (be_.kind() != DeviceKind::cuda || -v[2] < 2)) {
+      // A writer on the CPUs training computes on: measured on a 2-core VM (2026-12-06), it made
+      // the steps during a background save 3x to 40x slower (one rank with 2 CPUs and 2 OpenMP
+      // threads; 2 ranks bound to a core each), more than the blocking save costs.
+      if (root_) std::printf("checkpoint.async auto: saves block (%s; checkpoint.async: true writes in the "
+                             "background anyway)\n", be_.kind() != DeviceKind::cuda ? "the training computes on "
+                             "the host's CPUs, which a writer thread would take from it" : "a rank has one CPU");
+      return;
+    }
     if (v[1] > 0) {
       if (root_) std::fprintf(stderr, "fp8moe: warning: checkpoint.async: MPI does not provide MPI_THREAD_MULTIPLE "
                                       "on every rank: checkpoint saves are synchronous\n");
@@ -431,12 +442,13 @@ class TrainLoop {
   Tensor grad_sq_;
   const int64_t first_step_;
   Clock::time_point t_start_;
+  const int cpus_;  // this rank's share of its binding's CPUs (checkpoint.async auto)
   std::unique_ptr<AsyncCheckpointer> async_;  // checkpoint.async's writer (start_async_saves)
 };
 
 }  // namespace
 
-int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
+int train(const Config& cfg, const ProcessGrid& grid, Backend& be, int cpus) {
   const TrainComms comms(grid, be, cfg.runtime.comm == CommChoice::nccl, cfg.runtime.ranks_per_node);
   Communicator& world = comms.world();
   const bool root = world.rank() == 0;
@@ -481,7 +493,7 @@ int train(const Config& cfg, const ProcessGrid& grid, Backend& be) {
                           (long long)t.progress.step, (long long)cfg.train.steps);
     return kExitOk;
   }
-  return TrainLoop(cfg, grid, be, comms, t, data, jsonl, eval_on).run();
+  return TrainLoop(cfg, grid, be, comms, t, data, jsonl, eval_on, cpus).run();
 }
 
 }  // namespace fp8moe

@@ -21,8 +21,9 @@ namespace fp8moe {
 // finishes, all ranks agree on the stop step (one all-reduce per step), a checkpoint is committed
 // and train returns kExitRequeue. A second signal during that save changes nothing.
 // `be`: this rank's backend (runtime.device), on which the model, the optimizer, the device
-// communicators and the checkpoint staging work.
-int train(const Config& cfg, const ProcessGrid& grid, Backend& be);
+// communicators and the checkpoint staging work. `cpus`: this rank's share of the CPUs of its
+// binding (parallel/cpu_binding.h), which checkpoint.async auto goes by.
+int train(const Config& cfg, const ProcessGrid& grid, Backend& be, int cpus);
 
 // "tensor 1 x pipeline 1 x expert 1 x data 2 (2 ranks)": the layout a checkpoint records.
 std::string layout_text(const GridDims& g);

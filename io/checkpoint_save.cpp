@@ -6,9 +6,6 @@
 // needs, the file written (metadata, every dataset through the staging buffer, the checksums) and
 // closed, read back, and committed (io/checkpoint_commit.h). The HDF5 layer is io/hdf5_file.h, the
 // staging io/checkpoint_staging.cpp.
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -18,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <unordered_map>
 
 #include "io/checkpoint_commit.h"
 #include "io/checkpoint_common.h"
@@ -34,7 +32,7 @@ constexpr int kExitFailure = 1;  // app/exit_codes.h
 // One tensor of a save: this rank's block of a (rows, cols) tensor, in backend memory (staged
 // through the host buffer) or host memory (the delayed-scaling arrays), and where it goes.
 struct SavedTensor {
-  Place place;                 // its dataset, and its slot in a stacked one
+  int64_t slot = -1;           // its slot in a stacked dataset (SavePlan::dataset_of: which)
   Dt dt = Dt::f32;
   int64_t rows = 1, cols = 1;  // the global shape
   const void* data = nullptr;  // the block: rows [row0, ...) x columns [c0, c0 + nc), row-major
@@ -109,24 +107,39 @@ void make_tmp_dir(MPI_Comm comm, const SaveTarget& t) {
   });
 }
 
-// Phase 2: the tensors, in file order: every parameter's block, each moment's (the optimizer's
-// owned rows of this rank's block, global rows sh.r0 + ...; sharded, ZeRO-1, each rank writes
-// those), then the delayed-scaling arrays `sc` (host memory, written whole by the even split); and
-// the datasets they go in (format kCheckpointFormatVersion: a MoE block's routed experts stacked).
-// The parameters and moments stay in the model's backend memory.
-SavePlan plan_datasets(const TrainerState& s, const SaveTarget& t, const ScalingArrays& sc) {
+// Adds tensor x to the plan, into dataset `place` (made where its first tensor is; `index`: the
+// datasets' by path).
+void add_tensor(SavePlan& plan, std::unordered_map<std::string, size_t>& index, const Place& place, const SavedTensor& x) {
+  const auto [it, added] = index.emplace(place.path, plan.datasets.size());
+  if (added) plan.datasets.push_back({place.path, x.dt, place.slots, x.rows, x.cols, {}});
+  SavedDataset& d = plan.datasets[it->second];
+  FP8MOE_ASSERT(d.dt == x.dt && d.rows == x.rows && d.cols == x.cols && x.slot == place.slot &&
+                    x.slot == (d.slots > 0 ? int64_t(d.tensors.size()) : -1),
+                "checkpoint: ", d.path, ": tensors of another shape, or out of slot order");
+  d.tensors.push_back(plan.tensors.size());
+  plan.dataset_of.push_back(it->second);
+  plan.tensors.push_back(x);
+}
+
+// Phase 2a: the tensors of the model and the optimizer, in file order: every parameter's block,
+// each moment's (the optimizer's owned rows of this rank's block, global rows sh.r0 + ...;
+// sharded, ZeRO-1, each rank writes those); and the datasets they go in (format
+// kCheckpointFormatVersion: a MoE block's routed experts stacked). The parameters and moments stay
+// in the model's backend memory. The same for every save of a run (AsyncCheckpointer keeps it).
+SavePlan plan_tensors(const TrainerState& s, const SaveTarget& t) {
   const ParamTable& table = s.model->table();
   const int64_t n_experts = s.cfg->model.moe.n_experts;
   SavePlan plan;
-  std::vector<SavedTensor>& tensors = plan.tensors;
+  std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
     const Shard& sh = s.model->shard(i);
     const Rows mine = !sh.held() ? Rows{0, 0}
                       : s.write_rows.empty() ? my_rows(p.rows, t.rank, t.size)
                                              : rows_of(s.write_rows[i]);
-    tensors.push_back({place_of(p, -1, n_experts, kCheckpointFormatVersion), Dt::f32, p.rows, p.cols,
-                       s.model->store().param(i), true, sh.r0, mine, sh.c0, sh.cols});
+    const Place place = place_of(p, -1, n_experts, kCheckpointFormatVersion);
+    add_tensor(plan, index, place,
+               {place.slot, Dt::f32, p.rows, p.cols, s.model->store().param(i), true, sh.r0, mine, sh.c0, sh.cols});
   }
   const Dt moment_dt = s.opt->bf16_moments() ? Dt::bf16 : Dt::f32;
   for (int w = 0; w < 2; ++w)
@@ -141,33 +154,33 @@ SavePlan plan_datasets(const TrainerState& s, const SaveTarget& t, const Scaling
                                                      : my_rows(p.rows, t.rank, t.size);
       FP8MOE_ASSERT(mine.n == 0 || (mine.r0 >= sh.r0 + o.begin && mine.r0 + mine.n <= sh.r0 + o.end), "checkpoint: ",
                     place.path, " rows to write outside the optimizer's rows");
-      tensors.push_back(
-          {place, moment_dt, p.rows, p.cols, s.opt->moment(w, i).raw(), true, sh.r0 + o.begin, mine, sh.c0, sh.cols});
+      add_tensor(plan, index, place,
+                 {place.slot, moment_dt, p.rows, p.cols, s.opt->moment(w, i).raw(), true, sh.r0 + o.begin, mine, sh.c0,
+                  sh.cols});
     }
-  const int64_t n_sc = int64_t(sc.names.size());
-  auto whole = [&](std::string path, Dt dt, int64_t cols, const void* data) {
-    tensors.push_back({Place{std::move(path), -1, 0}, dt, n_sc, cols, data, false, 0, my_rows(n_sc, t.rank, t.size)});
-  };
-  if (n_sc > 0) {
-    whole("/fp8/amax_history", Dt::f32, sc.len, sc.history.data());
-    whole("/fp8/scale", Dt::f32, 2, sc.scale.data());
-    whole("/fp8/steps", Dt::i64, 1, sc.steps.data());
-  }
-  std::map<std::string, size_t> index;
-  for (size_t j = 0; j < tensors.size(); ++j) {
-    const SavedTensor& x = tensors[j];
-    const auto [it, added] = index.emplace(x.place.path, plan.datasets.size());
-    if (added) plan.datasets.push_back({x.place.path, x.dt, x.place.slots, x.rows, x.cols, {}});
-    SavedDataset& d = plan.datasets[it->second];
-    FP8MOE_ASSERT(d.dt == x.dt && d.rows == x.rows && d.cols == x.cols && x.place.slot == (d.slots > 0 ? int64_t(d.tensors.size()) : -1),
-                  "checkpoint: ", d.path, ": tensors of another shape, or out of slot order");
-    d.tensors.push_back(j);
-    plan.dataset_of.push_back(it->second);
-  }
   for (const SavedDataset& d : plan.datasets)
     FP8MOE_ASSERT(d.tensors.size() == size_t(std::max<int64_t>(1, d.slots)), "checkpoint: ", d.path, ": ",
                   d.tensors.size(), " tensors for ", d.slots, " slots");
   return plan;
+}
+
+// Phase 2b: the delayed-scaling arrays `sc` (host memory, written whole by the even split), each a
+// dataset of its own after the rest.
+void add_scaling(SavePlan& plan, const SaveTarget& t, const ScalingArrays& sc) {
+  const int64_t n_sc = int64_t(sc.names.size());
+  if (n_sc == 0) return;
+  std::unordered_map<std::string, size_t> index;
+  auto whole = [&](const char* path, Dt dt, int64_t cols, const void* data) {
+    add_tensor(plan, index, Place{path, -1, 0}, {-1, dt, n_sc, cols, data, false, 0, my_rows(n_sc, t.rank, t.size)});
+  };
+  whole("/fp8/amax_history", Dt::f32, sc.len, sc.history.data());
+  whole("/fp8/scale", Dt::f32, 2, sc.scale.data());
+  whole("/fp8/steps", Dt::i64, 1, sc.steps.data());
+}
+
+// "dataset <path>" or "dataset <path>, expert <slot>": tensor j, for messages.
+std::string tensor_text(const SavePlan& sp, size_t j) {
+  return tensor_text(Place{sp.datasets[sp.dataset_of[j]].path, sp.tensors[j].slot, 0});
 }
 
 // Phase 3: each tensor's rows this rank writes, in calls through one host buffer of at most
@@ -271,7 +284,7 @@ void write_dataset(MPI_Comm comm, const SaveTarget& t, const Staging& st, hid_t 
         const size_t bytes = size_t(ch.rows.n * ch.w) * elem;
         if (x.device) st.be->download(to, x.at(ch.rows.r0, ch.col), bytes), downloaded = true;
         else std::memcpy(to, x.at(ch.rows.r0, ch.col), bytes);
-        blocks.push_back({x.place.slot, ch.rows, x.c0 + ch.col, ch.w});
+        blocks.push_back({x.slot, ch.rows, x.c0 + ch.col, ch.w});
       }
       if (downloaded) st.be->sync();
       for (const Piece& sg : call.segments) {
@@ -367,55 +380,44 @@ std::vector<uint64_t> write_file(MPI_Comm comm, const SaveMeta& meta, const Save
 
 // Phase 6: the file read back before the commit, every rank its own rows through the same calls:
 // a write that did not reach the file (MPI-IO can report a failed write that HDF5 does not pass
-// on) never becomes a checkpoint.
+// on) never becomes a checkpoint. Each rank opens the closed file alone (no collective call, so
+// no agreement per dataset: one for the whole read-back), reads every dataset's checksum
+// attributes and its own rows; then one allreduce sums the checksums.
 void read_back(MPI_Comm comm, const SaveTarget& t, const Staging& st, const std::vector<uint64_t>& sums) {
   const std::vector<SavedDataset>& datasets = st.sp.datasets;
   const std::vector<SavedTensor>& tensors = st.sp.tensors;
   const std::string why = ": not every write reached the file system (is it full?)";
-  H5Handle file, dxpl;
   std::vector<uint64_t> back(tensors.size(), 0), attr(tensors.size(), 0);
-  auto reading_back = [&](auto&& step) {
-    try {
-      step();
-    } catch (const CheckpointError& e) {
-      throw CheckpointError(std::string("reading the written file back: ") + e.what() + why);
-    }
-  };
   on_every_rank(comm, [&] {
-    reading_back([&] {
-      file = open_file(t.path, comm);
-      dxpl = collective_xfer(t.path);
-    });
-  });
-  for (size_t i = 0; i < datasets.size(); ++i) {
-    const SavedDataset& d = datasets[i];
-    const size_t elem = dt_size(d.dt);
-    OpenDataset od;
-    for (int64_t k = 0; k < st.plan.steps[i]; ++k)
-      on_every_rank(comm, [&] {
-        reading_back([&] {
-          if (k == 0) {
-            od = open_dataset(file.get(), d.path, d.slots, d.rows, d.cols, {d.dt}, t.path);
-            for (size_t j : d.tensors) attr[j] = od.stored_checksum(tensors[j].place.slot);
-          }
-          const Call& call = st.plan.call(i, k);
+    try {
+      const H5Handle file = open_file(t.path, MPI_COMM_NULL);
+      for (size_t i = 0; i < datasets.size(); ++i) {
+        const WatchScope watch("checkpoint read-back");  // progress, dataset by dataset
+        const SavedDataset& d = datasets[i];
+        const size_t elem = dt_size(d.dt);
+        const OpenDataset od = open_dataset(file.get(), d.path, d.slots, d.rows, d.cols, {d.dt}, t.path);
+        for (size_t j : d.tensors) attr[j] = od.stored_checksum(tensors[j].slot);
+        for (const Call& call : st.plan.calls[i]) {
           std::vector<Slab> blocks;
           for (const Piece& sg : call.segments) {
             const SavedTensor& x = tensors[sg.block];
-            blocks.push_back({x.place.slot, sg.ch.rows, x.c0 + sg.ch.col, sg.ch.w});
+            blocks.push_back({x.slot, sg.ch.rows, x.c0 + sg.ch.col, sg.ch.w});
           }
-          read_blocks(od, dxpl.get(), blocks, st.buffer);
+          read_blocks(od, H5P_DEFAULT, blocks, st.buffer);
           for (const Piece& sg : call.segments) {
             const SavedTensor& x = tensors[sg.block];
             back[sg.block] += checksum_chunk(st.buffer + size_t(sg.offset) * elem, d.dt, sg.ch, x.mine, x.c0, x.cols);
           }
-        });
-      });
-  }
+        }
+      }
+    } catch (const CheckpointError& e) {
+      throw CheckpointError(std::string("reading the written file back: ") + e.what() + why);
+    }
+  });
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, back.data(), int(back.size()), MPI_UINT64_T, MPI_SUM, comm));
   for (size_t j = 0; j < tensors.size(); ++j)
     if (back[j] != sums[j] || attr[j] != sums[j])
-      throw CheckpointError("reading the written file back: " + t.path + ": " + tensor_text(tensors[j].place) +
+      throw CheckpointError("reading the written file back: " + t.path + ": " + tensor_text(st.sp, j) +
                             checksum_mismatch(sums[j], back[j] != sums[j] ? back[j] : attr[j]) + why);
 }
 
@@ -437,12 +439,14 @@ struct SaveJob {
 namespace {
 
 // The main thread's part of every save: collective over comm (the delayed-scaling state's
-// allgather, the creation time's broadcast).
-std::unique_ptr<SaveJob> prepare_save(MPI_Comm comm, const TrainerState& s) {
+// allgather, the creation time's broadcast). `tensors`: plan_tensors(s, ...) of an earlier save,
+// or nullptr.
+std::unique_ptr<SaveJob> prepare_save(MPI_Comm comm, const TrainerState& s, const SavePlan* tensors) {
   auto job = std::make_unique<SaveJob>();
   job->t = save_target(comm, *s.cfg, s.progress->step);
   job->sc = pack_scaling(gather_scaling(comm, *s.model));
-  job->sp = plan_datasets(s, job->t, job->sc);
+  job->sp = tensors ? *tensors : plan_tensors(s, job->t);
+  add_scaling(job->sp, job->t, job->sc);
   job->meta = save_meta(comm, job->t.rank, s);
   return job;
 }
@@ -503,7 +507,7 @@ void copy_to_host(SavePlan& sp, Backend& be, unsigned char* host, FaultPoint& fa
 
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   const WatchScope watch("checkpoint save");
-  const std::unique_ptr<SaveJob> job = prepare_save(comm, s);
+  const std::unique_ptr<SaveJob> job = prepare_save(comm, s, nullptr);
   FaultPoint fault(job->t.rank, job->t.dir);
   return run_save(comm, *job, &s.model->backend(), fault);
 }
@@ -512,7 +516,7 @@ int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s) {
   SaveTarget t;
   MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
   MPI_CHECK(MPI_Comm_size(comm, &t.size));
-  return device_bytes(plan_datasets(s, t, ScalingArrays{}));
+  return device_bytes(plan_tensors(s, t));
 }
 
 // ---------------------------------------------------------------- asynchronous save
@@ -523,6 +527,10 @@ struct AsyncCheckpointer::Impl {
   HostBuffer<unsigned char> copy;
   std::unique_ptr<SaveJob> job;
   std::unique_ptr<FaultPoint> fault;
+  // The model's and optimizer's tensors (plan_tensors), the same for every save of theirs.
+  std::unique_ptr<SavePlan> tensors;
+  const Transformer* model = nullptr;
+  const AdamW* opt = nullptr;
   std::thread writer;
   std::atomic<bool> done{false};
   std::string dir, error;
@@ -550,7 +558,14 @@ int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
   Impl& m = *impl_;
   FP8MOE_ASSERT(!in_flight(), "AsyncCheckpointer::start with a save in flight: wait() first");
   const WatchScope watch("checkpoint copy");
-  m.job = prepare_save(comm, s);
+  if (!m.tensors || m.model != s.model || m.opt != s.opt) {
+    SaveTarget t;
+    MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
+    MPI_CHECK(MPI_Comm_size(comm, &t.size));
+    m.tensors = std::make_unique<SavePlan>(plan_tensors(s, t));
+    m.model = s.model, m.opt = s.opt;
+  }
+  m.job = prepare_save(comm, s, m.tensors.get());
   m.fault = std::make_unique<FaultPoint>(m.job->t.rank, m.job->t.dir);
   m.copied = device_bytes(m.job->sp);
   if (m.copied > m.copy.size()) m.copy = HostBuffer<unsigned char>(*m.be, m.copied);  // grows only
@@ -558,10 +573,6 @@ int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
   m.done.store(false), m.dir.clear(), m.error.clear(), m.kind = 0;
   m.writer = std::thread([&m] {
     const WatchLane lane("checkpoint writer");
-    // The lowest CPU priority (nice 19; Linux sets it per thread): the writer takes what training
-    // leaves idle. Where a rank has one core (mpirun's binding), an equal share would stall the
-    // training steps several-fold, each rank's collectives waiting for a peer's writer.
-    (void)setpriority(PRIO_PROCESS, int(gettid()), 19);
     try {
       m.dir = run_save(m.comm, *m.job, nullptr, *m.fault);
     } catch (const CheckpointMismatch& e) {
@@ -579,10 +590,7 @@ int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
 std::string AsyncCheckpointer::wait() {
   Impl& m = *impl_;
   if (!in_flight()) return "";
-  {
-    const WatchScope watch("waiting for the checkpoint writer");
-    m.writer.join();
-  }
+  m.writer.join();  // unmarked: the writer's lane watches each of its calls, however long the save
   m.job.reset();
   m.fault.reset();
   if (m.kind == 2) throw CheckpointMismatch(m.error);

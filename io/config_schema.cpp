@@ -250,11 +250,13 @@ const std::vector<Field>& schema() {
     v.push_back(integer("checkpoint.staging_bytes", REF(checkpoint.staging_bytes), 8, kNoMax,
                         "Bytes of the one host buffer (pinned under CUDA) a save or a load stages tensors "
                         "through, chunk by chunk."));
-    v.push_back(boolean("checkpoint.async", REF(checkpoint.async),
-                        "true: a periodic save copies what each rank writes into host memory (pinned under CUDA) "
-                        "and writes, reads back and commits it on a thread of its own while training goes on; "
-                        "the next save, a stop signal and the end of the run wait for it. false: every save "
-                        "blocks training until it is committed."));
+    v.push_back(choice("checkpoint.async", REF(checkpoint.async),
+                       "true: a periodic save copies what each rank writes into host memory (pinned under CUDA) "
+                       "and writes, reads back and commits it on a thread of its own while training goes on; "
+                       "the next save, a stop signal and the end of the run wait for it. auto: true on cuda where "
+                       "every rank has a CPU to spare for that thread (its binding's share of CPUs is at least 2), "
+                       "false on the cpu and emulated devices (their compute takes every CPU). false: every save "
+                       "blocks training until it is committed."));
     v.push_back(integer("checkpoint.async_max_bytes", REF(checkpoint.async_max_bytes), 0, kNoMax,
                         "The most host memory one rank's asynchronous copy may take (default 32 GiB); when a "
                         "rank's share of the checkpoint is larger, saves are synchronous, with a warning."));

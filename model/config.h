@@ -26,6 +26,7 @@ enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
 enum class LossScaleMode { none, dynamic, fixed };
 enum class DeviceChoice { automatic, cpu, cuda, emulated };  // runtime.device
+enum class AsyncChoice { automatic, on, off };                // checkpoint.async
 enum class CommChoice { automatic, mpi, nccl };      // runtime.comm
 enum class AttentionChoice { automatic, cudnn, reference };  // runtime.attention
 
@@ -210,9 +211,11 @@ struct CheckpointConfig {
   // The host buffer a save or a load stages tensors through (pinned under CUDA), in bytes.
   int64_t staging_bytes = int64_t(64) << 20;
   // Periodic saves copy what each rank writes to host memory (pinned under CUDA) and write it on a
-  // thread of their own while training goes on (io/checkpoint.h AsyncCheckpointer); false: every
-  // save blocks training until it is committed.
-  bool async = true;
+  // thread of their own while training goes on (io/checkpoint.h AsyncCheckpointer): true; auto
+  // on cuda where every rank has a CPU to spare for that thread (its binding's share at least 2
+  // CPUs), blocking on the host backends, whose compute takes every CPU; false: every save blocks
+  // training until it is committed.
+  AsyncChoice async = AsyncChoice::automatic;
   // The most host memory one rank's copy may take; when some rank's share is larger, saves are
   // synchronous (a warning at the start).
   int64_t async_max_bytes = int64_t(32) << 30;
@@ -286,6 +289,7 @@ FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");
 FP8MOE_ENUM_NAMES(Fp8Format, "e4m3", "hybrid");
 FP8MOE_ENUM_NAMES(AmaxCompute, "max", "most_recent");
 FP8MOE_ENUM_NAMES(DeviceChoice, "auto", "cpu", "cuda", "emulated");
+FP8MOE_ENUM_NAMES(AsyncChoice, "auto", "true", "false");
 FP8MOE_ENUM_NAMES(AttentionChoice, "auto", "cudnn", "reference");
 FP8MOE_ENUM_NAMES(CommChoice, "auto", "mpi", "nccl");
 #undef FP8MOE_ENUM_NAMES

@@ -364,6 +364,10 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
     r.weights = double(r.held) * kF32;
     r.grads = double(r.held) * kF32;
     r.moments = 2 * moment_bytes * double(r.owned_dense + r.owned_expert);
+    // A checkpoint's rows are split over a block's replicas (dp for dense, edp for experts); with
+    // ZeRO-1 each writes the moments it owns.
+    const double written = double(r.dense_trainable) / L.data + double(r.expert_trainable) / L.expert_data;
+    r.checkpoint_copy = written * kF32 + (zero ? r.moments : 2 * moment_bytes * written);
 
     // Activations of one micro-batch on this stage (model/transformer.cpp StageRun::Impl).
     const double N = double(L.tokens()), D = g.d_model, V = m.vocab_size, depth = g.mtp_depth;

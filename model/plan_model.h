@@ -91,6 +91,10 @@ struct StageMemory {
   int in_flight = 1;                 // micro-batches between forward and backward at once (1F1B)
   double activations = 0;            // saved_per_micro_batch x in_flight
   double workspace = 0;              // the largest set of temporaries alive at once on top
+  // Host memory, not in total(): what this rank writes of a checkpoint (its replica's share of the
+  // parameters' rows, the moments' rows it writes), which an asynchronous save copies
+  // (checkpoint.async; io/checkpoint.h checkpoint_copy_bytes).
+  double checkpoint_copy = 0;
   double total() const { return weights + grads + moments + fp8_weights + fp8_state + activations + workspace; }
 };
 std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L);

@@ -72,7 +72,7 @@ for rank in 0 1; do
   echo "rank $rank: $((k - 1)) save events, each one killed"
   ((k > 20)) || fail "rank $rank had only $((k - 1)) save events: FP8MOE_CKPT_KILL not honoured?"
 done
-# The same sweep over an asynchronous save (checkpoint.async, the default for periodic saves): the
+# The same sweep over an asynchronous save (checkpoint.async true; auto blocks on the cpu device): the
 # save at step 5 is copied to host memory (a fault point halfway through the copy) and written by
 # the writer thread while steps 6 and 7 train; train.exit_interval 7 then saves again (blocking)
 # and ends the run. Every event of the step-5 save is killed on each rank.
@@ -81,12 +81,15 @@ for rank in 0 1; do
   k=1
   while :; do
     rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
-    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set checkpoint.every=5 \
+    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set checkpoint.every=5 --set checkpoint.async=true \
       --set checkpoint.keep_last=3 --set train.exit_interval=7 >"$tmp/run.txt" 2>&1
     status=$?
     if [[ $status == 0 ]]; then  # k is past the last event of the step-5 save
       grep -q "^checkpoint step 5: copied .* writing in the background$" "$tmp/run.txt" ||
         fail "the step-5 save did not run in the background: $(grep -m3 checkpoint "$tmp/run.txt")"
+      # Training went on while it was written: step 6 is reported before the save's commit.
+      order=$(grep -o -e "^step *6/" -e "^checkpoint .*step_00000005 committed" "$tmp/run.txt" | head -1)
+      [[ $order == step* ]] || fail "the step-5 save committed before step 6 ran: $(grep -e '^step' -e '^checkpoint' "$tmp/run.txt" | sed -n 5,9p)"
       break
     fi
     killed_by_signal "$tmp/run.txt" || fail "async, rank $rank, save event $k: exit $status without the kill: $(tail -5 "$tmp/run.txt")"
@@ -100,11 +103,13 @@ for rank in 0 1; do
   echo "rank $rank: $((k - 1)) events of an asynchronous save (the copy's and the writer's), each one killed"
   ((k > 20)) || fail "rank $rank had only $((k - 1)) events in an asynchronous save"
 done
-# Random real kills of a random rank while the job checkpoints every step (in the background).
+# Random real kills of a random rank while the job checkpoints every step, half of the runs in the
+# background (checkpoint.async true), half blocking; either way of waiting for a save in progress.
 during_save=0 random=0
 for ((i = 0; i < 4 * random_kills && random < random_kills; i++)); do
   rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
-  "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/w" --set checkpoint.every=1 >"$tmp/run.txt" 2>&1 &
+  "$mpiexec" -n 2 "$exe" train "$tmp/cfg.yaml" --set checkpoint.dir="$tmp/w" --set checkpoint.every=1 \
+    --set checkpoint.async=$([[ $((i % 4)) -lt 2 ]] && echo true || echo false) >"$tmp/run.txt" 2>&1 &
   launcher=$!
   if ((i % 2 == 0)); then
     sleep "0.$((RANDOM % 7 + 3))$((RANDOM % 10))"
@@ -139,6 +144,7 @@ done
 ((random >= random_kills)) || fail "only $random of $i random runs were killed before they ended"
 ((during_save >= min_during_save)) ||
   fail "only $during_save of $random random kills landed inside a save (left a step_*.tmp); wanted $min_during_save"
-echo "checkpoint faults: $kills kills ($before left step 4 as latest, $after had committed step 5;" \
+echo "checkpoint faults: $kills kills (of them every event of an asynchronous save: ${async_events[*]} on ranks 0 and 1;" \
+  "$before left step 4 as latest, $after had committed step 5;" \
   "$random random kills in $i runs, $during_save of them inside a save), $resumed resumed bit-exact," \
   "$lost checkpoints lost (latest older than the last committed)"

@@ -4,8 +4,10 @@
 #   static         the disk cannot hold a second checkpoint when the save starts;
 #   first-dataset, middle, before-close, before-latest
 #                  another writer fills it at that point of the save (FP8MOE_CKPT_FILL);
+# then the middle and before-close cases in a background save (checkpoint.async true, the save of
+# step 20 of a run to step 30);
 # and every rank must exit 1 with the message at most 10 s later than the same run would have
-# ended without the failure (runtime.timeout_s 5: the limit of a close that never returns),
+# ended without the failure (the blocking cases) (runtime.timeout_s 5: the limit of a close that never returns),
 # `latest` must still name step_10 and `ckpt verify` accept it, and once the space is freed the
 # next run resumes from it and commits.
 # Skipped (77) where a tmpfs cannot be mounted (not root).
@@ -72,6 +74,33 @@ for case in static first-dataset middle before-close before-latest; do
   grep -q "resumed from $tmp/fs/ck/step_00000010" "$tmp/c.txt" || fail "the rerun did not resume from step_10"
   [[ $(cat "$tmp/fs/ck/latest") == step_00000020 ]] || fail "the rerun did not commit step_20"
   summary+="  $case: exit 1 after $ms ms (the run to step 10: $base_ms ms); ${message#fp8moe: error: }"$'\n'
+  umount "$tmp/fs"
+done
+# The same in a background save (checkpoint.async): the periodic save of step 20 of a run to step
+# 30 fills the disk while steps 21.. train; the failure ends the run on every rank with exit 1 and
+# the message, latest still names step_10, and the rerun resumes from it.
+for case in async-middle async-before-close; do
+  mount -t tmpfs -o size=2000k tmpfs "$tmp/fs" || fail "mount"
+  fill=()
+  train --set train.steps=10 >"$tmp/a.txt" 2>&1 || fail "the run to step 10: $(tail -3 "$tmp/a.txt")"
+  fill=(-x "FP8MOE_CKPT_FILL=0:${case#async-}")
+  t0=$(date +%s%N)
+  train --set train.steps=30 --set checkpoint.async=true >"$tmp/b.txt" 2>&1
+  status=$?
+  fill=()
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  grep -q "^checkpoint step 20: copied .* writing in the background$" "$tmp/b.txt" ||
+    fail "the step-20 save did not run in the background: $(grep -m3 "checkpoint" "$tmp/b.txt")"
+  [[ $status == 1 ]] || fail "exit $status, not 1: $(grep -m3 "error\|fatal" "$tmp/b.txt")"
+  message=$(grep -m1 "fp8moe: error: .*checkpoint save failed" "$tmp/b.txt") || fail "no message: $(tail -5 "$tmp/b.txt")"
+  grep -q "Segmentation\|core dumped" "$tmp/b.txt" && fail "a crash: $(grep -m1 "Segmentation\|core dumped" "$tmp/b.txt")"
+  [[ $(cat "$tmp/fs/ck/latest") == step_00000010 ]] || fail "latest names '$(cat "$tmp/fs/ck/latest")', not step_00000010"
+  "$exe" ckpt verify "$tmp/fs/ck" >"$tmp/v.txt" 2>&1 || fail "ckpt verify rejects latest: $(tail -3 "$tmp/v.txt")"
+  rm -f "$tmp/fs/ck/fill.bin"
+  train --set train.steps=30 --set checkpoint.async=true >"$tmp/c.txt" 2>&1 || fail "the rerun after freeing the space: $(grep -m2 "error" "$tmp/c.txt")"
+  grep -q "resumed from $tmp/fs/ck/step_00000010" "$tmp/c.txt" || fail "the rerun did not resume from step_10"
+  [[ $(cat "$tmp/fs/ck/latest") == step_00000030 ]] || fail "the rerun did not commit step_30"
+  summary+="  $case: exit 1 after $ms ms; ${message#fp8moe: error: }"$'\n'
   umount "$tmp/fs"
 done
 echo "checkpoint_full on $ranks rank(s): latest named step_10 and verified after every failure; the reruns resumed"

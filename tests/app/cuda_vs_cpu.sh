@@ -20,6 +20,8 @@
 #    the step's tokens, targets, loads, losses, counters and norm crossing PCIe (blockwise: and the
 #    grouped expert GEMMs' argument arrays, uploaded without a wait) (what
 #    tests/app/test_residency.cpp asserts on the emulated device).
+#  - step 10's checkpoint, saved in the background (checkpoint.async: the copy into pinned host
+#    memory), is committed and verifies.
 # Prints a table (with tokens/s and MFU of the cuda runs) and exits 77 (SKIPPED) without a GPU.
 #
 # usage: cuda_vs_cpu.sh FP8MOE SOURCE_DIR [steps=20]
@@ -41,7 +43,7 @@ parallel: {micro_batches: 2}
 eval: {every: 0}
 log: {every: 1}
 data: {path: $tmp/data/src.train, valid_path: $tmp/data/src.val}
-checkpoint: {dir: $tmp/ck, resume: none}
+checkpoint: {dir: $tmp/ck, resume: none, every: 10}
 EOF2
 
 # compare CPU_LOG CUDA_LOG BOUND PER_STEP: "worst ratio drift": the worst relative difference, the
@@ -99,6 +101,14 @@ for run in off current blockwise off+cudnn; do
     grep -q "^attention of .*: cuDNN .* fused SDPA" "$tmp/$run-cuda.txt" || fail "$run: the cuda run did not say it ran cuDNN's attention"
   fi
   grep -q "^device: cuda" "$tmp/$run-cuda.txt" || fail "runtime.device=cuda did not run on cuda"
+  # Step 10's save in the background (checkpoint.async): the device's state copied into pinned host
+  # memory, written while steps 11.. ran; the checkpoint it committed verifies.
+  if ((steps > 10)); then
+    grep -q "^checkpoint step 10: copied .* writing in the background$" "$tmp/$run-cuda.txt" ||
+      fail "$run: the step-10 save did not run in the background on cuda"
+    "$exe" ckpt verify "$tmp/ck-$run-cuda/step_00000010" >"$tmp/verify.txt" 2>&1 ||
+      fail "$run: the background save of step 10 on cuda: $(tail -2 "$tmp/verify.txt")"
+  fi
   read -r diff ratio drift < <(compare "$tmp/$run-cpu.txt" "$tmp/$run-cuda.txt" "$bound" "$per_step")
   [[ ${diff:-none} != none ]] || fail "$run: no losses to compare"
   [[ $diff =~ ^[0-9.]+e[-+][0-9]+$|^inf$ ]] || fail "$run: the comparison printed '$diff', not a number"

@@ -406,7 +406,7 @@ TEST_F(Resume, AnotherMomentsDtypeOrHistoryLength) {
 
 // A checkpoint of format version 1 (one dataset per tensor), written by fp8moe before the stacked
 // layout and kept in tests/data/ckpt-v1 with the losses of its uninterrupted run (2 ranks: expert
-// 2 x data 2, ZeRO-1; MLA, MTP, 4 routed experts, FP8 off): `ckpt verify` reads it, and it resumes
+// 2 x data 2, ZeRO-1; MLA, MTP, 4 routed experts, FP8 off): `ckpt verify` and `export` read it, and it resumes
 // at step 6 on 1 rank, on tensor 2 x expert 2 and on pipeline 2, each continuing to step 12
 // within the layout tests' bound for FP8 off (5e-6 of the uninterrupted run; measured 9.4e-10).
 // The next save is of format 2, which resumes in turn. A file of an unknown version is refused
@@ -455,6 +455,22 @@ TEST_F(Resume, OldFormatResumesUnderAnotherLayout) {
                 c.ranks, c.sets[0].c_str(), worst);
     EXPECT_LE(worst, 5e-6);
   }
+  // `fp8moe export` reads it too: an expert's weight and the embedding, as FP32, are the file's
+  // (read with h5py and safetensors, no fp8moe code).
+  const std::string hf = ckpt("v1-hf");
+  r = run({exe(), "export", v1, hf, "--dtype", "fp32"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  r = run({python(), "-c",
+           "import sys, glob, h5py, numpy as np\n"
+           "from safetensors.numpy import load_file\n"
+           "t = {}\n"
+           "for f in glob.glob(sys.argv[2] + '/*.safetensors'): t.update(load_file(f))\n"
+           "c = h5py.File(sys.argv[1], 'r')\n"
+           "assert np.array_equal(t['model.layers.1.mlp.experts.2.up_proj.weight'], c['params/layers.1.moe.experts.2.w3'][()])\n"
+           "assert np.array_equal(t['model.embed_tokens.weight'], c['params/embed.weight'][()])\n"
+           "print('export of format 1: equal')",
+           v1 + "/checkpoint.h5", hf});
+  EXPECT_EQ(r.status, 0) << r.all();
   // The save at the end of the last run is of format 2; it resumes (one more step).
   const std::string v2 = ckpt("v1-3") + "/step_00000012";
   r = run({python(), source_dir() + "/tests/io/check_checkpoint.py", v2 + "/checkpoint.h5"}, 300);

@@ -105,7 +105,7 @@ TEST(Placement, ExpertsAreConsecutiveRunsOfEOverPAndTheOwnerAgrees) {
   const ModelConfig m = model();
   for (int P : {1, 2, 4, 8})
     for (int r = 0; r < P; ++r) {
-      const Placement pl(m, GridPosition{.expert_rank = r, .experts = P});
+      const Placement pl(m, GridPosition{.expert_rank = r, .experts = P, .split = {}});
       EXPECT_EQ(pl.local_experts(), 8 / P);
       EXPECT_EQ(pl.first_expert(), r * (8 / P));
       for (int e = 0; e < 8; ++e)
@@ -125,7 +125,7 @@ TEST(Placement, EveryElementOfEveryParameterIsHeldOnceOverTheGrid) {
         for (int t = 0; t < tp; ++t)
           for (int s = 0; s < pp; ++s)
             for (int e = 0; e < ep; ++e) {
-              const Placement pl(m, {.tensor_rank = t, .tensor = tp, .stage = s, .stages = pp, .expert_rank = e, .experts = ep});
+              const Placement pl(m, {.tensor_rank = t, .tensor = tp, .stage = s, .stages = pp, .expert_rank = e, .experts = ep, .split = {}});
               for (size_t i = 0; i < table.params.size(); ++i) {
                 const ParamSpec& p = table.params[i];
                 const Shard sh = pl.shard(p);
@@ -156,7 +156,7 @@ TEST(Placement, EveryElementOfEveryParameterIsHeldOnceOverTheGrid) {
 }
 
 TEST(Placement, LocalWidthsAreTheTensorParallelShares) {
-  const Placement pl(model(), {.tensor_rank = 3, .tensor = 4});
+  const Placement pl(model(), {.tensor_rank = 3, .tensor = 4, .stage = 0, .stages = 1, .expert_rank = 0, .experts = 1, .split = {}});
   EXPECT_EQ(pl.local().n_heads, 1);
   EXPECT_EQ(pl.local().n_kv_heads, 1);
   EXPECT_EQ(pl.local().d_ff_dense, 8);
