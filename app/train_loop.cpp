@@ -342,11 +342,11 @@ class TrainLoop {
                            "writes it in the background\n", (long long)c.every, v[0] / 1e6);
   }
 
-  // The save in flight, if any, committed (and said so), or its failure reported. false: failed.
-  bool finish_background() {
-    if (!async_ || !async_->in_flight()) return true;
+  // Runs `save` (returns the committed directory) and says what became of it. false: it failed.
+  template <class Save>
+  bool committed(Save&& save) {
     try {
-      const std::string dir = async_->wait();
+      const std::string dir = save();
       if (root_) std::printf("checkpoint %s committed\n", dir.c_str());
       std::fflush(stdout);
       return true;
@@ -354,6 +354,11 @@ class TrainLoop {
       if (root_) std::fprintf(stderr, "fp8moe: error: checkpoint save failed: %s (the previous checkpoint is intact)\n", e.what());
       return false;
     }
+  }
+
+  // The save in flight, if any, committed (and said so), or its failure reported. false: failed.
+  bool finish_background() {
+    return !async_ || !async_->in_flight() || committed([&] { return async_->wait(); });
   }
 
   // A periodic save in the background: the previous one committed first; then the copy, the only
@@ -370,17 +375,9 @@ class TrainLoop {
     return true;
   }
 
+  // A blocking save, after the one in flight (saves commit in order).
   bool checkpoint() {
-    if (!finish_background()) return false;  // saves commit in order
-    try {
-      const std::string dir = save_checkpoint(grid_.world(), t_.state);
-      if (root_) std::printf("checkpoint %s committed\n", dir.c_str());
-      std::fflush(stdout);
-      return true;
-    } catch (const CheckpointError& e) {
-      if (root_) std::fprintf(stderr, "fp8moe: error: checkpoint save failed: %s (the previous checkpoint is intact)\n", e.what());
-      return false;
-    }
+    return finish_background() && committed([&] { return save_checkpoint(grid_.world(), t_.state); });
   }
 
   // Checkpoints: every checkpoint.every steps, at the end, at train.exit_interval (then the run

@@ -55,22 +55,31 @@ resume_and_compare() {  # $1: dir; trains one step from latest and compares its 
 }
 
 kills=0 lost=0 resumed=0 before=0 after=0
-for rank in 0 1; do
-  k=1
+# sweep RANK LABEL ARGS...: kills rank RANK at its save event 1, 2, ... of a run with ARGS, each
+# time from the step-4 checkpoint, until a run ends (K past the last event; its output stays in
+# $tmp/run.txt); after every kill `latest` must be valid, and every 8th kill the run resumes
+# bit-exact. Sets $events.
+sweep() {
+  local rank=$1 label=$2 k=1 status name
+  shift 2
   while :; do
     rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
-    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set train.exit_interval=5 >"$tmp/run.txt" 2>&1
+    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" "$@" >"$tmp/run.txt" 2>&1
     status=$?
-    [[ $status == 0 ]] && break  # k is past the last event of this rank's save
-    killed_by_signal "$tmp/run.txt" || fail "rank $rank, save event $k: exit $status without the kill: $(tail -5 "$tmp/run.txt")"
+    [[ $status == 0 ]] && break
+    killed_by_signal "$tmp/run.txt" || fail "$label, rank $rank, save event $k: exit $status without the kill: $(tail -5 "$tmp/run.txt")"
     kills=$((kills + 1))
-    name=$(check_dir "$tmp/w" "rank $rank killed at save event $k") || exit 1
+    name=$(check_dir "$tmp/w" "$label: rank $rank killed at save event $k") || exit 1
     [[ $name == step_00000004 ]] && before=$((before + 1)) || after=$((after + 1))
     if ((k % 8 == 1)); then resume_and_compare "$tmp/w"; resumed=$((resumed + 1)); fi
     k=$((k + 1))
   done
-  echo "rank $rank: $((k - 1)) save events, each one killed"
-  ((k > 20)) || fail "rank $rank had only $((k - 1)) save events: FP8MOE_CKPT_KILL not honoured?"
+  events=$((k - 1))
+  ((k > 20)) || fail "$label: rank $rank had only $events save events: FP8MOE_CKPT_KILL not honoured?"
+}
+for rank in 0 1; do
+  sweep $rank "blocking save" --set train.exit_interval=5
+  echo "rank $rank: $events save events, each one killed"
 done
 # The same sweep over an asynchronous save (checkpoint.async true; auto blocks on the cpu device): the
 # save at step 5 is copied to host memory (a fault point halfway through the copy) and written by
@@ -78,30 +87,15 @@ done
 # and ends the run. Every event of the step-5 save is killed on each rank.
 async_events=()
 for rank in 0 1; do
-  k=1
-  while :; do
-    rm -rf "$tmp/w" && cp -r "$tmp/base" "$tmp/w"
-    FP8MOE_CKPT_KILL=$rank:$k train --set checkpoint.dir="$tmp/w" --set checkpoint.every=5 --set checkpoint.async=true \
-      --set checkpoint.keep_last=3 --set train.exit_interval=7 >"$tmp/run.txt" 2>&1
-    status=$?
-    if [[ $status == 0 ]]; then  # k is past the last event of the step-5 save
-      grep -q "^checkpoint step 5: copied .* writing in the background$" "$tmp/run.txt" ||
-        fail "the step-5 save did not run in the background: $(grep -m3 checkpoint "$tmp/run.txt")"
-      # Training went on while it was written: step 6 is reported before the save's commit.
-      order=$(grep -o -e "^step *6/" -e "^checkpoint .*step_00000005 committed" "$tmp/run.txt" | head -1)
-      [[ $order == step* ]] || fail "the step-5 save committed before step 6 ran: $(grep -e '^step' -e '^checkpoint' "$tmp/run.txt" | sed -n 5,9p)"
-      break
-    fi
-    killed_by_signal "$tmp/run.txt" || fail "async, rank $rank, save event $k: exit $status without the kill: $(tail -5 "$tmp/run.txt")"
-    kills=$((kills + 1))
-    name=$(check_dir "$tmp/w" "async save: rank $rank killed at save event $k") || exit 1
-    [[ $name == step_00000004 ]] && before=$((before + 1)) || after=$((after + 1))
-    if ((k % 8 == 1)); then resume_and_compare "$tmp/w"; resumed=$((resumed + 1)); fi
-    k=$((k + 1))
-  done
-  async_events+=($((k - 1)))
-  echo "rank $rank: $((k - 1)) events of an asynchronous save (the copy's and the writer's), each one killed"
-  ((k > 20)) || fail "rank $rank had only $((k - 1)) events in an asynchronous save"
+  sweep $rank "asynchronous save" --set checkpoint.every=5 --set checkpoint.async=true --set checkpoint.keep_last=3 \
+    --set train.exit_interval=7
+  grep -q "^checkpoint step 5: copied .* writing in the background$" "$tmp/run.txt" ||
+    fail "the step-5 save did not run in the background: $(grep -m3 checkpoint "$tmp/run.txt")"
+  # Training went on while it was written: step 6 is reported before the save's commit.
+  order=$(grep -o -e "^step *6/" -e "^checkpoint .*step_00000005 committed" "$tmp/run.txt" | head -1)
+  [[ $order == step* ]] || fail "the step-5 save committed before step 6 ran: $(grep -e '^step' -e '^checkpoint' "$tmp/run.txt" | sed -n 5,9p)"
+  async_events+=("$events")
+  echo "rank $rank: $events events of an asynchronous save (the copy's and the writer's), each one killed"
 done
 # Random real kills of a random rank while the job checkpoints every step, half of the runs in the
 # background (checkpoint.async true), half blocking; either way of waiting for a save in progress.
