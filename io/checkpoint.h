@@ -102,7 +102,7 @@ static_assert(kCheckpointStagingBytes == CheckpointConfig{}.staging_bytes, "chec
 // checkpoints beyond keep_last (oldest first, never the one `latest` names) and leftover *.tmp
 // directories. Collective over `comm` (every rank of the job); each rank writes its write_rows,
 // downloaded from the model's backend chunk by chunk through the staging buffer (above: s.cfg's
-// checkpoint.staging_bytes); the ranks agree beforehand on every dataset's number of chunks
+// checkpoint.staging_bytes); the ranks agree beforehand on every dataset's number of writes
 // (collective writes), and write the checksum attributes once every dataset's data is written and
 // the sums are global.
 // Returns the committed directory. Before writing, checks that the file fits; after closing it,

@@ -78,14 +78,15 @@ StagingPlan plan_staging(MPI_Comm comm, const std::vector<StagedBlock>& blocks, 
     if (c.count == 1 && open[b.dataset] && (calls.back().elems + n) * elem <= bound) {
       calls.back().segments.push_back({j, chunk_at(c, 0), calls.back().elems});
       calls.back().elems += n;
+      plan.buffer_bytes = std::max(plan.buffer_bytes, calls.back().elems * elem);
     } else {
-      for (int64_t k = 0; k < c.count; ++k) {
+      for (int64_t k = 0; k < c.count; ++k) {  // the first chunk is the largest, not the last
         const Chunk ch = chunk_at(c, k);
         calls.push_back({{{j, ch, 0}}, ch.rows.n * ch.w});
+        plan.buffer_bytes = std::max(plan.buffer_bytes, calls.back().elems * elem);
       }
       open[b.dataset] = c.count == 1;
     }
-    plan.buffer_bytes = std::max(plan.buffer_bytes, calls.back().elems * elem);
   }
   for (size_t d = 0; d < n_datasets; ++d) plan.steps[d] = int64_t(plan.calls[d].size());
   // A collective write or read needs the same number of calls on every rank.

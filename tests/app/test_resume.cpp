@@ -218,6 +218,7 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
   r = run({exe(), "ckpt", "verify", dir});
   EXPECT_EQ(r.status, 1) << r.all();
   EXPECT_NE(r.err.find(named), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("INVALID (1 problem)"), std::string::npos) << "only expert 2 is damaged\n" << r.all();
   r = train(1, cfg, more);
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_NE(r.err.find("WARNING: checkpoint " + s8 + " is unusable: " + named), std::string::npos) << r.err;
@@ -284,8 +285,9 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
 // A load compares the checksum of every dataset of the file: their number, counted by h5ls (not
 // by fp8moe), is the number the load reports verified; and a flipped byte in one dataset of each
 // group — parameters, both Adam moments (BF16 here), the delayed-scaling state, the last dataset
-// of the file, a stacked experts' dataset of each group — is refused by name (a stacked one's
-// first byte: expert 0's) on an explicit resume and by `ckpt verify`.
+// of the file, the last one a load reads (/fp8/steps), a stacked experts' dataset of each group —
+// is refused by name (a stacked one's first byte: expert 0's) on an explicit resume and by `ckpt
+// verify`.
 TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
   const std::string cfg = config("groups");
   RunResult r = train(2, cfg, {"train.steps=4", "train.warmup_steps=1", "eval.every=0"});
@@ -313,7 +315,7 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
     return std::string();
   };
   std::vector<std::string> victims = {pick("/params/"), pick("/optim/m/"), pick("/optim/v/"), pick("/fp8/"),
-                                      datasets.back(), pick("/params/layers.1.moe.experts."),
+                                      datasets.back(), pick("/fp8/steps"), pick("/params/layers.1.moe.experts."),
                                       pick("/optim/m/layers.1.moe.experts."), pick("/optim/v/layers.1.moe.experts.")};
   for (const std::string& victim : victims) {
     SCOPED_TRACE(victim);

@@ -576,7 +576,8 @@ class CallCounter {
 };
 
 // (bound in bytes, BF16 moments, recipe). Rows are 32 FP32 values (128 bytes): 256 stages 2 whole
-// rows a chunk, 96 cuts each FP32 row into pieces of 24 elements (and takes 1 BF16 row a chunk).
+// rows a chunk, 96 cuts each FP32 row into pieces of 24 elements (and takes 1 BF16 row a chunk),
+// 3072 puts several experts' whole blocks in one call.
 class CheckpointStaging : public testing::TestWithParam<std::tuple<int64_t, bool, Fp8Recipe>> {};
 
 TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExact) {
@@ -629,7 +630,9 @@ TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExa
     EXPECT_EQ(moved.d2h_bytes, down + scaling.d2h_bytes);
     EXPECT_EQ(moved.host_syncs, calls.calls() + scaling.host_syncs);  // a download not into the staging buffer would add one
     EXPECT_EQ(moved.h2d_bytes, 0);
-    EXPECT_GT(chunks, 3 * datasets) << "the bound does not make several chunks a dataset";
+    if (bound <= 256) {
+      EXPECT_GT(chunks, 3 * datasets) << "the bound does not make several chunks a dataset";
+    }
     EXPECT_LE(dev.host().largest, bound);
     EXPECT_LE(dev.host().peak - live, bound);
     EXPECT_EQ(dev.host().live, live);
@@ -780,10 +783,14 @@ TEST(CheckpointAsync, TheStateAtStartIsWrittenWhileTrainingChangesIt) {
   remove_shared(dir);
 }
 
+// 3072 bytes: an expert's whole block (16 or 32 rows of 128 bytes, less its share) fits, so a
+// rank's experts of a stacked dataset share calls (and, loading the other moments dtype, are
+// converted together).
 INSTANTIATE_TEST_SUITE_P(Bounds, CheckpointStaging,
                          testing::Values(std::make_tuple(int64_t(256), false, Fp8Recipe::delayed),
                                          std::make_tuple(int64_t(256), true, Fp8Recipe::blockwise),
-                                         std::make_tuple(int64_t(96), true, Fp8Recipe::delayed)));
+                                         std::make_tuple(int64_t(96), true, Fp8Recipe::delayed),
+                                         std::make_tuple(int64_t(3072), true, Fp8Recipe::delayed)));
 
 }  // namespace
 }  // namespace fp8moe
