@@ -577,7 +577,7 @@ class CallCounter {
 
 // (bound in bytes, BF16 moments, recipe). Rows are 32 FP32 values (128 bytes): 256 stages 2 whole
 // rows a chunk, 96 cuts each FP32 row into pieces of 24 elements (and takes 1 BF16 row a chunk),
-// 3072 puts several experts' whole blocks in one call.
+// 4096 puts several experts' whole blocks in one call.
 class CheckpointStaging : public testing::TestWithParam<std::tuple<int64_t, bool, Fp8Recipe>> {};
 
 TEST_P(CheckpointStaging, EveryDatasetInChunksThroughABoundedBufferAndBackBitExact) {
@@ -783,14 +783,14 @@ TEST(CheckpointAsync, TheStateAtStartIsWrittenWhileTrainingChangesIt) {
   remove_shared(dir);
 }
 
-// 3072 bytes: an expert's whole block (16 or 32 rows of 128 bytes, less its share) fits, so a
+// 4096 bytes: two experts' whole blocks (16 rows of 128 bytes, or 32 of 64) fit one call, so a
 // rank's experts of a stacked dataset share calls (and, loading the other moments dtype, are
 // converted together).
 INSTANTIATE_TEST_SUITE_P(Bounds, CheckpointStaging,
                          testing::Values(std::make_tuple(int64_t(256), false, Fp8Recipe::delayed),
                                          std::make_tuple(int64_t(256), true, Fp8Recipe::blockwise),
                                          std::make_tuple(int64_t(96), true, Fp8Recipe::delayed),
-                                         std::make_tuple(int64_t(3072), true, Fp8Recipe::delayed)));
+                                         std::make_tuple(int64_t(4096), true, Fp8Recipe::delayed)));
 
 }  // namespace
 }  // namespace fp8moe
