@@ -318,9 +318,9 @@ class TrainLoop {
                    -double(cpus_)};
     world_.allreduce_max(v, 3);
     if (c.async == AsyncChoice::automatic && (be_.kind() != DeviceKind::cuda || -v[2] < 2)) {
-      // A writer on the CPUs training computes on: measured on a 2-core VM (2026-12-06), it made
-      // the steps during a background save 3x to 40x slower (one rank with 2 CPUs and 2 OpenMP
-      // threads; 2 ranks bound to a core each), more than the blocking save costs.
+      // A writer on the CPUs training computes on: measured on a 2-core VM (2026-12-06), the steps
+      // during a background save ran 2x to 6x slower; with 2 ranks bound to a core each that cost
+      // more than blocking saves (README "Checkpoints").
       if (root_) std::printf("checkpoint.async auto: saves block (%s; checkpoint.async: true writes in the "
                              "background anyway)\n", be_.kind() != DeviceKind::cuda ? "the training computes on "
                              "the host's CPUs, which a writer thread would take from it" : "a rank has one CPU");

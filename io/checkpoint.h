@@ -123,9 +123,11 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 // state into host memory (one buffer, pinned under CUDA, allocated at the first save and grown
 // only when a later one needs more: last_copy_bytes() is this rank's share of the checkpoint,
 // `fp8moe plan` prints it) on the calling thread, then a writer thread of its own writes, reads
-// back and commits it exactly as save_checkpoint does (the same phases, fault points and commit
-// order), over a duplicate of the communicator (MPI_THREAD_MULTIPLE), its calls watched in the
-// watchdog's background lane. Training goes on meanwhile: the copy is all it waits for.
+// back and commits it exactly as save_checkpoint does (the same phases and commit order; its
+// fault points are save_checkpoint's after one more, halfway through the copy), over a duplicate
+// of the communicator (MPI_THREAD_MULTIPLE), its calls watched in the watchdog's background lane,
+// its OpenMP team one thread. Training goes on meanwhile: the copy is all it waits for. Any other
+// exception on the writer ends the job, as on the main thread.
 // finished(): this rank's writer is done (the ranks' writers end together, at the commit's
 // agreement; callers agree on it before they wait). wait(): joins the writer and returns the
 // committed directory, or throws its CheckpointError, the same on every rank (the previous

@@ -6,6 +6,8 @@
 // needs, the file written (metadata, every dataset through the staging buffer, the checksums) and
 // closed, read back, and committed (io/checkpoint_commit.h). The HDF5 layer is io/hdf5_file.h, the
 // staging io/checkpoint_staging.cpp.
+#include <omp.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -573,6 +575,9 @@ int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
   m.done.store(false), m.dir.clear(), m.error.clear(), m.kind = 0;
   m.writer = std::thread([&m] {
     const WatchLane lane("checkpoint writer");
+    // One CPU: a new thread's OpenMP team would be every CPU the process may run on (the main
+    // thread's omp_set_num_threads is its own), spinning beside training's (the checksum loops).
+    omp_set_num_threads(1);
     try {
       m.dir = run_save(m.comm, *m.job, nullptr, *m.fault);
     } catch (const CheckpointMismatch& e) {
@@ -581,6 +586,8 @@ int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
       m.error = e.what(), m.kind = 3;
     } catch (const CheckpointError& e) {
       m.error = e.what(), m.kind = 1;
+    } catch (const std::exception& e) {  // as on the main thread (app/train.cpp): the job ends, exit 1
+      fatal_error(__FILE__, __LINE__, std::string("checkpoint writer: unexpected exception: ") + e.what());
     }
     m.done.store(true, std::memory_order_release);
   });

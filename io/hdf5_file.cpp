@@ -320,6 +320,10 @@ H5Handle open_file(const std::string& path, MPI_Comm comm) {
   if (comm != MPI_COMM_NULL) {
     h5(H5Pset_fapl_mpio(fapl.get(), comm, io_hints()), path, "H5Pset_fapl_mpio");
     h5(H5Pset_all_coll_metadata_ops(fapl.get(), true), path, "H5Pset_all_coll_metadata_ops");
+  } else {
+    // A serial open reads a closed file (the tools, and every rank's read-back of a save): no
+    // file lock, which file systems mounted without flock (Lustre, NFS) would refuse.
+    h5(H5Pset_file_locking(fapl.get(), false, true), path, "H5Pset_file_locking");
   }
   return H5Handle(h5(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), path, "cannot open the file"), H5Fclose);
 }
@@ -332,8 +336,6 @@ H5Handle collective_xfer(const std::string& where) {
 
 namespace {
 
-// The file and memory selections of a block: rows [part.r0, +part.n) x columns [c0, +nc) of the
-// dataset's space, (part.n, nc) in memory; nothing when the block is empty.
 // Selects `blocks` in a dataset's file space (rank 2, or 3 for a stacked dataset) and returns the
 // memory space: the blocks' elements one after another. Nothing selected in either for no
 // elements.
