@@ -53,9 +53,8 @@ int report(const std::string& dir, bool verbose) {
     std::printf("  %zu datasets, %.1f MB\n\n  %-48s %-14s %-9s %12s  %-16s %s\n", r.datasets.size(), double(bytes) / 1e6,
                 "dataset", "shape", "dtype", "bytes", "checksum", "status");
     for (const auto& d : r.datasets) {
-      char sum[32];  // a stacked dataset has one checksum per expert: their count
-      if (d.slots > 0) std::snprintf(sum, sizeof sum, "%-16s", (std::to_string(d.slots) + " experts").c_str());
-      else std::snprintf(sum, sizeof sum, "%016llx", (unsigned long long)d.stored_checksum);
+      char sum[32];  // a stacked dataset's: the sum of its slots' (one per expert, or per block)
+      std::snprintf(sum, sizeof sum, "%016llx", (unsigned long long)d.stored_checksum);
       std::printf("  %-48s %-14s %-9s %12lld  %s %s\n", d.path.c_str(), shape_text(d.shape).c_str(), d.dtype.c_str(),
                   (long long)d.bytes, sum, !d.checked ? "unread" : d.ok ? "ok" : "CORRUPT");
     }

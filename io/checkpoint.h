@@ -5,14 +5,21 @@
 // loads under another. Commit protocol: write step_N.tmp/, close, all ranks agree, fsync, rename to
 // step_N/, fsync the directory, atomically replace <dir>/latest, then prune beyond keep_last.
 //
-// File layout (format version 2):
-//   /params/<name>        float32 (rows, cols)   every ParamTable entry (incl. the MoE router biases)
-//                                                but the routed experts'
+// File layout (format version 3):
+//   /params/<name>        float32 (rows, cols)   every ParamTable entry outside the blocks
+//                                                (embed.weight, final_norm.weight, head.weight,
+//                                                the MTP modules' "mtp.0.eh_proj", ...)
+//   /params/<family>      float32 (n, rows, cols)   one per tensor of the blocks, the same tensor of
+//                         every block that has it stacked, slot k the k-th of those blocks; <family>
+//                         is the name without the block's number ("layers.attn.wq" holds
+//                         layers.0.attn.wq, layers.1.attn.wq, ...); its int64 attribute `layers`
+//                         lists the blocks slot by slot ("layers.moe.router": 3, 4, ..., 60 when
+//                         the first 3 blocks are dense)
 //   /params/<stacked>     float32 (n_experts, rows, cols)   one per MoE block and expert weight:
 //                         expert e's tensor in slot e; <stacked> is the tensors' name without the
 //                         expert's number ("layers.3.moe.experts.w1" holds layers.3.moe.experts.*.w1)
-//   /optim/m/<name|stacked>  float32 or bfloat16  AdamW first moments, trainable parameters only
-//   /optim/v/<name|stacked>  float32 or bfloat16  AdamW second moments
+//   /optim/m/<...>        float32 or bfloat16    AdamW first moments, trainable parameters only,
+//   /optim/v/<...>                               second moments: the same datasets as /params
 //   /fp8/amax_history     float32 (n, len)       delayed scaling, one row per scaled tensor
 //   /fp8/scale            float32 (n, 2)         (scale of the next step, scale the last step used)
 //   /fp8/steps            int64 (n, 1)           amax values recorded so far
@@ -20,11 +27,13 @@
 // Every 2-D dataset has a uint64 attribute `checksum`: sum over elements, modulo 2^64, of
 // splitmix64(splitmix64(i) ^ bits) with i the element's row-major GLOBAL index and bits its stored
 // bytes as an unsigned integer. The sum does not depend on who wrote which part. A stacked dataset
-// has `checksums`, uint64 (n_experts): slot e's is that formula over expert e's (rows, cols) tensor
-// alone (i from 0 in each slot), so damage is named down to the expert.
-// Format version 1 (fp8moe before 2026-12-06) stored every tensor in a 2-D dataset of its own,
-// the routed experts' too ("/params/layers.3.moe.experts.17.w1"), each with its `checksum`: the
-// value of that expert's slot in version 2. Every reader here reads both; a save writes version 2.
+// has `checksums`, uint64 (n): slot k's is that formula over slot k's (rows, cols) tensor alone (i
+// from 0 in each slot), so damage is named down to the expert or the block.
+// Older formats: version 1 (fp8moe before 2026-12-06) stored every tensor in a 2-D dataset of its
+// own, the routed experts' too ("/params/layers.3.moe.experts.17.w1"); version 2 (2026-12-06)
+// stacked the routed experts only. A tensor's checksum is the same value in every version (its
+// slot's, or its dataset's). Every reader here reads all three (DatasetLayout, io/hdf5_file.h);
+// a save writes version 3.
 // Root attributes: format_version, step, samples, tokens, seed, loss_scale, loss_scale_good_steps,
 // adam_updates, adam_skipped, last_val_loss, config (YAML), layout, code_version, checksum_scheme.
 #pragma once
@@ -43,7 +52,7 @@
 
 namespace fp8moe {
 
-constexpr int kCheckpointFormatVersion = 2;        // what a save writes
+constexpr int kCheckpointFormatVersion = 3;        // what a save writes
 constexpr int kCheckpointOldestFormatVersion = 1;  // the oldest a load reads
 constexpr const char* kCheckpointFile = "checkpoint.h5";
 
@@ -182,7 +191,8 @@ struct DatasetReport {
   std::vector<int64_t> shape;
   std::string dtype;               // float32, bfloat16, int64
   int64_t bytes = 0;
-  int64_t slots = 0;               // a stacked dataset's experts (0: a 2-D dataset)
+  int64_t slots = 0;               // a stacked dataset's slots (0: a 2-D dataset)
+  std::vector<int64_t> layers;     // a per-block family's blocks, slot by slot (empty: experts' slots)
   // The checksum; a stacked dataset's: the sum of its slots' (mod 2^64).
   uint64_t stored_checksum = 0;
   uint64_t computed_checksum = 0;  // when checked

@@ -111,7 +111,7 @@ struct Call {
 
 // The calls of every dataset of a save or a load through a buffer of at most `bound` bytes
 // (checkpoint.staging_bytes). A block that fits the buffer whole shares a call with the blocks of
-// its dataset before it while their sum fits (a stacked dataset's experts: one call for all of a
+// its dataset before it while their sum fits (a stacked dataset's slots: one call for all of a
 // rank's when they fit); a block that does not is cut into chunks (chunks_of), a call each. The
 // blocks of one dataset come in their slots' order. steps: the number of collective calls each
 // dataset takes, the most any rank of `comm` has (one allreduce; MPI_COMM_NULL: this rank's), at

@@ -160,8 +160,9 @@ uint64_t recompute_checksum(hid_t ds, hid_t type, Dt dt, int nd, const hsize_t* 
   return sum;
 }
 
-// One dataset's shape, type, size and stored checksum (a stacked one's: its slots'); with
-// `verify`, each recomputed, a stacked dataset's damage named down to the slot (the expert).
+// One dataset's shape, type, size and stored checksum (a stacked one's: its slots', and a per-block
+// family's blocks); with `verify`, each recomputed, a stacked dataset's damage named down to the
+// slot (the expert, or the block).
 DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, CheckpointReport& rep) {
   DatasetReport d;
   d.path = p;
@@ -182,6 +183,7 @@ DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, Checkp
     d.slots = nd == 3 ? int64_t(dims[0]) : 0;
     const std::vector<uint64_t> stored = d.slots > 0 ? read_attr_u64s(ds.get(), "checksums", d.slots, at)
                                                      : std::vector<uint64_t>{read_attr_u64(ds.get(), "checksum", at)};
+    if (d.slots > 0 && H5Aexists(ds.get(), "layers") > 0) d.layers = read_attr_i64s(ds.get(), "layers", d.slots, at);
     for (uint64_t v : stored) d.stored_checksum += v;
     if (!verify) return;
     d.checked = true, d.ok = true;
@@ -190,7 +192,8 @@ DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, Checkp
       d.computed_checksum += got;
       if (got == stored[e]) continue;
       d.ok = false;
-      rep.problems.push_back(at + (d.slots > 0 ? ", expert " + std::to_string(e) : "") + checksum_mismatch(stored[e], got));
+      const std::string slot = d.layers.empty() ? ", expert " + std::to_string(e) : ", layer " + std::to_string(d.layers[e]);
+      rep.problems.push_back(at + (d.slots > 0 ? slot : "") + checksum_mismatch(stored[e], got));
     }
   });
   return d;
@@ -208,15 +211,17 @@ void check_expected_datasets(hid_t f, CheckpointReport& rep) {
       if (!seen.insert(pl.path).second) return;
       const std::vector<int64_t> shape =
           pl.slots > 0 ? std::vector<int64_t>{pl.slots, rows, cols} : std::vector<int64_t>{rows, cols};
+      const std::string at = rep.file + ": dataset " + pl.path;
       auto it = by_path.find(pl.path);
-      if (it == by_path.end()) rep.problems.push_back(rep.file + ": dataset " + pl.path + " is missing");
-      else if (it->second->shape != shape)
-        rep.problems.push_back(rep.file + ": dataset " + pl.path + " has the wrong shape");
+      if (it == by_path.end()) rep.problems.push_back(at + " is missing");
+      else if (it->second->shape != shape) rep.problems.push_back(at + " has the wrong shape");
+      else if (pl.layers && it->second->layers != *pl.layers)
+        rep.problems.push_back(at + ": holds " + layers_text(it->second->layers) + ", expected " + layers_text(*pl.layers));
     };
-    const int version = int(rep.format_version);
-    const int64_t e = cfg.model.moe.n_experts;
-    for (const ParamSpec& p : build_param_table(cfg.model).params)
-      for (int which = -1; which < (p.trainable ? 2 : 0); ++which) expect(place_of(p, which, e, version), p.rows, p.cols);
+    const ParamTable table = build_param_table(cfg.model);
+    const DatasetLayout layout(table, cfg.model.moe.n_experts, int(rep.format_version));
+    for (const ParamSpec& p : table.params)
+      for (int which = -1; which < (p.trainable ? 2 : 0); ++which) expect(layout.place(p, which), p.rows, p.cols);
   });
 }
 
@@ -240,7 +245,7 @@ struct CheckpointParams::Impl {
   H5Handle file;
   Config cfg;
   int64_t step = 0;
-  int version = kCheckpointFormatVersion;
+  std::unique_ptr<DatasetLayout> layout;
 };
 
 CheckpointParams::CheckpointParams(const std::string& path) : impl_(std::make_unique<Impl>()) {
@@ -248,8 +253,9 @@ CheckpointParams::CheckpointParams(const std::string& path) : impl_(std::make_un
   impl_->dir = resolve_checkpoint_dir(path);
   impl_->file_path = impl_->dir + "/" + kCheckpointFile;
   impl_->file = open_file(impl_->file_path, MPI_COMM_NULL);
-  impl_->version = check_version(impl_->file.get(), impl_->file_path);
+  const int version = check_version(impl_->file.get(), impl_->file_path);
   impl_->cfg = stored_config(impl_->file.get(), impl_->file_path);
+  impl_->layout = std::make_unique<DatasetLayout>(build_param_table(impl_->cfg.model), impl_->cfg.model.moe.n_experts, version);
   impl_->step = read_attr_i64(impl_->file.get(), "step", impl_->file_path);
 }
 
@@ -259,8 +265,8 @@ const Config& CheckpointParams::config() const { return impl_->cfg; }
 int64_t CheckpointParams::step() const { return impl_->step; }
 
 std::vector<float> CheckpointParams::read(const ParamSpec& p) const {
-  const Place pl = place_of(p, -1, impl_->cfg.model.moe.n_experts, impl_->version);
-  const OpenDataset d = open_dataset(impl_->file.get(), pl.path, pl.slots, p.rows, p.cols, {Dt::f32}, impl_->file_path);
+  const Place pl = impl_->layout->place(p, -1);
+  const OpenDataset d = open_dataset(impl_->file.get(), pl, p.rows, p.cols, {Dt::f32}, impl_->file_path);
   std::vector<float> out(size_t(p.numel()));
   read_blocks(d, H5P_DEFAULT, {Slab{pl.slot, Rows{0, p.rows}, 0, p.cols}}, out.data());
   const uint64_t sum = checksum_block(out.data(), Dt::f32, 0, p.rows, 0, p.cols, p.cols);

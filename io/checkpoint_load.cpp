@@ -43,7 +43,7 @@ struct Staged {
 
 // One tensor of a load and where it goes.
 struct TensorLoad {
-  Place place;                 // its dataset (format 2: a routed expert's is stacked), and its slot
+  Place place;                 // its dataset (stacked in formats 2 and 3: DatasetLayout), and its slot
   int64_t rows = 1, cols = 1;  // the global shape
   bool moment = false;         // stored as float32 or bfloat16; else float32
   Rows part;                   // the rows read: this rank's block (its optimizer's rows, for a moment)
@@ -114,14 +114,14 @@ Shard block_of(const Staged& st, const ParamTable& table, size_t i) {
 }
 
 // Phase 2a: every parameter's block, into the model's shard or a host vector of st->params.
-void plan_param_reads(const Load& l, const ParamTable& table, int64_t n_experts, Staged* st,
+void plan_param_reads(const Load& l, const ParamTable& table, const DatasetLayout& layout, Staged* st,
                       std::vector<TensorLoad>* loads) {
   if (!st->model) st->params.resize(table.params.size());
   for (size_t i = 0; i < table.params.size(); ++i) {
     const ParamSpec& p = table.params[i];
     const Shard sh = block_of(*st, table, i);
     TensorLoad t;
-    t.place = place_of(p, -1, n_experts, l.version), t.rows = p.rows, t.cols = p.cols;
+    t.place = layout.place(p, -1), t.rows = p.rows, t.cols = p.cols;
     t.part = sh.held() ? Rows{sh.r0, sh.rows} : Rows{0, 0};
     t.mine = !sh.held() ? Rows{0, 0} : st->write_rows.empty() ? l.default_mine(p.rows) : rows_of(st->write_rows[i]);
     t.c0 = sh.c0, t.nc = sh.cols;
@@ -137,7 +137,7 @@ void plan_param_reads(const Load& l, const ParamTable& table, int64_t n_experts,
 
 // Phase 2b: both moments of every trainable parameter: the rows of this rank's block its
 // optimizer owns (all of them without ZeRO), in the optimizer's moments dtype.
-void plan_moment_reads(const Load& l, const ParamTable& table, int64_t n_experts, const Staged& st,
+void plan_moment_reads(const Load& l, const ParamTable& table, const DatasetLayout& layout, const Staged& st,
                        std::vector<TensorLoad>* loads) {
   AdamW& opt = *st.opt;
   for (int which = 0; which < 2; ++which)
@@ -147,7 +147,7 @@ void plan_moment_reads(const Load& l, const ParamTable& table, int64_t n_experts
       const Shard sh = block_of(st, table, i);
       const RowRange o = opt.owned(i);
       TensorLoad t;
-      t.place = place_of(p, which, n_experts, l.version), t.rows = p.rows, t.cols = p.cols, t.moment = true;
+      t.place = layout.place(p, which), t.rows = p.rows, t.cols = p.cols, t.moment = true;
       t.part = {sh.r0 + o.begin, o.end - o.begin};
       t.mine = !st.moment_rows.empty() ? rows_of(st.moment_rows[i]) : opt.sharded() ? t.part : l.default_mine(p.rows);
       t.c0 = sh.c0, t.nc = sh.cols;
@@ -160,9 +160,10 @@ void plan_moment_reads(const Load& l, const ParamTable& table, int64_t n_experts
 
 // Phase 2: the tensors to read: every parameter's block, then the optimizer's rows of both moments.
 std::vector<TensorLoad> plan_reads(const Load& l, const ParamTable& table, int64_t n_experts, Staged* st) {
+  const DatasetLayout layout(table, n_experts, l.version);
   std::vector<TensorLoad> loads;
-  plan_param_reads(l, table, n_experts, st, &loads);
-  if (st->opt) plan_moment_reads(l, table, n_experts, *st, &loads);
+  plan_param_reads(l, table, layout, st, &loads);
+  if (st->opt) plan_moment_reads(l, table, layout, *st, &loads);
   return loads;
 }
 
@@ -189,8 +190,8 @@ std::vector<LoadDataset> group_datasets(const std::vector<TensorLoad>& loads, st
 }
 
 OpenDataset open_for(const Load& l, const LoadDataset& d) {
-  return d.moment ? open_dataset(l.file.get(), d.place.path, d.place.slots, d.rows, d.cols, {Dt::f32, Dt::bf16}, l.path)
-                  : open_dataset(l.file.get(), d.place.path, d.place.slots, d.rows, d.cols, {Dt::f32}, l.path);
+  return d.moment ? open_dataset(l.file.get(), d.place, d.rows, d.cols, {Dt::f32, Dt::bf16}, l.path)
+                  : open_dataset(l.file.get(), d.place, d.rows, d.cols, {Dt::f32}, l.path);
 }
 
 // Call `call` of a dataset (opened as od) into the staging buffer: its segments one after another

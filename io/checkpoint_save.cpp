@@ -1,6 +1,6 @@
 // save_checkpoint and AsyncCheckpointer (io/checkpoint.h), in phases. On the calling thread
 // (prepare_save): where the save goes, the delayed-scaling state, the tensors this rank writes and
-// the datasets they go in (a MoE block's experts stacked), the root attributes; for an
+// the datasets they go in (stacked: DatasetLayout, io/hdf5_file.h), the root attributes; for an
 // asynchronous save, the copy of the tensors to host memory (copy_to_host). Then (run_save, on the
 // writer thread for an asynchronous save): an empty step_N.tmp/, the staging and the room the file
 // needs, the file written (metadata, every dataset through the staging buffer, the checksums) and
@@ -54,6 +54,7 @@ struct SavedDataset {
   std::string path;
   Dt dt = Dt::f32;
   int64_t slots = 0, rows = 1, cols = 1;
+  std::shared_ptr<const std::vector<int64_t>> layers;  // a per-block family's blocks (Place::layers)
   std::vector<size_t> tensors;  // indices into SavePlan::tensors
 };
 
@@ -113,7 +114,7 @@ void make_tmp_dir(MPI_Comm comm, const SaveTarget& t) {
 // datasets' by path).
 void add_tensor(SavePlan& plan, std::unordered_map<std::string, size_t>& index, const Place& place, const SavedTensor& x) {
   const auto [it, added] = index.emplace(place.path, plan.datasets.size());
-  if (added) plan.datasets.push_back({place.path, x.dt, place.slots, x.rows, x.cols, {}});
+  if (added) plan.datasets.push_back({place.path, x.dt, place.slots, x.rows, x.cols, place.layers, {}});
   SavedDataset& d = plan.datasets[it->second];
   FP8MOE_ASSERT(d.dt == x.dt && d.rows == x.rows && d.cols == x.cols && x.slot == place.slot &&
                     x.slot == (d.slots > 0 ? int64_t(d.tensors.size()) : -1),
@@ -126,11 +127,12 @@ void add_tensor(SavePlan& plan, std::unordered_map<std::string, size_t>& index, 
 // Phase 2a: the tensors of the model and the optimizer, in file order: every parameter's block,
 // each moment's (the optimizer's owned rows of this rank's block, global rows sh.r0 + ...;
 // sharded, ZeRO-1, each rank writes those); and the datasets they go in (format
-// kCheckpointFormatVersion: a MoE block's routed experts stacked). The parameters and moments stay
-// in the model's backend memory. The same for every save of a run (AsyncCheckpointer keeps it).
+// kCheckpointFormatVersion: a MoE block's routed experts stacked, each other tensor of the blocks
+// with the same tensor of the other blocks). The parameters and moments stay in the model's
+// backend memory. The same for every save of a run (AsyncCheckpointer keeps it).
 SavePlan plan_tensors(const TrainerState& s, const SaveTarget& t) {
   const ParamTable& table = s.model->table();
-  const int64_t n_experts = s.cfg->model.moe.n_experts;
+  const DatasetLayout layout(table, s.cfg->model.moe.n_experts, kCheckpointFormatVersion);
   SavePlan plan;
   std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < table.params.size(); ++i) {
@@ -139,7 +141,7 @@ SavePlan plan_tensors(const TrainerState& s, const SaveTarget& t) {
     const Rows mine = !sh.held() ? Rows{0, 0}
                       : s.write_rows.empty() ? my_rows(p.rows, t.rank, t.size)
                                              : rows_of(s.write_rows[i]);
-    const Place place = place_of(p, -1, n_experts, kCheckpointFormatVersion);
+    const Place place = layout.place(p, -1);
     add_tensor(plan, index, place,
                {place.slot, Dt::f32, p.rows, p.cols, s.model->store().param(i), true, sh.r0, mine, sh.c0, sh.cols});
   }
@@ -148,7 +150,7 @@ SavePlan plan_tensors(const TrainerState& s, const SaveTarget& t) {
     for (size_t i = 0; i < table.params.size(); ++i) {
       const ParamSpec& p = table.params[i];
       if (!p.trainable) continue;
-      const Place place = place_of(p, w, n_experts, kCheckpointFormatVersion);
+      const Place place = layout.place(p, w);
       const Shard& sh = s.model->shard(i);
       const RowRange o = s.opt->owned(i);
       const Rows mine = !s.moment_write_rows.empty() ? rows_of(s.moment_write_rows[i])
@@ -173,16 +175,17 @@ void add_scaling(SavePlan& plan, const SaveTarget& t, const ScalingArrays& sc) {
   if (n_sc == 0) return;
   std::unordered_map<std::string, size_t> index;
   auto whole = [&](const char* path, Dt dt, int64_t cols, const void* data) {
-    add_tensor(plan, index, Place{path, -1, 0}, {-1, dt, n_sc, cols, data, false, 0, my_rows(n_sc, t.rank, t.size)});
+    add_tensor(plan, index, Place{path, -1, 0, nullptr}, {-1, dt, n_sc, cols, data, false, 0, my_rows(n_sc, t.rank, t.size)});
   };
   whole("/fp8/amax_history", Dt::f32, sc.len, sc.history.data());
   whole("/fp8/scale", Dt::f32, 2, sc.scale.data());
   whole("/fp8/steps", Dt::i64, 1, sc.steps.data());
 }
 
-// "dataset <path>" or "dataset <path>, expert <slot>": tensor j, for messages.
+// "dataset <path>", "dataset <path>, expert <e>" or ", layer <block>": tensor j, for messages.
 std::string tensor_text(const SavePlan& sp, size_t j) {
-  return tensor_text(Place{sp.datasets[sp.dataset_of[j]].path, sp.tensors[j].slot, 0});
+  const SavedDataset& d = sp.datasets[sp.dataset_of[j]];
+  return tensor_text(Place{d.path, sp.tensors[j].slot, d.slots, d.layers});
 }
 
 // Phase 3: each tensor's rows this rank writes, in calls through one host buffer of at most
@@ -275,7 +278,7 @@ void write_dataset(MPI_Comm comm, const SaveTarget& t, const Staging& st, hid_t 
   H5Handle ds;
   for (int64_t k = 0; k < steps; ++k)
     on_every_rank(comm, [&] {
-      if (k == 0) ds = create_dataset(file, d.path, d.dt, d.slots, d.rows, d.cols, t.path);
+      if (k == 0) ds = create_dataset(file, d.path, d.dt, d.slots, d.rows, d.cols, t.path, d.layers.get());
       const Call& call = st.plan.call(i, k);
       std::vector<Slab> blocks;
       bool downloaded = false;
@@ -397,7 +400,7 @@ void read_back(MPI_Comm comm, const SaveTarget& t, const Staging& st, const std:
         const WatchScope watch("checkpoint read-back");  // progress, dataset by dataset
         const SavedDataset& d = datasets[i];
         const size_t elem = dt_size(d.dt);
-        const OpenDataset od = open_dataset(file.get(), d.path, d.slots, d.rows, d.cols, {d.dt}, t.path);
+        const OpenDataset od = open_dataset(file.get(), d.path, d.slots, d.rows, d.cols, {d.dt}, t.path, d.layers.get());
         for (size_t j : d.tensors) attr[j] = od.stored_checksum(tensors[j].slot);
         for (const Call& call : st.plan.calls[i]) {
           std::vector<Slab> blocks;

@@ -143,13 +143,18 @@ void write_attr_u64(hid_t obj, const std::string& name, uint64_t v, const std::s
   write_attr_raw(obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, &v, where);
 }
 
-void write_attr_u64s(hid_t obj, const std::string& name, const std::vector<uint64_t>& v, const std::string& where) {
-  const hsize_t n = v.size();
+void write_attr_array(hid_t obj, const std::string& name, hid_t file_t, hid_t mem_t, size_t count, const void* v,
+                      const std::string& where) {
+  const hsize_t n = count;
   H5Handle space(h5(H5Screate_simple(1, &n, nullptr), where, "H5Screate_simple"), H5Sclose);
-  H5Handle a(h5(H5Acreate2(obj, name.c_str(), H5T_STD_U64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT), where,
+  H5Handle a(h5(H5Acreate2(obj, name.c_str(), file_t, space.get(), H5P_DEFAULT, H5P_DEFAULT), where,
                 "cannot create attribute " + name),
              H5Aclose);
-  h5(H5Awrite(a.get(), H5T_NATIVE_UINT64, v.data()), where, "cannot write attribute " + name);
+  h5(H5Awrite(a.get(), mem_t, v), where, "cannot write attribute " + name);
+}
+
+void write_attr_u64s(hid_t obj, const std::string& name, const std::vector<uint64_t>& v, const std::string& where) {
+  write_attr_array(obj, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, v.size(), v.data(), where);
 }
 
 H5Handle open_attr(hid_t obj, const std::string& name, const std::string& where) {
@@ -192,6 +197,15 @@ std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t
     throw CheckpointError(where + ": attribute " + name + " does not hold " + std::to_string(n) + " values");
   std::vector<uint64_t> v(static_cast<size_t>(n));
   h5(H5Aread(a.get(), H5T_NATIVE_UINT64, v.data()), where, "cannot read attribute " + name);
+  return v;
+}
+std::vector<int64_t> read_attr_i64s(hid_t obj, const std::string& name, int64_t n, const std::string& where) {
+  H5Handle a = open_attr(obj, name, where);
+  H5Handle space(h5(H5Aget_space(a.get()), where, "attribute " + name), H5Sclose);
+  if (H5Sget_simple_extent_npoints(space.get()) != hssize_t(n))
+    throw CheckpointError(where + ": attribute " + name + " does not hold " + std::to_string(n) + " values");
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  h5(H5Aread(a.get(), H5T_NATIVE_INT64, v.data()), where, "cannot read attribute " + name);
   return v;
 }
 double read_attr_f64(hid_t obj, const std::string& name, const std::string& where) {
@@ -243,13 +257,67 @@ std::string stacked_name(const std::string& name) {
   return name.substr(0, at + key.size()) + name.substr(end + 1);
 }
 
-Place place_of(const ParamSpec& p, int which, int64_t n_experts, int version) {
-  const bool stacked = version >= 2 && p.expert >= 0;
-  const std::string name = stacked ? stacked_name(p.name) : p.name;
+namespace {
+
+// A per-block tensor's family ("layers.3.attn.wq" -> "layers.attn.wq"); "" for any other tensor
+// (outside the blocks, a routed expert's, the MTP modules').
+std::string layer_family(const ParamSpec& p) {
+  if (p.layer < 0 || p.expert >= 0) return "";
+  const std::string head = "layers." + std::to_string(p.layer) + ".";
+  if (p.name.compare(0, head.size(), head) != 0) return "";
+  return "layers." + p.name.substr(head.size());
+}
+
+}  // namespace
+
+DatasetLayout::DatasetLayout(const ParamTable& table, int64_t n_experts, int version)
+    : n_experts_(n_experts), version_(version) {
+  if (version_ < 3) return;
+  for (const ParamSpec& p : table.params) {
+    const std::string family = layer_family(p);
+    if (family.empty()) continue;
+    auto& blocks = families_[family];
+    if (!blocks) blocks = std::make_shared<std::vector<int64_t>>();
+    FP8MOE_ASSERT(blocks->empty() || blocks->back() < p.layer, "checkpoint: ", p.name, " out of block order");
+    blocks->push_back(p.layer);
+  }
+}
+
+Place DatasetLayout::place(const ParamSpec& p, int which) const {
   Place pl;
+  std::string name = p.name;
+  if (version_ >= 2 && p.expert >= 0) {
+    name = stacked_name(p.name), pl.slot = p.expert, pl.slots = n_experts_;
+  } else if (version_ >= 3) {
+    const std::string family = layer_family(p);
+    if (!family.empty()) {
+      const std::vector<int64_t>& blocks = *families_.at(family);
+      name = family;
+      pl.slot = std::lower_bound(blocks.begin(), blocks.end(), int64_t(p.layer)) - blocks.begin();
+      pl.slots = int64_t(blocks.size());
+      pl.layers = families_.at(family);
+    }
+  }
   pl.path = which < 0 ? param_dataset(name) : moment_dataset(which, name);
-  if (stacked) pl.slot = p.expert, pl.slots = n_experts;
   return pl;
+}
+
+std::string tensor_text(const Place& p) {
+  std::string t = "dataset " + p.path;
+  if (p.slot >= 0)
+    t += p.layers ? ", layer " + std::to_string((*p.layers)[size_t(p.slot)]) : ", expert " + std::to_string(p.slot);
+  return t;
+}
+
+std::string layers_text(const std::vector<int64_t>& layers) {
+  if (layers.empty()) return "no `layers` attribute";
+  bool run = !layers.empty();
+  for (size_t i = 1; i < layers.size(); ++i) run = run && layers[i] == layers[i - 1] + 1;
+  if (run && layers.size() > 2)
+    return "layers " + std::to_string(layers.front()) + "-" + std::to_string(layers.back());
+  std::string t = layers.size() == 1 ? "layer " : "layers ";
+  for (size_t i = 0; i < layers.size(); ++i) t += (i ? ", " : "") + std::to_string(layers[i]);
+  return t;
 }
 
 // ---------------------------------------------------------------- files
@@ -374,7 +442,7 @@ int64_t total_elements(const std::vector<Slab>& blocks) {
 }  // namespace
 
 H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t slots, int64_t rows, int64_t cols,
-                        const std::string& where) {
+                        const std::string& where, const std::vector<int64_t>* layers) {
   const std::string at = where + ": dataset " + path;
   const hsize_t dims[3] = {hsize_t(slots), hsize_t(rows), hsize_t(cols)};
   H5Handle space(h5(slots > 0 ? H5Screate_simple(3, dims, nullptr) : H5Screate_simple(2, dims + 1, nullptr), at,
@@ -391,6 +459,10 @@ H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t slots
   if (slots > 0) write_attr_u64s(ds.get(), "checksums", std::vector<uint64_t>(size_t(slots), 0), at);
   else write_attr_u64(ds.get(), "checksum", 0, at);
   if (t == Dt::bf16) write_attr(ds.get(), "encoding", std::string("bfloat16"), at);
+  if (layers) {
+    FP8MOE_ASSERT(int64_t(layers->size()) == slots, at, ": ", layers->size(), " layers for ", slots, " slots");
+    write_attr_array(ds.get(), "layers", H5T_STD_I64LE, H5T_NATIVE_INT64, layers->size(), layers->data(), at);
+  }
   return ds;
 }
 
@@ -413,7 +485,7 @@ void write_checksums(hid_t file, const std::string& path, const std::vector<uint
 }
 
 OpenDataset open_dataset(hid_t file, const std::string& path, int64_t slots, int64_t rows, int64_t cols,
-                         std::initializer_list<Dt> allowed, const std::string& where) {
+                         std::initializer_list<Dt> allowed, const std::string& where, const std::vector<int64_t>* layers) {
   OpenDataset d;
   d.at = where + ": dataset " + path;
   d.slots = slots, d.rows = rows, d.cols = cols;
@@ -444,6 +516,9 @@ OpenDataset open_dataset(hid_t file, const std::string& path, int64_t slots, int
     throw CheckpointError(d.at + ": unexpected element type");
   d.stored_checksums = slots > 0 ? read_attr_u64s(d.ds.get(), "checksums", slots, d.at)
                                  : std::vector<uint64_t>{read_attr_u64(d.ds.get(), "checksum", d.at)};
+  if (layers && read_attr_i64s(d.ds.get(), "layers", slots, d.at) != *layers)
+    throw CheckpointError(d.at + ": holds " + layers_text(read_attr_i64s(d.ds.get(), "layers", slots, d.at)) +
+                          ", expected " + layers_text(*layers));
   return d;
 }
 

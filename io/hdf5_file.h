@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -102,18 +104,41 @@ inline std::string moment_dataset(int which, const std::string& name) {
 std::string stacked_name(const std::string& name);
 
 // Where a tensor lives in a file of format `version` (io/checkpoint.h): its dataset and, in a
-// stacked dataset, its slot (the expert's number) of `slots`. slot -1: a 2-D dataset of its own
-// (every tensor in format 1; all but the routed experts' in format 2).
+// stacked dataset, its slot of `slots`. slot -1: a 2-D dataset of its own.
 struct Place {
   std::string path;
   int64_t slot = -1, slots = 0;
+  // A per-block family's stacked dataset (version 3): the block of each slot, its `layers`
+  // attribute. Null for a routed experts' dataset (slot = the expert) and a 2-D one.
+  std::shared_ptr<const std::vector<int64_t>> layers;
 };
-// which -1: the parameter; 0, 1: its first and second moments.
-Place place_of(const ParamSpec& p, int which, int64_t n_experts, int version);
-// "dataset <path>", or "dataset <path>, expert <slot>" in a stacked one: a tensor, for messages.
-inline std::string tensor_text(const Place& p) {
-  return "dataset " + p.path + (p.slot >= 0 ? ", expert " + std::to_string(p.slot) : "");
-}
+
+// The datasets of a model's tensors in a file of format `version`. Version 1: every tensor a 2-D
+// dataset of its own. Version 2: a MoE block's routed experts stacked, slot e expert e
+// ("layers.3.moe.experts.17.w1" in slot 17 of "layers.3.moe.experts.w1"). Version 3: as version
+// 2, and every other tensor of a block stacked with the same tensor of the other blocks that have
+// it ("layers.3.attn.wq" in "layers.attn.wq"), slot k the k-th of those blocks in order.
+class DatasetLayout {
+ public:
+  DatasetLayout(const ParamTable& table, int64_t n_experts, int version);
+  // which -1: the parameter; 0, 1: its first and second moments.
+  Place place(const ParamSpec& p, int which) const;
+  int version() const { return version_; }
+
+ private:
+  int64_t n_experts_ = 0;
+  int version_ = 1;
+  // "layers.attn.wq" -> the blocks that have it, ascending.
+  std::unordered_map<std::string, std::shared_ptr<std::vector<int64_t>>> families_;
+};
+
+// "dataset <path>", or "dataset <path>, expert <e>" / ", layer <block>" in a stacked one: a
+// tensor, for messages.
+std::string tensor_text(const Place& p);
+
+// "layers 3-60" / "layers 0, 2, 5" / "no `layers` attribute" (empty): a `layers` attribute's
+// blocks, for messages.
+std::string layers_text(const std::vector<int64_t>& layers);
 
 // ---------------------------------------------------------------- checksums
 
@@ -142,6 +167,7 @@ int64_t read_attr_i64(hid_t obj, const std::string& name, const std::string& whe
 uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& where);
 // An array attribute of n values; another count throws.
 std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t n, const std::string& where);
+std::vector<int64_t> read_attr_i64s(hid_t obj, const std::string& name, int64_t n, const std::string& where);
 double read_attr_f64(hid_t obj, const std::string& name, const std::string& where);
 std::string read_attr_str(hid_t obj, const std::string& name, const std::string& where);
 
@@ -170,8 +196,9 @@ H5Handle collective_xfer(const std::string& where);
 // cols) when slots > 0 (a stacked dataset), no fill and its attributes (`checksum` 0 for now, or
 // `checksums`, one 0 per slot; `encoding` for bfloat16); its data are written block by block
 // (write_blocks), its checksums once every rank has written (write_checksums).
+// A per-block family's dataset (layers: its blocks, one per slot) also gets its `layers` attribute.
 H5Handle create_dataset(hid_t file, const std::string& path, Dt t, int64_t slots, int64_t rows, int64_t cols,
-                        const std::string& where);
+                        const std::string& where, const std::vector<int64_t>* layers = nullptr);
 
 // Writes `blocks` of dataset ds (element type t) from buf, which holds them one after another, each
 // row-major (rows.n, nc): several blocks in one call only of distinct slots in ascending order (the
@@ -193,9 +220,16 @@ struct OpenDataset {
   uint64_t stored_checksum(int64_t slot) const { return stored_checksums[size_t(std::max<int64_t>(0, slot))]; }
 };
 // Throws when the dataset is missing, its shape is not (rows, cols) (slots 0) or (slots, rows,
-// cols), or its type not in `allowed`.
+// cols), its type not in `allowed`, or (layers set: a per-block family's) its `layers` attribute
+// not those blocks.
 OpenDataset open_dataset(hid_t file, const std::string& path, int64_t slots, int64_t rows, int64_t cols,
-                         std::initializer_list<Dt> allowed, const std::string& where);
+                         std::initializer_list<Dt> allowed, const std::string& where,
+                         const std::vector<int64_t>* layers = nullptr);
+// The same, for tensor place `pl` of shape (rows, cols).
+inline OpenDataset open_dataset(hid_t file, const Place& pl, int64_t rows, int64_t cols, std::initializer_list<Dt> allowed,
+                                const std::string& where) {
+  return open_dataset(file, pl.path, pl.slots, rows, cols, allowed, where, pl.layers.get());
+}
 
 // Reads `blocks` into buf as write_blocks lays them out, in the stored element type (no
 // conversion: collective transfers stay collective). Collective as write_blocks.

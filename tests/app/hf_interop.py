@@ -25,7 +25,6 @@ Exit 77 (SKIPPED) from --part transformers when build/venv-hf is missing.
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import safetensors.numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
 HF_SCRIPT = os.path.join(SOURCE, "tests", "reference", "hf_deepseek.py")
+sys.path.insert(0, os.path.join(SOURCE, "tests", "io"))
+from check_checkpoint import read_tensors  # noqa: E402  (the checkpoint's layout, from the README)
 TOLERANCE = 1e-4
 
 # The model: DeepSeek-V3's architecture in miniature, with two MTP modules (the second reads the
@@ -197,20 +198,11 @@ def to_deepseek_rows(w, parts):
 
 
 def checkpoint_params(ckpt_dir):
-    """Every parameter by its name, from the checkpoint `latest` names (README "Checkpoints": a
-    stacked dataset <block>.moe.experts.<w> (format 2) holds expert e's <block>.moe.experts.e.<w>
-    in slot e)."""
+    """Every parameter by its name, from the checkpoint `latest` names (README "Checkpoints": the
+    stacked datasets split into their tensors by tests/io/check_checkpoint.py)."""
     step = open(os.path.join(ckpt_dir, "latest")).read().strip()
-    out = {}
     with h5py.File(os.path.join(ckpt_dir, step, "checkpoint.h5"), "r") as f:
-        for name in f["params"]:
-            v = f["params"][name][()]
-            m = re.fullmatch(r"(.*\.moe\.experts)\.(w[123])", name)
-            if m and v.ndim == 3:
-                out.update({"%s.%d.%s" % (m.group(1), e, m.group(2)): v[e] for e in range(v.shape[0])})
-            else:
-                out[name] = v
-    return out
+        return read_tensors(f["params"])
 
 
 # safetensors' dtype names as NumPy types (ml_dtypes for BF16 and FP8, which NumPy lacks: the

@@ -54,7 +54,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "io"))
-from check_checkpoint import checksum  # noqa: E402  (the checkpoint format's checksum, written from the README)
+from check_checkpoint import checksum, stored_tensors  # noqa: E402  (the checkpoint format's checksum, written from the README)
 
 MODEL = """
 model:
@@ -180,18 +180,18 @@ def copy_checkpoint(src, dst):
     return os.path.join(dst, step, "checkpoint.h5")
 
 
-def where_stored(name):
-    """(dataset, slot) of parameter `name` in a checkpoint (README "Checkpoints", format 2): a
-    routed expert's tensor in slot <expert> of its layer's stacked dataset, anything else alone
-    (slot None)."""
-    m = re.fullmatch(r"(.*\.moe\.experts\.)(\d+)\.(.*)", name)
-    return ("params/" + m.group(1) + m.group(3), int(m.group(2))) if m else ("params/" + name, None)
+def where_stored(h5, name):
+    """(dataset, slot) of parameter `name` in checkpoint file h5 (README "Checkpoints"): its slot of
+    a stacked dataset, or its own dataset (slot None)."""
+    with h5py.File(h5, "r") as f:
+        dataset, slot = stored_tensors(f["params"])[name]
+    return "params/" + dataset, slot
 
 
 def damage_checkpoint(src, dst, name):
     """A copy of checkpoint src with one byte of parameter `name`'s data flipped in the file."""
     h5 = copy_checkpoint(src, dst)
-    dataset, slot = where_stored(name)
+    dataset, slot = where_stored(h5, name)
     with h5py.File(h5, "r") as f:
         d = f[dataset]
         per = d.size // d.shape[0] if slot is not None else d.size
@@ -208,7 +208,7 @@ def poison_checkpoint(src, dst, name, index, value):
     """A copy of checkpoint src whose parameter `name` holds `value` at `index`, with a valid
     checksum."""
     h5 = copy_checkpoint(src, dst)
-    dataset, slot = where_stored(name)
+    dataset, slot = where_stored(h5, name)
     with h5py.File(h5, "r+") as f:
         d = f[dataset]
         v = d[()]

@@ -285,9 +285,9 @@ TEST_F(Resume, DamagedCheckpointsAreDetectedAndAutoFallsBack) {
 // A load compares the checksum of every dataset of the file: their number, counted by h5ls (not
 // by fp8moe), is the number the load reports verified; and a flipped byte in one dataset of each
 // group — parameters, both Adam moments (BF16 here), the delayed-scaling state, the last dataset
-// of the file, the last one a load reads (/fp8/steps), a stacked experts' dataset of each group —
-// is refused by name (a stacked one's first byte: expert 0's) on an explicit resume and by `ckpt
-// verify`.
+// of the file, the last one a load reads (/fp8/steps), a stacked experts' dataset of each group,
+// a per-block family's of two — is refused by name (a stacked one's first byte: expert 0's, block
+// 0's) on an explicit resume and by `ckpt verify`.
 TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
   const std::string cfg = config("groups");
   RunResult r = train(2, cfg, {"train.steps=4", "train.warmup_steps=1", "eval.every=0"});
@@ -316,7 +316,8 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
   };
   std::vector<std::string> victims = {pick("/params/"), pick("/optim/m/"), pick("/optim/v/"), pick("/fp8/"),
                                       datasets.back(), pick("/fp8/steps"), pick("/params/layers.1.moe.experts."),
-                                      pick("/optim/m/layers.1.moe.experts."), pick("/optim/v/layers.1.moe.experts.")};
+                                      pick("/optim/m/layers.1.moe.experts."), pick("/optim/v/layers.1.moe.experts."),
+                                      pick("/params/layers.attn."), pick("/optim/v/layers.attn_norm.")};
   for (const std::string& victim : victims) {
     SCOPED_TRACE(victim);
     ASSERT_FALSE(victim.empty()) << ls.out;
@@ -331,7 +332,16 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
       f.seekp(off);
       f.put(char(c ^ 0x01));
     }
-    const std::string named = victim + (victim.find(".moe.experts.") != std::string::npos ? ", expert 0" : "");
+    // Slot 0 of a stacked dataset: expert 0, or the first block of its `layers` attribute (h5py's).
+    std::string named = victim;
+    if (victim.find(".moe.experts.") != std::string::npos) {
+      named += ", expert 0";
+    } else if (victim.find("/layers.") != std::string::npos) {
+      const RunResult first = run({python(), "-c", "import h5py, sys; print(h5py.File(sys.argv[1], 'r')[sys.argv[2]].attrs['layers'][0])",
+                                   pristine, victim});
+      ASSERT_EQ(first.status, 0) << first.all();
+      named += ", layer " + first.out.substr(0, first.out.find('\n'));
+    }
     r = train(2, cfg, more);
     EXPECT_EQ(r.status, 2) << r.all();
     EXPECT_NE(r.err.find("fp8moe: error: checkpoint.resume: " + f4 + ": dataset " + named + ": checksum mismatch"),
@@ -341,6 +351,23 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
     EXPECT_EQ(r.status, 1) << r.all();
     EXPECT_NE(r.err.find(named + ": checksum mismatch"), std::string::npos) << r.err;
   }
+  // A per-block family whose `layers` attribute names other blocks than the model's (the data and
+  // checksums intact, its two slots said to be blocks 1 and 0): refused by the load and by verify.
+  fs::copy_file(pristine, f4, fs::copy_options::overwrite_existing);
+  r = run({python(), "-c",
+           "import h5py, numpy, sys\n"
+           "d = h5py.File(sys.argv[1], 'r+')['params/layers.attn.wq']\n"
+           "assert list(d.attrs['layers']) == [0, 1], list(d.attrs['layers'])\n"
+           "d.attrs['layers'] = numpy.array([1, 0], dtype=numpy.int64)",
+           f4});
+  ASSERT_EQ(r.status, 0) << r.all();
+  const std::string swapped = "dataset /params/layers.attn.wq: holds layers 1, 0, expected layers 0, 1";
+  r = train(2, cfg, more);
+  EXPECT_EQ(r.status, 2) << r.all();
+  EXPECT_NE(r.err.find(f4 + ": " + swapped), std::string::npos) << r.err;
+  r = run({exe(), "ckpt", "verify", s4});
+  EXPECT_EQ(r.status, 1) << r.all();
+  EXPECT_NE(r.err.find(swapped), std::string::npos) << r.err;
 }
 
 // A checkpoint resumed under another train.moments_dtype (BF16 -> FP32; FP32 -> BF16 together with
@@ -406,30 +433,36 @@ TEST_F(Resume, AnotherMomentsDtypeOrHistoryLength) {
   }
 }
 
-// A checkpoint of format version 1 (one dataset per tensor), written by fp8moe before the stacked
-// layout and kept in tests/data/ckpt-v1 with the losses of its uninterrupted run (2 ranks: expert
-// 2 x data 2, ZeRO-1; MLA, MTP, 4 routed experts, FP8 off): `ckpt verify` and `export` read it, and it resumes
-// at step 6 on 1 rank, on tensor 2 x expert 2 and on pipeline 2, each continuing to step 12
-// within the layout tests' bound for FP8 off (5e-6 of the uninterrupted run; measured 9.4e-10).
-// The next save is of format 2, which resumes in turn. A file of an unknown version is refused
-// naming the version and the versions this build reads.
+// Checkpoints of the older format versions, written by fp8moe before each change of layout and kept
+// in tests/data with the losses of their uninterrupted run (the same run twice: 2 ranks, expert 2 x
+// data 2, ZeRO-1; MLA, MTP, 4 routed experts, FP8 off): ckpt-v1 (format 1, one dataset per
+// tensor) and ckpt-v2 (format 2, the routed experts stacked). `ckpt verify` and `export` read each,
+// and each resumes at step 6 on 1 rank, on tensor 2 x expert 2 and on pipeline 2, continuing to
+// step 12 within the layout tests' bound for FP8 off (5e-6 of the uninterrupted run; measured
+// 9.4e-10). The next save is of the current format, which resumes in turn. A file of an unknown
+// version is refused naming the version and the versions this build reads.
 TEST_F(Resume, OldFormatResumesUnderAnotherLayout) {
-  const std::string fixture = source_dir() + "/tests/data/ckpt-v1", v1 = fixture + "/step_00000006";
+  const std::string data = source_dir() + "/tests/data";
   std::vector<std::string> prep = {exe(), "prepare-data", "--output", dir_->path + "/data-v1/lic", "--val-fraction",
                                    "0.2", "--seed", "3", "--input"};
   for (const char* f : {"GPL-3", "GPL-2", "LGPL-3", "Apache-2.0"}) prep.push_back(std::string("/usr/share/common-licenses/") + f);
   ASSERT_EQ(run(prep).status, 0);
+  const std::string config = data + "/ckpt-v1/config.yaml";  // the run of both
+  const std::vector<std::string> data_sets = {"data.path=" + dir_->path + "/data-v1/lic.train",
+                                              "data.valid_path=" + dir_->path + "/data-v1/lic.val"};
   std::map<int, double> want;
   {
-    std::ifstream in(fixture + "/losses.txt");
+    std::ifstream in(data + "/ckpt-v1/losses.txt");
     int step;
     std::string bits;
     while (in >> step >> bits) want[step] = std::strtod(bits.c_str(), nullptr);
   }
   ASSERT_EQ(want.size(), 12u);
-  RunResult r = run({exe(), "ckpt", "verify", v1});
-  EXPECT_EQ(r.status, 0) << r.all();
-  EXPECT_NE(r.out.find("valid: step 6, 285 datasets"), std::string::npos) << r.out;
+  struct Fixture {
+    int version;
+    std::string step_dir;
+    int datasets;
+  };
   struct Case {
     int ranks;
     std::vector<std::string> sets;
@@ -437,69 +470,81 @@ TEST_F(Resume, OldFormatResumesUnderAnotherLayout) {
   const std::vector<Case> cases = {{1, {"parallel.expert=1"}},
                                    {4, {"parallel.tensor=2", "parallel.expert=2"}},
                                    {2, {"parallel.pipeline=2", "parallel.expert=1"}}};
-  int n = 0;
-  for (const Case& c : cases) {
-    const std::string dir = ckpt("v1-" + std::to_string(++n));
-    std::vector<std::string> sets = c.sets;
-    sets.insert(sets.end(), {"data.path=" + dir_->path + "/data-v1/lic.train", "data.valid_path=" + dir_->path + "/data-v1/lic.val",
-                             "checkpoint.dir=" + dir, "checkpoint.resume=" + v1, "checkpoint.every=0"});
-    r = train(c.ranks, fixture + "/config.yaml", sets);
-    ASSERT_EQ(r.status, 0) << r.all();
-    EXPECT_NE(r.out.find(v1 + ": 285 datasets, every checksum verified"), std::string::npos) << r.out;
-    const auto got = losses(r.out);
-    double worst = 0;
-    for (int step = 7; step <= 12; ++step) {
-      ASSERT_TRUE(got.count(step)) << r.out;
-      worst = std::max(worst, std::fabs(std::strtod(got.at(step).c_str(), nullptr) - want.at(step)) / want.at(step));
+  std::string last_save;
+  for (const Fixture& fx : {Fixture{1, data + "/ckpt-v1/step_00000006", 285}, Fixture{2, data + "/ckpt-v2/step_00000006", 204}}) {
+    const std::string v = std::to_string(fx.version), old = fx.step_dir;
+    RunResult r = run({exe(), "ckpt", "verify", old});
+    EXPECT_EQ(r.status, 0) << r.all();
+    EXPECT_NE(r.out.find("valid: step 6, " + std::to_string(fx.datasets) + " datasets"), std::string::npos) << r.out;
+    int n = 0;
+    for (const Case& c : cases) {
+      const std::string dir = ckpt("v" + v + "-" + std::to_string(++n));
+      std::vector<std::string> sets = c.sets;
+      sets.insert(sets.end(), data_sets.begin(), data_sets.end());
+      sets.insert(sets.end(), {"checkpoint.dir=" + dir, "checkpoint.resume=" + old, "checkpoint.every=0"});
+      r = train(c.ranks, config, sets);
+      ASSERT_EQ(r.status, 0) << r.all();
+      EXPECT_NE(r.out.find(old + ": " + std::to_string(fx.datasets) + " datasets, every checksum verified"), std::string::npos)
+          << r.out;
+      const auto got = losses(r.out);
+      double worst = 0;
+      for (int step = 7; step <= 12; ++step) {
+        ASSERT_TRUE(got.count(step)) << r.out;
+        worst = std::max(worst, std::fabs(std::strtod(got.at(step).c_str(), nullptr) - want.at(step)) / want.at(step));
+      }
+      EXPECT_EQ(got.begin()->first, 7) << r.out;
+      std::printf("format %d checkpoint resumed on %d rank(s) (%s...): steps 7-12 within %.2e of the uninterrupted run\n",
+                  fx.version, c.ranks, c.sets[0].c_str(), worst);
+      EXPECT_LE(worst, 5e-6);
+      last_save = dir + "/step_00000012";
     }
-    EXPECT_EQ(got.begin()->first, 7) << r.out;
-    std::printf("format 1 checkpoint resumed on %d rank(s) (%s...): steps 7-12 within %.2e of the uninterrupted run\n",
-                c.ranks, c.sets[0].c_str(), worst);
-    EXPECT_LE(worst, 5e-6);
+    // `fp8moe export` reads it too: every parameter, as FP32, is the file's (the file split into
+    // tensors by tests/io/check_checkpoint.py, read with h5py and safetensors: no fp8moe code).
+    const std::string hf = ckpt("v" + v + "-hf");
+    r = run({exe(), "export", old, hf, "--dtype", "fp32"});
+    ASSERT_EQ(r.status, 0) << r.all();
+    r = run({python(), "-c",
+             "import sys, glob, h5py, numpy as np\n"
+             "sys.path.insert(0, sys.argv[3])\n"
+             "from check_checkpoint import read_tensors\n"
+             "from safetensors.numpy import load_file\n"
+             "t = {}\n"
+             "for f in glob.glob(sys.argv[2] + '/*.safetensors'): t.update(load_file(f))\n"
+             "c = read_tensors(h5py.File(sys.argv[1], 'r')['params'])\n"
+             "assert len(c) == 97, len(c)\n"
+             "assert np.array_equal(t['model.layers.1.mlp.experts.2.up_proj.weight'], c['layers.1.moe.experts.2.w3'])\n"
+             "assert np.array_equal(t['model.layers.2.self_attn.o_proj.weight'], c['layers.2.attn.wo'])\n"
+             "assert np.array_equal(t['model.embed_tokens.weight'], c['embed.weight'])\n"
+             "print('export of format " + v + ": equal')",
+             old + "/checkpoint.h5", hf, source_dir() + "/tests/io"});
+    EXPECT_EQ(r.status, 0) << r.all();
   }
-  // `fp8moe export` reads it too: an expert's weight and the embedding, as FP32, are the file's
-  // (read with h5py and safetensors, no fp8moe code).
-  const std::string hf = ckpt("v1-hf");
-  r = run({exe(), "export", v1, hf, "--dtype", "fp32"});
-  ASSERT_EQ(r.status, 0) << r.all();
-  r = run({python(), "-c",
-           "import sys, glob, h5py, numpy as np\n"
-           "from safetensors.numpy import load_file\n"
-           "t = {}\n"
-           "for f in glob.glob(sys.argv[2] + '/*.safetensors'): t.update(load_file(f))\n"
-           "c = h5py.File(sys.argv[1], 'r')\n"
-           "assert np.array_equal(t['model.layers.1.mlp.experts.2.up_proj.weight'], c['params/layers.1.moe.experts.2.w3'][()])\n"
-           "assert np.array_equal(t['model.embed_tokens.weight'], c['params/embed.weight'][()])\n"
-           "print('export of format 1: equal')",
-           v1 + "/checkpoint.h5", hf});
+  // The save at the end of the last run is of the current format, 3; it resumes (one more step).
+  RunResult r = run({python(), source_dir() + "/tests/io/check_checkpoint.py", last_save + "/checkpoint.h5"}, 300);
   EXPECT_EQ(r.status, 0) << r.all();
-  // The save at the end of the last run is of format 2; it resumes (one more step).
-  const std::string v2 = ckpt("v1-3") + "/step_00000012";
-  r = run({python(), source_dir() + "/tests/io/check_checkpoint.py", v2 + "/checkpoint.h5"}, 300);
-  EXPECT_EQ(r.status, 0) << r.all();
-  EXPECT_NE(r.out.find("h5py: format 2"), std::string::npos) << r.out;
-  r = train(1, fixture + "/config.yaml",
-            {"data.path=" + dir_->path + "/data-v1/lic.train", "data.valid_path=" + dir_->path + "/data-v1/lic.val",
-             "checkpoint.dir=" + ckpt("v1-3"), "checkpoint.resume=" + v2, "checkpoint.every=0", "train.steps=13",
-             "parallel.expert=1"});
+  EXPECT_NE(r.out.find("h5py: format 3"), std::string::npos) << r.out;
+  std::vector<std::string> sets = data_sets;
+  sets.insert(sets.end(), {"checkpoint.dir=" + ckpt("v2-3"), "checkpoint.resume=" + last_save, "checkpoint.every=0",
+                           "train.steps=13", "parallel.expert=1"});
+  r = train(1, config, sets);
   EXPECT_EQ(r.status, 0) << r.all();
   EXPECT_TRUE(losses(r.out).count(13)) << r.out;
   // A version this build does not know: refused, naming it.
-  const std::string v9 = ckpt("v9");
+  const std::string v9 = ckpt("v9"), reads = "this build reads versions 1 to 3";
   fs::create_directories(v9);
-  fs::copy_file(v1 + "/checkpoint.h5", v9 + "/checkpoint.h5");
+  fs::copy_file(data + "/ckpt-v1/step_00000006/checkpoint.h5", v9 + "/checkpoint.h5");
   r = run({python(), "-c",
            "import h5py, numpy, sys; f = h5py.File(sys.argv[1], 'r+'); f.attrs['format_version'] = numpy.int64(9)",
            v9 + "/checkpoint.h5"});
   ASSERT_EQ(r.status, 0) << r.all();
   r = run({exe(), "ckpt", "verify", v9});
   EXPECT_EQ(r.status, 1) << r.all();
-  EXPECT_NE(r.err.find("format version 9, this build reads versions 1 to 2"), std::string::npos) << r.err;
-  r = train(1, fixture + "/config.yaml",
-            {"data.path=" + dir_->path + "/data-v1/lic.train", "data.valid_path=" + dir_->path + "/data-v1/lic.val",
-             "checkpoint.resume=" + v9, "checkpoint.dir=" + ckpt("v9-run"), "parallel.expert=1"});
+  EXPECT_NE(r.err.find("format version 9, " + reads), std::string::npos) << r.err;
+  sets = data_sets;
+  sets.insert(sets.end(), {"checkpoint.resume=" + v9, "checkpoint.dir=" + ckpt("v9-run"), "parallel.expert=1"});
+  r = train(1, config, sets);
   EXPECT_EQ(r.status, 2) << r.all();
-  EXPECT_NE(r.err.find(v9 + "/checkpoint.h5: format version 9, this build reads versions 1 to 2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(v9 + "/checkpoint.h5: format version 9, " + reads), std::string::npos) << r.err;
 }
 
 TEST_F(Resume, ReadableWithoutFp8moe) {

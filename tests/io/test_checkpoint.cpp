@@ -550,15 +550,17 @@ int64_t chunk_count(int64_t n, int64_t width, int64_t elem, int64_t bound) {
 // bytes, by the rule io/checkpoint_common.h documents: per dataset, in slot order, a tensor's block
 // that fits the buffer whole shares the dataset's previous call when that call holds whole blocks
 // and both fit together, else starts a call; a block that does not fit takes chunk_count calls.
-// A dataset is named by its tensors' name with the expert's number taken out (format 2 stacks
-// the routed experts).
+// A dataset is named by its tensors' name with the expert's number taken out, or else the block's
+// (format 3 stacks the routed experts per block, every other tensor of the blocks over the blocks).
 class CallCounter {
  public:
   explicit CallCounter(int64_t bound) : bound_(bound) {}
   void add(const std::string& kind, const std::string& name, int64_t n, int64_t width, int64_t elem) {
     if (n <= 0 || width <= 0) return;
-    static const std::regex expert(R"(\.experts\.[0-9]+\.)");
-    auto& [packable, bytes] = open_[kind + std::regex_replace(name, expert, ".experts.")];
+    static const std::regex expert(R"(\.experts\.[0-9]+\.)"), block(R"(^layers\.[0-9]+\.)");
+    const std::string dataset = std::regex_search(name, expert) ? std::regex_replace(name, expert, ".experts.")
+                                                                : std::regex_replace(name, block, "layers.");
+    auto& [packable, bytes] = open_[kind + dataset];
     const int64_t b = n * width * elem;
     if (b <= bound_ && packable && bytes + b <= bound_) {
       bytes += b;

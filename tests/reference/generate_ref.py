@@ -18,13 +18,16 @@ two largest logits within 1e-4; sampled, u within 1e-4 of a cumulative boundary 
 next logit within 1e-4 (FP32 logits of size ~10 carry errors ~1e-5). The rest is then not compared.
 Prints how many tokens agreed; exit 0 on agreement.
 """
-import re
+import os
 import sys
 
 import h5py
 import numpy as np
 
 import model_ref
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "io"))
+from check_checkpoint import read_tensors  # noqa: E402  (the checkpoint's layout, from the README)
 
 
 M0, M1, W0, W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
@@ -125,14 +128,7 @@ def main(h5_path, prompt, tokens, temperature, top_k, seed, printed_path):
         sys.exit(f"generate_ref.py: recipe {recipe} is not modelled")
     lin_for = model_ref.linear_for({"recipe": recipe, "tile": int(c["fp8.tile"]), "fp8_layers": layers,
                                     "cache_activations": False, "format": c["fp8.format"]})
-    params = {}
-    for n, d in f["params"].items():  # README "Checkpoints": format 2 stacks a block's routed experts
-        stacked = re.fullmatch(r"(.*\.moe\.experts)\.(w[123])", n)
-        if stacked and d.ndim == 3:
-            for e in range(d.shape[0]):
-                params["%s.%d.%s" % (stacked.group(1), e, stacked.group(2))] = np.asarray(d[e], dtype=np.float64)
-        else:
-            params[n] = np.asarray(d, dtype=np.float64)
+    params = read_tensors(f["params"], np.float64)  # README "Checkpoints": stacked datasets split
     window = int(c["train.seq_len"])
 
     printed = open(printed_path, encoding="utf-8", errors="surrogateescape").read()
