@@ -1,26 +1,24 @@
-// save_checkpoint and AsyncCheckpointer (io/checkpoint.h), in phases. On the calling thread
-// (prepare_save): where the save goes, the delayed-scaling state, the tensors this rank writes and
-// the datasets they go in (stacked: DatasetLayout, io/hdf5_file.h), the root attributes; for an
-// asynchronous save, the copy of the tensors to host memory (copy_to_host). Then (run_save, on the
-// writer thread for an asynchronous save): an empty step_N.tmp/, the staging and the room the file
-// needs, the file written (metadata, every dataset through the staging buffer, the checksums) and
-// closed, read back, and committed (io/checkpoint_commit.h). The HDF5 layer is io/hdf5_file.h, the
-// staging io/checkpoint_staging.cpp.
-#include <omp.h>
+// save_checkpoint (io/checkpoint.h) and the phases of every save (io/checkpoint_save.h). On the
+// calling thread (prepare_save): where the save goes, the delayed-scaling state, the tensors this
+// rank writes and the datasets they go in (stacked: DatasetLayout, io/hdf5_file.h), the root
+// attributes; for an asynchronous save, then, the copy of the tensors to host memory
+// (io/checkpoint_async.cpp). Then (run_save, on the writer thread for an asynchronous save): an
+// empty step_N.tmp/, the staging and the room the file needs, the file written (metadata, every
+// dataset through the staging buffer, the checksums) and closed, read back, and committed
+// (io/checkpoint_commit.h). The HDF5 layer is io/hdf5_file.h, the staging
+// io/checkpoint_staging.cpp.
+#include "io/checkpoint_save.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
-#include <thread>
 #include <unordered_map>
 
 #include "io/checkpoint_commit.h"
-#include "io/checkpoint_common.h"
 #include "io/config.h"
 #include "kernels/check.h"
 
@@ -30,59 +28,6 @@ using namespace ckpt;
 namespace {
 
 constexpr int kExitFailure = 1;  // app/exit_codes.h
-
-// One tensor of a save: this rank's block of a (rows, cols) tensor, in backend memory (staged
-// through the host buffer) or host memory (the delayed-scaling arrays), and where it goes.
-struct SavedTensor {
-  int64_t slot = -1;           // its slot in a stacked dataset (SavePlan::dataset_of: which)
-  Dt dt = Dt::f32;
-  int64_t rows = 1, cols = 1;  // the global shape
-  const void* data = nullptr;  // the block: rows [row0, ...) x columns [c0, c0 + nc), row-major
-  bool device = false;         // data is backend memory: never dereferenced here
-  int64_t row0 = 0;
-  Rows mine;                   // the rows of the block this rank writes
-  int64_t c0 = 0, nc = -1;     // nc -1: every column
-  int64_t width() const { return nc < 0 ? cols : nc; }
-  // The address of (row, column c0 + col) of the block (arithmetic only).
-  const unsigned char* at(int64_t row, int64_t col = 0) const {
-    return static_cast<const unsigned char*>(data) + size_t((row - row0) * width() + col) * dt_size(dt);
-  }
-};
-
-// One dataset of a save: 2-D with one tensor, or stacked with one tensor per slot (in slot order).
-struct SavedDataset {
-  std::string path;
-  Dt dt = Dt::f32;
-  int64_t slots = 0, rows = 1, cols = 1;
-  std::shared_ptr<const std::vector<int64_t>> layers;  // a per-block family's blocks (Place::layers)
-  std::vector<size_t> tensors;  // indices into SavePlan::tensors
-};
-
-struct SavePlan {
-  std::vector<SavedTensor> tensors;
-  std::vector<SavedDataset> datasets;  // in file order: each where its first tensor is
-  std::vector<size_t> dataset_of;      // per tensor
-};
-
-// The root attributes (io/checkpoint.h), captured when the save starts: an asynchronous save's
-// writer must not read the trainer's objects, which training goes on changing.
-struct SaveMeta {
-  int64_t step = 0, samples = 0, tokens = 0, seed = 0, good_steps = 0, updates = 0, skipped = 0;
-  double last_val_loss = 0, loss_scale = 1;
-  std::string config, layout, created;
-};
-
-// Where a save writes, and how long closing the file may take.
-struct SaveTarget {
-  int rank = 0, size = 1;
-  std::string dir, name;                 // checkpoint.dir, step_N
-  std::string final_dir, tmp_dir, path;  // <dir>/step_N, <dir>/step_N.tmp, <tmp_dir>/checkpoint.h5
-  // The watchdog's limit on a close that may never return (parallel/watchdog.h): after a failed
-  // write, at most 5 s; for a close of a file written without error, runtime.timeout_s.
-  double limit = 600, failed_limit = 5;
-  int keep_last = 1;
-  int64_t staging_bytes = kCheckpointStagingBytes;
-};
 
 SaveTarget save_target(MPI_Comm comm, const Config& cfg, int64_t step) {
   SaveTarget t;
@@ -124,13 +69,15 @@ void add_tensor(SavePlan& plan, std::unordered_map<std::string, size_t>& index, 
   plan.tensors.push_back(x);
 }
 
+}  // namespace
+
 // Phase 2a: the tensors of the model and the optimizer, in file order: every parameter's block,
 // each moment's (the optimizer's owned rows of this rank's block, global rows sh.r0 + ...;
 // sharded, ZeRO-1, each rank writes those); and the datasets they go in (format
 // kCheckpointFormatVersion: a MoE block's routed experts stacked, each other tensor of the blocks
 // with the same tensor of the other blocks). The parameters and moments stay in the model's
 // backend memory. The same for every save of a run (AsyncCheckpointer keeps it).
-SavePlan plan_tensors(const TrainerState& s, const SaveTarget& t) {
+SavePlan ckpt::plan_tensors(const TrainerState& s, const SaveTarget& t) {
   const ParamTable& table = s.model->table();
   const DatasetLayout layout(table, s.cfg->model.moe.n_experts, kCheckpointFormatVersion);
   SavePlan plan;
@@ -167,6 +114,8 @@ SavePlan plan_tensors(const TrainerState& s, const SaveTarget& t) {
                   d.tensors.size(), " tensors for ", d.slots, " slots");
   return plan;
 }
+
+namespace {
 
 // Phase 2b: the delayed-scaling arrays `sc` (host memory, written whole by the even split), each a
 // dataset of its own after the rest.
@@ -428,25 +377,11 @@ void read_back(MPI_Comm comm, const SaveTarget& t, const Staging& st, const std:
 
 }  // namespace
 
-namespace ckpt {
-
-// A save as the main thread prepares it: where it goes, the delayed-scaling arrays, the tensors
-// (in backend memory, or copied to host memory: copy_to_host) and the root attributes.
-struct SaveJob {
-  SaveTarget t;
-  ScalingArrays sc;
-  SavePlan sp;
-  SaveMeta meta;
-};
-
-}  // namespace ckpt
-
-namespace {
 
 // The main thread's part of every save: collective over comm (the delayed-scaling state's
 // allgather, the creation time's broadcast). `tensors`: plan_tensors(s, ...) of an earlier save,
 // or nullptr.
-std::unique_ptr<SaveJob> prepare_save(MPI_Comm comm, const TrainerState& s, const SavePlan* tensors) {
+std::unique_ptr<SaveJob> ckpt::prepare_save(MPI_Comm comm, const TrainerState& s, const SavePlan* tensors) {
   auto job = std::make_unique<SaveJob>();
   job->t = save_target(comm, *s.cfg, s.progress->step);
   job->sc = pack_scaling(gather_scaling(comm, *s.model));
@@ -458,7 +393,7 @@ std::unique_ptr<SaveJob> prepare_save(MPI_Comm comm, const TrainerState& s, cons
 
 // The rest, from the empty step_N.tmp/ to the commit: collective over comm. be: the backend of
 // tensors still in its memory (a synchronous save), nullptr when copy_to_host moved them all.
-std::string run_save(MPI_Comm comm, SaveJob& job, Backend* be, FaultPoint& fault) {
+std::string ckpt::run_save(MPI_Comm comm, SaveJob& job, Backend* be, FaultPoint& fault) {
   // The watchdog's mark for the whole save: its limit applies between the watched calls inside too
   // (the checksum reductions, HDF5's own collectives).
   const WatchScope watch("checkpoint save");
@@ -481,132 +416,11 @@ std::string run_save(MPI_Comm comm, SaveJob& job, Backend* be, FaultPoint& fault
   return t.final_dir;
 }
 
-// The bytes of the rows this rank writes of the tensors in backend memory.
-int64_t device_bytes(const SavePlan& sp) {
-  int64_t n = 0;
-  for (const SavedTensor& x : sp.tensors)
-    if (x.device) n += x.mine.n * x.width() * int64_t(dt_size(x.dt));
-  return n;
-}
-
-// An asynchronous save's copy: each device tensor's rows this rank writes, downloaded into `host`
-// one after another (tensor order; one synchronisation at the end), the tensor pointed at them.
-// The fault point halfway through the tensors (io/checkpoint_faults.h) kills mid-copy.
-void copy_to_host(SavePlan& sp, Backend& be, unsigned char* host, FaultPoint& fault) {
-  size_t off = 0, n = 0, copied = 0;
-  for (const SavedTensor& x : sp.tensors) n += x.device && x.mine.n > 0;
-  for (SavedTensor& x : sp.tensors) {
-    if (!x.device) continue;
-    const size_t bytes = size_t(x.mine.n * x.width()) * dt_size(x.dt);
-    if (bytes > 0) {
-      be.download(host + off, x.at(x.mine.r0), bytes);
-      if (++copied == (n + 1) / 2) fault.hit();
-    }
-    x.data = host + off, x.row0 = x.mine.r0, x.device = false;
-    off += bytes;
-  }
-  be.sync();
-}
-
-}  // namespace
-
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s) {
   const WatchScope watch("checkpoint save");
   const std::unique_ptr<SaveJob> job = prepare_save(comm, s, nullptr);
   FaultPoint fault(job->t.rank, job->t.dir);
   return run_save(comm, *job, &s.model->backend(), fault);
-}
-
-int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s) {
-  SaveTarget t;
-  MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
-  MPI_CHECK(MPI_Comm_size(comm, &t.size));
-  return device_bytes(plan_tensors(s, t));
-}
-
-// ---------------------------------------------------------------- asynchronous save
-
-struct AsyncCheckpointer::Impl {
-  MPI_Comm comm = MPI_COMM_NULL;  // the writer's own
-  Backend* be = nullptr;
-  HostBuffer<unsigned char> copy;
-  std::unique_ptr<SaveJob> job;
-  std::unique_ptr<FaultPoint> fault;
-  // The model's and optimizer's tensors (plan_tensors), the same for every save of theirs.
-  std::unique_ptr<SavePlan> tensors;
-  const Transformer* model = nullptr;
-  const AdamW* opt = nullptr;
-  std::thread writer;
-  std::atomic<bool> done{false};
-  std::string dir, error;
-  int kind = 0;  // 1: CheckpointError, 2: CheckpointMismatch, 3: CheckpointUnreadable (on_every_rank's)
-  int64_t copied = 0, largest = 0;
-};
-
-AsyncCheckpointer::AsyncCheckpointer(MPI_Comm comm, Backend& be) : impl_(std::make_unique<Impl>()) {
-  FP8MOE_ASSERT(threads_multiple(), "an asynchronous checkpoint writer needs MPI_THREAD_MULTIPLE");
-  MPI_CHECK(MPI_Comm_dup(comm, &impl_->comm));
-  impl_->be = &be;
-}
-
-AsyncCheckpointer::~AsyncCheckpointer() {
-  if (impl_->writer.joinable()) impl_->writer.join();
-  if (impl_->comm != MPI_COMM_NULL) MPI_Comm_free(&impl_->comm);
-}
-
-bool AsyncCheckpointer::in_flight() const { return impl_->writer.joinable(); }
-bool AsyncCheckpointer::finished() const { return !in_flight() || impl_->done.load(std::memory_order_acquire); }
-int64_t AsyncCheckpointer::host_bytes() const { return impl_->copy.size(); }
-int64_t AsyncCheckpointer::last_copy_bytes() const { return impl_->copied; }
-
-int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
-  Impl& m = *impl_;
-  FP8MOE_ASSERT(!in_flight(), "AsyncCheckpointer::start with a save in flight: wait() first");
-  const WatchScope watch("checkpoint copy");
-  if (!m.tensors || m.model != s.model || m.opt != s.opt) {
-    SaveTarget t;
-    MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
-    MPI_CHECK(MPI_Comm_size(comm, &t.size));
-    m.tensors = std::make_unique<SavePlan>(plan_tensors(s, t));
-    m.model = s.model, m.opt = s.opt;
-  }
-  m.job = prepare_save(comm, s, m.tensors.get());
-  m.fault = std::make_unique<FaultPoint>(m.job->t.rank, m.job->t.dir);
-  m.copied = device_bytes(m.job->sp);
-  if (m.copied > m.copy.size()) m.copy = HostBuffer<unsigned char>(*m.be, m.copied);  // grows only
-  copy_to_host(m.job->sp, *m.be, m.copy.data(), *m.fault);
-  m.done.store(false), m.dir.clear(), m.error.clear(), m.kind = 0;
-  m.writer = std::thread([&m] {
-    const WatchLane lane("checkpoint writer");
-    // One CPU: a new thread's OpenMP team would be every CPU the process may run on (the main
-    // thread's omp_set_num_threads is its own), spinning beside training's (the checksum loops).
-    omp_set_num_threads(1);
-    try {
-      m.dir = run_save(m.comm, *m.job, nullptr, *m.fault);
-    } catch (const CheckpointMismatch& e) {
-      m.error = e.what(), m.kind = 2;
-    } catch (const CheckpointUnreadable& e) {
-      m.error = e.what(), m.kind = 3;
-    } catch (const CheckpointError& e) {
-      m.error = e.what(), m.kind = 1;
-    } catch (const std::exception& e) {  // as on the main thread (app/train.cpp): the job ends, exit 1
-      fatal_error(__FILE__, __LINE__, std::string("checkpoint writer: unexpected exception: ") + e.what());
-    }
-    m.done.store(true, std::memory_order_release);
-  });
-  return m.copied;
-}
-
-std::string AsyncCheckpointer::wait() {
-  Impl& m = *impl_;
-  if (!in_flight()) return "";
-  m.writer.join();  // unmarked: the writer's lane watches each of its calls, however long the save
-  m.job.reset();
-  m.fault.reset();
-  if (m.kind == 2) throw CheckpointMismatch(m.error);
-  if (m.kind == 3) throw CheckpointUnreadable(m.error);
-  if (m.kind == 1) throw CheckpointError(m.error);
-  return m.dir;
 }
 
 }  // namespace fp8moe

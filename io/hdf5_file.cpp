@@ -190,22 +190,24 @@ uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& wh
   h5(H5Aread(a.get(), H5T_NATIVE_UINT64, &v), where, "cannot read attribute " + name);
   return v;
 }
-std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t n, const std::string& where) {
+namespace {
+// An array attribute of n values read as mem_t into out; another count throws.
+void read_attr_array(hid_t obj, const std::string& name, int64_t n, hid_t mem_t, void* out, const std::string& where) {
   H5Handle a = open_attr(obj, name, where);
   H5Handle space(h5(H5Aget_space(a.get()), where, "attribute " + name), H5Sclose);
   if (H5Sget_simple_extent_npoints(space.get()) != hssize_t(n))
     throw CheckpointError(where + ": attribute " + name + " does not hold " + std::to_string(n) + " values");
-  std::vector<uint64_t> v(static_cast<size_t>(n));
-  h5(H5Aread(a.get(), H5T_NATIVE_UINT64, v.data()), where, "cannot read attribute " + name);
+  h5(H5Aread(a.get(), mem_t, out), where, "cannot read attribute " + name);
+}
+}  // namespace
+std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t n, const std::string& where) {
+  std::vector<uint64_t> v(static_cast<size_t>(std::max<int64_t>(0, n)));
+  read_attr_array(obj, name, n, H5T_NATIVE_UINT64, v.data(), where);
   return v;
 }
 std::vector<int64_t> read_attr_i64s(hid_t obj, const std::string& name, int64_t n, const std::string& where) {
-  H5Handle a = open_attr(obj, name, where);
-  H5Handle space(h5(H5Aget_space(a.get()), where, "attribute " + name), H5Sclose);
-  if (H5Sget_simple_extent_npoints(space.get()) != hssize_t(n))
-    throw CheckpointError(where + ": attribute " + name + " does not hold " + std::to_string(n) + " values");
-  std::vector<int64_t> v(static_cast<size_t>(n));
-  h5(H5Aread(a.get(), H5T_NATIVE_INT64, v.data()), where, "cannot read attribute " + name);
+  std::vector<int64_t> v(static_cast<size_t>(std::max<int64_t>(0, n)));
+  read_attr_array(obj, name, n, H5T_NATIVE_INT64, v.data(), where);
   return v;
 }
 double read_attr_f64(hid_t obj, const std::string& name, const std::string& where) {
@@ -272,7 +274,7 @@ std::string layer_family(const ParamSpec& p) {
 
 DatasetLayout::DatasetLayout(const ParamTable& table, int64_t n_experts, int version)
     : n_experts_(n_experts), version_(version) {
-  if (version_ < 3) return;
+  if (version_ < 3) return;  // no per-block family stacked
   for (const ParamSpec& p : table.params) {
     const std::string family = layer_family(p);
     if (family.empty()) continue;
@@ -288,15 +290,12 @@ Place DatasetLayout::place(const ParamSpec& p, int which) const {
   std::string name = p.name;
   if (version_ >= 2 && p.expert >= 0) {
     name = stacked_name(p.name), pl.slot = p.expert, pl.slots = n_experts_;
-  } else if (version_ >= 3) {
-    const std::string family = layer_family(p);
-    if (!family.empty()) {
-      const std::vector<int64_t>& blocks = *families_.at(family);
-      name = family;
-      pl.slot = std::lower_bound(blocks.begin(), blocks.end(), int64_t(p.layer)) - blocks.begin();
-      pl.slots = int64_t(blocks.size());
-      pl.layers = families_.at(family);
-    }
+  } else if (const auto it = families_.find(layer_family(p)); it != families_.end()) {  // version 3
+    const std::vector<int64_t>& blocks = *it->second;
+    name = it->first;
+    pl.slot = std::lower_bound(blocks.begin(), blocks.end(), int64_t(p.layer)) - blocks.begin();
+    pl.slots = int64_t(blocks.size());
+    pl.layers = it->second;
   }
   pl.path = which < 0 ? param_dataset(name) : moment_dataset(which, name);
   return pl;
