@@ -6,16 +6,19 @@
 // step_N/, fsync the directory, atomically replace <dir>/latest, then prune beyond keep_last.
 //
 // File layout (format version 3):
-//   /params/<name>        float32 (rows, cols)   every ParamTable entry outside the blocks
-//                                                (embed.weight, final_norm.weight, head.weight,
-//                                                the MTP modules' "mtp.0.eh_proj", ...)
-//   /params/<family>      float32 (n, rows, cols)   one per tensor of the blocks, the same tensor of
-//                         every block that has it stacked, slot k the k-th of those blocks; <family>
+//   /params/<name>        float32 (rows, cols)   every ParamTable entry outside the main model's
+//                                                blocks (embed.weight, final_norm.weight,
+//                                                head.weight, the MTP modules' "mtp.0.eh_proj",
+//                                                "mtp.0.attn.wq", ...) but the routed experts'
+//   /params/<family>      float32 (n, rows, cols)   one per tensor of the main model's blocks
+//                         (layers.N.*) but the routed experts', the same tensor of every block
+//                         that has it stacked, slot k the k-th of those blocks; <family>
 //                         is the name without the block's number ("layers.attn.wq" holds
 //                         layers.0.attn.wq, layers.1.attn.wq, ...); its int64 attribute `layers`
 //                         lists the blocks slot by slot ("layers.moe.router": 3, 4, ..., 60 when
 //                         the first 3 blocks are dense)
-//   /params/<stacked>     float32 (n_experts, rows, cols)   one per MoE block and expert weight:
+//   /params/<stacked>     float32 (n_experts, rows, cols)   one per MoE block (an MTP module's
+//                         too) and expert weight:
 //                         expert e's tensor in slot e; <stacked> is the tensors' name without the
 //                         expert's number ("layers.3.moe.experts.w1" holds layers.3.moe.experts.*.w1)
 //   /optim/m/<...>        float32 or bfloat16    AdamW first moments, trainable parameters only,

@@ -183,7 +183,9 @@ DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, Checkp
     d.slots = nd == 3 ? int64_t(dims[0]) : 0;
     const std::vector<uint64_t> stored = d.slots > 0 ? read_attr_u64s(ds.get(), "checksums", d.slots, at)
                                                      : std::vector<uint64_t>{read_attr_u64(ds.get(), "checksum", at)};
-    if (d.slots > 0 && H5Aexists(ds.get(), "layers") > 0) d.layers = read_attr_i64s(ds.get(), "layers", d.slots, at);
+    // A per-block family's blocks, as many as the attribute holds (ckpt verify compares them with
+    // the stored config's).
+    if (d.slots > 0 && H5Aexists(ds.get(), "layers") > 0) d.layers = read_attr_i64s(ds.get(), "layers", -1, at);
     for (uint64_t v : stored) d.stored_checksum += v;
     if (!verify) return;
     d.checked = true, d.ok = true;
@@ -192,7 +194,7 @@ DatasetReport inspect_dataset(hid_t f, const std::string& p, bool verify, Checkp
       d.computed_checksum += got;
       if (got == stored[e]) continue;
       d.ok = false;
-      const std::string slot = d.layers.empty() ? ", expert " + std::to_string(e) : ", layer " + std::to_string(d.layers[e]);
+      const std::string slot = e < d.layers.size() ? ", layer " + std::to_string(d.layers[e]) : ", expert " + std::to_string(e);
       rep.problems.push_back(at + (d.slots > 0 ? slot : "") + checksum_mismatch(stored[e], got));
     }
   });

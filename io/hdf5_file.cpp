@@ -191,24 +191,24 @@ uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& wh
   return v;
 }
 namespace {
-// An array attribute of n values read as mem_t into out; another count throws.
-void read_attr_array(hid_t obj, const std::string& name, int64_t n, hid_t mem_t, void* out, const std::string& where) {
+// An array attribute as mem_t values (type T): n of them (another count throws), or any number (n -1).
+template <class T>
+std::vector<T> read_attr_array(hid_t obj, const std::string& name, int64_t n, hid_t mem_t, const std::string& where) {
   H5Handle a = open_attr(obj, name, where);
   H5Handle space(h5(H5Aget_space(a.get()), where, "attribute " + name), H5Sclose);
-  if (H5Sget_simple_extent_npoints(space.get()) != hssize_t(n))
+  const hssize_t count = H5Sget_simple_extent_npoints(space.get());
+  if (count < 0 || (n >= 0 && count != hssize_t(n)))
     throw CheckpointError(where + ": attribute " + name + " does not hold " + std::to_string(n) + " values");
-  h5(H5Aread(a.get(), mem_t, out), where, "cannot read attribute " + name);
+  std::vector<T> v(static_cast<size_t>(count));
+  if (count > 0) h5(H5Aread(a.get(), mem_t, v.data()), where, "cannot read attribute " + name);
+  return v;
 }
 }  // namespace
 std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t n, const std::string& where) {
-  std::vector<uint64_t> v(static_cast<size_t>(std::max<int64_t>(0, n)));
-  read_attr_array(obj, name, n, H5T_NATIVE_UINT64, v.data(), where);
-  return v;
+  return read_attr_array<uint64_t>(obj, name, n, H5T_NATIVE_UINT64, where);
 }
 std::vector<int64_t> read_attr_i64s(hid_t obj, const std::string& name, int64_t n, const std::string& where) {
-  std::vector<int64_t> v(static_cast<size_t>(std::max<int64_t>(0, n)));
-  read_attr_array(obj, name, n, H5T_NATIVE_INT64, v.data(), where);
-  return v;
+  return read_attr_array<int64_t>(obj, name, n, H5T_NATIVE_INT64, where);
 }
 double read_attr_f64(hid_t obj, const std::string& name, const std::string& where) {
   H5Handle a = open_attr(obj, name, where);
@@ -275,12 +275,17 @@ std::string layer_family(const ParamSpec& p) {
 DatasetLayout::DatasetLayout(const ParamTable& table, int64_t n_experts, int version)
     : n_experts_(n_experts), version_(version) {
   if (version_ < 3) return;  // no per-block family stacked
+  std::unordered_map<std::string, const ParamSpec*> first;  // a family's first tensor
   for (const ParamSpec& p : table.params) {
     const std::string family = layer_family(p);
     if (family.empty()) continue;
     auto& blocks = families_[family];
-    if (!blocks) blocks = std::make_shared<std::vector<int64_t>>();
-    FP8MOE_ASSERT(blocks->empty() || blocks->back() < p.layer, "checkpoint: ", p.name, " out of block order");
+    if (!blocks) blocks = std::make_shared<std::vector<int64_t>>(), first[family] = &p;
+    const ParamSpec& f = *first[family];
+    // One dataset: the same shape, and moments for every slot or none.
+    FP8MOE_ASSERT((blocks->empty() || blocks->back() < p.layer) && p.rows == f.rows && p.cols == f.cols &&
+                      p.trainable == f.trainable,
+                  "checkpoint: ", p.name, " is out of block order, or unlike ", f.name);
     blocks->push_back(p.layer);
   }
 }
@@ -295,6 +300,8 @@ Place DatasetLayout::place(const ParamSpec& p, int which) const {
     name = it->first;
     pl.slot = std::lower_bound(blocks.begin(), blocks.end(), int64_t(p.layer)) - blocks.begin();
     pl.slots = int64_t(blocks.size());
+    FP8MOE_ASSERT(pl.slot < pl.slots && blocks[size_t(pl.slot)] == p.layer, "checkpoint: ", p.name,
+                  " is not in the table this layout was made from");
     pl.layers = it->second;
   }
   pl.path = which < 0 ? param_dataset(name) : moment_dataset(which, name);

@@ -116,14 +116,14 @@ struct Place {
 // The datasets of a model's tensors in a file of format `version`. Version 1: every tensor a 2-D
 // dataset of its own. Version 2: a MoE block's routed experts stacked, slot e expert e
 // ("layers.3.moe.experts.17.w1" in slot 17 of "layers.3.moe.experts.w1"). Version 3: as version
-// 2, and every other tensor of a block stacked with the same tensor of the other blocks that have
-// it ("layers.3.attn.wq" in "layers.attn.wq"), slot k the k-th of those blocks in order.
+// 2, and every other tensor of a main-model block (layers.N.*; an MTP module's stay 2-D) stacked
+// with the same tensor of the other blocks that have it ("layers.3.attn.wq" in "layers.attn.wq"),
+// slot k the k-th of those blocks in order.
 class DatasetLayout {
  public:
   DatasetLayout(const ParamTable& table, int64_t n_experts, int version);
   // which -1: the parameter; 0, 1: its first and second moments.
   Place place(const ParamSpec& p, int which) const;
-  int version() const { return version_; }
 
  private:
   int64_t n_experts_ = 0;
@@ -167,6 +167,7 @@ int64_t read_attr_i64(hid_t obj, const std::string& name, const std::string& whe
 uint64_t read_attr_u64(hid_t obj, const std::string& name, const std::string& where);
 // An array attribute of n values; another count throws.
 std::vector<uint64_t> read_attr_u64s(hid_t obj, const std::string& name, int64_t n, const std::string& where);
+// n -1: any number of values.
 std::vector<int64_t> read_attr_i64s(hid_t obj, const std::string& name, int64_t n, const std::string& where);
 double read_attr_f64(hid_t obj, const std::string& name, const std::string& where);
 std::string read_attr_str(hid_t obj, const std::string& name, const std::string& where);

@@ -317,7 +317,8 @@ TEST_F(Resume, EveryDatasetOfEveryGroupIsChecksummedOnLoad) {
   std::vector<std::string> victims = {pick("/params/"), pick("/optim/m/"), pick("/optim/v/"), pick("/fp8/"),
                                       datasets.back(), pick("/fp8/steps"), pick("/params/layers.1.moe.experts."),
                                       pick("/optim/m/layers.1.moe.experts."), pick("/optim/v/layers.1.moe.experts."),
-                                      pick("/params/layers.attn."), pick("/optim/v/layers.attn_norm.")};
+                                      pick("/params/layers.attn."), pick("/optim/v/layers.attn_norm."),
+                                      pick("/params/layers.moe.router")};
   for (const std::string& victim : victims) {
     SCOPED_TRACE(victim);
     ASSERT_FALSE(victim.empty()) << ls.out;

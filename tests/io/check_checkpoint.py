@@ -140,19 +140,21 @@ def compare(a_path, b_path, bound=1e-3):
     others = []
     b.visititems(lambda n, o: others.append(n) if isinstance(o, h5py.Dataset) else None)
     assert sorted(names) == sorted(others), set(names) ^ set(others)
-    worst, where = 0.0, ""
     for n in names:
-        x, y = a[n].astype(np.float64)[()], b[n].astype(np.float64)[()]
-        assert x.shape == y.shape, n
-        if not n.startswith("params/"):
-            continue
+        assert a[n].shape == b[n].shape, n
+    # Each parameter on its own (a stacked dataset split into its tensors), relative to its own
+    # largest element.
+    x_all, y_all = read_tensors(a["params"], np.float64), read_tensors(b["params"], np.float64)
+    worst, where = 0.0, ""
+    for n, x in x_all.items():
+        y = y_all[n]
         scale = max(np.abs(x).max(), 1e-30)
         d = np.abs(x - y).max() / scale
         if d > worst:
             worst, where = d, n
     assert worst <= bound, "%s differs by %.3g (relative to its largest element)" % (where, worst)
-    print("global tensors of the two saves: %d datasets, parameters within %.2e of each other (worst: %s; bound %.0e)"
-          % (len(names), worst, where, bound))
+    print("global tensors of the two saves: %d datasets, %d parameters within %.2e of each other (worst: %s; "
+          "bound %.0e)" % (len(names), len(x_all), worst, where, bound))
 
 
 if __name__ == "__main__":

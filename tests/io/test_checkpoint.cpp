@@ -16,11 +16,13 @@
 #include <map>
 #include <mutex>
 #include <regex>
+#include <set>
 #include <string>
 #include <unordered_map>
 
 #include "io/checkpoint.h"
 #include "io/config.h"
+#include "io/hdf5_file.h"
 #include "kernels/backend.h"
 #include "parallel/mpi_session.h"
 
@@ -332,6 +334,67 @@ TEST(Checkpoint, GqaCheckpointRefusedByAnMlaConfigNamesKeysAndTensors) {
     EXPECT_EQ(m.find("layers.*.attn.wo"), std::string::npos) << m;  // both have it
   }
   remove_shared(dir);
+}
+
+// Where DeepSeek-V3's tensors live in each format (configs/deepseek-v3-671b.yaml's blocks, experts,
+// attention and MTP at tiny widths), against the layout README "Checkpoints" documents: the dataset
+// counts that h5py counted in files of each format written with FP8 off (138,425, 3,020, 641), and
+// one tensor of each kind placed by hand.
+TEST(Checkpoint, DatasetLayoutOfDeepSeekV3InEveryFormat) {
+  ModelConfig m;
+  m.vocab_size = 256, m.d_model = 64, m.n_layers = 61, m.first_dense_layers = 3, m.n_heads = 2;
+  m.attention = AttentionKind::mla;
+  m.q_lora_rank = 32, m.kv_lora_rank = 16, m.qk_nope_head_dim = 16, m.qk_rope_head_dim = 8, m.v_head_dim = 16;
+  m.d_ff_dense = 128, m.mtp_depth = 1;
+  m.moe.n_experts = 256, m.moe.top_k = 8, m.moe.n_shared_experts = 1, m.moe.d_expert = 16;
+  const ParamTable table = build_param_table(m);
+  auto spec = [&](const std::string& name) { return table.at(name); };
+  const std::map<int, size_t> datasets = {{1, 138425}, {2, 3020}, {3, 641}};
+  for (const auto& [version, count] : datasets) {
+    const ckpt::DatasetLayout layout(table, m.moe.n_experts, version);
+    std::set<std::string> paths;
+    for (const ParamSpec& p : table.params)
+      for (int which = -1; which < (p.trainable ? 2 : 0); ++which) paths.insert(layout.place(p, which).path);
+    EXPECT_EQ(paths.size(), count) << "format " << version;  // FP8 off: no /fp8 datasets
+  }
+  const ckpt::DatasetLayout v3(table, m.moe.n_experts, 3), v2(table, m.moe.n_experts, 2), v1(table, m.moe.n_experts, 1);
+  ckpt::Place p = v3.place(spec("layers.10.moe.router"), -1);  // the MoE blocks, 3-60
+  EXPECT_EQ(p.path, "/params/layers.moe.router");
+  EXPECT_EQ(p.slot, 7);
+  EXPECT_EQ(p.slots, 58);
+  ASSERT_TRUE(p.layers);
+  EXPECT_EQ(p.layers->front(), 3);
+  EXPECT_EQ(p.layers->back(), 60);
+  EXPECT_EQ(ckpt::tensor_text(p), "dataset /params/layers.moe.router, layer 10");
+  EXPECT_EQ(ckpt::layers_text(*p.layers), "layers 3-60");
+  p = v3.place(spec("layers.5.attn.wq_a"), 1);  // every block
+  EXPECT_EQ(p.path, "/optim/v/layers.attn.wq_a");
+  EXPECT_EQ(p.slot, 5);
+  EXPECT_EQ(p.slots, 61);
+  p = v3.place(spec("layers.2.mlp.w1"), 0);  // the dense blocks, 0-2
+  EXPECT_EQ(p.path, "/optim/m/layers.mlp.w1");
+  EXPECT_EQ(p.slot, 2);
+  EXPECT_EQ(p.slots, 3);
+  p = v3.place(spec("layers.4.moe.experts.17.w2"), -1);  // experts stay per block
+  EXPECT_EQ(p.path, "/params/layers.4.moe.experts.w2");
+  EXPECT_EQ(p.slot, 17);
+  EXPECT_EQ(p.slots, 256);
+  EXPECT_FALSE(p.layers);
+  EXPECT_EQ(ckpt::tensor_text(p), "dataset /params/layers.4.moe.experts.w2, expert 17");
+  for (const char* alone : {"mtp.0.attn.wq_a", "mtp.0.eh_proj", "embed.weight", "final_norm.weight", "head.weight"}) {
+    p = v3.place(spec(alone), -1);
+    EXPECT_EQ(p.path, std::string("/params/") + alone);
+    EXPECT_EQ(p.slot, -1);
+  }
+  p = v3.place(spec("mtp.0.moe.experts.3.w1"), -1);
+  EXPECT_EQ(p.path, "/params/mtp.0.moe.experts.w1");
+  EXPECT_EQ(p.slot, 3);
+  // Format 2: the blocks' other tensors alone; format 1: the experts too.
+  EXPECT_EQ(v2.place(spec("layers.5.attn.wq_a"), -1).path, "/params/layers.5.attn.wq_a");
+  EXPECT_EQ(v2.place(spec("layers.5.attn.wq_a"), -1).slot, -1);
+  EXPECT_EQ(v2.place(spec("layers.4.moe.experts.17.w2"), -1).path, "/params/layers.4.moe.experts.w2");
+  EXPECT_EQ(v1.place(spec("layers.4.moe.experts.17.w2"), -1).path, "/params/layers.4.moe.experts.17.w2");
+  EXPECT_EQ(v1.place(spec("layers.4.moe.experts.17.w2"), -1).slot, -1);
 }
 
 TEST(Checkpoint, ChecksumTermIsTheDocumentedFormula) {
