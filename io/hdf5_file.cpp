@@ -197,7 +197,8 @@ std::vector<T> read_attr_array(hid_t obj, const std::string& name, int64_t n, hi
   H5Handle a = open_attr(obj, name, where);
   H5Handle space(h5(H5Aget_space(a.get()), where, "attribute " + name), H5Sclose);
   const hssize_t count = H5Sget_simple_extent_npoints(space.get());
-  if (count < 0 || (n >= 0 && count != hssize_t(n)))
+  if (count < 0) throw CheckpointError(where + ": attribute " + name + " has no readable size");
+  if (n >= 0 && count != hssize_t(n))
     throw CheckpointError(where + ": attribute " + name + " does not hold " + std::to_string(n) + " values");
   std::vector<T> v(static_cast<size_t>(count));
   if (count > 0) h5(H5Aread(a.get(), mem_t, v.data()), where, "cannot read attribute " + name);
@@ -317,7 +318,7 @@ std::string tensor_text(const Place& p) {
 
 std::string layers_text(const std::vector<int64_t>& layers) {
   if (layers.empty()) return "no `layers` attribute";
-  bool run = !layers.empty();
+  bool run = true;
   for (size_t i = 1; i < layers.size(); ++i) run = run && layers[i] == layers[i - 1] + 1;
   if (run && layers.size() > 2)
     return "layers " + std::to_string(layers.front()) + "-" + std::to_string(layers.back());
@@ -522,9 +523,11 @@ OpenDataset open_dataset(hid_t file, const std::string& path, int64_t slots, int
     throw CheckpointError(d.at + ": unexpected element type");
   d.stored_checksums = slots > 0 ? read_attr_u64s(d.ds.get(), "checksums", slots, d.at)
                                  : std::vector<uint64_t>{read_attr_u64(d.ds.get(), "checksum", d.at)};
-  if (layers && read_attr_i64s(d.ds.get(), "layers", slots, d.at) != *layers)
-    throw CheckpointError(d.at + ": holds " + layers_text(read_attr_i64s(d.ds.get(), "layers", slots, d.at)) +
-                          ", expected " + layers_text(*layers));
+  if (layers) {
+    const std::vector<int64_t> held = read_attr_i64s(d.ds.get(), "layers", -1, d.at);
+    if (held != *layers)
+      throw CheckpointError(d.at + ": holds " + layers_text(held) + ", expected " + layers_text(*layers));
+  }
   return d;
 }
 
