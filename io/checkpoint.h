@@ -131,9 +131,13 @@ static_assert(kCheckpointStagingBytes == CheckpointConfig{}.staging_bytes, "chec
 // directory's file system (a tmpfs only) at a point of the save.
 std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 
+// The bytes of the state this rank writes (the rows it writes of every parameter and moment):
+// what AsyncCheckpointer::start copies. Not collective.
+int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s);
+
 // An asynchronous save (checkpoint.async): start() copies what this rank writes of the step's
 // state into host memory (one buffer, pinned under CUDA, allocated at the first save and grown
-// only when a later one needs more: last_copy_bytes() is this rank's share of the checkpoint,
+// only when a later one needs more: start() returns this rank's share of the checkpoint,
 // `fp8moe plan` prints it) on the calling thread, then a writer thread of its own writes, reads
 // back and commits it exactly as save_checkpoint does (the same phases and commit order; its
 // fault points are save_checkpoint's after one more, halfway through the copy), over a duplicate
@@ -145,10 +149,6 @@ std::string save_checkpoint(MPI_Comm comm, const TrainerState& s);
 // committed directory, or throws its CheckpointError, the same on every rank (the previous
 // checkpoint intact); "" when nothing is in flight. start() requires nothing in flight, and the
 // destructor joins a writer still running. Construction and start() are collective over comm.
-// The bytes of the state this rank writes (the rows it writes of every parameter and moment):
-// what AsyncCheckpointer::start copies. Not collective.
-int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s);
-
 class AsyncCheckpointer {
  public:
   AsyncCheckpointer(MPI_Comm comm, Backend& be);
@@ -161,7 +161,6 @@ class AsyncCheckpointer {
   bool finished() const;
   std::string wait();
   int64_t host_bytes() const;       // the host copy's size
-  int64_t last_copy_bytes() const;  // the last start()'s copy
 
  private:
   struct Impl;

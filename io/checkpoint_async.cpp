@@ -43,14 +43,17 @@ void copy_to_host(SavePlan& sp, Backend& be, unsigned char* host, FaultPoint& fa
   be.sync();
 }
 
-}  // namespace
-
-int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s) {
+// plan_tensors for this rank of comm.
+SavePlan plan_on(MPI_Comm comm, const TrainerState& s) {
   SaveTarget t;
   MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
   MPI_CHECK(MPI_Comm_size(comm, &t.size));
-  return device_bytes(plan_tensors(s, t));
+  return plan_tensors(s, t);
 }
+
+}  // namespace
+
+int64_t checkpoint_copy_bytes(MPI_Comm comm, const TrainerState& s) { return device_bytes(plan_on(comm, s)); }
 
 struct AsyncCheckpointer::Impl {
   MPI_Comm comm = MPI_COMM_NULL;  // the writer's own
@@ -66,7 +69,6 @@ struct AsyncCheckpointer::Impl {
   std::atomic<bool> done{false};
   std::string dir, error;
   int kind = 0;  // 1: CheckpointError, 2: CheckpointMismatch, 3: CheckpointUnreadable (on_every_rank's)
-  int64_t copied = 0, largest = 0;
 };
 
 AsyncCheckpointer::AsyncCheckpointer(MPI_Comm comm, Backend& be) : impl_(std::make_unique<Impl>()) {
@@ -83,23 +85,19 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 bool AsyncCheckpointer::in_flight() const { return impl_->writer.joinable(); }
 bool AsyncCheckpointer::finished() const { return !in_flight() || impl_->done.load(std::memory_order_acquire); }
 int64_t AsyncCheckpointer::host_bytes() const { return impl_->copy.size(); }
-int64_t AsyncCheckpointer::last_copy_bytes() const { return impl_->copied; }
 
 int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
   Impl& m = *impl_;
   FP8MOE_ASSERT(!in_flight(), "AsyncCheckpointer::start with a save in flight: wait() first");
   const WatchScope watch("checkpoint copy");
   if (!m.tensors || m.model != s.model || m.opt != s.opt) {
-    SaveTarget t;
-    MPI_CHECK(MPI_Comm_rank(comm, &t.rank));
-    MPI_CHECK(MPI_Comm_size(comm, &t.size));
-    m.tensors = std::make_unique<SavePlan>(plan_tensors(s, t));
+    m.tensors = std::make_unique<SavePlan>(plan_on(comm, s));
     m.model = s.model, m.opt = s.opt;
   }
   m.job = prepare_save(comm, s, m.tensors.get());
   m.fault = std::make_unique<FaultPoint>(m.job->t.rank, m.job->t.dir);
-  m.copied = device_bytes(m.job->sp);
-  if (m.copied > m.copy.size()) m.copy = HostBuffer<unsigned char>(*m.be, m.copied);  // grows only
+  const int64_t copied = device_bytes(m.job->sp);
+  if (copied > m.copy.size()) m.copy = HostBuffer<unsigned char>(*m.be, copied);  // grows only
   copy_to_host(m.job->sp, *m.be, m.copy.data(), *m.fault);
   m.done.store(false), m.dir.clear(), m.error.clear(), m.kind = 0;
   m.writer = std::thread([&m] {
@@ -120,7 +118,7 @@ int64_t AsyncCheckpointer::start(MPI_Comm comm, const TrainerState& s) {
     }
     m.done.store(true, std::memory_order_release);
   });
-  return m.copied;
+  return copied;
 }
 
 std::string AsyncCheckpointer::wait() {

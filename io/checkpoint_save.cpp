@@ -377,10 +377,6 @@ void read_back(MPI_Comm comm, const SaveTarget& t, const Staging& st, const std:
 
 }  // namespace
 
-
-// The main thread's part of every save: collective over comm (the delayed-scaling state's
-// allgather, the creation time's broadcast). `tensors`: plan_tensors(s, ...) of an earlier save,
-// or nullptr.
 std::unique_ptr<SaveJob> ckpt::prepare_save(MPI_Comm comm, const TrainerState& s, const SavePlan* tensors) {
   auto job = std::make_unique<SaveJob>();
   job->t = save_target(comm, *s.cfg, s.progress->step);
@@ -391,8 +387,6 @@ std::unique_ptr<SaveJob> ckpt::prepare_save(MPI_Comm comm, const TrainerState& s
   return job;
 }
 
-// The rest, from the empty step_N.tmp/ to the commit: collective over comm. be: the backend of
-// tensors still in its memory (a synchronous save), nullptr when copy_to_host moved them all.
 std::string ckpt::run_save(MPI_Comm comm, SaveJob& job, Backend* be, FaultPoint& fault) {
   // The watchdog's mark for the whole save: its limit applies between the watched calls inside too
   // (the checksum reductions, HDF5's own collectives).

@@ -250,6 +250,10 @@ int check_version(hid_t file, const std::string& where) {
 
 // ---------------------------------------------------------------- dataset names
 
+namespace {
+
+// A routed expert's tensor's name in the stacked form: "layers.3.moe.experts.17.w1" ->
+// "layers.3.moe.experts.w1" (the expert's number and its dot removed); other names unchanged.
 std::string stacked_name(const std::string& name) {
   static const std::string key = ".moe.experts.";
   const size_t at = name.find(key);
@@ -259,8 +263,6 @@ std::string stacked_name(const std::string& name) {
   if (end == at + key.size() || end >= name.size() || name[end] != '.') return name;
   return name.substr(0, at + key.size()) + name.substr(end + 1);
 }
-
-namespace {
 
 // A per-block tensor's family ("layers.3.attn.wq" -> "layers.attn.wq"); "" for any other tensor
 // (outside the blocks, a routed expert's, the MTP modules').

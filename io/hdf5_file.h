@@ -99,10 +99,6 @@ inline std::string moment_dataset(int which, const std::string& name) {
   return (which == 0 ? "/optim/m/" : "/optim/v/") + name;
 }
 
-// A routed expert's tensor's name in the stacked form: "layers.3.moe.experts.17.w1" ->
-// "layers.3.moe.experts.w1" (the expert's number and its dot removed); other names unchanged.
-std::string stacked_name(const std::string& name);
-
 // Where a tensor lives in a file of format `version` (io/checkpoint.h): its dataset and, in a
 // stacked dataset, its slot of `slots`. slot -1: a 2-D dataset of its own.
 struct Place {
