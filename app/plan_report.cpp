@@ -20,10 +20,14 @@ namespace {
 // expert_row_bytes).
 std::string expert_rows_text(const Config& c) {
   const int64_t D = c.model.d_model;
-  const ExpertRowBytes b = expert_row_bytes(D, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, c.train.activations);
+  const ExpertRowBytes b =
+      expert_row_bytes(D, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, c.train.activations, c.train.moe_gates);
+  const std::string gates = c.train.moe_gates == GateSite::expert
+                                ? "; the gate out and its FP64 gradient back, 12 bytes a row (train.moe_gates expert)"
+                                : "";
   if (c.train.activations == ActivationDtype::fp32)
     return "FP32 rows of D = " + std::to_string(D) + " values, " + std::to_string(int64_t(b.dispatch)) +
-           " bytes each exchange (train.activations fp32)";
+           " bytes each exchange (train.activations fp32)" + gates;
   const bool fp8 = b.dispatch < 2.0 * double(D);
   const std::string scales = c.fp8.recipe == Fp8Recipe::blockwise
                                  ? " (1 x " + std::to_string(c.fp8.tile) + " tiles and their scales)"
@@ -31,7 +35,7 @@ std::string expert_rows_text(const Config& c) {
   return std::string(fp8 ? "FP8 dispatch, " : "BF16 dispatch, ") + std::to_string(int64_t(b.dispatch)) +
          " bytes a row" + (fp8 ? scales : "") +
          " both ways; BF16 combine, " + std::to_string(int64_t(b.combine)) + " bytes a row both ways; D = " +
-         std::to_string(D) + " (train.activations bf16)";
+         std::to_string(D) + " (train.activations bf16)" + gates;
 }
 
 std::string bytes_text(double b) {

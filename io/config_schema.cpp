@@ -192,6 +192,11 @@ const std::vector<Field>& schema() {
     v.push_back(choice("train.hp_gemm", REF(train.hp_gemm),
                        "The GEMMs outside the linear layers (MoE router, head, MTP eh_proj): fp32, or bf16 "
                        "(DeepSeek-V3's): BF16 operands, FP32 accumulation and outputs."));
+    v.push_back(choice("train.moe_gates", REF(train.moe_gates),
+                       "Where the routed experts' gates multiply: combine (each expert's output, as the token's "
+                       "rank sums them), or expert (each expert's SwiGLU output before its down-projection, "
+                       "Megatron-Core's weighted SwiGLU: combine is a plain sum and the experts' outputs are "
+                       "not kept for backward; the gates travel with the rows, 4 bytes each way)."));
     // optim
     v.push_back(integer("optim.zero", REF(optim.zero), 0, 1,
                         "1: shard the Adam moments over the data-parallel replicas (ZeRO-1: reduce-scatter "

@@ -187,6 +187,12 @@ class Backend {
   virtual void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) = 0;
   virtual void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db,
                                int64_t rows, int64_t cols) = 0;
+  // Row r scaled by gate[r] after the SwiGLU; backward: dgate (rows, double) and da, db of gate dy
+  // (kernels/swiglu.h; train.moe_gates expert).
+  virtual void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y,
+                                    int64_t rows, int64_t cols) = 0;
+  virtual void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy,
+                                     float* da, float* db, double* dgate, int64_t rows, int64_t cols) = 0;
   virtual void add(const float* a, const float* b, float* out, int64_t n) = 0;
   // BF16 (kernels/elementwise.h): FP32 -> BF16 bits rounded to nearest even, back exactly, and the
   // rounding in FP32 (y may be x). train.activations: bf16's rounding points and wire formats.
@@ -201,6 +207,8 @@ class Backend {
                              float* out) = 0;
   virtual void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D,
                          float* dye, double* dgate) = 0;
+  virtual void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) = 0;
+  virtual void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) = 0;
   virtual void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) = 0;
   virtual void aux_loss(const RoutingBuffers& r, double coef, bool sigmoid, double* out) = 0;
   virtual void bias_update(float* bias, const int64_t* load, int64_t E, double rate) = 0;

@@ -375,6 +375,16 @@ void HostBackend::swiglu_backward(const float* a, const float* b, int64_t ld, co
   cpu::swiglu_backward(h(a), h(b), ld, h(dy), h(da), h(db), rows, cols);
 }
 
+void HostBackend::swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y,
+                                       int64_t rows, int64_t cols) {
+  cpu::swiglu_gated_forward(h(a), h(b), ld, h(gate), h(y), rows, cols);
+}
+
+void HostBackend::swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy,
+                                        float* da, float* db, double* dgate, int64_t rows, int64_t cols) {
+  cpu::swiglu_gated_backward(h(a), h(b), ld, h(gate), h(dy), h(da), h(db), h(dgate), rows, cols);
+}
+
 void HostBackend::add(const float* a, const float* b, float* out, int64_t n) { cpu::add(h(a), h(b), h(out), n); }
 void HostBackend::to_bf16(const float* x, uint16_t* y, int64_t n) { cpu::to_bf16(h(x), h(y), n); }
 void HostBackend::from_bf16(const uint16_t* x, float* y, int64_t n) { cpu::from_bf16(h(x), h(y), n); }
@@ -391,6 +401,14 @@ void HostBackend::permute(const float* x, const int64_t* row_token, int64_t R, i
 void HostBackend::unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated,
                                 float* out) {
   cpu::unpermute_add(h(r), R, h(rows), D, gated, h(out));
+}
+
+void HostBackend::row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) {
+  cpu::row_gates(h(r), R, h(gate_rows));
+}
+
+void HostBackend::slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) {
+  cpu::slot_grads(h(r), R, h(row_grads), h(dgate));
 }
 
 void HostBackend::gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D,

@@ -96,6 +96,10 @@ class HostBackend final : public Backend {
   void embedding_backward(const float* dout, const int32_t* ids, int64_t N, int64_t D, int64_t v0, int64_t Vl,
                           float* dtable) override;
   void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) override;
+  void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                            int64_t cols) override;
+  void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
+                             float* db, double* dgate, int64_t rows, int64_t cols) override;
   void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
                        int64_t cols) override;
   void add(const float* a, const float* b, float* out, int64_t n) override;
@@ -105,6 +109,8 @@ class HostBackend final : public Backend {
   void route(const float* z, const float* bias, const RouterRule& rule, const RoutingBuffers& out) override;
   void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows) override;
   void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out) override;
+  void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override;
+  void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) override;
   void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                  double* dgate) override;
   void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) override;

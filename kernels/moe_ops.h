@@ -8,6 +8,10 @@
 //   gate_grad      per row i of token n and slot j: dye[i] = gate[n, j] dout[n] (the expert's
 //                  output gradient) and dgate[n, j] = dout[n] . expert_out[i] (double); dgate is
 //                  written for every slot, 0 for dropped ones
+//   row_gates      gate_rows[i] = gate[n, j] of row i's token n and slot j (train.moe_gates expert:
+//                  the gates travel with the rows to the experts)
+//   slot_grads     dgate[n, j] = row_grads[i] for row i of token n and slot j, 0 for dropped slots
+//                  (the gates' gradients the experts computed, back in slot order)
 //   router_grad    d loss / d z (N, E) from dgate through the gates (normalised or not, scaled) and
 //                  the scores, plus the auxiliary loss's gradient (aux_coef > 0)
 //   aux_loss       coef E sum_e f_e P_e (switch style): f_e = load_e / (N k), P_e the mean over
@@ -40,6 +44,8 @@ void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, flo
 void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out);
 void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                double* dgate);
+void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows);
+void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate);
 void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz);
 double aux_loss(const RoutingBuffers& r, double coef, bool sigmoid);
 void bias_update(float* bias, const int64_t* load, int64_t E, double rate);

@@ -31,6 +31,14 @@ FP8MOE_HD inline void swiglu_backward_elem(float a, float b, float dy, float* da
   swiglu_backward_elem(a, b, dy, sigmoidf_(a), da, db);
 }
 
+// The gated forms (train.moe_gates expert, model/moe.h): row r scaled by its routing gate g_r after
+// the SwiGLU, y = g_r (silu(a) b), the product silu(a) b rounded first (so y is the FP32 product of
+// g_r and swiglu_forward's value). Given dy = dL/dy: dL/dg_r = sum over the row of dy silu(a) b,
+// and da, db are swiglu_backward's of g_r dy.
+FP8MOE_HD inline float swiglu_gated_forward_elem(float a, float b, float s, float g) {
+  return g * swiglu_forward_elem(a, b, s);
+}
+
 // Both ops take (rows, cols) matrices. a, b (and da, db) are read (written) with row stride ld >= cols,
 // so that they may be the two halves of one fused GEMM output [x W1^T | x W3^T] (ld = 2 cols, b = a +
 // cols) as well as two separate tensors (ld = cols). y and dy are contiguous (rows, cols).
@@ -38,6 +46,11 @@ namespace cpu {
 void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols);
 void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
                      int64_t cols);
+// gate (rows); dgate (rows) written, each row's sum in double in column order.
+void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                          int64_t cols);
+void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
+                           float* db, double* dgate, int64_t rows, int64_t cols);
 }  // namespace cpu
 
 }  // namespace fp8moe

@@ -21,10 +21,12 @@ void BlockSaved::finish(bool keep) {
   kept = keep;
   if (kept) return;
   MoeRouting routing = std::move(moe.routing);
+  Tensor gate_rows = std::move(moe.gate_rows);  // train.moe_gates expert: sent once, with the routing
   const int64_t b = B, t = T;
   *this = BlockSaved{};
   B = b, T = t;
   moe.routing = std::move(routing);
+  moe.gate_rows = std::move(gate_rows);
 }
 
 Block::Block(const ModelContext& ctx, int layer, bool recomputed) : ctx_(ctx), layer_(layer), recomputed_(recomputed) {
@@ -42,6 +44,7 @@ Block::Block(const ModelContext& ctx, int layer, bool recomputed) : ctx_(ctx), l
   moe_.router = router.w, moe_grads_.router = router.g;
   moe_.router_bias = ctx.fp8.weight(q + "router_bias").w;
   moe_.router_gemm = ctx.hp_gemm;
+  moe_.gates = ctx.moe_gates;
   moe_.shared = {nullptr, nullptr, nullptr};
   if (m.moe.n_shared_experts > 0) {
     shared_ = FfnParams(ctx.fp8, q + "shared.");

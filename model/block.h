@@ -40,8 +40,9 @@ struct BlockSaved {
   // Activation bytes held for backward, the block input included (x_value_bytes: 4, or 2 where the
   // stage keeps it in BF16, train.activations bf16).
   int64_t bytes(int64_t D, int64_t x_value_bytes = 4) const;
-  // After a training forward: `kept`, or everything dropped but B, T and the MoE routing (the block
-  // is recomputed in backward with the forward's routing: no synchronisation of its own).
+  // After a training forward: `kept`, or everything dropped but B, T, the MoE routing and its gate
+  // rows (the block is recomputed in backward with the forward's routing: no synchronisation or
+  // gate exchange of its own).
   void finish(bool kept);
 };
 

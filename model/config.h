@@ -19,6 +19,7 @@ enum class MomentsDtype { fp32, bf16 };
 enum class Recompute { none, selective, moe, full };
 enum class ActivationDtype { fp32, bf16 };  // train.activations
 enum class GemmDtype { fp32, bf16 };        // train.hp_gemm
+enum class GateSite { combine, expert };    // train.moe_gates
 enum class ReduceDtype { fp32, bf16 };      // optim.grad_reduce
 enum class StageSplit { even, balanced, given };  // parallel.stage_layers
 enum class Fp8Recipe { off, delayed, current, blockwise };
@@ -146,6 +147,11 @@ struct TrainConfig {
   // The GEMMs outside the linear layers (the MoE router, the head, the MTP modules' eh_proj): fp32,
   // or bf16 (DeepSeek-V3's): BF16 operands, FP32 accumulation and outputs.
   GemmDtype hp_gemm = GemmDtype::fp32;
+  // Where the routed experts' gates multiply (model/moe.h): combine (the token's rank scales each
+  // expert's output as it sums them), or expert (each expert scales its SwiGLU output before its
+  // down-projection, Megatron-Core's weighted SwiGLU: combine is a plain sum, and the experts'
+  // outputs are not kept for the gates' gradient).
+  GateSite moe_gates = GateSite::combine;
   bool operator==(const TrainConfig&) const = default;
 };
 
@@ -283,6 +289,7 @@ FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Recompute, "none", "selective", "moe", "full");
 FP8MOE_ENUM_NAMES(GemmDtype, "fp32", "bf16");
+FP8MOE_ENUM_NAMES(GateSite, "combine", "expert");
 FP8MOE_ENUM_NAMES(ReduceDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(ActivationDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Fp8Recipe, "off", "delayed", "current", "blockwise");

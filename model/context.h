@@ -44,6 +44,8 @@ struct ModelContext {
   bool selective = false;
   // train.hp_gemm: the router, head and eh_proj GEMMs in FP32 or BF16 (model/linear.h hp_forward).
   GemmDtype hp_gemm = GemmDtype::fp32;
+  // train.moe_gates: where the routed experts' gates multiply (model/moe.h MoeWeights::gates).
+  GateSite moe_gates = GateSite::combine;
 
   bool bf16_activations() const { return activations == ActivationDtype::bf16; }
   // x rounded to BF16 in place under train.activations bf16 (a rounding point); nothing under fp32.

@@ -17,6 +17,17 @@ bool fuses_w13(const FfnWeights& w, const FfnFp8& fp8, int64_t F, int64_t D) {
   return c.recipe != Fp8Recipe::blockwise || F % c.tile == 0;
 }
 
+namespace {
+// The SwiGLU of the pre-activations a, b (row stride ld), each row scaled by its gate where given.
+void swiglu(Backend& be, const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t M,
+            int64_t F) {
+  if (gate)
+    be.swiglu_gated_forward(a, b, ld, gate, y, M, F);
+  else
+    be.swiglu_forward(a, b, ld, y, M, F);
+}
+}  // namespace
+
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups,
                          ActivationDtype activations, bool rebuild_a) {
   const bool bf16 = activations == ActivationDtype::bf16;
@@ -52,10 +63,11 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
       if (!s.h3.empty()) be.round_bf16(s.h3.f32(), s.h3.f32(), s.h3.numel());
     }
     s.a = Tensor(be, DType::f32, {f.M, F});
+    s.gate = f.gate;
     if (s.fused) {
-      if (f.M > 0) be.swiglu_forward(s.h1.f32(), s.h1.f32() + F, 2 * F, s.a.f32(), f.M, F);  // (no rows: no memory)
+      if (f.M > 0) swiglu(be, s.h1.f32(), s.h1.f32() + F, 2 * F, f.gate, s.a.f32(), f.M, F);  // (no rows: no memory)
     } else
-      be.swiglu_forward(s.h1.f32(), s.h3.f32(), F, s.a.f32(), f.M, F);
+      swiglu(be, s.h1.f32(), s.h3.f32(), F, f.gate, s.a.f32(), f.M, F);
     l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
   }
   linear_forward_grouped(be, F, D, l2);
@@ -111,9 +123,9 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
       const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
       a_again[i] = Tensor(be, DType::f32, {M, F});
       if (s.fused) {
-        if (M > 0) be.swiglu_forward(h1, h1 + F, 2 * F, a_again[i].f32(), M, F);
+        if (M > 0) swiglu(be, h1, h1 + F, 2 * F, s.gate, a_again[i].f32(), M, F);
       } else
-        be.swiglu_forward(h1, h3, F, a_again[i].f32(), M, F);
+        swiglu(be, h1, h3, F, s.gate, a_again[i].f32(), M, F);
       linear_reinput(be, s.l2, a_again[i].f32(), f.fp8->w2, &l2_again[i]);
       if (!l2_again[i].needs_fp32_input()) a_again[i].reset();
       s2 = &l2_again[i];
@@ -139,10 +151,17 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
     const int64_t M = s.l1.M, F = s.l2.K;
     Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16 or FP8
     const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
-    if (s.fused) {
-      if (M > 0) be.swiglu_backward(h1, h1 + F, 2 * F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh1.f32() + F, M, F);
-    } else
-      be.swiglu_backward(h1, h3, F, t[i].da.f32(), t[i].dh1.f32(), t[i].dh3.f32(), M, F);
+    if (M > 0) {  // (no rows: no memory, and no pointer into it)
+      const int64_t ld = s.fused ? 2 * F : F;  // fused: [gate | up] per row
+      const float* up = s.fused ? h1 + F : h3;
+      float *dh_a = t[i].dh1.f32(), *dh_b = s.fused ? t[i].dh1.f32() + F : t[i].dh3.f32();
+      if (s.gate) {
+        FP8MOE_ASSERT(groups[i].dgate, "ffn_backward: a gated FFN needs somewhere for its gates' gradient");
+        be.swiglu_gated_backward(h1, up, ld, s.gate, t[i].da.f32(), dh_a, dh_b, groups[i].dgate, M, F);
+      } else {
+        be.swiglu_backward(h1, up, ld, t[i].da.f32(), dh_a, dh_b, M, F);
+      }
+    }
     t[i].da.reset();  // every expert's temporaries are alive at once: each freed when it is read
   }
   if (!l13.empty()) linear_backward_grouped(be, l13);

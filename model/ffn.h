@@ -43,6 +43,9 @@ struct FfnSaved {
   // reads the output made from them.
   bool a_rebuilt = false;
   QTensor h1q, h3q;
+  // train.moe_gates expert (a routed expert): row m's SwiGLU output scaled by gate[m] (the caller's
+  // device memory, kept with the caller's saved state), and its gradient written by the backward.
+  const float* gate = nullptr;
   int64_t bytes() const {
     return int64_t(h1.bytes() + h3.bytes() + a.bytes()) + l1.fp8_activation_bytes() + l3.fp8_activation_bytes() +
            l2.fp8_activation_bytes() + (h1q.empty() ? 0 : h1q.bytes()) + (h3q.empty() ? 0 : h3q.bytes());
@@ -68,6 +71,7 @@ struct FfnGroup {
   float* y = nullptr;
   FfnSaved* saved = nullptr;  // may be nullptr
   const QuantView* xq = nullptr;  // blockwise: x already in 1 x T FP8 tiles (LinearGroup::xq); x unread
+  const float* gate = nullptr;    // (M) each row's SwiGLU output scaled by it (FfnSaved::gate)
 };
 void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<FfnGroup>& groups,
                          ActivationDtype activations = ActivationDtype::fp32, bool rebuild_a = false);
@@ -86,6 +90,7 @@ struct FfnGradGroup {
   float* dx = nullptr;  // may be nullptr
   const FfnGrads* g = nullptr;
   const QuantView* dyq = nullptr;  // blockwise: dy already in 1 x T FP8 tiles (LinearGradGroup::dyq); dy unread
+  double* dgate = nullptr;         // (M) written where the forward had gates (FfnSaved::gate)
 };
 void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups);
 

@@ -204,7 +204,8 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   MoeSaved& s = saved ? *saved : local;
   const int64_t F = cfg.d_expert;
   s.x = x;
-  if (s.routing.empty()) route_tokens(be, x, N, D, cfg, w, ep, load_staging, &s.routing);
+  const bool routed_here = s.routing.empty();
+  if (routed_here) route_tokens(be, x, N, D, cfg, w, ep, load_staging, &s.routing);
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
 
@@ -241,6 +242,14 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
     xin = s.xl.f32();
   }
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
+  // train.moe_gates expert: each row's gate goes with it (a recomputation's are kept already).
+  const bool gated = w.gates == GateSite::expert;
+  if (gated && (routed_here || s.gate_rows.empty())) {
+    Tensor g(be, DType::f32, {R});
+    be.row_gates(rb, R, g.f32());
+    if (ep) ep->dispatch(r.plan, g.f32(), 1, &s.gate_rows);
+    else s.gate_rows = std::move(g);
+  }
   Tensor y(be, DType::f32, {rows_in, D});
   s.experts.clear();
   s.experts.resize(static_cast<size_t>(L));
@@ -249,24 +258,28 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e) {
     const int64_t M = r.local_rows[size_t(e)];
     groups.push_back({xin ? xin + r0 * D : nullptr, M, &w.experts[size_t(e)], &fp8.experts[size_t(e)],
-                      y.f32() + r0 * D, &s.experts[size_t(e)]});
+                      y.f32() + r0 * D, &s.experts[size_t(e)], nullptr, gated ? s.gate_rows.f32() + r0 : nullptr});
     if (wire.fp8_in) xq[size_t(e)] = row_slice(s.xq, r0, M), groups.back().xq = &xq[size_t(e)];
   }
   ffn_forward_grouped(be, D, F, groups, activations, rebuild_a);
+  // Combine; the experts' outputs kept for the gates' gradient where combine applies the gates.
   s.expert_out.reset(), s.expert_out16.reset();
-  if (wire.bf16) {  // combine in BF16; kept so for the gates' gradient
-    s.expert_out16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D);
+  if (wire.bf16) {  // combine in BF16
+    Tensor e16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D);
     y.reset();
-    const Tensor e32 = widen(be, s.expert_out16);
-    be.unpermute_add(rb, R, e32.f32(), D, true, out);
+    const Tensor e32 = widen(be, e16);
+    be.unpermute_add(rb, R, e32.f32(), D, !gated, out);
+    if (!gated) s.expert_out16 = std::move(e16);
   } else {
+    Tensor e32;
     if (ep) {
-      s.expert_out = Tensor(be, DType::f32, {R, D});
-      ep->combine(r.plan, y.f32(), D, s.expert_out.f32());
+      e32 = Tensor(be, DType::f32, {R, D});
+      ep->combine(r.plan, y.f32(), D, e32.f32());
     } else {
-      s.expert_out = std::move(y);
+      e32 = std::move(y);
     }
-    be.unpermute_add(rb, R, s.expert_out.f32(), D, true, out);
+    be.unpermute_add(rb, R, e32.f32(), D, !gated, out);
+    if (!gated) s.expert_out = std::move(e32);
   }
   const bool inputs_cached = std::none_of(s.experts.begin(), s.experts.end(), [](const FfnSaved& e) {
     return e.l1.needs_fp32_input() || e.l3.needs_fp32_input();
@@ -292,10 +305,14 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   else
     be.zero(dx, size_t(N * D) * sizeof(float));
 
-  // Per permuted row: the gradient of the expert's output (gate x dout) and of the gate.
+  // Per permuted row: the gradient of the expert's output (gate x dout) and of the gate; with the
+  // gates in the experts (train.moe_gates expert), dout's rows, the gates' gradient made there.
   const MoeWire wire = moe_wire(fp8, activations);
+  const bool gated = w.gates == GateSite::expert;
   Tensor dgate(be, DType::f64, {N, k}), dye(be, DType::f32, {R, D});
-  {
+  if (gated) {
+    be.permute(dout, r.row_token.data<int64_t>(), R, D, dye.f32());
+  } else {
     const Tensor e32 = wire.bf16 ? widen(be, s.expert_out16) : Tensor{};
     be.gate_grad(rb, R, dout, wire.bf16 ? e32.f32() : s.expert_out.f32(), D, dye.f32(), dgate.data<double>());
   }
@@ -320,14 +337,26 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   const int64_t L = int64_t(r.local_rows.size());
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
   Tensor dxl(be, DType::f32, {rows_in, D});
+  Tensor dgate_rows(be, DType::f64, {gated ? rows_in : 0});  // the experts' rows' gates' gradients
   std::vector<FfnGradGroup> groups;  // one FFN per local expert, their GEMMs grouped
   std::vector<QuantView> dq(static_cast<size_t>(L));  // FP8 wire: each expert's rows of dyq
   for (int64_t e = 0, r0 = 0; e < L; r0 += r.local_rows[size_t(e)], ++e) {
     groups.push_back({&s.experts[size_t(e)], &w.experts[size_t(e)], dyin ? dyin + r0 * D : nullptr,
                       &fp8.experts[size_t(e)], dxl.f32() + r0 * D, &g.experts[size_t(e)]});
     if (wire.fp8_grad) dq[size_t(e)] = row_slice(dyq, r0, r.local_rows[size_t(e)]), groups.back().dyq = &dq[size_t(e)];
+    if (gated) groups.back().dgate = dgate_rows.data<double>() + r0;
   }
   ffn_backward_grouped(be, groups);
+  if (gated) {  // the gates' gradients back to their (token, slot)
+    Tensor back;
+    if (ep) {
+      back = Tensor(be, DType::f64, {R});
+      ep->combine(r.plan, dgate_rows.data<double>(), 1, back.data<double>());
+    } else {
+      back = std::move(dgate_rows);
+    }
+    be.slot_grads(rb, R, back.data<double>(), dgate.data<double>());
+  }
   dyq = QTensor{}, dyl.reset();
   Tensor dxe;
   if (wire.bf16) {  // combine's backward in BF16 too

@@ -7,7 +7,11 @@
 //   dispatch tokens grouped per expert in token order (permute); optional capacity drops the
 //            assignments beyond ceil(capacity_factor * N * k / E) per expert, in token order;
 //   experts  SwiGLU FFNs (FP8 per recipe); combine: out[n] = sum over its slots of gate * expert
-//            output (unpermute), plus the shared experts' FFN of x;
+//            output (unpermute), plus the shared experts' FFN of x. train.moe_gates expert: each
+//            expert scales its SwiGLU output by the row's gate before W2 instead (the gates sent
+//            with the rows), combine is the plain sum, and the backward sends dout's rows to the
+//            experts, whose gated SwiGLU backward gives the gates' gradient (sent back, FP64);
+//            the same function, with other roundings (FP32 products; W2's FP8 input is g a);
 //   aux loss coef * E * sum_e f_e P_e (switch style), f_e the fraction of the N * k assignments
 //            that expert e received after capacity drops (no gradient), P_e the mean over tokens
 //            of the normalised score of e.
@@ -31,6 +35,7 @@ struct MoeWeights {
   FfnWeights shared;         // width n_shared x d_expert; w1 == nullptr when there are none
   std::vector<FfnWeights> experts;  // (E), or the local experts
   GemmDtype router_gemm = GemmDtype::fp32;  // train.hp_gemm
+  GateSite gates = GateSite::combine;       // train.moe_gates
 };
 struct MoeGrads {
   float* router;  // (E, D), accumulated
@@ -66,15 +71,19 @@ struct MoeSaved {
   MoeRouting routing;
   Tensor xr;          // (R, D) permuted inputs of the experts (freed when cached in FP8)
   Tensor xl;          // expert parallelism: the local experts' input rows (freed when cached in FP8)
-  Tensor expert_out;  // (R, D) in permuted order: expert e's rows at offsets[e] (FP32 wire)
+  Tensor expert_out;  // (R, D) in permuted order: expert e's rows at offsets[e] (FP32 wire; gates at combine)
   // train.activations bf16: the experts' input rows as they arrived in FP8 (1 x T tiles), kept while
   // their layers read them (fp8.cache_activations); and expert_out in BF16, as combine brought it.
   QTensor xq;
   Tensor expert_out16;
+  // train.moe_gates expert: the gate of each row the local experts received (plan.received, or R
+  // without expert parallelism), which their SwiGLU outputs were scaled by; no expert_out kept.
+  Tensor gate_rows;
   std::vector<FfnSaved> experts;
   FfnSaved shared;
   int64_t bytes() const {
-    int64_t b = int64_t(xr.bytes() + xl.bytes() + expert_out.bytes() + expert_out16.bytes()) + routing.bytes() +
+    int64_t b = int64_t(xr.bytes() + xl.bytes() + expert_out.bytes() + expert_out16.bytes() + gate_rows.bytes()) +
+                routing.bytes() +
                 shared.bytes() + (xq.empty() ? 0 : xq.bytes());
     for (const FfnSaved& e : experts) b += e.bytes();
     return b;

@@ -148,7 +148,10 @@ double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig&
     b += ffn_saved(c, fp8_on(c, LinearClass::shared_experts), N, int64_t(D), int64_t(m.moe.n_shared_experts) * m.moe.d_expert);
   const bool on = fp8_on(c, LinearClass::experts);
   const double R = routed_rows(m, L), local = double(m.moe.n_experts) / L.expert;
-  b += R * D * kA;                  // expert_out (BF16: as combine brought it)
+  if (c.train.moe_gates == GateSite::combine)
+    b += R * D * kA;                // expert_out (BF16: as combine brought it), for the gates' gradient
+  else
+    b += R * kF32;                  // train.moe_gates expert: the rows' gates (gate_rows)
   if (!on) b += R * D * kF32;       // xr (one rank) or xl (expert parallelism): the experts' FP32 inputs
   b += local * ffn_saved(c, on, R / local, int64_t(D), m.moe.d_expert);
   return b;
@@ -182,6 +185,7 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     // dgate, dye (and its received rows), the experts' da, dh1|dh3 and input gradients (and the
     // rows sent back); the router's logits in the forward.
     ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * 3 * F * kF32 + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
+    if (c.train.moe_gates == GateSite::expert) ffn_bwd += R * kF64 * (ep ? 2 : 1);  // the rows' gates' gradients
     // selective: the router's input made again (from x_mid, widened from BF16 first where kept so);
     // the SwiGLU outputs' copies W2 reads
     if (selective(c))
@@ -214,7 +218,8 @@ PlanLayout plan_layout(const Config& c, int world) {
 //     N x q_lora, or N x D without a query latent), MoE layers' gate gradients (N x k doubles),
 //     the cross-entropy's 3 vectors of N; each all-reduce of B bytes sends 2 (T - 1) / T x B.
 // ep  per MoE layer and micro-batch: 4 x (routed rows whose expert is on another rank) x D floats
-//     (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8; train.activations
+//     (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8; train.moe_gates
+//     expert: 12 bytes more per such row (its gate out, the gate's FP64 gradient back); train.activations
 //     bf16: the rows of expert_row_bytes, and with a per-tensor recipe the two exchanges' amax
 //     all-reduces (expert_wire_scale_bytes).
 // dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes: ZeRO-1
@@ -227,9 +232,9 @@ PlanLayout plan_layout(const Config& c, int world) {
 // mtp the modules' blocks count in L_s and the MoE layers of the last stage; tp adds per module an
 //     all-reduce of N x D on the first stage (its embedding) and N x D plus 20 N bytes on the last
 //     (its head's input gradient, its cross-entropy).
-ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations) {
-  const double d = double(D);
-  if (activations == ActivationDtype::fp32) return {4 * d, 4 * d, 4 * d, 4 * d};
+ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations, GateSite gates) {
+  const double d = double(D), g = gates == GateSite::expert ? 4 + 8 : 0;
+  if (activations == ActivationDtype::fp32) return {4 * d, 4 * d, 4 * d, 4 * d, g};
   // model/moe.cpp moe_wire: the routed experts' layers FP8 (all three, one configuration):
   // blockwise rows carry their 1 x T scales; per-tensor rows D bytes (the exchange's one scale is
   // not sent: expert_wire_scale_bytes).
@@ -237,7 +242,7 @@ ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype
   const double fp8_row = !fp8_rows ? 2 * d
                          : fp8->recipe == Fp8Recipe::blockwise ? fp8_copy_bytes(1, D, PlanTiling::rows_1xT, fp8->tile)
                                                                : d;
-  return {fp8_row, 2 * d, fp8_row, 2 * d};
+  return {fp8_row, 2 * d, fp8_row, 2 * d, g};
 }
 
 double expert_wire_scale_bytes(int P, const Fp8Config* fp8, ActivationDtype activations) {
@@ -258,7 +263,7 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   b[0] = ring(s.tensor) * Mb *
          (((3 * Ls + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
-  const double row = expert_row_bytes(m.d_model, s.fp8, s.activations).total();
+  const double row = expert_row_bytes(m.d_model, s.fp8, s.activations, s.moe_gates).total();
   b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 +
                            Mb * Lm * expert_wire_scale_bytes(s.expert, s.fp8, s.activations)
                      : 0;
@@ -288,7 +293,10 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer) {
   const ModelConfig& m = place.local();
   if (!is_recomputed(c, layer)) return kept_block_bytes(c, L, m, layer);
   const double N = double(L.tokens());
-  return N * m.d_model * kept_value_bytes(c) + (is_moe_layer(m, layer) ? routing_bytes(c, N, m.moe.n_experts, m.moe.top_k) : 0);
+  if (!is_moe_layer(m, layer)) return N * m.d_model * kept_value_bytes(c);
+  // The routing, and with the gates in the experts the rows' gates, stay (BlockSaved::finish).
+  const double gate_rows = c.train.moe_gates == GateSite::expert ? routed_rows(m, L) * kF32 : 0;
+  return N * m.d_model * kept_value_bytes(c) + routing_bytes(c, N, m.moe.n_experts, m.moe.top_k) + gate_rows;
 }
 
 double bubble_fraction(int stages, int micro_batches) {

@@ -43,6 +43,7 @@ struct CommShape {
   const Fp8Config* fp8 = nullptr;                       // nullptr: FP8 off
   ActivationDtype activations = ActivationDtype::fp32;  // train.activations
   ReduceDtype grad_reduce = ReduceDtype::fp32;          // optim.grad_reduce
+  GateSite moe_gates = GateSite::combine;               // train.moe_gates
 };
 std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 
@@ -50,12 +51,14 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 // (model/moe.h MoeWire): the experts' input (dispatch), their output (combine), its gradient
 // (dispatch, backward) and the input's gradient (combine, backward). fp32: 4 D each; bf16: FP8 rows
 // of D bytes and ceil(D / tile) FP32 scales where the experts are blockwise FP8, D bytes where they
-// are per-tensor FP8, else 2 D; combine 2 D both ways.
+// are per-tensor FP8, else 2 D; combine 2 D both ways. gates: train.moe_gates expert sends each
+// row's gate (4 bytes) with the dispatch and brings its gradient (8 bytes, FP64) back with the
+// backward's combine, two exchanges of their own; 0 with combine.
 struct ExpertRowBytes {
-  double dispatch = 0, combine = 0, grad_dispatch = 0, grad_combine = 0;
-  double total() const { return dispatch + combine + grad_dispatch + grad_combine; }
+  double dispatch = 0, combine = 0, grad_dispatch = 0, grad_combine = 0, gates = 0;
+  double total() const { return dispatch + combine + grad_dispatch + grad_combine + gates; }
 };
-ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations);
+ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations, GateSite gates);
 // Per MoE layer and micro-batch, what one rank of an expert group of P sends for the FP8 rows' one
 // scale under a per-tensor recipe (train.activations bf16): two 4-byte amax all-reduces (dispatch,
 // and the gradients' dispatch); else 0.

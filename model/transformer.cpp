@@ -82,7 +82,8 @@ Transformer::Transformer(Backend& be, const Config& cfg, ModelGroups groups)
   rope_.ensure(be, m, cfg.train.seq_len);
   ctx_ = std::make_unique<ModelContext>(
       ModelContext{be, m, placement_, placement_.local(), tp, *fp8_, rope_, dispatcher_.get(), &loads_h_,
-                   cfg.train.activations, cfg.train.recompute == Recompute::selective, cfg.train.hp_gemm});
+                   cfg.train.activations, cfg.train.recompute == Recompute::selective, cfg.train.hp_gemm,
+                   cfg.train.moe_gates});
   // The blocks of this stage and, on the last, the multi-token prediction modules' blocks.
   const int end = placement_.last_stage() ? m.n_layers + m.mtp_depth : placement_.layer_end();
   for (int l = placement_.layer_begin(); l < end; ++l) {

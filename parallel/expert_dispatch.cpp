@@ -128,6 +128,10 @@ void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int6
   combine_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out);
 }
 
+void ExpertDispatcher::combine(const DispatchPlan& p, const double* rows, int64_t D, double* out) {
+  combine_bytes(p, rows, D * int64_t(sizeof(double)), out);
+}
+
 void ExpertDispatcher::dispatch(const DispatchPlan& p, const QTensor& rows, QTensor* out) {
   FP8MOE_ASSERT(rows.tiling == Tiling::rows_1xT || rows.tiling == Tiling::per_tensor,
                 "FP8 expert dispatch takes rows in 1 x T tiles or with one scale");

@@ -60,6 +60,8 @@ class ExpertDispatcher {
   // D (and so every row) is a whole number of 32-bit words: D a multiple of 4 (BF16: even).
   void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out);
   void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out);
+  // FP64 rows back (train.moe_gates expert: the gates' gradients the experts computed, D = 1).
+  void combine(const DispatchPlan& plan, const double* rows, int64_t D, double* out);
   void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out);
   // Per-tensor FP8 rows (the per-tensor recipes): the D bytes of each row only. The scale is not
   // sent: the caller made it the same on every rank of the group (its amax reduced by

@@ -41,6 +41,17 @@ void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const floa
   }
 }
 
+void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) gate_rows[i] = r.gate[r.row_token[i] * r.k + r.row_slot[i]];
+}
+
+void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) {
+  std::fill_n(dgate, r.N * r.k, 0.0);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) dgate[r.row_token[i] * r.k + r.row_slot[i]] = row_grads[i];
+}
+
 void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) {
   const int64_t N = r.N, E = r.E, k = r.k;
   std::vector<double> dp(static_cast<size_t>(E)), dpn(static_cast<size_t>(E));

@@ -25,7 +25,46 @@ FP8MOE_SIMD_CLONES void backward_span(const float* a, const float* b, const floa
   for (int64_t i = 0; i < n; ++i) swiglu_backward_elem(a[i], b[i], dy[i], sigmoid_from_exp_neg(e[i]), &da[i], &db[i]);
 }
 
+// The gated forms over one row's span: y = g swiglu; the sum of dy swiglu added to *dg in order.
+FP8MOE_SIMD_CLONES void gated_forward_span(const float* a, const float* b, float g, float* y, int64_t n) {
+  float e[kSpan];
+  vm::exp_neg(a, e, n);
+  for (int64_t i = 0; i < n; ++i) y[i] = swiglu_gated_forward_elem(a[i], b[i], sigmoid_from_exp_neg(e[i]), g);
+}
+
+double gated_backward_span(const float* a, const float* b, float g, const float* dy, float* da, float* db, int64_t n,
+                           double dg) {
+  float e[kSpan];
+  vm::exp_neg(a, e, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = sigmoid_from_exp_neg(e[i]);
+    dg += double(dy[i]) * double(swiglu_forward_elem(a[i], b[i], s));
+    swiglu_backward_elem(a[i], b[i], g * dy[i], s, &da[i], &db[i]);
+  }
+  return dg;
+}
+
 }  // namespace
+
+void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                          int64_t cols) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += kSpan)
+      gated_forward_span(a + r * ld + c, b + r * ld + c, gate[r], y + r * cols + c, std::min(kSpan, cols - c));
+}
+
+void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
+                           float* db, double* dgate, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    double dg = 0;
+    for (int64_t c = 0; c < cols; c += kSpan)
+      dg = gated_backward_span(a + r * ld + c, b + r * ld + c, gate[r], dy + r * cols + c, da + r * ld + c,
+                               db + r * ld + c, std::min(kSpan, cols - c), dg);
+    dgate[r] = dg;
+  }
+}
 
 void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols) {
   if (ld == cols) {  // contiguous: spans of the flat array (rows may be 1)

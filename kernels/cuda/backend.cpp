@@ -334,6 +334,14 @@ class CudaBackendImpl final : public CudaBackend {
                        int64_t cols) override {
     cuda::swiglu_backward(a, b, ld, dy, da, db, rows, cols, compute_);
   }
+  void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                            int64_t cols) override {
+    cuda::swiglu_gated_forward(a, b, ld, gate, y, rows, cols, compute_);
+  }
+  void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
+                             float* db, double* dgate, int64_t rows, int64_t cols) override {
+    cuda::swiglu_gated_backward(a, b, ld, gate, dy, da, db, dgate, rows, cols, compute_);
+  }
   void add(const float* a, const float* b, float* out, int64_t n) override { cuda::add(a, b, out, n, compute_); }
   void to_bf16(const float* x, uint16_t* y, int64_t n) override { cuda::to_bf16(x, y, n, compute_); }
   void from_bf16(const uint16_t* x, float* y, int64_t n) override { cuda::from_bf16(x, y, n, compute_); }
@@ -350,6 +358,12 @@ class CudaBackendImpl final : public CudaBackend {
   void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated,
                      float* out) override {
     cuda::unpermute_add(r, R, rows, D, gated, out, compute_);
+  }
+  void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override {
+    cuda::row_gates(r, R, gate_rows, compute_);
+  }
+  void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) override {
+    cuda::slot_grads(r, R, row_grads, dgate, compute_);
   }
   void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                  double* dgate) override {

@@ -8,6 +8,7 @@
 //            operations, all in double with the IEEE intrinsics); aux_loss (serial sums in the
 //            CPU's order); bias_update (the integer load sum is exact; kernels/moe_ops.h's
 //            bias_update_elem)
+//            row_gates, slot_grads (copies)
 //   close    gate_grad's dgate: each row's dot product (double) is a warp tree here, serial there
 #include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -68,6 +69,17 @@ __global__ void gate_grad_kernel(const int64_t* __restrict__ row_token, const in
   }
   dg = warp_reduce(dg, SumOp{});
   if (lane == 0) dgate[slot] = dg;
+}
+
+__global__ void row_gates_kernel(const int64_t* __restrict__ row_token, const int32_t* __restrict__ row_slot,
+                                 const float* __restrict__ gate, int64_t R, int64_t k, float* __restrict__ gate_rows) {
+  FP8MOE_GRID_STRIDE(i, R) gate_rows[i] = gate[row_token[i] * k + row_slot[i]];
+}
+
+__global__ void slot_grads_kernel(const int64_t* __restrict__ row_token, const int32_t* __restrict__ row_slot,
+                                  const double* __restrict__ row_grads, int64_t R, int64_t k,
+                                  double* __restrict__ dgate) {
+  FP8MOE_GRID_STRIDE(i, R) dgate[row_token[i] * k + row_slot[i]] = row_grads[i];
 }
 
 struct RouterGradArgs {
@@ -196,6 +208,20 @@ void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_
   if (r.N * D == 0 || R == 0) return;
   unpermute_kernel<<<grid_for(r.N * D), kBlockThreads, 0, stream>>>(rows, r.slot_row, r.gate, r.N, r.k, R, D, gated,
                                                                     out);
+  check_launch();
+}
+
+void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows, cudaStream_t stream) {
+  if (R == 0) return;
+  row_gates_kernel<<<grid_for(R), kBlockThreads, 0, stream>>>(r.row_token, r.row_slot, r.gate, R, r.k, gate_rows);
+  check_launch();
+}
+
+void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate, cudaStream_t stream) {
+  if (r.N * r.k == 0) return;
+  CUDA_CHECK(cudaMemsetAsync(dgate, 0, size_t(r.N * r.k) * sizeof(double), stream));  // +0.0 for every slot
+  if (R == 0) return;
+  slot_grads_kernel<<<grid_for(R), kBlockThreads, 0, stream>>>(r.row_token, r.row_slot, row_grads, R, r.k, dgate);
   check_launch();
 }
 

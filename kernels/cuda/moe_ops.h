@@ -22,6 +22,10 @@ void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_
 // dropped slots).
 void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                double* dgate, cudaStream_t stream);
+// gate_rows: (R) = gate of each row's token and slot (kernels/moe_ops.h).
+void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows, cudaStream_t stream);
+// row_grads: (R) -> dgate: (N, k) at each row's token and slot, 0 for dropped slots.
+void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate, cudaStream_t stream);
 // dgate: (N, k) -> dz: (N, E). E <= kMoeMaxExperts.
 void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz,
                  cudaStream_t stream);

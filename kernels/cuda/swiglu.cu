@@ -2,7 +2,9 @@
 //
 // Against kernels/cpu/swiglu.cpp: close. The same source runs on both sides, but the device expf
 // differs from the CPU's exponential (SLEEF's, kernels/cpu/vmath.h) by up to 2 ulp and nvcc fuses its multiply-adds (1 + a (1 - s) cancels near
-// a = -1.28), so results agree to rounding relative to the size of the terms, not bitwise.
+// a = -1.28), so results agree to rounding relative to the size of the terms, not bitwise. The
+// gated backward's dgate is a warp's tree of double products per row (the CPU's: serial).
+#include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/swiglu.h"
 #include "kernels/swiglu.h"
@@ -28,7 +30,52 @@ __global__ void swiglu_backward_kernel(const float* __restrict__ a, const float*
   }
 }
 
+__global__ void swiglu_gated_forward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
+                                            const float* __restrict__ gate, float* __restrict__ y, int64_t n,
+                                            int64_t cols) {
+  FP8MOE_GRID_STRIDE(i, n) {
+    const int64_t r = i / cols, j = r * ld + i % cols;
+    y[i] = swiglu_gated_forward_elem(a[j], b[j], sigmoidf_(a[j]), gate[r]);
+  }
+}
+
+// One warp per row.
+__global__ void swiglu_gated_backward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
+                                             const float* __restrict__ gate, const float* __restrict__ dy,
+                                             float* __restrict__ da, float* __restrict__ db,
+                                             double* __restrict__ dgate, int64_t rows, int64_t cols) {
+  const int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarpThreads;
+  const int lane = threadIdx.x % kWarpThreads;
+  if (r >= rows) return;
+  const float g = gate[r];
+  double dg = 0;
+  for (int64_t c = lane; c < cols; c += kWarpThreads) {
+    const int64_t j = r * ld + c;
+    const float s = sigmoidf_(a[j]), d = dy[r * cols + c];
+    dg += double(d) * double(swiglu_forward_elem(a[j], b[j], s));
+    swiglu_backward_elem(a[j], b[j], g * d, s, &da[j], &db[j]);
+  }
+  dg = warp_reduce(dg, SumOp{});
+  if (lane == 0) dgate[r] = dg;
+}
+
 }  // namespace
+
+void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                          int64_t cols, cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n == 0) return;
+  swiglu_gated_forward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, gate, y, n, cols);
+  check_launch();
+}
+
+void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
+                           float* db, double* dgate, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0) return;
+  swiglu_gated_backward_kernel<<<warps_grid(rows, "swiglu_gated_backward"), kBlockThreads, 0, stream>>>(
+      a, b, ld, gate, dy, da, db, dgate, rows, cols);
+  check_launch();
+}
 
 void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_t rows, int64_t cols,
                     cudaStream_t stream) {

@@ -11,4 +11,9 @@ void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_
                     cudaStream_t stream);
 void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
                      int64_t cols, cudaStream_t stream);
+// The gated forms (kernels/swiglu.h): gate and dgate (rows); dgate's row sums a warp's tree.
+void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                          int64_t cols, cudaStream_t stream);
+void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
+                           float* db, double* dgate, int64_t rows, int64_t cols, cudaStream_t stream);
 }  // namespace fp8moe::cuda

@@ -549,6 +549,14 @@ class WatchedDevice final : public Backend {
                        int64_t cols) override {
     d_->swiglu_backward(a, b, ld, dy, da, db, rows, cols);
   }
+  void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                            int64_t cols) override {
+    d_->swiglu_gated_forward(a, b, ld, gate, y, rows, cols);
+  }
+  void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
+                             float* db, double* dgate, int64_t rows, int64_t cols) override {
+    d_->swiglu_gated_backward(a, b, ld, gate, dy, da, db, dgate, rows, cols);
+  }
   void add(const float* a, const float* b, float* out, int64_t n) override { d_->add(a, b, out, n); }
   void to_bf16(const float* x, uint16_t* y, int64_t n) override { d_->to_bf16(x, y, n); }
   void from_bf16(const uint16_t* x, float* y, int64_t n) override { d_->from_bf16(x, y, n); }
@@ -565,6 +573,10 @@ class WatchedDevice final : public Backend {
   void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                  double* dgate) override {
     d_->gate_grad(r, R, dout, expert_out, D, dye, dgate);
+  }
+  void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override { d_->row_gates(r, R, gate_rows); }
+  void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) override {
+    d_->slot_grads(r, R, row_grads, dgate);
   }
   void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) override {
     d_->router_grad(r, dgate, rule, dz);

@@ -1,4 +1,5 @@
-// The MoE ops (kernels/moe_ops.h): permute, unpermute_add (gated and not), gate_grad,
+// The MoE ops (kernels/moe_ops.h): permute, unpermute_add (gated and not), gate_grad, row_gates,
+// slot_grads,
 // router_grad (with and without the aux loss), aux_loss and the router bias update, through each
 // device backend against the CPU backend (backend_cases.h) on the routings of routing_cases.h:
 // capacity drops, every assignment dropped, one token and none. Their finite-difference checks run
@@ -63,6 +64,42 @@ TEST_P(DeviceOps, PermuteUnpermuteMatchCpu) {
     expect_bitwise(g.perm, c.perm, "permute");
     expect_bitwise(g.gated, c.gated, "unpermute_add gated");
     expect_bitwise(g.ungated, c.ungated, "unpermute_add ungated");
+  }
+}
+
+TEST_P(DeviceOps, RowGatesAndSlotGradsMatchCpu) {
+  // train.moe_gates expert: each permuted row's gate to the experts, and the gates' gradients the
+  // experts computed per row back to their (token, slot). Checked through slot_row (slot -> row,
+  // -1 where dropped), which the ops do not read: row slot_row[n, j] carries gate[n, j], and
+  // dgate[n, j] is that row's gradient, 0 for a dropped slot. Copies: bitwise on every backend.
+  for (const RouterCase& s : kRouterCases) {
+    SCOPED_TRACE(testing::Message() << "N" << s.N << " E" << s.E << " k" << s.k << " cap " << s.capacity);
+    HostRouting h = cpu_routing(cpu(), s, 70 + s.N + s.E, true);
+    const int64_t R = h.R;
+    std::vector<double> row_grads(static_cast<size_t>(R));
+    for (int64_t i = 0; i < R; ++i) row_grads[size_t(i)] = 0.5 + double(i);
+    auto [c, g] = both([&](Backend& be) {
+      Routing r = copy_routing(h, be);
+      const RoutingBuffers rb = r.buffers();
+      Tensor gates = poisoned(be, DType::f32, R), rg = up(be, row_grads), dgate = poisoned(be, DType::f64, s.N * s.k);
+      be.row_gates(rb, R, gates.f32());
+      be.slot_grads(rb, R, rg.data<double>(), dgate.data<double>());
+      return std::make_pair(down<float>(gates), down<double>(dgate));
+    });
+    int64_t kept = 0;
+    for (int64_t slot = 0; slot < s.N * s.k; ++slot) {
+      const int32_t row = h.slot_row[size_t(slot)];
+      if (row < 0) {
+        EXPECT_EQ(c.second[size_t(slot)], 0.0) << "dropped slot " << slot;
+        continue;
+      }
+      ++kept;
+      EXPECT_EQ(c.first[size_t(row)], h.gate[size_t(slot)]) << "row " << row;
+      EXPECT_EQ(c.second[size_t(slot)], row_grads[size_t(row)]) << "slot " << slot;
+    }
+    EXPECT_EQ(kept, R) << "every row is some slot's";
+    expect_bitwise(g.first, c.first, "row_gates");
+    expect_bitwise(g.second, c.second, "slot_grads");
   }
 }
 

@@ -66,9 +66,11 @@ std::vector<float> read_floats(const std::string& path) {
 // w3_scale multiplies every FFN's w3 (so that its amax lies in another binade than w1's).
 // ref_activations: the reference's train.activations where it differs from the run's (a test that
 // the comparison sees the rounding points).
-// ref_activations, ref_recompute: what the reference is told instead of the run's own (a negative check).
+// ref_activations, ref_recompute, ref_hp_gemm, ref_moe_gates: what the reference is told instead of
+// the run's own (a negative check).
 Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f, const char* ref_activations = nullptr,
-                                  const char* ref_recompute = nullptr, const char* ref_hp_gemm = nullptr) {
+                                  const char* ref_recompute = nullptr, const char* ref_hp_gemm = nullptr,
+                                  const char* ref_moe_gates = nullptr) {
   const int64_t B = 2, T = 8, N = B * T;
   const std::unique_ptr<Backend> be = make_backend(DeviceKind::cpu);
   Transformer model(*be, cfg);
@@ -112,6 +114,7 @@ Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f, cons
       << ",\"recompute\":\"" << (ref_recompute ? std::string(ref_recompute) : std::string(to_string(cfg.train.recompute))) << "\""
       << ",\"format\":\"" << to_string(cfg.fp8.format) << "\""
       << ",\"hp_gemm\":\"" << (ref_hp_gemm ? std::string(ref_hp_gemm) : std::string(to_string(cfg.train.hp_gemm))) << "\""
+      << ",\"moe_gates\":\"" << (ref_moe_gates ? std::string(ref_moe_gates) : std::string(to_string(cfg.train.moe_gates))) << "\""
       << ",\"activations\":\"" << (ref_activations ? std::string(ref_activations) : std::string(to_string(cfg.train.activations))) << "\""
       << ",\"fp8_layers\":[\"attention\",\"mlp\",\"experts\",\"shared_experts\"]"
       << ",\"params\":" << names << "],\"shapes\":" << shapes << "],\"trainable\":" << trainable << "]"
@@ -313,6 +316,41 @@ TEST(ModelReference, SelectiveRecomputationWithFp8SwigluInputsMatchesJax) {
   const Comparison kept = compare_with_reference(cfg, 1.0f, nullptr, "selective");
   EXPECT_GT(kept.off * 1000, kept.elements) << "recompute none against the selective reference: " << kept.off << " of "
                                             << kept.elements << " elements off by > 1e-3";
+}
+
+TEST(ModelReference, GatesInTheExpertsMatchJax) {
+  // train.moe_gates expert: each routed expert scales its SwiGLU output by the row's gate before
+  // W2 (so W2 quantizes the scaled rows), combine is the plain sum, and the gates' gradient is the
+  // gated SwiGLU backward's on the experts' side. The reference multiplies at the same point and
+  // differentiates it with autograd (model_ref.py plain_swiglu / make_fp8_kept_swiglu with row
+  // gates). Recipe off with FP32 activations at the FP32 bounds (GQA, softmax with capacity drops,
+  // so dropped slots get no gradient); DeepSeek-V3's recipe (MLA with a module, blockwise FP8, BF16
+  // activations, selective recomputation with FP8-kept SwiGLU inputs) at the FP8 tests' bounds. The
+  // blockwise run against a reference that applies the gates at combine must be off by more than
+  // the bound: W2's FP8 input differs. Measured (2-core VM, 2026-12-06): see the printed lines.
+  {
+    Config cfg = small_config(Fp8Recipe::off, Gating::softmax);
+    cfg.model.moe.capacity_factor = 0.75;
+    cfg.train.moe_gates = GateSite::expert;
+    const Comparison c = compare_with_reference(cfg);
+    EXPECT_GT(c.dropped, 0) << "the test needs capacity drops";
+    EXPECT_NEAR(c.loss, c.ref_loss, 1e-5 * std::abs(c.ref_loss));
+    EXPECT_LE(c.worst, 1e-5) << c.worst_name;
+  }
+  Config cfg = mla_config(Fp8Recipe::blockwise, 12);
+  cfg.model.mtp_depth = 1;
+  cfg.train.activations = ActivationDtype::bf16;
+  cfg.fp8.cache_activations = true;
+  cfg.train.recompute = Recompute::selective;
+  cfg.train.moe_gates = GateSite::expert;
+  const Comparison c = compare_with_reference(cfg);
+  EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss));
+  EXPECT_LE(c.worst, 1e-2) << c.worst_name;
+  EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements";
+  const Comparison at_combine = compare_with_reference(cfg, 1.0f, nullptr, nullptr, nullptr, "combine");
+  EXPECT_GT(at_combine.off * 1000, at_combine.elements)
+      << "gates in the experts against the reference with gates at combine: " << at_combine.off << " of "
+      << at_combine.elements << " elements off by > 1e-3";
 }
 
 TEST(ModelReference, Bf16RouterHeadAndEhProjMatchJax) {

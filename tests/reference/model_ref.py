@@ -186,50 +186,55 @@ def mla(p, pre, m, la, h, B, T, rv, att):
 
 
 def make_fp8_kept_swiglu(tile):
-    """(g, u, lin_out, w2) -> lin_out(silu(g) * u, w2) as fp8moe's train.recompute selective runs it
-    with blockwise FP8 and cached inputs (model/ffn.h FfnSaved::h1q): the forward from g and u as
-    they are; the backward keeps only their 1 x T FP8 values, makes the SwiGLU output again from
-    those (w2's gradients read that one) and differentiates the SwiGLU there."""
+    """(g, u, lin_out, w2, r) -> lin_out(r * silu(g) * u, w2) as fp8moe's train.recompute selective
+    runs it with blockwise FP8 and cached inputs (model/ffn.h FfnSaved::h1q): the forward from g and
+    u as they are; the backward keeps only their 1 x T FP8 values, makes the SwiGLU output again from
+    those (w2's gradients read that one) and differentiates the SwiGLU (and the row gates r, where
+    given) there."""
     qdq = lambda a: jax.pure_callback(lambda v: tile_quant_dequant(v, tile, 1),
                                       jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
 
-    def tail(g, u, lin_out, w2):
-        @jax.custom_vjp
-        def f(g, u, w2):
-            return lin_out(jax.nn.silu(g) * u, w2)
+    def tail(g, u, lin_out, w2, r=None):
+        r = jnp.ones((g.shape[0], 1)) if r is None else r
 
-        def fwd(g, u, w2):
-            return lin_out(jax.nn.silu(g) * u, w2), (qdq(g), qdq(u), w2)
+        @jax.custom_vjp
+        def f(g, u, w2, r):
+            return lin_out(r * (jax.nn.silu(g) * u), w2)
+
+        def fwd(g, u, w2, r):
+            return f(g, u, w2, r), (qdq(g), qdq(u), w2, r)
 
         def bwd(res, dy):
-            gq, uq, w = res
-            a, swiglu_vjp = jax.vjp(lambda g_, u_: jax.nn.silu(g_) * u_, gq, uq)
+            gq, uq, w, r_ = res
+            a, swiglu_vjp = jax.vjp(lambda g_, u_, r__: r__ * (jax.nn.silu(g_) * u_), gq, uq, r_)
             da, dw = jax.vjp(lin_out, a, w)[1](dy)
-            dg, du = swiglu_vjp(da)
-            return dg, du, dw
+            dg, du, dr = swiglu_vjp(da)
+            return dg, du, dw, dr
 
         f.defvjp(fwd, bwd)
-        return f(g, u, w2)
+        return f(g, u, w2, r)
 
     return tail
 
 
-def plain_swiglu(g, u, lin_out, w2):
-    return lin_out(jax.nn.silu(g) * u, w2)
+def plain_swiglu(g, u, lin_out, w2, r=None):
+    a = jax.nn.silu(g) * u
+    return lin_out(a if r is None else r * a, w2)
 
 
-def swiglu_ffn(x, w1, w3, w2, lin, fused, lin_out=None, rv=lambda a: a, tail=plain_swiglu):
+def swiglu_ffn(x, w1, w3, w2, lin, fused, lin_out=None, rv=lambda a: a, tail=plain_swiglu, gates=None):
     """fused: fp8moe runs w1 and w3 as one linear layer [w1; w3] (model/ffn.h): one quantization
     of the pair and one of its output gradient (per-tensor: one scale each; blockwise with F a
     multiple of the tile: the two layers' tiles). lin_out: w2's linear layer where it differs; rv:
     the BF16 rounding of the pre-activations (train.activations bf16); tail: the SwiGLU and w2
-    (make_fp8_kept_swiglu's where fp8moe keeps the pre-activations in FP8)."""
+    (make_fp8_kept_swiglu's where fp8moe keeps the pre-activations in FP8); gates: (M, 1) each row's
+    SwiGLU output scaled by it before w2 (train.moe_gates expert), so w2 quantizes the scaled rows."""
     lin_out = lin_out or lin
     if not fused:
-        return tail(rv(lin(x, w1)), rv(lin(x, w3)), lin_out, w2)
+        return tail(rv(lin(x, w1)), rv(lin(x, w3)), lin_out, w2, gates)
     F = w1.shape[0]
     h = rv(lin(x, jnp.concatenate([w1, w3], axis=0)))
-    return tail(h[:, :F], h[:, F:], lin_out, w2)
+    return tail(h[:, :F], h[:, F:], lin_out, w2, gates)
 
 
 def to_bf16(a):
@@ -469,16 +474,19 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
                     continue
                 q_ = f"{pre}moe.experts.{e}."
                 lin_in, lin_out = lin_for.expert_linears()
+                # train.moe_gates expert: the gates scale the SwiGLU output inside the expert.
+                row_gates = gates[rows, slots][:, None] if lin_for.gates_in_experts else None
                 outs.append(swiglu_ffn(expert_in(xw[rows]), p[q_ + "w1"], p[q_ + "w3"], p[q_ + "w2"], lin_in,
                                        lin_for.fuses_w13("experts", p[q_ + "w1"].shape[0]), lin_out, rv,
-                                       lin_for.swiglu("experts")))
+                                       lin_for.swiglu("experts"), row_gates))
                 placed.append((rows, slots))
             if outs:
                 ys = jnp.concatenate(outs)
                 ys = expert_out(lin_for.wire[1](ys) if tensor_wire else ys)
                 at = 0
                 for rows, slots in placed:
-                    f = f.at[rows].add(gates[rows, slots][:, None] * ys[at:at + len(rows)])
+                    y = ys[at:at + len(rows)]
+                    f = f.at[rows].add(y if lin_for.gates_in_experts else gates[rows, slots][:, None] * y)
                     at += len(rows)
             if m["aux_loss_coef"] > 0:
                 counts = np.bincount(chosen[kept], minlength=E)  # kept assignments only
@@ -540,6 +548,7 @@ def linear_for(cfg):
     # The router, head and eh_proj (train.hp_gemm).
     lin_for.hp = bf16_linear if cfg.get("hp_gemm", "fp32") == "bf16" else (lambda x, w: x @ w.T)
     lin_for.bf16 = cfg.get("activations", "fp32") == "bf16"
+    lin_for.gates_in_experts = cfg.get("moe_gates", "combine") == "expert"
     lin_for.fp8_experts = "experts" in cfg["fp8_layers"] and cfg["recipe"] == "blockwise"
     lin_for.tensor_wire = "experts" in cfg["fp8_layers"] and cfg["recipe"] == "current"
     lin_for.wire = make_tensor_wire(ml_dtypes.float8_e5m2 if cfg.get("format") == "hybrid" else ml_dtypes.float8_e4m3fn)
