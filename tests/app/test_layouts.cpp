@@ -450,6 +450,62 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
   EXPECT_GE(ratio, 0.37);  // 400 / 1024 and the row counts' exchange: less would be rows not sent
 }
 
+// train.moe_gates expert (model/moe.h): the routed experts' gates travel with their rows and scale
+// the SwiGLU outputs inside the experts; combine is the plain sum and the gates' FP64 gradients come
+// back from the experts' ranks. Against 1 rank: recipe off with FP32 activations at
+// SameLossOnEveryLayout's recipe-off bounds (ep2; tp2 x ep2, whose ranks sum partial gates'
+// gradients), and DeepSeek-V3's recipe (blockwise, BF16 activations, selective recomputation with
+// FP8-kept SwiGLU inputs) at Bf16ActivationsAgreeAcrossLayoutsAndSendLess's bounds on ep2 and
+// tp2 x pp2 x ep2, whose last step's bytes are within 1.01 of the formulas (12 bytes more per
+// routed row sent off-rank in ep). One bound is looser: tensor parallelism rounds each rank's partial
+// expert outputs to BF16 before their sum, and where the gates scale them does not change that
+// noise, but it lands elsewhere. Measured (2-core VM, 2026-12-06), step 1 relative to 1 rank on tp2
+// with recipe off and BF16 activations, seeds 1, 2, 3: gates at combine 1.4e-6, 7.4e-6, 5.1e-6; in
+// the experts 3.5e-6, 4.1e-6, 2.7e-7. Here: recipe off ep2 0 and 1.0e-7 (step 1, 20 steps), tp2 x
+// ep2 7.1e-11 and 1.8e-7; DeepSeek-V3's recipe ep2 0 and 5.9e-5, tp2 x pp2 x ep2 2.4e-5 and 1.0e-3
+// (gates at combine on the same config: 1.8e-6 and 1.9e-4), so tp's step-1 bound is 5e-5, not 1e-5;
+// ep 1.0000 of its formula.
+TEST_F(Layouts, GatesInTheExpertsAgreeAcrossLayouts) {
+  const std::string g = "train.moe_gates=expert";
+  {
+    const std::vector<std::string> off = {g, "fp8.recipe=off"};
+    const auto ref = train(1, off);
+    ASSERT_EQ(ref.size(), 20u);
+    for (const Layout& l : {Layout{"ep2 (dp2)", 2, {"parallel.expert=2"}},
+                            Layout{"tp2 x ep2 (dp2)", 4, {"parallel.tensor=2", "parallel.expert=2"}}}) {
+      const auto [w1, w] = against_one_rank(ref, l, off);
+      std::printf("gates in the experts, recipe off, %-22s %d ranks: step 1 loss %.2e, 20 steps %.2e (relative to 1 "
+                  "rank)\n", l.name, l.ranks, w1, w);
+      EXPECT_LE(w1, 1e-8) << l.name;
+      EXPECT_LE(w, 5e-6) << l.name;
+    }
+  }
+  const std::vector<std::string> v3 = {g, "fp8.recipe=blockwise", "train.activations=bf16", "train.recompute=selective",
+                                       "fp8.cache_activations=true"};
+  const auto ref = train(1, v3);
+  ASSERT_EQ(ref.size(), 20u);
+  for (const Layout& l : {Layout{"ep2 (dp2)", 2, {"parallel.expert=2"}},
+                          Layout{"tp2 x pp2 x ep2 (dp2)", 8,
+                                 {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}}}) {
+    const auto [w1, w] = against_one_rank(ref, l, v3);
+    std::printf("gates in the experts, DeepSeek-V3's recipe, %-22s %d ranks: step 1 loss %.2e, 20 steps %.2e\n",
+                l.name, l.ranks, w1, w);
+    const bool tp = std::string(l.name).find("tp2") != std::string::npos;
+    EXPECT_LE(w1, tp ? 5e-5 : 1e-8) << l.name;
+    EXPECT_LE(w, tp ? 1e-2 : 2e-3) << l.name;
+  }
+  std::vector<std::string> sets = v3;
+  for (const char* s : {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}) sets.push_back(s);
+  const auto bytes = last_step_bytes(8, sets, "gates-comm");
+  ASSERT_EQ(bytes.size(), 4u);
+  for (const auto& [group, b] : bytes) {
+    std::printf("gates in the experts: %-3s measured %9.0f analytical %9.0f ratio %.4f\n", group.c_str(), b.first,
+                b.second, b.first / b.second);
+    EXPECT_GE(b.first, b.second) << group;
+    EXPECT_LE(b.first, 1.01 * b.second) << group;
+  }
+}
+
 // train.activations bf16 with the per-tensor recipes (model/moe.h MoeWire): the experts' rows in
 // FP8 at one scale per exchange, its amax reduced over the expert group, so that the expert-parallel
 // layouts quantize the rows the 1-rank run does (its amax over the same rows). Per recipe, 20 steps

@@ -186,7 +186,18 @@ INSTANTIATE_TEST_SUITE_P(
                                                       "model.mtp_depth=1", "fp8.recipe=current", "parallel.tensor=2",
                                                       "train.activations=bf16", "train.recompute=selective",
                                                       "train.hp_gemm=bf16"},
-                         2, false, false, 1}),
+                         2, false, false, 1},
+                    // train.moe_gates expert: the rows' gates dispatched and the gates' FP64
+                    // gradients combined back on the device, the gated SwiGLU (made again in
+                    // selective's backward; a recomputed block keeps its rows' gates), also through
+                    // the staged MPI transport.
+                    Case{"gates_in_experts_ep2", 2, {"parallel.expert=2", "fp8.recipe=blockwise", "train.activations=bf16",
+                                                     "train.recompute=selective", "fp8.cache_activations=true",
+                                                     "train.moe_gates=expert"}, 2},
+                    Case{"gates_in_experts_tp2_full", 2, {"parallel.tensor=2", "fp8.recipe=delayed", "train.recompute=full",
+                                                          "train.moe_gates=expert"}, 2},
+                    Case{"gates_in_experts_ep2_staged", 2, {"parallel.expert=2", "fp8.recipe=off", "train.moe_gates=expert"},
+                         1, true}),
     [](const testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 }  // namespace

@@ -217,6 +217,9 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
     Fp8Recipe recipe;
     bool cache = false;
   };
+  // With the gates in the experts (train.moe_gates expert) the gated SwiGLU output is made again
+  // with the kept rows' gates, which a recomputed block keeps with its routing.
+  for (const GateSite site : {GateSite::combine, GateSite::expert})
   for (const ActivationDtype act : {ActivationDtype::fp32, ActivationDtype::bf16})
   for (const bool v3 : {false, true})
   for (const Variant var : {Variant{Fp8Recipe::off}, Variant{Fp8Recipe::delayed}, Variant{Fp8Recipe::current},
@@ -227,6 +230,7 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
       if (rc == Recompute::selective && var.cache && recipe == Fp8Recipe::blockwise) continue;
       Config c = model_config(recipe);
       c.train.activations = act;
+      c.train.moe_gates = site;
       c.fp8.cache_activations = var.cache;
       if (v3) {
         ModelConfig& m = c.model;
@@ -249,7 +253,7 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
       else
         EXPECT_EQ(model.grads_to_host(), reference)
             << to_string(recipe) << (var.cache ? " cached" : "") << " recompute " << to_string(rc) << " v3 " << v3
-            << " activations " << to_string(act);
+            << " activations " << to_string(act) << " gates at " << to_string(site);
     }
   }
 }
@@ -345,10 +349,14 @@ TEST(Model, SelectiveRecomputationKeepsLessAsPlanned) {
   // `fp8moe plan`'s model of it (block_saved_bytes). The gradients are the same bits
   // (Model.RecomputationGivesTheSameGradientsBitwise). With cached FP8 inputs
   // (fp8.cache_activations) selective also keeps the SwiGLU's inputs in FP8 instead of BF16.
+  // With the gates in the experts (train.moe_gates expert) no block keeps its experts' outputs
+  // (2 D bytes per routed row), only each row's gate (4 bytes), whatever the recompute mode.
+  for (const GateSite site : {GateSite::combine, GateSite::expert})
   for (const bool cache : {false, true})
   for (const bool mla : {false, true}) {
     Config c = tiny_model_config(Fp8Recipe::blockwise);
     c.train.activations = ActivationDtype::bf16;
+    c.train.moe_gates = site;
     c.fp8.cache_activations = cache;
     if (mla) {
       ModelConfig& m = c.model;
@@ -370,9 +378,20 @@ TEST(Model, SelectiveRecomputationKeepsLessAsPlanned) {
       double planned = 0;
       for (int l = 0; l < m.n_layers; ++l) planned += block_saved_bytes(c, L, l);
       planned /= 256.0 * m.n_layers;
-      std::printf("%s%s, recompute %s: planned %.0f B per token per block, measured %.0f B\n", mla ? "MLA" : "GQA",
-                  cache ? " cached" : "", to_string(rc).data(), planned, got);
-      EXPECT_NEAR(got / planned, 1.0, 0.02) << to_string(rc) << " mla " << mla << " cache " << cache;
+      std::printf("%s%s, gates at %s, recompute %s: planned %.0f B per token per block, measured %.0f B\n",
+                  mla ? "MLA" : "GQA", cache ? " cached" : "", to_string(site).data(), to_string(rc).data(), planned, got);
+      EXPECT_NEAR(got / planned, 1.0, 0.02) << to_string(rc) << " mla " << mla << " cache " << cache << " gates at "
+                                            << to_string(site);
+      if (site == GateSite::combine) continue;
+      // Against the same run with the gates at combine: top_k rows of 2 D bytes less per token in
+      // the MoE blocks (3 of 4), 4 bytes more.
+      Config at_combine = c;
+      at_combine.train.moe_gates = GateSite::combine;
+      Transformer other(cpu_backend(), at_combine);
+      other.zero_grads();
+      other.forward_backward(b.tokens.data(), b.targets.data(), 1, 256, true);
+      const double saved = 0.75 * m.moe.top_k * (2.0 * m.d_model - 4);
+      EXPECT_NEAR(other.saved_bytes_per_token_per_layer() - got, saved, 0.02 * saved) << "mla " << mla;
     }
     // What selective drops, per token and block (MoE blocks: 3 of 4): the router's BF16 input
     // (2 D x 3/4); the SwiGLU outputs' FP8 copies (the dense F, the shared expert's d_expert, top_k
@@ -414,8 +433,12 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
   // Measured (2-core VM, 2026-12-01): worst |analytic - numeric| / (|numeric| + 1) 2.2e-5 (sigmoid),
   // 1.9e-5 (softmax), on 607 and 587 of 608 elements; bound 1e-4 (the rounding estimate, with a
   // margin of 4.5x over the measured). The bound before this test took expert weights was
-  // 1e-2 |numeric| + 1e-3.
+  // 1e-2 |numeric| + 1e-3. With the gates in the experts (train.moe_gates expert) the gates'
+  // gradient is the gated SwiGLU backward's (kernels/swiglu.h), the same function differentiated.
+  // Measured again (2-core VM, 2026-12-06, 2 threads): gates at combine 4.2e-5 (sigmoid), 4.5e-5
+  // (softmax); in the experts 4.5e-5 and 4.6e-5.
   const int64_t N = 12, D = 8, E = 4;
+  for (GateSite site : {GateSite::combine, GateSite::expert})
   for (Gating gating : {Gating::sigmoid, Gating::softmax}) {
     MoeConfig cfg = moe_config(E, 2, gating);
     cfg.aux_loss_coef = 0.3, cfg.capacity_factor = 0.6, cfg.n_shared_experts = 1;
@@ -427,6 +450,7 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
     for (int i = 0; i < 3 * (E + 1); ++i) ew.push_back(rnd(size_t(D * 4)));
     MoeWeights w{router.data(), bias.data(), {ew[0].data(), ew[1].data(), ew[2].data()}, {}};
     for (int e = 0; e < E; ++e) w.experts.push_back({ew[3 + 3 * e].data(), ew[4 + 3 * e].data(), ew[5 + 3 * e].data()});
+    w.gates = site;
     MoeFp8 fp8{{}, std::vector<FfnFp8>(E)};
     Backend& be = cpu_backend();  // its memory is host memory: the test's vectors are its tensors
     auto objective = [&](MoeSaved* s) {
@@ -440,6 +464,7 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
     MoeSaved s;
     objective(&s);
     ASSERT_GT(s.routing.dropped(), 0) << "the test needs capacity drops";
+    EXPECT_EQ(s.expert_out.empty(), site == GateSite::expert) << "the experts' outputs kept only for gates at combine";
     std::vector<float> dx(N * D), drouter(E * D, 0.0f);
     std::vector<std::vector<float>> eg(ew.size());
     for (size_t i = 0; i < ew.size(); ++i) eg[i].assign(ew[i].size(), 0.0f);
@@ -468,12 +493,13 @@ TEST(Moe, FiniteDifferencesWithAuxLossBiasAndCapacityDrops) {
         const double numeric = four_point_derivative(f, h);
         const double err = std::abs((*grad)[i] - numeric) / (std::abs(numeric) + 1.0);
         worst = std::max(worst, err);
-        EXPECT_LE(err, 1e-4) << to_string(gating) << " tensor element " << i << ": analytic " << (*grad)[i]
-                             << ", numeric " << numeric;
+        EXPECT_LE(err, 1e-4) << to_string(gating) << " gates at " << to_string(site) << " tensor element " << i
+                             << ": analytic " << (*grad)[i] << ", numeric " << numeric;
         ++checked;
       }
-    std::printf("%s: %d of %d elements checked (x, router, 15 expert weights), worst |analytic - numeric| / "
-                "(|numeric| + 1) = %.2e\n", to_string(gating).data(), checked, total, worst);
+    std::printf("%s, gates at %s: %d of %d elements checked (x, router, 15 expert weights), worst |analytic - "
+                "numeric| / (|numeric| + 1) = %.2e\n", to_string(gating).data(), to_string(site).data(), checked, total,
+                worst);
     EXPECT_GE(checked, int(0.8 * total)) << to_string(gating);
   }
 }
