@@ -34,7 +34,7 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
   shape.local_experts = place.local_experts();
   shape.dense_bytes = dense_bytes_, shape.expert_bytes = expert_bytes_, shape.rows_off_rank = rows_off;
   shape.fp8 = cfg_.fp8.recipe == Fp8Recipe::off ? nullptr : &cfg_.fp8, shape.activations = cfg_.train.activations;
-  shape.moe_gates = cfg_.train.moe_gates;
+  shape.moe_gates = cfg_.train.moe_gates, shape.recompute = cfg_.train.recompute;
   shape.grad_reduce = cfg_.optim.grad_reduce;
   const std::array<double, 5> expected = analytic_comm_bytes(shape);
   double local[15] = {};
@@ -42,7 +42,8 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
   // The rows by node: each routed row whose expert is on another rank crosses once in each of the
   // four exchanges, at each exchange's row size (model/plan_model.h expert_row_bytes).
   if (dispatcher_) {
-    const double row = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations, cfg_.train.moe_gates).total();
+    const double row = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations, cfg_.train.moe_gates)
+                           .per_step(moe_recomputed(cfg_.train.recompute));
     local[10] = double(dispatcher_->node_bytes().in_node), local[11] = double(dispatcher_->node_bytes().across);
     local[12] = (rows_off - rows_off_node) * row, local[13] = rows_off_node * row;
     local[14] = dispatcher_->spans_nodes() ? 1 : 0;

@@ -54,6 +54,7 @@ std::vector<Candidate> search_fits(const PlanOptions& o, const std::string& text
   for (int v = base.parallel.micro_batches * 2; v <= base.train.global_batch; v *= 2) add("parallel.micro_batches", std::to_string(v));
   for (const char* v : {"selective", "moe", "full"})
     if (to_string(base.train.recompute) != v) add("train.recompute", v);
+  if (base.train.moe_gates != GateSite::expert) add("train.moe_gates", "expert");
   if (base.optim.zero != 1) add("optim.zero", "1");
   if (base.train.moments_dtype != MomentsDtype::bf16) add("train.moments_dtype", "bf16");
   std::vector<std::string> keys;

@@ -58,7 +58,7 @@ Plan make_plan(const Config& c, int world) {
     // Uniform routing: of a token's top_k rows, 1 / expert stay on this rank.
     sh.rows_off_rank = double(p.L.micro_batches) * moe_layers * sh.tokens * m.moe.top_k * (1.0 - 1.0 / p.L.expert);
     sh.fp8 = c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, sh.activations = c.train.activations;
-    sh.grad_reduce = c.optim.grad_reduce, sh.moe_gates = c.train.moe_gates;
+    sh.grad_reduce = c.optim.grad_reduce, sh.moe_gates = c.train.moe_gates, sh.recompute = c.train.recompute;
     p.comm.push_back(analytic_comm_bytes(sh));
   }
   return p;

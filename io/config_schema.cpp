@@ -196,7 +196,7 @@ const std::vector<Field>& schema() {
                        "Where the routed experts' gates multiply: combine (each expert's output, as the token's "
                        "rank sums them), or expert (each expert's SwiGLU output before its down-projection, "
                        "Megatron-Core's weighted SwiGLU: combine is a plain sum and the experts' outputs are "
-                       "not kept for backward; the gates travel with the rows, 4 bytes each way)."));
+                       "not kept for backward; each row's gate travels with it, 4 bytes out and its FP64 gradient, 8 bytes, back)."));
     // optim
     v.push_back(integer("optim.zero", REF(optim.zero), 0, 1,
                         "1: shard the Adam moments over the data-parallel replicas (ZeRO-1: reduce-scatter "

@@ -242,9 +242,12 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
     xin = s.xl.f32();
   }
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
-  // train.moe_gates expert: each row's gate goes with it (a recomputation's are kept already).
+  // train.moe_gates expert: each row's gate goes with it. A recomputation's are kept with its
+  // routing (BlockSaved::finish), and must not be sent again: a rank whose experts received no row
+  // holds an empty tensor, and an exchange of its own would pair with its partners' next one.
   const bool gated = w.gates == GateSite::expert;
-  if (gated && (routed_here || s.gate_rows.empty())) {
+  FP8MOE_ASSERT(!gated || routed_here || s.gate_rows.backend(), "MoE: a recomputation without its rows' gates");
+  if (gated && routed_here) {
     Tensor g(be, DType::f32, {R});
     be.row_gates(rb, R, g.f32());
     if (ep) ep->dispatch(r.plan, g.f32(), 1, &s.gate_rows);

@@ -185,7 +185,8 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     // dgate, dye (and its received rows), the experts' da, dh1|dh3 and input gradients (and the
     // rows sent back); the router's logits in the forward.
     ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * 3 * F * kF32 + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
-    if (c.train.moe_gates == GateSite::expert) ffn_bwd += R * kF64 * (ep ? 2 : 1);  // the rows' gates' gradients
+    // the rows' gates' gradients (expert parallelism: received, the exchange's buffer, returned)
+    if (c.train.moe_gates == GateSite::expert) ffn_bwd += R * kF64 * (ep ? 3 : 1);
     // selective: the router's input made again (from x_mid, widened from BF16 first where kept so);
     // the SwiGLU outputs' copies W2 reads
     if (selective(c))
@@ -213,13 +214,15 @@ PlanLayout plan_layout(const Config& c, int world) {
   return L;
 }
 
-// tp  per micro-batch: (3 L_s + first + last) all-reduces of N x D floats, per block the
+// tp  per micro-batch: (3 L_s + first + last) all-reduces of N x D floats (2 more per block that
+//     train.recompute runs again: every block under full, the MoE blocks under moe), per block the
 //     attention's input gradient (GQA: N x D; MLA: N x (kv_lora + qk_rope) at the latents and
 //     N x q_lora, or N x D without a query latent), MoE layers' gate gradients (N x k doubles),
 //     the cross-entropy's 3 vectors of N; each all-reduce of B bytes sends 2 (T - 1) / T x B.
 // ep  per MoE layer and micro-batch: 4 x (routed rows whose expert is on another rank) x D floats
 //     (dispatch and combine, forward and backward) + the counts (P - 1) x L x 8; train.moe_gates
-//     expert: 12 bytes more per such row (its gate out, the gate's FP64 gradient back); train.activations
+//     expert: 12 bytes more per such row (its gate out, the gate's FP64 gradient back); a MoE layer
+//     that train.recompute moe or full runs again sends its forward's 2 exchanges again; train.activations
 //     bf16: the rows of expert_row_bytes, and with a per-tensor recipe the two exchanges' amax
 //     all-reduces (expert_wire_scale_bytes).
 // dp, edp  the bucket of the dense (expert) trainable parameters this rank holds, B bytes: ZeRO-1
@@ -260,10 +263,12 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
   const double attn_grad = !m.mla() ? D : m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank > 0 ? m.q_lora_rank : D);
   std::array<double, 5> b{};
+  // Blocks whose forward train.recompute runs again: its two all-reduces (attention and FFN output).
+  const double again = s.recompute == Recompute::full ? Ls : s.recompute == Recompute::moe ? Lm : 0;
   b[0] = ring(s.tensor) * Mb *
-         (((3 * Ls + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
+         (((3 * Ls + 2 * again + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
-  const double row = expert_row_bytes(m.d_model, s.fp8, s.activations, s.moe_gates).total();
+  const double row = expert_row_bytes(m.d_model, s.fp8, s.activations, s.moe_gates).per_step(moe_recomputed(s.recompute));
   b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 +
                            Mb * Lm * expert_wire_scale_bytes(s.expert, s.fp8, s.activations)
                      : 0;

@@ -44,6 +44,7 @@ struct CommShape {
   ActivationDtype activations = ActivationDtype::fp32;  // train.activations
   ReduceDtype grad_reduce = ReduceDtype::fp32;          // optim.grad_reduce
   GateSite moe_gates = GateSite::combine;               // train.moe_gates
+  Recompute recompute = Recompute::none;                // train.recompute: moe, full run forwards again
 };
 std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 
@@ -57,7 +58,12 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 struct ExpertRowBytes {
   double dispatch = 0, combine = 0, grad_dispatch = 0, grad_combine = 0, gates = 0;
   double total() const { return dispatch + combine + grad_dispatch + grad_combine + gates; }
+  // A row of a MoE layer that train.recompute moe or full runs again: its forward's dispatch and
+  // combine once more (the routing, the exchange's plan, its scale and the gates are kept).
+  double per_step(bool recomputed) const { return total() + (recomputed ? dispatch + combine : 0); }
 };
+// Whether train.recompute runs MoE layers' forwards again (moe, full).
+inline bool moe_recomputed(Recompute r) { return r == Recompute::moe || r == Recompute::full; }
 ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations, GateSite gates);
 // Per MoE layer and micro-batch, what one rank of an expert group of P sends for the FP8 rows' one
 // scale under a per-tensor recipe (train.activations bf16): two 4-byte amax all-reduces (dispatch,

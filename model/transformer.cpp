@@ -218,8 +218,8 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
     // The block's input, for its backward (or its recomputation): in BF16 under bf16 activations.
     if (backward) ctx_->stash(&st.xs[size_t(l - L0)]);
     const int64_t xb = int64_t(dtype_size(st.xs[size_t(l - L0)].dtype()));
-    // A recomputed block keeps only its input (the stage's) and its routing.
-    saved_bytes += sv.kept ? sv.bytes(D, xb) : N * D * xb + sv.moe.routing.bytes();
+    // A recomputed block keeps only its input (the stage's), its routing and its rows' gates.
+    saved_bytes += sv.kept ? sv.bytes(D, xb) : N * D * xb + sv.moe.routing.bytes() + int64_t(sv.moe.gate_rows.bytes());
   }
   saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
   if (placement_.last_stage()) stage_head_forward(run, targets, counted, slots, loss_scale, mean_over, with_mtp ? mtp : nullptr);

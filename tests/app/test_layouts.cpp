@@ -170,6 +170,18 @@ const std::vector<Layout> kLayouts = {
     {"pp3 balanced x ep2", 6, {"parallel.pipeline=3", "parallel.stage_layers=balanced", "parallel.expert=2"}},
 };
 
+// The last step's bytes of a tp2 x pp2 x ep2 run: its four groups, each measured within 1.01 of
+// (and not below) its analytical count.
+void expect_formulas(const std::map<std::string, std::pair<double, double>>& bytes, const char* what) {
+  ASSERT_EQ(bytes.size(), 4u) << what;
+  for (const auto& [group, b] : bytes) {
+    std::printf("%s: %-3s measured %9.0f analytical %9.0f ratio %.4f\n", what, group.c_str(), b.first, b.second,
+                b.first / b.second);
+    EXPECT_GE(b.first, b.second) << what << " " << group;
+    EXPECT_LE(b.first, 1.01 * b.second) << what << " " << group;
+  }
+}
+
 TEST_F(Layouts, SameLossOnEveryLayout) {
   for (const char* recipe : {"off", "blockwise"}) {
     const std::string r = std::string("fp8.recipe=") + recipe, log = dir_->path + "/same-" + recipe;
@@ -429,13 +441,7 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
   }
 
   auto bytes = last_step_bytes(8, {r, a, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}, "bf16-comm");
-  ASSERT_EQ(bytes.size(), 4u);
-  for (const auto& [group, b] : bytes) {
-    std::printf("BF16 activations: %-3s measured %9.0f analytical %9.0f ratio %.4f\n", group.c_str(), b.first,
-                b.second, b.first / b.second);
-    EXPECT_GE(b.first, b.second) << group;
-    EXPECT_LE(b.first, 1.01 * b.second) << group;
-  }
+  expect_formulas(bytes, "BF16 activations");
   const double N = 2 * 32, D = 64, M = 2;
   // 4 pipelines, a message each way per micro-batch, and the stages' sums once a step (as above)
   EXPECT_EQ(bytes["pp"].second, 4 * M * 2 * N * D * 2 + 8 * (2 + 3 * 8) * 8.0);
@@ -496,14 +502,23 @@ TEST_F(Layouts, GatesInTheExpertsAgreeAcrossLayouts) {
   }
   std::vector<std::string> sets = v3;
   for (const char* s : {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}) sets.push_back(s);
-  const auto bytes = last_step_bytes(8, sets, "gates-comm");
-  ASSERT_EQ(bytes.size(), 4u);
-  for (const auto& [group, b] : bytes) {
-    std::printf("gates in the experts: %-3s measured %9.0f analytical %9.0f ratio %.4f\n", group.c_str(), b.first,
-                b.second, b.first / b.second);
-    EXPECT_GE(b.first, b.second) << group;
-    EXPECT_LE(b.first, 1.01 * b.second) << group;
-  }
+  expect_formulas(last_step_bytes(8, sets, "gates-comm"), "gates in the experts");
+  // Recomputed blocks (train.recompute full) run their forward's exchanges again, but not the
+  // gates', which they keep with their routing: the formulas count that.
+  for (std::string& x : sets)
+    if (x == "train.recompute=selective") x = "train.recompute=full";
+  expect_formulas(last_step_bytes(8, sets, "gates-full-comm"), "gates in the experts, recompute full");
+  // Sparse routing (64 experts, top 1, 8 tokens a rank on ep4): experts' ranks that receive no row
+  // hold no gates, and their recomputation must not exchange any either (it once did, and the
+  // exchanges paired wrongly). Against 1 rank at recipe off's bounds.
+  const std::vector<std::string> sparse = {g, "fp8.recipe=off", "train.recompute=full", "model.moe.n_experts=64",
+                                           "model.moe.top_k=1", "train.seq_len=4"};
+  const auto sparse_ref = train(1, sparse);
+  ASSERT_EQ(sparse_ref.size(), 20u);
+  const auto [s1, s20] = against_one_rank(sparse_ref, Layout{"ep4 (dp4)", 4, {"parallel.expert=4"}}, sparse);
+  std::printf("gates in the experts, sparse routing, recompute full, ep4: step 1 loss %.2e, 20 steps %.2e\n", s1, s20);
+  EXPECT_LE(s1, 1e-8);
+  EXPECT_LE(s20, 5e-6);
 }
 
 // train.activations bf16 with the per-tensor recipes (model/moe.h MoeWire): the experts' rows in
