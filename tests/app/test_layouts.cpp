@@ -507,7 +507,12 @@ TEST_F(Layouts, GatesInTheExpertsAgreeAcrossLayouts) {
   // gates', which they keep with their routing: the formulas count that.
   for (std::string& x : sets)
     if (x == "train.recompute=selective") x = "train.recompute=full";
-  expect_formulas(last_step_bytes(8, sets, "gates-full-comm"), "gates in the experts, recompute full");
+  const auto full = last_step_bytes(8, sets, "gates-full-comm");
+  expect_formulas(full, "gates in the experts, recompute full");
+  // ep's count is exact (every byte of it is a row, a count or a gate): gates sent again would be
+  // 4 bytes a row, under the 1.01 bound.
+  ASSERT_TRUE(full.count("ep"));
+  EXPECT_EQ(full.at("ep").first, full.at("ep").second);
   // Sparse routing (64 experts, top 1, 8 tokens a rank on ep4): experts' ranks that receive no row
   // hold no gates, and their recomputation must not exchange any either (it once did, and the
   // exchanges paired wrongly). Against 1 rank at recipe off's bounds.
