@@ -40,7 +40,8 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
   double local[15] = {};
   for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)].bytes_sent()), local[5 + g] = expected[size_t(g)];
   // The rows by node: each routed row whose expert is on another rank crosses once in each of the
-  // four exchanges, at each exchange's row size (model/plan_model.h expert_row_bytes).
+  // four exchanges (and its gate's two, and again in a recomputed forward's two), at each
+  // exchange's row size (model/plan_model.h expert_row_bytes, per_step).
   if (dispatcher_) {
     const double row = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations, cfg_.train.moe_gates)
                            .per_step(moe_recomputed(cfg_.train.recompute));

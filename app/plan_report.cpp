@@ -22,9 +22,9 @@ std::string expert_rows_text(const Config& c) {
   const int64_t D = c.model.d_model;
   const ExpertRowBytes b =
       expert_row_bytes(D, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, c.train.activations, c.train.moe_gates);
-  const std::string gates = c.train.moe_gates == GateSite::expert
-                                ? "; the gate out and its FP64 gradient back, 12 bytes a row (train.moe_gates expert)"
-                                : "";
+  const std::string gates = b.gates > 0 ? "; the gate out and its FP64 gradient back, " + std::to_string(int64_t(b.gates)) +
+                                              " bytes a row (train.moe_gates expert)"
+                                        : "";
   if (c.train.activations == ActivationDtype::fp32)
     return "FP32 rows of D = " + std::to_string(D) + " values, " + std::to_string(int64_t(b.dispatch)) +
            " bytes each exchange (train.activations fp32)" + gates;
