@@ -36,23 +36,41 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
   shape.fp8 = cfg_.fp8.recipe == Fp8Recipe::off ? nullptr : &cfg_.fp8, shape.activations = cfg_.train.activations;
   shape.moe_gates = cfg_.train.moe_gates, shape.recompute = cfg_.train.recompute;
   shape.grad_reduce = cfg_.optim.grad_reduce;
+  // The relay's rows, as this rank's plans of the step counted them (parallel/expert_dispatch.h).
+  const bool relay = dispatcher_ && dispatcher_->relays();
+  if (relay) {
+    const ExpertDispatcher::RelayRows& y = dispatcher_->relay_rows();
+    shape.relay = true, shape.rows_off_node = rows_off_node;
+    shape.relay_across = double(y.across), shape.relay_forwarded = double(y.relayed);
+    shape.remote_ranks = dispatcher_->remote_ranks();
+  }
   const std::array<double, 5> expected = analytic_comm_bytes(shape);
-  double local[15] = {};
+  double local[18] = {};
   for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)].bytes_sent()), local[5 + g] = expected[size_t(g)];
   // The rows by node: each routed row whose expert is on another rank crosses once in each of the
   // four exchanges (and its gate's two, and again in a recomputed forward's two), at each
   // exchange's row size (model/plan_model.h expert_row_bytes, per_step).
+  // With the relay, the per-token exchanges' rows cross once per token and node and go on from the
+  // relay in its node instead.
   if (dispatcher_) {
-    const double row = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations, cfg_.train.moe_gates)
-                           .per_step(moe_recomputed(cfg_.train.recompute));
+    const ExpertRowBytes rb = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations,
+                                               cfg_.train.moe_gates);
+    const double row = rb.per_step(moe_recomputed(cfg_.train.recompute));
+    const double tok = relay ? rb.per_token(moe_recomputed(cfg_.train.recompute)) : 0;
     local[10] = double(dispatcher_->node_bytes().in_node), local[11] = double(dispatcher_->node_bytes().across);
-    local[12] = (rows_off - rows_off_node) * row, local[13] = rows_off_node * row;
+    local[12] = (rows_off - rows_off_node) * row + shape.relay_forwarded * tok;
+    local[13] = rows_off_node * (row - tok) + shape.relay_across * tok;
     local[14] = dispatcher_->spans_nodes() ? 1 : 0;
+    if (relay) {  // (each plan routes this micro-batch's tokens once)
+      local[15] = shape.relay_across, local[16] = shape.relay_forwarded;
+      local[17] = double(dispatcher_->relay_rows().plans) * shape.tokens;
+    }
   }
-  g_.world->allreduce_sum(local, 15);
+  g_.world->allreduce_sum(local, 18);
   for (int g = 0; g < 5; ++g) measured_[size_t(g)] = local[g], expected_[size_t(g)] = local[5 + g];
   node_measured_ = {local[10], local[11]}, node_expected_ = {local[12], local[13]};
   spans_nodes_ = local[14] > 0;
+  relay_ = {local[15], local[16], local[17]};
 }
 
 void CommAccounting::print() const {
@@ -68,6 +86,10 @@ void CommAccounting::print() const {
   for (size_t k = 0; k < 2; ++k)
     std::printf("  %-5s  %12.0f  %12.0f  %5.3f\n", names[k], node_measured_[k], node_expected_[k],
                 node_expected_[k] > 0 ? node_measured_[k] / node_expected_[k] : NAN);
+  if (relay_[2] > 0)
+    std::printf("  relay (runtime.node_dedup), per exchange: %.0f token rows across nodes for %.0f routed tokens "
+                "(%.3f per token), %.0f rows forwarded in the nodes\n",
+                relay_[0], relay_[2], relay_[0] / relay_[2], relay_[1]);
 }
 
 }  // namespace fp8moe

@@ -59,6 +59,9 @@ class CommAccounting {
   ExpertDispatcher* dispatcher_ = nullptr;
   bool spans_nodes_ = false;
   std::array<double, 2> node_measured_{}, node_expected_{};
+  // The relay's rows per exchange (runtime.node_dedup), summed over the ranks: token rows across
+  // nodes, rows forwarded in the nodes, and the tokens the plans routed.
+  std::array<double, 3> relay_{};
 };
 
 }  // namespace fp8moe

@@ -75,7 +75,7 @@ std::vector<Candidate> search_fits(const PlanOptions& o, const std::string& text
     if (pipeline && base.parallel.stage_layers.split == StageSplit::given) sets.push_back("parallel.stage_layers=balanced");
     const Loaded l = load(o, text, sets, world);
     if (!l.error.empty()) return;
-    const Plan p = make_plan(l.cfg, l.world);
+    const Plan p = make_plan(l.cfg, l.world, o.node_size);
     if (p.worst_total() > d.memory) return;
     fits.push_back({sets, p.worst_total(), roofline(p, d, o, eff).step});
   };
@@ -170,7 +170,7 @@ int run_plan(const PlanOptions& o) {
   if (const int status = read_inputs(o, &in); status != kExitOk) return status;
   const Config& c = in.loaded.cfg;
   const int world = in.loaded.world;
-  const Plan p = make_plan(c, world);
+  const Plan p = make_plan(c, world, o.node_size);
   const Device d = in.device == "cpu" ? cpu_device(c, p.L, o.probe) : gpu(in.device);
   const PlanReport rep = make_report(o, p, d, world);
 

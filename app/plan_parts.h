@@ -94,6 +94,10 @@ struct Plan {
   std::vector<StageMemory> mem;
   std::vector<StageFlops> flops;
   std::vector<std::array<double, 5>> comm;  // per stage: bytes one rank sends per step
+  // Per stage: of comm's ep bytes, those that cross nodes, where the expert group spans nodes of
+  // node_size GPUs (else empty): the relay's per-token rows once per token and other node
+  // (runtime.node_dedup), every other exchange's rows whose expert is on another node.
+  std::vector<double> ep_across;
   double worst_total() const {
     double w = 0;
     for (const StageMemory& s : mem) w = std::max(w, s.total());
@@ -101,8 +105,9 @@ struct Plan {
   }
 };
 
-// The layout, memory, FLOPs and communication bytes of config `c` on `world` ranks.
-Plan make_plan(const Config& c, int world);
+// The layout, memory, FLOPs and communication bytes of config `c` on `world` ranks, nodes of
+// node_size GPUs.
+Plan make_plan(const Config& c, int world, int node_size = 8);
 
 // How communication enters the step: as the options say (exposed, or with --overlap hidden behind
 // compute where compute is longer), or not at all (compute only: every byte hidden, as DeepSeek-V3's

@@ -16,7 +16,9 @@ namespace {
 struct GroupLink {
   double span = 1, size = 1;
 };
-double comm_seconds(const Device& d, const PlanOptions& o, const PlanLayout& L, int group, double bytes) {
+// across: of ep's bytes, those that cross nodes where the plan counted them (else < 0: by the share).
+double comm_seconds(const Device& d, const PlanOptions& o, const PlanLayout& L, int group, double bytes,
+                    double across = -1) {
   if (bytes <= 0) return 0;
   if (d.cpu) return bytes / d.hbm;  // ranks of one machine: MPI through shared memory
   const double node = o.node_size;
@@ -29,6 +31,7 @@ double comm_seconds(const Device& d, const PlanOptions& o, const PlanLayout& L, 
     default: g = {double(L.world), double(L.pipeline)}; break;
   }
   if (g.span <= node) return bytes / d.nvlink;
+  if (group == 1 && across >= 0) return (bytes - across) / d.nvlink + across / d.ib;
   if (group == 1) {
     const double in_node = std::max(0.0, node / L.tensor - 1) / std::max(1.0, g.size - 1);
     return bytes * in_node / d.nvlink + bytes * (1 - in_node) / d.ib;
@@ -36,9 +39,25 @@ double comm_seconds(const Device& d, const PlanOptions& o, const PlanLayout& L, 
   return bytes / d.ib;
 }
 
+// The expected number of distinct nodes among a token's experts, of G nodes holding the experts in
+// equal consecutive shares, under uniform routing: node-limited routing whose groups lie within
+// nodes chooses topk_group groups of n_group (every chosen group given an expert, an upper bound);
+// otherwise top_k experts of n_experts. 1 - C(a - b, t) / C(a, t) is the chance that one node is
+// among them.
+double nodes_per_token(const MoeConfig& moe, double G) {
+  auto missed = [](double a, double b, double t) {
+    double r = 1;
+    for (int i = 0; i < int(t); ++i) r *= std::max(0.0, a - b - i) / (a - i);
+    return r;
+  };
+  const bool limited = moe.n_group > 1 && moe.topk_group < moe.n_group && moe.n_group % int(G) == 0;
+  return limited ? G * (1 - missed(moe.n_group, moe.n_group / G, moe.topk_group))
+                 : G * (1 - missed(moe.n_experts, moe.n_experts / G, moe.top_k));
+}
+
 }  // namespace
 
-Plan make_plan(const Config& c, int world) {
+Plan make_plan(const Config& c, int world, int node_size) {
   Plan p;
   p.cfg = c;
   p.L = plan_layout(c, world);
@@ -59,7 +78,30 @@ Plan make_plan(const Config& c, int world) {
     sh.rows_off_rank = double(p.L.micro_batches) * moe_layers * sh.tokens * m.moe.top_k * (1.0 - 1.0 / p.L.expert);
     sh.fp8 = c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, sh.activations = c.train.activations;
     sh.grad_reduce = c.optim.grad_reduce, sh.moe_gates = c.train.moe_gates, sh.recompute = c.train.recompute;
+    // Nodes: the grid orders ranks tensor fastest, then expert (parallel/grid.h), so a node holds
+    // node_size / tensor consecutive ranks of an expert group, and the group spans G nodes. Of a
+    // token's rows (uniform routing), those to other nodes' experts cross; with the relay its
+    // per-token exchanges cross once per other node among its experts', and go on in that node
+    // unless the relay holds the expert.
+    const double per_node = std::clamp(double(node_size / p.L.tensor), 1.0, double(p.L.expert));
+    const double G = double(p.L.expert) / per_node, plans = double(p.L.micro_batches) * moe_layers;
+    sh.rows_off_node = plans * sh.tokens * m.moe.top_k * (1.0 - per_node / p.L.expert);
+    sh.relay = c.runtime.node_dedup && G > 1;
+    if (sh.relay) {
+      sh.relay_across = plans * sh.tokens * nodes_per_token(m.moe, G) * (G - 1) / G;
+      sh.relay_forwarded = sh.rows_off_node * (1 - 1 / per_node);
+      sh.remote_ranks = int(p.L.expert - per_node);
+    }
     p.comm.push_back(analytic_comm_bytes(sh));
+    if (G > 1) {
+      const ExpertRowBytes rb = expert_row_bytes(m.d_model, sh.fp8, sh.activations, sh.moe_gates);
+      const double row = rb.per_step(moe_recomputed(sh.recompute));
+      const double tok = sh.relay ? rb.per_token(moe_recomputed(sh.recompute)) : 0;
+      // (and the counts to other nodes' ranks, with the relay's two numbers, and its map)
+      const double counts = plans * (p.L.expert - per_node) * (sh.local_experts + (sh.relay ? 2 : 0)) * 8;
+      const double map = sh.relay ? 4 * (plans * sh.remote_ranks + sh.rows_off_node) : 0;
+      p.ep_across.push_back(sh.rows_off_node * (row - tok) + sh.relay_across * tok + counts + map);
+    }
   }
   return p;
 }
@@ -97,7 +139,8 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     sum_compute += compute, sum_memory += memory;
     double comm = 0;
     std::array<double, 5> per_group{};
-    for (int g = 0; g < 5; ++g) per_group[size_t(g)] = comm_seconds(d, o, L, g, p.comm[s][size_t(g)]);
+    for (int g = 0; g < 5; ++g)
+      per_group[size_t(g)] = comm_seconds(d, o, L, g, p.comm[s][size_t(g)], p.ep_across.empty() ? -1 : p.ep_across[s]);
     for (int g : {0, 1, 4}) comm += per_group[size_t(g)] / L.micro_batches;
     if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;

@@ -300,6 +300,12 @@ const std::vector<Field>& schema() {
                         "The nodes the expert all-to-all's bytes are split by (in-node / across nodes, in the "
                         "communication table): 0 = as MPI places the ranks (its shared-memory split); N = world "
                         "ranks [k N, (k + 1) N) form node k (several simulated nodes on one machine)."));
+    v.push_back(boolean("runtime.node_dedup", REF(runtime.node_dedup),
+                        "Where the expert group spans nodes: each token's row (the experts' input; with "
+                        "train.moe_gates expert, also its output's gradient) crosses to each other node once, "
+                        "to the rank with the sender's index in that node, which forwards it to the ranks there "
+                        "that hold the token's experts (DeepEP's internode dispatch); the experts get the same "
+                        "rows either way. false: one row per expert chosen, straight to its rank."));
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "

@@ -246,6 +246,10 @@ struct RuntimeConfig {
   // reports (its shared-memory split); N: world ranks [k N, (k + 1) N) are node k (tests simulate
   // several nodes on one machine).
   int ranks_per_node = 0;
+  // Where the expert group spans nodes: each token's row crosses to each other node once and is
+  // forwarded in that node (DeepEP's internode dispatch; parallel/expert_dispatch.h); false: one
+  // row per expert chosen, straight to its rank.
+  bool node_dedup = true;
   bool operator==(const RuntimeConfig&) const = default;
 };
 

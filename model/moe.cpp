@@ -130,15 +130,16 @@ QuantView row_slice(const QTensor& q, int64_t r0, int64_t rows) {
 
 // rows (R, D) rounded to BF16 where they stay on this rank, or sent as BF16 to the experts' ranks
 // and widened there into *out (plan.received rows). Returns the FP32 rows the experts read.
+// per_token: the rows are the same for each of a token's experts (ExpertDispatcher::dispatch).
 const float* bf16_dispatch(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan, float* rows, int64_t R,
-                           int64_t D, Tensor* out) {
+                           int64_t D, Tensor* out, bool per_token) {
   if (!ep) {
     be.round_bf16(rows, rows, R * D);
     return rows;
   }
   Tensor r16(be, DType::bf16, {R, D}), l16;
   be.to_bf16(rows, r16.data<uint16_t>(), R * D);
-  ep->dispatch(plan, r16.data<uint16_t>(), D, &l16);
+  ep->dispatch(plan, r16.data<uint16_t>(), D, &l16, per_token);
   *out = Tensor(be, DType::f32, {plan.received, D});
   be.from_bf16(l16.data<uint16_t>(), out->f32(), plan.received * D);
   return out->f32();
@@ -181,15 +182,21 @@ void route_tokens(Backend& be, const float* x, int64_t N, int64_t D, const MoeCo
   r->slot_row = Tensor(be, DType::i32, {N, k});
   be.route(z.f32(), w.router_bias, router_rule(cfg, N), r->buffers());
   // The caller's pinned buffer (a fresh one per routing would be a pinned allocation, which CUDA may
-  // synchronise on, in every MoE layer of every micro-batch).
+  // synchronise on, in every MoE layer of every micro-batch); grown once where the relay across
+  // nodes also reads each row's token back, in the same synchronisation.
+  const bool tokens = ep && ep->relays();
+  const int64_t need = E + (tokens ? N * k : 0);
   HostBuffer<int64_t> local;
-  if (!staging || staging->size() < E) staging = &(local = HostBuffer<int64_t>(be, E));
+  if (!staging) staging = &local;
+  if (staging->size() < need) *staging = HostBuffer<int64_t>(be, need);
   be.download(staging->data(), r->load.data<int64_t>(), size_t(E) * sizeof(int64_t));
+  if (tokens && N * k > 0)  // (the first rows, sum of the loads, are the permuted ones)
+    be.download(staging->data() + E, r->row_token.data<int64_t>(), size_t(N * k) * sizeof(int64_t));
   be.sync();
   r->load_host.assign(staging->data(), staging->data() + E);
   r->rows = std::accumulate(r->load_host.begin(), r->load_host.end(), int64_t(0));
   if (ep) {
-    r->plan = ep->plan(r->load_host.data());
+    r->plan = ep->plan(r->load_host.data(), tokens ? staging->data() + E : nullptr);
     r->local_rows = r->plan.local_rows;
   } else {
     r->local_rows = r->load_host;
@@ -230,14 +237,14 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   if (wire.fp8_in) {  // quantized once, here; the experts' first GEMM reads these bytes
     QTensor q = quantize_wire(be, s.xr.f32(), R, D, fp8.experts.front().w1, Fp8Dtype::e4m3, ep, &s.routing.wire_scale);
     s.xr.reset();
-    if (ep) ep->dispatch(r.plan, q, &s.xq);
+    if (ep) ep->dispatch(r.plan, q, &s.xq, true);
     else s.xq = std::move(q);
     xin = nullptr;
   } else if (wire.bf16) {
-    xin = bf16_dispatch(be, ep, r.plan, s.xr.f32(), R, D, &s.xl);
+    xin = bf16_dispatch(be, ep, r.plan, s.xr.f32(), R, D, &s.xl, true);
     if (ep) s.xr.reset();
   } else if (ep) {
-    ep->dispatch(r.plan, s.xr.f32(), D, &s.xl);
+    ep->dispatch(r.plan, s.xr.f32(), D, &s.xl, true);
     s.xr.reset();  // the experts read xl
     xin = s.xl.f32();
   }
@@ -328,13 +335,13 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     Tensor scale;
     QTensor q = quantize_wire(be, dye.f32(), R, D, w2, grad_dtype(*w2.cfg), ep, &scale);
     dye.reset();
-    if (ep) ep->dispatch(r.plan, q, &dyq);
+    if (ep) ep->dispatch(r.plan, q, &dyq, gated);
     else dyq = std::move(q);
     dyin = nullptr;
   } else if (wire.bf16) {
-    dyin = bf16_dispatch(be, ep, r.plan, dye.f32(), R, D, &dyl);
+    dyin = bf16_dispatch(be, ep, r.plan, dye.f32(), R, D, &dyl, gated);
   } else if (ep) {
-    ep->dispatch(r.plan, dye.f32(), D, &dyl);
+    ep->dispatch(r.plan, dye.f32(), D, &dyl, gated);
     dyin = dyl.f32();
   }
   const int64_t L = int64_t(r.local_rows.size());

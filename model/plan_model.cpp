@@ -268,10 +268,20 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   b[0] = ring(s.tensor) * Mb *
          (((3 * Ls + 2 * again + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
-  const double row = expert_row_bytes(m.d_model, s.fp8, s.activations, s.moe_gates).per_step(moe_recomputed(s.recompute));
+  const ExpertRowBytes rb = expert_row_bytes(m.d_model, s.fp8, s.activations, s.moe_gates);
+  const double row = rb.per_step(moe_recomputed(s.recompute));
   b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 +
                            Mb * Lm * expert_wire_scale_bytes(s.expert, s.fp8, s.activations)
                      : 0;
+  if (s.expert > 1 && s.relay) {
+    // The relay (parallel/expert_dispatch.h): the per-token exchanges' rows across nodes go once per
+    // token and node, then from the relay to the expert's rank where that is another rank; two
+    // more counts per rank and layer, and the relay's map (4 bytes per rank of the other nodes and
+    // per row across).
+    const double tok = rb.per_token(moe_recomputed(s.recompute));
+    b[1] += (s.relay_across + s.relay_forwarded - s.rows_off_node) * tok + Mb * Lm * (s.expert - 1) * 2 * 8 +
+            4 * (Mb * Lm * s.remote_ranks + s.rows_off_node);
+  }
   const double reduce = s.grad_reduce == ReduceDtype::bf16 ? 0.75 : 1.0;  // of the FP32 reduce-scatter + all-gather
   b[2] = reduce * ring(s.data) * s.dense_bytes;
   b[3] = reduce * ring(s.expert_data) * s.expert_bytes;

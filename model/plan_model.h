@@ -40,6 +40,13 @@ struct CommShape {
   int local_experts = 0;
   double dense_bytes = 0, expert_bytes = 0;  // the trainable parameters this rank holds, FP32
   double rows_off_rank = 0;  // routed rows of this rank sent to another expert rank, over the step
+  // runtime.node_dedup across nodes (parallel/expert_dispatch.h's relay), over the step: of
+  // rows_off_rank those whose rank is on another node; the token rows this rank sends across
+  // nodes (one per token and other node chosen) and forwards in its node for other nodes' ranks,
+  // per exchange; the expert group's ranks on other nodes than this rank's.
+  bool relay = false;
+  double rows_off_node = 0, relay_across = 0, relay_forwarded = 0;
+  int remote_ranks = 0;
   const Fp8Config* fp8 = nullptr;                       // nullptr: FP8 off
   ActivationDtype activations = ActivationDtype::fp32;  // train.activations
   ReduceDtype grad_reduce = ReduceDtype::fp32;          // optim.grad_reduce
@@ -61,6 +68,10 @@ struct ExpertRowBytes {
   // A row of a MoE layer that train.recompute moe or full runs again: its forward's dispatch and
   // combine once more (the routing, the exchange's plan, its scale and the gates are kept).
   double per_step(bool recomputed) const { return total() + (recomputed ? dispatch + combine : 0); }
+  // Of per_step, the exchanges whose rows are the same for each of a token's experts, which the
+  // relay across nodes (runtime.node_dedup) sends once per token and node: the experts' input
+  // (again where recomputed) and, with the gates in the experts, its output's gradient.
+  double per_token(bool recomputed) const { return dispatch * (recomputed ? 2 : 1) + (gates > 0 ? grad_dispatch : 0); }
 };
 // Whether train.recompute runs MoE layers' forwards again (moe, full).
 inline bool moe_recomputed(Recompute r) { return r == Recompute::moe || r == Recompute::full; }

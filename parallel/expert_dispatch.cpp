@@ -1,6 +1,7 @@
 #include "parallel/expert_dispatch.h"
 
 #include <algorithm>
+#include <bit>
 #include <numeric>
 
 #include "kernels/backend.h"
@@ -13,16 +14,31 @@ ExpertDispatcher::ExpertDispatcher(Backend& be, Communicator& rows, Communicator
   FP8MOE_ASSERT(rows.size() == counts.size(), "the expert group's two communicators differ in size");
   FP8MOE_ASSERT(n_experts % rows.size() == 0, n_experts, " experts over ", rows.size(), " expert-parallel ranks");
   local_ = ExpertOwnership{n_experts, rows.size()}.per_rank();
-  node_.assign(size_t(rows.size()), 0);
+  nodes_.node.assign(size_t(rows.size()), 0);
 }
 
-void ExpertDispatcher::set_nodes(std::vector<int64_t> node) {
+std::vector<int> NodeMap::ranks_of(int64_t n) const {
+  std::vector<int> r;
+  for (int j = 0; j < int(node.size()); ++j)
+    if (node[size_t(j)] == n) r.push_back(j);
+  return r;
+}
+
+int NodeMap::relay(int source, int64_t n) const {
+  const std::vector<int> mine = ranks_of(node[size_t(source)]), there = ranks_of(n);
+  FP8MOE_ASSERT(!there.empty(), "expert dispatch: no rank on node ", n);
+  const auto index = std::find(mine.begin(), mine.end(), source) - mine.begin();
+  return there[size_t(index) % there.size()];
+}
+
+void ExpertDispatcher::set_nodes(std::vector<int64_t> node, bool dedup) {
   FP8MOE_ASSERT(int(node.size()) == rows_.size(), node.size(), " node indices for an expert group of ", rows_.size());
-  node_ = std::move(node);
+  nodes_.node = std::move(node), dedup_ = dedup;
 }
 
 bool ExpertDispatcher::spans_nodes() const {
-  return std::any_of(node_.begin(), node_.end(), [&](int64_t n) { return n != node_.front(); });
+  const std::vector<int64_t>& n = nodes_.node;
+  return std::any_of(n.begin(), n.end(), [&](int64_t v) { return v != n.front(); });
 }
 
 void ExpertDispatcher::count(const std::vector<int64_t>& send_words) {
@@ -30,20 +46,173 @@ void ExpertDispatcher::count(const std::vector<int64_t>& send_words) {
     if (j != rows_.rank()) (same_node(j) ? node_bytes_.in_node : node_bytes_.across) += send_words[size_t(j)] * 4;
 }
 
-DispatchPlan ExpertDispatcher::plan(const int64_t* counts) {
+DispatchPlan ExpertDispatcher::plan(const int64_t* counts, const int64_t* row_token) {
   const int P = counts_.size(), L = local_;
   DispatchPlan p;
   p.ranks = P, p.local_experts = L;
   p.send_rows.assign(size_t(P), 0);
   for (int j = 0; j < P; ++j)
     for (int l = 0; l < L; ++l) p.send_rows[size_t(j)] += counts[j * L + l];
-  p.recv_counts.resize(size_t(P * L));
-  counts_.alltoall(counts, p.recv_counts.data(), L);  // block j of counts: the experts of rank j
+  if (relays()) {
+    plan_relay(counts, row_token, &p);
+  } else {
+    p.recv_counts.resize(size_t(P * L));
+    counts_.alltoall(counts, p.recv_counts.data(), L);  // block j of counts: the experts of rank j
+  }
   p.local_rows.assign(size_t(L), 0);
   for (int j = 0; j < P; ++j)
     for (int l = 0; l < L; ++l) p.local_rows[size_t(l)] += p.recv_counts[size_t(j * L + l)];
   p.received = std::accumulate(p.local_rows.begin(), p.local_rows.end(), int64_t(0));
   return p;
+}
+
+namespace {
+Tensor upload_indices(Backend& be, const std::vector<int64_t>& v) {
+  Tensor t(be, DType::i64, {int64_t(v.size())});
+  if (!v.empty()) be.upload(t.raw(), v.data(), v.size() * sizeof(int64_t));
+  return t;
+}
+}  // namespace
+
+// The relay's plan. Each source tells each other node's relay, with the counts, how many token rows
+// it sends there and how long its map is; the map (int32 values carried as 32-bit words over the
+// counts' group) gives, for the rows to each rank of that node in order, the index of their token
+// among the ones sent. Row order everywhere is the direct exchange's: by destination rank, then
+// the sender's order, so the experts' rows come out as the direct exchange lays them.
+void ExpertDispatcher::plan_relay(const int64_t* counts, const int64_t* row_token, DispatchPlan* p) {
+  const int P = counts_.size(), L = local_, me = rows_.rank();
+  const int64_t my_node = nodes_.node[size_t(me)];
+  auto relay = std::make_shared<DispatchPlan::Relay>();
+  DispatchPlan::Relay& y = *relay;
+  std::vector<int64_t> row0(static_cast<size_t>(P) + 1, 0);  // first row of each destination's block
+  for (int j = 0; j < P; ++j) row0[size_t(j) + 1] = row0[size_t(j)] + p->send_rows[size_t(j)];
+  FP8MOE_ASSERT(row_token || row0.back() == 0, "expert dispatch across nodes: the plan needs each row's token");
+
+  // This rank as a source: its node's ranks get their rows; each other node's relay its tokens once.
+  y.send1.assign(size_t(P), 0);
+  std::vector<int64_t> gather1, meta_len(static_cast<size_t>(P), 0);
+  std::vector<std::vector<int32_t>> meta(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j) {
+    if (nodes_.same(j, me)) {
+      for (int64_t i = row0[size_t(j)]; i < row0[size_t(j) + 1]; ++i) gather1.push_back(i);
+      y.send1[size_t(j)] = p->send_rows[size_t(j)];
+      continue;
+    }
+    const int64_t n = nodes_.node[size_t(j)];
+    const int relay_rank = nodes_.relay(me, n);
+    if (relay_rank != j) continue;
+    const std::vector<int> there = nodes_.ranks_of(n);
+    std::vector<int32_t>& m = meta[size_t(j)];
+    for (int q : there) m.push_back(int32_t(p->send_rows[size_t(q)]));
+    std::vector<std::pair<int64_t, int32_t>> seen;  // token -> its index among the ones sent, sorted
+    for (int q : there)
+      for (int64_t i = row0[size_t(q)]; i < row0[size_t(q) + 1]; ++i) {
+        const auto at = std::lower_bound(seen.begin(), seen.end(), std::make_pair(row_token[i], int32_t(-1)));
+        if (at != seen.end() && at->first == row_token[i]) {
+          m.push_back(at->second);
+          continue;
+        }
+        const auto u = int32_t(y.send1[size_t(j)]++);
+        seen.insert(at, {row_token[i], u});
+        gather1.push_back(i);
+        m.push_back(u);
+      }
+    meta_len[size_t(j)] = int64_t(m.size());
+    y.across += y.send1[size_t(j)];
+  }
+
+  // The counts, and each relay's two numbers: L + 2 values per rank.
+  const int W = L + 2;
+  std::vector<int64_t> out(static_cast<size_t>(P * W)), in(static_cast<size_t>(P * W));
+  for (int j = 0; j < P; ++j) {
+    std::copy_n(counts + j * L, L, out.data() + j * W);
+    out[size_t(j * W + L)] = nodes_.same(j, me) ? 0 : y.send1[size_t(j)];
+    out[size_t(j * W + L + 1)] = meta_len[size_t(j)];
+  }
+  counts_.alltoall(out.data(), in.data(), W);
+  p->recv_counts.resize(size_t(P * L));
+  std::vector<int64_t> tokens_from(static_cast<size_t>(P)), meta_from(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j) {
+    std::copy_n(in.data() + j * W, L, p->recv_counts.data() + j * L);
+    tokens_from[size_t(j)] = in[size_t(j * W + L)], meta_from[size_t(j)] = in[size_t(j * W + L + 1)];
+  }
+  auto rows_from = [&](int j) {  // rows of source j for this rank's experts
+    int64_t r = 0;
+    for (int l = 0; l < L; ++l) r += p->recv_counts[size_t(j * L + l)];
+    return r;
+  };
+  std::vector<float> meta_out, meta_in;
+  std::vector<int64_t> msc(static_cast<size_t>(P)), mrc(static_cast<size_t>(P));
+  for (int j = 0; j < P; ++j) {
+    for (int32_t v : meta[size_t(j)]) meta_out.push_back(std::bit_cast<float>(v));
+    msc[size_t(j)] = meta_len[size_t(j)], mrc[size_t(j)] = meta_from[size_t(j)];
+  }
+  meta_in.resize(size_t(std::accumulate(mrc.begin(), mrc.end(), int64_t(0))));
+  counts_.alltoallv(meta_out.data(), msc.data(), meta_in.data(), mrc.data());
+
+  // The first exchange's arrivals: from this node's ranks their rows, from the sources this rank
+  // relays for their tokens, in rank order.
+  y.recv1.assign(size_t(P), 0);
+  std::vector<int64_t> at1(static_cast<size_t>(P), 0);
+  for (int j = 0; j < P; ++j) {
+    at1[size_t(j)] = y.arrived1;
+    y.recv1[size_t(j)] = nodes_.same(j, me) ? rows_from(j) : tokens_from[size_t(j)];
+    y.arrived1 += y.recv1[size_t(j)];
+  }
+
+  // This rank as a relay: for each rank q of its node, the rows of each source it relays for, in
+  // source order, each source's rows to q in their order.
+  const std::vector<int> here = nodes_.ranks_of(my_node);
+  y.send2.assign(size_t(P), 0);
+  std::vector<int64_t> gather2;
+  std::vector<int64_t> meta_at(static_cast<size_t>(P), 0);
+  for (int64_t j = 0, o = 0; j < P; ++j) meta_at[size_t(j)] = o, o += mrc[size_t(j)];
+  auto meta_value = [&](int j, int64_t i) { return std::bit_cast<int32_t>(meta_in[size_t(meta_at[size_t(j)] + i)]); };
+  for (size_t qi = 0; qi < here.size(); ++qi) {
+    const int q = here[qi];
+    for (int s = 0; s < P; ++s) {
+      if (mrc[size_t(s)] == 0) continue;  // not a source this rank relays for
+      FP8MOE_ASSERT(mrc[size_t(s)] >= int64_t(here.size()), "expert dispatch: a relay map without its counts");
+      int64_t skip = 0;
+      for (size_t b = 0; b < qi; ++b) skip += meta_value(s, int64_t(b));
+      const int64_t n = meta_value(s, int64_t(qi)), base = int64_t(here.size()) + skip;
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t u = meta_value(s, base + i);
+        FP8MOE_ASSERT(u >= 0 && u < tokens_from[size_t(s)], "expert dispatch: a relay map's token ", u, " of ",
+                      tokens_from[size_t(s)]);
+        gather2.push_back(at1[size_t(s)] + u);
+      }
+      y.send2[size_t(q)] += n;
+    }
+    if (q != me) y.relayed += y.send2[size_t(q)];
+  }
+  // What arrives from each relay of this node: the rows of the other nodes' sources it relays for.
+  y.recv2.assign(size_t(P), 0);
+  for (int s = 0; s < P; ++s)
+    if (!nodes_.same(s, me)) y.recv2[size_t(nodes_.relay(s, my_node))] += rows_from(s);
+  std::vector<int64_t> at2(static_cast<size_t>(P), 0);  // where each source's rows start among the relays' arrivals
+  {
+    std::vector<int64_t> next(static_cast<size_t>(P), 0);  // per relay, running offset
+    for (int64_t r = 0, o = 0; r < P; ++r) next[size_t(r)] = o, o += y.recv2[size_t(r)];
+    for (int s = 0; s < P; ++s)
+      if (!nodes_.same(s, me)) {
+        int64_t& n = next[size_t(nodes_.relay(s, my_node))];
+        at2[size_t(s)] = n, n += rows_from(s);
+      }
+    y.arrived2 = std::accumulate(y.recv2.begin(), y.recv2.end(), int64_t(0));
+  }
+  // The experts' rows, expert-major and source-ordered, from [first arrivals | relays' arrivals].
+  std::vector<int64_t> gather_out;
+  for (int l = 0; l < L; ++l)
+    for (int j = 0; j < P; ++j) {
+      int64_t o = nodes_.same(j, me) ? at1[size_t(j)] : y.arrived1 + at2[size_t(j)];
+      for (int b = 0; b < l; ++b) o += p->recv_counts[size_t(j * L + b)];
+      for (int64_t i = 0; i < p->recv_counts[size_t(j * L + l)]; ++i) gather_out.push_back(o + i);
+    }
+  y.gather1 = upload_indices(be_, gather1), y.gather2 = upload_indices(be_, gather2);
+  y.gather_out = upload_indices(be_, gather_out);
+  relay_rows_.across += y.across, relay_rows_.relayed += y.relayed, ++relay_rows_.plans;
+  p->relay = std::move(relay);
 }
 
 namespace {
@@ -64,7 +233,9 @@ void block_offsets(const DispatchPlan& p, std::vector<int64_t>* source_major, st
 
 // The communicator moves FP32 values; every format's rows are whole 32-bit words of bytes, which
 // it moves unchanged (an all-to-all does no arithmetic).
-void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
+void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out,
+                                      bool per_token) {
+  if (per_token && p.relay) return relay_bytes(p, rows, row_bytes, out);
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert dispatch: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const int P = p.ranks, L = p.local_experts;
   const int64_t words = row_bytes / 4;
@@ -85,6 +256,41 @@ void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, i
     if (p.recv_counts[size_t(i)] > 0)
       be_.copy(o + dst_off[size_t(i)] * row_bytes, b + src_off[size_t(i)] * row_bytes,
                size_t(p.recv_counts[size_t(i)] * row_bytes));
+}
+
+// The relay's two exchanges: rows gathered into the first exchange's order, out to this node's
+// ranks and other nodes' relays; the relayed rows gathered and forwarded in the node; the experts'
+// rows gathered from both arrivals. Gathers move 32-bit words unchanged, as the exchanges do.
+void ExpertDispatcher::relay_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
+  FP8MOE_ASSERT(row_bytes % 4 == 0, "expert dispatch: rows of ", row_bytes, " bytes are not whole 32-bit words");
+  const DispatchPlan::Relay& y = *p.relay;
+  const int64_t words = row_bytes / 4;
+  auto scaled = [&](const std::vector<int64_t>& v) {
+    std::vector<int64_t> w(v.size());
+    for (size_t j = 0; j < v.size(); ++j) w[j] = v[j] * words;
+    return w;
+  };
+  const std::vector<int64_t> sc1 = scaled(y.send1), rc1 = scaled(y.recv1), sc2 = scaled(y.send2),
+                             rc2 = scaled(y.recv2);
+  // (A gather of no rows is skipped: an empty tensor may hold no memory at all.)
+  auto gather = [&](const void* from, const Tensor& index, void* to) {
+    if (index.numel() > 0)
+      be_.permute(static_cast<const float*>(from), index.data<int64_t>(), index.numel(), words, static_cast<float*>(to));
+  };
+  Tensor send1(be_, DType::f32, {y.gather1.numel() * words});
+  gather(rows, y.gather1, send1.raw());
+  Tensor arrived(be_, DType::f32, {(y.arrived1 + y.arrived2) * words});  // [first | relayed]
+  count(sc1);
+  rows_.alltoallv(send1.f32(), sc1.data(), arrived.f32(), rc1.data());
+  send1.reset();
+  Tensor send2(be_, DType::f32, {y.gather2.numel() * words});
+  gather(arrived.raw(), y.gather2, send2.raw());
+  count(sc2);
+  rows_.alltoallv(send2.f32(), sc2.data(), arrived.f32() + y.arrived1 * words, rc2.data());
+  send2.reset();
+  FP8MOE_ASSERT(y.gather_out.numel() == p.received, "expert dispatch: the relay's plan gathers ",
+                y.gather_out.numel(), " rows of ", p.received);
+  gather(arrived.raw(), y.gather_out, out);
 }
 
 void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
@@ -110,18 +316,18 @@ void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, in
   rows_.alltoallv(buf.f32(), sc.data(), static_cast<float*>(out), rc.data());
 }
 
-void ExpertDispatcher::dispatch(const DispatchPlan& p, const float* rows, int64_t D, Tensor* out) {
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const float* rows, int64_t D, Tensor* out, bool per_token) {
   *out = Tensor(be_, DType::f32, {p.received, D});
-  dispatch_bytes(p, rows, D * int64_t(sizeof(float)), out->raw());
+  dispatch_bytes(p, rows, D * int64_t(sizeof(float)), out->raw(), per_token);
 }
 
 void ExpertDispatcher::combine(const DispatchPlan& p, const float* rows, int64_t D, float* out) {
   combine_bytes(p, rows, D * int64_t(sizeof(float)), out);
 }
 
-void ExpertDispatcher::dispatch(const DispatchPlan& p, const uint16_t* rows, int64_t D, Tensor* out) {
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const uint16_t* rows, int64_t D, Tensor* out, bool per_token) {
   *out = Tensor(be_, DType::bf16, {p.received, D});
-  dispatch_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out->raw());
+  dispatch_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out->raw(), per_token);
 }
 
 void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int64_t D, uint16_t* out) {
@@ -132,17 +338,17 @@ void ExpertDispatcher::combine(const DispatchPlan& p, const double* rows, int64_
   combine_bytes(p, rows, D * int64_t(sizeof(double)), out);
 }
 
-void ExpertDispatcher::dispatch(const DispatchPlan& p, const QTensor& rows, QTensor* out) {
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const QTensor& rows, QTensor* out, bool per_token) {
   FP8MOE_ASSERT(rows.tiling == Tiling::rows_1xT || rows.tiling == Tiling::per_tensor,
                 "FP8 expert dispatch takes rows in 1 x T tiles or with one scale");
   const int64_t D = rows.cols, S = tiling_scale_cols(rows.tiling, rows.tile, D);
   *out = QTensor(be_, p.received, D, rows.dtype, rows.tiling, rows.tile);
-  dispatch_bytes(p, rows.data.raw(), D, out->data.raw());
+  dispatch_bytes(p, rows.data.raw(), D, out->data.raw(), per_token);
   if (rows.tiling == Tiling::per_tensor) {  // the group's one scale, which every rank holds
     be_.copy(out->scale_inv.raw(), rows.scale_inv.raw(), sizeof(float));
     return;
   }
-  dispatch_bytes(p, rows.scale_inv.raw(), S * int64_t(sizeof(float)), out->scale_inv.raw());
+  dispatch_bytes(p, rows.scale_inv.raw(), S * int64_t(sizeof(float)), out->scale_inv.raw(), per_token);
 }
 
 }  // namespace fp8moe

@@ -6,9 +6,16 @@
 //
 // Backward runs the same plan the other way: the gradients of the experts' outputs go out with
 // dispatch, the gradients of their inputs come back with combine.
+//
+// Across nodes (runtime.node_dedup, DeepEP's internode dispatch): rows that are the same for all of
+// a token's experts (its input; with train.moe_gates expert, its output's gradient) cross to each
+// other node once, to the rank of that node with this rank's index in its own node (the relay),
+// which forwards them to the node's ranks that hold the token's experts. The experts receive the
+// same rows in the same order as without the relay, bit for bit. Combine goes back directly.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels/tensor.h"
@@ -27,12 +34,36 @@ struct ExpertOwnership {
   int owner(int expert) const { return expert / per_rank(); }
 };
 
+// The ranks of an expert group by node: who relays what (runtime.node_dedup). Rank j's node is
+// node[j]; its index in its node is its place among that node's ranks in group order. The relay of
+// rank s in node n is the rank of n whose index is s's index modulo n's rank count. The one
+// statement of the rule: the dispatcher relays by it, and its tests count by it.
+struct NodeMap {
+  std::vector<int64_t> node;  // (P) each rank's node
+  bool same(int a, int b) const { return node[size_t(a)] == node[size_t(b)]; }
+  std::vector<int> ranks_of(int64_t n) const;  // the ranks of node n, in group order
+  int relay(int source, int64_t n) const;      // the rank of node n that source's rows cross to
+};
+
 struct DispatchPlan {
   int ranks = 1, local_experts = 0;
   std::vector<int64_t> send_rows;    // (P) rows to each rank
   std::vector<int64_t> recv_counts;  // (P x L) rows from rank j for local expert l, [j * L + l]
   std::vector<int64_t> local_rows;   // (L) rows per local expert, over all sources
   int64_t received = 0;              // rows this rank's experts process
+  // The relay across nodes (empty without it). Three row gathers on the device, indices uploaded
+  // once here: this rank's rows -> the first exchange (each rank of this node its rows, each other
+  // node's relay the token rows it needs once each); its arrivals -> the relay's exchange in the
+  // node (the rows of the sources this rank relays for, to their experts' ranks); both arrivals ->
+  // the experts' rows, laid out as without the relay.
+  struct Relay {
+    std::vector<int64_t> send1, recv1, send2, recv2;  // (P) rows of each exchange to / from each rank
+    Tensor gather1, gather2, gather_out;               // (i64) row indices of the three gathers
+    int64_t arrived1 = 0, arrived2 = 0;               // rows of the two exchanges' arrivals
+    int64_t across = 0;   // token rows this rank sends to other nodes (one per token and node)
+    int64_t relayed = 0;  // rows this rank forwards in its node for other nodes' ranks (itself not counted)
+  };
+  std::shared_ptr<const Relay> relay;  // shared: the plan is kept with a forward's routing
 };
 
 class ExpertDispatcher {
@@ -44,12 +75,16 @@ class ExpertDispatcher {
   ExpertDispatcher(Backend& be, Communicator& rows, Communicator& counts, int n_experts);
   int local_experts() const { return local_; }
 
-  // Collective: exchanges the row counts. counts: (n_experts) rows per GLOBAL expert on this rank (host).
-  DispatchPlan plan(const int64_t* counts);
+  // Collective: exchanges the row counts. counts: (n_experts) rows per GLOBAL expert on this rank
+  // (host). row_token (host, sum of counts): each row's token, which the relay across nodes needs
+  // (relays()); nullptr otherwise.
+  DispatchPlan plan(const int64_t* counts, const int64_t* row_token = nullptr);
   // Collective. rows: (sum of counts, D) in global expert order. out: (plan.received, D) grouped
   // by local expert; within an expert, the rows of rank 0 first, then rank 1, ... each in its
   // sender's order. Backend memory.
-  void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, Tensor* out);
+  // per_token: the rows of one token are the same for all its experts, so the relay may send them
+  // across nodes once (it does where the plan has one).
+  void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, Tensor* out, bool per_token = false);
   // Collective, the reverse: rows (plan.received, D) laid out as dispatch's output; out: (sum of
   // counts, D) in this rank's dispatch input order. Backend memory.
   void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out);
@@ -58,11 +93,11 @@ class ExpertDispatcher {
   // BF16 rows (D values of 2 bytes), and FP8 rows with their scales (DeepEP's FP8 dispatch): a
   // QTensor of 1 x T tiles, each row's D bytes and its ceil(D / T) FP32 scales going together;
   // D (and so every row) is a whole number of 32-bit words: D a multiple of 4 (BF16: even).
-  void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out);
+  void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out, bool per_token = false);
   void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out);
   // FP64 rows back (train.moe_gates expert: the gates' gradients the experts computed, D = 1).
   void combine(const DispatchPlan& plan, const double* rows, int64_t D, double* out);
-  void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out);
+  void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out, bool per_token = false);
   // Per-tensor FP8 rows (the per-tensor recipes): the D bytes of each row only. The scale is not
   // sent: the caller made it the same on every rank of the group (its amax reduced by
   // reduce_amax), and out takes this rank's.
@@ -72,19 +107,33 @@ class ExpertDispatcher {
   // Nodes (runtime.ranks_per_node): node[j] of each rank of the group (default: one node). The
   // rows' bytes this rank sends to the others (dispatch and combine, every format), split into
   // those to ranks of its node and to other nodes, since the last reset.
-  void set_nodes(std::vector<int64_t> node);
-  bool same_node(int rank) const { return node_[size_t(rank)] == node_[size_t(rows_.rank())]; }
+  // dedup (runtime.node_dedup): relay the per-token rows across nodes where the group spans them.
+  void set_nodes(std::vector<int64_t> node, bool dedup = false);
+  bool same_node(int rank) const { return nodes_.same(rank, rows_.rank()); }
   bool spans_nodes() const;
+  bool relays() const { return dedup_ && spans_nodes(); }
+  const NodeMap& nodes() const { return nodes_; }
+  // The group's ranks on other nodes than this rank's.
+  int remote_ranks() const { return rows_.size() - int(nodes_.ranks_of(nodes_.node[size_t(rows_.rank())]).size()); }
   struct NodeBytes {
     int64_t in_node = 0, across = 0;
   };
   const NodeBytes& node_bytes() const { return node_bytes_; }
-  void reset_node_bytes() { node_bytes_ = {}; }
+  void reset_node_bytes() { node_bytes_ = {}, relay_rows_ = {}; }
+  // What the relay's plans since the last reset said this rank sends: token rows across nodes and
+  // rows forwarded in its node, per plan (each per-token exchange of a plan moves them once).
+  struct RelayRows {
+    int64_t across = 0, relayed = 0, plans = 0;
+  };
+  const RelayRows& relay_rows() const { return relay_rows_; }
 
  private:
   // The exchanges over rows of row_bytes bytes each (a multiple of 4): dispatch into `out`
   // (plan.received rows, expert-major), combine into `out` (this rank's sent rows, its order).
-  void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+  // per_token: through the plan's relay where it has one.
+  void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out, bool per_token);
+  void relay_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+  void plan_relay(const int64_t* counts, const int64_t* row_token, DispatchPlan* plan);
   void combine_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
 
   void count(const std::vector<int64_t>& send_words);
@@ -92,8 +141,10 @@ class ExpertDispatcher {
   Backend& be_;
   Communicator &rows_, &counts_;
   int experts_ = 0, local_ = 0;
-  std::vector<int64_t> node_;
+  NodeMap nodes_;
+  bool dedup_ = false;
   NodeBytes node_bytes_;
+  RelayRows relay_rows_;
 };
 
 }  // namespace fp8moe

@@ -7,8 +7,9 @@
 # a sum of two is the same in any order). The metrics carry comm_exposed_s. And
 # runtime.ranks_per_node: 4 ranks of ep4 as 2 simulated nodes of 2 split the expert rows' bytes
 # into in-node and across-node, each equal to its formula (1 peer in the node, 2 outside); a
-# ranks_per_node that does not divide the world is exit 2. A run that stops inside the traced
-# steps writes what it recorded.
+# ranks_per_node that does not divide the world is exit 2. The relay across those nodes
+# (runtime.node_dedup) keeps the loss bits and sends fewer bytes across (below). A run that stops
+# inside the traced steps writes what it recorded.
 #
 # usage: trace.sh FP8MOE MPIEXEC PYTHON SOURCE_DIR
 set -uo pipefail
@@ -66,12 +67,44 @@ for name in ("tiny8", "inline8", "edp4"):
 PY
 run nodes4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=4 --set parallel.micro_batches=2 \
   --set runtime.ranks_per_node=2
-in=$(awk '$1 == "ep-in" {print $2, $3, $4}' "$tmp/nodes4.txt")
-x=$(awk '$1 == "ep-x" {print $2, $3, $4}' "$tmp/nodes4.txt")
-read -r in_m in_a in_r <<<"$in"
-read -r x_m x_a x_r <<<"$x"
-[[ $in_r == 1.000 && $x_r == 1.000 && $in_m == "$in_a" && $x_m == "$x_a" ]] || fail "node split: in '$in' across '$x'"
-(( in_m > 0 && x_m > in_m )) || fail "node split: in $in_m across $x_m (2 peers across, 1 in the node)"
+# The relay across nodes (runtime.node_dedup, on by default) gives the experts the same rows as
+# sending each row straight to its expert's rank: the same loss bits, fewer bytes across nodes.
+# With node-limited routing (2 groups of 4 experts, one per simulated node; 1 group per token) and
+# the gates in the experts (whose backward relays the output's gradient too), each token's row
+# crosses at most once per exchange, and every group still equals its formula.
+node_split() {  # NAME -> "in_measured across_measured", after checking both against their formulas
+  local in x in_m in_a in_r x_m x_a x_r
+  in=$(awk '$1 == "ep-in" {print $2, $3, $4}' "$tmp/$1.txt")
+  x=$(awk '$1 == "ep-x" {print $2, $3, $4}' "$tmp/$1.txt")
+  read -r in_m in_a in_r <<<"$in"
+  read -r x_m x_a x_r <<<"$x"
+  [[ $in_r == 1.000 && $x_r == 1.000 && $in_m == "$in_a" && $x_m == "$x_a" ]] || fail "$1 node split: in '$in' across '$x'"
+  awk '$1 == "ep" {exit !($4 == "1.000" && $2 == $3)}' "$tmp/$1.txt" || fail "$1: ep against its formula: $(grep ' ep ' "$tmp/$1.txt")"
+  echo "$in_m $x_m"
+}
+run direct4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=4 --set parallel.micro_batches=2 \
+  --set runtime.ranks_per_node=2 --set runtime.node_dedup=false
+split=$(node_split nodes4) || exit 1
+read -r _ relay_x <<<"$split"
+split=$(node_split direct4) || exit 1
+read -r direct_in direct_x <<<"$split"
+(( direct_in > 0 && direct_x > direct_in )) || fail "node split: in $direct_in across $direct_x (2 peers across, 1 in the node)"
+(( relay_x < direct_x )) || fail "the relay sent $relay_x bytes across nodes, straight $direct_x"
+grep -q "relay (runtime.node_dedup)" "$tmp/nodes4.txt" || fail "no relay line: $(grep -A4 ep-in "$tmp/nodes4.txt")"
+! grep -q "relay (runtime.node_dedup)" "$tmp/direct4.txt" || fail "a relay line without the relay"
+limited=(--set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=4 --set parallel.micro_batches=2
+         --set runtime.ranks_per_node=2 --set model.moe.n_group=2 --set model.moe.topk_group=1 --set train.moe_gates=expert)
+run limited4 4 "${limited[@]}"
+run limited4d 4 "${limited[@]}" --set runtime.node_dedup=false
+split=$(node_split limited4) || exit 1
+read -r _ lim_x <<<"$split"
+split=$(node_split limited4d) || exit 1
+read -r _ lim_dx <<<"$split"
+(( lim_x < lim_dx )) || fail "node-limited: the relay sent $lim_x bytes across nodes, straight $lim_dx"
+per_token=$(sed -n 's/.*routed tokens (\([0-9.]*\) per token).*/\1/p' "$tmp/limited4.txt")
+[[ -n $per_token ]] && awk -v p="$per_token" 'BEGIN {exit !(p > 0 && p <= 1)}' ||
+  fail "node-limited to 1 node: $per_token token rows across nodes per token: $(grep relay "$tmp/limited4.txt")"
+grep relay "$tmp/limited4.txt"
 "$mpiexec" -n 4 "$exe" train "$src/configs/tiny.yaml" "${common[@]}" --set parallel.tensor=1 --set parallel.pipeline=1 \
   --set parallel.expert=4 --set parallel.micro_batches=2 --set runtime.ranks_per_node=3 >"$tmp/bad.txt" 2>&1
 status=$?
@@ -80,4 +113,7 @@ grep -q "runtime.ranks_per_node.*a divisor of the world size 4" "$tmp/bad.txt" |
 
 bits() { loss_bits <"$tmp/$1.txt"; }
 [[ -n $(bits tiny8) && $(bits tiny8) == "$(bits inline8)" ]] || fail "overlap changed the loss bits: $(bits tiny8) vs $(bits inline8)"
+[[ -n $(bits nodes4) && $(bits nodes4) == "$(bits direct4)" ]] || fail "the relay changed the loss bits: $(bits nodes4) vs $(bits direct4)"
+[[ -n $(bits limited4) && $(bits limited4) == "$(bits limited4d)" ]] ||
+  fail "the relay changed the loss bits (node-limited, gates in the experts): $(bits limited4) vs $(bits limited4d)"
 echo "trace: ok"

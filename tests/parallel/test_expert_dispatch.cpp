@@ -194,6 +194,136 @@ TEST_P(ExpertDispatchOn, SelfDescribingRowsRoundTrip) {
   }
 }
 
+// The relay across nodes (runtime.node_dedup): rows that are the same for all of a token's experts,
+// sent once per token and other node, give the experts the direct exchange's rows bit for bit, in
+// every format. Bytes: across nodes, one row per (token, other node holding one of its experts);
+// in the node, the direct rows to this node's ranks plus what this rank forwards as a relay; both
+// counted here by enumerating every rank's routing.
+TEST_P(ExpertDispatchOn, RelayAcrossNodesSendsEachTokenOncePerNode) {
+  MpiCommunicator world(MPI_COMM_WORLD);
+  const std::unique_ptr<Backend> be = make_backend(GetParam().kind);
+  const std::unique_ptr<Communicator> device =
+      be->host_accessible() ? nullptr : make_device_communicator(MPI_COMM_WORLD, *be, GetParam().native, "ep");
+  Communicator& rows_comm = device ? *device : world;
+  const int P = world.size(), me = world.rank();
+  int cases = 0;
+  for (int per_node : {1, 2, 3}) {  // nodes of 1, 2 or 3 ranks (the last node smaller where 3 does not divide P)
+    std::vector<int64_t> node(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) node[size_t(j)] = j / per_node;
+    if (node.back() == 0) continue;  // one node: nothing to relay
+    for (int E : {P, 4 * P}) {
+      for (int T : {0, 1, 13}) {
+        const int k = std::min(4, E);
+        ExpertDispatcher relay(*be, rows_comm, world, E), direct(*be, rows_comm, world, E);
+        relay.set_nodes(node, true), direct.set_nodes(node, false);
+        ASSERT_TRUE(relay.relays());
+        ASSERT_FALSE(direct.relays());
+        auto sorted_rows = [&](int r, std::vector<int>* order) {  // rank r's (token, slot) rows in expert order
+          const Routed rt = route(r, T, k, E);
+          order->resize(size_t(T * k));
+          std::iota(order->begin(), order->end(), 0);
+          std::stable_sort(order->begin(), order->end(),
+                           [&](int a, int b) { return rt.expert[size_t(a)] < rt.expert[size_t(b)]; });
+          return rt;
+        };
+        std::vector<int> order;
+        const Routed rt = sorted_rows(me, &order);
+        std::vector<int64_t> counts(static_cast<size_t>(E), 0), row_token;
+        std::vector<float> rows;  // a token's row: its source, its token, two payload values
+        for (int a : order) {
+          ++counts[size_t(rt.expert[size_t(a)])];
+          row_token.push_back(a / k);
+          for (float v : {float(me), float(a / k), payload(me, a / k, 4), payload(me, a / k, 5)}) rows.push_back(v);
+        }
+        relay.reset_node_bytes(), direct.reset_node_bytes();
+        const DispatchPlan pr = relay.plan(counts.data(), row_token.data());
+        const DispatchPlan pd = direct.plan(counts.data());
+        ASSERT_TRUE(pr.relay != nullptr);
+        ASSERT_EQ(pr.recv_counts, pd.recv_counts);
+        EXPECT_EQ(relay.relay_rows().plans, 1);
+        const Tensor rows_d = tensor_from(*be, rows, {int64_t(rows.size())});
+        Tensor got_r, got_d;
+        relay.dispatch(pr, rows_d.f32(), 4, &got_r, true);
+        direct.dispatch(pd, rows_d.f32(), 4, &got_d, true);  // (no relay in its plan: direct)
+        const std::string at = "nodes of " + std::to_string(per_node) + ", E " + std::to_string(E) + ", T " +
+                               std::to_string(T);
+        EXPECT_EQ(to_host<float>(got_r), to_host<float>(got_d)) << at;
+
+        // The bytes, from every rank's routing: across, one row per (token, other node among its
+        // experts' ranks); in the node, the rows to this node's other ranks and those this rank
+        // forwards to them for the sources it relays for.
+        const ExpertOwnership own{E, P};
+        int64_t across = 0, in_node = 0, forwarded = 0;
+        for (int t = 0; t < T; ++t) {
+          std::vector<int64_t> nodes_of_t;
+          for (int sl = 0; sl < k; ++sl) {
+            const int owner = own.owner(rt.expert[size_t(t * k + sl)]);
+            if (node[size_t(owner)] == node[size_t(me)]) {
+              in_node += owner != me;
+            } else if (std::find(nodes_of_t.begin(), nodes_of_t.end(), node[size_t(owner)]) == nodes_of_t.end()) {
+              nodes_of_t.push_back(node[size_t(owner)]);
+            }
+          }
+          across += int64_t(nodes_of_t.size());
+        }
+        for (int s = 0; s < P; ++s) {
+          if (node[size_t(s)] == node[size_t(me)] || relay.nodes().relay(s, node[size_t(me)]) != me) continue;
+          const Routed o = route(s, T, k, E);
+          for (int e : o.expert) {
+            const int owner = own.owner(e);
+            forwarded += node[size_t(owner)] == node[size_t(me)] && owner != me;
+          }
+        }
+        const int64_t row = 4 * 4;
+        EXPECT_EQ(relay.node_bytes().across, across * row) << at;
+        EXPECT_EQ(relay.node_bytes().in_node, (in_node + forwarded) * row) << at;
+        EXPECT_EQ(relay.relay_rows().across, across) << at;
+        EXPECT_EQ(relay.relay_rows().relayed, forwarded) << at;
+        EXPECT_LE(direct.node_bytes().across, int64_t(k) * T * row) << at;
+        EXPECT_GE(direct.node_bytes().across, relay.node_bytes().across) << at;
+
+        // BF16 rows, FP8 rows with 1 x 4 tiles' scales, per-tensor FP8 rows: the same bytes as direct.
+        std::vector<uint16_t> rows16;
+        for (float v : rows) rows16.push_back(bf16_encode(v));
+        const Tensor rows16_d = tensor_from(*be, rows16, {int64_t(rows16.size())});
+        Tensor r16, d16;
+        relay.dispatch(pr, rows16_d.data<uint16_t>(), 4, &r16, true);
+        direct.dispatch(pd, rows16_d.data<uint16_t>(), 4, &d16, true);
+        EXPECT_EQ(to_host<uint16_t>(r16), to_host<uint16_t>(d16)) << "BF16, " << at;
+        const int64_t R = int64_t(order.size());
+        std::vector<uint8_t> qb;
+        std::vector<float> qs;
+        for (int a : order) {
+          const int t = a / k;
+          for (int v : {me, t, me * 7 + t, 255 - t, t * 3, me + 1, t % 5, 9}) qb.push_back(uint8_t(v));
+          qs.push_back(float(me) + float(t) / 64), qs.push_back(float(t) + 0.5f);
+        }
+        for (Tiling tiling : {Tiling::rows_1xT, Tiling::per_tensor}) {
+          QTensor q(*be, R, 8, Fp8Dtype::e4m3, tiling, 4);
+          if (R > 0) to_device(*be, qb, q.data.data<uint8_t>());
+          if (R > 0 && tiling == Tiling::rows_1xT) to_device(*be, qs, q.scale_inv.data<float>());
+          if (tiling == Tiling::per_tensor) to_device(*be, std::vector<float>{0.5f}, q.scale_inv.data<float>());
+          QTensor qr, qd;
+          relay.dispatch(pr, q, &qr, true);
+          direct.dispatch(pd, q, &qd, true);
+          EXPECT_EQ(to_host<uint8_t>(qr.data), to_host<uint8_t>(qd.data)) << "FP8, " << at;
+          EXPECT_EQ(to_host<float>(qr.scale_inv), to_host<float>(qd.scale_inv)) << "FP8 scales, " << at;
+        }
+        // Rows that differ per expert (not per token) go direct through the relay's plan, and
+        // combine goes back directly: the same as the direct dispatcher's.
+        Tensor g_r, g_d;
+        relay.dispatch(pr, rows_d.f32(), 4, &g_r);
+        EXPECT_EQ(to_host<float>(g_r), to_host<float>(got_d)) << at;
+        Tensor back_r(*be, DType::f32, {int64_t(rows.size())});
+        relay.combine(pr, got_r.f32(), 4, back_r.f32());
+        EXPECT_EQ(to_host<float>(back_r), rows) << at;
+        ++cases;
+      }
+    }
+  }
+  if (P > 1) EXPECT_GT(cases, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, ExpertDispatchOn,
                          testing::Values(DispatchCase{DeviceKind::cpu, false}, DispatchCase{DeviceKind::emulated, true},
                                          DispatchCase{DeviceKind::emulated, false}),
