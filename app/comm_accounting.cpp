@@ -56,7 +56,7 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
     const ExpertRowBytes rb = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations,
                                                cfg_.train.moe_gates);
     const double row = rb.per_step(moe_recomputed(cfg_.train.recompute));
-    const double tok = relay ? rb.per_token(moe_recomputed(cfg_.train.recompute)) : 0;
+    const double tok = relay ? rb.relayed(moe_recomputed(cfg_.train.recompute)) : 0;
     local[10] = double(dispatcher_->node_bytes().in_node), local[11] = double(dispatcher_->node_bytes().across);
     local[12] = (rows_off - rows_off_node) * row + shape.relay_forwarded * tok;
     local[13] = rows_off_node * (row - tok) + shape.relay_across * tok;

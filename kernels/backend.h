@@ -208,6 +208,10 @@ class Backend {
   virtual void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D,
                          float* dye, double* dgate) = 0;
   virtual void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) = 0;
+  virtual void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                        float* out) = 0;
+  virtual void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n,
+                             int64_t D, uint16_t* out) = 0;
   virtual void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) = 0;
   virtual void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) = 0;
   virtual void aux_loss(const RoutingBuffers& r, double coef, bool sigmoid, double* out) = 0;

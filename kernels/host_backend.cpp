@@ -407,6 +407,16 @@ void HostBackend::row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows
   cpu::row_gates(h(r), R, h(gate_rows));
 }
 
+void HostBackend::sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                           float* out) {
+  cpu::sum_rows(h(rows), h(offsets), h(index), n, D, h(out));
+}
+
+void HostBackend::sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n,
+                                int64_t D, uint16_t* out) {
+  cpu::sum_rows_bf16(h(rows), h(offsets), h(index), n, D, h(out));
+}
+
 void HostBackend::slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) {
   cpu::slot_grads(h(r), R, h(row_grads), h(dgate));
 }

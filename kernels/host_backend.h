@@ -110,6 +110,10 @@ class HostBackend final : public Backend {
   void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, float* rows) override;
   void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out) override;
   void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override;
+  void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                float* out) override;
+  void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                     uint16_t* out) override;
   void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) override;
   void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                  double* dgate) override;

@@ -12,6 +12,9 @@
 //                  the gates travel with the rows to the experts)
 //   slot_grads     dgate[n, j] = row_grads[i] for row i of token n and slot j, 0 for dropped slots
 //                  (the gates' gradients the experts computed, back in slot order)
+//   sum_rows       out[u] = sum of rows[index[t]] for t in [offsets[u], offsets[u + 1]), in that
+//                  order, FP32 accumulation; BF16 rows summed in FP32 and rounded once (the relay's
+//                  reduction of a token's rows from its node's experts, parallel/expert_dispatch.h)
 //   router_grad    d loss / d z (N, E) from dgate through the gates (normalised or not, scaled) and
 //                  the scores, plus the auxiliary loss's gradient (aux_coef > 0)
 //   aux_loss       coef E sum_e f_e P_e (switch style): f_e = load_e / (N k), P_e the mean over
@@ -46,6 +49,9 @@ void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const floa
                double* dgate);
 void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows);
 void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate);
+void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D, float* out);
+void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                   uint16_t* out);
 void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz);
 double aux_loss(const RoutingBuffers& r, double coef, bool sigmoid);
 void bias_update(float* bias, const int64_t* load, int64_t E, double rate);

@@ -146,13 +146,14 @@ const float* bf16_dispatch(Backend& be, ExpertDispatcher* ep, const DispatchPlan
 }
 
 // The experts' rows (rows_in, D) FP32 -> BF16, brought back to their senders (R rows) in BF16.
+// summed: the caller only sums each token's rows (ExpertDispatcher::combine).
 Tensor bf16_combine(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan, const float* rows, int64_t rows_in,
-                    int64_t R, int64_t D) {
+                    int64_t R, int64_t D, bool summed) {
   Tensor r16(be, DType::bf16, {rows_in, D});
   be.to_bf16(rows, r16.data<uint16_t>(), rows_in * D);
   if (!ep) return r16;
   Tensor out(be, DType::bf16, {R, D});
-  ep->combine(plan, r16.data<uint16_t>(), D, out.data<uint16_t>());
+  ep->combine(plan, r16.data<uint16_t>(), D, out.data<uint16_t>(), summed);
   return out;
 }
 
@@ -275,7 +276,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   // Combine; the experts' outputs kept for the gates' gradient where combine applies the gates.
   s.expert_out.reset(), s.expert_out16.reset();
   if (wire.bf16) {  // combine in BF16
-    Tensor e16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D);
+    Tensor e16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D, gated);
     y.reset();
     const Tensor e32 = widen(be, e16);
     be.unpermute_add(rb, R, e32.f32(), D, !gated, out);
@@ -284,7 +285,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
     Tensor e32;
     if (ep) {
       e32 = Tensor(be, DType::f32, {R, D});
-      ep->combine(r.plan, y.f32(), D, e32.f32());
+      ep->combine(r.plan, y.f32(), D, e32.f32(), gated);
     } else {
       e32 = std::move(y);
     }
@@ -370,10 +371,10 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   dyq = QTensor{}, dyl.reset();
   Tensor dxe;
   if (wire.bf16) {  // combine's backward in BF16 too
-    dxe = widen(be, bf16_combine(be, ep, r.plan, dxl.f32(), rows_in, R, D));
+    dxe = widen(be, bf16_combine(be, ep, r.plan, dxl.f32(), rows_in, R, D, true));
   } else if (ep) {
     dxe = Tensor(be, DType::f32, {R, D});
-    ep->combine(r.plan, dxl.f32(), D, dxe.f32());
+    ep->combine(r.plan, dxl.f32(), D, dxe.f32(), true);
   } else {
     dxe = std::move(dxl);
   }

@@ -274,11 +274,11 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
                            Mb * Lm * expert_wire_scale_bytes(s.expert, s.fp8, s.activations)
                      : 0;
   if (s.expert > 1 && s.relay) {
-    // The relay (parallel/expert_dispatch.h): the per-token exchanges' rows across nodes go once per
-    // token and node, then from the relay to the expert's rank where that is another rank; two
+    // The relay (parallel/expert_dispatch.h): the relayed exchanges' rows across nodes go once per
+    // token and node, and between the relay and the expert's rank where that is another rank; two
     // more counts per rank and layer, and the relay's map (4 bytes per rank of the other nodes and
     // per row across).
-    const double tok = rb.per_token(moe_recomputed(s.recompute));
+    const double tok = rb.relayed(moe_recomputed(s.recompute));
     b[1] += (s.relay_across + s.relay_forwarded - s.rows_off_node) * tok + Mb * Lm * (s.expert - 1) * 2 * 8 +
             4 * (Mb * Lm * s.remote_ranks + s.rows_off_node);
   }

@@ -68,10 +68,15 @@ struct ExpertRowBytes {
   // A row of a MoE layer that train.recompute moe or full runs again: its forward's dispatch and
   // combine once more (the routing, the exchange's plan, its scale and the gates are kept).
   double per_step(bool recomputed) const { return total() + (recomputed ? dispatch + combine : 0); }
-  // Of per_step, the exchanges whose rows are the same for each of a token's experts, which the
-  // relay across nodes (runtime.node_dedup) sends once per token and node: the experts' input
-  // (again where recomputed) and, with the gates in the experts, its output's gradient.
-  double per_token(bool recomputed) const { return dispatch * (recomputed ? 2 : 1) + (gates > 0 ? grad_dispatch : 0); }
+  // Of per_step, the exchanges the relay across nodes (runtime.node_dedup) moves once per token and
+  // node: those whose rows are the same for each of a token's experts (the experts' input, again
+  // where recomputed; with the gates in the experts, its output's gradient) and those the token's
+  // side only sums (the input's gradient; with the gates in the experts, the output, again where
+  // recomputed).
+  double relayed(bool recomputed) const {
+    const double again = recomputed ? 2 : 1;
+    return dispatch * again + grad_combine + (gates > 0 ? grad_dispatch + combine * again : 0);
+  }
 };
 // Whether train.recompute runs MoE layers' forwards again (moe, full).
 inline bool moe_recomputed(Recompute r) { return r == Recompute::moe || r == Recompute::full; }

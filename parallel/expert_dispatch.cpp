@@ -209,8 +209,33 @@ void ExpertDispatcher::plan_relay(const int64_t* counts, const int64_t* row_toke
       for (int b = 0; b < l; ++b) o += p->recv_counts[size_t(j * L + b)];
       for (int64_t i = 0; i < p->recv_counts[size_t(j * L + l)]; ++i) gather_out.push_back(o + i);
     }
+  // The summed combine's gathers, the inverses of these. inv: each arrival that is an expert's row
+  // (this node's sources' in the first exchange, every relayed one) -> that row.
+  std::vector<int64_t> inv(size_t(y.arrived1 + y.arrived2), -1);
+  for (size_t o = 0; o < gather_out.size(); ++o) inv[size_t(gather_out[o])] = int64_t(o);
+  std::vector<int64_t> back2(inv.begin() + y.arrived1, inv.end());
+  // The relay's sums: each token row it received from another node, over the rows of it that it
+  // forwarded (in the order it sent them), in the order of its arrival.
+  std::vector<std::vector<int64_t>> into(size_t(y.arrived1));
+  for (size_t i = 0; i < gather2.size(); ++i) into[size_t(gather2[i])].push_back(int64_t(i));
+  std::vector<int64_t> sum_offsets{0}, sum_index, back1(size_t(y.arrived1));
+  for (int j = 0; j < P; ++j)
+    for (int64_t x = at1[size_t(j)]; x < at1[size_t(j)] + y.recv1[size_t(j)]; ++x) {
+      if (nodes_.same(j, me)) {
+        back1[size_t(x)] = inv[size_t(x)];
+        continue;
+      }
+      back1[size_t(x)] = int64_t(gather_out.size()) + y.sums++;  // (the experts' rows first)
+      sum_index.insert(sum_index.end(), into[size_t(x)].begin(), into[size_t(x)].end());
+      sum_offsets.push_back(int64_t(sum_index.size()));
+    }
+  // This rank's rows: each sent one's arrival back, the zero row (after the arrivals) for the others.
+  std::vector<int64_t> back_out(size_t(row0.back()), int64_t(gather1.size()));
+  for (size_t x = 0; x < gather1.size(); ++x) back_out[size_t(gather1[x])] = int64_t(x);
   y.gather1 = upload_indices(be_, gather1), y.gather2 = upload_indices(be_, gather2);
   y.gather_out = upload_indices(be_, gather_out);
+  y.back2 = upload_indices(be_, back2), y.back1 = upload_indices(be_, back1), y.back_out = upload_indices(be_, back_out);
+  y.sum_offsets = upload_indices(be_, sum_offsets), y.sum_index = upload_indices(be_, sum_index);
   relay_rows_.across += y.across, relay_rows_.relayed += y.relayed, ++relay_rows_.plans;
   p->relay = std::move(relay);
 }
@@ -293,6 +318,51 @@ void ExpertDispatcher::relay_bytes(const DispatchPlan& p, const void* rows, int6
   gather(arrived.raw(), y.gather_out, out);
 }
 
+void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, int64_t D, bool bf16, void* out) {
+  const DispatchPlan::Relay& y = *p.relay;
+  const int64_t row_bytes = D * (bf16 ? 2 : 4);
+  FP8MOE_ASSERT(row_bytes % 4 == 0, "expert combine: rows of ", row_bytes, " bytes are not whole 32-bit words");
+  const int64_t words = row_bytes / 4;
+  auto scaled = [&](const std::vector<int64_t>& v) {
+    std::vector<int64_t> w(v.size());
+    for (size_t j = 0; j < v.size(); ++j) w[j] = v[j] * words;
+    return w;
+  };
+  auto gather = [&](const void* from, const Tensor& index, void* to) {
+    if (index.numel() > 0)
+      be_.permute(static_cast<const float*>(from), index.data<int64_t>(), index.numel(), words, static_cast<float*>(to));
+  };
+  // The relayed rows back to their relays in the node.
+  const std::vector<int64_t> sc2 = scaled(y.recv2), rc2 = scaled(y.send2), sc1 = scaled(y.recv1), rc1 = scaled(y.send1);
+  Tensor send2(be_, DType::f32, {y.arrived2 * words}), at_relay(be_, DType::f32, {y.gather2.numel() * words});
+  gather(rows, y.back2, send2.raw());
+  count(sc2);
+  rows_.alltoallv(send2.f32(), sc2.data(), at_relay.f32(), rc2.data());
+  send2.reset();
+  // [the experts' rows | the relay's sums], back through the first exchange.
+  Tensor both(be_, DType::f32, {(p.received + y.sums) * words});
+  if (p.received > 0) be_.copy(both.raw(), rows, size_t(p.received * row_bytes));
+  if (y.sums > 0) {
+    char* sums = static_cast<char*>(both.raw()) + p.received * row_bytes;
+    if (bf16)
+      be_.sum_rows_bf16(static_cast<const uint16_t*>(at_relay.raw()), y.sum_offsets.data<int64_t>(),
+                        y.sum_index.data<int64_t>(), y.sums, D, reinterpret_cast<uint16_t*>(sums));
+    else
+      be_.sum_rows(at_relay.f32(), y.sum_offsets.data<int64_t>(), y.sum_index.data<int64_t>(), y.sums, D,
+                   reinterpret_cast<float*>(sums));
+  }
+  at_relay.reset();
+  Tensor send1(be_, DType::f32, {y.arrived1 * words});
+  gather(both.raw(), y.back1, send1.raw());
+  both.reset();
+  const int64_t back = y.gather1.numel();
+  Tensor arrived(be_, DType::f32, {(back + 1) * words});  // [arrivals | a zero row]
+  be_.zero(static_cast<char*>(arrived.raw()) + back * row_bytes, size_t(row_bytes));
+  count(sc1);
+  rows_.alltoallv(send1.f32(), sc1.data(), arrived.f32(), rc1.data());
+  gather(arrived.raw(), y.back_out, out);
+}
+
 void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert combine: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const int P = p.ranks, L = p.local_experts;
@@ -321,7 +391,8 @@ void ExpertDispatcher::dispatch(const DispatchPlan& p, const float* rows, int64_
   dispatch_bytes(p, rows, D * int64_t(sizeof(float)), out->raw(), per_token);
 }
 
-void ExpertDispatcher::combine(const DispatchPlan& p, const float* rows, int64_t D, float* out) {
+void ExpertDispatcher::combine(const DispatchPlan& p, const float* rows, int64_t D, float* out, bool summed) {
+  if (summed && p.relay) return relay_combine(p, rows, D, false, out);
   combine_bytes(p, rows, D * int64_t(sizeof(float)), out);
 }
 
@@ -330,7 +401,8 @@ void ExpertDispatcher::dispatch(const DispatchPlan& p, const uint16_t* rows, int
   dispatch_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out->raw(), per_token);
 }
 
-void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int64_t D, uint16_t* out) {
+void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int64_t D, uint16_t* out, bool summed) {
+  if (summed && p.relay) return relay_combine(p, rows, D, true, out);
   combine_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out);
 }
 

@@ -11,7 +11,12 @@
 // a token's experts (its input; with train.moe_gates expert, its output's gradient) cross to each
 // other node once, to the rank of that node with this rank's index in its own node (the relay),
 // which forwards them to the node's ranks that hold the token's experts. The experts receive the
-// same rows in the same order as without the relay, bit for bit. Combine goes back directly.
+// same rows in the same order as without the relay, bit for bit. A combine whose rows the token's
+// side only sums (the input's gradient; with the gates in the experts, the output) goes back the
+// same way: the relay sums a token's rows from its node's experts (FP32; BF16 rows summed in FP32
+// and rounded once) and sends one row across; the token's side gets that sum in the place of the
+// token's first row to that node and zeros in the others, so its sum over rows is unchanged up to
+// the order of the additions.
 #pragma once
 
 #include <cstdint>
@@ -56,10 +61,17 @@ struct DispatchPlan {
   // node's relay the token rows it needs once each); its arrivals -> the relay's exchange in the
   // node (the rows of the sources this rank relays for, to their experts' ranks); both arrivals ->
   // the experts' rows, laid out as without the relay.
+  // A summed combine runs the two exchanges backwards with the gathers' inverses and the relay's
+  // sums (sum_rows over the rows each token slot of the first exchange received in the second).
   struct Relay {
     std::vector<int64_t> send1, recv1, send2, recv2;  // (P) rows of each exchange to / from each rank
     Tensor gather1, gather2, gather_out;               // (i64) row indices of the three gathers
     int64_t arrived1 = 0, arrived2 = 0;               // rows of the two exchanges' arrivals
+    // Combine: the experts' rows -> the relays in the node ([experts' rows]); the sums (sum_offsets,
+    // sum_index over the relay's arrivals, sums rows); [experts' rows | sums] -> the first
+    // exchange backwards; [its arrivals | a zero row] -> this rank's rows in their order.
+    Tensor back2, sum_offsets, sum_index, back1, back_out;
+    int64_t sums = 0;
     int64_t across = 0;   // token rows this rank sends to other nodes (one per token and node)
     int64_t relayed = 0;  // rows this rank forwards in its node for other nodes' ranks (itself not counted)
   };
@@ -87,14 +99,16 @@ class ExpertDispatcher {
   void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, Tensor* out, bool per_token = false);
   // Collective, the reverse: rows (plan.received, D) laid out as dispatch's output; out: (sum of
   // counts, D) in this rank's dispatch input order. Backend memory.
-  void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out);
+  // summed: the caller only sums each token's rows (unweighted), so the relay may send their sum
+  // across once per node (it does where the plan has one).
+  void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out, bool summed = false);
 
   // The same exchanges of other row formats (train.activations bf16), the bytes moved unchanged:
   // BF16 rows (D values of 2 bytes), and FP8 rows with their scales (DeepEP's FP8 dispatch): a
   // QTensor of 1 x T tiles, each row's D bytes and its ceil(D / T) FP32 scales going together;
   // D (and so every row) is a whole number of 32-bit words: D a multiple of 4 (BF16: even).
   void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out, bool per_token = false);
-  void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out);
+  void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out, bool summed = false);
   // FP64 rows back (train.moe_gates expert: the gates' gradients the experts computed, D = 1).
   void combine(const DispatchPlan& plan, const double* rows, int64_t D, double* out);
   void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out, bool per_token = false);
@@ -133,6 +147,8 @@ class ExpertDispatcher {
   // per_token: through the plan's relay where it has one.
   void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out, bool per_token);
   void relay_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+  // The summed combine through the relay: rows of D FP32 or BF16 values.
+  void relay_combine(const DispatchPlan& plan, const void* rows, int64_t D, bool bf16, void* out);
   void plan_relay(const int64_t* counts, const int64_t* row_token, DispatchPlan* plan);
   void combine_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
 

@@ -1,5 +1,7 @@
 #include "kernels/moe_ops.h"
 
+#include "kernels/fp8.h"
+
 #include <algorithm>
 #include <numeric>
 #include <vector>
@@ -50,6 +52,31 @@ void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, dou
   std::fill_n(dgate, r.N * r.k, 0.0);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < R; ++i) dgate[r.row_token[i] * r.k + r.row_slot[i]] = row_grads[i];
+}
+
+void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D, float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < n; ++u) {
+    float* o = out + u * D;
+    std::fill_n(o, D, 0.0f);
+    for (int64_t t = offsets[u]; t < offsets[u + 1]; ++t)
+      for (int64_t d = 0; d < D; ++d) o[d] += rows[index[t] * D + d];
+  }
+}
+
+void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                   uint16_t* out) {
+#pragma omp parallel
+  {
+    std::vector<float> acc(static_cast<size_t>(D));
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < n; ++u) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = offsets[u]; t < offsets[u + 1]; ++t)
+        for (int64_t d = 0; d < D; ++d) acc[size_t(d)] += bf16_decode(rows[index[t] * D + d]);
+      for (int64_t d = 0; d < D; ++d) out[u * D + d] = bf16_encode(acc[size_t(d)]);
+    }
+  }
 }
 
 void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) {

@@ -362,6 +362,14 @@ class CudaBackendImpl final : public CudaBackend {
   void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override {
     cuda::row_gates(r, R, gate_rows, compute_);
   }
+  void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                float* out) override {
+    cuda::sum_rows(rows, offsets, index, n, D, out, compute_);
+  }
+  void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                     uint16_t* out) override {
+    cuda::sum_rows_bf16(rows, offsets, index, n, D, out, compute_);
+  }
   void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) override {
     cuda::slot_grads(r, R, row_grads, dgate, compute_);
   }

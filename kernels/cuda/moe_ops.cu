@@ -8,13 +8,16 @@
 //            operations, all in double with the IEEE intrinsics); aux_loss (serial sums in the
 //            CPU's order); bias_update (the integer load sum is exact; kernels/moe_ops.h's
 //            bias_update_elem)
-//            row_gates, slot_grads (copies)
+//            row_gates, slot_grads (copies); sum_rows, FP32 and BF16 (each output element adds its
+//            rows in the CPU's order from +0, in FP32; BF16 rounded once by kernels/fp8.h's
+//            bf16_encode)
 //   close    gate_grad's dgate: each row's dot product (double) is a warp tree here, serial there
 #include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/serial_sum.cuh"
 #include "kernels/cuda/moe_ops.h"
 #include "kernels/elem.h"
+#include "kernels/fp8.h"
 
 namespace fp8moe::cuda {
 namespace {
@@ -69,6 +72,21 @@ __global__ void gate_grad_kernel(const int64_t* __restrict__ row_token, const in
   }
   dg = warp_reduce(dg, SumOp{});
   if (lane == 0) dgate[slot] = dg;
+}
+
+template <class Row>
+__global__ void sum_rows_kernel(const Row* __restrict__ rows, const int64_t* __restrict__ offsets,
+                                const int64_t* __restrict__ index, int64_t n, int64_t D, Row* __restrict__ out) {
+  FP8MOE_GRID_STRIDE(e, n * D) {
+    const int64_t u = e / D, d = e % D;
+    float acc = 0.0f;
+    for (int64_t t = offsets[u]; t < offsets[u + 1]; ++t) {
+      if constexpr (sizeof(Row) == 2) acc = __fadd_rn(acc, bf16_decode(rows[index[t] * D + d]));
+      else acc = __fadd_rn(acc, rows[index[t] * D + d]);
+    }
+    if constexpr (sizeof(Row) == 2) out[e] = bf16_encode(acc);
+    else out[e] = acc;
+  }
 }
 
 __global__ void row_gates_kernel(const int64_t* __restrict__ row_token, const int32_t* __restrict__ row_slot,
@@ -214,6 +232,20 @@ void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_
 void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows, cudaStream_t stream) {
   if (R == 0) return;
   row_gates_kernel<<<grid_for(R), kBlockThreads, 0, stream>>>(r.row_token, r.row_slot, r.gate, R, r.k, gate_rows);
+  check_launch();
+}
+
+void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D, float* out,
+              cudaStream_t stream) {
+  if (n * D == 0) return;
+  sum_rows_kernel<<<grid_for(n * D), kBlockThreads, 0, stream>>>(rows, offsets, index, n, D, out);
+  check_launch();
+}
+
+void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                   uint16_t* out, cudaStream_t stream) {
+  if (n * D == 0) return;
+  sum_rows_kernel<<<grid_for(n * D), kBlockThreads, 0, stream>>>(rows, offsets, index, n, D, out);
   check_launch();
 }
 

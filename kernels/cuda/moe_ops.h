@@ -26,6 +26,12 @@ void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const floa
 void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows, cudaStream_t stream);
 // row_grads: (R) -> dgate: (N, k) at each row's token and slot, 0 for dropped slots.
 void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate, cudaStream_t stream);
+// out: (n, D) = the sums of rows' (FP32, or BF16 summed in FP32 and rounded once) index[offsets[u]
+// .. offsets[u + 1]) rows, in that order (kernels/moe_ops.h); offsets (n + 1), index on the device.
+void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D, float* out,
+              cudaStream_t stream);
+void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                   uint16_t* out, cudaStream_t stream);
 // dgate: (N, k) -> dz: (N, E). E <= kMoeMaxExperts.
 void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz,
                  cudaStream_t stream);

@@ -575,6 +575,14 @@ class WatchedDevice final : public Backend {
     d_->gate_grad(r, R, dout, expert_out, D, dye, dgate);
   }
   void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override { d_->row_gates(r, R, gate_rows); }
+  void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                float* out) override {
+    d_->sum_rows(rows, offsets, index, n, D, out);
+  }
+  void sum_rows_bf16(const uint16_t* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
+                     uint16_t* out) override {
+    d_->sum_rows_bf16(rows, offsets, index, n, D, out);
+  }
   void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) override {
     d_->slot_grads(r, R, row_grads, dgate);
   }

@@ -1,5 +1,5 @@
 // The MoE ops (kernels/moe_ops.h): permute, unpermute_add (gated and not), gate_grad, row_gates,
-// slot_grads,
+// slot_grads, sum_rows (FP32 and BF16),
 // router_grad (with and without the aux loss), aux_loss and the router bias update, through each
 // device backend against the CPU backend (backend_cases.h) on the routings of routing_cases.h:
 // capacity drops, every assignment dropped, one token and none. Their finite-difference checks run
@@ -101,6 +101,49 @@ TEST_P(DeviceOps, RowGatesAndSlotGradsMatchCpu) {
     expect_bitwise(g.first, c.first, "row_gates");
     expect_bitwise(g.second, c.second, "slot_grads");
   }
+}
+
+TEST_P(DeviceOps, SumRowsMatchFp64AndCpu) {
+  // The relay's sums across nodes (parallel/expert_dispatch.h): out[u] = the rows index[offsets[u]
+  // .. offsets[u + 1]) summed in that order, an empty list giving zeros and a row repeated counting
+  // twice. FP32: within 1e-6 of the FP64 sum; BF16: exact on sums BF16 holds, and rounded once
+  // (1 + 2^-8 + 2^-8 = 1 + 2^-7, where a rounding after each addition would stay at 1). Bitwise
+  // on every backend.
+  const int64_t D = 37, M = 9, n = 5;
+  const auto rows = normal_vector(M * D, 71);
+  const std::vector<int64_t> offsets{0, 3, 3, 4, 7, 10}, index{2, 7, 3, 5, 1, 1, 8, 4, 6, 0};
+  std::vector<uint16_t> rows16(static_cast<size_t>(M * D));
+  for (int64_t i = 0; i < M * D; ++i) rows16[size_t(i)] = bf16_encode(float(i % 11) - 3.0f + 0.5f * float(i % 3));
+  // Output 4 (rows 4, 6, 0, which no other output reads), column 0: 1 + 2^-8 + 2^-8.
+  rows16[size_t(4 * D)] = bf16_encode(1.0f), rows16[size_t(6 * D)] = bf16_encode(0.00390625f);
+  rows16[size_t(0 * D)] = bf16_encode(0.00390625f);
+  auto [c, g] = both([&](Backend& be) {
+    Tensor r = up(be, rows), off = up(be, offsets), idx = up(be, index), out = poisoned(be, DType::f32, n * D);
+    Tensor r16(be, DType::bf16, {M * D}), out16(be, DType::bf16, {n * D});
+    be.upload(r16.raw(), rows16.data(), rows16.size() * 2);
+    be.sum_rows(r.f32(), off.data<int64_t>(), idx.data<int64_t>(), n, D, out.f32());
+    be.sum_rows_bf16(r16.data<uint16_t>(), off.data<int64_t>(), idx.data<int64_t>(), n, D, out16.data<uint16_t>());
+    return std::make_pair(down<float>(out), down<uint16_t>(out16));
+  });
+  for (int64_t u = 0; u < n; ++u)
+    for (int64_t d = 0; d < D; ++d) {
+      double want = 0, want16 = 0;
+      for (int64_t t = offsets[size_t(u)]; t < offsets[size_t(u) + 1]; ++t) {
+        want += double(rows[size_t(index[size_t(t)] * D + d)]);
+        want16 += double(bf16_decode(rows16[size_t(index[size_t(t)] * D + d)]));
+      }
+      EXPECT_NEAR(c.first[size_t(u * D + d)], want, 1e-6) << "u " << u << " d " << d;
+      const float got16 = bf16_decode(c.second[size_t(u * D + d)]);
+      if (u == 4 && d == 0) {
+        EXPECT_EQ(got16, 1.0078125f) << "1 + 2^-8 + 2^-8 rounded once";
+        EXPECT_EQ(want16, 1.0078125);
+      } else {
+        EXPECT_EQ(double(got16), want16) << "u " << u << " d " << d;
+      }
+    }
+  for (int64_t d = 0; d < D; ++d) EXPECT_EQ(c.first[size_t(D + d)], 0.0f) << "an empty list";
+  expect_bitwise(g.first, c.first, "sum_rows");
+  expect_bitwise(g.second, c.second, "sum_rows_bf16");
 }
 
 TEST_P(DeviceOps, MoeGradientsMatchCpu) {

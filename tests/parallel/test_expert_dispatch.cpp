@@ -309,14 +309,72 @@ TEST_P(ExpertDispatchOn, RelayAcrossNodesSendsEachTokenOncePerNode) {
           EXPECT_EQ(to_host<uint8_t>(qr.data), to_host<uint8_t>(qd.data)) << "FP8, " << at;
           EXPECT_EQ(to_host<float>(qr.scale_inv), to_host<float>(qd.scale_inv)) << "FP8 scales, " << at;
         }
-        // Rows that differ per expert (not per token) go direct through the relay's plan, and
-        // combine goes back directly: the same as the direct dispatcher's.
+        // Rows that differ per expert (not per token) go direct through the relay's plan, and so
+        // does a combine that is not only summed: the same as the direct dispatcher's.
         Tensor g_r, g_d;
         relay.dispatch(pr, rows_d.f32(), 4, &g_r);
         EXPECT_EQ(to_host<float>(g_r), to_host<float>(got_d)) << at;
         Tensor back_r(*be, DType::f32, {int64_t(rows.size())});
         relay.combine(pr, got_r.f32(), 4, back_r.f32());
         EXPECT_EQ(to_host<float>(back_r), rows) << at;
+
+        // A summed combine: each expert's row made its own (its expert's number added to the
+        // payload), back through the relay; the token's sum over its rows is the direct
+        // combine's, exactly (the values are sums of small multiples of 1/8 in FP32, and of
+        // values BF16 holds exactly in BF16, so the order of the additions does not matter).
+        std::vector<float> outs = to_host<float>(got_d);
+        {
+          int64_t o = 0;
+          for (int l = 0; l < E / P; ++l)
+            for (int64_t i = 0; i < pr.local_rows[size_t(l)]; ++i, o += 4) outs[size_t(o + 2)] += float(me * (E / P) + l);
+        }
+        const Tensor outs_d = tensor_from(*be, outs, {int64_t(outs.size())});
+        auto token_sums = [&](const std::vector<float>& back) {  // (T, 4): the sum of each token's rows
+          std::vector<float> y(static_cast<size_t>(T * 4), 0.0f);
+          for (size_t i = 0; i < order.size(); ++i)
+            for (int d = 0; d < 4; ++d) y[size_t(order[i] / k * 4 + d)] += back[i * 4 + d];
+          return y;
+        };
+        relay.reset_node_bytes();
+        Tensor sum_r(*be, DType::f32, {int64_t(rows.size())}), sum_d(*be, DType::f32, {int64_t(rows.size())});
+        relay.combine(pr, outs_d.f32(), 4, sum_r.f32(), true);
+        direct.combine(pd, outs_d.f32(), 4, sum_d.f32(), true);  // (no relay in its plan: direct)
+        EXPECT_EQ(token_sums(to_host<float>(sum_r)), token_sums(to_host<float>(sum_d))) << "summed combine, " << at;
+        // Bytes: this rank as a relay sends one sum per (source it relays for, token of that
+        // source with an expert in this node); its experts' rows of other nodes' sources to their
+        // relay in this node (unless itself) and of this node's sources straight back.
+        int64_t sums = 0, to_relays = 0, straight = 0;
+        for (int s = 0; s < P; ++s) {
+          const Routed o = route(s, T, k, E);
+          const bool remote = node[size_t(s)] != node[size_t(me)];
+          const bool mine = remote && relay.nodes().relay(s, node[size_t(me)]) == me;
+          for (int t = 0; t < T; ++t) {
+            bool here = false;
+            for (int sl = 0; sl < k; ++sl) {
+              const int owner = own.owner(o.expert[size_t(t * k + sl)]);
+              here = here || node[size_t(owner)] == node[size_t(me)];
+              if (owner != me) continue;
+              if (remote) to_relays += relay.nodes().relay(s, node[size_t(me)]) != me;
+              else straight += s != me;
+            }
+            sums += mine && here;
+          }
+        }
+        EXPECT_EQ(relay.node_bytes().across, sums * row) << "summed combine, " << at;
+        EXPECT_EQ(relay.node_bytes().in_node, (to_relays + straight) * row) << "summed combine, " << at;
+        std::vector<uint16_t> outs16;
+        for (size_t i = 0; i < outs.size(); ++i) outs16.push_back(bf16_encode(float(int(outs[i]) % 16) + 0.5f * float(i % 4)));
+        const Tensor outs16_d = tensor_from(*be, outs16, {int64_t(outs16.size())});
+        Tensor s16r(*be, DType::bf16, {int64_t(rows.size())}), s16d(*be, DType::bf16, {int64_t(rows.size())});
+        relay.combine(pr, outs16_d.data<uint16_t>(), 4, s16r.data<uint16_t>(), true);
+        direct.combine(pd, outs16_d.data<uint16_t>(), 4, s16d.data<uint16_t>(), true);
+        auto widened = [](const std::vector<uint16_t>& v) {
+          std::vector<float> f;
+          for (uint16_t b : v) f.push_back(bf16_decode(b));
+          return f;
+        };
+        EXPECT_EQ(token_sums(widened(to_host<uint16_t>(s16r))), token_sums(widened(to_host<uint16_t>(s16d))))
+            << "summed BF16 combine, " << at;
         ++cases;
       }
     }
