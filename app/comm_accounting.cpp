@@ -50,8 +50,8 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
   // The rows by node: each routed row whose expert is on another rank crosses once in each of the
   // four exchanges (and its gate's two, and again in a recomputed forward's two), at each
   // exchange's row size (model/plan_model.h expert_row_bytes, per_step).
-  // With the relay, the per-token exchanges' rows cross once per token and node and go on from the
-  // relay in its node instead.
+  // With the relay, the relayed exchanges' rows (ExpertRowBytes::relayed) cross once per token and
+  // node and move between the relay and the experts' ranks in its node instead.
   if (dispatcher_) {
     const ExpertRowBytes rb = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations,
                                                cfg_.train.moe_gates);

@@ -98,6 +98,9 @@ struct Plan {
   // node_size GPUs (else empty): the relay's per-token rows once per token and other node
   // (runtime.node_dedup), every other exchange's rows whose expert is on another node.
   std::vector<double> ep_across;
+  // Per token and MoE layer where ep spans nodes: its rows to other nodes' experts, and the other
+  // nodes among its experts' (what the relay sends; 0 without it).
+  double rows_across = 0, relay_nodes = 0;
   double worst_total() const {
     double w = 0;
     for (const StageMemory& s : mem) w = std::max(w, s.total());

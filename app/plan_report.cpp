@@ -138,10 +138,11 @@ void print_target_communication(const PlanReport& rep, double budget) {
   if (unreachable && L.expert > 1) {
     const Roofline top = roofline(p, d, o, 1.0, CommMode::exposed);
     std::printf("      why: the expert all-to-all alone sends %s per rank per step (%s; 4 exchanges per MoE layer and "
-                "micro-batch: dispatch and combine, forward and backward; uniform routing, no node-limited "
-                "deduplication): %s at %s/s of NVLink to the peers inside a node and %s/s of InfiniBand to the rest, "
-                "%.2fx the budget of a whole step\n",
-                bytes_text(ep_bytes).c_str(), expert_rows_text(p.cfg).c_str(), seconds_text(top.comm_s[1]).c_str(),
+                "micro-batch: dispatch and combine, forward and backward; uniform routing%s): %s at %s/s of NVLink "
+                "to the peers inside a node and %s/s of InfiniBand to the rest, %.2fx the budget of a whole step\n",
+                bytes_text(ep_bytes).c_str(), expert_rows_text(p.cfg).c_str(),
+                p.relay_nodes > 0 ? ", a token's row across to each other node once (runtime.node_dedup)" : "",
+                seconds_text(top.comm_s[1]).c_str(),
                 bytes_text(d.nvlink).c_str(), bytes_text(d.ib).c_str(), top.comm_s[1] / budget);
   }
 }
@@ -376,6 +377,21 @@ void print_communication(const PlanReport& rep) {
   if (L.expert > 1)
     std::printf("  ep: uniform routing, tokens x top_k x (1 - 1/%d) rows leave each rank; %s\n", L.expert,
                 expert_rows_text(p.cfg).c_str());
+  if (!p.ep_across.empty()) {
+    double across = 0;
+    for (double a : p.ep_across) across = std::max(across, a);
+    if (p.relay_nodes > 0)
+      std::printf("  ep across nodes (InfiniBand): %s per rank; the relay (runtime.node_dedup) sends a token's row "
+                  "to each other node among its experts' once and sums their rows there before they cross back: %.2f "
+                  "other nodes per token%s, against %.2f rows per token one row per expert\n",
+                  bytes_text(across).c_str(), p.relay_nodes,
+                  p.cfg.model.moe.n_group > 1 ? " (node-limited routing: model.moe.topk_group groups)" : "",
+                  p.rows_across);
+    else
+      std::printf("  ep across nodes (InfiniBand): %s per rank, one row per expert on another node (%.2f per token; "
+                  "runtime.node_dedup false)\n",
+                  bytes_text(across).c_str(), p.rows_across);
+  }
   if (L.data > 1)
     std::printf("  dp, edp: %s\n", p.cfg.optim.grad_reduce == ReduceDtype::bf16
                                         ? "the gradients' reduce-scatter in BF16 (optim.grad_reduce bf16), the "

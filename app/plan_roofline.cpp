@@ -87,8 +87,10 @@ Plan make_plan(const Config& c, int world, int node_size) {
     const double G = double(p.L.expert) / per_node, plans = double(p.L.micro_batches) * moe_layers;
     sh.rows_off_node = plans * sh.tokens * m.moe.top_k * (1.0 - per_node / p.L.expert);
     sh.relay = c.runtime.node_dedup && G > 1;
+    if (G > 1) p.rows_across = m.moe.top_k * (1.0 - per_node / p.L.expert);
     if (sh.relay) {
-      sh.relay_across = plans * sh.tokens * nodes_per_token(m.moe, G) * (G - 1) / G;
+      p.relay_nodes = nodes_per_token(m.moe, G) * (G - 1) / G;
+      sh.relay_across = plans * sh.tokens * p.relay_nodes;
       sh.relay_forwarded = sh.rows_off_node * (1 - 1 / per_node);
       sh.remote_ranks = int(p.L.expert - per_node);
     }

@@ -304,8 +304,10 @@ const std::vector<Field>& schema() {
                         "Where the expert group spans nodes: each token's row (the experts' input; with "
                         "train.moe_gates expert, also its output's gradient) crosses to each other node once, "
                         "to the rank with the sender's index in that node, which forwards it to the ranks there "
-                        "that hold the token's experts (DeepEP's internode dispatch); the experts get the same "
-                        "rows either way. false: one row per expert chosen, straight to its rank."));
+                        "that hold the token's experts (DeepEP's internode dispatch; the experts get the same "
+                        "rows either way); the rows the token's side only sums (the input's gradient; with the "
+                        "gates in the experts, the output) are summed there and cross back once. false: one "
+                        "row per expert chosen, straight to its rank and back."));
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "

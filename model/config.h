@@ -247,8 +247,9 @@ struct RuntimeConfig {
   // several nodes on one machine).
   int ranks_per_node = 0;
   // Where the expert group spans nodes: each token's row crosses to each other node once and is
-  // forwarded in that node (DeepEP's internode dispatch; parallel/expert_dispatch.h); false: one
-  // row per expert chosen, straight to its rank.
+  // forwarded in that node, and the rows its side only sums are summed there and cross back once
+  // (DeepEP's internode dispatch and combine; parallel/expert_dispatch.h); false: one row per
+  // expert chosen, straight to its rank and back.
   bool node_dedup = true;
   bool operator==(const RuntimeConfig&) const = default;
 };
