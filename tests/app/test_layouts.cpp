@@ -523,8 +523,9 @@ TEST_F(Layouts, GatesInTheExpertsAgreeAcrossLayouts) {
 // node-limited routing (2 groups of 4 experts, one per node of ep4; 1 group per token), ep4 against
 // 1 rank: step 1 differs only by the relay's sums (their order, and their one BF16 rounding), 20
 // steps within the BF16-activation bounds of tensor parallelism (whose partial outputs are rounded
-// the same way). The bytes of tp2 x pp2 x ep2 (the expert group's two ranks on two nodes) within
-// 1.01 of the formulas, ep's exact, under selective and full recomputation. Measured (2-core VM,
+// the same way). ep's bytes on ep4 exactly its formula; the bytes of tp2 x pp2 x ep2 (the expert
+// group's two ranks on two nodes) within 1.01 of the formulas, ep's exact, under selective and full
+// recomputation. Measured (2-core VM,
 // 2026-12-06): see the printed lines.
 TEST_F(Layouts, RelayAcrossNodesAgreesAndMatchesItsFormulas) {
   const std::vector<std::string> v3 = {"train.moe_gates=expert", "fp8.recipe=blockwise", "train.activations=bf16",
@@ -538,6 +539,15 @@ TEST_F(Layouts, RelayAcrossNodesAgreesAndMatchesItsFormulas) {
               w1, w);
   EXPECT_LE(w1, 5e-5);
   EXPECT_LE(w, 1e-2);
+  // ep4 on 2 nodes: each relay forwards to the other rank of its node (on tp2 x pp2 x ep2 below the
+  // expert group has one rank per node, and nothing is forwarded); ep exact.
+  std::vector<std::string> ep4 = v3;
+  for (const char* x : {"parallel.expert=4", "runtime.ranks_per_node=2"}) ep4.push_back(x);
+  const auto ep4_bytes = last_step_bytes(4, ep4, "relay-comm-ep4");
+  ASSERT_TRUE(ep4_bytes.count("ep"));
+  std::printf("relay across 2 nodes, ep4: ep measured %.0f analytical %.0f\n", ep4_bytes.at("ep").first,
+              ep4_bytes.at("ep").second);
+  EXPECT_EQ(ep4_bytes.at("ep").first, ep4_bytes.at("ep").second);
   for (const char* recompute : {"train.recompute=selective", "train.recompute=full"}) {
     std::vector<std::string> sets = v3;
     sets[3] = recompute;
