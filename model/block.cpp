@@ -110,7 +110,7 @@ void Block::forward(const float* x, int64_t B, int64_t T, float* out, BlockSaved
   }
 }
 
-void Block::backward(const BlockSaved& s, const float* dout, float* dx, float aux_grad_scale) {
+void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad_scale) {
   const ModelConfig& m = ctx_.local;
   const int64_t N = s.B * s.T, D = m.d_model;
   Backend& be = ctx_.be;
@@ -141,6 +141,8 @@ void Block::backward(const BlockSaved& s, const float* dout, float* dx, float au
   if (!x_mid) x_mid = ctx_.unstash(s.x_mid, &x_mid32);
   be.rmsnorm_backward(x_mid, ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
   x_mid32.reset();
+  // The FFN branch's state is read: freed before the attention's backward (the block's peak).
+  s.moe = MoeSaved{}, s.dense = FfnSaved{}, s.x_mid.reset(), s.h2.reset(), s.rstd2.reset(), dh2.reset();
   be.add(dx_mid.f32(), dout, dx_mid.f32(), N * D);
 
   // Attention branch: x_mid = x + Attention(h1), h1 = RMSNorm(x).

@@ -132,23 +132,27 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
     }
     t[i].da = Tensor(be, DType::f32, {M, F});
     l2.push_back({s2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2, f.dyq});
-    if (s.fused) {
-      FP8MOE_ASSERT(f.g->w3 == f.g->w1 + F * D, "ffn_backward: fused W1|W3 needs W3's gradient after W1's");
-      t[i].dh1 = Tensor(be, DType::f32, {M, 2 * F});
-      l13.push_back({&s.l1, f.w->w1, t[i].dh1.f32(), &f.fp8->w1, f.dx, f.g->w1});
-      continue;
-    }
-    t[i].dh1 = Tensor(be, DType::f32, {M, F});
-    t[i].dh3 = Tensor(be, DType::f32, {M, F});
-    t[i].dx3 = Tensor(be, DType::f32, {f.dx ? M : 0, D});
-    l1.push_back({&s.l1, f.w->w1, t[i].dh1.f32(), &f.fp8->w1, f.dx, f.g->w1});
-    l3.push_back({&s.l3, f.w->w3, t[i].dh3.f32(), &f.fp8->w3, f.dx ? t[i].dx3.f32() : nullptr, f.g->w3});
   }
   linear_backward_grouped(be, l2);
   l2_again.clear(), a_again.clear();
+  // The pre-activations' gradients, made here rather than before W2's backward (which does not
+  // need them), and handed to W1's and W3's, which free them once quantized (FP8 layers).
   for (size_t i = 0; i < groups.size(); ++i) {
-    const FfnSaved& s = *groups[i].saved;
-    const int64_t M = s.l1.M, F = s.l2.K;
+    const FfnGradGroup& f = groups[i];
+    const FfnSaved& s = *f.saved;
+    const int64_t M = s.l1.M, D = s.l1.K, F = s.l2.K;
+    if (s.fused) {
+      FP8MOE_ASSERT(f.g->w3 == f.g->w1 + F * D, "ffn_backward: fused W1|W3 needs W3's gradient after W1's");
+      t[i].dh1 = Tensor(be, DType::f32, {M, 2 * F});
+      l13.push_back({&s.l1, f.w->w1, t[i].dh1.f32(), &f.fp8->w1, f.dx, f.g->w1, nullptr, &t[i].dh1});
+    } else {
+      t[i].dh1 = Tensor(be, DType::f32, {M, F});
+      t[i].dh3 = Tensor(be, DType::f32, {M, F});
+      t[i].dx3 = Tensor(be, DType::f32, {f.dx ? M : 0, D});
+      l1.push_back({&s.l1, f.w->w1, t[i].dh1.f32(), &f.fp8->w1, f.dx, f.g->w1, nullptr, &t[i].dh1});
+      l3.push_back({&s.l3, f.w->w3, t[i].dh3.f32(), &f.fp8->w3, f.dx ? t[i].dx3.f32() : nullptr, f.g->w3, nullptr,
+                    &t[i].dh3});
+    }
     Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16 or FP8
     const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
     if (M > 0) {  // (no rows: no memory, and no pointer into it)

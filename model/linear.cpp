@@ -204,16 +204,21 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     if (c.recipe == Fp8Recipe::blockwise) {
       if (!l.dx) {
         quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt[g]);
+        if (l.dy_owned) l.dy_owned->reset();
         continue;
       }
       quantize_tiled_pair(be, l.dy, M, N, c, fp8.counts, &dyq[g], &dyt[g]);
     } else {
       quantize_per_tensor(be, l.dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &dyq[g]);
-      if (!l.dx) continue;
     }
+    if (l.dy_owned) l.dy_owned->reset();  // (read no more: only its FP8 copies)
+    if (!l.dx) continue;
     A.push_back(dyq[g].view()), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
   }
   if (!A.empty()) be.grouped_gemm_fp8_dgrad(A, B, C, ldc);  // dx_g = dy_g W_g
+  // Blockwise wgrad reads the T x 1 copies: the 1 x T ones are done with.
+  for (size_t g = 0; g < groups.size(); ++g)
+    if (groups[g].fp8->enabled() && groups[g].fp8->cfg->recipe == Fp8Recipe::blockwise) dyq[g] = QTensor{};
   // wgrad, dW += dy^T x: per-tensor from the same FP8 gradient and the forward's FP8 input;
   // blockwise from both in T x 1 tiles (the reduction runs over tokens), quantized from FP32 (x
   // with cache_activations from its 1 x T FP8 copy, re-tiled, as DeepSeek-V3 does).

@@ -125,6 +125,9 @@ struct LinearGradGroup {
   // the layer's gradient format. dgrad reads it as it is, dy is not read (may be nullptr); wgrad
   // reads it too (per-tensor) or its T x 1 copy re-tiled from it (blockwise).
   const QuantView* dyq = nullptr;
+  // The caller's tensor holding dy, handed over: an FP8 layer frees it once dy is quantized, so that
+  // a grouped call does not hold every group's FP32 gradient through its GEMMs (nullptr: kept).
+  Tensor* dy_owned = nullptr;
 };
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);
 

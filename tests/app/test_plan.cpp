@@ -154,8 +154,14 @@ TEST(Plan, StepBudgetByHand) {
 // budget at any efficiency; compute alone (communication hidden, the head in BF16, stages of equal
 // work) matches at 0.25-0.30 of the FP8 peak with the config's selective recomputation.
 TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
-  const RunResult r = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
-                           "h800", "--tokens", "1e12", "--target-gpu-hours", "180000"});
+  // The 671B config on its 2,048 H800s for 1e12 tokens, with `extra` arguments.
+  auto plan_v3 = [](const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048",
+                                     "--device", "h800", "--tokens", "1e12"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return run(argv);
+  };
+  const RunResult r = plan_v3({"--target-gpu-hours", "180000"});
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_NE(r.out.find("leave 19.907 s per step"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("(a) fp8moe's communication exposed (as it runs): cannot be reached at any efficiency"),
@@ -171,8 +177,7 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   EXPECT_NE(r.out.find("  ep      897.34 GB"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  ep across nodes (InfiniBand): 299.25 GB per rank"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("3.50 other nodes per token (node-limited routing"), std::string::npos) << r.out;
-  const RunResult x = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
-                           "h800", "--tokens", "1e12", "--set", "runtime.node_dedup=false"});
+  const RunResult x = plan_v3({"--set", "runtime.node_dedup=false"});
   ASSERT_EQ(x.status, 0) << x.all();
   EXPECT_NE(x.out.find("  ep      673.01 GB"), std::string::npos) << x.out;
   EXPECT_NE(x.out.find("  ep across nodes (InfiniBand): 598.23 GB per rank, one row per expert on another node (7.00 "
@@ -181,8 +186,7 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   EXPECT_NE(r.out.find("  pp       28.19 GB"), std::string::npos) << r.out;
   // Communication alone now fits the step (the compute as configured does not); in FP32 it did not.
   EXPECT_NE(r.out.find("is what does not fit; see (b)"), std::string::npos) << r.out;
-  const RunResult f = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
-                           "h800", "--tokens", "1e12", "--target-gpu-hours", "180000", "--set", "train.activations=fp32"});
+  const RunResult f = plan_v3({"--target-gpu-hours", "180000", "--set", "train.activations=fp32"});
   ASSERT_EQ(f.status, 0) << f.all();
   EXPECT_NE(f.out.find("why: the expert all-to-all alone sends 2.37 TB per rank per step"), std::string::npos) << f.out;
   std::smatch m;
@@ -206,21 +210,18 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   // The even split's last stage (3 blocks, the head twice and the MTP module) sets the pace; the
   // split by work (parallel.stage_layers balanced) gives it 1 block.
   EXPECT_NE(r.out.find("stage 15 sets the pace: 1.69x the stages' mean"), std::string::npos) << r.out;
-  const RunResult b = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
-                           "h800", "--tokens", "1e12", "--set", "parallel.stage_layers=balanced"});
+  const RunResult b = plan_v3({"--set", "parallel.stage_layers=balanced"});
   ASSERT_EQ(b.status, 0) << b.all();
   EXPECT_NE(b.out.find("     15  60-60+mtp"), std::string::npos) << b.out;
   EXPECT_NE(b.out.find("stage 15 sets the pace: 1.20x the stages' mean"), std::string::npos) << b.out;
   EXPECT_NE(b.out.find("2.705e+05 h800-hours"), std::string::npos) << b.out;
-  const RunResult h = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
-                           "h800", "--tokens", "1e12", "--set", "train.hp_gemm=fp32"});
+  const RunResult h = plan_v3({"--set", "train.hp_gemm=fp32"});
   ASSERT_EQ(h.status, 0) << h.all();
   EXPECT_NE(h.out.find("2.434e+06 h800-hours"), std::string::npos) << h.out;
   // optim.grad_reduce bf16: the reduce-scatter half of dp's and edp's FP32 bytes halved, 0.75 in all
   // (23.10 GB x 0.75 = 17.32; 2.82 x 0.75 = 2.11).
   EXPECT_NE(r.out.find("  dp       23.10 GB"), std::string::npos) << r.out;
-  const RunResult g = run({exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device",
-                           "h800", "--set", "optim.grad_reduce=bf16"});
+  const RunResult g = plan_v3({"--set", "optim.grad_reduce=bf16"});
   ASSERT_EQ(g.status, 0) << g.all();
   EXPECT_NE(g.out.find("  dp       17.32 GB"), std::string::npos) << g.out;
   EXPECT_NE(g.out.find("  edp       2.11 GB"), std::string::npos) << g.out;

@@ -57,14 +57,22 @@ struct DispatchCase {
   DeviceKind kind;
   bool native;  // the emulated device's own collectives (runtime.comm nccl), else staged MPI
 };
-class ExpertDispatchOn : public testing::TestWithParam<DispatchCase> {};
+class ExpertDispatchOn : public testing::TestWithParam<DispatchCase> {
+ protected:
+  void SetUp() override {
+    be_ = make_backend(GetParam().kind);
+    if (!be_->host_accessible()) device_ = make_device_communicator(MPI_COMM_WORLD, *be_, GetParam().native, "ep");
+  }
+  Communicator& rows_comm() { return device_ ? *device_ : world_; }
+  MpiCommunicator world_{MPI_COMM_WORLD};
+  std::unique_ptr<Backend> be_;
+  std::unique_ptr<Communicator> device_;  // (destroyed before the backend it works on)
+};
 
 TEST_P(ExpertDispatchOn, SelfDescribingRowsRoundTrip) {
-  MpiCommunicator world(MPI_COMM_WORLD);
-  const std::unique_ptr<Backend> be = make_backend(GetParam().kind);
-  const std::unique_ptr<Communicator> device =
-      be->host_accessible() ? nullptr : make_device_communicator(MPI_COMM_WORLD, *be, GetParam().native, "ep");
-  Communicator& rows_comm = device ? *device : world;
+  MpiCommunicator& world = world_;
+  const std::unique_ptr<Backend>& be = be_;
+  Communicator& rows_comm = this->rows_comm();
   const int P = world.size(), me = world.rank();
   for (int E : {P, 2 * P, 4 * P}) {
     for (int T : {0, 1, 13}) {
@@ -200,11 +208,9 @@ TEST_P(ExpertDispatchOn, SelfDescribingRowsRoundTrip) {
 // in the node, the direct rows to this node's ranks plus what this rank forwards as a relay; both
 // counted here by enumerating every rank's routing.
 TEST_P(ExpertDispatchOn, RelayAcrossNodesSendsEachTokenOncePerNode) {
-  MpiCommunicator world(MPI_COMM_WORLD);
-  const std::unique_ptr<Backend> be = make_backend(GetParam().kind);
-  const std::unique_ptr<Communicator> device =
-      be->host_accessible() ? nullptr : make_device_communicator(MPI_COMM_WORLD, *be, GetParam().native, "ep");
-  Communicator& rows_comm = device ? *device : world;
+  MpiCommunicator& world = world_;
+  const std::unique_ptr<Backend>& be = be_;
+  Communicator& rows_comm = this->rows_comm();
   const int P = world.size(), me = world.rank();
   int cases = 0;
   for (int per_node : {1, 2, 3}) {  // nodes of 1, 2 or 3 ranks (the last node smaller where 3 does not divide P)
