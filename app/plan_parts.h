@@ -101,6 +101,7 @@ struct Plan {
   // Per token and MoE layer where ep spans nodes: its rows to other nodes' experts, and the other
   // nodes among its experts' (what the relay sends; 0 without it).
   double rows_across = 0, relay_nodes = 0;
+  bool node_limited = false;  // relay_nodes from node-limited routing's groups (else from top_k)
   double worst_total() const {
     double w = 0;
     for (const StageMemory& s : mem) w = std::max(w, s.total());

@@ -385,7 +385,7 @@ void print_communication(const PlanReport& rep) {
                   "to each other node among its experts' once and sums their rows there before they cross back: %.2f "
                   "other nodes per token%s, against %.2f rows per token one row per expert\n",
                   bytes_text(across).c_str(), p.relay_nodes,
-                  p.cfg.model.moe.n_group > 1 ? " (node-limited routing: model.moe.topk_group groups)" : "",
+                  p.node_limited ? " (node-limited routing: model.moe.topk_group groups)" : "",
                   p.rows_across);
     else
       std::printf("  ep across nodes (InfiniBand): %s per rank, one row per expert on another node (%.2f per token; "

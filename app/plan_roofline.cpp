@@ -4,6 +4,7 @@
 // bubble, the optimizer), or on the CPU the probe models' measured times.
 #include <algorithm>
 #include <array>
+#include <cmath>
 
 #include "app/plan_parts.h"
 
@@ -44,15 +45,18 @@ double comm_seconds(const Device& d, const PlanOptions& o, const PlanLayout& L, 
 // nodes chooses topk_group groups of n_group (every chosen group given an expert, an upper bound);
 // otherwise top_k experts of n_experts. 1 - C(a - b, t) / C(a, t) is the chance that one node is
 // among them.
+// Whether node-limited routing's groups lie within the G nodes (whole groups per node).
+bool groups_within_nodes(const MoeConfig& moe, double G) {
+  return moe.n_group > 1 && moe.topk_group < moe.n_group && G == std::floor(G) && moe.n_group % int(G) == 0;
+}
 double nodes_per_token(const MoeConfig& moe, double G) {
   auto missed = [](double a, double b, double t) {
     double r = 1;
     for (int i = 0; i < int(t); ++i) r *= std::max(0.0, a - b - i) / (a - i);
     return r;
   };
-  const bool limited = moe.n_group > 1 && moe.topk_group < moe.n_group && moe.n_group % int(G) == 0;
-  return limited ? G * (1 - missed(moe.n_group, moe.n_group / G, moe.topk_group))
-                 : G * (1 - missed(moe.n_experts, moe.n_experts / G, moe.top_k));
+  return groups_within_nodes(moe, G) ? G * (1 - missed(moe.n_group, moe.n_group / G, moe.topk_group))
+                                     : G * (1 - missed(moe.n_experts, moe.n_experts / G, moe.top_k));
 }
 
 }  // namespace
@@ -89,7 +93,7 @@ Plan make_plan(const Config& c, int world, int node_size) {
     sh.relay = c.runtime.node_dedup && G > 1;
     if (G > 1) p.rows_across = m.moe.top_k * (1.0 - per_node / p.L.expert);
     if (sh.relay) {
-      p.relay_nodes = nodes_per_token(m.moe, G) * (G - 1) / G;
+      p.relay_nodes = nodes_per_token(m.moe, G) * (G - 1) / G, p.node_limited = groups_within_nodes(m.moe, G);
       sh.relay_across = plans * sh.tokens * p.relay_nodes;
       sh.relay_forwarded = sh.rows_off_node * (1 - 1 / per_node);
       sh.remote_ranks = int(p.L.expert - per_node);

@@ -116,7 +116,7 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnGradGroup& f = groups[i];
     const FfnSaved& s = *f.saved;
-    const int64_t M = s.l1.M, D = s.l1.K, F = s.l2.K;
+    const int64_t M = s.l1.M, F = s.l2.K;
     const LinearSaved* s2 = &s.l2;
     if (s.a_rebuilt) {  // the forward's SwiGLU of the kept h1, h3 (the same bits, unless kept in FP8)
       Tensor h1_32, h3_32;

@@ -89,6 +89,10 @@ void ExpertDispatcher::plan_relay(const int64_t* counts, const int64_t* row_toke
   FP8MOE_ASSERT(row_token || row0.back() == 0, "expert dispatch across nodes: the plan needs each row's token");
 
   // This rank as a source: its node's ranks get their rows; each other node's relay its tokens once.
+  // slot: each token's index among the ones sent to the node at hand (-1: none yet).
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < row0.back(); ++i) tokens = std::max(tokens, row_token[i] + 1);
+  std::vector<int32_t> slot(static_cast<size_t>(tokens), -1);
   y.send1.assign(size_t(P), 0);
   std::vector<int64_t> gather1, meta_len(static_cast<size_t>(P), 0);
   std::vector<std::vector<int32_t>> meta(static_cast<size_t>(P));
@@ -104,19 +108,17 @@ void ExpertDispatcher::plan_relay(const int64_t* counts, const int64_t* row_toke
     const std::vector<int> there = nodes_.ranks_of(n);
     std::vector<int32_t>& m = meta[size_t(j)];
     for (int q : there) m.push_back(int32_t(p->send_rows[size_t(q)]));
-    std::vector<std::pair<int64_t, int32_t>> seen;  // token -> its index among the ones sent, sorted
+    const size_t first = gather1.size();
     for (int q : there)
       for (int64_t i = row0[size_t(q)]; i < row0[size_t(q) + 1]; ++i) {
-        const auto at = std::lower_bound(seen.begin(), seen.end(), std::make_pair(row_token[i], int32_t(-1)));
-        if (at != seen.end() && at->first == row_token[i]) {
-          m.push_back(at->second);
-          continue;
+        int32_t& u = slot[size_t(row_token[i])];
+        if (u < 0) {  // the token's first row to this node: sent
+          u = int32_t(y.send1[size_t(j)]++);
+          gather1.push_back(i);
         }
-        const auto u = int32_t(y.send1[size_t(j)]++);
-        seen.insert(at, {row_token[i], u});
-        gather1.push_back(i);
         m.push_back(u);
       }
+    for (size_t x = first; x < gather1.size(); ++x) slot[size_t(row_token[gather1[x]])] = -1;
     meta_len[size_t(j)] = int64_t(m.size());
     y.across += y.send1[size_t(j)];
   }
@@ -232,10 +234,9 @@ void ExpertDispatcher::plan_relay(const int64_t* counts, const int64_t* row_toke
   // This rank's rows: each sent one's arrival back, the zero row (after the arrivals) for the others.
   std::vector<int64_t> back_out(size_t(row0.back()), int64_t(gather1.size()));
   for (size_t x = 0; x < gather1.size(); ++x) back_out[size_t(gather1[x])] = int64_t(x);
-  y.gather1 = upload_indices(be_, gather1), y.gather2 = upload_indices(be_, gather2);
-  y.gather_out = upload_indices(be_, gather_out);
-  y.back2 = upload_indices(be_, back2), y.back1 = upload_indices(be_, back1), y.back_out = upload_indices(be_, back_out);
-  y.sum_offsets = upload_indices(be_, sum_offsets), y.sum_index = upload_indices(be_, sum_index);
+  y.gather1 = std::move(gather1), y.gather2 = std::move(gather2), y.gather_out = std::move(gather_out);
+  y.back2 = std::move(back2), y.back1 = std::move(back1), y.back_out = std::move(back_out);
+  y.sum_offsets = std::move(sum_offsets), y.sum_index = std::move(sum_index);
   relay_rows_.across += y.across, relay_rows_.relayed += y.relayed, ++relay_rows_.plans;
   p->relay = std::move(relay);
 }
@@ -283,6 +284,14 @@ void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, i
                size_t(p.recv_counts[size_t(i)] * row_bytes));
 }
 
+// rows[index[i]] -> out[i], rows of `words` 32-bit words moved unchanged; the index uploaded for
+// this gather (the plan keeps it on the host). No rows: nothing (an empty tensor may hold no memory).
+void ExpertDispatcher::gather_rows(const void* rows, const std::vector<int64_t>& index, int64_t words, void* out) {
+  if (index.empty()) return;
+  const Tensor i = upload_indices(be_, index);
+  be_.permute(static_cast<const float*>(rows), i.data<int64_t>(), int64_t(index.size()), words, static_cast<float*>(out));
+}
+
 // The relay's two exchanges: rows gathered into the first exchange's order, out to this node's
 // ranks and other nodes' relays; the relayed rows gathered and forwarded in the node; the experts'
 // rows gathered from both arrivals. Gathers move 32-bit words unchanged, as the exchanges do.
@@ -297,25 +306,20 @@ void ExpertDispatcher::relay_bytes(const DispatchPlan& p, const void* rows, int6
   };
   const std::vector<int64_t> sc1 = scaled(y.send1), rc1 = scaled(y.recv1), sc2 = scaled(y.send2),
                              rc2 = scaled(y.recv2);
-  // (A gather of no rows is skipped: an empty tensor may hold no memory at all.)
-  auto gather = [&](const void* from, const Tensor& index, void* to) {
-    if (index.numel() > 0)
-      be_.permute(static_cast<const float*>(from), index.data<int64_t>(), index.numel(), words, static_cast<float*>(to));
-  };
-  Tensor send1(be_, DType::f32, {y.gather1.numel() * words});
-  gather(rows, y.gather1, send1.raw());
+  Tensor send1(be_, DType::f32, {int64_t(y.gather1.size()) * words});
+  gather_rows(rows, y.gather1, words, send1.raw());
   Tensor arrived(be_, DType::f32, {(y.arrived1 + y.arrived2) * words});  // [first | relayed]
   count(sc1);
   rows_.alltoallv(send1.f32(), sc1.data(), arrived.f32(), rc1.data());
   send1.reset();
-  Tensor send2(be_, DType::f32, {y.gather2.numel() * words});
-  gather(arrived.raw(), y.gather2, send2.raw());
+  Tensor send2(be_, DType::f32, {int64_t(y.gather2.size()) * words});
+  gather_rows(arrived.raw(), y.gather2, words, send2.raw());
   count(sc2);
   rows_.alltoallv(send2.f32(), sc2.data(), arrived.f32() + y.arrived1 * words, rc2.data());
   send2.reset();
-  FP8MOE_ASSERT(y.gather_out.numel() == p.received, "expert dispatch: the relay's plan gathers ",
-                y.gather_out.numel(), " rows of ", p.received);
-  gather(arrived.raw(), y.gather_out, out);
+  FP8MOE_ASSERT(int64_t(y.gather_out.size()) == p.received, "expert dispatch: the relay's plan gathers ",
+                y.gather_out.size(), " rows of ", p.received);
+  gather_rows(arrived.raw(), y.gather_out, words, out);
 }
 
 void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, int64_t D, bool bf16, void* out) {
@@ -328,14 +332,10 @@ void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, in
     for (size_t j = 0; j < v.size(); ++j) w[j] = v[j] * words;
     return w;
   };
-  auto gather = [&](const void* from, const Tensor& index, void* to) {
-    if (index.numel() > 0)
-      be_.permute(static_cast<const float*>(from), index.data<int64_t>(), index.numel(), words, static_cast<float*>(to));
-  };
   // The relayed rows back to their relays in the node.
   const std::vector<int64_t> sc2 = scaled(y.recv2), rc2 = scaled(y.send2), sc1 = scaled(y.recv1), rc1 = scaled(y.send1);
-  Tensor send2(be_, DType::f32, {y.arrived2 * words}), at_relay(be_, DType::f32, {y.gather2.numel() * words});
-  gather(rows, y.back2, send2.raw());
+  Tensor send2(be_, DType::f32, {y.arrived2 * words}), at_relay(be_, DType::f32, {int64_t(y.gather2.size()) * words});
+  gather_rows(rows, y.back2, words, send2.raw());
   count(sc2);
   rows_.alltoallv(send2.f32(), sc2.data(), at_relay.f32(), rc2.data());
   send2.reset();
@@ -344,23 +344,24 @@ void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, in
   if (p.received > 0) be_.copy(both.raw(), rows, size_t(p.received * row_bytes));
   if (y.sums > 0) {
     char* sums = static_cast<char*>(both.raw()) + p.received * row_bytes;
+    const Tensor offsets = upload_indices(be_, y.sum_offsets), index = upload_indices(be_, y.sum_index);
     if (bf16)
-      be_.sum_rows_bf16(static_cast<const uint16_t*>(at_relay.raw()), y.sum_offsets.data<int64_t>(),
-                        y.sum_index.data<int64_t>(), y.sums, D, reinterpret_cast<uint16_t*>(sums));
+      be_.sum_rows_bf16(static_cast<const uint16_t*>(at_relay.raw()), offsets.data<int64_t>(), index.data<int64_t>(),
+                        y.sums, D, reinterpret_cast<uint16_t*>(sums));
     else
-      be_.sum_rows(at_relay.f32(), y.sum_offsets.data<int64_t>(), y.sum_index.data<int64_t>(), y.sums, D,
+      be_.sum_rows(at_relay.f32(), offsets.data<int64_t>(), index.data<int64_t>(), y.sums, D,
                    reinterpret_cast<float*>(sums));
   }
   at_relay.reset();
   Tensor send1(be_, DType::f32, {y.arrived1 * words});
-  gather(both.raw(), y.back1, send1.raw());
+  gather_rows(both.raw(), y.back1, words, send1.raw());
   both.reset();
-  const int64_t back = y.gather1.numel();
+  const int64_t back = int64_t(y.gather1.size());
   Tensor arrived(be_, DType::f32, {(back + 1) * words});  // [arrivals | a zero row]
   be_.zero(static_cast<char*>(arrived.raw()) + back * row_bytes, size_t(row_bytes));
   count(sc1);
   rows_.alltoallv(send1.f32(), sc1.data(), arrived.f32(), rc1.data());
-  gather(arrived.raw(), y.back_out, out);
+  gather_rows(arrived.raw(), y.back_out, words, out);
 }
 
 void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {

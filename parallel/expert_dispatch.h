@@ -16,7 +16,8 @@
 // same way: the relay sums a token's rows from its node's experts (FP32; BF16 rows summed in FP32
 // and rounded once) and sends one row across; the token's side gets that sum in the place of the
 // token's first row to that node and zeros in the others, so its sum over rows is unchanged up to
-// the order of the additions.
+// the order of the additions and, for BF16 rows, the relay's rounding of its partial sum (one more
+// rounding than the direct exchange, whose rows the token's side sums in FP32).
 #pragma once
 
 #include <cstdint>
@@ -56,8 +57,9 @@ struct DispatchPlan {
   std::vector<int64_t> recv_counts;  // (P x L) rows from rank j for local expert l, [j * L + l]
   std::vector<int64_t> local_rows;   // (L) rows per local expert, over all sources
   int64_t received = 0;              // rows this rank's experts process
-  // The relay across nodes (empty without it). Three row gathers on the device, indices uploaded
-  // once here: this rank's rows -> the first exchange (each rank of this node its rows, each other
+  // The relay across nodes (empty without it). Three row gathers on the device, their indices kept
+  // here on the host (the plan lives from a forward to its backward; each exchange uploads what it
+  // reads): this rank's rows -> the first exchange (each rank of this node its rows, each other
   // node's relay the token rows it needs once each); its arrivals -> the relay's exchange in the
   // node (the rows of the sources this rank relays for, to their experts' ranks); both arrivals ->
   // the experts' rows, laid out as without the relay.
@@ -65,12 +67,12 @@ struct DispatchPlan {
   // sums (sum_rows over the rows each token slot of the first exchange received in the second).
   struct Relay {
     std::vector<int64_t> send1, recv1, send2, recv2;  // (P) rows of each exchange to / from each rank
-    Tensor gather1, gather2, gather_out;               // (i64) row indices of the three gathers
+    std::vector<int64_t> gather1, gather2, gather_out;  // row indices of the three gathers
     int64_t arrived1 = 0, arrived2 = 0;               // rows of the two exchanges' arrivals
     // Combine: the experts' rows -> the relays in the node ([experts' rows]); the sums (sum_offsets,
     // sum_index over the relay's arrivals, sums rows); [experts' rows | sums] -> the first
     // exchange backwards; [its arrivals | a zero row] -> this rank's rows in their order.
-    Tensor back2, sum_offsets, sum_index, back1, back_out;
+    std::vector<int64_t> back2, sum_offsets, sum_index, back1, back_out;
     int64_t sums = 0;
     int64_t across = 0;   // token rows this rank sends to other nodes (one per token and node)
     int64_t relayed = 0;  // rows this rank forwards in its node for other nodes' ranks (itself not counted)
@@ -147,6 +149,7 @@ class ExpertDispatcher {
   // per_token: through the plan's relay where it has one.
   void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out, bool per_token);
   void relay_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+  void gather_rows(const void* rows, const std::vector<int64_t>& index, int64_t words, void* out);
   // The summed combine through the relay: rows of D FP32 or BF16 values.
   void relay_combine(const DispatchPlan& plan, const void* rows, int64_t D, bool bf16, void* out);
   void plan_relay(const int64_t* counts, const int64_t* row_token, DispatchPlan* plan);

@@ -8,7 +8,9 @@
 //     (runtime.comm nccl): one per MoE layer and micro-batch (the expert loads), one for the step;
 //   - what crosses between host and device: to the device the step's tokens and targets and the
 //     router-bias loads, back the loads, the losses, the FP8 counters and the gradient norm, and
-//     nothing else (no weights, gradients or activations).
+//     nothing else (no weights, gradients or activations). (The relay across nodes, which these
+//     one-node layouts do not use, also reads each row's token back in the same synchronisation
+//     and uploads its gathers' row indices: parallel/expert_dispatch.h.)
 // The same layouts with runtime.comm mpi (staged through host memory, a synchronisation per
 // collective) must give the same bits too.
 #include <gtest/gtest.h>
