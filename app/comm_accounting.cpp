@@ -35,31 +35,23 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
   shape.dense_bytes = dense_bytes_, shape.expert_bytes = expert_bytes_, shape.rows_off_rank = rows_off;
   shape.fp8 = cfg_.fp8.recipe == Fp8Recipe::off ? nullptr : &cfg_.fp8, shape.activations = cfg_.train.activations;
   shape.moe_gates = cfg_.train.moe_gates, shape.recompute = cfg_.train.recompute;
-  shape.grad_reduce = cfg_.optim.grad_reduce;
+  shape.grad_reduce = cfg_.optim.grad_reduce, shape.rows_off_node = rows_off_node;
   // The relay's rows, as this rank's plans of the step counted them (parallel/expert_dispatch.h).
   const bool relay = dispatcher_ && dispatcher_->relays();
   if (relay) {
     const ExpertDispatcher::RelayRows& y = dispatcher_->relay_rows();
-    shape.relay = true, shape.rows_off_node = rows_off_node;
+    shape.relay = true;
     shape.relay_across = double(y.across), shape.relay_forwarded = double(y.relayed);
     shape.remote_ranks = dispatcher_->remote_ranks();
   }
   const std::array<double, 5> expected = analytic_comm_bytes(shape);
   double local[18] = {};
   for (int g = 0; g < 5; ++g) local[g] = double(counted_[size_t(g)].bytes_sent()), local[5 + g] = expected[size_t(g)];
-  // The rows by node: each routed row whose expert is on another rank crosses once in each of the
-  // four exchanges (and its gate's two, and again in a recomputed forward's two), at each
-  // exchange's row size (model/plan_model.h expert_row_bytes, per_step).
-  // With the relay, the relayed exchanges' rows (ExpertRowBytes::relayed) cross once per token and
-  // node and move between the relay and the experts' ranks in its node instead.
+  // The rows by node (model/plan_model.h expert_rows_by_node).
   if (dispatcher_) {
-    const ExpertRowBytes rb = expert_row_bytes(cfg_.model.d_model, shape.fp8, cfg_.train.activations,
-                                               cfg_.train.moe_gates);
-    const double row = rb.per_step(moe_recomputed(cfg_.train.recompute));
-    const double tok = relay ? rb.relayed(moe_recomputed(cfg_.train.recompute)) : 0;
+    const std::array<double, 2> by_node = expert_rows_by_node(shape);
     local[10] = double(dispatcher_->node_bytes().in_node), local[11] = double(dispatcher_->node_bytes().across);
-    local[12] = (rows_off - rows_off_node) * row + shape.relay_forwarded * tok;
-    local[13] = rows_off_node * (row - tok) + shape.relay_across * tok;
+    local[12] = by_node[0], local[13] = by_node[1];
     local[14] = dispatcher_->spans_nodes() ? 1 : 0;
     if (relay) {  // (each plan routes this micro-batch's tokens once)
       local[15] = shape.relay_across, local[16] = shape.relay_forwarded;

@@ -100,13 +100,11 @@ Plan make_plan(const Config& c, int world, int node_size) {
     }
     p.comm.push_back(analytic_comm_bytes(sh));
     if (G > 1) {
-      const ExpertRowBytes rb = expert_row_bytes(m.d_model, sh.fp8, sh.activations, sh.moe_gates);
-      const double row = rb.per_step(moe_recomputed(sh.recompute));
-      const double tok = sh.relay ? rb.relayed(moe_recomputed(sh.recompute)) : 0;
-      // (and the counts to other nodes' ranks, with the relay's two numbers, and its map)
+      // The rows across nodes, and the counts to other nodes' ranks (with the relay's two numbers)
+      // and its map.
       const double counts = plans * (p.L.expert - per_node) * (sh.local_experts + (sh.relay ? 2 : 0)) * 8;
       const double map = sh.relay ? 4 * (plans * sh.remote_ranks + sh.rows_off_node) : 0;
-      p.ep_across.push_back(sh.rows_off_node * (row - tok) + sh.relay_across * tok + counts + map);
+      p.ep_across.push_back(expert_rows_by_node(sh)[1] + counts + map);
     }
   }
   return p;

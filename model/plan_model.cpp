@@ -293,6 +293,13 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   return b;
 }
 
+std::array<double, 2> expert_rows_by_node(const CommShape& s) {
+  const ExpertRowBytes rb = expert_row_bytes(s.model->d_model, s.fp8, s.activations, s.moe_gates);
+  const double row = rb.per_step(moe_recomputed(s.recompute)), tok = s.relay ? rb.relayed(moe_recomputed(s.recompute)) : 0;
+  return {(s.rows_off_rank - s.rows_off_node) * row + s.relay_forwarded * tok,
+          s.rows_off_node * (row - tok) + s.relay_across * tok};
+}
+
 double fp8_copy_bytes(int64_t rows, int64_t cols, PlanTiling t, int tile) {
   const double r = double(rows), c = double(cols), T = tile;
   switch (t) {

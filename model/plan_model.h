@@ -40,8 +40,8 @@ struct CommShape {
   int local_experts = 0;
   double dense_bytes = 0, expert_bytes = 0;  // the trainable parameters this rank holds, FP32
   double rows_off_rank = 0;  // routed rows of this rank sent to another expert rank, over the step
-  // runtime.node_dedup across nodes (parallel/expert_dispatch.h's relay), over the step: of
-  // rows_off_rank those whose rank is on another node; the token rows this rank sends across
+  // Of rows_off_rank, those whose rank is on another node; and runtime.node_dedup across nodes
+  // (parallel/expert_dispatch.h's relay), over the step: the token rows this rank sends across
   // nodes (one per token and other node chosen) and forwards in its node for other nodes' ranks,
   // per exchange; the expert group's ranks on other nodes than this rank's.
   bool relay = false;
@@ -54,6 +54,12 @@ struct CommShape {
   Recompute recompute = Recompute::none;                // train.recompute: moe, full run forwards again
 };
 std::array<double, 5> analytic_comm_bytes(const CommShape& s);
+// Of ep's formula, the expert rows' bytes over the step to ranks of this rank's node and of other
+// nodes ({in, across}; rows only, not the counts or the relay's map): every exchange's rows whose
+// expert is on another rank (rows_off_rank) or node (rows_off_node), and with the relay its
+// relayed exchanges once per token and other node (relay_across), plus the rows the relay forwards
+// in its node (relay_forwarded).
+std::array<double, 2> expert_rows_by_node(const CommShape& s);
 
 // The bytes of one routed row of D values in each of the expert all-to-all's four exchanges
 // (model/moe.h MoeWire): the experts' input (dispatch), their output (combine), its gradient

@@ -67,6 +67,13 @@ DispatchPlan ExpertDispatcher::plan(const int64_t* counts, const int64_t* row_to
 }
 
 namespace {
+// Row counts -> the communicator's counts of 32-bit words, rows of `words` words.
+std::vector<int64_t> in_words(const std::vector<int64_t>& rows, int64_t words) {
+  std::vector<int64_t> w(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) w[j] = rows[j] * words;
+  return w;
+}
+
 Tensor upload_indices(Backend& be, const std::vector<int64_t>& v) {
   Tensor t(be, DType::i64, {int64_t(v.size())});
   if (!v.empty()) be.upload(t.raw(), v.data(), v.size() * sizeof(int64_t));
@@ -299,13 +306,8 @@ void ExpertDispatcher::relay_bytes(const DispatchPlan& p, const void* rows, int6
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert dispatch: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const DispatchPlan::Relay& y = *p.relay;
   const int64_t words = row_bytes / 4;
-  auto scaled = [&](const std::vector<int64_t>& v) {
-    std::vector<int64_t> w(v.size());
-    for (size_t j = 0; j < v.size(); ++j) w[j] = v[j] * words;
-    return w;
-  };
-  const std::vector<int64_t> sc1 = scaled(y.send1), rc1 = scaled(y.recv1), sc2 = scaled(y.send2),
-                             rc2 = scaled(y.recv2);
+  const std::vector<int64_t> sc1 = in_words(y.send1, words), rc1 = in_words(y.recv1, words),
+                             sc2 = in_words(y.send2, words), rc2 = in_words(y.recv2, words);
   Tensor send1(be_, DType::f32, {int64_t(y.gather1.size()) * words});
   gather_rows(rows, y.gather1, words, send1.raw());
   Tensor arrived(be_, DType::f32, {(y.arrived1 + y.arrived2) * words});  // [first | relayed]
@@ -327,13 +329,9 @@ void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, in
   const int64_t row_bytes = D * (bf16 ? 2 : 4);
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert combine: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const int64_t words = row_bytes / 4;
-  auto scaled = [&](const std::vector<int64_t>& v) {
-    std::vector<int64_t> w(v.size());
-    for (size_t j = 0; j < v.size(); ++j) w[j] = v[j] * words;
-    return w;
-  };
   // The relayed rows back to their relays in the node.
-  const std::vector<int64_t> sc2 = scaled(y.recv2), rc2 = scaled(y.send2), sc1 = scaled(y.recv1), rc1 = scaled(y.send1);
+  const std::vector<int64_t> sc2 = in_words(y.recv2, words), rc2 = in_words(y.send2, words),
+                             sc1 = in_words(y.recv1, words), rc1 = in_words(y.send1, words);
   Tensor send2(be_, DType::f32, {y.arrived2 * words}), at_relay(be_, DType::f32, {int64_t(y.gather2.size()) * words});
   gather_rows(rows, y.back2, words, send2.raw());
   count(sc2);
