@@ -116,7 +116,7 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
   Backend& be = ctx_.be;
   const Pass pass = Pass::backward();
   // FFN branch: x_out = x_mid + FFN(RMSNorm(x_mid)).
-  Tensor dh2(be, DType::f32, {N, D}), dx_mid(be, DType::f32, {N, D});
+  Tensor dh2(be, DType::f32, {N, D});
   if (!is_moe()) {
     ffn_backward(be, s.dense, dense_.weights(), dout, dense_.fp8(ctx_.fp8, pass), dh2.f32(), dense_.grads());
     ctx_.tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
@@ -124,21 +124,23 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
   Tensor x_mid32;  // x_mid in FP32 where it was kept in BF16, widened where first needed
   const float* x_mid = nullptr;
   if (is_moe()) {
-    Tensor h2w, rstd;
-    const float* h2 = nullptr;
-    if (!s.h2.empty()) {
-      h2 = ctx_.unstash(s.h2, &h2w);
-    } else {  // train.recompute selective dropped it: the forward's norm again, the same bits
+    // The router's input (the FFN norm's output) in FP32, made for the router's backward, the
+    // layer's last op: widened from its BF16 copy, or (train.recompute selective dropped it) the
+    // forward's norm again, the same bits.
+    auto router_input = [&](Tensor* h2w) -> const float* {
+      if (!s.h2.empty()) return ctx_.unstash(s.h2, h2w);
       x_mid = ctx_.unstash(s.x_mid, &x_mid32);
-      h2w = Tensor(be, DType::f32, {N, D}), rstd = Tensor(be, DType::f32, {N});
-      be.rmsnorm_forward(x_mid, ffn_norm_.w, N, D, float(m.norm_eps), h2w.f32(), rstd.f32());
-      ctx_.round_activation(h2w);
-      h2 = h2w.f32();
-    }
+      Tensor rstd(be, DType::f32, {N});
+      *h2w = Tensor(be, DType::f32, {N, D});
+      be.rmsnorm_forward(x_mid, ffn_norm_.w, N, D, float(m.norm_eps), h2w->f32(), rstd.f32());
+      ctx_.round_activation(*h2w);
+      return h2w->f32();
+    };
     moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
-                 ctx_.dispatcher, ctx_.tp, ctx_.activations, h2);
+                 ctx_.dispatcher, ctx_.tp, ctx_.activations, router_input);
   }
   if (!x_mid) x_mid = ctx_.unstash(s.x_mid, &x_mid32);
+  Tensor dx_mid(be, DType::f32, {N, D});
   be.rmsnorm_backward(x_mid, ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
   x_mid32.reset();
   // The FFN branch's state is read: freed before the attention's backward (the block's peak).
@@ -148,7 +150,9 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
   // Attention branch: x_mid = x + Attention(h1), h1 = RMSNorm(x).
   Tensor dh1(be, DType::f32, {N, D});
   attn_->backward(*s.attn, dx_mid.f32(), dh1.f32());
-  be.rmsnorm_backward(s.x, attn_norm_.w, s.rstd1.f32(), dh1.f32(), N, D, dx, attn_norm_.g);
+  Tensor xw;
+  const float* x = s.x ? s.x : ctx_.unstash(*s.x_kept, &xw);
+  be.rmsnorm_backward(x, attn_norm_.w, s.rstd1.f32(), dh1.f32(), N, D, dx, attn_norm_.g);
   be.add(dx, dx_mid.f32(), dx, N * D);
 }
 

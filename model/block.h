@@ -28,6 +28,9 @@ struct FfnParams {
 // One block's forward state.
 struct BlockSaved {
   const float* x = nullptr;  // (N, D) block input, held by the stage run
+  // Or, for a kept block's backward, the stage run's copy of it (FP32 or BF16), widened only for
+  // the attention norm's backward, the last op to read it.
+  const Tensor* x_kept = nullptr;
   Tensor h1, rstd1;          // attention norm output (N, D) (freed when its layers keep it in FP8), (N)
   std::unique_ptr<AttentionSaved> attn;
   Tensor x_mid;              // (N, D) after the attention residual (BF16 once kept, train.activations bf16)
@@ -60,7 +63,8 @@ class Block {
   // out (N, D) written; *aux (device, may be nullptr): the MoE layer's auxiliary loss. x must
   // outlive `s`. When s->moe.routing is filled (a recomputation), it is used instead of routing.
   void forward(const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, const Pass& pass, double* aux);
-  // dx (N, D) written; weight gradients accumulated. aux_grad_scale: the aux loss's gradient weight.
+  // dx (N, D) written (it may be dout: dout is read before dx is written); weight gradients
+  // accumulated. aux_grad_scale: the aux loss's gradient weight.
   // Frees each part of s once it has been read: the FFN's or MoE layer's, the FFN norm's input and
   // output before the attention's backward (s is done with when this returns).
   void backward(BlockSaved& s, const float* dout, float* dx, float aux_grad_scale);

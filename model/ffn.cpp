@@ -69,6 +69,19 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
     } else
       swiglu(be, s.h1.f32(), s.h3.f32(), F, f.gate, s.a.f32(), f.M, F);
     l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
+    // The pre-activations as the backward keeps them, made now: no expert's FP32 copy is held
+    // through W2's forward.
+    const bool kept = f.saved && f.fp8->w2.backward_follows;
+    const LinearFp8& w2 = f.fp8->w2;
+    if (!kept) {
+      if (!f.saved) s.h1.reset(), s.h3.reset();  // (read no more)
+    } else if (rebuild_a && w2.enabled() && w2.cfg->recipe == Fp8Recipe::blockwise && w2.cfg->cache_activations) {
+      s.h1q = quantize_1xT(be, s.h1.f32(), s.h1.shape()[0], s.h1.shape()[1], *w2.cfg, nullptr);
+      s.h1.reset();
+      if (!s.h3.empty()) s.h3q = quantize_1xT(be, s.h3.f32(), f.M, F, *w2.cfg, nullptr), s.h3.reset();
+    } else if (bf16) {
+      stash_bf16(be, &s.h1), stash_bf16(be, &s.h3);
+    }
   }
   linear_forward_grouped(be, F, D, l2);
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -78,15 +91,8 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
       s->a_rebuilt = true;
       s->l2.x = nullptr, s->l2.xq = QTensor{}, s->l2.xt = QTensor{};
       s->a.reset();
-      const LinearFp8& w2 = groups[g].fp8->w2;
-      if (w2.enabled() && w2.cfg->recipe == Fp8Recipe::blockwise && w2.cfg->cache_activations) {
-        s->h1q = quantize_1xT(be, s->h1.f32(), s->h1.shape()[0], s->h1.shape()[1], *w2.cfg, nullptr);
-        s->h1.reset();
-        if (!s->h3.empty()) s->h3q = quantize_1xT(be, s->h3.f32(), groups[g].M, F, *w2.cfg, nullptr), s->h3.reset();
-      }
     }
     if (!s->l2.needs_fp32_input()) s->a.reset();  // kept in FP8 by the W2 layer
-    if (bf16 && kept) stash_bf16(be, &s->h1), stash_bf16(be, &s->h3);
   }
 }
 
@@ -108,6 +114,7 @@ void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const flo
 void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) {
   struct Scratch {
     Tensor da, dh1, dh3, dx3;  // fused: dh1 is (M, 2F), [d gate | d up] per row
+    LinearGradQuant q1, q3;    // dh1's and dh3's FP8 copies (FP8 layers)
   };
   std::vector<Scratch> t(groups.size());
   std::vector<LinearSaved> l2_again(groups.size());  // train.recompute selective: W2's input made again
@@ -153,9 +160,9 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
       l3.push_back({&s.l3, f.w->w3, t[i].dh3.f32(), &f.fp8->w3, f.dx ? t[i].dx3.f32() : nullptr, f.g->w3, nullptr,
                     &t[i].dh3});
     }
-    Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16 or FP8
-    const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
     if (M > 0) {  // (no rows: no memory, and no pointer into it)
+      Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16 or FP8 (freed before dh's quantization)
+      const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
       const int64_t ld = s.fused ? 2 * F : F;  // fused: [gate | up] per row
       const float* up = s.fused ? h1 + F : h3;
       float *dh_a = t[i].dh1.f32(), *dh_b = s.fused ? t[i].dh1.f32() + F : t[i].dh3.f32();
@@ -167,6 +174,15 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
       }
     }
     t[i].da.reset();  // every expert's temporaries are alive at once: each freed when it is read
+    // An FP8 layer's pre-activation gradients quantized now, and their FP32 copies freed before the
+    // next expert's exist (the same bits as W1's and W3's backward quantizing them).
+    if (s.fused && f.fp8->w1.enabled()) {
+      quantize_output_grad(be, l13.back(), &t[i].q1);
+      l13.back().dy_ahead = &t[i].q1, t[i].dh1.reset();
+    } else if (!s.fused) {
+      if (f.fp8->w1.enabled()) quantize_output_grad(be, l1.back(), &t[i].q1), l1.back().dy_ahead = &t[i].q1, t[i].dh1.reset();
+      if (f.fp8->w3.enabled()) quantize_output_grad(be, l3.back(), &t[i].q3), l3.back().dy_ahead = &t[i].q3, t[i].dh3.reset();
+    }
   }
   if (!l13.empty()) linear_backward_grouped(be, l13);
   if (!l1.empty()) linear_backward_grouped(be, l1);

@@ -201,17 +201,11 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
       A.push_back(*l.dyq), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
       continue;
     }
-    if (c.recipe == Fp8Recipe::blockwise) {
-      if (!l.dx) {
-        quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &dyt[g]);
-        if (l.dy_owned) l.dy_owned->reset();
-        continue;
-      }
-      quantize_tiled_pair(be, l.dy, M, N, c, fp8.counts, &dyq[g], &dyt[g]);
-    } else {
-      quantize_per_tensor(be, l.dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &dyq[g]);
-    }
+    LinearGradQuant own;
+    if (!l.dy_ahead) quantize_output_grad(be, l, &own);
     if (l.dy_owned) l.dy_owned->reset();  // (read no more: only its FP8 copies)
+    LinearGradQuant& dq = l.dy_ahead ? *l.dy_ahead : own;
+    dyq[g] = std::move(dq.q), dyt[g] = std::move(dq.t);  // (freed here as the ones made here)
     if (!l.dx) continue;
     A.push_back(dyq[g].view()), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
   }
@@ -247,6 +241,20 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     A.push_back(dyt[g].view()), B.push_back(x->view()), C.push_back(l.dW);
   }
   if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
+}
+
+void quantize_output_grad(Backend& be, const LinearGradGroup& l, LinearGradQuant* out) {
+  const LinearFp8& fp8 = *l.fp8;
+  FP8MOE_ASSERT(fp8.enabled() && !l.dyq, "quantize_output_grad: an FP8 layer's gradient not quantized already");
+  const Fp8Config& c = *fp8.cfg;
+  const int64_t M = l.saved->M, N = l.saved->N;
+  if (c.recipe != Fp8Recipe::blockwise) {
+    quantize_per_tensor(be, l.dy, M, N, grad_dtype(c), fp8, fp8.state ? &fp8.state->dy : nullptr, fp8.counts, &out->q);
+  } else if (!l.dx) {
+    quantize_tiled(be, l.dy, M, N, Tiling::cols_Tx1, c, nullptr, &out->t);
+  } else {
+    quantize_tiled_pair(be, l.dy, M, N, c, fp8.counts, &out->q, &out->t);
+  }
 }
 
 namespace {

@@ -114,6 +114,9 @@ void linear_backward(Backend& be, const LinearSaved& saved, const float* W, cons
 
 // linear_backward of each group, their dgrad GEMMs in one Backend::grouped_gemm_fp8_dgrad call and
 // their wgrad GEMMs in one grouped_gemm_fp8_wgrad call. Every group's layer has the same K and N.
+struct LinearGradQuant {  // quantize_output_grad's copies of a gradient
+  QTensor q, t;
+};
 struct LinearGradGroup {
   const LinearSaved* saved = nullptr;
   const float* W = nullptr;
@@ -128,8 +131,17 @@ struct LinearGradGroup {
   // The caller's tensor holding dy, handed over: an FP8 layer frees it once dy is quantized, so that
   // a grouped call does not hold every group's FP32 gradient through its GEMMs (nullptr: kept).
   Tensor* dy_owned = nullptr;
+  // dy's FP8 copies made ahead by quantize_output_grad and handed over (dy is not read; may be
+  // nullptr): the same bits as quantizing here, for a caller that frees each group's FP32 dy as
+  // soon as it has its copies, before the next group's dy exists.
+  LinearGradQuant* dy_ahead = nullptr;
 };
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);
+// The output gradient's FP8 copies that linear_backward_grouped makes of l.dy (an FP8 layer's):
+// blockwise its 1 x T tiles (dgrad; only where l.dx is wanted) and its T x 1 tiles (wgrad), from
+// one read; a per-tensor recipe its one copy in the gradient format (delayed scaling's amax
+// recorded, as there).
+void quantize_output_grad(Backend& be, const LinearGradGroup& l, LinearGradQuant* out);
 
 // The GEMMs outside the linear layers (the MoE router, the head, eh_proj), by train.hp_gemm: fp32:
 // sgemm; bf16 (DeepSeek-V3's): x, dy and W rounded to BF16 (W's copy made for the call), FP32

@@ -307,7 +307,8 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
 
 void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                   const float* dout, float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g,
-                  ExpertDispatcher* ep, Communicator* tp, ActivationDtype activations, const float* x) {
+                  ExpertDispatcher* ep, Communicator* tp, ActivationDtype activations,
+                  const std::function<const float*(Tensor*)>& router_input) {
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
   const int64_t N = r.N, E = r.E, k = r.k, R = r.rows;
@@ -390,8 +391,10 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   rule.sigmoid = cfg.gating == Gating::sigmoid, rule.normalise = cfg.normalises_gates();
   rule.scaling = cfg.routed_scaling_factor, rule.aux_coef = cfg.aux_loss_coef, rule.aux_grad_scale = aux_grad_scale;
   be.router_grad(rb, dgate.data<double>(), rule, dz.f32());
-  // Router: dWr += dz^T x, dx += dz Wr.
-  hp_backward(be, w.router_gemm, dz.f32(), N, E, x ? x : s.x, D, w.router, dx, 1.0f, g.router);
+  // Router: dWr += dz^T x, dx += dz Wr; x made by the caller only now, the layer's last op.
+  Tensor x_tmp;
+  const float* x = router_input ? router_input(&x_tmp) : s.x;
+  hp_backward(be, w.router_gemm, dz.f32(), N, E, x, D, w.router, dx, 1.0f, g.router);
 }
 
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate) {

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "model/ffn.h"
@@ -141,15 +142,17 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
                  double* aux = nullptr, HostBuffer<int64_t>* load_staging = nullptr,
                  ActivationDtype activations = ActivationDtype::fp32, bool rebuild_a = false);
 // dx (N, D) written; weight gradients accumulated. aux_grad_scale multiplies the aux loss's gradient.
-// x: the forward's input (the router's weight gradient reads it) where the caller no longer keeps
-// it at s.x (kept in BF16 and widened); nullptr: s.x.
+// router_input: makes the forward's input in FP32 (into its argument, where it must be made) where
+// the caller no longer keeps it at s.x (kept in BF16, or dropped by recomputation); called for the
+// router's weight gradient, the last op, so that it is not held through the experts' backward.
+// Empty: s.x.
 // With `tp` (tensor parallelism: expert and shared widths split, w1/w3 column- and w2 row-parallel;
 // router replicated), the gates' gradients and the experts' input gradients are summed over it
 // here (collective); the caller sums the forward output over it.
 void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
                   float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep = nullptr,
                   Communicator* tp = nullptr, ActivationDtype activations = ActivationDtype::fp32,
-                  const float* x = nullptr);
+                  const std::function<const float*(Tensor*)>& router_input = {});
 
 // Aux-loss-free balancing after a step on the host: bias_e += rate * sign(mean load - load_e).
 void update_router_bias(float* bias, const std::vector<int64_t>& load, double rate);

@@ -181,10 +181,14 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     if (selective(c)) ffn_bwd += N * F * kF32;  // the SwiGLU output made again
   } else {
     const double R = routed_rows(m, L), F = m.moe.d_expert, E = m.moe.n_experts, k = m.moe.top_k;
+    const double local = E / L.expert;
     const bool ep = L.expert > 1;
+    // the experts' da and dh1|dh3: FP8 experts quantize each expert's dh1|dh3 as it is made (its
+    // two FP8 copies held, one expert's FP32 at a time); FP32 experts hold every expert's
+    const double dh = fp8_on(c, LinearClass::experts) ? R * 2 * F * 2 + R / local * 2 * F * kF32 : R * 2 * F * kF32;
     // dgate, dye (and its received rows), the experts' da, dh1|dh3 and input gradients (and the
     // rows sent back); the router's logits in the forward.
-    ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * 3 * F * kF32 + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
+    ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * F * kF32 + dh + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
     // the rows' gates' gradients (expert parallelism: received, the exchange's buffer, returned)
     if (c.train.moe_gates == GateSite::expert) ffn_bwd += R * kF64 * (ep ? 3 : 1);
     // selective: the router's input made again (from x_mid, widened from BF16 first where kept so);
@@ -195,7 +199,9 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     ffn_fwd = N * E * kF32 + R * D * kF32 * (ep ? 2 : 1);  // logits; y (and the rows before the exchange)
   }
   const double fwd = 2 * N * D * kF32 + std::max(attn_fwd, ffn_fwd);        // o, f
-  const double bwd = 3 * N * D * kF32 + std::max(attn_bwd, ffn_bwd);        // dh2, dx_mid, dh1
+  // the block's input gradient (written over its output's); dh2 through the FFN branch; dx_mid and
+  // dh1 through the attention's (Block::backward)
+  const double bwd = N * D * kF32 + std::max(N * D * kF32 + ffn_bwd, 2 * N * D * kF32 + attn_bwd);
   const double restored = is_recomputed(c, layer) ? kept_block_bytes(c, L, m, layer) + N * D * kF32 : 0;
   return std::max(fwd, bwd + restored);
 }

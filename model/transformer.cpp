@@ -259,7 +259,7 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
   const ModelConfig& m = cfg_.model;
   const int64_t N = st.N, D = m.d_model;
   const int L0 = placement_.layer_begin(), L1 = placement_.layer_end();
-  Tensor dx(be_, DType::f32, {N, D}), dnext(be_, DType::f32, {N, D});
+  Tensor dx(be_, DType::f32, {N, D});  // each block's output gradient, then (in place) its input's
   if (placement_.last_stage()) {
     // The modules read the normed output too: their gradient of it joins the head's.
     head_backward(*ctx_, head_, st.xs.back().f32(), N, &st.head, dx.f32(), [&](float* dhf) {
@@ -275,14 +275,17 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
   for (int l = L1 - 1; l >= L0; --l) {
     Block& block = *blocks_[size_t(l - L0)];
     BlockSaved& sv = st.saved[size_t(l - L0)];
-    Tensor xw;  // the block's input in FP32 where it was kept in BF16
-    const float* x = ctx_->unstash(st.xs[size_t(l - L0)], &xw);
-    block.recompute_if_dropped(x, &sv);
-    sv.x = x;
-    block.backward(sv, dx.f32(), dnext.f32(), st.aux_grad_scale);
-    ctx_->round_activation(dnext.f32(), N * D);  // the gradient between blocks (and stages)
+    Tensor xw;  // the block's input in FP32 where it was kept in BF16 (a kept block's: where read)
+    if (sv.kept) {
+      sv.x = nullptr, sv.x_kept = &st.xs[size_t(l - L0)];
+    } else {
+      const float* x = ctx_->unstash(st.xs[size_t(l - L0)], &xw);
+      block.recompute_if_dropped(x, &sv);
+      sv.x = x;
+    }
+    block.backward(sv, dx.f32(), dx.f32(), st.aux_grad_scale);
+    ctx_->round_activation(dx.f32(), N * D);  // the gradient between blocks (and stages)
     sv = BlockSaved{};
-    std::swap(dx, dnext);
     if (after_block) after_block(l);
   }
   if (placement_.first_stage()) {

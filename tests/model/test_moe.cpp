@@ -301,7 +301,7 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
   // same run with FP32 activations. The target, <= 0.6x, holds for what is kept: measured
   // (2-core VM, 2026-12-05) 10,252 against 17,804 bytes per token and block, 0.576x. The peak also
   // holds the backward's FP32 temporaries (gradients, the widened copies of one block), about
-  // 4.3 MB in both: 0.658x, bound 0.7.
+  // 4.3 MB in both: 0.658x; 0.618x on 2026-12-07 (see below). Bound 0.65.
   Config c = tiny_model_config(Fp8Recipe::blockwise);
   const ModelConfig& m = c.model;
   struct Measured {
@@ -325,17 +325,16 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
               "peak above the step's start FP32 %.0f B, BF16 %.0f B (%.3fx)\n", f32.saved, b16.saved,
               b16.saved / f32.saved, f32.peak, b16.peak, b16.peak / f32.peak);
   EXPECT_LE(b16.saved, 0.6 * f32.saved);
-  EXPECT_LE(b16.peak, 0.7 * f32.peak);
+  EXPECT_LE(b16.peak, 0.65 * f32.peak);
   // With the gates in the experts (train.moe_gates expert) the experts' outputs are not kept; the
   // same against FP32 activations with the gates at combine, without and with selective
-  // recomputation. Measured (2-core VM, 2026-12-06): kept 0.533x and 0.509x; peak 0.623x and
-  // 0.619x; then 0.619x and 0.612x, once the experts' backward stopped holding its pre-activation
-  // gradients through W2's backward and its FP32 gradients past their quantization, and a block
-  // frees its FFN branch's state before its attention's backward (every peak fell: FP32 22.44 ->
-  // 21.72 MB and 21.17 -> 20.30 MB, BF16 13.99 -> 13.44 MB and 13.11 -> 12.42 MB; against the FP32
-  // runs before, 0.599x and 0.587x). The BF16 runs' peak is now in the experts' SwiGLU backward,
-  // which widens its FP8 inputs to FP32: the 0.6x against the same build is not reached,
-  // as the backward's temporaries stay FP32. Bounds 0.55 and 0.65.
+  // recomputation: the target, <= 0.6x. Measured (2-core VM): kept 0.533x and 0.509x; peak
+  // 0.623x and 0.619x on 2026-12-05; 0.589x and 0.583x on 2026-12-07 (FP32 20.87 and 19.33 MB,
+  // BF16 12.28 and 11.27 MB), once the backward freed what it had read (the experts' FP32
+  // pre-activation gradients each quantized as it is made; the block's input, the router's input
+  // and the attention branch's output gradient made only where first read; a block's input
+  // gradient written over its output's) and the forward keeps each expert's pre-activations in
+  // BF16 before W2's forward rather than after. The BF16 peak is now at the end of the forward.
   for (const Recompute rc : {Recompute::none, Recompute::selective}) {
     const Measured base = measure(ActivationDtype::fp32, GateSite::combine, rc),
                    v3 = measure(ActivationDtype::bf16, GateSite::expert, rc);
@@ -343,7 +342,7 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
                 "saved %.0f B (%.3fx), peak %.0f B (%.3fx)\n", to_string(rc).data(), base.saved, base.peak, v3.saved,
                 v3.saved / base.saved, v3.peak, v3.peak / base.peak);
     EXPECT_LE(v3.saved, 0.55 * base.saved) << to_string(rc);
-    EXPECT_LE(v3.peak, 0.65 * base.peak) << to_string(rc);
+    EXPECT_LE(v3.peak, 0.6 * base.peak) << to_string(rc);
   }
   c.train.moe_gates = GateSite::combine, c.train.recompute = Recompute::none;
   // `fp8moe plan`'s model of the same (model/plan_model.h block_saved_bytes, uniform routing): the
