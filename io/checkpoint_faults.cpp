@@ -1,7 +1,7 @@
 // The fault points of a checkpoint save (io/checkpoint_faults.h): without FP8MOE_TEST_FAULTS (the
 // product) they do nothing and read nothing; with it (`fp8moe-faults`, for the tests) they read
-// FP8MOE_CKPT_KILL, FP8MOE_CKPT_STOP and FP8MOE_CKPT_FILL, and an export's FP8MOE_EXPORT_KILL,
-// FP8MOE_EXPORT_STOP and FP8MOE_EXPORT_NO_EXCHANGE.
+// FP8MOE_CKPT_KILL, FP8MOE_CKPT_STOP and FP8MOE_CKPT_FILL, an export's FP8MOE_EXPORT_KILL,
+// FP8MOE_EXPORT_STOP and FP8MOE_EXPORT_NO_EXCHANGE, and an overlapped collective's FP8MOE_WAIT_STOP.
 #include "io/checkpoint_faults.h"
 
 #include <utility>
@@ -17,6 +17,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include <mpi.h>
+
+#include "parallel/watchdog.h"
 #endif
 
 namespace fp8moe::ckpt {
@@ -86,6 +90,27 @@ void export_fault_point(const char* point) {
 }
 
 bool export_without_exchange() { return std::getenv("FP8MOE_EXPORT_NO_EXCHANGE") != nullptr; }
+
+namespace {
+// FP8MOE_WAIT_STOP=RANK:K: the process of rank RANK (MPI_COMM_WORLD's) sends itself SIGSTOP
+// before its K-th wait for an overlapped collective (parallel/watchdog.h wait_fault_point).
+void wait_stop() {
+  static long long count = 0;
+  static const long long k = [] {
+    int r = -1, me = -1;
+    long long at = -1;
+    const char* v = std::getenv("FP8MOE_WAIT_STOP");
+    if (!v || std::sscanf(v, "%d:%lld", &r, &at) != 2) return -1LL;
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    return r == me ? at : -1LL;
+  }();
+  if (k > 0 && ++count == k) {
+    std::fflush(nullptr);
+    ::raise(SIGSTOP);
+  }
+}
+const bool wait_stop_installed = (set_wait_fault_point(&wait_stop), true);
+}  // namespace
 
 #endif
 

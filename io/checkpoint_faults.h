@@ -1,5 +1,5 @@
 // The fault points of a checkpoint save, where the tests kill, freeze or starve it
-// (io/checkpoint.h), and of an export (app/hf_output.h).
+// (io/checkpoint.h), of an export (app/hf_output.h), and of an overlapped collective's wait.
 //
 // Compiled in two forms (io/CMakeLists.txt): in the product (`fp8moe`, and every other program
 // linking fp8moe_io) a FaultPoint does nothing and nothing reads the variables below; in
@@ -15,6 +15,9 @@
 //   FP8MOE_EXPORT_STOP=POINT  SIGSTOP;
 //   FP8MOE_EXPORT_NO_EXCHANGE=1  an export replaces its directory as where the file system has no
 //                             RENAME_EXCHANGE (two renames).
+//   FP8MOE_WAIT_STOP=RANK:K   rank RANK (MPI_COMM_WORLD's) sends itself SIGSTOP before its K-th
+//                             wait for an overlapped collective (parallel/watchdog.h
+//                             wait_fault_point): a rank frozen inside the gradients' reduction.
 #pragma once
 
 #include <string>

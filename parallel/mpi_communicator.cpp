@@ -192,6 +192,7 @@ void MpiCommunicator::wait(int64_t ticket) {
   FP8MOE_ASSERT(it != posted_.end(), "wait for collective ", ticket, ", which was not posted here (or waited already)");
   {
     const WatchScope watch("wait", name_);
+    wait_fault_point();  // (the tests' build only: a rank frozen here)
     MPI_CHECK(MPI_Waitall(int(it->requests.size()), it->requests.data(), MPI_STATUSES_IGNORE));
   }
   trace::async_end(it->what, name_, ticket);

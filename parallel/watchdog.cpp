@@ -207,6 +207,16 @@ void abort_job(const std::string& message, int exit_code) {
   std::_Exit(exit_code);
 }
 
+namespace {
+std::atomic<void (*)()> g_wait_fault{nullptr};
+}  // namespace
+
+void set_wait_fault_point(void (*point)()) { g_wait_fault.store(point); }
+
+void wait_fault_point() {
+  if (void (*point)() = g_wait_fault.load(std::memory_order_relaxed)) point();
+}
+
 void watch_on_abort(std::function<void()> hook) {
   std::lock_guard<std::mutex> lock(state().mu);
   state().hooks.push_back(std::move(hook));

@@ -83,6 +83,12 @@ class WatchLane {
 void watch_step(int64_t step, const char* phase);
 void watch_step_done(const char* phase);
 
+// The tests' fault point in an overlapped collective's wait, just before it blocks
+// (MpiCommunicator::wait, inside its watch scope): `fp8moe-faults` installs one (FP8MOE_WAIT_STOP,
+// io/checkpoint_faults.h) to freeze a rank there; the product installs none and it does nothing.
+void set_wait_fault_point(void (*point)());
+void wait_fault_point();
+
 // Runs on the watchdog's thread just before MPI_Abort. Not removable: register objects that live
 // until the end of the job, or make the hook check their lifetime.
 void watch_on_abort(std::function<void()> hook);

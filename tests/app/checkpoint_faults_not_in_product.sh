@@ -15,7 +15,8 @@ ompi_session_dir "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-names=(FP8MOE_CKPT_KILL FP8MOE_CKPT_STOP FP8MOE_CKPT_FILL FP8MOE_EXPORT_KILL FP8MOE_EXPORT_STOP FP8MOE_EXPORT_NO_EXCHANGE)
+names=(FP8MOE_CKPT_KILL FP8MOE_CKPT_STOP FP8MOE_CKPT_FILL FP8MOE_EXPORT_KILL FP8MOE_EXPORT_STOP FP8MOE_EXPORT_NO_EXCHANGE
+       FP8MOE_WAIT_STOP)
 for name in "${names[@]}"; do
   grep -q -a "$name" "$exe" && fail "$exe holds the name $name"
   grep -q -a "$name" "$faults_exe" || fail "$faults_exe does not hold the name $name"

@@ -72,3 +72,19 @@ pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
 report=$(grep -m1 "no progress for" "$tmp/c.err") || fail "no report for the frozen save: $(tail -3 "$tmp/c.err")"
 [[ $report == *"after step 10"* ]] || fail "the report does not place the freeze after step 10: $report"
 echo "  frozen mid-save (FP8MOE_CKPT_STOP, the save of step 10): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
+
+# The last rank freezes itself inside an overlapped collective: before its third wait for the
+# data-parallel gradients' reduce-scatter, which every rank posted during its backward
+# (optim.overlap_grad_reduce, on by default; FP8MOE_WAIT_STOP). Its peers cannot finish that
+# reduction, or the next collective; still exit 4 within the limit + 10 s, with a report.
+t0=$(date +%s%N)
+timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_WAIT_STOP=$((ranks - 1)):3 "$faults_exe" train "$tmp/cfg.yaml" \
+  --set checkpoint.save=false --set optim.overlap_grad_reduce=true >"$tmp/d.txt" 2>"$tmp/d.err"
+status=$?
+ms=$((($(date +%s%N) - t0) / 1000000))
+pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
+[[ $status == 4 ]] || fail "a rank frozen in an overlapped wait: exit $status, not 4: $(tail -3 "$tmp/d.err")"
+((ms <= (limit + 10) * 1000 + 15000)) || fail "the job ended $ms ms after its start, more than the limit + 10 s (+ 15 s to start)"
+report=$(grep -m1 "no progress for" "$tmp/d.err") || fail "no report for the frozen wait: $(tail -3 "$tmp/d.err")"
+[[ $report =~ step\ [0-9]+ ]] || fail "the report does not name the step: $report"
+echo "  frozen in an overlapped wait (FP8MOE_WAIT_STOP, its third reduce-scatter wait): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
