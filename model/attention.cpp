@@ -15,6 +15,7 @@ namespace {
 struct AttentionCore {
   Tensor q, k, v, attn, lse;
   LinearSaved lo;
+  bool lo_rebuilt = false;  // wo's FP8 input copy not kept: made again from attn in backward
   int64_t bytes() const {
     return int64_t(q.bytes() + k.bytes() + v.bytes() + attn.bytes() + lse.bytes()) + lo.fp8_activation_bytes();
   }
@@ -35,9 +36,17 @@ void core_forward(const ModelContext& c, AttentionCore* s, const CoreShape& d, c
                        s->lse.f32());
   c.round_activation(s->attn);
   linear_forward(be, s->attn.f32(), N, d.H * d.vd, wo.w, c.local.d_model, f, o, &s->lo);
+  s->lo_rebuilt = false;
   if (!saving) return;
   c.stash(&s->q), c.stash(&s->k), c.stash(&s->v);
   if (!s->lo.needs_fp32_input()) c.stash(&s->attn);  // (an FP32 wo holds a pointer to it)
+  // train.recompute selective: an FP8 wo does not keep its FP8 copy of the attention output beside
+  // the output itself, which the core's backward keeps anyway: the copy is made again from it
+  // there (linear_reinput: the same values, the same bits).
+  if (c.selective && f.enabled()) {
+    s->lo_rebuilt = true;
+    s->lo.x = nullptr, s->lo.xq = QTensor{}, s->lo.xt = QTensor{};
+  }
 }
 
 // Queries, keys and values made again in backward (train.recompute selective); an empty one: s's.
@@ -56,14 +65,18 @@ void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShap
   *dq = Tensor(be, DType::f32, {N, d.H * d.qk});
   *dk = Tensor(be, DType::f32, {N, d.KVH * d.qk});
   *dv = Tensor(be, DType::f32, {N, d.KVH * d.vd});
-  linear_backward(be, s.lo, wo.w, dout, f, da->f32(), wo.g);
   Tensor q, k, v, attn;  // FP32 copies of what was kept in BF16
+  const float* attn32 = c.unstash(s.attn, &attn);
+  LinearSaved lo_again;  // wo's input copy made again (train.recompute selective)
+  if (s.lo_rebuilt) linear_reinput(be, s.lo, attn32, f, &lo_again);
+  linear_backward(be, s.lo_rebuilt ? lo_again : s.lo, wo.w, dout, f, da->f32(), wo.g);
+  lo_again = LinearSaved{};
   const QkvTensors none;
   const QkvTensors& a = again ? *again : none;
   auto pick = [&](const Tensor& made, const Tensor& kept, Tensor* tmp) {
     return made.empty() ? c.unstash(kept, tmp) : made.f32();
   };
-  be.attention_backward(pick(a.q, s.q, &q), pick(a.k, s.k, &k), pick(a.v, s.v, &v), c.unstash(s.attn, &attn),
+  be.attention_backward(pick(a.q, s.q, &q), pick(a.k, s.k, &k), pick(a.v, s.v, &v), attn32,
                         s.lse.f32(), da->f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, dq->f32(), dk->f32(), dv->f32());
 }
 

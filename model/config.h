@@ -17,6 +17,12 @@ enum class NormTopk { automatic, yes, no };  // auto: with sigmoid gating (DeepS
 enum class Schedule { cosine, linear, constant };
 enum class MomentsDtype { fp32, bf16 };
 enum class Recompute { none, selective, moe, full };
+// Whether train.recompute runs a block's forward again before its backward (the one rule the
+// model, the planner and the communication formulas share): every block under full, the MoE
+// blocks (the MTP modules' included) under moe; selective and none keep every block.
+inline bool recomputes_block(Recompute r, bool moe_block) {
+  return r == Recompute::full || (r == Recompute::moe && moe_block);
+}
 enum class ActivationDtype { fp32, bf16 };  // train.activations
 enum class GemmDtype { fp32, bf16 };        // train.hp_gemm
 enum class GateSite { combine, expert };    // train.moe_gates

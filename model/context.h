@@ -40,7 +40,7 @@ struct ModelContext {
   ActivationDtype activations = ActivationDtype::fp32;
   // train.recompute selective: a kept block's backward makes again what is cheap to make from what
   // it keeps (the FFN norm's output the router reads, MLA's per-head queries, keys and values, the
-  // SwiGLU outputs) instead of keeping it.
+  // SwiGLU outputs, an FP8 wo's copy of its input) instead of keeping it.
   bool selective = false;
   // train.hp_gemm: the router, head and eh_proj GEMMs in FP32 or BF16 (model/linear.h hp_forward).
   GemmDtype hp_gemm = GemmDtype::fp32;

@@ -82,11 +82,7 @@ double routing_bytes(const Config& c, double N, double E, double k) {
 }
 
 bool is_recomputed(const Config& c, int layer) {
-  switch (c.train.recompute) {
-    case Recompute::full: return true;
-    case Recompute::moe: return layer >= c.model.first_dense_layers;
-    default: return false;
-  }
+  return recomputes_block(c.train.recompute, layer >= c.model.first_dense_layers);
 }
 
 GridPosition position(const PlanLayout& L, int stage) {
@@ -111,10 +107,12 @@ double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig&
   const double attn_out = attn_fp8 ? kA : kF32;                  // an FP32 wo holds its input
   double b = N * D * kA + N * kF32 + N * D * kA + N * kF32;      // input, rstd1, x_mid, rstd2
   if (!attn_fp8) b += N * D * kF32;                              // h1, read by FP32 q/k/v in backward
+  // wo's FP8 copy of its input (selective: made again from attn, which the core keeps anyway)
+  const double wo_input = selective(c) ? 0 : linear_saved(c, attn_fp8, N, H * double(m.mla() ? m.v_head_dim : m.head_dim));
   if (!m.mla()) {
     const double hd = m.head_dim, kvh = m.n_kv_heads;
     b += N * (H * hd + kvh * hd * 2) * kA + N * H * hd * attn_out + N * H * kF32;  // q, k, v; attn; lse
-    b += 3 * linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, H * hd);
+    b += 3 * linear_saved(c, attn_fp8, N, D) + wo_input;
   } else {
     const double qk = m.qk_head_dim(), vd = m.v_head_dim, ql = m.q_lora_rank, kvl = m.kv_lora_rank;
     // q, k, v (selective: the rotated shared key instead of k and v, and of q with the query latent);
@@ -131,7 +129,7 @@ double kept_block_bytes(const Config& c, const PlanLayout& L, const ModelConfig&
       b += linear_saved(c, attn_fp8, N, D);
     }
     b += N * kvl * kA + N * kF32 + (attn_fp8 ? 0 : N * kvl * kF32);  // ckv, rstd_kv, ckvn
-    b += linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, kvl) + linear_saved(c, attn_fp8, N, H * vd);
+    b += linear_saved(c, attn_fp8, N, D) + linear_saved(c, attn_fp8, N, kvl) + wo_input;
   }
   if (!is_moe_layer(m, layer)) {
     const bool on = fp8_on(c, LinearClass::mlp);
@@ -173,6 +171,8 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     attn_fwd = N * ((kvl + rope) + rope + H * (nope + vd)) * kF32;  // ckv_pe, kpe, kv
     if (selective(c)) attn_bwd += N * H * (2 * qk + vd) * kF32;      // q, k, v made again
   }
+  // selective: wo's FP8 input copy made again
+  if (selective(c)) attn_bwd += linear_saved(c, fp8_on(c, LinearClass::attention), N, H * (m.mla() ? m.v_head_dim : m.head_dim));
   double ffn_bwd = 0, ffn_fwd = 0;
   if (!is_moe_layer(m, layer)) {
     const double F = m.d_ff_dense;
@@ -270,7 +270,7 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   const double attn_grad = !m.mla() ? D : m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank > 0 ? m.q_lora_rank : D);
   std::array<double, 5> b{};
   // Blocks whose forward train.recompute runs again: its two all-reduces (attention and FFN output).
-  const double again = s.recompute == Recompute::full ? Ls : s.recompute == Recompute::moe ? Lm : 0;
+  const double again = (Ls - Lm) * recomputes_block(s.recompute, false) + Lm * recomputes_block(s.recompute, true);
   b[0] = ring(s.tensor) * Mb *
          (((3 * Ls + 2 * again + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));

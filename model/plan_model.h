@@ -85,7 +85,7 @@ struct ExpertRowBytes {
   }
 };
 // Whether train.recompute runs MoE layers' forwards again (moe, full).
-inline bool moe_recomputed(Recompute r) { return r == Recompute::moe || r == Recompute::full; }
+inline bool moe_recomputed(Recompute r) { return recomputes_block(r, true); }
 ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations, GateSite gates);
 // Per MoE layer and micro-batch, what one rank of an expert group of P sends for the FP8 rows' one
 // scale under a per-tensor recipe (train.activations bf16): two 4-byte amax all-reduces (dispatch,

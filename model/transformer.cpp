@@ -108,11 +108,7 @@ size_t Transformer::slot(const std::string& name) const {
 }
 
 bool Transformer::recomputed(int layer) const {
-  switch (cfg_.train.recompute) {
-    case Recompute::full: return true;
-    case Recompute::moe: return layer >= cfg_.model.first_dense_layers;
-    default: return false;
-  }
+  return recomputes_block(cfg_.train.recompute, layer >= cfg_.model.first_dense_layers);
 }
 
 void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {

@@ -363,7 +363,7 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
 TEST(Model, SelectiveRecomputationKeepsLessAsPlanned) {
   // train.recompute selective against none, blockwise FP8 with BF16 activations (DeepSeek-V3's
   // precisions), one 256-token sequence: on tiny.yaml's model (GQA: the FFN norm's output and the
-  // SwiGLU outputs' FP8 copies are not kept) and on it with latent attention (MLA: the per-head
+  // SwiGLU outputs' and wo's FP8 input copies are not kept) and on it with latent attention (MLA: the per-head
   // queries, keys and values neither), what the blocks hold for backward, measured against
   // `fp8moe plan`'s model of it (block_saved_bytes). The gradients are the same bits
   // (Model.RecomputationGivesTheSameGradientsBitwise). With cached FP8 inputs
@@ -417,12 +417,14 @@ TEST(Model, SelectiveRecomputationKeepsLessAsPlanned) {
     }
     // What selective drops, per token and block (MoE blocks: 3 of 4): the router's BF16 input
     // (2 D x 3/4); the SwiGLU outputs' FP8 copies (the dense F, the shared expert's d_expert, top_k
-    // routed rows of d_expert) and their scales; with MLA, the BF16 queries, keys and values less
-    // the kept rotated key; with cached inputs, of each FFN row's 2 F pre-activations 2 bytes
-    // kept for 1 and a scale per 128.
+    // routed rows of d_expert) and their scales; wo's FP8 copy of the attention output (heads x
+    // value width) and its scales; with MLA, the BF16 queries, keys and values less the kept
+    // rotated key; with cached inputs, of each FFN row's 2 F pre-activations 2 bytes kept for 1
+    // and a scale per 128.
     const double D = m.d_model, F = m.d_ff_dense, Fe = m.moe.d_expert, k = m.moe.top_k;
     const double ffn_width = (F + 3 * (Fe + k * Fe)) / 4;  // per token and block
-    double drop = 2 * D * 0.75 + ffn_width * (1 + 4.0 / 128);
+    const double wo_width = double(m.n_heads) * (mla ? m.v_head_dim : m.head_dim);
+    double drop = 2 * D * 0.75 + (ffn_width + wo_width) * (1 + 4.0 / 128);
     if (mla) drop += 2.0 * m.n_heads * (2 * m.qk_head_dim() + m.v_head_dim) - 2.0 * m.qk_rope_head_dim;
     if (cache) drop += 2 * ffn_width * (1 - 4.0 / 128);
     EXPECT_NEAR(measured[0] - measured[1], drop, 0.02 * drop) << "mla " << mla << " cache " << cache;
