@@ -150,8 +150,9 @@ TEST(Plan, StepBudgetByHand) {
   EXPECT_DOUBLE_EQ(step_budget_seconds(2, 3600, 1, 2), 1.0);
 }
 
-// The 180K H800-hour comparison (issue 19): fp8moe's own expert all-to-all, exposed, cannot fit the
-// budget at any efficiency; compute alone (communication hidden, the head in BF16, stages of equal
+// The 180K H800-hour comparison (issue 19): with fp8moe's own communication exposed the budget
+// needs 0.712 of the peaks (it could not be met at any efficiency before the relay, the precisions
+// and the balanced split); compute alone (communication hidden, the head in BF16, stages of equal
 // work) matches at 0.25-0.30 of the FP8 peak with the config's selective recomputation.
 TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   // The 671B config on its 2,048 H800s for 1e12 tokens, with `extra` arguments.
@@ -164,8 +165,10 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   const RunResult r = plan_v3({"--target-gpu-hours", "180000"});
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_NE(r.out.find("leave 19.907 s per step"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("(a) fp8moe's communication exposed (as it runs): cannot be reached at any efficiency"),
-            std::string::npos) << r.out;
+  // With the stages split by work (the config's parallel.stage_layers balanced) the step with
+  // fp8moe's communication exposed reaches the budget at 0.712 of the peaks: above what is
+  // plausible, so 180K H800-hours is still out of reach at 0.40 (2.703e5 there).
+  EXPECT_NE(r.out.find("(a) fp8moe's communication exposed (as it runs): efficiency 0.712"), std::string::npos) << r.out;
   // The config's BF16 activations: FP8 dispatch and BF16 combine, 2 x (7,392 + 14,336) bytes a row,
   // and with the gates in the experts 12 more (the gate, its FP64 gradient), for 4,096 tokens x 8 x
   // 63 / 64 rows x 4 MoE blocks x 120 micro-batches = 673.01 GB sent straight to the experts' ranks
@@ -182,10 +185,9 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   EXPECT_NE(x.out.find("  ep      673.01 GB"), std::string::npos) << x.out;
   EXPECT_NE(x.out.find("  ep across nodes (InfiniBand): 598.23 GB per rank, one row per expert on another node (7.00 "
                        "per token"), std::string::npos) << x.out;
-  EXPECT_NE(x.out.find("4.088e+05 h800-hours"), std::string::npos) << x.out;
+  EXPECT_NE(x.out.find("2.841e+05 h800-hours"), std::string::npos) << x.out;
   EXPECT_NE(r.out.find("  pp       28.19 GB"), std::string::npos) << r.out;
-  // Communication alone now fits the step (the compute as configured does not); in FP32 it did not.
-  EXPECT_NE(r.out.find("is what does not fit; see (b)"), std::string::npos) << r.out;
+  // Communication alone fits the step; in FP32 it did not.
   const RunResult f = plan_v3({"--target-gpu-hours", "180000", "--set", "train.activations=fp32"});
   ASSERT_EQ(f.status, 0) << f.all();
   EXPECT_NE(f.out.find("why: the expert all-to-all alone sends 2.37 TB per rank per step"), std::string::npos) << f.out;
@@ -199,25 +201,27 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   EXPECT_GE(std::stod(m[1]), 0.25);
   EXPECT_LE(std::stod(m[1]), 0.30);
   // The config's train.hp_gemm bf16: the router, eh_proj and head at the BF16 peak. The FP32 run
-  // of them takes 2.43e6 H800-hours at the roofline's 0.40 (the last stage pacing 1F1B).
+  // of them takes 2.32e6 H800-hours at the roofline's 0.40 (the last stage pacing 1F1B).
   EXPECT_NE(r.out.find("BF16 router and head included"), std::string::npos) << r.out;
   // optim.overlap_grad_reduce (the default): ZeRO-1's reduce-scatter behind the last backward, its
-  // all-gather exposed: dp/edp 367.753 ms of which 221.608 ms exposed (one micro-batch's backward,
+  // all-gather exposed: dp/edp 265.590 ms of which 151.955 ms exposed (one micro-batch's backward,
   // of 1 sequence, hides less than 2 sequences' did).
-  // The relay: ep's time 12.43 -> 9.72 s per step (IB 299.25 GB at 50 GB/s, the rest at 160).
-  EXPECT_NE(r.out.find("3.813e+05 h800-hours"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("dp/edp 221.608 ms exposed of 367.753 ms"), std::string::npos) << r.out;
-  // The even split's last stage (3 blocks, the head twice and the MTP module) sets the pace; the
-  // split by work (parallel.stage_layers balanced) gives it 1 block.
-  EXPECT_NE(r.out.find("stage 15 sets the pace: 1.69x the stages' mean"), std::string::npos) << r.out;
-  const RunResult b = plan_v3({"--set", "parallel.stage_layers=balanced"});
+  // The relay: ep's time 6.22 -> 4.86 s per step on the pacing stage (IB 299.25 GB at 50 GB/s, the
+  // rest at 160).
+  EXPECT_NE(r.out.find("2.703e+05 h800-hours"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dp/edp 151.955 ms exposed of 265.590 ms"), std::string::npos) << r.out;
+  // The split by work (the config's) gives the last stage (the head twice and the MTP module) 1
+  // block, and it still sets the pace; the even split gives it 3 blocks.
+  EXPECT_NE(r.out.find("     15  60-60+mtp"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("stage 15 sets the pace: 1.20x the stages' mean"), std::string::npos) << r.out;
+  const RunResult b = plan_v3({"--set", "parallel.stage_layers=even"});
   ASSERT_EQ(b.status, 0) << b.all();
-  EXPECT_NE(b.out.find("     15  60-60+mtp"), std::string::npos) << b.out;
-  EXPECT_NE(b.out.find("stage 15 sets the pace: 1.20x the stages' mean"), std::string::npos) << b.out;
-  EXPECT_NE(b.out.find("2.703e+05 h800-hours"), std::string::npos) << b.out;
+  EXPECT_NE(b.out.find("     15  58-60+mtp"), std::string::npos) << b.out;
+  EXPECT_NE(b.out.find("stage 15 sets the pace: 1.69x the stages' mean"), std::string::npos) << b.out;
+  EXPECT_NE(b.out.find("3.813e+05 h800-hours"), std::string::npos) << b.out;
   const RunResult h = plan_v3({"--set", "train.hp_gemm=fp32"});
   ASSERT_EQ(h.status, 0) << h.all();
-  EXPECT_NE(h.out.find("2.433e+06 h800-hours"), std::string::npos) << h.out;
+  EXPECT_NE(h.out.find("2.319e+06 h800-hours"), std::string::npos) << h.out;
   // optim.grad_reduce bf16: the reduce-scatter half of dp's and edp's FP32 bytes halved, 0.75 in all
   // (23.10 GB x 0.75 = 17.32; 2.82 x 0.75 = 2.11).
   EXPECT_NE(r.out.find("  dp       23.10 GB"), std::string::npos) << r.out;
