@@ -156,6 +156,10 @@ class Backend {
                                float* rstd) = 0;
   virtual void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N,
                                 int64_t D, float* dx, float* dw) = 0;
+  // rmsnorm_backward with x kept in BF16 (train.activations bf16): the same bits as widening it to
+  // FP32 first (exact), without the FP32 copy.
+  virtual void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
+                                     int64_t D, float* dx, float* dw) = 0;
   // hd elements of each head rotated, heads head_stride apart (head_stride = hd: contiguous heads).
   virtual void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
                     int64_t head_stride) = 0;
@@ -193,6 +197,12 @@ class Backend {
                                     int64_t rows, int64_t cols) = 0;
   virtual void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy,
                                      float* da, float* db, double* dgate, int64_t rows, int64_t cols) = 0;
+  // The backward forms reading a and b as kept in BF16 (train.activations bf16): the same bits as
+  // widening them to FP32 first (exact), without the FP32 copy. gate may be nullptr: ungated, and
+  // dgate is not written.
+  virtual void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate,
+                                    const float* dy, float* da, float* db, double* dgate, int64_t rows,
+                                    int64_t cols) = 0;
   virtual void add(const float* a, const float* b, float* out, int64_t n) = 0;
   // BF16 (kernels/elementwise.h): FP32 -> BF16 bits rounded to nearest even, back exactly, and the
   // rounding in FP32 (y may be x). train.activations: bf16's rounding points and wire formats.

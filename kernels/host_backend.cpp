@@ -306,6 +306,11 @@ void HostBackend::rmsnorm_backward(const float* x, const float* w, const float* 
   cpu::rmsnorm_backward(h(x), h(w), h(rstd), h(dy), N, D, h(dx), h(dw));
 }
 
+void HostBackend::rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
+                                        int64_t D, float* dx, float* dw) {
+  cpu::rmsnorm_backward_bf16(h(x), h(w), h(rstd), h(dy), N, D, h(dx), h(dw));
+}
+
 void HostBackend::rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
                        int64_t head_stride) {
   // NOTE: nothing to rotate, nothing translated: x may then be an offset from an empty tensor's
@@ -387,6 +392,12 @@ void HostBackend::swiglu_gated_backward(const float* a, const float* b, int64_t 
 
 void HostBackend::add(const float* a, const float* b, float* out, int64_t n) { cpu::add(h(a), h(b), h(out), n); }
 void HostBackend::to_bf16(const float* x, uint16_t* y, int64_t n) { cpu::to_bf16(h(x), h(y), n); }
+void HostBackend::swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate,
+                                       const float* dy, float* da, float* db, double* dgate, int64_t rows,
+                                       int64_t cols) {
+  cpu::swiglu_backward_bf16(h(a), h(b), ld, h(gate), h(dy), h(da), h(db), h(dgate), rows, cols);
+}
+
 void HostBackend::from_bf16(const uint16_t* x, float* y, int64_t n) { cpu::from_bf16(h(x), h(y), n); }
 void HostBackend::round_bf16(const float* x, float* y, int64_t n) { cpu::round_bf16(h(x), h(y), n); }
 

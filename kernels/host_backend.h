@@ -72,6 +72,8 @@ class HostBackend final : public Backend {
   void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd) override;
   void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                         float* dx, float* dw) override;
+  void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
+                             int64_t D, float* dx, float* dw) override;
   void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
             int64_t head_stride) override;
   void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
@@ -102,6 +104,8 @@ class HostBackend final : public Backend {
                              float* db, double* dgate, int64_t rows, int64_t cols) override;
   void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
                        int64_t cols) override;
+  void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
+                            float* da, float* db, double* dgate, int64_t rows, int64_t cols) override;
   void add(const float* a, const float* b, float* out, int64_t n) override;
   void to_bf16(const float* x, uint16_t* y, int64_t n) override;
   void from_bf16(const uint16_t* x, float* y, int64_t n) override;

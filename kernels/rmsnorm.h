@@ -21,5 +21,8 @@ void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float
 // dx: (N, D) written; dw: (D) ACCUMULATED (micro-batches add up), in the chunked order above.
 void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                       float* dx, float* dw);
+// The same with x in BF16 (each row widened as it is read): rmsnorm_backward's bits on the widened x.
+void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                           float* dx, float* dw);
 
 }  // namespace fp8moe::cpu

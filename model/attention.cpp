@@ -253,18 +253,14 @@ class Mla final : public Attention {
     c_.tp_sum(dckvn.f32(), N * kvl);  // partial sums over this rank's heads
     c_.tp_sum(dkpe.f32(), N * rope);
     Tensor dckv(be, DType::f32, {N, kvl}), dckv_pe(be, DType::f32, {N, kvl + rope});
-    Tensor ckv;
-    be.rmsnorm_backward(c_.unstash(s.ckv, &ckv), kv_norm_.w, s.rstd_kv.f32(), dckvn.f32(), N, kvl, dckv.f32(),
-                        kv_norm_.g);
-    ckv.reset();
+    c_.norm_backward(s.ckv, kv_norm_.w, s.rstd_kv.f32(), dckvn.f32(), N, kvl, dckv.f32(), kv_norm_.g);
     be.copy_2d(dckv_pe.f32(), kvl + rope, dckv.f32(), kvl, N, kvl);
     be.copy_2d(dckv_pe.f32() + kvl, kvl + rope, dkpe.f32(), rope, N, rope);
     if (ql > 0) {
       Tensor dcqn(be, DType::f32, {N, ql}), dcq(be, DType::f32, {N, ql});
       linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dcqn.f32(), wq_.g);
       c_.tp_sum(dcqn.f32(), N * ql);
-      Tensor cq;
-      be.rmsnorm_backward(c_.unstash(s.cq, &cq), q_norm_.w, s.rstd_q.f32(), dcqn.f32(), N, ql, dcq.f32(), q_norm_.g);
+      c_.norm_backward(s.cq, q_norm_.w, s.rstd_q.f32(), dcqn.f32(), N, ql, dcq.f32(), q_norm_.g);
       linear_backward(be, s.lq_a, wq_a_.w, dcq.f32(), fp8(wq_a_, pass), dh1, wq_a_.g);
     } else {
       linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g);

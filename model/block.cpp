@@ -139,9 +139,8 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
     moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
                  ctx_.dispatcher, ctx_.tp, ctx_.activations, router_input);
   }
-  if (!x_mid) x_mid = ctx_.unstash(s.x_mid, &x_mid32);
   Tensor dx_mid(be, DType::f32, {N, D});
-  be.rmsnorm_backward(x_mid, ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
+  norm_backward(x_mid, &s.x_mid, ffn_norm_, s.rstd2.f32(), dh2.f32(), N, dx_mid.f32());
   x_mid32.reset();
   // The FFN branch's state is read: freed before the attention's backward (the block's peak).
   s.moe = MoeSaved{}, s.dense = FfnSaved{}, s.x_mid.reset(), s.h2.reset(), s.rstd2.reset(), dh2.reset();
@@ -150,10 +149,17 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
   // Attention branch: x_mid = x + Attention(h1), h1 = RMSNorm(x).
   Tensor dh1(be, DType::f32, {N, D});
   attn_->backward(*s.attn, dx_mid.f32(), dh1.f32());
-  Tensor xw;
-  const float* x = s.x ? s.x : ctx_.unstash(*s.x_kept, &xw);
-  be.rmsnorm_backward(x, attn_norm_.w, s.rstd1.f32(), dh1.f32(), N, D, dx, attn_norm_.g);
+  norm_backward(s.x, s.x_kept, attn_norm_, s.rstd1.f32(), dh1.f32(), N, dx);
   be.add(dx, dx_mid.f32(), dx, N * D);
+}
+
+void Block::norm_backward(const float* x, const Tensor* kept, const Weight& norm, const float* rstd, const float* dy,
+                          int64_t N, float* dx) const {
+  const int64_t D = ctx_.local.d_model;
+  if (x)
+    ctx_.be.rmsnorm_backward(x, norm.w, rstd, dy, N, D, dx, norm.g);
+  else
+    ctx_.norm_backward(*kept, norm.w, rstd, dy, N, D, dx, norm.g);
 }
 
 void Block::recompute_if_dropped(const float* x, BlockSaved* s) {

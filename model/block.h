@@ -79,6 +79,10 @@ class Block {
   int layer_;
   bool recomputed_;
   Weight attn_norm_, ffn_norm_;
+  // A norm's backward of its input x (FP32), or, where x is nullptr, of the kept copy (FP32, or
+  // BF16 read as it is): dx (N, D) written, the norm's weight gradient accumulated.
+  void norm_backward(const float* x, const Tensor* kept, const Weight& norm, const float* rstd, const float* dy,
+                     int64_t N, float* dx) const;
   std::unique_ptr<Attention> attn_;
   FfnParams dense_;                                // dense blocks
   MoeWeights moe_{};                               // MoE blocks: this rank's experts

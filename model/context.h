@@ -61,6 +61,15 @@ struct ModelContext {
   }
   // The FP32 values of a kept tensor: its own (FP32), or its BF16 copy widened into *tmp.
   const float* unstash(const Tensor& t, Tensor* tmp) const { return fp8moe::unstash(be, t, tmp); }
+  // RMSNorm's backward of a kept input x (N, D): FP32, or BF16 read as it is (the same bits as
+  // widened first, without the FP32 copy).
+  void norm_backward(const Tensor& x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                     float* dx, float* dw) const {
+    if (x.dtype() == DType::bf16)
+      be.rmsnorm_backward_bf16(x.data<uint16_t>(), w, rstd, dy, N, D, dx, dw);
+    else
+      be.rmsnorm_backward(x.f32(), w, rstd, dy, N, D, dx, dw);
+  }
 
   // Sum over the tensor group (row-parallel outputs, column-parallel input gradients); nothing
   // without one.

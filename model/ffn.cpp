@@ -161,16 +161,22 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
                     &t[i].dh3});
     }
     if (M > 0) {  // (no rows: no memory, and no pointer into it)
-      Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in BF16 or FP8 (freed before dh's quantization)
-      const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
       const int64_t ld = s.fused ? 2 * F : F;  // fused: [gate | up] per row
-      const float* up = s.fused ? h1 + F : h3;
       float *dh_a = t[i].dh1.f32(), *dh_b = s.fused ? t[i].dh1.f32() + F : t[i].dh3.f32();
-      if (s.gate) {
-        FP8MOE_ASSERT(groups[i].dgate, "ffn_backward: a gated FFN needs somewhere for its gates' gradient");
-        be.swiglu_gated_backward(h1, up, ld, s.gate, t[i].da.f32(), dh_a, dh_b, groups[i].dgate, M, F);
+      FP8MOE_ASSERT(!s.gate || groups[i].dgate, "ffn_backward: a gated FFN needs somewhere for its gates' gradient");
+      if (s.h1q.empty() && s.h1.dtype() == DType::bf16 && (s.fused || s.h3.dtype() == DType::bf16)) {
+        // Kept in BF16: read as they are (the same bits as widened first).
+        const uint16_t* h1 = s.h1.data<uint16_t>();
+        const uint16_t* up = s.fused ? h1 + F : s.h3.data<uint16_t>();
+        be.swiglu_backward_bf16(h1, up, ld, s.gate, t[i].da.f32(), dh_a, dh_b, s.gate ? groups[i].dgate : nullptr, M, F);
       } else {
-        be.swiglu_backward(h1, up, ld, t[i].da.f32(), dh_a, dh_b, M, F);
+        Tensor h1_32, h3_32;  // FP32 copies of pre-activations kept in FP8 (freed before dh's quantization)
+        const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
+        const float* up = s.fused ? h1 + F : h3;
+        if (s.gate)
+          be.swiglu_gated_backward(h1, up, ld, s.gate, t[i].da.f32(), dh_a, dh_b, groups[i].dgate, M, F);
+        else
+          be.swiglu_backward(h1, up, ld, t[i].da.f32(), dh_a, dh_b, M, F);
       }
     }
     t[i].da.reset();  // every expert's temporaries are alive at once: each freed when it is read

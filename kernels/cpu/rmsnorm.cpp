@@ -1,6 +1,8 @@
 #include "kernels/rmsnorm.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cmath>
 #include <vector>
 
@@ -39,23 +41,53 @@ void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float
   for (int64_t n = 0; n < N; ++n) forward_row(x + n * D, w, D, eps, y + n * D, rstd + n);
 }
 
-void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
-                      float* dx, float* dw) {
+namespace {
+// rmsnorm_backward over rows that row_x(n, buffer) gives in FP32 (x itself, or a row widened into
+// the thread's buffer).
+template <class RowX>
+void backward_rows(RowX row_x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D, float* dx,
+                   float* dw) {
   // y = x r w with r = (mean(x^2) + eps)^-1/2:  dx = r (w dy) - x r^3 / D * sum(w dy x).
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) backward_row(x + n * D, w, rstd[n], dy + n * D, D, dx + n * D);
+#pragma omp parallel
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) backward_row(row_x(n, buf), w, rstd[n], dy + n * D, D, dx + n * D);
+  }
   // dw in kRmsNormDwChunk-token chunks (kernels/rmsnorm.h), the CUDA kernels' order.
   const int64_t chunks = rmsnorm_dw_chunks(N);
   std::vector<float> part(size_t(chunks * D));
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    float* p = part.data() + c * D;
-    for (int64_t d = 0; d < D; ++d) p[d] = 0.0f;
-    for (int64_t n = c * kRmsNormDwChunk; n < std::min(N, (c + 1) * kRmsNormDwChunk); ++n)
-      add_dw_term(p, dy + n * D, x + n * D, rstd[n], D);
+#pragma omp parallel
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      float* p = part.data() + c * D;
+      for (int64_t d = 0; d < D; ++d) p[d] = 0.0f;
+      for (int64_t n = c * kRmsNormDwChunk; n < std::min(N, (c + 1) * kRmsNormDwChunk); ++n)
+        add_dw_term(p, dy + n * D, row_x(n, buf), rstd[n], D);
+    }
   }
   for (int64_t c = 0; c < chunks; ++c)
     for (int64_t d = 0; d < D; ++d) dw[d] += part[size_t(c * D + d)];
+}
+}  // namespace
+
+void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                      float* dx, float* dw) {
+  backward_rows([&](int64_t n, std::vector<float>&) { return x + n * D; }, w, rstd, dy, N, D, dx, dw);
+}
+
+void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                           float* dx, float* dw) {
+  backward_rows(
+      [&](int64_t n, std::vector<float>& buf) {
+        buf.resize(size_t(D));
+        const uint16_t* row = x + n * D;
+        for (int64_t d = 0; d < D; ++d) buf[size_t(d)] = std::bit_cast<float>(uint32_t(row[d]) << 16);
+        return static_cast<const float*>(buf.data());
+      },
+      w, rstd, dy, N, D, dx, dw);
 }
 
 }  // namespace fp8moe::cpu

@@ -239,6 +239,12 @@ class CudaBackendImpl final : public CudaBackend {
     Tensor partials(*this, DType::f32, {rmsnorm_dw_chunks(N) * D});
     cuda::rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw, partials.f32(), compute_);
   }
+  void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
+                             int64_t D, float* dx, float* dw) override {
+    if (N == 0 || D == 0) return;
+    Tensor partials(*this, DType::f32, {rmsnorm_dw_chunks(N) * D});
+    cuda::rmsnorm_backward_bf16(x, w, rstd, dy, N, D, dx, dw, partials.f32(), compute_);
+  }
   void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
             int64_t head_stride) override {
     cuda::rope(x, B, T, heads, hd, cs, sn, head_stride, compute_);
@@ -341,6 +347,10 @@ class CudaBackendImpl final : public CudaBackend {
   void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
                              float* db, double* dgate, int64_t rows, int64_t cols) override {
     cuda::swiglu_gated_backward(a, b, ld, gate, dy, da, db, dgate, rows, cols, compute_);
+  }
+  void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
+                            float* da, float* db, double* dgate, int64_t rows, int64_t cols) override {
+    cuda::swiglu_backward_bf16(a, b, ld, gate, dy, da, db, dgate, rows, cols, compute_);
   }
   void add(const float* a, const float* b, float* out, int64_t n) override { cuda::add(a, b, out, n, compute_); }
   void to_bf16(const float* x, uint16_t* y, int64_t n) override { cuda::to_bf16(x, y, n, compute_); }

@@ -30,24 +30,31 @@ __global__ void rmsnorm_fwd_kernel(const float* __restrict__ x, const float* __r
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) y[n * D + d] = mul_rn(mul_rn(xr[d], r), w[d]);
 }
 
+// T: float, or uint16_t (BF16 bits, widened exactly).
+__device__ __forceinline__ float load(float x) { return x; }
+__device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
+
 // dx = r (w dy) - x r^3 / D * sum(w dy x), in double as the CPU.
-__global__ void rmsnorm_bwd_dx_kernel(const float* __restrict__ x, const float* __restrict__ w,
+template <class T>
+__global__ void rmsnorm_bwd_dx_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                       const float* __restrict__ rstd, const float* __restrict__ dy, int64_t D,
                                       float* __restrict__ dx) {
   const int64_t n = blockIdx.x;
-  const float *xr = x + n * D, *g = dy + n * D;
+  const T* xr = x + n * D;
+  const float* g = dy + n * D;
   const double r = rstd[n];
   double dot = 0;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
-    dot = dadd_rn(dot, dmul_rn(dmul_rn(double(w[d]), double(g[d])), double(xr[d])));
+    dot = dadd_rn(dot, dmul_rn(dmul_rn(double(w[d]), double(g[d])), double(load(xr[d]))));
   dot = block_reduce(dot, SumOp{}, 0.0);
   const double c = dmul_rn(dmul_rn(dmul_rn(dot, r), r), r) / double(D);
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
-    dx[n * D + d] = float(__dsub_rn(dmul_rn(dmul_rn(r, double(w[d])), double(g[d])), dmul_rn(c, double(xr[d]))));
+    dx[n * D + d] = float(__dsub_rn(dmul_rn(dmul_rn(r, double(w[d])), double(g[d])), dmul_rn(c, double(load(xr[d])))));
 }
 
 // part[c D + d] = the chunk c's tokens in order, from 0 (grid: column blocks x chunks).
-__global__ void rmsnorm_dw_partial_kernel(const float* __restrict__ x, const float* __restrict__ rstd,
+template <class T>
+__global__ void rmsnorm_dw_partial_kernel(const T* __restrict__ x, const float* __restrict__ rstd,
                                           const float* __restrict__ dy, int64_t N, int64_t D,
                                           float* __restrict__ part) {
   const int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, c = blockIdx.y;
@@ -55,7 +62,7 @@ __global__ void rmsnorm_dw_partial_kernel(const float* __restrict__ x, const flo
   const int64_t end = (c + 1) * kRmsNormDwChunk < N ? (c + 1) * kRmsNormDwChunk : N;
   float acc = 0.0f;
   for (int64_t n = c * kRmsNormDwChunk; n < end; ++n)
-    acc = add_rn(acc, mul_rn(mul_rn(dy[n * D + d], x[n * D + d]), rstd[n]));
+    acc = add_rn(acc, mul_rn(mul_rn(dy[n * D + d], load(x[n * D + d])), rstd[n]));
   part[c * D + d] = acc;
 }
 
@@ -78,19 +85,32 @@ void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float
   check_launch();
 }
 
-void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
-                      float* dx, float* dw, float* dw_partials, cudaStream_t stream) {
+namespace {
+template <class T>
+void backward(const T* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D, float* dx,
+              float* dw, float* dw_partials, cudaStream_t stream) {
   if (N == 0 || D == 0) return;
-  rmsnorm_bwd_dx_kernel<<<grid_of(N, "rmsnorm_backward"), kBlockThreads, 0, stream>>>(x, w, rstd, dy, D, dx);
+  rmsnorm_bwd_dx_kernel<T><<<grid_of(N, "rmsnorm_backward"), kBlockThreads, 0, stream>>>(x, w, rstd, dy, D, dx);
   check_launch();
   const int64_t chunks = rmsnorm_dw_chunks(N), column_blocks = (D + kBlockThreads - 1) / kBlockThreads;
   FP8MOE_ASSERT(chunks <= 65535 && column_blocks <= (int64_t(1) << 31) - 1, "rmsnorm_backward: ", N, " tokens x ", D,
                 " columns exceed the grid");
-  rmsnorm_dw_partial_kernel<<<dim3(unsigned(column_blocks), unsigned(chunks)), kBlockThreads, 0, stream>>>(
+  rmsnorm_dw_partial_kernel<T><<<dim3(unsigned(column_blocks), unsigned(chunks)), kBlockThreads, 0, stream>>>(
       x, rstd, dy, N, D, dw_partials);
   check_launch();
   rmsnorm_dw_sum_kernel<<<grid_for(D), kBlockThreads, 0, stream>>>(dw_partials, chunks, D, dw);
   check_launch();
+}
+}  // namespace
+
+void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                      float* dx, float* dw, float* dw_partials, cudaStream_t stream) {
+  backward(x, w, rstd, dy, N, D, dx, dw, dw_partials, stream);
+}
+
+void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
+                           float* dx, float* dw, float* dw_partials, cudaStream_t stream) {
+  backward(x, w, rstd, dy, N, D, dx, dw, dw_partials, stream);
 }
 
 }  // namespace fp8moe::cuda

@@ -21,12 +21,17 @@ __global__ void swiglu_forward_kernel(const float* __restrict__ a, const float* 
   }
 }
 
-__global__ void swiglu_backward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
+// T: float, or uint16_t (BF16 bits, widened exactly).
+__device__ __forceinline__ float load(float x) { return x; }
+__device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
+
+template <class T>
+__global__ void swiglu_backward_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t ld,
                                        const float* __restrict__ dy, float* __restrict__ da,
                                        float* __restrict__ db, int64_t n, int64_t cols) {
   FP8MOE_GRID_STRIDE(i, n) {
     const int64_t j = (i / cols) * ld + i % cols;
-    swiglu_backward_elem(a[j], b[j], dy[i], &da[j], &db[j]);
+    swiglu_backward_elem(load(a[j]), load(b[j]), dy[i], &da[j], &db[j]);
   }
 }
 
@@ -40,7 +45,8 @@ __global__ void swiglu_gated_forward_kernel(const float* __restrict__ a, const f
 }
 
 // One warp per row.
-__global__ void swiglu_gated_backward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
+template <class T>
+__global__ void swiglu_gated_backward_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t ld,
                                              const float* __restrict__ gate, const float* __restrict__ dy,
                                              float* __restrict__ da, float* __restrict__ db,
                                              double* __restrict__ dgate, int64_t rows, int64_t cols) {
@@ -51,9 +57,10 @@ __global__ void swiglu_gated_backward_kernel(const float* __restrict__ a, const 
   double dg = 0;
   for (int64_t c = lane; c < cols; c += kWarpThreads) {
     const int64_t j = r * ld + c;
-    const float s = sigmoidf_(a[j]), d = dy[r * cols + c];
-    dg += double(d) * double(swiglu_forward_elem(a[j], b[j], s));
-    swiglu_backward_elem(a[j], b[j], g * d, s, &da[j], &db[j]);
+    const float x = load(a[j]), y = load(b[j]);
+    const float s = sigmoidf_(x), d = dy[r * cols + c];
+    dg += double(d) * double(swiglu_forward_elem(x, y, s));
+    swiglu_backward_elem(x, y, g * d, s, &da[j], &db[j]);
   }
   dg = warp_reduce(dg, SumOp{});
   if (lane == 0) dgate[r] = dg;
@@ -72,7 +79,7 @@ void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const floa
 void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
                            float* db, double* dgate, int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0) return;
-  swiglu_gated_backward_kernel<<<warps_grid(rows, "swiglu_gated_backward"), kBlockThreads, 0, stream>>>(
+  swiglu_gated_backward_kernel<float><<<warps_grid(rows, "swiglu_gated_backward"), kBlockThreads, 0, stream>>>(
       a, b, ld, gate, dy, da, db, dgate, rows, cols);
   check_launch();
 }
@@ -89,7 +96,20 @@ void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy
                      int64_t cols, cudaStream_t stream) {
   const int64_t n = rows * cols;
   if (n == 0) return;
-  swiglu_backward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, dy, da, db, n, cols);
+  swiglu_backward_kernel<float><<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, dy, da, db, n, cols);
+  check_launch();
+}
+
+void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
+                          float* da, float* db, double* dgate, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  if (gate) {
+    swiglu_gated_backward_kernel<uint16_t><<<warps_grid(rows, "swiglu_backward_bf16"), kBlockThreads, 0, stream>>>(
+        a, b, ld, gate, dy, da, db, dgate, rows, cols);
+  } else {
+    const int64_t n = rows * cols;
+    swiglu_backward_kernel<uint16_t><<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, dy, da, db, n, cols);
+  }
   check_launch();
 }
 

@@ -499,6 +499,10 @@ class WatchedDevice final : public Backend {
                         float* dx, float* dw) override {
     d_->rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw);
   }
+  void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
+                             int64_t D, float* dx, float* dw) override {
+    d_->rmsnorm_backward_bf16(x, w, rstd, dy, N, D, dx, dw);
+  }
   void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
             int64_t head_stride) override {
     d_->rope(x, B, T, heads, hd, cs, sn, head_stride);
@@ -556,6 +560,10 @@ class WatchedDevice final : public Backend {
   void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
                              float* db, double* dgate, int64_t rows, int64_t cols) override {
     d_->swiglu_gated_backward(a, b, ld, gate, dy, da, db, dgate, rows, cols);
+  }
+  void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
+                            float* da, float* db, double* dgate, int64_t rows, int64_t cols) override {
+    d_->swiglu_backward_bf16(a, b, ld, gate, dy, da, db, dgate, rows, cols);
   }
   void add(const float* a, const float* b, float* out, int64_t n) override { d_->add(a, b, out, n); }
   void to_bf16(const float* x, uint16_t* y, int64_t n) override { d_->to_bf16(x, y, n); }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -109,6 +110,32 @@ TEST_P(DeviceOps, RmsNormMatchesCpu) {
     expect_match(g.dx, c.dx, 1e-5, "dx");
     // dw: the chunked order of kernels/rmsnorm.h on both (bitwise, same rstd).
     expect_bitwise(g.dw, c.dw, "dw");
+  }
+}
+
+TEST_P(DeviceOps, RmsNormBackwardReadsBf16AsWidened) {
+  // rmsnorm_backward_bf16 (x kept in BF16, train.activations bf16) against the same backend's FP32
+  // backward of the widened x (BF16 -> FP32 is exact): dx and the accumulated dw bitwise, over
+  // several dw chunks.
+  for (auto [N, D] : {std::pair<int64_t, int64_t>{0, 64}, {1, 1}, {37, 300}, {600, 256}}) {
+    SCOPED_TRACE(testing::Message() << N << "x" << D);
+    const auto xf = normal_vector(N * D, 5 + N), w = normal_vector(D, 6 + D), dy = normal_vector(N * D, 7 + N);
+    const auto dw0 = normal_vector(D, 8), rstd = normal_vector(N, 9);
+    std::vector<uint16_t> x16(size_t(N * D));
+    std::vector<float> x32(size_t(N * D));
+    for (size_t i = 0; i < x16.size(); ++i)
+      x16[i] = uint16_t(std::bit_cast<uint32_t>(xf[i]) >> 16), x32[i] = std::bit_cast<float>(uint32_t(x16[i]) << 16);
+    both([&](Backend& be) {
+      Tensor g16 = up(be, x16), g32 = up(be, x32), gw = up(be, w), gdy = up(be, dy), gr = up(be, rstd);
+      Tensor dw16 = up(be, dw0), dw32 = up(be, dw0);
+      Tensor dx16 = poisoned(be, DType::f32, N * D), dx32 = poisoned(be, DType::f32, N * D);
+      be.rmsnorm_backward_bf16(g16.data<uint16_t>(), gw.f32(), gr.f32(), gdy.f32(), N, D, dx16.f32(), dw16.f32());
+      be.rmsnorm_backward(g32.f32(), gw.f32(), gr.f32(), gdy.f32(), N, D, dx32.f32(), dw32.f32());
+      expect_unchanged(g16, x16, "x");
+      expect_bitwise(down<float>(dx16), down<float>(dx32), "dx from BF16 vs from the widened x");
+      expect_bitwise(down<float>(dw16), down<float>(dw32), "dw from BF16 vs from the widened x");
+      return 0;
+    });
   }
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -211,6 +212,51 @@ TEST_P(DeviceOps, SwigluMatchesCpu) {
       expect_close_to_terms(exact(), std::get<1>(g), std::get<1>(c), sda, "da");
       expect_close_to_terms(exact(), std::get<2>(g), std::get<2>(c), sdb, "db");
     }
+}
+
+TEST_P(DeviceOps, SwigluBackwardReadsBf16AsWidened) {
+  // swiglu_backward_bf16 (the pre-activations kept in BF16, train.activations bf16) against the
+  // same backend's FP32 backward of the widened values (BF16 -> FP32 is exact): bitwise, gated and
+  // not, the fused and the separate layouts, rows longer than the CPU's 2,048-element spans.
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{0, 8}, {1, 1}, {33, 100}, {5, 4100}})
+    for (bool fused : {false, true})
+      for (bool gated : {false, true}) {
+        SCOPED_TRACE(testing::Message() << rows << " x " << cols << (fused ? " fused" : " separate")
+                                        << (gated ? " gated" : ""));
+        const int64_t n = rows * cols, ld = fused ? 2 * cols : cols;
+        std::mt19937_64 rng(11 + n + 2 * fused + gated);
+        std::normal_distribution<float> normal(0.0f, 3.0f);
+        std::uniform_real_distribution<float> unit(0.0f, 2.5f);
+        std::vector<uint16_t> ab16(size_t(2 * n));
+        std::vector<float> ab32(size_t(2 * n)), dy(n), gate(rows);
+        for (size_t i = 0; i < ab16.size(); ++i) {
+          ab16[i] = uint16_t(std::bit_cast<uint32_t>(normal(rng)) >> 16);  // any BF16 value
+          ab32[i] = std::bit_cast<float>(uint32_t(ab16[i]) << 16);
+        }
+        for (float& v : dy) v = normal(rng);
+        for (float& v : gate) v = unit(rng);
+        auto [c, g] = both([&](Backend& be) {
+          Tensor g16 = up(be, ab16), g32 = up(be, ab32), gdy = up(be, dy), gg = up(be, gate);
+          Tensor d16 = poisoned(be, DType::f32, 2 * n), d32 = poisoned(be, DType::f32, 2 * n);
+          Tensor dg16 = poisoned(be, DType::f64, rows), dg32 = poisoned(be, DType::f64, rows);
+          const int64_t off = fused ? cols : n;
+          const uint16_t* a16 = g16.data<uint16_t>();
+          const float* a32 = g32.f32();
+          float *p16 = d16.f32(), *p32 = d32.f32();
+          be.swiglu_backward_bf16(a16, n ? a16 + off : nullptr, ld, gated ? gg.f32() : nullptr, gdy.f32(), p16,
+                                  n ? p16 + off : nullptr, gated ? dg16.data<double>() : nullptr, rows, cols);
+          if (gated)
+            be.swiglu_gated_backward(a32, n ? a32 + off : nullptr, ld, gg.f32(), gdy.f32(), p32, n ? p32 + off : nullptr,
+                                     dg32.data<double>(), rows, cols);
+          else
+            be.swiglu_backward(a32, n ? a32 + off : nullptr, ld, gdy.f32(), p32, n ? p32 + off : nullptr, rows, cols);
+          expect_unchanged(g16, ab16, "a, b");
+          expect_bitwise(down<float>(d16), down<float>(d32), "da, db from BF16 vs from the widened values");
+          if (gated) expect_bitwise(down<double>(dg16), down<double>(dg32), "dgate from BF16 vs from the widened values");
+          return down<float>(d16);
+        });
+        (void)c, (void)g;
+      }
 }
 
 TEST_P(DeviceOps, SwigluGatedMatchesCpu) {
