@@ -328,13 +328,14 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
   EXPECT_LE(b16.peak, 0.65 * f32.peak);
   // With the gates in the experts (train.moe_gates expert) the experts' outputs are not kept; the
   // same against FP32 activations with the gates at combine, without and with selective
-  // recomputation: the target, <= 0.6x. Measured (2-core VM): kept 0.533x and 0.509x; peak
-  // 0.623x and 0.619x on 2026-12-05; 0.589x and 0.583x on 2026-12-07 (FP32 20.87 and 19.33 MB,
-  // BF16 12.28 and 11.27 MB), once the backward freed what it had read (the experts' FP32
-  // pre-activation gradients each quantized as it is made; the block's input, the router's input
-  // and the attention branch's output gradient made only where first read; a block's input
-  // gradient written over its output's) and the forward keeps each expert's pre-activations in
-  // BF16 before W2's forward rather than after. The BF16 peak is now at the end of the forward.
+  // recomputation: the target, <= 0.6x. Measured (2-core VM): kept 0.533x and 0.509x
+  // (0.501x once selective stopped keeping wo's FP8 input); peak 0.623x and 0.619x on 2026-12-05;
+  // 0.589x and 0.577x on 2026-12-07 (FP32 20.87 and 19.06 MB, BF16 12.28 and 11.00 MB), once the
+  // backward freed what it had read (the experts' FP32 pre-activation gradients each quantized as
+  // it is made; the block's input, the router's input and the attention branch's output gradient
+  // made only where first read; a block's input gradient written over its output's) and the
+  // forward keeps each expert's pre-activations in BF16 before W2's forward rather than after.
+  // The BF16 peak is now at the end of the forward.
   for (const Recompute rc : {Recompute::none, Recompute::selective}) {
     const Measured base = measure(ActivationDtype::fp32, GateSite::combine, rc),
                    v3 = measure(ActivationDtype::bf16, GateSite::expert, rc);
