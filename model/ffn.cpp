@@ -36,6 +36,7 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
   for (size_t g = 0; g < groups.size(); ++g) saved[g] = groups[g].saved ? groups[g].saved : &local[g];
   // The fused groups' W13 layers in one grouped call; the others' W1 and W3 in one each.
   std::vector<LinearGroup> l13, l1, l3, l2;
+  std::vector<char> kept(groups.size());  // a backward follows and reads what the group keeps
   for (size_t g = 0; g < groups.size(); ++g) {
     const FfnGroup& f = groups[g];
     FfnSaved& s = *saved[g];
@@ -71,9 +72,9 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
     l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
     // The pre-activations as the backward keeps them, made now: no expert's FP32 copy is held
     // through W2's forward.
-    const bool kept = f.saved && f.fp8->w2.backward_follows;
+    kept[g] = f.saved && f.fp8->w2.backward_follows;
     const LinearFp8& w2 = f.fp8->w2;
-    if (!kept) {
+    if (!kept[g]) {
       if (!f.saved) s.h1.reset(), s.h3.reset();  // (read no more)
     } else if (rebuild_a && w2.enabled() && w2.cfg->recipe == Fp8Recipe::blockwise && w2.cfg->cache_activations) {
       s.h1q = quantize_1xT(be, s.h1.f32(), s.h1.shape()[0], s.h1.shape()[1], *w2.cfg, nullptr);
@@ -86,8 +87,7 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
   linear_forward_grouped(be, F, D, l2);
   for (size_t g = 0; g < groups.size(); ++g) {
     FfnSaved* s = saved[g];
-    const bool kept = groups[g].saved && groups[g].fp8->w2.backward_follows;
-    if (kept && rebuild_a) {  // made again from h1, h3 in backward
+    if (kept[g] && rebuild_a) {  // made again from h1, h3 in backward
       s->a_rebuilt = true;
       s->l2.x = nullptr, s->l2.xq = QTensor{}, s->l2.xt = QTensor{};
       s->a.reset();
@@ -180,15 +180,18 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
       }
     }
     t[i].da.reset();  // every expert's temporaries are alive at once: each freed when it is read
-    // An FP8 layer's pre-activation gradients quantized now, and their FP32 copies freed before the
-    // next expert's exist (the same bits as W1's and W3's backward quantizing them).
-    if (s.fused && f.fp8->w1.enabled()) {
-      quantize_output_grad(be, l13.back(), &t[i].q1);
-      l13.back().dy_ahead = &t[i].q1, t[i].dh1.reset();
-    } else if (!s.fused) {
-      if (f.fp8->w1.enabled()) quantize_output_grad(be, l1.back(), &t[i].q1), l1.back().dy_ahead = &t[i].q1, t[i].dh1.reset();
-      if (f.fp8->w3.enabled()) quantize_output_grad(be, l3.back(), &t[i].q3), l3.back().dy_ahead = &t[i].q3, t[i].dh3.reset();
-    }
+    // An FP8 layer's pre-activation gradients quantized now and handed to its backward, their FP32
+    // copy (the group's dy_owned) freed before the next expert's exists (the same bits as W1's and
+    // W3's backward quantizing them).
+    auto ahead = [&](LinearGradGroup& l, LinearGradQuant* q) {
+      if (!l.fp8->enabled()) return;
+      quantize_output_grad(be, l, q);
+      l.dy_ahead = q, l.dy_owned->reset();
+    };
+    if (s.fused)
+      ahead(l13.back(), &t[i].q1);
+    else
+      ahead(l1.back(), &t[i].q1), ahead(l3.back(), &t[i].q3);
   }
   if (!l13.empty()) linear_backward_grouped(be, l13);
   if (!l1.empty()) linear_backward_grouped(be, l1);

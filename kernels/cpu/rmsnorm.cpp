@@ -1,11 +1,11 @@
 #include "kernels/rmsnorm.h"
 
 #include <algorithm>
-#include <bit>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/fp8_simd.h"
 #include "kernels/cpu/vmath.h"
 
 namespace fp8moe::cpu {
@@ -80,11 +80,11 @@ void rmsnorm_backward(const float* x, const float* w, const float* rstd, const f
 
 void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                            float* dx, float* dw) {
+  const SimdLevel level = cpu_simd_level();
   backward_rows(
       [&](int64_t n, std::vector<float>& buf) {
         buf.resize(size_t(D));
-        const uint16_t* row = x + n * D;
-        for (int64_t d = 0; d < D; ++d) buf[size_t(d)] = std::bit_cast<float>(uint32_t(row[d]) << 16);
+        bf16_to_f32_span(level, x + n * D, buf.data(), D);
         return static_cast<const float*>(buf.data());
       },
       w, rstd, dy, N, D, dx, dw);

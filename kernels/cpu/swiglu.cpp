@@ -1,9 +1,9 @@
 #include "kernels/swiglu.h"
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 
+#include "kernels/cpu/fp8_simd.h"
 #include "kernels/cpu/vmath.h"
 
 namespace fp8moe::cpu {
@@ -72,16 +72,14 @@ void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, cons
                           float* da, float* db, double* dgate, int64_t rows, int64_t cols) {
   // Row by row in spans (the FP32 forms' element functions, whose results do not depend on where a
   // span starts), a and b widened into buffers on the stack.
-  auto widen = [](const uint16_t* x, float* y, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) y[i] = std::bit_cast<float>(uint32_t(x[i]) << 16);
-  };
+  const SimdLevel level = cpu_simd_level();
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     float a32[kSpan], b32[kSpan];
     double dg = 0;
     for (int64_t c = 0; c < cols; c += kSpan) {
       const int64_t n = std::min(kSpan, cols - c);
-      widen(a + r * ld + c, a32, n), widen(b + r * ld + c, b32, n);
+      bf16_to_f32_span(level, a + r * ld + c, a32, n), bf16_to_f32_span(level, b + r * ld + c, b32, n);
       if (gate)
         dg = gated_backward_span(a32, b32, gate[r], dy + r * cols + c, da + r * ld + c, db + r * ld + c, n, dg);
       else

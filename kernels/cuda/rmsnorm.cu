@@ -30,9 +30,9 @@ __global__ void rmsnorm_fwd_kernel(const float* __restrict__ x, const float* __r
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) y[n * D + d] = mul_rn(mul_rn(xr[d], r), w[d]);
 }
 
-// T: float, or uint16_t (BF16 bits, widened exactly).
+// T: float, or uint16_t (BF16 bits, widened exactly: kernels/fp8.h bf16_decode).
 __device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
+__device__ __forceinline__ float load(uint16_t x) { return bf16_decode(x); }
 
 // dx = r (w dy) - x r^3 / D * sum(w dy x), in double as the CPU.
 template <class T>

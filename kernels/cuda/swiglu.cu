@@ -7,6 +7,7 @@
 #include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/swiglu.h"
+#include "kernels/fp8.h"
 #include "kernels/swiglu.h"
 
 namespace fp8moe::cuda {
@@ -21,9 +22,9 @@ __global__ void swiglu_forward_kernel(const float* __restrict__ a, const float* 
   }
 }
 
-// T: float, or uint16_t (BF16 bits, widened exactly).
+// T: float, or uint16_t (BF16 bits, widened exactly: kernels/fp8.h bf16_decode).
 __device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ float load(uint16_t x) { return __uint_as_float(uint32_t(x) << 16); }
+__device__ __forceinline__ float load(uint16_t x) { return bf16_decode(x); }
 
 template <class T>
 __global__ void swiglu_backward_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t ld,
