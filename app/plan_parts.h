@@ -74,7 +74,8 @@ Device cpu_device(const Config& c, const PlanLayout& L, bool probe);
 
 struct Roofline {
   double compute_mb = 0;   // the slowest stage's compute per micro-batch, s
-  double comm_mb = 0;      // its tp, ep and pp communication per micro-batch, s
+  double comm_mb = 0;      // its tp, ep and pp communication per micro-batch, s (what the step waits for)
+  double ep_hidden_mb = 0; // of its ep time, what runs behind the MoE layers' own compute (model/moe.cpp), s
   double memory_mb = 0;    // its memory-bound traffic per micro-batch, s
   double dp = 0;           // the step's dp + edp communication, s (the whole of it)
   double dp_exposed = 0;   // of it, what the step waits for (optim.overlap_grad_reduce, --overlap)
@@ -98,6 +99,9 @@ struct Plan {
   // node_size GPUs (else empty): the relay's per-token rows once per token and other node
   // (runtime.node_dedup), every other exchange's rows whose expert is on another node.
   std::vector<double> ep_across;
+  // Per stage (with the relay; else empty): of comm's ep bytes, the rows the relay forwards inside
+  // its node (each relayed exchange's in-node exchange, which runs in line: ep_hidden_seconds).
+  std::vector<double> ep_forwarded;
   // Per token and MoE layer where ep spans nodes: its rows to other nodes' experts, and the other
   // nodes among its experts' (what the relay sends; 0 without it).
   double rows_across = 0, relay_nodes = 0;

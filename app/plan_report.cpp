@@ -253,7 +253,10 @@ void print_roofline_step(const PlanReport& rep) {
   std::printf("\nstep time (roofline, %s):\n", d.name.c_str());
   std::printf("  per micro-batch on the slowest stage: compute %s, memory-bound %s, communication %s%s\n",
               seconds_text(r.compute_mb).c_str(), seconds_text(r.memory_mb).c_str(), seconds_text(r.comm_mb).c_str(),
-              o.overlap ? " (hidden behind compute: --overlap)" : " (exposed)");
+              o.overlap             ? " (hidden behind compute: --overlap)"
+              : r.ep_hidden_mb > 0 ? (" (exposed; ep's " + seconds_text(r.ep_hidden_mb) +
+                                      " more behind the MoE layers' shared experts and the experts' weight gradients)").c_str()
+                                   : " (exposed)");
   std::printf("  x %d micro-batches + bubble %s + dp/edp %s%s + optimizer %s = %s per step\n", L.micro_batches,
               seconds_text(r.bubble).c_str(), seconds_text(r.dp_exposed).c_str(),
               o.overlap ? " (the rest overlapped: --overlap)"

@@ -59,6 +59,41 @@ double nodes_per_token(const MoeConfig& moe, double G) {
                                      : G * (1 - missed(moe.n_experts, moe.n_experts / G, moe.top_k));
 }
 
+// fp8moe's expert exchange behind the MoE layer's own compute (runtime.overlap_expert_comm,
+// model/moe.cpp): the forward's
+// dispatch posted while the shared experts' forward runs (again where train.recompute runs the
+// layer again), the backward's dispatch while their backward runs, and its combine while the
+// routed experts' weight-gradient GEMMs run; the forward's combine, and the relay's exchange inside
+// the node (runtime.node_dedup: the rows it forwards), in line. Of ep_mb, the stage's ep seconds
+// per micro-batch, the seconds hidden so: each exchange's share of the rows' bytes (the relay's
+// forwarded rows taken out first), up to the compute behind it, per MoE layer. Not on the CPU:
+// MPI moves a posted exchange there only inside MPI calls (no progress thread).
+double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, double ep_mb, double inline_mb) {
+  const Config& c = p.cfg;
+  const ModelConfig& m = c.model;
+  const StageMemory& st = p.mem[s];
+  const double moe_layers = std::max(0, st.layer_end - std::max(st.layer_begin, m.first_dense_layers)) + st.mtp_blocks;
+  if (d.cpu || !c.runtime.overlap_expert_comm || ep_mb <= 0 || moe_layers <= 0) return 0;
+  const ExpertRowBytes rb = expert_row_bytes(m.d_model, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8,
+                                             c.train.activations, c.train.moe_gates);
+  const bool again = moe_recomputed(c.train.recompute);
+  const double rows = rb.per_step(again);
+  // Per layer: each exchange's seconds (the gates' 4 bytes out go with the dispatch, their 8 back
+  // with the backward's combine).
+  const double posted = std::max(0.0, ep_mb - inline_mb) / moe_layers / rows;
+  const double fwd_dispatch = posted * (rb.dispatch + rb.gates / 3), grad_dispatch = posted * rb.grad_dispatch,
+               grad_combine = posted * (rb.grad_combine + 2 * rb.gates / 3);
+  // The compute behind them, per layer on one rank: 2 x rows x 3 x D x width FLOPs a forward.
+  const double N = double(p.L.tokens()), D = m.d_model, T = p.L.tensor;
+  const bool fp8 = c.fp8.recipe != Fp8Recipe::off;
+  const double shared_peak = eff * (fp8 && c.fp8.layers.shared_experts ? d.fp8 : d.fp32);
+  const double routed_peak = eff * (fp8 && c.fp8.layers.experts ? d.fp8 : d.fp32);
+  const double shared_fwd = 2 * N * 3 * D * double(m.moe.n_shared_experts) * m.moe.d_expert / T / shared_peak;
+  const double routed_fwd = 2 * N * m.moe.top_k * 3 * D * double(m.moe.d_expert) / T / routed_peak;  // = its wgrad
+  return moe_layers * ((again ? 2 : 1) * std::min(fwd_dispatch, shared_fwd) + std::min(grad_dispatch, 2 * shared_fwd) +
+                       std::min(grad_combine, routed_fwd));
+}
+
 }  // namespace
 
 Plan make_plan(const Config& c, int world, int node_size) {
@@ -105,6 +140,10 @@ Plan make_plan(const Config& c, int world, int node_size) {
       const double counts = plans * (p.L.expert - per_node) * (sh.local_experts + (sh.relay ? 2 : 0)) * 8;
       const double map = sh.relay ? 4 * (plans * sh.remote_ranks + sh.rows_off_node) : 0;
       p.ep_across.push_back(expert_rows_by_node(sh)[1] + counts + map);
+      if (sh.relay) {
+        const ExpertRowBytes rb = expert_row_bytes(m.d_model, sh.fp8, sh.activations, sh.moe_gates);
+        p.ep_forwarded.push_back(sh.relay_forwarded * rb.relayed(moe_recomputed(sh.recompute)));
+      }
     }
   }
   return p;
@@ -146,6 +185,13 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     for (int g = 0; g < 5; ++g)
       per_group[size_t(g)] = comm_seconds(d, o, L, g, p.comm[s][size_t(g)], p.ep_across.empty() ? -1 : p.ep_across[s]);
     for (int g : {0, 1, 4}) comm += per_group[size_t(g)] / L.micro_batches;
+    // The relay's in-node forwarding runs in line (ep_hidden_seconds): its rows at NVLink.
+    double ep_hidden = 0;
+    if (!hidden && !o.overlap) {
+      const double inline_mb = p.ep_forwarded.empty() ? 0 : p.ep_forwarded[s] / d.nvlink / L.micro_batches;
+      ep_hidden = ep_hidden_seconds(p, s, d, eff, per_group[1] / L.micro_batches, inline_mb);
+    }
+    comm -= ep_hidden;
     if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
     sum_t += t;
@@ -153,7 +199,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
       slowest = t, r.pace_stage = int(s);
       // The backward's share of the stage's work: the forward is a third of what is not recomputed.
       backward_share = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
-      r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group;
+      r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group, r.ep_hidden_mb = ep_hidden;
       r.dp = hidden ? 0 : per_group[2] + per_group[3];
       // AdamW on the owned rows: parameter, gradient (read), m and v (read and written), the
       // parameter written; then every FP8 weight read in FP32 and written in FP8 once per step.

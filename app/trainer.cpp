@@ -55,7 +55,10 @@ Trainer::Trainer(const Config& cfg, Backend& be, const TrainComms& comms, std::s
       opt(be, sync.local_table(), cfg.train, sync.owned()),
       scaler(cfg.train),
       state{&cfg, &model, &opt, &scaler, &progress, std::move(layout), sync.write_rows(), sync.moment_write_rows()} {
-  if (ExpertDispatcher* d = model.dispatcher()) d->set_nodes(comms.expert_nodes(), cfg.runtime.node_dedup);
+  if (ExpertDispatcher* d = model.dispatcher()) {
+    d->set_nodes(comms.expert_nodes(), cfg.runtime.node_dedup);
+    d->set_overlap(cfg.runtime.overlap_expert_comm);
+  }
 }
 
 }  // namespace fp8moe

@@ -308,6 +308,12 @@ const std::vector<Field>& schema() {
                         "rows either way); the rows the token's side only sums (the input's gradient; with the "
                         "gates in the experts, the output) are summed there and cross back once. false: one "
                         "row per expert chosen, straight to its rank and back."));
+    v.push_back(boolean("runtime.overlap_expert_comm", REF(runtime.overlap_expert_comm),
+                        "The expert all-to-all behind the MoE layer's own compute (Megatron's "
+                        "--overlap-moe-expert-parallel-comm with --delay-wgrad-compute, within a micro-batch): the "
+                        "forward's dispatch posted while the shared experts' forward runs, the backward's dispatch "
+                        "while their backward runs, and its combine while the routed experts' weight-gradient GEMMs "
+                        "run; the same results. false: every exchange in line."));
     v.push_back(real("runtime.timeout_s", REF(runtime.timeout_s), 0, B::closed, kInf, B::open,
                      "Watchdog: a rank that spends longer than this in one collective, one checkpoint I/O call "
                      "or one training step ends the job with exit 4 (requeue-able), naming the step, phase and "

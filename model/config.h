@@ -257,6 +257,11 @@ struct RuntimeConfig {
   // (DeepEP's internode dispatch and combine; parallel/expert_dispatch.h); false: one row per
   // expert chosen, straight to its rank and back.
   bool node_dedup = true;
+  // The expert all-to-all behind the MoE layer's own compute (model/moe.cpp): the forward's
+  // dispatch behind the shared experts' forward, the backward's dispatch behind their backward,
+  // its combine behind the routed experts' weight gradients (the backward split into its input and
+  // weight parts); false: every exchange in line. The same bits either way.
+  bool overlap_expert_comm = true;
   bool operator==(const RuntimeConfig&) const = default;
 };
 

@@ -111,14 +111,22 @@ void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const flo
   ffn_backward_grouped(be, {FfnGradGroup{&s, &w, dy, &fp8, dx, &g}});
 }
 
-void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) {
+void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, LaterWork* wgrad_later) {
   struct Scratch {
     Tensor da, dh1, dh3, dx3;  // fused: dh1 is (M, 2F), [d gate | d up] per row
     LinearGradQuant q1, q3;    // dh1's and dh3's FP8 copies (FP8 layers)
   };
-  std::vector<Scratch> t(groups.size());
-  std::vector<LinearSaved> l2_again(groups.size());  // train.recompute selective: W2's input made again
-  std::vector<Tensor> a_again(groups.size());        // (the SwiGLU output itself while W2 is FP32)
+  // What the wgrad GEMMs read that is made here: alive until they have run (here, or at wgrad_later).
+  struct Made {
+    std::vector<Scratch> t;
+    std::vector<LinearSaved> l2_again;  // train.recompute selective: W2's input made again
+    std::vector<Tensor> a_again;        // (the SwiGLU output itself while W2 is FP32)
+  };
+  auto made = std::make_shared<Made>();
+  made->t.resize(groups.size()), made->l2_again.resize(groups.size()), made->a_again.resize(groups.size());
+  std::vector<Scratch>& t = made->t;
+  std::vector<LinearSaved>& l2_again = made->l2_again;
+  std::vector<Tensor>& a_again = made->a_again;
   std::vector<LinearGradGroup> l2, l13, l1, l3;
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnGradGroup& f = groups[i];
@@ -140,8 +148,8 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
     t[i].da = Tensor(be, DType::f32, {M, F});
     l2.push_back({s2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2, f.dyq});
   }
-  linear_backward_grouped(be, l2);
-  l2_again.clear(), a_again.clear();
+  linear_backward_grouped(be, l2, wgrad_later);
+  if (!wgrad_later) l2_again.clear(), a_again.clear();
   // The pre-activations' gradients, made here rather than before W2's backward (which does not
   // need them), and handed to W1's and W3's, which free them once quantized (FP8 layers).
   for (size_t i = 0; i < groups.size(); ++i) {
@@ -193,14 +201,17 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups) 
     else
       ahead(l1.back(), &t[i].q1), ahead(l3.back(), &t[i].q3);
   }
-  if (!l13.empty()) linear_backward_grouped(be, l13);
-  if (!l1.empty()) linear_backward_grouped(be, l1);
-  for (Scratch& x : t) x.dh1.reset();
-  if (!l3.empty()) linear_backward_grouped(be, l3);
+  if (!l13.empty()) linear_backward_grouped(be, l13, wgrad_later);
+  if (!l1.empty()) linear_backward_grouped(be, l1, wgrad_later);
+  if (!wgrad_later)
+    for (Scratch& x : t) x.dh1.reset();
+  if (!l3.empty()) linear_backward_grouped(be, l3, wgrad_later);
   for (size_t i = 0; i < groups.size(); ++i) {
     const FfnGradGroup& f = groups[i];
     if (f.dx && !f.saved->fused) be.add(f.dx, t[i].dx3.f32(), f.dx, f.saved->l1.M * f.saved->l1.K);
+    if (wgrad_later) t[i].dx3.reset(), t[i].da.reset();
   }
+  if (wgrad_later) wgrad_later->steps.push_back([made] {});  // (what the steps read, freed after them)
 }
 
 }  // namespace fp8moe

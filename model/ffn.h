@@ -92,6 +92,9 @@ struct FfnGradGroup {
   const QuantView* dyq = nullptr;  // blockwise: dy already in 1 x T FP8 tiles (LinearGradGroup::dyq); dy unread
   double* dgate = nullptr;         // (M) written where the forward had gates (FfnSaved::gate)
 };
-void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups);
+// wgrad_later: the three layers' wgrad GEMMs left to it (linear_backward_grouped), with what they
+// read that is made here (a recomputation's W2 input, FP32 layers' pre-activation gradients); the
+// groups' saved state and dy the caller keeps until it runs.
+void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, LaterWork* wgrad_later = nullptr);
 
 }  // namespace fp8moe

@@ -175,10 +175,16 @@ void linear_backward(Backend& be, const LinearSaved& s, const float* W, const fl
   linear_backward_grouped(be, {LinearGradGroup{&s, W, dy, &fp8, dx, dW}});
 }
 
-void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups) {
+void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups, LaterWork* wgrad_later) {
   // dgrad: every group's gradient quantized, then one grouped call; wgrad after it, likewise.
   // Blockwise: dy's 1 x T (dgrad) and T x 1 (wgrad) copies from one read of it.
-  std::vector<QTensor> dyq(groups.size()), dyt(groups.size());
+  struct Copies {
+    std::vector<QTensor> dyq, dyt;
+  };
+  auto own = std::make_shared<Copies>();
+  own->dyq.resize(groups.size()), own->dyt.resize(groups.size());
+  std::vector<QTensor>& dyq = own->dyq;
+  std::vector<QTensor>& dyt = own->dyt;
   std::vector<QuantView> A, B;
   std::vector<float*> C;
   int64_t ldc = 0;
@@ -189,7 +195,6 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     const int64_t M = s.M, K = s.K, N = s.N;
     if (!fp8.enabled()) {
       if (l.dx) be.sgemm(false, false, M, K, N, 1.0f, l.dy, N, l.W, K, 0.0f, l.dx, K);
-      be.sgemm(true, false, N, K, M, 1.0f, l.dy, N, s.x, K, 1.0f, l.dW, K);
       continue;
     }
     const Fp8Config& c = *fp8.cfg;
@@ -201,10 +206,10 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
       A.push_back(*l.dyq), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
       continue;
     }
-    LinearGradQuant own;
-    if (!l.dy_ahead) quantize_output_grad(be, l, &own);
+    LinearGradQuant mine;
+    if (!l.dy_ahead) quantize_output_grad(be, l, &mine);
     if (l.dy_owned) l.dy_owned->reset();  // (read no more: only its FP8 copies)
-    LinearGradQuant& dq = l.dy_ahead ? *l.dy_ahead : own;
+    LinearGradQuant& dq = l.dy_ahead ? *l.dy_ahead : mine;
     dyq[g] = std::move(dq.q), dyt[g] = std::move(dq.t);  // (freed here as the ones made here)
     if (!l.dx) continue;
     A.push_back(dyq[g].view()), B.push_back(s.wq->view()), C.push_back(l.dx), ldc = K;
@@ -215,32 +220,44 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
     if (groups[g].fp8->enabled() && groups[g].fp8->cfg->recipe == Fp8Recipe::blockwise) dyq[g] = QTensor{};
   // wgrad, dW += dy^T x: per-tensor from the same FP8 gradient and the forward's FP8 input;
   // blockwise from both in T x 1 tiles (the reduction runs over tokens), quantized from FP32 (x
-  // with cache_activations from its 1 x T FP8 copy, re-tiled, as DeepSeek-V3 does).
-  std::vector<QTensor> xt(groups.size());
-  A.clear(), B.clear(), C.clear();
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const LinearGradGroup& l = groups[g];
-    const LinearSaved& s = *l.saved;
-    const LinearFp8& fp8 = *l.fp8;
-    if (!fp8.enabled()) continue;
-    const int64_t M = s.M, K = s.K;
-    ldc = K;
-    if (fp8.cfg->recipe != Fp8Recipe::blockwise) {
-      A.push_back(l.dyq ? *l.dyq : dyq[g].view()), B.push_back(s.has_xq_ext ? s.xq_ext : s.xq.view());
-      C.push_back(l.dW);
-      continue;
+  // with cache_activations from its 1 x T FP8 copy, re-tiled, as DeepSeek-V3 does). FP32 layers:
+  // dy^T x in FP32.
+  auto wgrad = [&be, groups, own] {
+    std::vector<QTensor> xt(groups.size());
+    std::vector<QuantView> A, B;
+    std::vector<float*> C;
+    int64_t ldc = 0;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const LinearGradGroup& l = groups[g];
+      const LinearSaved& s = *l.saved;
+      const LinearFp8& fp8 = *l.fp8;
+      const int64_t M = s.M, K = s.K, N = s.N;
+      if (!fp8.enabled()) {
+        be.sgemm(true, false, N, K, M, 1.0f, l.dy, N, s.x, K, 1.0f, l.dW, K);
+        continue;
+      }
+      ldc = K;
+      if (fp8.cfg->recipe != Fp8Recipe::blockwise) {
+        A.push_back(l.dyq ? *l.dyq : own->dyq[g].view()), B.push_back(s.has_xq_ext ? s.xq_ext : s.xq.view());
+        C.push_back(l.dW);
+        continue;
+      }
+      const Fp8Config& c = *fp8.cfg;
+      const QTensor* x = &s.xt;
+      if (!c.cache_activations) {
+        FP8MOE_ASSERT(s.xt.rows == M && s.xt.cols == K, "linear_backward: its forward kept no T x 1 input (LinearFp8::backward_follows was false)");
+      } else {
+        retile_cols(be, s.has_xq_ext ? s.xq_ext : s.xq.view(), c, &xt[g]);
+        x = &xt[g];
+      }
+      A.push_back(own->dyt[g].view()), B.push_back(x->view()), C.push_back(l.dW);
     }
-    const Fp8Config& c = *fp8.cfg;
-    const QTensor* x = &s.xt;
-    if (!c.cache_activations) {
-      FP8MOE_ASSERT(s.xt.rows == M && s.xt.cols == K, "linear_backward: its forward kept no T x 1 input (LinearFp8::backward_follows was false)");
-    } else {
-      retile_cols(be, s.has_xq_ext ? s.xq_ext : s.xq.view(), c, &xt[g]);
-      x = &xt[g];
-    }
-    A.push_back(dyt[g].view()), B.push_back(x->view()), C.push_back(l.dW);
-  }
-  if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
+    if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
+  };
+  if (wgrad_later)
+    wgrad_later->steps.push_back(std::move(wgrad));
+  else
+    wgrad();
 }
 
 void quantize_output_grad(Backend& be, const LinearGradGroup& l, LinearGradQuant* out) {

@@ -11,6 +11,8 @@
 // by recomputation and by dgrad. Per-tensor scales and amax values never leave device memory.
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 #include <vector>
 
@@ -136,7 +138,20 @@ struct LinearGradGroup {
   // soon as it has its copies, before the next group's dy exists.
   LinearGradQuant* dy_ahead = nullptr;
 };
-void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups);
+// Work a backward leaves for later: the weight-gradient GEMMs run behind the expert exchange of
+// the experts' input gradients (model/moe.cpp; the zero-bubble split of a backward into its input
+// and weight parts). run() does the steps in the order they were left and frees what they held.
+struct LaterWork {
+  std::vector<std::function<void()>> steps;
+  void run() {
+    for (auto& step : steps) step();
+    steps.clear();
+  }
+};
+// wgrad_later: the wgrad GEMMs (with dy's FP8 copies they read, made here) left to it, the same
+// GEMMs on the same operands; what the groups point at (saved, dy, dyq) the caller keeps until it
+// runs.
+void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups, LaterWork* wgrad_later = nullptr);
 // The output gradient's FP8 copies that linear_backward_grouped makes of l.dy (an FP8 layer's):
 // blockwise its 1 x T tiles (dgrad; only where l.dx is wanted) and its T x 1 tiles (wgrad), from
 // one read; a per-tensor recipe its one copy in the gradient format (delayed scaling's amax

@@ -131,29 +131,40 @@ QuantView row_slice(const QTensor& q, int64_t r0, int64_t rows) {
 // rows (R, D) rounded to BF16 where they stay on this rank, or sent as BF16 to the experts' ranks
 // and widened there into *out (plan.received rows). Returns the FP32 rows the experts read.
 // per_token: the rows are the same for each of a token's experts (ExpertDispatcher::dispatch).
+// later: posted; *out holds the rows once later->finish() has run.
 const float* bf16_dispatch(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan, float* rows, int64_t R,
-                           int64_t D, Tensor* out, bool per_token) {
+                           int64_t D, Tensor* out, bool per_token, ExchangeLater* later = nullptr) {
   if (!ep) {
     be.round_bf16(rows, rows, R * D);
     return rows;
   }
-  Tensor r16(be, DType::bf16, {R, D}), l16;
-  be.to_bf16(rows, r16.data<uint16_t>(), R * D);
-  ep->dispatch(plan, r16.data<uint16_t>(), D, &l16, per_token);
+  auto r16 = std::make_shared<Tensor>(be, DType::bf16, Shape{R, D});
+  auto l16 = std::make_shared<Tensor>();
+  be.to_bf16(rows, r16->data<uint16_t>(), R * D);
+  ep->dispatch(plan, r16->data<uint16_t>(), D, l16.get(), per_token, later);
   *out = Tensor(be, DType::f32, {plan.received, D});
-  be.from_bf16(l16.data<uint16_t>(), out->f32(), plan.received * D);
+  auto widen_rows = [&be, l16, out, n = plan.received * D] {
+    be.from_bf16(l16->data<uint16_t>(), out->f32(), n);
+    l16->reset();
+  };
+  if (later)
+    later->keep(r16), later->then(widen_rows);
+  else
+    widen_rows();
   return out->f32();
 }
 
 // The experts' rows (rows_in, D) FP32 -> BF16, brought back to their senders (R rows) in BF16.
-// summed: the caller only sums each token's rows (ExpertDispatcher::combine).
+// summed: the caller only sums each token's rows (ExpertDispatcher::combine). later: posted; the
+// rows are there once later->finish() has run.
 Tensor bf16_combine(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan, const float* rows, int64_t rows_in,
-                    int64_t R, int64_t D, bool summed) {
-  Tensor r16(be, DType::bf16, {rows_in, D});
-  be.to_bf16(rows, r16.data<uint16_t>(), rows_in * D);
-  if (!ep) return r16;
+                    int64_t R, int64_t D, bool summed, ExchangeLater* later = nullptr) {
+  auto r16 = std::make_shared<Tensor>(be, DType::bf16, Shape{rows_in, D});
+  be.to_bf16(rows, r16->data<uint16_t>(), rows_in * D);
+  if (!ep) return std::move(*r16);
   Tensor out(be, DType::bf16, {R, D});
-  ep->combine(plan, r16.data<uint16_t>(), D, out.data<uint16_t>(), summed);
+  ep->combine(plan, r16->data<uint16_t>(), D, out.data<uint16_t>(), summed, later);
+  if (later) later->keep(r16);
   return out;
 }
 
@@ -217,12 +228,19 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
 
-  // Shared experts see every token.
-  if (has_shared(w))
-    ffn_forward(be, x, N, D, int64_t(cfg.n_shared_experts) * F, w.shared, fp8.shared, out, &s.shared, activations,
-                rebuild_a);
-  else
-    be.zero(out, size_t(N * D) * sizeof(float));
+  // Shared experts see every token. With expert parallelism and runtime.overlap_expert_comm they
+  // run while the routed rows travel (posted below, done at `later`); else first, before the routed
+  // rows exist.
+  auto shared_forward = [&] {
+    if (has_shared(w))
+      ffn_forward(be, x, N, D, int64_t(cfg.n_shared_experts) * F, w.shared, fp8.shared, out, &s.shared, activations,
+                  rebuild_a);
+    else
+      be.zero(out, size_t(N * D) * sizeof(float));
+  };
+  ExchangeLater posted;
+  ExchangeLater* later = ep && ep->overlap() ? &posted : nullptr;
+  if (!later) shared_forward();
 
   // Routed experts: permute, (expert parallelism: send each row to its expert's rank,) one FFN per
   // expert on its rows (possibly none), (bring the outputs back,) unpermute with gates.
@@ -235,18 +253,24 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   be.permute(x, r.row_token.data<int64_t>(), R, D, s.xr.f32());
   const float* xin = s.xr.f32();
   s.xq = QTensor{};
+  bool xr_sent = false;  // the experts read what was sent: xr is done with once it is
   if (wire.fp8_in) {  // quantized once, here; the experts' first GEMM reads these bytes
     QTensor q = quantize_wire(be, s.xr.f32(), R, D, fp8.experts.front().w1, Fp8Dtype::e4m3, ep, &s.routing.wire_scale);
     s.xr.reset();
-    if (ep) ep->dispatch(r.plan, q, &s.xq, true);
-    else s.xq = std::move(q);
+    if (ep) {
+      auto sent = std::make_shared<QTensor>(std::move(q));
+      ep->dispatch(r.plan, *sent, &s.xq, true, later);
+      if (later) later->keep(sent);
+    } else {
+      s.xq = std::move(q);
+    }
     xin = nullptr;
   } else if (wire.bf16) {
-    xin = bf16_dispatch(be, ep, r.plan, s.xr.f32(), R, D, &s.xl, true);
-    if (ep) s.xr.reset();
+    xin = bf16_dispatch(be, ep, r.plan, s.xr.f32(), R, D, &s.xl, true, later);
+    xr_sent = ep != nullptr;
   } else if (ep) {
-    ep->dispatch(r.plan, s.xr.f32(), D, &s.xl, true);
-    s.xr.reset();  // the experts read xl
+    ep->dispatch(r.plan, s.xr.f32(), D, &s.xl, true, later);
+    xr_sent = true;
     xin = s.xl.f32();
   }
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
@@ -256,11 +280,20 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   const bool gated = w.gates == GateSite::expert;
   FP8MOE_ASSERT(!gated || routed_here || s.gate_rows.backend(), "MoE: a recomputation without its rows' gates");
   if (gated && routed_here) {
-    Tensor g(be, DType::f32, {R});
-    be.row_gates(rb, R, g.f32());
-    if (ep) ep->dispatch(r.plan, g.f32(), 1, &s.gate_rows);
-    else s.gate_rows = std::move(g);
+    auto g = std::make_shared<Tensor>(be, DType::f32, Shape{R});
+    be.row_gates(rb, R, g->f32());
+    if (ep) {
+      ep->dispatch(r.plan, g->f32(), 1, &s.gate_rows, false, later);
+      if (later) later->keep(g);
+    } else {
+      s.gate_rows = std::move(*g);
+    }
   }
+  if (later) {
+    shared_forward();
+    later->finish();
+  }
+  if (xr_sent) s.xr.reset();  // the experts read xl
   Tensor y(be, DType::f32, {rows_in, D});
   s.experts.clear();
   s.experts.resize(static_cast<size_t>(L));
@@ -312,10 +345,18 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
   const int64_t N = r.N, E = r.E, k = r.k, R = r.rows;
-  if (has_shared(w))
-    ffn_backward(be, s.shared, w.shared, dout, fp8.shared, dx, g.shared);
-  else
-    be.zero(dx, size_t(N * D) * sizeof(float));
+  // The shared experts' backward: with expert parallelism and runtime.overlap_expert_comm while the
+  // output gradients' rows travel to the experts (posted below, done at `later`); else first,
+  // before those rows exist.
+  auto shared_backward = [&] {
+    if (has_shared(w))
+      ffn_backward(be, s.shared, w.shared, dout, fp8.shared, dx, g.shared);
+    else
+      be.zero(dx, size_t(N * D) * sizeof(float));
+  };
+  ExchangeLater posted;
+  ExchangeLater* later = ep && ep->overlap() ? &posted : nullptr;
+  if (!later) shared_backward();
 
   // Per permuted row: the gradient of the expert's output (gate x dout) and of the gate; with the
   // gates in the experts (train.moe_gates expert), dout's rows, the gates' gradient made there.
@@ -337,14 +378,23 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     Tensor scale;
     QTensor q = quantize_wire(be, dye.f32(), R, D, w2, grad_dtype(*w2.cfg), ep, &scale);
     dye.reset();
-    if (ep) ep->dispatch(r.plan, q, &dyq, gated);
-    else dyq = std::move(q);
+    if (ep) {
+      auto sent = std::make_shared<QTensor>(std::move(q));
+      ep->dispatch(r.plan, *sent, &dyq, gated, later);
+      if (later) later->keep(sent);
+    } else {
+      dyq = std::move(q);
+    }
     dyin = nullptr;
   } else if (wire.bf16) {
-    dyin = bf16_dispatch(be, ep, r.plan, dye.f32(), R, D, &dyl, gated);
+    dyin = bf16_dispatch(be, ep, r.plan, dye.f32(), R, D, &dyl, gated, later);
   } else if (ep) {
-    ep->dispatch(r.plan, dye.f32(), D, &dyl, gated);
+    ep->dispatch(r.plan, dye.f32(), D, &dyl, gated, later);
     dyin = dyl.f32();
+  }
+  if (later) {
+    shared_backward();
+    later->finish();
   }
   const int64_t L = int64_t(r.local_rows.size());
   const int64_t rows_in = std::accumulate(r.local_rows.begin(), r.local_rows.end(), int64_t(0));
@@ -358,27 +408,32 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     if (wire.fp8_grad) dq[size_t(e)] = row_slice(dyq, r0, r.local_rows[size_t(e)]), groups.back().dyq = &dq[size_t(e)];
     if (gated) groups.back().dgate = dgate_rows.data<double>() + r0;
   }
-  ffn_backward_grouped(be, groups);
-  if (gated) {  // the gates' gradients back to their (token, slot)
-    Tensor back;
-    if (ep) {
-      back = Tensor(be, DType::f64, {R});
-      ep->combine(r.plan, dgate_rows.data<double>(), 1, back.data<double>());
-    } else {
-      back = std::move(dgate_rows);
-    }
-    be.slot_grads(rb, R, back.data<double>(), dgate.data<double>());
+  // The experts' weight gradients run while their input gradients travel back (the combines
+  // posted, done after them); else in line, as the layers run them.
+  LaterWork wgrad;
+  ffn_backward_grouped(be, groups, later ? &wgrad : nullptr);
+  Tensor back;  // the gates' gradients, back to their (token, slot)
+  if (gated && ep) {
+    back = Tensor(be, DType::f64, {R});
+    ep->combine(r.plan, dgate_rows.data<double>(), 1, back.data<double>(), later);
+  } else if (gated) {
+    back = std::move(dgate_rows);
   }
-  dyq = QTensor{}, dyl.reset();
-  Tensor dxe;
+  if (!later) dyq = QTensor{}, dyl.reset();  // (read no more: no weight gradient waits for them)
+  Tensor dxe, dx16;
   if (wire.bf16) {  // combine's backward in BF16 too
-    dxe = widen(be, bf16_combine(be, ep, r.plan, dxl.f32(), rows_in, R, D, true));
+    dx16 = bf16_combine(be, ep, r.plan, dxl.f32(), rows_in, R, D, true, later);
   } else if (ep) {
     dxe = Tensor(be, DType::f32, {R, D});
-    ep->combine(r.plan, dxl.f32(), D, dxe.f32(), true);
+    ep->combine(r.plan, dxl.f32(), D, dxe.f32(), true, later);
   } else {
     dxe = std::move(dxl);
   }
+  wgrad.run();
+  if (later) later->finish();
+  dyq = QTensor{}, dyl.reset(), dxl.reset();
+  if (gated) be.slot_grads(rb, R, back.data<double>(), dgate.data<double>());
+  if (wire.bf16) dxe = widen(be, dx16), dx16.reset();
   be.unpermute_add(rb, R, dxe.f32(), D, false, dx);  // a token's k rows add into one row, in row order
   if (tp) {  // each rank holds a slice of every expert's width: partial sums so far
     tp->allreduce_sum(dx, N * D);

@@ -67,6 +67,12 @@ class Communicator {
     allreduce_sum(data, n);
     return 0;
   }
+  // alltoallv, posted (the expert exchange behind the shared expert's and the experts' weight-
+  // gradient work: model/moe.h). The counts are read at the post only.
+  virtual int64_t ialltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) {
+    alltoallv(send, send_counts, recv, recv_counts);
+    return 0;
+  }
   virtual void wait(int64_t /*ticket*/) {}
   virtual void progress() {}
   virtual bool overlaps() const { return false; }

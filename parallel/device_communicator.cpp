@@ -64,6 +64,11 @@ class EmulatedCommunicator final : public Communicator {
     counted([&] { t = mpi_.iallreduce_sum(h(d), n); });
     return t;
   }
+  int64_t ialltoallv(const float* send, const int64_t* sc, float* recv, const int64_t* rc) override {
+    int64_t t = 0;
+    counted([&] { t = mpi_.ialltoallv(h(send), sc, h(recv), rc); });
+    return t;
+  }
   void wait(int64_t ticket) override { mpi_.wait(ticket); }
   void progress() override { mpi_.progress(); }
   bool overlaps() const override { return true; }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <exception>
+#include <functional>
 #include <numeric>
 
 #include "kernels/backend.h"
@@ -266,9 +268,35 @@ void block_offsets(const DispatchPlan& p, std::vector<int64_t>* source_major, st
 
 // The communicator moves FP32 values; every format's rows are whole 32-bit words of bytes, which
 // it moves unchanged (an all-to-all does no arithmetic).
+ExchangeLater::~ExchangeLater() {
+  if (!steps_.empty() && std::uncaught_exceptions() == 0) finish();  // (an unwinding rank waits for nothing)
+}
+
+void ExchangeLater::finish() {
+  for (auto& step : steps_) step();
+  steps_.clear(), kept_.clear();
+}
+
+void ExpertDispatcher::exchange(const void* send, const std::vector<int64_t>& sc, void* recv,
+                                const std::vector<int64_t>& rc, ExchangeLater* later, std::function<void()> then) {
+  count(sc);
+  const auto* s = static_cast<const float*>(send);
+  auto* r = static_cast<float*>(recv);
+  if (!later) {
+    rows_.alltoallv(s, sc.data(), r, rc.data());
+    if (then) then();
+    return;
+  }
+  const int64_t ticket = rows_.ialltoallv(s, sc.data(), r, rc.data());
+  later->steps_.push_back([this, ticket, then = std::move(then)] {
+    rows_.wait(ticket);
+    if (then) then();
+  });
+}
+
 void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out,
-                                      bool per_token) {
-  if (per_token && p.relay) return relay_bytes(p, rows, row_bytes, out);
+                                      bool per_token, ExchangeLater* later) {
+  if (per_token && p.relay) return relay_bytes(p, rows, row_bytes, out, later);
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert dispatch: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const int P = p.ranks, L = p.local_experts;
   const int64_t words = row_bytes / 4;
@@ -277,18 +305,17 @@ void ExpertDispatcher::dispatch_bytes(const DispatchPlan& p, const void* rows, i
     sc[size_t(j)] = p.send_rows[size_t(j)] * words;
     for (int l = 0; l < L; ++l) rc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * words;
   }
-  Tensor buf(be_, DType::f32, {p.received * words});
-  count(sc);
-  rows_.alltoallv(static_cast<const float*>(rows), sc.data(), buf.f32(), rc.data());
+  auto buf = std::make_shared<Tensor>(be_, DType::f32, Shape{p.received * words});
   // Source-major -> expert-major: P x L contiguous blocks moved on the device.
   std::vector<int64_t> src_off, dst_off;
   block_offsets(p, &src_off, &dst_off);
-  auto* o = static_cast<char*>(out);
-  const auto* b = static_cast<const char*>(buf.raw());
-  for (int i = 0; i < P * L; ++i)
-    if (p.recv_counts[size_t(i)] > 0)
-      be_.copy(o + dst_off[size_t(i)] * row_bytes, b + src_off[size_t(i)] * row_bytes,
-               size_t(p.recv_counts[size_t(i)] * row_bytes));
+  exchange(rows, sc, buf->raw(), rc, later,
+           [this, buf, out = static_cast<char*>(out), counts = p.recv_counts, src_off, dst_off, row_bytes] {
+             const auto* b = static_cast<const char*>(buf->raw());
+             for (size_t i = 0; i < counts.size(); ++i)
+               if (counts[i] > 0)
+                 be_.copy(out + dst_off[i] * row_bytes, b + src_off[i] * row_bytes, size_t(counts[i] * row_bytes));
+           });
 }
 
 // rows[index[i]] -> out[i], rows of `words` 32-bit words moved unchanged; the index uploaded for
@@ -302,30 +329,37 @@ void ExpertDispatcher::gather_rows(const void* rows, const std::vector<int64_t>&
 // The relay's two exchanges: rows gathered into the first exchange's order, out to this node's
 // ranks and other nodes' relays; the relayed rows gathered and forwarded in the node; the experts'
 // rows gathered from both arrivals. Gathers move 32-bit words unchanged, as the exchanges do.
-void ExpertDispatcher::relay_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
+// Posted (later), the first exchange is the one posted: it carries the rows across nodes.
+void ExpertDispatcher::relay_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out,
+                                   ExchangeLater* later) {
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert dispatch: rows of ", row_bytes, " bytes are not whole 32-bit words");
-  const DispatchPlan::Relay& y = *p.relay;
+  const std::shared_ptr<const DispatchPlan::Relay> relay = p.relay;
+  const DispatchPlan::Relay& y = *relay;
   const int64_t words = row_bytes / 4;
-  const std::vector<int64_t> sc1 = in_words(y.send1, words), rc1 = in_words(y.recv1, words),
-                             sc2 = in_words(y.send2, words), rc2 = in_words(y.recv2, words);
-  Tensor send1(be_, DType::f32, {int64_t(y.gather1.size()) * words});
-  gather_rows(rows, y.gather1, words, send1.raw());
-  Tensor arrived(be_, DType::f32, {(y.arrived1 + y.arrived2) * words});  // [first | relayed]
-  count(sc1);
-  rows_.alltoallv(send1.f32(), sc1.data(), arrived.f32(), rc1.data());
-  send1.reset();
-  Tensor send2(be_, DType::f32, {int64_t(y.gather2.size()) * words});
-  gather_rows(arrived.raw(), y.gather2, words, send2.raw());
-  count(sc2);
-  rows_.alltoallv(send2.f32(), sc2.data(), arrived.f32() + y.arrived1 * words, rc2.data());
-  send2.reset();
-  FP8MOE_ASSERT(int64_t(y.gather_out.size()) == p.received, "expert dispatch: the relay's plan gathers ",
-                y.gather_out.size(), " rows of ", p.received);
-  gather_rows(arrived.raw(), y.gather_out, words, out);
+  const std::vector<int64_t> sc1 = in_words(y.send1, words), rc1 = in_words(y.recv1, words);
+  auto send1 = std::make_shared<Tensor>(be_, DType::f32, Shape{int64_t(y.gather1.size()) * words});
+  gather_rows(rows, y.gather1, words, send1->raw());
+  auto arrived = std::make_shared<Tensor>(be_, DType::f32, Shape{(y.arrived1 + y.arrived2) * words});  // [first | relayed]
+  const int64_t received = p.received;
+  exchange(send1->raw(), sc1, arrived->raw(), rc1, later, [this, relay, send1, arrived, words, received, out]() mutable {
+    const DispatchPlan::Relay& y = *relay;
+    send1->reset();
+    Tensor send2(be_, DType::f32, {int64_t(y.gather2.size()) * words});
+    gather_rows(arrived->raw(), y.gather2, words, send2.raw());
+    exchange(send2.raw(), in_words(y.send2, words), arrived->f32() + y.arrived1 * words, in_words(y.recv2, words),
+             nullptr, {});
+    send2.reset();
+    FP8MOE_ASSERT(int64_t(y.gather_out.size()) == received, "expert dispatch: the relay's plan gathers ",
+                  y.gather_out.size(), " rows of ", received);
+    gather_rows(arrived->raw(), y.gather_out, words, out);
+  });
 }
 
-void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, int64_t D, bool bf16, void* out) {
-  const DispatchPlan::Relay& y = *p.relay;
+// Posted (later), the last exchange is the one posted: it carries the sums back across nodes.
+void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, int64_t D, bool bf16, void* out,
+                                     ExchangeLater* later) {
+  const std::shared_ptr<const DispatchPlan::Relay> relay = p.relay;
+  const DispatchPlan::Relay& y = *relay;
   const int64_t row_bytes = D * (bf16 ? 2 : 4);
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert combine: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const int64_t words = row_bytes / 4;
@@ -334,8 +368,7 @@ void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, in
                              sc1 = in_words(y.recv1, words), rc1 = in_words(y.send1, words);
   Tensor send2(be_, DType::f32, {y.arrived2 * words}), at_relay(be_, DType::f32, {int64_t(y.gather2.size()) * words});
   gather_rows(rows, y.back2, words, send2.raw());
-  count(sc2);
-  rows_.alltoallv(send2.f32(), sc2.data(), at_relay.f32(), rc2.data());
+  exchange(send2.raw(), sc2, at_relay.raw(), rc2, nullptr, {});
   send2.reset();
   // [the experts' rows | the relay's sums], back through the first exchange.
   Tensor both(be_, DType::f32, {(p.received + y.sums) * words});
@@ -351,26 +384,28 @@ void ExpertDispatcher::relay_combine(const DispatchPlan& p, const void* rows, in
                    reinterpret_cast<float*>(sums));
   }
   at_relay.reset();
-  Tensor send1(be_, DType::f32, {y.arrived1 * words});
-  gather_rows(both.raw(), y.back1, words, send1.raw());
+  auto send1 = std::make_shared<Tensor>(be_, DType::f32, Shape{y.arrived1 * words});
+  gather_rows(both.raw(), y.back1, words, send1->raw());
   both.reset();
   const int64_t back = int64_t(y.gather1.size());
-  Tensor arrived(be_, DType::f32, {(back + 1) * words});  // [arrivals | a zero row]
-  be_.zero(static_cast<char*>(arrived.raw()) + back * row_bytes, size_t(row_bytes));
-  count(sc1);
-  rows_.alltoallv(send1.f32(), sc1.data(), arrived.f32(), rc1.data());
-  gather_rows(arrived.raw(), y.back_out, words, out);
+  auto arrived = std::make_shared<Tensor>(be_, DType::f32, Shape{(back + 1) * words});  // [arrivals | a zero row]
+  be_.zero(static_cast<char*>(arrived->raw()) + back * row_bytes, size_t(row_bytes));
+  exchange(send1->raw(), sc1, arrived->raw(), rc1, later, [this, relay, send1, arrived, words, out] {
+    send1->reset();
+    gather_rows(arrived->raw(), relay->back_out, words, out);
+  });
 }
 
-void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out) {
+void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, int64_t row_bytes, void* out,
+                                     ExchangeLater* later) {
   FP8MOE_ASSERT(row_bytes % 4 == 0, "expert combine: rows of ", row_bytes, " bytes are not whole 32-bit words");
   const int P = p.ranks, L = p.local_experts;
   const int64_t words = row_bytes / 4;
   // Expert-major -> source-major, then back to the senders.
-  Tensor buf(be_, DType::f32, {p.received * words});
+  auto buf = std::make_shared<Tensor>(be_, DType::f32, Shape{p.received * words});
   std::vector<int64_t> src_off, dst_off;
   block_offsets(p, &dst_off, &src_off);
-  auto* b = static_cast<char*>(buf.raw());
+  auto* b = static_cast<char*>(buf->raw());
   const auto* r = static_cast<const char*>(rows);
   for (int i = 0; i < P * L; ++i)
     if (p.recv_counts[size_t(i)] > 0)
@@ -381,45 +416,49 @@ void ExpertDispatcher::combine_bytes(const DispatchPlan& p, const void* rows, in
     for (int l = 0; l < L; ++l) sc[size_t(j)] += p.recv_counts[size_t(j * L + l)] * words;
     rc[size_t(j)] = p.send_rows[size_t(j)] * words;
   }
-  count(sc);
-  rows_.alltoallv(buf.f32(), sc.data(), static_cast<float*>(out), rc.data());
+  exchange(buf->raw(), sc, out, rc, later, [buf] {});  // (the staging alive until the exchange is done)
 }
 
-void ExpertDispatcher::dispatch(const DispatchPlan& p, const float* rows, int64_t D, Tensor* out, bool per_token) {
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const float* rows, int64_t D, Tensor* out, bool per_token,
+                                ExchangeLater* later) {
   *out = Tensor(be_, DType::f32, {p.received, D});
-  dispatch_bytes(p, rows, D * int64_t(sizeof(float)), out->raw(), per_token);
+  dispatch_bytes(p, rows, D * int64_t(sizeof(float)), out->raw(), per_token, later);
 }
 
-void ExpertDispatcher::combine(const DispatchPlan& p, const float* rows, int64_t D, float* out, bool summed) {
-  if (summed && p.relay) return relay_combine(p, rows, D, false, out);
-  combine_bytes(p, rows, D * int64_t(sizeof(float)), out);
+void ExpertDispatcher::combine(const DispatchPlan& p, const float* rows, int64_t D, float* out, bool summed,
+                               ExchangeLater* later) {
+  if (summed && p.relay) return relay_combine(p, rows, D, false, out, later);
+  combine_bytes(p, rows, D * int64_t(sizeof(float)), out, later);
 }
 
-void ExpertDispatcher::dispatch(const DispatchPlan& p, const uint16_t* rows, int64_t D, Tensor* out, bool per_token) {
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const uint16_t* rows, int64_t D, Tensor* out, bool per_token,
+                                ExchangeLater* later) {
   *out = Tensor(be_, DType::bf16, {p.received, D});
-  dispatch_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out->raw(), per_token);
+  dispatch_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out->raw(), per_token, later);
 }
 
-void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int64_t D, uint16_t* out, bool summed) {
-  if (summed && p.relay) return relay_combine(p, rows, D, true, out);
-  combine_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out);
+void ExpertDispatcher::combine(const DispatchPlan& p, const uint16_t* rows, int64_t D, uint16_t* out, bool summed,
+                               ExchangeLater* later) {
+  if (summed && p.relay) return relay_combine(p, rows, D, true, out, later);
+  combine_bytes(p, rows, D * int64_t(sizeof(uint16_t)), out, later);
 }
 
-void ExpertDispatcher::combine(const DispatchPlan& p, const double* rows, int64_t D, double* out) {
-  combine_bytes(p, rows, D * int64_t(sizeof(double)), out);
+void ExpertDispatcher::combine(const DispatchPlan& p, const double* rows, int64_t D, double* out, ExchangeLater* later) {
+  combine_bytes(p, rows, D * int64_t(sizeof(double)), out, later);
 }
 
-void ExpertDispatcher::dispatch(const DispatchPlan& p, const QTensor& rows, QTensor* out, bool per_token) {
+void ExpertDispatcher::dispatch(const DispatchPlan& p, const QTensor& rows, QTensor* out, bool per_token,
+                                ExchangeLater* later) {
   FP8MOE_ASSERT(rows.tiling == Tiling::rows_1xT || rows.tiling == Tiling::per_tensor,
                 "FP8 expert dispatch takes rows in 1 x T tiles or with one scale");
   const int64_t D = rows.cols, S = tiling_scale_cols(rows.tiling, rows.tile, D);
   *out = QTensor(be_, p.received, D, rows.dtype, rows.tiling, rows.tile);
-  dispatch_bytes(p, rows.data.raw(), D, out->data.raw(), per_token);
+  dispatch_bytes(p, rows.data.raw(), D, out->data.raw(), per_token, later);
   if (rows.tiling == Tiling::per_tensor) {  // the group's one scale, which every rank holds
     be_.copy(out->scale_inv.raw(), rows.scale_inv.raw(), sizeof(float));
     return;
   }
-  dispatch_bytes(p, rows.scale_inv.raw(), S * int64_t(sizeof(float)), out->scale_inv.raw(), per_token);
+  dispatch_bytes(p, rows.scale_inv.raw(), S * int64_t(sizeof(float)), out->scale_inv.raw(), per_token, later);
 }
 
 }  // namespace fp8moe

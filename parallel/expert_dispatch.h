@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -80,6 +81,30 @@ struct DispatchPlan {
   std::shared_ptr<const Relay> relay;  // shared: the plan is kept with a forward's routing
 };
 
+// Exchanges posted and not yet done (the `later` argument of ExpertDispatcher's exchanges): the
+// rows go out at the post while the caller computes (the MoE layer's shared expert, the experts'
+// weight gradients: model/moe.h), and finish() waits for them and puts the rows where the exchange
+// puts them. Until then the rows sent stay unchanged and alive (keep() holds what the caller would
+// free) and the output is not read. Every rank of the group posts and finishes the same exchanges
+// in the same order (the communicator's rule). Destroyed unfinished, it finishes.
+class ExchangeLater {
+ public:
+  ExchangeLater() = default;
+  ExchangeLater(const ExchangeLater&) = delete;
+  ExchangeLater& operator=(const ExchangeLater&) = delete;
+  ~ExchangeLater();
+  void finish();
+  bool pending() const { return !steps_.empty(); }
+  void keep(std::shared_ptr<const void> x) { kept_.push_back(std::move(x)); }
+  // The caller's work on the arrived rows (a widening), run by finish() after the exchanges.
+  void then(std::function<void()> step) { steps_.push_back(std::move(step)); }
+
+ private:
+  friend class ExpertDispatcher;
+  std::vector<std::function<void()>> steps_;
+  std::vector<std::shared_ptr<const void>> kept_;
+};
+
 class ExpertDispatcher {
  public:
   // rows: the expert group's communicator on the backend's memory (the rows' all-to-all-v);
@@ -98,22 +123,30 @@ class ExpertDispatcher {
   // sender's order. Backend memory.
   // per_token: the rows of one token are the same for all its experts, so the relay may send them
   // across nodes once (it does where the plan has one).
-  void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, Tensor* out, bool per_token = false);
+  // later (every exchange): posted, and done at later->finish() (ExchangeLater); through the relay,
+  // the exchange across nodes is the one posted (dispatch: the first, combine: the last), the
+  // other runs in line (at the finish, at the post).
+  void dispatch(const DispatchPlan& plan, const float* rows, int64_t D, Tensor* out, bool per_token = false,
+                ExchangeLater* later = nullptr);
   // Collective, the reverse: rows (plan.received, D) laid out as dispatch's output; out: (sum of
   // counts, D) in this rank's dispatch input order. Backend memory.
   // summed: the caller only sums each token's rows (unweighted), so the relay may send their sum
   // across once per node (it does where the plan has one).
-  void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out, bool summed = false);
+  void combine(const DispatchPlan& plan, const float* rows, int64_t D, float* out, bool summed = false,
+               ExchangeLater* later = nullptr);
 
   // The same exchanges of other row formats (train.activations bf16), the bytes moved unchanged:
   // BF16 rows (D values of 2 bytes), and FP8 rows with their scales (DeepEP's FP8 dispatch): a
   // QTensor of 1 x T tiles, each row's D bytes and its ceil(D / T) FP32 scales going together;
   // D (and so every row) is a whole number of 32-bit words: D a multiple of 4 (BF16: even).
-  void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out, bool per_token = false);
-  void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out, bool summed = false);
+  void dispatch(const DispatchPlan& plan, const uint16_t* rows, int64_t D, Tensor* out, bool per_token = false,
+                ExchangeLater* later = nullptr);
+  void combine(const DispatchPlan& plan, const uint16_t* rows, int64_t D, uint16_t* out, bool summed = false,
+               ExchangeLater* later = nullptr);
   // FP64 rows back (train.moe_gates expert: the gates' gradients the experts computed, D = 1).
-  void combine(const DispatchPlan& plan, const double* rows, int64_t D, double* out);
-  void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out, bool per_token = false);
+  void combine(const DispatchPlan& plan, const double* rows, int64_t D, double* out, ExchangeLater* later = nullptr);
+  void dispatch(const DispatchPlan& plan, const QTensor& rows, QTensor* out, bool per_token = false,
+                ExchangeLater* later = nullptr);
   // Per-tensor FP8 rows (the per-tensor recipes): the D bytes of each row only. The scale is not
   // sent: the caller made it the same on every rank of the group (its amax reduced by
   // reduce_amax), and out takes this rank's.
@@ -126,6 +159,10 @@ class ExpertDispatcher {
   // dedup (runtime.node_dedup): relay the per-token rows across nodes where the group spans them.
   void set_nodes(std::vector<int64_t> node, bool dedup = false);
   bool same_node(int rank) const { return nodes_.same(rank, rows_.rank()); }
+  // runtime.overlap_expert_comm: the MoE layer posts its exchanges (`later`) and computes behind
+  // them (model/moe.cpp); false: every exchange in line. Default on.
+  void set_overlap(bool on) { overlap_ = on; }
+  bool overlap() const { return overlap_; }
   bool spans_nodes() const;
   bool relays() const { return dedup_ && spans_nodes(); }
   const NodeMap& nodes() const { return nodes_; }
@@ -147,13 +184,18 @@ class ExpertDispatcher {
   // The exchanges over rows of row_bytes bytes each (a multiple of 4): dispatch into `out`
   // (plan.received rows, expert-major), combine into `out` (this rank's sent rows, its order).
   // per_token: through the plan's relay where it has one.
-  void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out, bool per_token);
-  void relay_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+  void dispatch_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out, bool per_token,
+                      ExchangeLater* later);
+  void relay_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out, ExchangeLater* later);
+  // One all-to-all-v of 32-bit words (its bytes counted), then `then`: in line, or posted with the
+  // wait and `then` left to later.
+  void exchange(const void* send, const std::vector<int64_t>& sc, void* recv, const std::vector<int64_t>& rc,
+                ExchangeLater* later, std::function<void()> then);
   void gather_rows(const void* rows, const std::vector<int64_t>& index, int64_t words, void* out);
   // The summed combine through the relay: rows of D FP32 or BF16 values.
-  void relay_combine(const DispatchPlan& plan, const void* rows, int64_t D, bool bf16, void* out);
+  void relay_combine(const DispatchPlan& plan, const void* rows, int64_t D, bool bf16, void* out, ExchangeLater* later);
   void plan_relay(const int64_t* counts, const int64_t* row_token, DispatchPlan* plan);
-  void combine_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out);
+  void combine_bytes(const DispatchPlan& plan, const void* rows, int64_t row_bytes, void* out, ExchangeLater* later);
 
   void count(const std::vector<int64_t>& send_words);
 
@@ -162,6 +204,7 @@ class ExpertDispatcher {
   int experts_ = 0, local_ = 0;
   NodeMap nodes_;
   bool dedup_ = false;
+  bool overlap_ = true;
   NodeBytes node_bytes_;
   RelayRows relay_rows_;
 };

@@ -104,18 +104,25 @@ void MpiCommunicator::alltoall(const int64_t* send, int64_t* recv, int64_t n) {
   MPI_CHECK(MPI_Alltoall(send, as_count(n, "alltoall"), MPI_INT64_T, recv, int(n), MPI_INT64_T, comm_));
 }
 
+std::vector<int> MpiCommunicator::alltoallv_counts(const int64_t* send_counts, const int64_t* recv_counts) {
+  const auto p = static_cast<size_t>(size_);
+  std::vector<int> c(4 * p);  // [sc | sd | rc | rd]
+  int64_t so = 0, ro = 0;
+  for (size_t j = 0; j < p; ++j) {
+    c[j] = as_count(send_counts[j], "alltoallv"), c[2 * p + j] = as_count(recv_counts[j], "alltoallv");
+    c[p + j] = as_count(so, "alltoallv offset"), c[3 * p + j] = as_count(ro, "alltoallv offset");
+    so += send_counts[j], ro += recv_counts[j];
+    if (int(j) != rank_) bytes_sent_ += send_counts[j] * 4;
+  }
+  return c;
+}
+
 void MpiCommunicator::alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) {
   const WatchScope watch("alltoallv", name_);
-  const auto p = static_cast<size_t>(size_);
-  std::vector<int> sc(p), sd(p), rc(p), rd(p);
-  int64_t so = 0, ro = 0;
-  for (int j = 0; j < size_; ++j) {
-    sc[j] = as_count(send_counts[j], "alltoallv"), rc[j] = as_count(recv_counts[j], "alltoallv");
-    sd[j] = as_count(so, "alltoallv offset"), rd[j] = as_count(ro, "alltoallv offset");
-    so += send_counts[j], ro += recv_counts[j];
-    if (j != rank_) bytes_sent_ += send_counts[j] * 4;
-  }
-  MPI_CHECK(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_FLOAT, recv, rc.data(), rd.data(), MPI_FLOAT, comm_));
+  const std::vector<int> c = alltoallv_counts(send_counts, recv_counts);
+  const int* v = c.data();
+  const size_t p = static_cast<size_t>(size_);
+  MPI_CHECK(MPI_Alltoallv(send, v, v + p, MPI_FLOAT, recv, v + 2 * p, v + 3 * p, MPI_FLOAT, comm_));
 }
 
 void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
@@ -184,6 +191,19 @@ int64_t MpiCommunicator::iallreduce_sum(float* data, int64_t n) {
     p.requests.emplace_back();
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data + off, count, MPI_FLOAT, MPI_SUM, comm_, &p.requests.back()));
   });
+  return post(std::move(p));
+}
+
+int64_t MpiCommunicator::ialltoallv(const float* send, const int64_t* send_counts, float* recv,
+                                    const int64_t* recv_counts) {
+  const WatchScope watch("post alltoallv", name_);
+  Posted p;
+  p.what = "alltoallv";
+  p.counts = alltoallv_counts(send_counts, recv_counts);  // MPI reads them until the exchange completes
+  p.requests.resize(1);
+  const int* v = p.counts.data();
+  const size_t n = static_cast<size_t>(size_);
+  MPI_CHECK(MPI_Ialltoallv(send, v, v + n, MPI_FLOAT, recv, v + 2 * n, v + 3 * n, MPI_FLOAT, comm_, p.requests.data()));
   return post(std::move(p));
 }
 

@@ -41,6 +41,7 @@ class MpiCommunicator final : public Communicator {
   void wait_sends() override;
   int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
   int64_t iallreduce_sum(float* data, int64_t n) override;
+  int64_t ialltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
   void wait(int64_t ticket) override;
   void progress() override;
   bool overlaps() const override { return true; }
@@ -55,6 +56,8 @@ class MpiCommunicator final : public Communicator {
   };
   int64_t post(Posted p);
   std::vector<int> scatter_counts(const int64_t* counts);  // reduce_scatterv's, and its bytes counted
+  // alltoallv's counts and displacements as MPI takes them, [sc | sd | rc | rd], and its bytes counted.
+  std::vector<int> alltoallv_counts(const int64_t* send_counts, const int64_t* recv_counts);
   std::vector<Posted> posted_;
   template <class T>
   void allreduce(T* data, int64_t n, MPI_Datatype type, MPI_Op op);

@@ -179,7 +179,12 @@ void NcclCommunicator::alltoallv(const float* send, const int64_t* send_counts, 
                                  const int64_t* recv_counts) {
   const WatchScope watch("alltoallv", name_);
   comm_after_compute();
-  cudaStream_t s = be_.comm_stream();
+  queued_alltoallv(send, send_counts, recv, recv_counts, be_.comm_stream());
+  be_.compute_waits_for_comm();
+}
+
+void NcclCommunicator::queued_alltoallv(const float* send, const int64_t* send_counts, float* recv,
+                                        const int64_t* recv_counts, cudaStream_t s) {
   NCCL_CHECK(ncclGroupStart());
   int64_t so = 0, ro = 0;
   for (int r = 0; r < size_; ++r) {
@@ -189,7 +194,6 @@ void NcclCommunicator::alltoallv(const float* send, const int64_t* send_counts, 
     so += send_counts[r], ro += recv_counts[r];
   }
   NCCL_CHECK(ncclGroupEnd());
-  be_.compute_waits_for_comm();
 }
 
 void NcclCommunicator::send(const float* data, int64_t n, int peer, int tag) {
@@ -291,6 +295,13 @@ int64_t NcclCommunicator::iallreduce_sum(float* data, int64_t n) {
   cudaStream_t s = post_stream();
   if (n > 0) NCCL_CHECK(ncclAllReduce(data, data, size_t(n), ncclFloat32, ncclSum, nccl_, s));
   return posted("allreduce");
+}
+
+int64_t NcclCommunicator::ialltoallv(const float* send, const int64_t* send_counts, float* recv,
+                                     const int64_t* recv_counts) {
+  const WatchScope watch("post alltoallv", name_);
+  queued_alltoallv(send, send_counts, recv, recv_counts, post_stream());
+  return posted("alltoallv");
 }
 
 // The host does not wait: the compute stream does (what it queues next runs after the collective).

@@ -11,7 +11,8 @@
 // stream-ordered reuse on the compute stream stays safe: a buffer the caller releases after the
 // call is reused only by compute work that runs after the collective is done
 // (kernels/cuda/arena.h). The posted collectives (ireduce_scatterv_sum, iallreduce_sum: the
-// gradient reduction behind the backward) run on a stream of their own, after the compute work
+// gradient reduction behind the backward; ialltoallv: the expert exchange behind the shared
+// expert's and the experts' weight-gradient GEMMs) run on a stream of their own, after the compute work
 // queued before the post, and the compute stream waits for each at its wait(): the caller keeps
 // its buffers until then (parallel/communicator.h). They have their own stream so that the
 // blocking collectives of the backward (the expert all-to-all, tensor parallelism's all-reduces),
@@ -75,6 +76,7 @@ class NcclCommunicator final : public Communicator {
   void wait_sends() override;
   int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
   int64_t iallreduce_sum(float* data, int64_t n) override;
+  int64_t ialltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
   void wait(int64_t ticket) override;
   bool overlaps() const override { return true; }
 
@@ -95,6 +97,9 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t post_stream();
   void comm_after_compute();  // the communication stream after the compute stream's work and the posts
   bool queued_reduce_scatterv(const float* in, float* out, const int64_t* counts, cudaStream_t s);
+  // alltoallv's grouped sends and receives on `s` (its bytes counted).
+  void queued_alltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts,
+                        cudaStream_t s);
   int64_t posted(const char* what);  // records the post's completion event, returns its ticket
   struct Posted {
     int64_t ticket;

@@ -9,7 +9,10 @@
 # into in-node and across-node, each equal to its formula (1 peer in the node, 2 outside); a
 # ranks_per_node that does not divide the world is exit 2. The relay across those nodes
 # (runtime.node_dedup) keeps the loss bits and sends fewer bytes across (below). A run that stops
-# inside the traced steps writes what it recorded.
+# inside the traced steps writes what it recorded. runtime.overlap_expert_comm: each expert
+# exchange is posted and waited for inside one forward or backward (the shared expert's and the
+# experts' weight-gradient work behind it), and in line the loss bits are the same (with and
+# without the relay).
 #
 # usage: trace.sh FP8MOE MPIEXEC PYTHON SOURCE_DIR
 set -uo pipefail
@@ -41,7 +44,7 @@ cat "$tmp/summary.txt"
 run edp4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.micro_batches=2 --set log.trace="$tmp/edp4"
 "$python" "$src/scripts/trace.py" check "$tmp/edp4" --overlap dp edp || fail "edp4 trace check"
 
-run inline8 8 --set log.trace="$tmp/inline8" --set optim.overlap_grad_reduce=false
+run inline8 8 --set log.trace="$tmp/inline8" --set optim.overlap_grad_reduce=false --set runtime.overlap_expert_comm=false
 
 # A run that ends inside the window (train.exit_interval after step 2 of a window of steps 2-3)
 # writes what it recorded.
@@ -60,6 +63,19 @@ for path in glob.glob(f"{tmp}/inline8/rank*.json"):
     assert not [e for e in ev if e["ph"] in ("b", "e") and e["name"] != "send"], f"{path}: posted collectives without overlap"
     assert any(e["ph"] == "b" and e["name"] == "send" and e["cat"] == "pp" for e in ev), f"{path}: no pipeline send"
     assert any(e["ph"] == "X" and e.get("cat") == "dp" and e["name"] == "reduce_scatterv" for e in ev), path
+# runtime.overlap_expert_comm (on by default): every expert exchange posted inside a MoE layer's
+# forward or backward is waited for inside it (the shared expert, the experts' weight gradients
+# between), each rank's forward and backward post some.
+for path in glob.glob(f"{tmp}/tiny8/rank*.json"):
+    ev = json.load(open(path))["traceEvents"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["ph"] == "X" and e["name"] in ("forward", "backward")]
+    posts = {e["id"]: e["ts"] for e in ev if e["ph"] == "b" and e["cat"] == "ep"}
+    ends = {e["id"]: e["ts"] for e in ev if e["ph"] == "e" and e["cat"] == "ep"}
+    assert posts and set(posts) == set(ends), f"{path}: posted ep exchanges {len(posts)}, ended {len(ends)}"
+    assert all(any(a <= posts[i] <= ends[i] <= b for a, b in spans) for i in posts), f"{path}: an ep exchange outside a forward or backward"
+    for kind in ("forward", "backward"):
+        assert any(any(a <= t <= b for a, b in [(e["ts"], e["ts"] + e["dur"])] for t in posts.values())
+                   for e in ev if e["ph"] == "X" and e["name"] == kind), f"{path}: no ep exchange posted in a {kind}"
 for name in ("tiny8", "inline8", "edp4"):
     rows = [json.loads(l) for l in open(f"{tmp}/{name}.jsonl")]
     for r in rows:
@@ -85,6 +101,9 @@ node_split() {  # NAME -> "in_measured across_measured", after checking both aga
   awk '$1 == "ep" {exit !($4 == "1.000" && $2 == $3)}' "$tmp/$1.txt" || fail "$1: ep against its formula: $(grep ' ep ' "$tmp/$1.txt")"
   echo "$in_m $x_m"
 }
+# The relay's exchanges posted (the default) and in line: the same loss bits.
+run nodes4i 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=4 --set parallel.micro_batches=2 \
+  --set runtime.ranks_per_node=2 --set log.every=1 --set runtime.overlap_expert_comm=false
 run direct4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.expert=4 --set parallel.micro_batches=2 \
   --set runtime.ranks_per_node=2 --set runtime.node_dedup=false --set log.every=1
 split=$(node_split nodes4) || exit 1
@@ -117,6 +136,7 @@ grep -q "runtime.ranks_per_node.*a divisor of the world size 4" "$tmp/bad.txt" |
 
 bits() { loss_bits <"$tmp/$1.txt"; }
 [[ -n $(bits tiny8) && $(bits tiny8) == "$(bits inline8)" ]] || fail "overlap changed the loss bits: $(bits tiny8) vs $(bits inline8)"
+[[ -n $(bits nodes4) && $(bits nodes4) == "$(bits nodes4i)" ]] || fail "the relay posted changed the loss bits: $(bits nodes4) vs $(bits nodes4i)"
 close() {  # A B STEP1_BOUND: every step's loss of run A within 5e-4 of run B's (relative), step 1's within STEP1_BOUND
   "$python" - "$tmp/$1.txt" "$tmp/$2.txt" "$3" <<'PY'
 import re, sys

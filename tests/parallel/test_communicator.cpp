@@ -119,6 +119,37 @@ TEST_F(Comm, AlltoallAndAlltoallv) {
     for (int64_t k = 0; k < count(q, r); ++k) ASSERT_EQ(rv[at++], float(1000 * q + 10 * r + k)) << "from " << q;
 }
 
+TEST_F(Comm, PostedAlltoallvsCompleteInAnyWaitOrder) {
+  // Two exchanges posted before either is waited for (the expert exchange behind compute), waited
+  // for in the reverse order: rank r sends (r + j + e) % 3 values to rank j in exchange e, value
+  // 1000 r + 100 e + 10 j + k. The counts are read at the post only: overwritten before the wait.
+  auto count = [](int from, int to, int e) { return int64_t((from + to + e) % 3); };
+  std::vector<int64_t> sc[2], rc[2];
+  std::vector<float> sv[2], rv[2];
+  int64_t tickets[2] = {0, 0}, sent = 0;
+  c.reset_bytes_sent();
+  for (int e = 0; e < 2; ++e) {
+    for (int j = 0; j < p; ++j) {
+      sc[e].push_back(count(r, j, e)), rc[e].push_back(count(j, r, e));
+      for (int64_t k = 0; k < sc[e].back(); ++k) sv[e].push_back(float(1000 * r + 100 * e + 10 * j + k));
+      if (j != r) sent += 4 * sc[e].back();
+    }
+    rv[e].assign(size_t(std::accumulate(rc[e].begin(), rc[e].end(), int64_t(0))), -1.0f);
+    tickets[e] = c.ialltoallv(sv[e].data(), sc[e].data(), rv[e].data(), rc[e].data());
+    std::fill(sc[e].begin(), sc[e].end(), -5), std::fill(rc[e].begin(), rc[e].end(), -5);
+  }
+  EXPECT_EQ(c.bytes_sent(), sent) << "counted at the post";
+  c.progress();
+  for (int e = 1; e >= 0; --e) {
+    c.wait(tickets[e]);
+    size_t at = 0;
+    for (int q = 0; q < p; ++q)
+      for (int64_t k = 0; k < count(q, r, e); ++k)
+        ASSERT_EQ(rv[e][at++], float(1000 * q + 100 * e + 10 * r + k)) << "exchange " << e << " from " << q;
+    EXPECT_EQ(at, rv[e].size());
+  }
+}
+
 TEST_F(Comm, PointToPointRing) {
   // Each rank sends its 5 values to the next and receives the previous one's (isend first: no
   // rank blocks in a send; on 1 rank, to itself).

@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "kernels/backend.h"
@@ -386,6 +387,93 @@ TEST_P(ExpertDispatchOn, RelayAcrossNodesSendsEachTokenOncePerNode) {
     }
   }
   if (P > 1) EXPECT_GT(cases, 0);
+}
+
+// Posted exchanges (ExchangeLater: the MoE layer's rows travelling behind its shared expert and
+// its experts' weight gradients) give the in-line exchanges' rows and bytes, with several posted at
+// once and finished together, directly and through the relay across nodes.
+TEST_P(ExpertDispatchOn, PostedExchangesMatchTheInLineOnes) {
+  const int P = world_.size(), me = world_.rank();
+  Communicator& rows_comm = this->rows_comm();
+  for (int per_node : {P, 1, 2}) {  // one node (direct), then nodes of 1 and 2 ranks (relayed)
+    std::vector<int64_t> node(static_cast<size_t>(P));
+    for (int j = 0; j < P; ++j) node[size_t(j)] = j / per_node;
+    const int E = 2 * P, k = std::min(3, E), T = 11;
+    ExpertDispatcher ep(*be_, rows_comm, world_, E);
+    ep.set_nodes(node, true);
+    const Routed rt = route(me, T, k, E);
+    std::vector<int> order(size_t(T * k));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rt.expert[size_t(a)] < rt.expert[size_t(b)]; });
+    std::vector<int64_t> counts(static_cast<size_t>(E), 0), row_token;
+    std::vector<float> rows;
+    std::vector<uint16_t> rows16;
+    std::vector<double> rows64;
+    for (int a : order) {
+      ++counts[size_t(rt.expert[size_t(a)])];
+      row_token.push_back(a / k);
+      for (int d = 0; d < 4; ++d) rows.push_back(payload(me, a / k, d)), rows16.push_back(bf16_encode(float(d + a % 7)));
+      rows64.push_back(double(me) + 0.25 * a);
+    }
+    const DispatchPlan plan = ep.plan(counts.data(), ep.relays() ? row_token.data() : nullptr);
+    ASSERT_EQ(plan.relay != nullptr, per_node < P);
+    const int64_t R = int64_t(order.size()), in = plan.received;
+    const Tensor x = tensor_from(*be_, rows, {R * 4}), x16 = tensor_from(*be_, rows16, {R * 4});
+    QTensor q(*be_, R, 8, Fp8Dtype::e4m3, Tiling::rows_1xT, 4);
+    std::vector<uint8_t> qb;
+    std::vector<float> qs;
+    for (int a : order)
+      for (int d = 0; d < 8; ++d) qb.push_back(uint8_t(me * 31 + a / k * 5 + d)), qs.push_back(float(a / k) + 0.5f * float(d % 2));
+    qs.resize(size_t(2 * R));
+    if (R > 0) to_device(*be_, qb, q.data.data<uint8_t>()), to_device(*be_, qs, q.scale_inv.data<float>());
+    // The experts' side: rows of their own (in_ rows) for the combines.
+    std::vector<float> back(size_t(in * 4));
+    std::vector<uint16_t> back16(size_t(in * 4));
+    std::vector<double> back64(static_cast<size_t>(in));
+    for (int64_t i = 0; i < in * 4; ++i) back[size_t(i)] = float(i % 13) * 0.25f, back16[size_t(i)] = bf16_encode(float(i % 5));
+    for (int64_t i = 0; i < in; ++i) back64[size_t(i)] = 0.5 * double(i) + me;
+    const Tensor y = tensor_from(*be_, back, {in * 4}), y16 = tensor_from(*be_, back16, {in * 4}),
+                 y64 = tensor_from(*be_, back64, {in});
+
+    struct Got {
+      Tensor d32, d16, c32, c16, c64;
+      QTensor dq;
+    };
+    auto run = [&](ExchangeLater* later) {
+      Got g;
+      g.c32 = Tensor(*be_, DType::f32, {R * 4}), g.c16 = Tensor(*be_, DType::bf16, {R * 4}), g.c64 = Tensor(*be_, DType::f64, {R});
+      ep.reset_node_bytes();
+      ep.dispatch(plan, x.f32(), 4, &g.d32, true, later);
+      ep.dispatch(plan, x16.data<uint16_t>(), 4, &g.d16, true, later);
+      ep.dispatch(plan, q, &g.dq, true, later);
+      ep.combine(plan, y.f32(), 4, g.c32.f32(), true, later);
+      ep.combine(plan, y16.data<uint16_t>(), 4, g.c16.data<uint16_t>(), true, later);
+      ep.combine(plan, y64.data<double>(), 1, g.c64.data<double>(), later);
+      if (later) {
+        EXPECT_TRUE(later->pending() || P == 1 && !plan.relay);
+        later->finish();
+        EXPECT_FALSE(later->pending());
+      }
+      return g;
+    };
+    const Got a = run(nullptr);
+    const ExpertDispatcher::NodeBytes inline_bytes = ep.node_bytes();
+    ExchangeLater later;
+    const Got b = run(&later);
+    const std::string at = "nodes of " + std::to_string(per_node);
+    EXPECT_EQ(to_host<float>(b.d32), to_host<float>(a.d32)) << at;
+    EXPECT_EQ(to_host<uint16_t>(b.d16), to_host<uint16_t>(a.d16)) << at;
+    EXPECT_EQ(to_host<uint8_t>(b.dq.data), to_host<uint8_t>(a.dq.data)) << at;
+    EXPECT_EQ(to_host<float>(b.dq.scale_inv), to_host<float>(a.dq.scale_inv)) << at;
+    EXPECT_EQ(to_host<float>(b.c32), to_host<float>(a.c32)) << at;
+    EXPECT_EQ(to_host<uint16_t>(b.c16), to_host<uint16_t>(a.c16)) << at;
+    EXPECT_EQ(to_host<double>(b.c64), to_host<double>(a.c64)) << at;
+    EXPECT_EQ(ep.node_bytes().across, inline_bytes.across) << at;
+    EXPECT_EQ(ep.node_bytes().in_node, inline_bytes.in_node) << at;
+    // And the dispatched FP32 rows are the ones sent (the rows carry their token).
+    std::vector<float> d = to_host<float>(b.d32);
+    for (int64_t i = 0; i < in; ++i) ASSERT_EQ(std::fmod(d[size_t(i * 4 + 1)] - payload(0, 0, 1), 1.0f), 0.0f) << at;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ExpertDispatchOn,

@@ -116,6 +116,16 @@ TEST_F(Nccl, CollectivesMatchMpi) {
   nccl->alltoallv(gsend.f32(), send_n.data(), aa.f32(), recv_n.data());
   mpi->alltoallv(send.data(), send_n.data(), ab.data(), recv_n.data());
   EXPECT_EQ(to_host<float>(aa), ab);
+  {  // posted (the expert exchange behind compute): the same rows, once the compute stream waited
+    Tensor posted(*be, DType::f32, {nrecv});
+    const int64_t before = nccl->bytes_sent();
+    const int64_t t = nccl->ialltoallv(gsend.f32(), send_n.data(), posted.f32(), recv_n.data());
+    nccl->wait(t);
+    EXPECT_EQ(to_host<float>(posted), ab) << "ialltoallv";
+    const int64_t mpi_before = mpi->bytes_sent();
+    mpi->alltoallv(send.data(), send_n.data(), ab.data(), recv_n.data());  // (both count one more exchange)
+    EXPECT_EQ(nccl->bytes_sent() - before, mpi->bytes_sent() - mpi_before);
+  }
   std::vector<int64_t> ib(static_cast<size_t>(2 * p)), isend(static_cast<size_t>(2 * p));
   std::iota(isend.begin(), isend.end(), int64_t(r) * 1000);
   Tensor gisend = dev(isend), ia(*be, DType::i64, {2 * p});
