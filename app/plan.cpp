@@ -143,8 +143,9 @@ CLI::App* add_plan_command(CLI::App& app, PlanOptions* o) {
   cmd->add_option("--node-size", o->node_size, "GPUs per node: groups within a node use NVLink (default 8)")
       ->check(CLI::Range(1, 1 << 16));
   cmd->add_flag("--overlap", o->overlap,
-                "Model communication hidden behind compute (as DeepSeek-V3's DualPipe does); fp8moe itself does not "
-                "overlap, so the default is communication exposed");
+                "Model all communication hidden behind compute where compute is longer (as DeepSeek-V3's DualPipe "
+                "does); the default is fp8moe's own: exposed but for the gradient reduction behind the last "
+                "backward and the expert exchanges behind each MoE layer's work");
   cmd->add_option("--higher-precision", o->higher_precision,
                   "The GEMMs not run in FP8: fp32 (what fp8moe runs: FP32, no TF32) or bf16 (a model of a BF16 engine)")
       ->check(CLI::IsMember({"fp32", "bf16"}));

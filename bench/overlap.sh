@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The data-parallel gradient reduction behind the backward (optim.overlap_grad_reduce) against in
+# The data-parallel gradient reduction behind the backward (optim.overlap_grad_reduce; or with
+# --key runtime.overlap_expert_comm the expert all-to-all behind the MoE layers' compute) against in
 # line, side by side: configs/tiny.yaml on a layout (default: its 8 ranks, tensor 2 x pipeline 2 x
 # expert 2 x data 2), ROUNDS rounds of one run each way, interleaved; per run the median over
 # steps 3.. of the step time and of comm_exposed_s (the ranks' mean seconds blocked in
@@ -7,15 +8,16 @@
 # 2-core machine 8 ranks are oversubscribed: the figures say whether the waits shrink, not what a
 # cluster gains.
 #
-# usage: bench/overlap.sh [--rounds N] [--ranks N] [--steps N] [extra --set options...]
+# usage: bench/overlap.sh [--rounds N] [--ranks N] [--steps N] [--key KEY] [extra --set options...]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-rounds=3 ranks=8 steps=12
+rounds=3 ranks=8 steps=12 key=optim.overlap_grad_reduce
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) rounds=$2; shift 2 ;;
     --ranks) ranks=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
+    --key) key=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -30,7 +32,7 @@ for round in $(seq "$rounds"); do
     mpirun -np "$ranks" --oversubscribe "$exe" train configs/tiny.yaml --set train.steps="$steps" \
       --set train.warmup_steps=1 --set eval.every=0 --set checkpoint.save=false --set log.every=1 \
       --set log.jsonl="$tmp/$overlap.jsonl" \
-      --set optim.overlap_grad_reduce=$overlap "$@" >"$tmp/out.txt" 2>&1 || { tail -5 "$tmp/out.txt"; exit 1; }
+      --set "$key=$overlap" "$@" >"$tmp/out.txt" 2>&1 || { tail -5 "$tmp/out.txt"; exit 1; }
     python3 - "$tmp/$overlap.jsonl" >>"$tmp/$overlap.runs" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][2:]
@@ -38,7 +40,7 @@ print(statistics.median(r["step_time_s"] for r in rows), statistics.median(r["co
 PY
   done
 done
-printf "%-10s %8s %14s   (medians over %d rounds of the per-run medians, steps 3-%d)\n" overlap "s/step" "comm_exposed_s" "$rounds" "$steps"
+printf "%-10s %8s %14s   (%s; medians over %d rounds of the per-run medians, steps 3-%d)\n" overlap "s/step" "comm_exposed_s" "$key" "$rounds" "$steps"
 for overlap in true false; do
   s=$(cut -d' ' -f1 "$tmp/$overlap.runs" | median)
   c=$(cut -d' ' -f2 "$tmp/$overlap.runs" | median)
