@@ -61,7 +61,10 @@ void print_memory_table(const Plan& p, const Device& d, double baseline) {
               d.cpu ? "   RSS (+ process, heap)" : "");
   for (const StageMemory& s : p.mem) {
     char layers[32];
-    std::snprintf(layers, sizeof layers, "%d-%d%s", s.layer_begin, s.layer_end - 1, s.mtp_blocks ? "+mtp" : "");
+    if (s.layer_end > s.layer_begin)
+      std::snprintf(layers, sizeof layers, "%d-%d%s", s.layer_begin, s.layer_end - 1, s.mtp_blocks ? "+mtp" : "");
+    else  // (a last stage of the head and the modules only)
+      std::snprintf(layers, sizeof layers, "head%s", s.mtp_blocks ? "+mtp" : "");
     std::printf("  %5d  %-8s %9s %9s %10s %11s %14s x %-3d %9s %9s %10s", s.stage, layers, bytes_text(s.weights).c_str(),
                 bytes_text(s.grads).c_str(), bytes_text(s.moments).c_str(), bytes_text(s.fp8_weights + s.fp8_state).c_str(),
                 bytes_text(s.saved_per_micro_batch).c_str(), s.in_flight, "", bytes_text(s.workspace).c_str(),

@@ -152,12 +152,13 @@ Field choice(std::string path, Ref ref, std::string doc) {
 // parallel.stage_layers: even | balanced | [blocks of stage 0, blocks of stage 1, ...].
 inline Field stage_layers_field() {
   const std::string path = "parallel.stage_layers",
-                    expected = "even, balanced, or a list of blocks per stage [n0, n1, ...], each >= 1";
+                    expected = "even, balanced, or a list of blocks per stage [n0, n1, ...], each >= 1 (the last >= 0)";
   Field f{path, expected,
           "The blocks of each pipeline stage: even (earlier stages take the extra blocks), balanced (by "
           "work: each block's GEMM and attention FLOPs, the last stage's head and multi-token prediction "
           "modules counted; the split whose slowest stage is fastest), or the counts, one per stage "
-          "(Megatron's first/last-stage layer counts, in full).",
+          "(Megatron's first/last-stage layer counts, in full; the last may be 0: a stage of the head and "
+          "the multi-token prediction modules only).",
           {}, {}};
   f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
     StageLayers& s = c.parallel.stage_layers;
@@ -167,8 +168,9 @@ inline Field stage_layers_field() {
       for (size_t i = 0; i < n.size(); ++i) {
         int64_t v = 0;
         const std::string item = path + "[" + std::to_string(i) + "]";
-        if (!n[i].IsScalar() || !parse_number(n[i].Scalar(), &v) || v < 1 || v > (1 << 20))
-          fail(where, item, describe(n[i]), "an integer >= 1");
+        const bool last = i + 1 == n.size();  // the head and the modules only: no block
+        if (!n[i].IsScalar() || !parse_number(n[i].Scalar(), &v) || v < (last ? 0 : 1) || v > (1 << 20))
+          fail(where, item, describe(n[i]), last ? "an integer >= 0" : "an integer >= 1");
         s.given.push_back(int(v));
       }
       return;

@@ -43,34 +43,42 @@ std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int sta
     }
     return counts;
   }
-  // Balanced. cost(p, l, e): stage p holding blocks [l, e) (the last stage carries costs.last);
-  // best[p][l]: the least cost of the most expensive stage when stages 0..p hold blocks [0, l).
+  // Balanced. cost(p, l, e): stage p holding blocks [l, e) (the last stage carries costs.last).
+  // The last stage may hold no block (the head and the modules only) where that makes the most
+  // expensive stage strictly cheaper; every other stage holds at least one.
   const LayerCosts c = layer_costs(m, T);
   std::vector<double> prefix(size_t(L) + 1, 0.0);
   for (int l = 0; l < L; ++l) prefix[size_t(l + 1)] = prefix[size_t(l)] + c.block[size_t(l)];
   auto cost = [&](int p, int l, int e) { return prefix[size_t(e)] - prefix[size_t(l)] + (p == P - 1 ? c.last : 0); };
   constexpr double kInf = 1e300;
-  std::vector<std::vector<double>> best(size_t(P), std::vector<double>(size_t(L) + 1, kInf));
-  for (int l = 1; l <= L; ++l) best[0][size_t(l)] = cost(0, 0, l);
-  for (int p = 1; p < P; ++p)
-    for (int l = p + 1; l <= L; ++l)
-      for (int j = p; j < l; ++j)
-        best[size_t(p)][size_t(l)] = std::min(best[size_t(p)][size_t(l)], std::max(best[size_t(p - 1)][size_t(j)], cost(p, j, l)));
-  const double worst = best[size_t(P - 1)][size_t(L)];
-  // fits[p][l]: stages p.. can hold blocks [l, L), at least one each, none costing more than worst.
-  // Then each stage in turn takes the most blocks that leave the rest a split that fits.
-  std::vector<std::vector<char>> fits(size_t(P) + 1, std::vector<char>(size_t(L) + 1, 0));
-  fits[size_t(P)][size_t(L)] = 1;
-  for (int p = P - 1; p >= 0; --p)
-    for (int l = 0; l < L; ++l)
-      for (int e = l + 1; e <= L && !fits[size_t(p)][size_t(l)]; ++e)
-        fits[size_t(p)][size_t(l)] = fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst;
-  for (int p = 0, l = 0; p < P; ++p) {
-    int e = L;
-    while (!(fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst)) --e;
-    counts[size_t(p)] = e - l, l = e;
-  }
-  return counts;
+  // best[p][l]: the least cost of the most expensive stage when stages 0..p hold blocks [0, l).
+  auto split = [&](bool empty_last, std::vector<int>* counts) {
+    auto least = [&](int p) { return p == P - 1 && empty_last ? 0 : 1; };  // a stage's fewest blocks
+    std::vector<std::vector<double>> best(size_t(P), std::vector<double>(size_t(L) + 1, kInf));
+    for (int l = 1; l <= L; ++l) best[0][size_t(l)] = cost(0, 0, l);
+    for (int p = 1; p < P; ++p)
+      for (int l = p; l <= L; ++l)
+        for (int j = p; j <= l - least(p); ++j)
+          best[size_t(p)][size_t(l)] = std::min(best[size_t(p)][size_t(l)], std::max(best[size_t(p - 1)][size_t(j)], cost(p, j, l)));
+    const double worst = best[size_t(P - 1)][size_t(L)];
+    // fits[p][l]: stages p.. can hold blocks [l, L), each at least its fewest, none costing more
+    // than worst. Then each stage in turn takes the most blocks that leave the rest a split that fits.
+    std::vector<std::vector<char>> fits(size_t(P) + 1, std::vector<char>(size_t(L) + 1, 0));
+    fits[size_t(P)][size_t(L)] = 1;
+    for (int p = P - 1; p >= 0; --p)
+      for (int l = 0; l <= L; ++l)
+        for (int e = l + least(p); e <= L && !fits[size_t(p)][size_t(l)]; ++e)
+          fits[size_t(p)][size_t(l)] = fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst;
+    for (int p = 0, l = 0; p < P; ++p) {
+      int e = L;
+      while (!(fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst)) --e;
+      (*counts)[size_t(p)] = e - l, l = e;
+    }
+    return worst;
+  };
+  std::vector<int> empty_last(static_cast<size_t>(P));
+  const double with_blocks = split(false, &counts), without = split(true, &empty_last);
+  return without < with_blocks ? empty_last : counts;
 }
 
 RowRange replica_rows(int64_t rows, int replica, int replicas) {
@@ -87,8 +95,9 @@ Placement::Placement(const ModelConfig& m, const GridPosition& at)
   } else {
     FP8MOE_ASSERT(int(at.split.size()) == at.stages, at.split.size(), " stage block counts for ", at.stages, " stages");
     FP8MOE_ASSERT(std::accumulate(at.split.begin(), at.split.end(), 0) == m.n_layers &&
-                      *std::min_element(at.split.begin(), at.split.end()) >= 1,
-                  "the stages' block counts must be at least 1 each and add up to ", m.n_layers);
+                      *std::min_element(at.split.begin(), at.split.end() - 1) >= 1 && at.split.back() >= 0,
+                  "the stages' block counts must be at least 1 each (the last stage's at least 0) and add up to ",
+                  m.n_layers);
     layer_begin_ = std::accumulate(at.split.begin(), at.split.begin() + at.stage, 0);
     layer_end_ = layer_begin_ + at.split[size_t(at.stage)];
   }

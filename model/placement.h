@@ -47,7 +47,9 @@ LayerCosts layer_costs(const ModelConfig& m, int64_t T);
 // Blocks per stage by parallel.stage_layers: even (stage_layers above), given, or balanced: the
 // contiguous split, every stage at least one block, whose most expensive stage (its blocks, and
 // the last stage's head and modules, by layer_costs) costs least; among equals, the one with the
-// most blocks on the earlier stages.
+// most blocks on the earlier stages. The last stage holds no block (the head and the multi-token
+// prediction modules only) where that makes the most expensive stage strictly cheaper (Megatron's
+// last-stage layer count of 0). given: every stage at least one block, the last at least 0.
 std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T);
 
 // Rows [begin, end) of a parameter's (rows, cols) tensor.
@@ -70,8 +72,9 @@ class Placement {
   // Pipeline: this stage's blocks [layer_begin, layer_end).
   int layer_begin() const { return layer_begin_; }
   int layer_end() const { return layer_end_; }
-  bool first_stage() const { return layer_begin_ == 0; }
-  bool last_stage() const { return layer_end_ == n_layers_; }
+  // (The last stage may hold no block: parallel.stage_layers. Stage 0 holds at least one.)
+  bool first_stage() const { return at_.stage == 0; }
+  bool last_stage() const { return at_.stage == at_.stages - 1; }
 
   // Expert parallelism: this rank's routed experts [first_expert, first_expert + local_experts)
   // of every MoE layer, and the expert-parallel rank holding expert e.

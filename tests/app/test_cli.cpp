@@ -494,6 +494,9 @@ const BadConfig kBadConfigs[] = {
     {"tensor_not_dividing_d_expert", "model:\n  moe:\n    d_expert: 100\nparallel:\n  tensor: 8\n", "parallel.tensor", "5:11", "a divisor of model.moe.d_expert = 100"},
     {"expert_not_dividing_experts", "parallel:\n  expert: 3\n", "parallel.expert", "2:11", "a divisor of model.moe.n_experts = 8"},
     {"pipeline_deeper_than_model", "parallel:\n  pipeline: 5\n", "parallel.pipeline", "2:13", "at most model.n_layers = 4"},
+    // Only the last stage may hold no block (the head alone).
+    {"stage_layers_empty_first", "parallel:\n  pipeline: 2\n  stage_layers: [0, 4]\n", "parallel.stage_layers[0]", "3:17", "got '0', expected an integer >= 1"},
+    {"stage_layers_negative_last", "parallel:\n  pipeline: 2\n  stage_layers: [4, -1]\n", "parallel.stage_layers[1]", "3:17", "expected an integer >= 0"},
     {"recompute_delayed_pipeline", "train:\n  recompute: moe\nfp8:\n  recipe: delayed\nparallel:\n  pipeline: 2\n",
      "train.recompute", "2:14", "none with fp8.recipe delayed and parallel.pipeline > 1"},
     // selective rebuilds layers' inputs with the forward's delayed scale too

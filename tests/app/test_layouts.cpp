@@ -168,6 +168,8 @@ const std::vector<Layout> kLayouts = {
     // parallel.stage_layers: the blocks given per stage, and split by work (model/placement.h).
     {"pp2, stages [1, 3]", 2, {"parallel.pipeline=2", "parallel.stage_layers=[1,3]"}},
     {"pp3 balanced x ep2", 6, {"parallel.pipeline=3", "parallel.stage_layers=balanced", "parallel.expert=2"}},
+    // A last stage of the head alone (Megatron's last-stage layer count of 0).
+    {"pp2, stages [4, 0]", 2, {"parallel.pipeline=2", "parallel.stage_layers=[4,0]"}},
 };
 
 // The last step's bytes of a run with four groups (tp, ep, dp, pp), each measured within 1.01 of
@@ -264,6 +266,8 @@ TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
              {"tp2", 2, {"parallel.tensor=2"}},
              {"ep2 (dp2)", 2, {"parallel.expert=2"}},
              {"pp2", 2, {"parallel.pipeline=2"}},
+             // the last stage the head and the module alone, the embeddings sent from the first
+             {"pp2, stages [4, 0]", 2, {"parallel.pipeline=2", "parallel.stage_layers=[4,0]"}},
              {"tp2 x pp2 x ep2 (dp2)", 8, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}}}) {
       auto sets = l.sets;
       sets.insert(sets.end(), base.begin(), base.end());

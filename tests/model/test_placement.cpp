@@ -61,6 +61,7 @@ int64_t gqa_block_flops(const ModelConfig& m, int l, int64_t T) {
 // whose most expensive stage costs least, and among those the one with the most blocks earliest
 // (the lexicographically greatest counts).
 TEST(Placement, BalancedSplitIsTheBestOfEveryComposition) {
+  int empty_lasts = 0;
   for (const int64_t T : {int64_t(16), int64_t(4096)})
   for (const int depth : {0, 1})
   for (const int64_t V : {int64_t(64), int64_t(4096)}) {
@@ -78,10 +79,12 @@ TEST(Placement, BalancedSplitIsTheBestOfEveryComposition) {
     for (int P = 2; P <= 5; ++P) {
       SCOPED_TRACE("T " + std::to_string(T) + " mtp " + std::to_string(depth) + " V " + std::to_string(V) + " P " +
                    std::to_string(P));
-      std::vector<int> best, counts(size_t(P), 1);
-      int64_t best_cost = -1;
-      // Every composition of n_layers into P parts >= 1, in lexicographically decreasing order.
-      std::function<void(int, int)> visit = [&](int p, int left) {
+      // The best of every composition of n_layers into P parts >= 1 (lexicographically decreasing:
+      // the first best has the most blocks on the earlier stages), and of those into P - 1 parts
+      // >= 1 and a last stage of none; the latter where strictly better.
+      std::vector<int> best[2], counts(static_cast<size_t>(P), 1);
+      int64_t best_cost[2] = {-1, -1};
+      std::function<void(int, int, int)> visit = [&](int p, int left, int empty) {
         if (p == P - 1) {
           counts[size_t(p)] = left;
           int64_t worst = 0;
@@ -90,13 +93,46 @@ TEST(Placement, BalancedSplitIsTheBestOfEveryComposition) {
             for (int i = 0; i < counts[size_t(s)]; ++i) stage += block[size_t(l++)];
             worst = std::max(worst, stage);
           }
-          if (best_cost < 0 || worst < best_cost) best_cost = worst, best = counts;
+          if (best_cost[empty] < 0 || worst < best_cost[empty]) best_cost[empty] = worst, best[empty] = counts;
           return;
         }
-        for (int n = left - (P - 1 - p); n >= 1; --n) counts[size_t(p)] = n, visit(p + 1, left - n);
+        const int keep = P - 1 - p - empty;  // blocks the later stages need
+        for (int n = left - keep; n >= 1; --n) {
+          if (empty && p == P - 2 && n != left) continue;  // the last stage takes none
+          counts[size_t(p)] = n, visit(p + 1, left - n, empty);
+        }
       };
-      visit(0, m.n_layers);
-      EXPECT_EQ(stage_split(m, {StageSplit::balanced, {}}, P, T), best);
+      visit(0, m.n_layers, 0);
+      visit(0, m.n_layers, 1);
+      ASSERT_EQ(best[1].back(), 0);
+      const bool empty_last = best_cost[1] < best_cost[0];
+      empty_lasts += empty_last;
+      EXPECT_EQ(stage_split(m, {StageSplit::balanced, {}}, P, T), best[empty_last ? 1 : 0]);
+    }
+  }
+  // Some of the cases above (a large vocabulary's head on few stages) are best with a last stage
+  // of the head alone, and some are not.
+  EXPECT_GT(empty_lasts, 0);
+  EXPECT_LT(empty_lasts, 2 * 2 * 2 * 4);
+}
+
+// A last stage of the head alone (parallel.stage_layers [.., 0]): it holds the final norm, the
+// head and the multi-token prediction module's parameters and no block; the stage before it ends
+// at n_layers and holds none of them.
+TEST(Placement, ALastStageOfTheHeadAlone) {
+  ModelConfig m = model();
+  m.mtp_depth = 1;
+  const ParamTable table = build_param_table(m);
+  const std::vector<int> split = {2, m.n_layers - 2, 0};
+  for (int s = 0; s < 3; ++s) {
+    const Placement pl(m, {.stage = s, .stages = 3, .split = split});
+    EXPECT_EQ(pl.first_stage(), s == 0);
+    EXPECT_EQ(pl.last_stage(), s == 2);
+    EXPECT_EQ(pl.layer_end() - pl.layer_begin(), split[size_t(s)]);
+    for (const ParamSpec& p : table.params) {
+      const bool head = p.layer >= m.n_layers, embed = p.layer < 0;
+      const bool block = !head && !embed && p.layer >= pl.layer_begin() && p.layer < pl.layer_end();
+      EXPECT_EQ(pl.shard(p).held(), (head && s == 2) || (embed && s == 0) || block) << p.name << " on stage " << s;
     }
   }
 }
