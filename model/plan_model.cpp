@@ -191,6 +191,13 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
     ffn_bwd = N * k * kF64 + R * D * kF32 * (ep ? 2 : 1) + R * F * kF32 + dh + R * D * kF32 * (ep ? 2 : 1) + N * E * kF32;
     // the rows' gates' gradients (expert parallelism: received, the exchange's buffer, returned)
     if (c.train.moe_gates == GateSite::expert) ffn_bwd += R * kF64 * (ep ? 3 : 1);
+    // runtime.overlap_expert_comm: the experts' weight gradients wait behind the combine, with the
+    // FP8 copies of their output gradients they read (W2's and W1|W3's: T x 1 tiles blockwise, the
+    // one-scale copies otherwise); FP32 experts keep their FP32 dh, counted above.
+    if (ep && c.runtime.overlap_expert_comm && fp8_on(c, LinearClass::experts)) {
+      const PlanTiling t = c.fp8.recipe == Fp8Recipe::blockwise ? PlanTiling::cols_Tx1 : PlanTiling::per_tensor;
+      ffn_bwd += fp8_copy_bytes(int64_t(R), int64_t(D), t, c.fp8.tile) + fp8_copy_bytes(int64_t(R), int64_t(2 * F), t, c.fp8.tile);
+    }
     // selective: the router's input made again (from x_mid, widened from BF16 first where kept so);
     // the SwiGLU outputs' copies W2 reads
     if (selective(c))
