@@ -266,8 +266,6 @@ void block_offsets(const DispatchPlan& p, std::vector<int64_t>* source_major, st
 }
 }  // namespace
 
-// The communicator moves FP32 values; every format's rows are whole 32-bit words of bytes, which
-// it moves unchanged (an all-to-all does no arithmetic).
 ExchangeLater::~ExchangeLater() {
   if (!steps_.empty() && std::uncaught_exceptions() == 0) finish();  // (an unwinding rank waits for nothing)
 }
@@ -277,6 +275,8 @@ void ExchangeLater::finish() {
   steps_.clear(), kept_.clear();
 }
 
+// The communicator moves FP32 values; every format's rows are whole 32-bit words of bytes, which
+// it moves unchanged (an all-to-all does no arithmetic).
 void ExpertDispatcher::exchange(const void* send, const std::vector<int64_t>& sc, void* recv,
                                 const std::vector<int64_t>& rc, ExchangeLater* later, std::function<void()> then) {
   count(sc);
@@ -341,7 +341,7 @@ void ExpertDispatcher::relay_bytes(const DispatchPlan& p, const void* rows, int6
   gather_rows(rows, y.gather1, words, send1->raw());
   auto arrived = std::make_shared<Tensor>(be_, DType::f32, Shape{(y.arrived1 + y.arrived2) * words});  // [first | relayed]
   const int64_t received = p.received;
-  exchange(send1->raw(), sc1, arrived->raw(), rc1, later, [this, relay, send1, arrived, words, received, out]() mutable {
+  exchange(send1->raw(), sc1, arrived->raw(), rc1, later, [this, relay, send1, arrived, words, received, out] {
     const DispatchPlan::Relay& y = *relay;
     send1->reset();
     Tensor send2(be_, DType::f32, {int64_t(y.gather2.size()) * words});
