@@ -22,7 +22,8 @@ void CommAccounting::start_step() {
 
 // The analytical count, per step: model/plan_model.h's analytic_comm_bytes (README
 // "Communication"), which `fp8moe plan` also prints; here for this rank's stage, summed over the ranks.
-void CommAccounting::end_step(double rows_off, double rows_off_node) {
+void CommAccounting::end_step(const StepLocal& step) {
+  const double rows_off = step.rows_off_rank, rows_off_node = step.rows_off_node;
   const Placement& place = model_.placement();
   CommShape shape;
   shape.model = &cfg_.model;
@@ -35,13 +36,17 @@ void CommAccounting::end_step(double rows_off, double rows_off_node) {
   shape.dense_bytes = dense_bytes_, shape.expert_bytes = expert_bytes_, shape.rows_off_rank = rows_off;
   shape.fp8 = cfg_.fp8.recipe == Fp8Recipe::off ? nullptr : &cfg_.fp8, shape.activations = cfg_.train.activations;
   shape.moe_gates = cfg_.train.moe_gates, shape.recompute = cfg_.train.recompute;
+  shape.recompute_layers = &cfg_.train.recompute_layers;
   shape.grad_reduce = cfg_.optim.grad_reduce, shape.rows_off_node = rows_off_node;
+  shape.rows_off_rank_again = step.rows_off_rank_again, shape.rows_off_node_again = step.rows_off_node_again;
   // The relay's rows, as this rank's plans of the step counted them (parallel/expert_dispatch.h).
   const bool relay = dispatcher_ && dispatcher_->relays();
   if (relay) {
     const ExpertDispatcher::RelayRows& y = dispatcher_->relay_rows();
     shape.relay = true;
     shape.relay_across = double(y.across), shape.relay_forwarded = double(y.relayed);
+    const ExpertDispatcher::RelayRows& again = model_.relay_rows_again();
+    shape.relay_across_again = double(again.across), shape.relay_forwarded_again = double(again.relayed);
     shape.remote_ranks = dispatcher_->remote_ranks();
   }
   const std::array<double, 5> expected = analytic_comm_bytes(shape);

@@ -6,6 +6,7 @@
 
 #include <array>
 
+#include "app/stage_runner.h"
 #include "model/config.h"
 #include "model/plan_model.h"
 #include "model/transformer.h"
@@ -40,9 +41,9 @@ class CommAccounting {
   // Before a step: zero every group's byte counter.
   void start_step();
   // After a step (collective over the world): this step's measured and analytical bytes.
-  // rows_off_rank: the routed rows of this rank whose expert lives on another expert rank;
-  // rows_off_node: of them, those whose expert's rank is on another node.
-  void end_step(double rows_off_rank, double rows_off_node = 0);
+  // local: the routed rows of this rank whose expert lives on another expert rank, of them those
+  // whose expert's rank is on another node, and of both those of blocks run again.
+  void end_step(const StepLocal& step);
   // The table of the last measured step (rank 0 calls it).
   void print() const;
 

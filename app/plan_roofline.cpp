@@ -76,7 +76,12 @@ double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, d
   if (d.cpu || !c.runtime.overlap_expert_comm || ep_mb <= 0 || moe_layers <= 0) return 0;
   const ExpertRowBytes rb = expert_row_bytes(m.d_model, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8,
                                              c.train.activations, c.train.moe_gates);
-  const bool again = moe_recomputed(c.train.recompute);
+  double again = 0;  // the share of the stage's MoE layers run again (train.recompute, recompute_layers)
+  for (int l = std::max(st.layer_begin, m.first_dense_layers); l < st.layer_end; ++l)
+    again += recomputes_layer(c.train.recompute, c.train.recompute_layers, m.first_dense_layers, l);
+  for (int k = 0; k < st.mtp_blocks; ++k)
+    again += recomputes_layer(c.train.recompute, c.train.recompute_layers, m.first_dense_layers, m.n_layers + k);
+  again /= moe_layers;
   const double rows = rb.per_step(again);
   // Per layer: each exchange's seconds (the gates' 4 bytes out go with the dispatch, their 8 back
   // with the backward's combine).
@@ -90,7 +95,7 @@ double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, d
   const double routed_peak = eff * (fp8 && c.fp8.layers.experts ? d.fp8 : d.fp32);
   const double shared_fwd = 2 * N * 3 * D * double(m.moe.n_shared_experts) * m.moe.d_expert / T / shared_peak;
   const double routed_fwd = 2 * N * m.moe.top_k * 3 * D * double(m.moe.d_expert) / T / routed_peak;  // = its wgrad
-  return moe_layers * ((again ? 2 : 1) * std::min(fwd_dispatch, shared_fwd) + std::min(grad_dispatch, 2 * shared_fwd) +
+  return moe_layers * ((1 + again) * std::min(fwd_dispatch, shared_fwd) + std::min(grad_dispatch, 2 * shared_fwd) +
                        std::min(grad_combine, routed_fwd));
 }
 
@@ -117,6 +122,7 @@ Plan make_plan(const Config& c, int world, int node_size) {
     sh.rows_off_rank = double(p.L.micro_batches) * moe_layers * sh.tokens * m.moe.top_k * (1.0 - 1.0 / p.L.expert);
     sh.fp8 = c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, sh.activations = c.train.activations;
     sh.grad_reduce = c.optim.grad_reduce, sh.moe_gates = c.train.moe_gates, sh.recompute = c.train.recompute;
+    sh.recompute_layers = &c.train.recompute_layers;
     // Nodes: the grid orders ranks tensor fastest, then expert (parallel/grid.h), so a node holds
     // node_size / tensor consecutive ranks of an expert group, and the group spans G nodes. Of a
     // token's rows (uniform routing), those to other nodes' experts cross; with the relay its
@@ -142,7 +148,7 @@ Plan make_plan(const Config& c, int world, int node_size) {
       p.ep_across.push_back(expert_rows_by_node(sh)[1] + counts + map);
       if (sh.relay) {
         const ExpertRowBytes rb = expert_row_bytes(m.d_model, sh.fp8, sh.activations, sh.moe_gates);
-        p.ep_forwarded.push_back(sh.relay_forwarded * rb.relayed(moe_recomputed(sh.recompute)));
+        p.ep_forwarded.push_back(sh.relay_forwarded * rb.relayed(moe_layers > 0 ? recomputed_blocks(sh)[1] / moe_layers : 0));
       }
     }
   }
@@ -159,7 +165,8 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   const double hp = o.higher_precision == "bf16" ? d.bf16 : d.fp32;
   Roofline r;
   const CpuProbe& q = d.probe;
-  if (d.cpu && q.valid && L.world == 1 && c.train.recompute == q.recompute && L.tokens() == q.tokens) {
+  if (d.cpu && q.valid && L.world == 1 && c.train.recompute == q.recompute && c.train.recompute_layers.empty() &&
+      L.tokens() == q.tokens) {
     // One rank on the CPU: the probes' times (the efficiency scales the micro-batches' work).
     const ModelConfig& g = c.model;
     const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;

@@ -151,14 +151,20 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
       send(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb, depth_ * act_, stage + 1, 2 * mb);
     }
     const StepResult& r = runs[size_t(mb)].result();
-    for (size_t l = 0; l < r.expert_load.size(); ++l)
+    for (size_t l = 0; l < r.expert_load.size(); ++l) {
+      // MoE layer l is block first_dense_layers + l (the modules' blocks numbered on from n_layers)
+      const bool again = recomputes_layer(cfg_.train.recompute, cfg_.train.recompute_layers, mc.first_dense_layers,
+                                          mc.first_dense_layers + int(l));
       for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
         load_flat_[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
         const int owner = place.expert_owner(int(e));
-        if (owner != place.at().expert_rank) local->rows_off_rank += double(r.expert_load[l][e]);
-        if (owner != place.at().expert_rank && !model_.dispatcher()->same_node(owner))
-          local->rows_off_node += double(r.expert_load[l][e]);
+        const double rows = double(r.expert_load[l][e]);
+        if (owner == place.at().expert_rank) continue;
+        local->rows_off_rank += rows, local->rows_off_rank_again += again ? rows : 0;
+        if (model_.dispatcher()->same_node(owner)) continue;
+        local->rows_off_node += rows, local->rows_off_node_again += again ? rows : 0;
       }
+    }
   };
   // The step's last backward on this stage makes each layer's gradients final as it passes it.
   const std::vector<PipelineOp> ops = one_f_one_b(g_.pipe->size(), stage, M);

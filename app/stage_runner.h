@@ -37,6 +37,8 @@ struct StepTotals {
 struct StepLocal {
   double rows_off_rank = 0;  // routed rows whose expert lives on another expert-parallel rank
   double rows_off_node = 0;  // of them, those whose expert's rank is on another node (runtime.ranks_per_node)
+  // Of both, the rows of the blocks that run their forward again (train.recompute, recompute_layers).
+  double rows_off_rank_again = 0, rows_off_node_again = 0;
   double waited_s = 0;       // seconds blocked in pipeline receives
 };
 

@@ -245,7 +245,7 @@ class TrainLoop {
     // Communication the step's compute did not hide: this rank's time blocked in collectives and
     // waits, less its pipeline receives (the bubble, reported apart).
     d.comm_exposed_s = std::max(0.0, trace::comm_blocked_s() - local.waited_s);
-    comm_.end_step(local.rows_off_rank, local.rows_off_node);
+    comm_.end_step(local);
     t_.scaler.update(!d.opt.skipped);
     if (!d.opt.skipped && !d.totals.expert_load.empty()) model.update_router_biases(d.totals.expert_load);
     d.transfers = be_.transfers() - transfers0;

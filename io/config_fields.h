@@ -191,6 +191,38 @@ inline Field stage_layers_field() {
   return f;
 }
 
+// train.recompute_layers: a list of block indices (each >= 0 and at most once; < model.n_layers
+// is config_rules').
+inline Field recompute_layers_field() {
+  const std::string path = "train.recompute_layers", expected = "a list of block indices [i, j, ...], each >= 0, once";
+  Field f{path, expected,
+          "Blocks recomputed in full whatever train.recompute says (0-based, < model.n_layers): each keeps "
+          "its input and routing and runs its forward again before its backward (Megatron's recompute "
+          "method block, for chosen blocks: those of the first pipeline stage, which holds the most "
+          "micro-batches in flight).",
+          {}, {}};
+  f.parse = [=](Config& c, const YAML::Node& n, const std::string& where) {
+    if (!n.IsSequence()) fail(where, path, describe(n), expected);
+    std::vector<int>& l = c.train.recompute_layers;
+    l.clear();
+    for (size_t i = 0; i < n.size(); ++i) {
+      int64_t v = 0;
+      const std::string item = path + "[" + std::to_string(i) + "]";
+      if (!n[i].IsScalar() || !parse_number(n[i].Scalar(), &v) || v < 0 || v > (1 << 20))
+        fail(where, item, describe(n[i]), "an integer >= 0");
+      if (std::find(l.begin(), l.end(), int(v)) != l.end()) fail(where, item, describe(n[i]) + " a second time", expected);
+      l.push_back(int(v));
+    }
+  };
+  f.show = [=](const Config& c) {
+    YAML::Node list(YAML::NodeType::Sequence);
+    for (int v : c.train.recompute_layers) list.push_back(v);
+    list.SetStyle(YAML::EmitterStyle::Flow);
+    return list;
+  };
+  return f;
+}
+
 // train.loss_scale: none | dynamic | a positive number (static scale).
 inline Field loss_scale_field() {
   const std::string path = "train.loss_scale", expected = "none, dynamic, or a number > 0 (a static scale)";

@@ -135,6 +135,12 @@ void split_rules(const Rule& rule, const Config& c) {
     rule(std::accumulate(g.begin(), g.end(), int64_t(0)) == m.n_layers, "parallel.stage_layers",
          "counts that add up to model.n_layers = " + num(m.n_layers));
   }
+  for (int l : c.train.recompute_layers)
+    rule(l < m.n_layers, "train.recompute_layers", "block indices below model.n_layers = " + num(m.n_layers) + ", got " + num(l));
+  rule(c.train.recompute_layers.empty() || c.fp8.recipe != Fp8Recipe::delayed || p.pipeline == 1,
+       "train.recompute_layers",
+       "empty with fp8.recipe delayed and parallel.pipeline > 1 (as train.recompute: a recomputed block's "
+       "delayed scale is gone by its backward)");
   rule(c.train.recompute == Recompute::none || c.fp8.recipe != Fp8Recipe::delayed || p.pipeline == 1,
        "train.recompute",
        "none with fp8.recipe delayed and parallel.pipeline > 1 (1F1B runs later micro-batches' forwards before a "

@@ -183,6 +183,7 @@ const std::vector<Field>& schema() {
                        "Recompute in backward instead of saving: nothing; selected ops of every block (DeepSeek-V3: the "
                        "FFN norm's output, MLA's per-head queries, keys and values, the SwiGLU outputs); the MoE "
                        "blocks; or every block."));
+    v.push_back(recompute_layers_field());
     v.push_back(choice("train.activations", REF(train.activations),
                        "fp32: every activation and message FP32 (exact). bf16 (DeepSeek-V3's wire precisions): "
                        "the residual stream rounded to BF16 between blocks, pipeline messages in BF16, the "

@@ -3,6 +3,7 @@
 // the YAML keys of the same name (`fp8moe defaults` prints them all).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <cstddef>
@@ -22,6 +23,12 @@ enum class Recompute { none, selective, moe, full };
 // blocks (the MTP modules' included) under moe; selective and none keep every block.
 inline bool recomputes_block(Recompute r, bool moe_block) {
   return r == Recompute::full || (r == Recompute::moe && moe_block);
+}
+// The same for block `layer` of a model whose first `first_dense` blocks are dense (the multi-token
+// prediction modules' blocks numbered on from n_layers, MoE): train.recompute's rule, or
+// train.recompute_layers names it.
+inline bool recomputes_layer(Recompute r, const std::vector<int>& layers, int first_dense, int layer) {
+  return recomputes_block(r, layer >= first_dense) || std::find(layers.begin(), layers.end(), layer) != layers.end();
 }
 enum class ActivationDtype { fp32, bf16 };  // train.activations
 enum class GemmDtype { fp32, bf16 };        // train.hp_gemm
@@ -144,6 +151,10 @@ struct TrainConfig {
   double loss_scale_growth = 2.0;            // dynamic: factor after growth_interval finite steps
   double loss_scale_backoff = 0.5;           // dynamic: factor after a non-finite step
   Recompute recompute = Recompute::none;
+  // Blocks (0-based, < model.n_layers) recomputed in full whatever `recompute` says: each keeps its
+  // input and routing and runs its forward again before its backward (Megatron's recompute method
+  // block, for chosen blocks: the first stage's, which hold the most micro-batches in flight).
+  std::vector<int> recompute_layers;
   // bf16 (DeepSeek-V3's precisions, so far): the residual stream rounded to BF16 between blocks,
   // the pipeline's messages in BF16, the expert all-to-all's rows in FP8 (quantized once before
   // dispatch: blockwise in 1 x tile tiles, per-tensor recipes at one scale per exchange) or BF16

@@ -82,7 +82,7 @@ double routing_bytes(const Config& c, double N, double E, double k) {
 }
 
 bool is_recomputed(const Config& c, int layer) {
-  return recomputes_block(c.train.recompute, layer >= c.model.first_dense_layers);
+  return recomputes_layer(c.train.recompute, c.train.recompute_layers, c.model.first_dense_layers, layer);
 }
 
 GridPosition position(const PlanLayout& L, int stage) {
@@ -267,6 +267,36 @@ double expert_wire_scale_bytes(int P, const Fp8Config* fp8, ActivationDtype acti
 
 double pipeline_value_bytes(ActivationDtype activations) { return activations == ActivationDtype::bf16 ? 2 : 4; }
 
+std::array<double, 2> recomputed_blocks(const CommShape& s) {
+  const ModelConfig& m = *s.model;
+  static const std::vector<int> none;
+  const std::vector<int>& listed = s.recompute_layers ? *s.recompute_layers : none;
+  std::array<double, 2> n{};
+  auto count = [&](int l) {
+    if (recomputes_layer(s.recompute, listed, m.first_dense_layers, l)) ++n[l >= m.first_dense_layers ? 1 : 0];
+  };
+  for (int l = s.layer_begin; l < s.layer_end; ++l) count(l);
+  for (int k = 0; s.last && k < m.mtp_depth; ++k) count(m.n_layers + k);
+  return n;
+}
+
+namespace {
+// Of the step's expert rows, those of the MoE blocks run again: as the run counted them, or by
+// those blocks' share of the stage's MoE blocks (uniform routing: the plan).
+struct AgainRows {
+  double off_rank = 0, off_node = 0, across = 0, forwarded = 0;
+};
+AgainRows again_rows(const CommShape& s) {
+  const ModelConfig& m = *s.model;
+  const double moe_layers =
+      std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + (s.last ? m.mtp_depth : 0);
+  const double share = moe_layers > 0 ? recomputed_blocks(s)[1] / moe_layers : 0;
+  auto pick = [&](double counted, double all) { return counted >= 0 ? counted : share * all; };
+  return {pick(s.rows_off_rank_again, s.rows_off_rank), pick(s.rows_off_node_again, s.rows_off_node),
+          pick(s.relay_across_again, s.relay_across), pick(s.relay_forwarded_again, s.relay_forwarded)};
+}
+}  // namespace
+
 std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   const ModelConfig& m = *s.model;
   const double N = s.tokens, D = m.d_model, Mb = s.micro_batches;
@@ -276,14 +306,17 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
   const double attn_grad = !m.mla() ? D : m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank > 0 ? m.q_lora_rank : D);
   std::array<double, 5> b{};
-  // Blocks whose forward train.recompute runs again: its two all-reduces (attention and FFN output).
-  const double again = (Ls - Lm) * recomputes_block(s.recompute, false) + Lm * recomputes_block(s.recompute, true);
+  // Blocks whose forward train.recompute (or recompute_layers) runs again: its two all-reduces
+  // (attention and FFN output).
+  const std::array<double, 2> rc = recomputed_blocks(s);
+  const double again = rc[0] + rc[1];
+  const AgainRows a = again_rows(s);  // a MoE block run again sends its forward's two exchanges again
   b[0] = ring(s.tensor) * Mb *
          (((3 * Ls + 2 * again + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
           Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
   const ExpertRowBytes rb = expert_row_bytes(m.d_model, s.fp8, s.activations, s.moe_gates);
-  const double row = rb.per_step(moe_recomputed(s.recompute));
-  b[1] = s.expert > 1 ? s.rows_off_rank * row + Mb * Lm * (s.expert - 1) * s.local_experts * 8 +
+  const double row = rb.per_step(0), row_again = rb.per_step(1) - row;
+  b[1] = s.expert > 1 ? s.rows_off_rank * row + a.off_rank * row_again + Mb * Lm * (s.expert - 1) * s.local_experts * 8 +
                            Mb * Lm * expert_wire_scale_bytes(s.expert, s.fp8, s.activations)
                      : 0;
   if (s.expert > 1 && s.relay) {
@@ -291,8 +324,9 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
     // token and node, and between the relay and the expert's rank where that is another rank; two
     // more counts per rank and layer, and the relay's map (4 bytes per rank of the other nodes and
     // per row across).
-    const double tok = rb.relayed(moe_recomputed(s.recompute));
-    b[1] += (s.relay_across + s.relay_forwarded - s.rows_off_node) * tok + Mb * Lm * (s.expert - 1) * 2 * 8 +
+    const double tok = rb.relayed(0), tok_again = rb.relayed(1) - tok;
+    b[1] += (s.relay_across + s.relay_forwarded - s.rows_off_node) * tok +
+            (a.across + a.forwarded - a.off_node) * tok_again + Mb * Lm * (s.expert - 1) * 2 * 8 +
             4 * (Mb * Lm * s.remote_ranks + s.rows_off_node);
   }
   const double reduce = s.grad_reduce == ReduceDtype::bf16 ? 0.75 : 1.0;  // of the FP32 reduce-scatter + all-gather
@@ -308,9 +342,13 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
 
 std::array<double, 2> expert_rows_by_node(const CommShape& s) {
   const ExpertRowBytes rb = expert_row_bytes(s.model->d_model, s.fp8, s.activations, s.moe_gates);
-  const double row = rb.per_step(moe_recomputed(s.recompute)), tok = s.relay ? rb.relayed(moe_recomputed(s.recompute)) : 0;
-  return {(s.rows_off_rank - s.rows_off_node) * row + s.relay_forwarded * tok,
-          s.rows_off_node * (row - tok) + s.relay_across * tok};
+  const AgainRows a = again_rows(s);
+  const double row = rb.per_step(0), row_again = rb.per_step(1) - row;
+  const double tok = s.relay ? rb.relayed(0) : 0, tok_again = s.relay ? rb.relayed(1) - rb.relayed(0) : 0;
+  return {(s.rows_off_rank - s.rows_off_node) * row + (a.off_rank - a.off_node) * row_again + s.relay_forwarded * tok +
+              a.forwarded * tok_again,
+          s.rows_off_node * (row - tok) + a.off_node * (row_again - tok_again) + s.relay_across * tok +
+              a.across * tok_again};
 }
 
 double fp8_copy_bytes(int64_t rows, int64_t cols, PlanTiling t, int tile) {

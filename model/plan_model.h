@@ -52,7 +52,14 @@ struct CommShape {
   ReduceDtype grad_reduce = ReduceDtype::fp32;          // optim.grad_reduce
   GateSite moe_gates = GateSite::combine;               // train.moe_gates
   Recompute recompute = Recompute::none;                // train.recompute: moe, full run forwards again
+  const std::vector<int>* recompute_layers = nullptr;   // train.recompute_layers (nullptr: none)
+  // Of rows_off_rank, rows_off_node, relay_across and relay_forwarded, those of the MoE blocks run
+  // again (a run's counts); < 0: by those blocks' share of the stage's MoE blocks (the plan).
+  double rows_off_rank_again = -1, rows_off_node_again = -1, relay_across_again = -1, relay_forwarded_again = -1;
 };
+// The blocks of the shape's stage (its modules' on the last) that run their forward again:
+// {dense, MoE}.
+std::array<double, 2> recomputed_blocks(const CommShape& s);
 std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 // Of ep's formula, the expert rows' bytes over the step to ranks of this rank's node and of other
 // nodes ({in, across}; rows only, not the counts or the relay's map): every exchange's rows whose
@@ -71,21 +78,20 @@ std::array<double, 2> expert_rows_by_node(const CommShape& s);
 struct ExpertRowBytes {
   double dispatch = 0, combine = 0, grad_dispatch = 0, grad_combine = 0, gates = 0;
   double total() const { return dispatch + combine + grad_dispatch + grad_combine + gates; }
-  // A row of a MoE layer that train.recompute moe or full runs again: its forward's dispatch and
-  // combine once more (the routing, the exchange's plan, its scale and the gates are kept).
-  double per_step(bool recomputed) const { return total() + (recomputed ? dispatch + combine : 0); }
+  // A row of a MoE layer that train.recompute moe or full (or recompute_layers) runs again: its
+  // forward's dispatch and combine once more (the routing, the exchange's plan, its scale and the
+  // gates are kept). again: the share of the MoE layers run again (0 to 1).
+  double per_step(double again) const { return total() + again * (dispatch + combine); }
   // Of per_step, the exchanges the relay across nodes (runtime.node_dedup) moves once per token and
   // node: those whose rows are the same for each of a token's experts (the experts' input, again
   // where recomputed; with the gates in the experts, its output's gradient) and those the token's
   // side only sums (the input's gradient; with the gates in the experts, the output, again where
   // recomputed).
-  double relayed(bool recomputed) const {
-    const double again = recomputed ? 2 : 1;
-    return dispatch * again + grad_combine + (gates > 0 ? grad_dispatch + combine * again : 0);
+  double relayed(double again) const {
+    const double fwd = 1 + again;
+    return dispatch * fwd + grad_combine + (gates > 0 ? grad_dispatch + combine * fwd : 0);
   }
 };
-// Whether train.recompute runs MoE layers' forwards again (moe, full).
-inline bool moe_recomputed(Recompute r) { return recomputes_block(r, true); }
 ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations, GateSite gates);
 // Per MoE layer and micro-batch, what one rank of an expert group of P sends for the FP8 rows' one
 // scale under a per-tensor recipe (train.activations bf16): two 4-byte amax all-reduces (dispatch,

@@ -108,7 +108,7 @@ size_t Transformer::slot(const std::string& name) const {
 }
 
 bool Transformer::recomputed(int layer) const {
-  return recomputes_block(cfg_.train.recompute, layer >= cfg_.model.first_dense_layers);
+  return recomputes_layer(cfg_.train.recompute, cfg_.train.recompute_layers, cfg_.model.first_dense_layers, layer);
 }
 
 void Transformer::embed_forward(const int32_t* tokens, int64_t N, float* out) {
@@ -124,6 +124,14 @@ void Transformer::embed_backward(const float* dx, const int32_t* tokens, int64_t
 }
 
 void Transformer::finish_block(const Block& block, BlockSaved* s, StepResult* result) {
+  if (dispatcher_ && dispatcher_->relays()) {  // the rows the relay planned for this block
+    const ExpertDispatcher::RelayRows& now = dispatcher_->relay_rows();
+    if (training_forward_ && recomputed(block.layer())) {
+      relay_again_.across += now.across - relay_mark_.across, relay_again_.relayed += now.relayed - relay_mark_.relayed;
+      relay_again_.plans += now.plans - relay_mark_.plans;
+    }
+    relay_mark_ = now;
+  }
   const int moe = block.layer() - cfg_.model.first_dense_layers;  // the modules' blocks count on
   if (moe >= 0) {
     result->expert_load[size_t(moe)] = s->moe.routing.load_host;
@@ -181,6 +189,8 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   StageRun::Impl& st = *run.impl_;
   st.B = B, st.T = T, st.N = N, st.backward = backward;
   st.aux_grad_scale = float(loss_scale * aux_weight);
+  training_forward_ = backward;
+  if (dispatcher_) relay_mark_ = dispatcher_->relay_rows();
   StepResult& result = st.result;
 
   for (int l = L0; l <= L1; ++l) st.xs.emplace_back(be_, DType::f32, Shape{N, D});

@@ -127,7 +127,10 @@ class Transformer {
   // The next training forward belongs to a new optimizer step: every FP8 weight is quantized anew
   // at its first use and reused by the step's other micro-batches, its recomputations and dgrad
   // (with delayed scaling, a weight's amax enters its history once per step).
-  void begin_step() { fp8_->begin_step(); }
+  void begin_step() {
+    fp8_->begin_step();
+    relay_again_ = {};
+  }
   // Device [saturated, underflowed] counters that every quantization of a training forward and
   // backward adds to; the caller zeroes and reads them.
   uint64_t* fp8_counts() { return fp8_->counts(); }
@@ -185,6 +188,10 @@ class Transformer {
 
   // Bytes of activations saved for backward per token per block, as of the last forward.
   double saved_bytes_per_token_per_layer() const { return saved_bytes_per_token_; }
+  // Of the relay's rows this step's training forwards planned (ExpertDispatcher::relay_rows), those
+  // of the blocks that run their forward again (train.recompute, recompute_layers): the
+  // communication formulas count their exchanges twice. Reset by begin_step().
+  const ExpertDispatcher::RelayRows& relay_rows_again() const { return relay_again_; }
 
  private:
   size_t slot(const std::string& name) const;  // the table index of a parameter; asserts it exists
@@ -222,6 +229,10 @@ class Transformer {
   std::vector<std::pair<int, float*>> router_biases_;  // (layer, bias) of this rank's MoE blocks
   double saved_bytes_per_token_ = 0;
   bool keep_routing_ = false;
+  // relay_rows_again: its sums, the dispatcher's counts at the last block's end, and whether the
+  // forward in progress is a training one.
+  ExpertDispatcher::RelayRows relay_again_, relay_mark_;
+  bool training_forward_ = false;
 };
 
 }  // namespace fp8moe

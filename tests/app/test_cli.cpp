@@ -494,6 +494,8 @@ const BadConfig kBadConfigs[] = {
     {"tensor_not_dividing_d_expert", "model:\n  moe:\n    d_expert: 100\nparallel:\n  tensor: 8\n", "parallel.tensor", "5:11", "a divisor of model.moe.d_expert = 100"},
     {"expert_not_dividing_experts", "parallel:\n  expert: 3\n", "parallel.expert", "2:11", "a divisor of model.moe.n_experts = 8"},
     {"pipeline_deeper_than_model", "parallel:\n  pipeline: 5\n", "parallel.pipeline", "2:13", "at most model.n_layers = 4"},
+    {"recompute_layers_past_the_model", "train:\n  recompute_layers: [1, 4]\n", "train.recompute_layers", "2:21", "block indices below model.n_layers = 4, got 4"},
+    {"recompute_layers_twice", "train:\n  recompute_layers: [1, 1]\n", "train.recompute_layers[1]", "2:21", "got '1' a second time"},
     // Only the last stage may hold no block (the head alone).
     {"stage_layers_empty_first", "parallel:\n  pipeline: 2\n  stage_layers: [0, 4]\n", "parallel.stage_layers[0]", "3:17", "got '0', expected an integer >= 1"},
     {"stage_layers_negative_last", "parallel:\n  pipeline: 2\n  stage_layers: [4, -1]\n", "parallel.stage_layers[1]", "3:17", "expected an integer >= 0"},

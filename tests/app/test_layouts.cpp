@@ -508,6 +508,18 @@ TEST_F(Layouts, GatesInTheExpertsAgreeAcrossLayouts) {
   // 4 bytes a row, under the 1.01 bound.
   ASSERT_TRUE(full.count("ep"));
   EXPECT_EQ(full.at("ep").first, full.at("ep").second);
+  // train.recompute_layers on selective: the MoE blocks 1 (stage 0) and 3 (stage 1) recomputed in
+  // full run their forward's exchanges (and tp's all-reduces) again, the others not; the formulas
+  // count them per stage.
+  for (std::string& x : sets)
+    if (x == "train.recompute=full") x = "train.recompute=selective";
+  sets.push_back("train.recompute_layers=[1,3]");
+  const auto listed = last_step_bytes(8, sets, "gates-listed-comm");
+  expect_formulas(listed, "gates in the experts, recompute_layers [1, 3]");
+  ASSERT_TRUE(listed.count("ep"));
+  EXPECT_EQ(listed.at("ep").first, listed.at("ep").second);
+  EXPECT_GT(listed.at("ep").first, last_step_bytes(8, std::vector<std::string>(sets.begin(), sets.end() - 1),
+                                                   "gates-selective-comm").at("ep").first);
   // Sparse routing (64 experts, top 1, 8 tokens a rank on ep4): experts' ranks that receive no row
   // hold no gates, and their recomputation must not exchange any either (it once did, and the
   // exchanges paired wrongly). Against 1 rank at recipe off's bounds.
@@ -552,12 +564,16 @@ TEST_F(Layouts, RelayAcrossNodesAgreesAndMatchesItsFormulas) {
   std::printf("relay across 2 nodes, ep4: ep measured %.0f analytical %.0f\n", ep4_bytes.at("ep").first,
               ep4_bytes.at("ep").second);
   EXPECT_EQ(ep4_bytes.at("ep").first, ep4_bytes.at("ep").second);
-  for (const char* recompute : {"train.recompute=selective", "train.recompute=full"}) {
+  // And with the blocks 1 and 3 recomputed in full on selective (train.recompute_layers): the
+  // relay's rows of those blocks' plans go through again (Transformer::relay_rows_again).
+  int runs = 0;
+  for (const char* recompute : {"train.recompute=selective", "train.recompute=full", "train.recompute_layers=[1,3]"}) {
     std::vector<std::string> sets = v3;
-    sets[3] = recompute;
+    if (std::string(recompute).find("layers") == std::string::npos) sets[3] = recompute;
+    else sets.push_back(recompute);
     for (const char* x : {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2", "runtime.ranks_per_node=2"})
       sets.push_back(x);
-    const auto bytes = last_step_bytes(8, sets, std::string("relay-comm-") + (recompute + 16));
+    const auto bytes = last_step_bytes(8, sets, "relay-comm-" + std::to_string(++runs));
     expect_formulas(bytes, recompute);
     ASSERT_TRUE(bytes.count("ep"));
     EXPECT_EQ(bytes.at("ep").first, bytes.at("ep").second) << recompute;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <numeric>
 #include <random>
 
@@ -226,9 +227,19 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
                             Variant{Fp8Recipe::blockwise}, Variant{Fp8Recipe::blockwise, true}}) {
     const Fp8Recipe recipe = var.recipe;
     std::vector<std::vector<float>> reference;
-    for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::moe, Recompute::full}) {
+    std::map<Recompute, double> kept;  // saved bytes per token and block, by mode
+    // The modes, then train.recompute_layers: the dense block 0 and the MoE block 2 in full, on top
+    // of none (and of selective where the variant runs it).
+    struct Case {
+      Recompute rc;
+      std::vector<int> layers;
+    };
+    for (const Case& rcase : {Case{Recompute::none, {}}, Case{Recompute::selective, {}}, Case{Recompute::moe, {}},
+                              Case{Recompute::full, {}}, Case{Recompute::none, {0, 2}}, Case{Recompute::selective, {0, 2}}}) {
+      const Recompute rc = rcase.rc;
       if (rc == Recompute::selective && var.cache && recipe == Fp8Recipe::blockwise) continue;
       Config c = model_config(recipe);
+      c.train.recompute_layers = rcase.layers;
       c.train.activations = act;
       c.train.moe_gates = site;
       c.fp8.cache_activations = var.cache;
@@ -248,12 +259,16 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
         model.zero_grads();
         model.forward_backward(b.tokens.data(), b.targets.data(), 2, 8, true);
       }
-      if (rc == Recompute::none)
+      // Listed blocks keep only their input and routing: less than the mode alone keeps.
+      if (rcase.layers.empty()) kept[rc] = model.saved_bytes_per_token_per_layer();
+      else EXPECT_LT(model.saved_bytes_per_token_per_layer(), kept[rc]) << "recompute_layers on " << to_string(rc);
+      if (rc == Recompute::none && rcase.layers.empty())
         reference = model.grads_to_host();
       else
         EXPECT_EQ(model.grads_to_host(), reference)
-            << to_string(recipe) << (var.cache ? " cached" : "") << " recompute " << to_string(rc) << " v3 " << v3
-            << " activations " << to_string(act) << " gates at " << to_string(site);
+            << to_string(recipe) << (var.cache ? " cached" : "") << " recompute " << to_string(rc) << " and "
+            << rcase.layers.size() << " listed blocks, v3 " << v3 << " activations " << to_string(act) << " gates at "
+            << to_string(site);
     }
   }
 }
