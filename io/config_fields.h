@@ -185,8 +185,7 @@ inline Field stage_layers_field() {
     if (s.split != StageSplit::given) return YAML::Node(s.split == StageSplit::even ? "even" : "balanced");
     YAML::Node list(YAML::NodeType::Sequence);
     for (int v : s.given) list.push_back(v);
-    list.SetStyle(YAML::EmitterStyle::Flow);
-    return list;
+    return list;  // (no flow style set here: yaml-cpp then emits every later map in flow style too)
   };
   return f;
 }
@@ -217,7 +216,6 @@ inline Field recompute_layers_field() {
   f.show = [=](const Config& c) {
     YAML::Node list(YAML::NodeType::Sequence);
     for (int v : c.train.recompute_layers) list.push_back(v);
-    list.SetStyle(YAML::EmitterStyle::Flow);
     return list;
   };
   return f;

@@ -121,7 +121,8 @@ TEST(Cli, DryRunPrintsEffectiveConfigAndGrid) {
   // tiny.yaml asks for 8 ranks; --set brings it to the single rank of this run.
   const RunResult r = run({exe(), "train", source_dir() + "/configs/tiny.yaml", "--dry-run", "--set",
                            "parallel.tensor=1", "--set", "parallel.pipeline=1", "--set", "parallel.expert=1",
-                           "--set", "train.lr=5e-4", "--set", "fp8.layers=[experts]"});
+                           "--set", "train.lr=5e-4", "--set", "fp8.layers=[experts]", "--set", "parallel.stage_layers=[4]",
+                           "--set", "train.recompute_layers=[0,2]"});
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_TRUE(r.err.empty()) << r.err;
   EXPECT_NE(r.out.find("effective config:"), std::string::npos);
@@ -129,6 +130,11 @@ TEST(Cli, DryRunPrintsEffectiveConfigAndGrid) {
   EXPECT_NE(r.out.find("  d_expert: 256\n"), std::string::npos) << r.out;     // from the file
   EXPECT_NE(r.out.find("  keep_last: 3\n"), std::string::npos) << r.out;      // a default
   EXPECT_NE(r.out.find("  layers: [experts]\n"), std::string::npos) << r.out; // a list override
+  // Lists of numbers; the maps after them still in block style (a flow style set on a list once
+  // turned every later map into flow style).
+  EXPECT_NE(r.out.find("  stage_layers: [4]\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  recompute_layers: [0, 2]\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\ncheckpoint:\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("process grid: world 1 = tensor 1 x pipeline 1 x data 1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("dry run: the config is valid"), std::string::npos) << r.out;
 }
@@ -150,7 +156,8 @@ TEST(Cli, DryRunCountsThePublishedDeepSeekModels) {
                              {"  total                   15706485888     15.71B      2.45B\n",
                               "  embedding                 209715200    209.72M          0\n"}}}) {
     const RunResult r = run({exe(), "train", source_dir() + "/configs/" + w.config, "--dry-run", "--set",
-                             "parallel.pipeline=1", "--set", "parallel.expert=1", "--set", "runtime.device=cpu"});
+                             "parallel.pipeline=1", "--set", "parallel.stage_layers=even", "--set", "parallel.expert=1",
+                             "--set", "runtime.device=cpu"});
     ASSERT_EQ(r.status, 0) << r.all();
     for (const std::string& line : w.lines) EXPECT_NE(r.out.find(line), std::string::npos) << w.config << ": " << line << r.out;
   }
