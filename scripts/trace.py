@@ -2,6 +2,7 @@
 """The step timeline of `log.trace` (parallel/trace.h): one Chrome-trace JSON per rank.
 
   scripts/trace.py summary DIR          per rank: step, compute, communication exposed and hidden
+                                        (the gradient reductions and the expert exchanges apart)
   scripts/trace.py merge DIR -o OUT     one file of every rank (pid = rank) for https://ui.perfetto.dev
   scripts/trace.py check DIR [--overlap GROUP ...]
                                         exit 1 unless every file is valid trace JSON, every posted
@@ -88,7 +89,7 @@ def validate(events):
 def summary(directory):
     ranks = load(directory)
     print(f"{directory}: {len(ranks)} ranks; seconds over the traced steps")
-    print("rank   step   compute  blocked  (bubble pp)  posted  hidden  exposed-wait  blocked by group")
+    print("rank   step   compute  blocked  (bubble pp)  posted  hidden  exposed-wait  ep-posted  ep-wait  blocked by group")
     for rank, (_, events) in ranks.items():
         step = sum(e["dur"] for e in events if e["ph"] == "X" and e.get("cat") == "step")
         compute = union(intervals(events, lambda e: e.get("cat") == "compute"))
@@ -99,19 +100,25 @@ def summary(directory):
         by_group = {}
         for e in comm:
             by_group[e["cat"]] = by_group.get(e["cat"], 0) + e["dur"]
-        pairs = [x for x in posted(events) if x[1] != "send"]  # the reductions (not the pipeline's sends)
+        every = [x for x in posted(events) if x[1] != "send"]  # not the pipeline's sends
+        pairs = [x for x in every if x[0] != "ep"]  # the gradient reductions
+        experts = [x for x in every if x[0] == "ep"]  # the expert exchanges (runtime.overlap_expert_comm)
         backward = intervals(events, lambda e: e.get("cat") == "compute" and e["name"] == "backward")
         span = sum(w - p for _, _, p, w in pairs)
         hidden = sum(covered((p, w), backward) for _, _, p, w in pairs)
-        waits = sum(e["dur"] for e in comm if e["name"] == "wait")
+        waits = sum(e["dur"] for e in comm if e["name"] == "wait" and e.get("cat") != "ep")
+        ep_span = sum(w - p for _, _, p, w in experts)
+        ep_waits = sum(e["dur"] for e in comm if e["name"] == "wait" and e.get("cat") == "ep")
         groups = " ".join(f"{g} {v / 1e6:.3f}" for g, v in sorted(by_group.items()))
         print(f"{rank:4d} {step / 1e6:7.3f} {compute_s / 1e6:8.3f} {blocked / 1e6:8.3f}  ({recv / 1e6:8.3f})"
-              f"  {span / 1e6:6.3f}  {hidden / 1e6:6.3f}  {waits / 1e6:12.3f}  {groups}")
+              f"  {span / 1e6:6.3f}  {hidden / 1e6:6.3f}  {waits / 1e6:12.3f}  {ep_span / 1e6:9.3f}  {ep_waits / 1e6:7.3f}"
+              f"  {groups}")
     print("step: the traced steps' wall time; compute: forward, backward and optimizer;\n"
           "blocked: inside communication calls (pipeline receives in parentheses: the bubble); posted:\n"
-          "post-to-wait spans of the non-blocking reductions (not the pipeline's sends), hidden: their\n"
-          "part under a backward;\n"
-          "exposed-wait: the time their waits blocked.")
+          "post-to-wait spans of the non-blocking gradient reductions, hidden: their part under a\n"
+          "backward; exposed-wait: the time their waits blocked; ep-posted: post-to-wait spans of the\n"
+          "expert exchanges posted inside a MoE layer (the shared experts' and the weight gradients'\n"
+          "work between), ep-wait: the time their waits blocked (both inside ep's blocked time).")
 
 
 def merge(directory, out):
