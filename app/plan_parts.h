@@ -102,6 +102,8 @@ struct Plan {
   // Per stage (with the relay; else empty): of comm's ep bytes, the rows the relay forwards inside
   // its node (each relayed exchange's in-node exchange, which runs in line: ep_hidden_seconds).
   std::vector<double> ep_forwarded;
+  // Per stage: the share of its MoE blocks that run their forward again (recomputed_moe_share).
+  std::vector<double> moe_again;
   // Per token and MoE layer where ep spans nodes: its rows to other nodes' experts, and the other
   // nodes among its experts' (what the relay sends; 0 without it).
   double rows_across = 0, relay_nodes = 0;

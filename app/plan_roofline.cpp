@@ -76,12 +76,7 @@ double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, d
   if (d.cpu || !c.runtime.overlap_expert_comm || ep_mb <= 0 || moe_layers <= 0) return 0;
   const ExpertRowBytes rb = expert_row_bytes(m.d_model, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8,
                                              c.train.activations, c.train.moe_gates);
-  double again = 0;  // the share of the stage's MoE layers run again (train.recompute, recompute_layers)
-  for (int l = std::max(st.layer_begin, m.first_dense_layers); l < st.layer_end; ++l)
-    again += recomputes_layer(c.train.recompute, c.train.recompute_layers, m.first_dense_layers, l);
-  for (int k = 0; k < st.mtp_blocks; ++k)
-    again += recomputes_layer(c.train.recompute, c.train.recompute_layers, m.first_dense_layers, m.n_layers + k);
-  again /= moe_layers;
+  const double again = p.moe_again[s];  // the share of the stage's MoE layers run again
   const double rows = rb.per_step(again);
   // Per layer: each exchange's seconds (the gates' 4 bytes out go with the dispatch, their 8 back
   // with the backward's combine).
@@ -140,6 +135,7 @@ Plan make_plan(const Config& c, int world, int node_size) {
       sh.remote_ranks = int(p.L.expert - per_node);
     }
     p.comm.push_back(analytic_comm_bytes(sh));
+    p.moe_again.push_back(recomputed_moe_share(sh));
     if (G > 1) {
       // The rows across nodes, and the counts to other nodes' ranks (with the relay's two numbers)
       // and its map.
@@ -148,7 +144,7 @@ Plan make_plan(const Config& c, int world, int node_size) {
       p.ep_across.push_back(expert_rows_by_node(sh)[1] + counts + map);
       if (sh.relay) {
         const ExpertRowBytes rb = expert_row_bytes(m.d_model, sh.fp8, sh.activations, sh.moe_gates);
-        p.ep_forwarded.push_back(sh.relay_forwarded * rb.relayed(moe_layers > 0 ? recomputed_blocks(sh)[1] / moe_layers : 0));
+        p.ep_forwarded.push_back(sh.relay_forwarded * rb.relayed(p.moe_again.back()));
       }
     }
   }

@@ -280,6 +280,13 @@ std::array<double, 2> recomputed_blocks(const CommShape& s) {
   return n;
 }
 
+double recomputed_moe_share(const CommShape& s) {
+  const ModelConfig& m = *s.model;
+  const double moe_layers =
+      std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + (s.last ? m.mtp_depth : 0);
+  return moe_layers > 0 ? recomputed_blocks(s)[1] / moe_layers : 0;
+}
+
 namespace {
 // Of the step's expert rows, those of the MoE blocks run again: as the run counted them, or by
 // those blocks' share of the stage's MoE blocks (uniform routing: the plan).
@@ -287,10 +294,7 @@ struct AgainRows {
   double off_rank = 0, off_node = 0, across = 0, forwarded = 0;
 };
 AgainRows again_rows(const CommShape& s) {
-  const ModelConfig& m = *s.model;
-  const double moe_layers =
-      std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + (s.last ? m.mtp_depth : 0);
-  const double share = moe_layers > 0 ? recomputed_blocks(s)[1] / moe_layers : 0;
+  const double share = recomputed_moe_share(s);
   auto pick = [&](double counted, double all) { return counted >= 0 ? counted : share * all; };
   return {pick(s.rows_off_rank_again, s.rows_off_rank), pick(s.rows_off_node_again, s.rows_off_node),
           pick(s.relay_across_again, s.relay_across), pick(s.relay_forwarded_again, s.relay_forwarded)};

@@ -60,6 +60,9 @@ struct CommShape {
 // The blocks of the shape's stage (its modules' on the last) that run their forward again:
 // {dense, MoE}.
 std::array<double, 2> recomputed_blocks(const CommShape& s);
+// Of the shape's stage's MoE blocks (its modules' on the last), the share that runs its forward
+// again (0 without MoE blocks).
+double recomputed_moe_share(const CommShape& s);
 std::array<double, 5> analytic_comm_bytes(const CommShape& s);
 // Of ep's formula, the expert rows' bytes over the step to ranks of this rank's node and of other
 // nodes ({in, across}; rows only, not the counts or the relay's map): every exchange's rows whose
