@@ -32,6 +32,10 @@ void CommAccounting::end_step(const StepLocal& step) {
   shape.tokens = double(sequences_ * cfg_.train.seq_len), shape.micro_batches = cfg_.parallel.micro_batches;
   shape.first = place.first_stage(), shape.last = place.last_stage();
   shape.layer_begin = place.layer_begin(), shape.layer_end = place.layer_end();
+  if (place.chunks() == 2) {
+    shape.v_shape = true, shape.turn = place.at().stage == place.at().stages - 1;
+    shape.layer_begin2 = place.layer_begin(1), shape.layer_end2 = place.layer_end(1);
+  }
   shape.local_experts = place.local_experts();
   shape.dense_bytes = dense_bytes_, shape.expert_bytes = expert_bytes_, shape.rows_off_rank = rows_off;
   shape.fp8 = cfg_.fp8.recipe == Fp8Recipe::off ? nullptr : &cfg_.fp8, shape.activations = cfg_.train.activations;

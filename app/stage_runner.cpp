@@ -17,12 +17,18 @@ StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGrou
   moe_layers_ = cfg.model.moe_layers();
   depth_ = cfg.model.mtp_depth;
   first_ = model.placement().first_stage(), last_ = model.placement().last_stage();
-  // With multi-token prediction every message between stages carries the modules' embeddings (or
-  // their gradient) after the activation (or its gradient).
-  x_in_ = Tensor(be_, DType::f32, {first_ ? 0 : (1 + depth_) * act_});
-  dy_in_ = Tensor(be_, DType::f32, {last_ ? 0 : (1 + depth_) * act_});
+  v_shape_ = model.placement().chunks() == 2;
   bf16_wire_ = cfg.train.activations == ActivationDtype::bf16;
-  if (bf16_wire_ && !(first_ && last_)) wire_in_ = Tensor(be_, DType::bf16, {(1 + depth_) * act_});
+  if (v_shape_) {  // every rank receives both ways; the modules' embeddings stay on rank 0
+    x_in_ = Tensor(be_, DType::f32, {act_}), dy_in_ = Tensor(be_, DType::f32, {act_});
+    if (bf16_wire_) wire_in_ = Tensor(be_, DType::bf16, {act_});
+  } else {
+    // With multi-token prediction every message between stages carries the modules' embeddings
+    // (or their gradient) after the activation (or its gradient).
+    x_in_ = Tensor(be_, DType::f32, {first_ ? 0 : (1 + depth_) * act_});
+    dy_in_ = Tensor(be_, DType::f32, {last_ ? 0 : (1 + depth_) * act_});
+    if (bf16_wire_ && !(first_ && last_)) wire_in_ = Tensor(be_, DType::bf16, {(1 + depth_) * act_});
+  }
   counts_h_ = HostBuffer<uint64_t>(be_, 2);
 }
 
@@ -110,19 +116,42 @@ void StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t
   g_.pipe->isend(keep.f32(), n, peer, tag);
 }
 
+// A forward's expert loads into the step's, and its routed rows off this rank and node.
+void StageRunner::count_loads(const StepResult& r, StepLocal* local) {
+  const ModelConfig& mc = cfg_.model;
+  const Placement& place = model_.placement();
+  for (size_t l = 0; l < r.expert_load.size(); ++l) {
+    // MoE layer l is block first_dense_layers + l (the modules' blocks numbered on from n_layers)
+    const bool again = recomputes_layer(cfg_.train.recompute, cfg_.train.recompute_layers, mc.first_dense_layers,
+                                        mc.first_dense_layers + int(l));
+    for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
+      load_flat_[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
+      const int owner = place.expert_owner(int(e));
+      const double rows = double(r.expert_load[l][e]);
+      if (owner == place.at().expert_rank) continue;
+      local->rows_off_rank += rows, local->rows_off_rank_again += again ? rows : 0;
+      if (model_.dispatcher()->same_node(owner)) continue;
+      local->rows_off_node += rows, local->rows_off_node_again += again ? rows : 0;
+    }
+  }
+}
+
 void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local) {
   const ModelConfig& mc = cfg_.model;
   const int M = cfg_.parallel.micro_batches, stage = g_.pipe->rank();
   const int64_t R = g_.data_host->size();
-  const Placement& place = model_.placement();
   model_.begin_step();
   be_.zero(model_.fp8_counts(), 2 * sizeof(uint64_t));
   losses_ = Tensor::zeros(be_, DType::f64, {M, slots()});
   load_flat_.assign(size_t(moe_layers_ * mc.moe.n_experts), 0);
   sample(data, uint64_t(cfg_.train.seed), first_sample, 0, M, true);
   upload_batches(M, true);
-  std::vector<StageRun> runs(static_cast<size_t>(M));
   *local = StepLocal{};
+  if (v_shape_) {
+    train_step_v(loss_scale, local);
+    return;
+  }
+  std::vector<StageRun> runs(static_cast<size_t>(M));
 
   // Multi-token prediction: the first stage embeds the modules' tokens; the embeddings travel to
   // the last stage with the activations, one message per hop (a middle stage passes them on), and
@@ -150,21 +179,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
       const float* emb = depth_ == 0 ? nullptr : first_ ? runs[size_t(mb)].mtp_output() : x_in_.f32() + act_;
       send(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb, depth_ * act_, stage + 1, 2 * mb);
     }
-    const StepResult& r = runs[size_t(mb)].result();
-    for (size_t l = 0; l < r.expert_load.size(); ++l) {
-      // MoE layer l is block first_dense_layers + l (the modules' blocks numbered on from n_layers)
-      const bool again = recomputes_layer(cfg_.train.recompute, cfg_.train.recompute_layers, mc.first_dense_layers,
-                                          mc.first_dense_layers + int(l));
-      for (size_t e = 0; e < r.expert_load[l].size(); ++e) {
-        load_flat_[l * r.expert_load[l].size() + e] += r.expert_load[l][e];
-        const int owner = place.expert_owner(int(e));
-        const double rows = double(r.expert_load[l][e]);
-        if (owner == place.at().expert_rank) continue;
-        local->rows_off_rank += rows, local->rows_off_rank_again += again ? rows : 0;
-        if (model_.dispatcher()->same_node(owner)) continue;
-        local->rows_off_node += rows, local->rows_off_node_again += again ? rows : 0;
-      }
-    }
+    count_loads(runs[size_t(mb)].result(), local);
   };
   // The step's last backward on this stage makes each layer's gradients final as it passes it.
   const std::vector<PipelineOp> ops = one_f_one_b(g_.pipe->size(), stage, M);
@@ -192,6 +207,87 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     }
   };
   for (const PipelineOp& op : ops) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
+  g_.pipe->wait_sends();
+}
+
+// DualPipeV (parallel/pipeline_schedule.h) on rank r of P: phase 0 runs chunk 0 of the rank (the
+// V's way down: from rank r - 1 to r + 1), phase 1 its chunk 1 (the way back: from r + 1 to
+// r - 1). Rank P - 1 turns the V: its phase-1 forward reads its own phase-0 output, its phase-0
+// backward its own phase-1 input gradient; rank 0 embeds (phase 0) and ends the model (phase 1:
+// the head, the loss and the multi-token prediction modules, whose embeddings stay on the rank).
+// An F&B op runs its forward, then its backward: one after the other, not overlapped. A backward
+// runs whole: the weight gradient is not split from it, so the schedule's weight ops have nothing
+// left to do (the bubble of W = 0: (P - 1)(F&B + B) in chunk times).
+void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
+  const int M = cfg_.parallel.micro_batches, P = g_.pipe->size(), r = g_.pipe->rank();
+  const int64_t R = g_.data_host->size();
+  // runs[phase][mb], alive until the step's sends are done
+  std::vector<StageRun> runs_by_phase[2];
+  for (auto& v : runs_by_phase) v.resize(size_t(M));
+  std::vector<StageRun>* runs = runs_by_phase;
+  std::vector<Tensor> sent(4 * size_t(M));
+  // One tag per micro-batch, phase and direction.
+  auto tag = [](int mb, int phase, bool back) { return 4 * mb + 2 * phase + (back ? 1 : 0); };
+  auto forward = [&](int phase, int mb) {
+    const float* x = nullptr;
+    if (phase == 0 && r > 0) recv(x_in_.f32(), act_, r - 1, tag(mb, 0, false), local), x = x_in_.f32();
+    if (phase == 1) {
+      if (r == P - 1) x = runs[0][size_t(mb)].output();
+      else recv(x_in_.f32(), act_, r + 1, tag(mb, 1, false), local), x = x_in_.f32();
+    }
+    const trace::Span span("forward", "compute", mb);  // (either phase: scripts/trace.py reads the names)
+    double* slot = losses_.data<double>() + mb * slots();
+    const int64_t at = int64_t(mb) * mbs_ * T_;
+    MtpBatch mtp;
+    if (depth_ > 0) {
+      mtp.tokens = mtp_tokens_.data<int32_t>() + depth_ * at, mtp.targets = mtp_targets_.data<int32_t>() + depth_ * at;
+      mtp.mean_over.assign(mtp_counted_all_.begin() + mb * depth_, mtp_counted_all_.begin() + (mb + 1) * depth_);
+      if (phase == 1 && r == 0) mtp.embeddings = runs[0][size_t(mb)].mtp_output();
+    }
+    StageRun& run = runs[size_t(phase)][size_t(mb)];
+    run = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at, counted_[size_t(mb)], mbs_,
+                               T_, x, true, {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale,
+                               counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr, phase);
+    if (phase == 0 && r < P - 1) send(sent[size_t(tag(mb, 0, false))], run.output(), nullptr, 0, r + 1, tag(mb, 0, false));
+    if (phase == 1 && r > 0) send(sent[size_t(tag(mb, 1, false))], run.output(), nullptr, 0, r - 1, tag(mb, 1, false));
+    count_loads(run.result(), local);
+  };
+  // The data-parallel reduction: each chunk's layers are final after its phase's last backward
+  // (micro-batch M - 1), the rest after the step's last backward.
+  ParamStore& store = model_.store();
+  const std::function<void(int)> post_layer = [&](int layer) {
+    sync_->post_layer(store, layer);
+    sync_->progress();
+  };
+  int backwards_left = 2 * M;
+  auto backward = [&](int phase, int mb) {
+    const float* dy = nullptr;
+    if (phase == 1 && r > 0) recv(dy_in_.f32(), act_, r - 1, tag(mb, 1, true), local), dy = dy_in_.f32();
+    if (phase == 0) {
+      if (r == P - 1) dy = runs[1][size_t(mb)].input_grad();
+      else recv(dy_in_.f32(), act_, r + 1, tag(mb, 0, true), local), dy = dy_in_.f32();
+    }
+    const float* d_mtp = phase == 0 && r == 0 && depth_ > 0 ? runs[1][size_t(mb)].mtp_input_grad() : nullptr;
+    const bool final = sync_ && mb == M - 1;
+    StageRun& run = runs[size_t(phase)][size_t(mb)];
+    {
+      const trace::Span span("backward", "compute", mb);
+      model_.stage_backward(run, dy, d_mtp, final ? post_layer : std::function<void(int)>{});
+    }
+    if (sync_ && --backwards_left == 0) sync_->post_rest(store);
+    if (phase == 1 && r < P - 1) send(sent[size_t(tag(mb, 1, true))], run.input_grad(), nullptr, 0, r + 1, tag(mb, 1, true));
+    if (phase == 0 && r > 0) send(sent[size_t(tag(mb, 0, true))], run.input_grad(), nullptr, 0, r - 1, tag(mb, 0, true));
+  };
+  for (const DualOp& op : dualpipev(P, r, M)) {
+    switch (op.kind) {
+      case DualOpKind::forward: forward(op.phase, op.micro_batch); break;
+      case DualOpKind::backward: backward(op.phase, op.micro_batch); break;
+      case DualOpKind::forward_backward:
+        forward(op.phase, op.micro_batch), backward(1 - op.phase, op.backward_micro_batch);
+        break;
+      case DualOpKind::weight: break;  // (nothing deferred: see above)
+    }
+  }
   g_.pipe->wait_sends();
 }
 
@@ -251,7 +347,31 @@ double StageRunner::validation_loss(DataBlend& data) {
   upload_batches(B, false);
   Tensor ce = Tensor::zeros(be_, DType::f64, {B});
   std::vector<int64_t> tokens(static_cast<size_t>(B), 0);
-  for (int64_t b = 0; b < B; ++b) {
+  const int P = g_.pipe->size();
+  for (int64_t b = 0; v_shape_ && b < B; ++b) {  // down the V and back, one batch at a time
+    const int64_t at = b * mbs_ * T_;
+    const LossSlots slots{ce.data<double>() + b, nullptr};
+    if (stage > 0) recv(x_in_.f32(), act_, stage - 1, 0, nullptr);
+    const StageRun down = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
+                                               counted_[size_t(b)], mbs_, T_, stage > 0 ? x_in_.f32() : nullptr, false,
+                                               slots, 1.0f, 0, 1.0, nullptr, 0);
+    Tensor keep;
+    if (stage < P - 1) {
+      send(keep, down.output(), nullptr, 0, stage + 1, 0);
+      g_.pipe->wait_sends();
+      recv(x_in_.f32(), act_, stage + 1, 1, nullptr);
+    }
+    const StageRun back = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
+                                               counted_[size_t(b)], mbs_, T_, stage < P - 1 ? x_in_.f32() : down.output(),
+                                               false, slots, 1.0f, 0, 1.0, nullptr, 1);
+    if (stage > 0) {
+      send(keep, back.output(), nullptr, 0, stage - 1, 1);
+      g_.pipe->wait_sends();
+    } else {
+      tokens[size_t(b)] = back.result().tokens;
+    }
+  }
+  for (int64_t b = 0; !v_shape_ && b < B; ++b) {
     if (!first_) recv(x_in_.f32(), act_, stage - 1, 0, nullptr);
     const int64_t at = b * mbs_ * T_;
     const StageRun run = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,

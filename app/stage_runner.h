@@ -1,7 +1,7 @@
 // One training step of this rank's pipeline stage, and the validation loss: samples this
-// replica's sequences of each micro-batch, runs the micro-batches in the 1F1B order
-// (parallel/pipeline_schedule.h) with activations sent to the next stage and their gradients to
-// the previous one, and sums what a step reports over the ranks. The model's gradients hold the
+// replica's sequences of each micro-batch, runs the micro-batches in the 1F1B or the DualPipeV
+// order (parallel.pipeline_schedule; parallel/pipeline_schedule.h) with activations sent to the
+// next stage and their gradients to the previous one, and sums what a step reports over the ranks. The model's gradients hold the
 // step's (scaled) sum afterwards; the optimizer is the caller's.
 //
 // The step's data goes to the device once (one upload of every micro-batch's tokens and targets);
@@ -90,6 +90,9 @@ class StageRunner {
   // to `peer`, built into `keep` where it is not `a` itself (BF16, or the two parts in one message);
   // keep stays alive until wait_sends().
   void send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag);
+  // train_step's DualPipeV order (parallel.pipeline_schedule dualpipev), once the batches are up.
+  void train_step_v(float loss_scale, StepLocal* local);
+  void count_loads(const StepResult& r, StepLocal* local);
   // Losses per micro-batch: CE, each MoE layer's aux, each multi-token prediction module's CE.
   int64_t slots() const { return 1 + moe_layers_ + depth_; }
 
@@ -100,7 +103,8 @@ class StageRunner {
   RunnerGroups g_;
   int64_t T_ = 0, mbs_ = 0, act_ = 0, moe_layers_ = 0;  // sequence length, sequences per replica, activation floats
   int depth_ = 0;                                        // multi-token prediction modules
-  bool first_ = false, last_ = false;                    // first / last pipeline stage
+  bool first_ = false, last_ = false;                    // holds the embedding / the head
+  bool v_shape_ = false;                                 // DualPipeV: two chunks, messages both ways
   HostBuffer<int32_t> tokens_h_, targets_h_;             // (batches, mbs, T), pinned
   std::vector<int64_t> counted_, counted_all_;           // per micro-batch: this replica's, every replica's
   Tensor tokens_, targets_;                              // the same on the device

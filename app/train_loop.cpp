@@ -25,6 +25,7 @@
 #include "model/optimizer.h"
 #include "model/transformer.h"
 #include "parallel/mpi_session.h"
+#include "parallel/pipeline_schedule.h"
 #include "parallel/trace.h"
 #include "parallel/watchdog.h"
 
@@ -270,10 +271,14 @@ class TrainLoop {
   }
 
   // The metrics line and record, every log.every steps and at the end; the pipeline bubble beside
-  // the 1F1B ideal (P - 1) / (M + P - 1).
+  // the schedule's ideal (parallel/pipeline_schedule.h): 1F1B's (P - 1) / (M + P - 1), DualPipeV's
+  // as it runs (its F&B not overlapped, W = 0) with a backward twice a forward.
   void report(const StepDone& d) {
     if (d.step % cfg_.log.every != 0 && d.step != cfg_.train.steps) return;
     const int P = pipe_h_.size(), M = cfg_.parallel.micro_batches;
+    const double ideal = cfg_.parallel.pipeline_schedule == PipelineSchedule::dualpipev
+                             ? dualpipev_bubble(P, M, 1, 2, 0)
+                             : one_f_one_b_bubble(P, M);
     const StepTotals& totals = d.totals;
     const TrainProgress& progress = t_.progress;
     reporter_.report({.step = d.step, .loss = totals.loss, .mtp_loss = totals.mtp_loss,
@@ -282,7 +287,7 @@ class TrainLoop {
                       .skipped_steps = t_.opt.skipped(), .fp8_saturated = totals.fp8_saturated,
                       .fp8_underflowed = totals.fp8_underflowed,
                       .expert_load_imbalance = load_imbalance(totals.expert_load), .step_s = d.step_s,
-                      .bubble = P > 1 ? d.bubble : NAN, .bubble_ideal = P > 1 ? double(P - 1) / double(M + P - 1) : NAN,
+                      .bubble = P > 1 ? d.bubble : NAN, .bubble_ideal = P > 1 ? ideal : NAN,
                       .comm_exposed_s = d.comm_exposed_s,
                       .eta_s = seconds_since(t_start_) / double(d.step - first_step_) * double(cfg_.train.steps - d.step),
                       .transfers = d.transfers});

@@ -126,12 +126,26 @@ void split_rules(const Rule& rule, const Config& c) {
        "a divisor of model.moe.d_expert = " + num(m.moe.d_expert) + " (expert columns are split)");
   rule(m.moe.n_experts % p.expert == 0, "parallel.expert",
        "a divisor of model.moe.n_experts = " + num(m.moe.n_experts) + " (each expert rank owns whole experts)");
-  rule(p.pipeline <= m.n_layers, "parallel.pipeline",
-       "at most model.n_layers = " + num(m.n_layers) + " (every stage needs a layer)");
+  const bool v_shape = p.pipeline_schedule == PipelineSchedule::dualpipev;
+  if (v_shape) {
+    rule(p.pipeline >= 2, "parallel.pipeline", "at least 2 with parallel.pipeline_schedule dualpipev (a V needs two ranks)");
+    rule(p.micro_batches >= 2 * p.pipeline, "parallel.micro_batches",
+         "at least 2 x parallel.pipeline = " + num(2 * int64_t(p.pipeline)) + " with parallel.pipeline_schedule dualpipev");
+    rule(2 * p.pipeline <= m.n_layers, "parallel.pipeline",
+         "at most model.n_layers / 2 = " + num(m.n_layers / 2) +
+             " with parallel.pipeline_schedule dualpipev (2 x pipeline chunks, each but the last needs a layer)");
+  } else {
+    rule(p.pipeline <= m.n_layers, "parallel.pipeline",
+         "at most model.n_layers = " + num(m.n_layers) + " (every stage needs a layer)");
+  }
   if (p.stage_layers.split == StageSplit::given) {
     const std::vector<int>& g = p.stage_layers.given;
-    rule(int(g.size()) == p.pipeline, "parallel.stage_layers",
-         "one count per pipeline stage: parallel.pipeline = " + num(p.pipeline) + " counts, got " + num(int64_t(g.size())));
+    const int parts = p.pipeline_chunks();
+    rule(int(g.size()) == parts, "parallel.stage_layers",
+         v_shape ? "one count per chunk with parallel.pipeline_schedule dualpipev: 2 x parallel.pipeline = " +
+                       num(parts) + " counts, got " + num(int64_t(g.size()))
+                 : "one count per pipeline stage: parallel.pipeline = " + num(p.pipeline) + " counts, got " +
+                       num(int64_t(g.size())));
     rule(std::accumulate(g.begin(), g.end(), int64_t(0)) == m.n_layers, "parallel.stage_layers",
          "counts that add up to model.n_layers = " + num(m.n_layers));
   }

@@ -144,6 +144,12 @@ const std::vector<Field>& schema() {
     v.push_back(integer("parallel.tensor", REF(parallel.tensor), 1, 1 << 16, "Tensor-parallel size."));
     v.push_back(integer("parallel.pipeline", REF(parallel.pipeline), 1, 1 << 16, "Pipeline stages."));
     v.push_back(stage_layers_field());
+    v.push_back(choice("parallel.pipeline_schedule", REF(parallel.pipeline_schedule),
+                       "The order of the pipeline's forwards and backwards: 1f1b (Megatron's non-interleaved "
+                       "schedule), or dualpipev (DeepSeek's V-shaped DualPipe: the blocks in 2 x pipeline "
+                       "chunks, rank s holding chunk s and chunk 2 x pipeline - 1 - s, so that rank 0 holds "
+                       "the embedding and the head; needs parallel.pipeline >= 2 and parallel.micro_batches "
+                       ">= 2 x pipeline; parallel.stage_layers then counts chunks)."));
     v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,
                         "Expert-parallel size; divides the data-parallel size (world / (tensor x pipeline))."));
     v.push_back(integer("parallel.micro_batches", REF(parallel.micro_batches), 1, 1 << 16,

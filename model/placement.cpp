@@ -87,20 +87,29 @@ RowRange replica_rows(int64_t rows, int replica, int replicas) {
 
 Placement::Placement(const ModelConfig& m, const GridPosition& at)
     : at_(at), n_layers_(m.n_layers), experts_{m.moe.n_experts, at.experts}, local_(m) {
-  FP8MOE_ASSERT(at.stages <= m.n_layers, m.n_layers, " blocks over ", at.stages, " pipeline stages");
   FP8MOE_ASSERT(m.moe.n_experts % at.experts == 0, m.moe.n_experts, " experts over ", at.experts,
                 " expert-parallel ranks");
-  if (at.split.empty()) {
-    std::tie(layer_begin_, layer_end_) = stage_layers(m.n_layers, at.stage, at.stages);
+  const int parts = at.chunks();
+  FP8MOE_ASSERT(parts <= m.n_layers, m.n_layers, " blocks over ", parts, " pipeline chunks");
+  std::vector<int> split = at.split;
+  if (split.empty()) {
+    for (int c = 0; c < parts; ++c) {
+      const auto [b, e] = stage_layers(m.n_layers, c, parts);
+      split.push_back(e - b);
+    }
   } else {
-    FP8MOE_ASSERT(int(at.split.size()) == at.stages, at.split.size(), " stage block counts for ", at.stages, " stages");
-    FP8MOE_ASSERT(std::accumulate(at.split.begin(), at.split.end(), 0) == m.n_layers &&
-                      *std::min_element(at.split.begin(), at.split.end() - 1) >= 1 && at.split.back() >= 0,
+    FP8MOE_ASSERT(int(split.size()) == parts, split.size(), " block counts for ", parts, " pipeline chunks");
+    FP8MOE_ASSERT(std::accumulate(split.begin(), split.end(), 0) == m.n_layers &&
+                      *std::min_element(split.begin(), split.end() - 1) >= 1 && split.back() >= 0,
                   "the stages' block counts must be at least 1 each (the last stage's at least 0) and add up to ",
                   m.n_layers);
-    layer_begin_ = std::accumulate(at.split.begin(), at.split.begin() + at.stage, 0);
-    layer_end_ = layer_begin_ + at.split[size_t(at.stage)];
   }
+  auto range = [&](int c) {
+    const int b = std::accumulate(split.begin(), split.begin() + c, 0);
+    return std::pair<int, int>{b, b + split[size_t(c)]};
+  };
+  ranges_.push_back(range(at.stage));
+  if (at.v_shape) ranges_.push_back(range(2 * at.stages - 1 - at.stage));
   const int t = at.tensor;
   // (MLA's latents are replicated: its ranks are not split.)
   FP8MOE_ASSERT(m.n_heads % t == 0 && (m.mla() || m.n_kv_heads % t == 0) && m.d_ff_dense % t == 0 &&
@@ -111,11 +120,17 @@ Placement::Placement(const ModelConfig& m, const GridPosition& at)
   local_.vocab_size /= t;
 }
 
+bool Placement::holds_layer(int layer) const {
+  for (const auto& [b, e] : ranges_)
+    if (layer >= b && layer < e) return true;
+  return false;
+}
+
 Shard Placement::shard(const ParamSpec& p) const {
   if (p.expert >= 0 && (p.expert < first_expert() || p.expert >= first_expert() + local_experts())) return {};
   const bool on_stage = p.layer < 0            ? first_stage()
                         : p.layer >= n_layers_ ? last_stage()
-                                               : p.layer >= layer_begin_ && p.layer < layer_end_;
+                                               : holds_layer(p.layer);
   if (!on_stage) return {};
   Shard s{0, p.rows, 0, p.cols};
   const int t = at_.tensor;

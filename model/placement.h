@@ -21,11 +21,15 @@ namespace fp8moe {
 
 // A rank's position in each model-parallel group: its rank in it and the group's size; split: the
 // blocks of each pipeline stage (stage_split), empty for the even split.
+// v_shape (parallel.pipeline_schedule dualpipev): the blocks are cut into 2 x stages chunks and
+// stage s holds chunk s and chunk 2 x stages - 1 - s; split then counts chunks.
 struct GridPosition {
   int tensor_rank = 0, tensor = 1;
   int stage = 0, stages = 1;
   int expert_rank = 0, experts = 1;
   std::vector<int> split;
+  bool v_shape = false;
+  int chunks() const { return v_shape ? 2 * stages : stages; }  // the pipeline's parts of the blocks
 };
 
 // The blocks of pipeline stage `stage` of `stages`: [ceil(s L / P), ceil((s + 1) L / P)) — the
@@ -69,12 +73,21 @@ class Placement {
   Placement(const ModelConfig& m, const GridPosition& at);
   const GridPosition& at() const { return at_; }
 
-  // Pipeline: this stage's blocks [layer_begin, layer_end).
-  int layer_begin() const { return layer_begin_; }
-  int layer_end() const { return layer_end_; }
-  // (The last stage may hold no block: parallel.stage_layers. Stage 0 holds at least one.)
+  // Pipeline: this rank's chunks of blocks, [layer_begin(c), layer_end(c)) for c < chunks(): one
+  // (its stage's) under 1F1B; two under DualPipeV, the V's way down (chunk `stage` of the 2P, run
+  // by phase 0) and its way back (chunk 2P - 1 - stage, phase 1).
+  int chunks() const { return at_.v_shape ? 2 : 1; }
+  int layer_begin(int c = 0) const { return ranges_[size_t(c)].first; }
+  int layer_end(int c = 0) const { return ranges_[size_t(c)].second; }
+  bool holds_layer(int layer) const;
+  // Whether chunk c starts the model (the embedding) or ends it (the head, the loss and the
+  // multi-token prediction modules). (The last chunk may hold no block: parallel.stage_layers.
+  // The first holds at least one.)
+  bool chunk_first(int c) const { return at_.stage == 0 && c == 0; }
+  bool chunk_last(int c) const { return at_.v_shape ? at_.stage == 0 && c == 1 : at_.stage == at_.stages - 1; }
+  // Whether this rank holds the embedding / the head (DualPipeV: rank 0 holds both).
   bool first_stage() const { return at_.stage == 0; }
-  bool last_stage() const { return at_.stage == at_.stages - 1; }
+  bool last_stage() const { return at_.v_shape ? at_.stage == 0 : at_.stage == at_.stages - 1; }
 
   // Expert parallelism: this rank's routed experts [first_expert, first_expert + local_experts)
   // of every MoE layer, and the expert-parallel rank holding expert e.
@@ -96,7 +109,8 @@ class Placement {
 
  private:
   GridPosition at_;
-  int n_layers_ = 0, layer_begin_ = 0, layer_end_ = 0;
+  int n_layers_ = 0;
+  std::vector<std::pair<int, int>> ranges_;  // per chunk of this rank
   ExpertOwnership experts_;
   ModelConfig local_;
 };

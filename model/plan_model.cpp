@@ -267,6 +267,14 @@ double expert_wire_scale_bytes(int P, const Fp8Config* fp8, ActivationDtype acti
 
 double pipeline_value_bytes(ActivationDtype activations) { return activations == ActivationDtype::bf16 ? 2 : 4; }
 
+std::array<int, 2> shape_blocks(const CommShape& s) {
+  const int d = s.model->first_dense_layers;
+  auto range = [&](int b, int e) { return std::array<int, 2>{e - b, std::max(0, e - std::max(b, d))}; };
+  const std::array<int, 2> a = range(s.layer_begin, s.layer_end),
+                           b = s.v_shape ? range(s.layer_begin2, s.layer_end2) : std::array<int, 2>{};
+  return {a[0] + b[0], a[1] + b[1]};
+}
+
 std::array<double, 2> recomputed_blocks(const CommShape& s) {
   const ModelConfig& m = *s.model;
   static const std::vector<int> none;
@@ -276,14 +284,14 @@ std::array<double, 2> recomputed_blocks(const CommShape& s) {
     if (recomputes_layer(s.recompute, listed, m.first_dense_layers, l)) ++n[l >= m.first_dense_layers ? 1 : 0];
   };
   for (int l = s.layer_begin; l < s.layer_end; ++l) count(l);
+  for (int l = s.layer_begin2; s.v_shape && l < s.layer_end2; ++l) count(l);
   for (int k = 0; s.last && k < m.mtp_depth; ++k) count(m.n_layers + k);
   return n;
 }
 
 double recomputed_moe_share(const CommShape& s) {
   const ModelConfig& m = *s.model;
-  const double moe_layers =
-      std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + (s.last ? m.mtp_depth : 0);
+  const double moe_layers = shape_blocks(s)[1] + (s.last ? m.mtp_depth : 0);
   return moe_layers > 0 ? recomputed_blocks(s)[1] / moe_layers : 0;
 }
 
@@ -305,8 +313,8 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   const ModelConfig& m = *s.model;
   const double N = s.tokens, D = m.d_model, Mb = s.micro_batches;
   const double depth = m.mtp_depth, mtp_blocks = s.last ? depth : 0;
-  const double Ls = s.layer_end - s.layer_begin + mtp_blocks;
-  const double Lm = std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + mtp_blocks;
+  const std::array<int, 2> blocks = shape_blocks(s);
+  const double Ls = blocks[0] + mtp_blocks, Lm = blocks[1] + mtp_blocks;
   auto ring = [](int n) { return n > 1 ? 2.0 * (n - 1) / n : 0.0; };
   const double attn_grad = !m.mla() ? D : m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank > 0 ? m.q_lora_rank : D);
   std::array<double, 5> b{};
@@ -336,7 +344,12 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   const double reduce = s.grad_reduce == ReduceDtype::bf16 ? 0.75 : 1.0;  // of the FP32 reduce-scatter + all-gather
   b[2] = reduce * ring(s.data) * s.dense_bytes;
   b[3] = reduce * ring(s.expert_data) * s.expert_bytes;
-  b[4] = Mb * N * D * pipeline_value_bytes(s.activations) * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
+  // 1F1B: the activation to the next stage, its gradient to the previous one, the modules'
+  // embeddings with them. DualPipeV: each way of the V both, but the turn's and rank 0's own (the
+  // modules' embeddings stay on rank 0, which holds the first chunk and the last).
+  const double pp_row = Mb * N * D * pipeline_value_bytes(s.activations);
+  b[4] = s.v_shape ? pp_row * ((s.turn ? 0 : 2) + (s.first ? 0 : 2))
+                   : pp_row * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
   // Once a step the stages sum the loss, the modules' loss and every MoE layer's expert loads
   // (app/stage_runner.cpp finish_step), an all-reduce over the pipeline group.
   const double all_moe_layers = std::max(0, m.n_layers - m.first_dense_layers) + depth;

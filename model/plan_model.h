@@ -35,8 +35,12 @@ struct CommShape {
   int tensor = 1, expert = 1, data = 1, expert_data = 1, pipeline = 1;
   double tokens = 0;          // N: per micro-batch on this rank
   double micro_batches = 1;
-  bool first = true, last = true;  // this rank's stage
+  bool first = true, last = true;  // this rank's stage: the embedding, the head
   int layer_begin = 0, layer_end = 0;
+  // DualPipeV (parallel.pipeline_schedule): the rank's second chunk [layer_begin2, layer_end2) (the
+  // V's way back), and whether it is the V's turn (the last rank); its messages go both ways.
+  bool v_shape = false, turn = false;
+  int layer_begin2 = 0, layer_end2 = 0;
   int local_experts = 0;
   double dense_bytes = 0, expert_bytes = 0;  // the trainable parameters this rank holds, FP32
   double rows_off_rank = 0;  // routed rows of this rank sent to another expert rank, over the step
@@ -57,6 +61,8 @@ struct CommShape {
   // again (a run's counts); < 0: by those blocks' share of the stage's MoE blocks (the plan).
   double rows_off_rank_again = -1, rows_off_node_again = -1, relay_across_again = -1, relay_forwarded_again = -1;
 };
+// The shape's blocks (both chunks under DualPipeV; not the modules'), and of them the MoE blocks.
+std::array<int, 2> shape_blocks(const CommShape& s);
 // The blocks of the shape's stage (its modules' on the last) that run their forward again:
 // {dense, MoE}.
 std::array<double, 2> recomputed_blocks(const CommShape& s);

@@ -25,6 +25,8 @@ struct StageRun::Impl {
   StepResult result;
   bool backward = false;
   float aux_grad_scale = 1.0f;
+  int chunk = 0;                     // which of the rank's chunks (model/placement.h)
+  bool first = false, last = false;  // whether it starts the model (embedding) / ends it (head)
 };
 
 StageRun::StageRun() = default;
@@ -56,7 +58,9 @@ GridPosition position_in(const Config& c, const ModelGroups& g) {
   if (g.tensor) at.tensor_rank = g.tensor->rank(), at.tensor = g.tensor->size();
   if (g.pipeline) at.stage = g.pipeline->rank(), at.stages = g.pipeline->size();
   if (g.expert) at.expert_rank = g.expert->rank(), at.experts = g.expert->size();
-  at.split = stage_split(c.model, c.parallel.stage_layers, at.stages, c.train.seq_len);
+  // (A one-rank tool of a pipelined config holds every block, whatever the schedule.)
+  at.v_shape = c.parallel.pipeline_schedule == PipelineSchedule::dualpipev && at.stages > 1;
+  at.split = stage_split(c.model, c.parallel.stage_layers, at.chunks(), c.train.seq_len);
   return at;
 }
 
@@ -84,12 +88,18 @@ Transformer::Transformer(Backend& be, const Config& cfg, ModelGroups groups)
       ModelContext{be, m, placement_, placement_.local(), tp, *fp8_, rope_, dispatcher_.get(), &loads_h_,
                    cfg.train.activations, cfg.train.recompute == Recompute::selective, cfg.train.hp_gemm,
                    cfg.train.moe_gates});
-  // The blocks of this stage and, on the last, the multi-token prediction modules' blocks.
-  const int end = placement_.last_stage() ? m.n_layers + m.mtp_depth : placement_.layer_end();
-  for (int l = placement_.layer_begin(); l < end; ++l) {
+  // The blocks of this rank's chunks in turn and, with the head, the multi-token prediction
+  // modules' blocks.
+  auto add_block = [&](int l) {
     blocks_.push_back(std::make_unique<Block>(*ctx_, l, recomputed(l)));
     if (blocks_.back()->is_moe()) router_biases_.push_back({l, store_->param(slot(block_prefix(m, l) + "moe.router_bias"))});
+  };
+  for (int c = 0; c < placement_.chunks(); ++c) {
+    chunk_block0_.push_back(int(blocks_.size()));
+    for (int l = placement_.layer_begin(c); l < placement_.layer_end(c); ++l) add_block(l);
   }
+  if (placement_.last_stage())
+    for (int l = m.n_layers; l < m.n_layers + m.mtp_depth; ++l) add_block(l);
   if (placement_.first_stage()) embed_ = fp8_->weight("embed.weight");
   if (placement_.last_stage()) {
     head_ = {fp8_->weight("final_norm.weight"), fp8_->weight("head.weight")};
@@ -143,7 +153,7 @@ void Transformer::finish_block(const Block& block, BlockSaved* s, StepResult* re
 
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
                                          bool backward, float loss_scale, int64_t mean_over, double aux_weight) {
-  FP8MOE_ASSERT(placement_.first_stage() && placement_.last_stage(), "forward_backward on one pipeline stage of several");
+  FP8MOE_ASSERT(placement_.at().stages == 1, "forward_backward on one pipeline stage of several");
   const ModelConfig& m = cfg_.model;
   const int64_t N = B * T, moe_layers = m.moe_layers();
   for (int64_t i = 0; i < N; ++i)
@@ -179,15 +189,18 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
 
 StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* targets, int64_t counted, int64_t B,
                                     int64_t T, const float* x_in, bool backward, const LossSlots& slots,
-                                    float loss_scale, int64_t mean_over, double aux_weight, const MtpBatch* mtp) {
+                                    float loss_scale, int64_t mean_over, double aux_weight, const MtpBatch* mtp,
+                                    int chunk) {
   const ModelConfig& m = cfg_.model;
   const int64_t N = B * T, D = m.d_model;
-  const int L0 = placement_.layer_begin(), L1 = placement_.layer_end();
+  FP8MOE_ASSERT(chunk >= 0 && chunk < placement_.chunks(), "chunk ", chunk, " of ", placement_.chunks());
+  const int L0 = placement_.layer_begin(chunk), L1 = placement_.layer_end(chunk), b0 = chunk_block0_[size_t(chunk)];
   rope_.ensure(be_, m, T);
   StageRun run;
   run.impl_ = std::make_unique<StageRun::Impl>();
   StageRun::Impl& st = *run.impl_;
   st.B = B, st.T = T, st.N = N, st.backward = backward;
+  st.chunk = chunk, st.first = placement_.chunk_first(chunk), st.last = placement_.chunk_last(chunk);
   st.aux_grad_scale = float(loss_scale * aux_weight);
   training_forward_ = backward;
   if (dispatcher_) relay_mark_ = dispatcher_->relay_rows();
@@ -198,7 +211,7 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   FP8MOE_ASSERT(!(backward && m.mtp_depth > 0) || mtp, "a training forward of a model with multi-token prediction "
                 "needs its MtpBatch");
   if (with_mtp) st.mtp_n = int64_t(m.mtp_depth) * N * D;
-  if (placement_.first_stage()) {
+  if (st.first) {
     embed_forward(tokens, N, st.xs[0].f32());
     st.tokens = tokens;
     if (with_mtp) {  // the modules' input embeddings, for the last stage
@@ -214,7 +227,7 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   result.routing.resize(size_t(m.moe_layers()));
   int64_t saved_bytes = 0;
   for (int l = L0; l < L1; ++l) {
-    Block& block = *blocks_[size_t(l - L0)];
+    Block& block = *blocks_[size_t(b0 + l - L0)];
     BlockSaved& sv = st.saved[size_t(l - L0)];
     const int moe = l - m.first_dense_layers;
     block.forward(st.xs[size_t(l - L0)].f32(), B, T, st.xs[size_t(l - L0 + 1)].f32(), &sv,
@@ -228,7 +241,7 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
     saved_bytes += sv.kept ? sv.bytes(D, xb) : N * D * xb + sv.moe.routing.bytes() + int64_t(sv.moe.gate_rows.bytes());
   }
   saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
-  if (placement_.last_stage()) stage_head_forward(run, targets, counted, slots, loss_scale, mean_over, with_mtp ? mtp : nullptr);
+  if (st.last) stage_head_forward(run, targets, counted, slots, loss_scale, mean_over, with_mtp ? mtp : nullptr);
   if (!backward) st.saved.clear(), st.xs.erase(st.xs.begin(), st.xs.end() - 1);
   return run;
 }
@@ -247,7 +260,7 @@ void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int6
   head_forward(*ctx_, head_, st.xs.back().f32(), st.N, &loss, &st.head);
   st.result.tokens = counted;
   if (!mtp) return;
-  if (!placement_.first_stage()) {  // the first stage's embeddings, kept until backward
+  if (!st.first) {  // the first chunk's embeddings (another stage's, or this rank's other run's), kept until backward
     FP8MOE_ASSERT(mtp->embeddings, "the last stage needs the first stage's multi-token prediction embeddings");
     st.mtp_emb = Tensor(be_, DType::f32, {st.mtp_n});
     be_.copy(st.mtp_emb.f32(), mtp->embeddings, size_t(st.mtp_n) * sizeof(float));
@@ -264,22 +277,22 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
   FP8MOE_ASSERT(st.backward, "stage_backward of a forward without backward");
   const ModelConfig& m = cfg_.model;
   const int64_t N = st.N, D = m.d_model;
-  const int L0 = placement_.layer_begin(), L1 = placement_.layer_end();
+  const int L0 = placement_.layer_begin(st.chunk), L1 = placement_.layer_end(st.chunk), b0 = chunk_block0_[size_t(st.chunk)];
   Tensor dx(be_, DType::f32, {N, D});  // each block's output gradient, then (in place) its input's
-  if (placement_.last_stage()) {
+  if (st.last) {
     // The modules read the normed output too: their gradient of it joins the head's.
     head_backward(*ctx_, head_, st.xs.back().f32(), N, &st.head, dx.f32(), [&](float* dhf) {
       if (st.mtp_n == 0) return;
       st.mtp_demb = Tensor(be_, DType::f32, {st.mtp_n});
       mtp_->backward(&st.mtp, st.mtp_emb.f32(), st.head.hf.f32(), N, st.aux_grad_scale, st.mtp_demb.f32(), dhf);
       ctx_->round_activation(st.mtp_demb.f32(), st.mtp_n);  // a pipeline message on several stages
-      if (!placement_.first_stage()) st.mtp_emb.reset();
+      if (!st.first) st.mtp_emb.reset();
     });
   } else {
     be_.copy(dx.f32(), dy, size_t(N * D) * sizeof(float));
   }
   for (int l = L1 - 1; l >= L0; --l) {
-    Block& block = *blocks_[size_t(l - L0)];
+    Block& block = *blocks_[size_t(b0 + l - L0)];
     BlockSaved& sv = st.saved[size_t(l - L0)];
     Tensor xw;  // the block's input in FP32 where it was kept in BF16 (a kept block's: where read)
     if (sv.kept) {
@@ -294,10 +307,10 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
     sv = BlockSaved{};
     if (after_block) after_block(l);
   }
-  if (placement_.first_stage()) {
+  if (st.first) {
     embed_backward(dx.f32(), st.tokens, N);
     if (st.mtp_n > 0) {  // the modules' input embeddings
-      const float* de = placement_.last_stage() ? st.mtp_demb.f32() : d_mtp;
+      const float* de = st.last ? st.mtp_demb.f32() : d_mtp;
       FP8MOE_ASSERT(de, "the first stage's backward needs the gradient of the multi-token prediction embeddings");
       for (int k = 0; k < m.mtp_depth; ++k) embed_backward(de + k * N * D, st.mtp_tokens + k * N, N);
     }
@@ -315,7 +328,7 @@ std::vector<float> Transformer::sequence_logits(const int32_t* tokens, int64_t T
 
 std::vector<float> Transformer::last_logits(const int32_t* tokens, int64_t T, int64_t rows,
                                             std::vector<std::vector<float>>* mtp) {
-  FP8MOE_ASSERT(placement_.at().tensor == 1 && !dispatcher_ && placement_.first_stage() && placement_.last_stage(),
+  FP8MOE_ASSERT(placement_.at().tensor == 1 && !dispatcher_ && placement_.at().stages == 1,
                 "generation runs on one rank holding the whole model");
   FP8MOE_ASSERT(rows >= 1 && rows <= T, rows, " rows of logits of ", T, " positions");
   const ModelConfig& m = cfg_.model;

@@ -153,11 +153,18 @@ class Transformer {
   // to the micro-batch's with the magnitudes of one rank (what FP8 scaling sees). aux_weight
   // weighs the auxiliary loss's gradient (1 / replicas: their mean); loss_scale multiplies every
   // gradient (the caller divides it out). The losses go to `slots` (nullptr slots: not recorded).
+  // chunk: which of this rank's chunks of blocks runs (model/placement.h; DualPipeV's ranks hold
+  // two: 1 is the V's way back); the embedding where it is the model's first chunk, the head, the
+  // loss and the modules where it is the last. With multi-token prediction a last chunk that did
+  // not embed its tokens reads their embeddings from mtp->embeddings (the first chunk's
+  // mtp_output(): another rank's, sent, or this rank's own run of the other chunk).
   StageRun stage_forward(const int32_t* tokens, const int32_t* targets, int64_t counted, int64_t B, int64_t T,
                          const float* x_in, bool backward, const LossSlots& slots, float loss_scale = 1.0f,
-                         int64_t mean_over = 0, double aux_weight = 1.0, const MtpBatch* mtp = nullptr);
-  // dy: the gradient of output() from the next stage (device memory); nullptr on the last stage.
-  // d_mtp: on the first stage of several, the last stage's mtp_input_grad() (with the modules).
+                         int64_t mean_over = 0, double aux_weight = 1.0, const MtpBatch* mtp = nullptr,
+                         int chunk = 0);
+  // The backward of run's chunk. dy: the gradient of output() from the next stage (device memory);
+  // nullptr on the model's last chunk. d_mtp: on the model's first chunk where it does not also end
+  // the model, the last chunk's run's mtp_input_grad() (with the modules).
   // after_block (optional): called with each block's index once its backward is over (the
   // data-parallel reduction posts that layer's buckets when this is the step's last backward).
   void stage_backward(StageRun& run, const float* dy, const float* d_mtp = nullptr,
@@ -221,8 +228,10 @@ class Transformer {
   HostBuffer<int64_t> loads_h_;                   // (n_experts) pinned: each MoE layer's loads, read back
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // expert parallelism (ep > 1)
   std::unique_ptr<ModelContext> ctx_;
-  // This stage's blocks [layer_begin, layer_end), then on the last stage the modules' blocks.
+  // This rank's chunks' blocks (each chunk's [layer_begin, layer_end) in turn), then with the head
+  // the modules' blocks.
   std::vector<std::unique_ptr<Block>> blocks_;
+  std::vector<int> chunk_block0_;                 // per chunk of this rank: the index of its first block
   Weight embed_;                                  // first stage
   HeadParams head_;                               // last stage
   std::unique_ptr<Mtp> mtp_;                      // last stage, with model.mtp_depth modules

@@ -63,4 +63,13 @@ std::vector<DualOp> dualpipev(int ranks, int rank, int micro_batches) {
   return ops;
 }
 
+double one_f_one_b_bubble(int stages, int micro_batches) {
+  return double(stages - 1) / double(micro_batches + stages - 1);
+}
+
+double dualpipev_bubble(int ranks, int micro_batches, double f, double b, double w) {
+  const double idle = (ranks - 1) * (f + 2 * b - 3 * w), busy = 2.0 * micro_batches * (f + b);
+  return idle / (busy + idle);
+}
+
 }  // namespace fp8moe

@@ -30,8 +30,9 @@ std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches);
 // the slowest rank is (P - 1)(F&B + B - 3W) when a forward takes as long as a backward's input part
 // (F = B - W, W <= F: test_pipeline_schedule simulates it), against 1F1B's (P - 1)(F + B) per
 // stage of two chunks, 2(P - 1)(F + B). A rank holds at most 2P chunk activations (2P + 1 on rank
-// P - 1): P + 1/2 stages' worth. Needs micro_batches >= 2P. Not run by `fp8moe train` yet (1F1B
-// only): a rank would hold two stages of blocks.
+// P - 1): P + 1/2 stages' worth. Needs micro_batches >= 2P. `fp8moe train` runs it with
+// parallel.pipeline_schedule dualpipev (app/stage_runner.cpp): an F&B's forward and backward one
+// after the other, and every backward whole (W = 0: the weight ops have nothing to run).
 enum class DualOpKind { forward, backward, weight, forward_backward };
 struct DualOp {
   DualOpKind kind;
@@ -42,5 +43,12 @@ struct DualOp {
   bool operator==(const DualOp&) const = default;
 };
 std::vector<DualOp> dualpipev(int ranks, int rank, int micro_batches);
+
+// The bubble's share of the slowest rank's step, idle / (busy + idle): 1F1B's (P - 1) / (M + P - 1);
+// DualPipeV's with its F&B not overlapped (F&B = F + B, as fp8moe runs it) and chunk times F, B,
+// W: (P - 1)(F + 2B - 3W) / (2M(F + B) + (P - 1)(F + 2B - 3W)) (each rank runs 2M chunk forwards
+// and 2M backwards).
+double one_f_one_b_bubble(int stages, int micro_batches);
+double dualpipev_bubble(int ranks, int micro_batches, double f, double b, double w);
 
 }  // namespace fp8moe

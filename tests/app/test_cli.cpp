@@ -506,6 +506,18 @@ const BadConfig kBadConfigs[] = {
     // Only the last stage may hold no block (the head alone).
     {"stage_layers_empty_first", "parallel:\n  pipeline: 2\n  stage_layers: [0, 4]\n", "parallel.stage_layers[0]", "3:17", "got '0', expected an integer >= 1"},
     {"stage_layers_negative_last", "parallel:\n  pipeline: 2\n  stage_layers: [4, -1]\n", "parallel.stage_layers[1]", "3:17", "expected an integer >= 0"},
+    // DualPipeV: two ranks at least, 2 x pipeline micro-batches and chunks, stage_layers per chunk.
+    {"pipeline_schedule_unknown", "parallel:\n  pipeline_schedule: zb1p\n", "parallel.pipeline_schedule", "2:22",
+     "expected one of 1f1b, dualpipev"},
+    {"dualpipev_one_stage", "parallel:\n  pipeline_schedule: dualpipev\n", "parallel.pipeline", "",
+     "at least 2 with parallel.pipeline_schedule dualpipev"},
+    {"dualpipev_few_micro_batches", "parallel:\n  pipeline: 2\n  pipeline_schedule: dualpipev\n", "parallel.micro_batches",
+     "", "at least 2 x parallel.pipeline = 4 with parallel.pipeline_schedule dualpipev"},
+    {"dualpipev_more_chunks_than_blocks", "parallel:\n  pipeline: 4\n  micro_batches: 8\n  pipeline_schedule: dualpipev\n",
+     "parallel.pipeline", "2:13", "at most model.n_layers / 2 = 2 with parallel.pipeline_schedule dualpipev"},
+    {"dualpipev_stage_layers_per_stage",
+     "parallel:\n  pipeline: 2\n  micro_batches: 4\n  pipeline_schedule: dualpipev\n  stage_layers: [2, 2]\n",
+     "parallel.stage_layers", "5:17", "one count per chunk with parallel.pipeline_schedule dualpipev: 2 x parallel.pipeline = 4 counts, got 2"},
     {"recompute_delayed_pipeline", "train:\n  recompute: moe\nfp8:\n  recipe: delayed\nparallel:\n  pipeline: 2\n",
      "train.recompute", "2:14", "none with fp8.recipe delayed and parallel.pipeline > 1"},
     // selective rebuilds layers' inputs with the forward's delayed scale too

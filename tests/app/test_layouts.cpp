@@ -170,6 +170,13 @@ const std::vector<Layout> kLayouts = {
     {"pp3 balanced x ep2", 6, {"parallel.pipeline=3", "parallel.stage_layers=balanced", "parallel.expert=2"}},
     // A last stage of the head alone (Megatron's last-stage layer count of 0).
     {"pp2, stages [4, 0]", 2, {"parallel.pipeline=2", "parallel.stage_layers=[4,0]"}},
+    // DualPipeV (parallel.pipeline_schedule): 4 chunks of one block, rank 0 holding the first and
+    // the last, rank 1 turning the V.
+    {"pp2 dualpipev, 4 micro-b.", 2,
+     {"parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev", "parallel.micro_batches=4"}},
+    {"tp2 x pp2 x ep2 dualpipev", 8,
+     {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2", "parallel.pipeline_schedule=dualpipev",
+      "parallel.micro_batches=4"}},
 };
 
 // The last step's bytes of a run with four groups (tp, ep, dp, pp), each measured within 1.01 of
@@ -268,7 +275,11 @@ TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
              {"pp2", 2, {"parallel.pipeline=2"}},
              // the last stage the head and the module alone, the embeddings sent from the first
              {"pp2, stages [4, 0]", 2, {"parallel.pipeline=2", "parallel.stage_layers=[4,0]"}},
-             {"tp2 x pp2 x ep2 (dp2)", 8, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}}}) {
+             {"tp2 x pp2 x ep2 (dp2)", 8, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}},
+             // DualPipeV: rank 0 runs the embedding and the head; the module's embeddings stay there
+             {"pp2 x ep2 dualpipev", 4,
+              {"parallel.pipeline=2", "parallel.expert=2", "parallel.pipeline_schedule=dualpipev",
+               "parallel.micro_batches=4"}}}) {
       auto sets = l.sets;
       sets.insert(sets.end(), base.begin(), base.end());
       const auto got = train(l.ranks, sets);
@@ -309,6 +320,26 @@ TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
   std::printf("MLA + MTP saved at step 10 on tp2 x pp2 x ep2, resumed on 1 rank: steps 11-20 within %.2e of the "
               "uninterrupted 1-rank run\n", w);
   EXPECT_LE(w, 5e-5);
+
+  // Saved under DualPipeV (rank 0 holding blocks 0 and 3, the embedding, the head and the module),
+  // resumed under 1F1B on the same two ranks (stage 0 holding blocks 0 and 1) and on 1 rank.
+  const std::vector<std::string> v = {"parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev",
+                                      "parallel.micro_batches=4"};
+  auto v_sets = with({"fp8.recipe=off", "train.exit_interval=10", "checkpoint.dir=" + dir + "-v"});
+  v_sets.insert(v_sets.end(), v.begin(), v.end());
+  train(2, v_sets);
+  for (const auto& [ranks, sets] : std::vector<std::pair<int, std::vector<std::string>>>{
+           {2, {"parallel.pipeline=2"}}, {1, {}}}) {
+    auto resume = with({"fp8.recipe=off", "checkpoint.dir=" + dir + "-v" + std::to_string(ranks),
+                        "checkpoint.resume=" + dir + "-v/step_00000010"});
+    resume.insert(resume.end(), sets.begin(), sets.end());
+    const auto from_v = train(ranks, resume);
+    ASSERT_EQ(from_v.size(), 10u);
+    const double wv = worst(ref_off, from_v, 11);
+    std::printf("MLA + MTP saved at step 10 on pp2 dualpipev, resumed on %d rank(s) under 1F1B: steps 11-20 within "
+                "%.2e of the uninterrupted 1-rank run\n", ranks, wv);
+    EXPECT_LE(wv, 5e-5);
+  }
 }
 
 // The per-tensor recipes under tensor, pipeline and expert parallelism. Their amax is reduced over
@@ -401,6 +432,25 @@ TEST_F(Layouts, CommunicationOfTheLastStepMatchesTheFormulas) {
   const double mla0 = 2 * blk + (1 + 1) * N * D * 4 + 1 * N * k * 8;  // + the embedding and the module's embedding
   const double mla1 = 3 * blk + (1 + 1) * N * D * 4 + 3 * N * k * 8 + 2 * 20 * N;  // layers 2, 3 and the module's block
   EXPECT_EQ(bytes["tp"].second, 4 * M * (mla0 + mla1));
+
+  // DualPipeV on the same layout, 4 micro-batches: 4 chunks of one block. Each of the 4 pipelines
+  // sends N D floats both ways of the V per micro-batch, twice (the activation and its gradient);
+  // the module's embeddings stay on rank 0. tp: rank 0 holds block 0 (dense, the embedding) and 3
+  // (MoE, the head and the module's block); rank 1 blocks 1 and 2 (MoE).
+  for (const std::string& s : {std::string("parallel.pipeline_schedule=dualpipev"), std::string("parallel.micro_batches=4"),
+                               "checkpoint.dir=" + dir_->path + "/comm-v"})
+    argv.push_back("--set"), argv.push_back(s);
+  const RunResult r3 = run(argv, 600);
+  ASSERT_EQ(r3.status, 0) << r3.all();
+  bytes = comm_bytes(r3.out);
+  ASSERT_EQ(bytes.size(), 4u) << r3.out;
+  expect_formulas(bytes, "MLA + MTP, DualPipeV");
+  const double Nv = 32, Mv = 4;  // global_batch 8 over 2 replicas and 4 micro-batches: 1 sequence
+  EXPECT_EQ(bytes["pp"].second, 4 * Mv * 2 * 2 * Nv * D * 4 + 8 * (2 + 4 * 8) * 8.0);
+  const double blkv = 3 * Nv * D * 4 + Nv * (32 + 8 + 32) * 4;
+  const double v0 = 3 * blkv + 4 * Nv * D * 4 + 2 * Nv * k * 8 + 2 * 20 * Nv;  // blocks 0, 3, the module's
+  const double v1 = 2 * blkv + 2 * Nv * k * 8;                                  // blocks 1, 2
+  EXPECT_EQ(bytes["tp"].second, 4 * Mv * (v0 + v1));
 }
 
 // train.activations bf16 (model/moe.h MoeWire; model/transformer.cpp's rounding points), blockwise

@@ -191,6 +191,44 @@ TEST(Placement, EveryElementOfEveryParameterIsHeldOnceOverTheGrid) {
       }
 }
 
+// DualPipeV (GridPosition::v_shape): 2P chunks, rank s holding chunk s and chunk 2P - 1 - s, so
+// that rank 0 holds the embedding, the first chunk, the last chunk and the head, and every block is
+// held by exactly one rank. 9 blocks over 2 x 2 chunks (even: 3, 2, 2, 2) and given [1, 3, 3, 2].
+TEST(Placement, DualPipeVRanksHoldTheVsTwoChunks) {
+  ModelConfig m = model();
+  m.n_layers = 9;
+  const ParamTable table = build_param_table(m);
+  struct Case {
+    std::vector<int> split;
+    std::vector<std::pair<int, int>> rank0, rank1;  // chunk 0, chunk 1 of each rank
+  };
+  for (const Case& c : {Case{{}, {{0, 3}, {7, 9}}, {{3, 5}, {5, 7}}}, Case{{1, 3, 3, 2}, {{0, 1}, {7, 9}}, {{1, 4}, {4, 7}}}}) {
+    std::vector<int> holders(size_t(m.n_layers), 0);
+    for (int s = 0; s < 2; ++s) {
+      const Placement pl(m, {.tensor_rank = 0, .tensor = 1, .stage = s, .stages = 2, .expert_rank = 0, .experts = 1,
+                             .split = c.split, .v_shape = true});
+      const auto& want = s == 0 ? c.rank0 : c.rank1;
+      ASSERT_EQ(pl.chunks(), 2);
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_EQ((std::pair<int, int>{pl.layer_begin(k), pl.layer_end(k)}), want[size_t(k)]) << "rank " << s << " chunk " << k;
+        EXPECT_EQ(pl.chunk_first(k), s == 0 && k == 0);
+        EXPECT_EQ(pl.chunk_last(k), s == 0 && k == 1);
+      }
+      EXPECT_EQ(pl.first_stage(), s == 0);
+      EXPECT_EQ(pl.last_stage(), s == 0);
+      for (const ParamSpec& p : table.params) {
+        const bool held = pl.shard(p).held();
+        if (p.layer < 0 || p.layer >= m.n_layers) {
+          EXPECT_EQ(held, s == 0) << p.name << " on rank " << s;  // the embedding, the final norm, the head
+        } else if (held && p.name == block_prefix(m, p.layer) + "attn_norm.weight") {
+          ++holders[size_t(p.layer)];
+        }
+      }
+    }
+    for (int l = 0; l < m.n_layers; ++l) EXPECT_EQ(holders[size_t(l)], 1) << "block " << l;
+  }
+}
+
 TEST(Placement, LocalWidthsAreTheTensorParallelShares) {
   const Placement pl(model(), {.tensor_rank = 3, .tensor = 4, .stage = 0, .stages = 1, .expert_rank = 0, .experts = 1, .split = {}});
   EXPECT_EQ(pl.local().n_heads, 1);

@@ -63,6 +63,7 @@ TEST(PipelineSchedule, SimulatedPipelineHasTheOneFOneBBubble) {
       EXPECT_EQ(t, 2 * (M + P - 1)) << "time units for 2 M units of work per stage";
       const double bubble = 1.0 - double(2 * M) / double(t);
       EXPECT_NEAR(bubble, double(P - 1) / double(M + P - 1), 1e-12);
+      EXPECT_NEAR(one_f_one_b_bubble(P, M), bubble, 1e-12);
     }
 }
 
@@ -191,7 +192,12 @@ TEST(PipelineSchedule, DualPipeVSimulatedBubbleIsItsFormula) {
             SCOPED_TRACE("P " + std::to_string(P) + " M " + std::to_string(M) + " F " + std::to_string(f) + " B " +
                          std::to_string(b) + " W " + std::to_string(w) + " F&B " + std::to_string(fb));
             const Simulated s = simulate_dualpipev(P, M, {f, b, w, fb});
-            ASSERT_EQ(*std::max_element(s.idle.begin(), s.idle.end()), (P - 1) * (fb + b - 3 * w));
+            const int64_t idle = *std::max_element(s.idle.begin(), s.idle.end());
+            ASSERT_EQ(idle, (P - 1) * (fb + b - 3 * w));
+            // The share of the step, not overlapped (every rank busy 2M(F + B)).
+            if (fb == f + b)
+              EXPECT_NEAR(dualpipev_bubble(P, M, double(f), double(b), double(w)),
+                          double(idle) / double(idle + 2 * M * (f + b)), 1e-12);
             for (int r = 0; r < P; ++r) EXPECT_EQ(s.in_flight[size_t(r)], r == P - 1 ? 2 * P + 1 : 2 * P) << "rank " << r;
           }
         }
