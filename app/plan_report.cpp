@@ -12,6 +12,7 @@
 #include "app/plan_parts.h"
 #include "app/step_report.h"
 #include "model/param_table.h"
+#include "parallel/pipeline_schedule.h"
 
 namespace fp8moe::plan_detail {
 namespace {
@@ -57,17 +58,26 @@ std::string seconds_text(double s) {
 
 void print_memory_table(const Plan& p, const Device& d, double baseline) {
   std::printf("memory per rank, by pipeline stage (every tensor/expert rank of a stage alike; bytes, 1 GB = 1e9):\n");
-  std::printf("  stage  layers    weights     grads    moments  fp8 copies  act/micro-batch x in flight  workspace      total%s\n",
-              d.cpu ? "   RSS (+ process, heap)" : "");
+  // (DualPipeV: a rank's most activations at once over its schedule, as the mean of a chunk's
+  // times the chunks in flight then.)
+  std::printf("  stage  layers    weights     grads    moments  fp8 copies  %s  workspace      total%s\n",
+              p.L.v_shape ? "act/chunk  x chunks in flight" : "act/micro-batch x in flight", d.cpu ? "   RSS (+ process, heap)" : "");
   for (const StageMemory& s : p.mem) {
     char layers[32];
-    if (s.layer_end > s.layer_begin)
+    if (s.v_shape)  // DualPipeV: the V's way down and its way back (possibly empty: the head alone)
+      std::snprintf(layers, sizeof layers, "%d-%d,%s%s", s.layer_begin, s.layer_end - 1,
+                    s.layer_end2 > s.layer_begin2
+                        ? (std::to_string(s.layer_begin2) + "-" + std::to_string(s.layer_end2 - 1)).c_str()
+                        : "head",
+                    s.mtp_blocks ? "+mtp" : "");
+    else if (s.layer_end > s.layer_begin)
       std::snprintf(layers, sizeof layers, "%d-%d%s", s.layer_begin, s.layer_end - 1, s.mtp_blocks ? "+mtp" : "");
     else  // (a last stage of the head and the modules only)
       std::snprintf(layers, sizeof layers, "head%s", s.mtp_blocks ? "+mtp" : "");
     std::printf("  %5d  %-8s %9s %9s %10s %11s %14s x %-3d %9s %9s %10s", s.stage, layers, bytes_text(s.weights).c_str(),
                 bytes_text(s.grads).c_str(), bytes_text(s.moments).c_str(), bytes_text(s.fp8_weights + s.fp8_state).c_str(),
-                bytes_text(s.saved_per_micro_batch).c_str(), s.in_flight, "", bytes_text(s.workspace).c_str(),
+                bytes_text(s.v_shape ? s.activations / std::max(1, s.in_flight) : s.saved_per_micro_batch).c_str(),
+                s.in_flight, "", bytes_text(s.workspace).c_str(),
                 bytes_text(s.total()).c_str());
     if (d.cpu) std::printf("   %s", bytes_text(s.total() + baseline).c_str());
     std::printf("%s\n", s.total() + baseline > d.memory ? "  DOES NOT FIT" : "");
@@ -90,6 +100,11 @@ double solve_efficiency(const std::function<double(double)>& step_at, double bud
     (step_at(mid) > budget ? lo : hi) = mid;
   }
   return hi;
+}
+
+// The pipeline schedule as the roofline models it.
+const char* schedule_text(const PlanLayout& L) {
+  return L.v_shape ? "DualPipeV (its F&B not overlapped, W = 0)" : "1F1B";
 }
 
 const char* verdict(double e) {
@@ -127,9 +142,9 @@ void print_target_communication(const PlanReport& rep, double budget) {
     const bool comm_bound = floor.step > budget;
     unreachable = unreachable || comm_bound;
     std::printf("  %s: cannot be reached at any efficiency: at 1.0 the step takes %s; with the compute taking no time "
-                "at all %s (communication %s per micro-batch over %d micro-batch slots of 1F1B, dp/edp %s) %s %s%s\n",
+                "at all %s (communication %s per micro-batch over %d micro-batches and the bubble of %s, dp/edp %s) %s %s%s\n",
                 what, seconds_text(top.step).c_str(), seconds_text(floor.step).c_str(), seconds_text(floor.comm_mb).c_str(),
-                L.micro_batches + L.pipeline - 1,
+                L.micro_batches, schedule_text(L),
                 mode == CommMode::overlapped ? "hidden" : seconds_text(floor.dp).c_str(), comm_bound ? ">" : "<=",
                 seconds_text(budget).c_str(),
                 comm_bound ? "" : rep.p.cfg.train.hp_gemm == GemmDtype::bf16
@@ -179,10 +194,12 @@ void print_target_compute(const PlanReport& rep, double budget) {
       }
       const Roofline at = roofline(q, d, oo, e, CommMode::hidden, balanced);
       std::printf("efficiency %.3f (%s); per step %d x %s per micro-batch (compute %s, memory-bound %s) + bubble %s "
-                  "(%d / %d, as configured) + optimizer %s\n",
+                  "(%s, as configured) + optimizer %s\n",
                   e, verdict(e), L.micro_batches, seconds_text(at.compute_mb + at.memory_mb).c_str(),
                   seconds_text(at.compute_mb).c_str(), seconds_text(at.memory_mb).c_str(), seconds_text(at.bubble).c_str(),
-                  L.pipeline - 1, L.micro_batches + L.pipeline - 1, seconds_text(at.optimizer).c_str());
+                  L.v_shape ? schedule_text(L)
+                            : (std::to_string(L.pipeline - 1) + " / " + std::to_string(L.micro_batches + L.pipeline - 1)).c_str(),
+                  seconds_text(at.optimizer).c_str());
     }
   }
 }
@@ -205,7 +222,7 @@ void print_target(const PlanReport& rep) {
   print_target_communication(rep, budget);
   print_target_compute(rep, budget);
   std::printf("  assumptions: the roofline above (one efficiency for every GEMM and the attention core, each at its own "
-              "peak; the slowest stage sets the 1F1B pace unless `stages balanced`); train.recompute %s as configured "
+              "peak; the slowest stage sets the pipeline's pace unless `stages balanced`); train.recompute %s as configured "
               "(the recomputed forwards are compute; DeepSeek-V3 recomputed only selected cheap ops: --set "
               "train.recompute=none for that bound); (b) hides all tp/ep/pp/dp/edp bytes (DeepSeek-V3 reports DualPipe "
               "overlapping its all-to-all, FP8 dispatch and node-limited routing); this config's tokens per step for "
@@ -277,7 +294,7 @@ void print_roofline_step(const PlanReport& rep) {
   std::printf("  assumptions: GEMMs at %.2f of %s: FP8 %.4g FLOP/s for the linear layers fp8.layers runs in FP8, %s %.4g "
               "for the others (%severy linear layer with recipe off), attention core %.4g "
               "(%s); memory-bound traffic 4 x the activations kept per micro-batch plus AdamW's and the FP8 "
-              "weights' bytes, at %.4g B/s; communication at %s; uniform routing; 1F1B with the slowest stage "
+              "weights' bytes, at %.4g B/s; communication at %s; uniform routing; %s with the slowest stage "
               "setting the pace; no kernel-launch or host overhead%s.\n",
               eff, d.cpu ? "the rates measured here" : "the peaks", d.fp8, o.higher_precision.c_str(),
               o.higher_precision == "bf16" ? d.bf16 : d.fp32,
@@ -286,7 +303,7 @@ void print_roofline_step(const PlanReport& rep) {
                     : ("NVLink " + bytes_text(d.nvlink) + "/s inside a node of " + std::to_string(o.node_size) +
                        ", InfiniBand " + bytes_text(d.ib) + "/s per GPU across nodes")
                           .c_str(),
-              hp16 ? "; the router, eh_proj and head at the BF16 peak (train.hp_gemm bf16)" : "");
+              schedule_text(L), hp16 ? "; the router, eh_proj and head at the BF16 peak (train.hp_gemm bf16)" : "");
 }
 
 }  // namespace
@@ -407,6 +424,13 @@ void print_communication(const PlanReport& rep) {
 
 void print_bubble(const PlanReport& rep) {
   const PlanLayout& L = rep.p.L;
+  if (L.v_shape) {
+    std::printf("\npipeline bubble (DualPipeV as fp8moe runs it: its F&B not overlapped, W = 0): (p - 1)(F + 2B) / "
+                "(2m(F + B) + (p - 1)(F + 2B)) in chunk times; with B = 2F: %d x 5 / (%d x 3 + %d x 5) = %.3f "
+                "(the step time below uses the pace rank's own backward share)\n",
+                L.pipeline - 1, 2 * L.micro_batches, L.pipeline - 1, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2, 0));
+    return;
+  }
   const double bubble = bubble_fraction(L.pipeline, L.micro_batches);
   std::printf("\npipeline bubble (1F1B): (p - 1) / (m + p - 1) = %d / %d = %.3f\n", L.pipeline - 1,
               L.micro_batches + L.pipeline - 1, bubble);

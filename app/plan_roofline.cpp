@@ -72,7 +72,7 @@ double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, d
   const Config& c = p.cfg;
   const ModelConfig& m = c.model;
   const StageMemory& st = p.mem[s];
-  const double moe_layers = std::max(0, st.layer_end - std::max(st.layer_begin, m.first_dense_layers)) + st.mtp_blocks;
+  const double moe_layers = stage_moe_blocks(m, st);
   if (d.cpu || !c.runtime.overlap_expert_comm || ep_mb <= 0 || moe_layers <= 0) return 0;
   const ExpertRowBytes rb = expert_row_bytes(m.d_model, c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8,
                                              c.train.activations, c.train.moe_gates);
@@ -110,9 +110,11 @@ Plan make_plan(const Config& c, int world, int node_size) {
     sh.pipeline = p.L.pipeline;
     sh.tokens = double(p.L.tokens()), sh.micro_batches = p.L.micro_batches;
     sh.first = s.first, sh.last = s.last, sh.layer_begin = s.layer_begin, sh.layer_end = s.layer_end;
+    sh.v_shape = s.v_shape, sh.turn = s.v_shape && s.stage == p.L.pipeline - 1;
+    sh.layer_begin2 = s.layer_begin2, sh.layer_end2 = s.layer_end2;
     sh.local_experts = m.moe.n_experts / p.L.expert;
     sh.dense_bytes = double(s.dense_trainable) * 4, sh.expert_bytes = double(s.expert_trainable) * 4;
-    const double moe_layers = std::max(0, s.layer_end - std::max(s.layer_begin, m.first_dense_layers)) + s.mtp_blocks;
+    const double moe_layers = stage_moe_blocks(m, s);
     // Uniform routing: of a token's top_k rows, 1 / expert stay on this rank.
     sh.rows_off_rank = double(p.L.micro_batches) * moe_layers * sh.tokens * m.moe.top_k * (1.0 - 1.0 / p.L.expert);
     sh.fp8 = c.fp8.recipe == Fp8Recipe::off ? nullptr : &c.fp8, sh.activations = c.train.activations;
@@ -215,7 +217,10 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   r.pace_ratio = sum_t > 0 ? slowest / (sum_t / double(p.mem.size())) : 1;
   if (balanced) r.compute_mb = sum_compute / double(p.mem.size()), r.memory_mb = sum_memory / double(p.mem.size());
   const double per_mb = o.overlap ? std::max(r.compute_mb + r.memory_mb, r.comm_mb) : r.compute_mb + r.memory_mb + r.comm_mb;
-  r.bubble = (L.pipeline - 1) * per_mb;
+  // 1F1B: (P - 1) x a stage's time per micro-batch. DualPipeV as it runs (parallel/pipeline_schedule.h:
+  // F&B not overlapped, W = 0): (P - 1)(F + 2B) in chunk times, a rank's two chunks of a
+  // micro-batch taking per_mb = 2(F + B) with B the backward's share.
+  r.bubble = (L.pipeline - 1) * per_mb * (L.v_shape ? (1 + backward_share) / 2 : 1.0);
   const double busy = L.micro_batches * per_mb;
   if (o.overlap) {
     r.dp_exposed = std::max(0.0, r.dp - busy);

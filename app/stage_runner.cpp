@@ -215,7 +215,8 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
 // r - 1). Rank P - 1 turns the V: its phase-1 forward reads its own phase-0 output, its phase-0
 // backward its own phase-1 input gradient; rank 0 embeds (phase 0) and ends the model (phase 1:
 // the head, the loss and the multi-token prediction modules, whose embeddings stay on the rank).
-// An F&B op runs its forward, then its backward: one after the other, not overlapped. A backward
+// An F&B op runs its backward, then its forward: one after the other, not overlapped (in this order
+// a rank holds at most 2P chunk activations, 2P + 1 on the turn). A backward
 // runs whole: the weight gradient is not split from it, so the schedule's weight ops have nothing
 // left to do (the bubble of W = 0: (P - 1)(F&B + B) in chunk times).
 void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
@@ -282,8 +283,8 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     switch (op.kind) {
       case DualOpKind::forward: forward(op.phase, op.micro_batch); break;
       case DualOpKind::backward: backward(op.phase, op.micro_batch); break;
-      case DualOpKind::forward_backward:
-        forward(op.phase, op.micro_batch), backward(1 - op.phase, op.backward_micro_batch);
+      case DualOpKind::forward_backward:  // the backward first: its chunk's activations go before the forward's come
+        backward(1 - op.phase, op.backward_micro_batch), forward(op.phase, op.micro_batch);
         break;
       case DualOpKind::weight: break;  // (nothing deferred: see above)
     }

@@ -88,6 +88,7 @@ bool is_recomputed(const Config& c, int layer) {
 GridPosition position(const PlanLayout& L, int stage) {
   GridPosition at;
   at.tensor = L.tensor, at.stages = L.pipeline, at.stage = stage, at.experts = L.expert, at.split = L.split;
+  at.v_shape = L.v_shape;
   return at;
 }
 
@@ -223,7 +224,8 @@ PlanLayout plan_layout(const Config& c, int world) {
   L.micro_batches = c.parallel.micro_batches;
   L.sequences = int64_t(c.train.global_batch) / (int64_t(L.data) * L.micro_batches);
   L.seq_len = c.train.seq_len;
-  L.split = stage_split(c.model, c.parallel.stage_layers, L.pipeline, L.seq_len);
+  L.v_shape = c.parallel.pipeline_schedule == PipelineSchedule::dualpipev && L.pipeline > 1;
+  L.split = stage_split(c.model, c.parallel.stage_layers, L.v_shape ? 2 * L.pipeline : L.pipeline, L.seq_len);
   return L;
 }
 
@@ -406,6 +408,28 @@ int in_flight_micro_batches(int stages, int stage, int micro_batches) {
   return most;
 }
 
+double dualpipev_activations(int ranks, int rank, int micro_batches, const double saved[2], int* most_chunks) {
+  int open[2] = {0, 0};
+  double most = 0;
+  *most_chunks = 0;
+  auto track = [&](int phase, int delta) {
+    open[phase] += delta;
+    most = std::max(most, open[0] * saved[0] + open[1] * saved[1]);
+    *most_chunks = std::max(*most_chunks, open[0] + open[1]);
+  };
+  for (const DualOp& op : dualpipev(ranks, rank, micro_batches)) {
+    if (op.kind == DualOpKind::forward) track(op.phase, 1);
+    if (op.kind == DualOpKind::backward) track(op.phase, -1);
+    if (op.kind == DualOpKind::forward_backward) track(1 - op.phase, -1), track(op.phase, 1);  // as the runner: backward first
+  }
+  return most;
+}
+
+int stage_moe_blocks(const ModelConfig& m, const StageMemory& s) {
+  auto moe = [&](int b, int e) { return std::max(0, e - std::max(b, m.first_dense_layers)); };
+  return moe(s.layer_begin, s.layer_end) + (s.v_shape ? moe(s.layer_begin2, s.layer_end2) : 0) + s.mtp_blocks;
+}
+
 std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
   const ModelConfig& g = c.model;
   const ParamTable table = build_param_table(g);
@@ -418,6 +442,7 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
     StageMemory r;
     r.stage = s, r.layer_begin = place.layer_begin(), r.layer_end = place.layer_end();
     r.first = place.first_stage(), r.last = place.last_stage();
+    if (place.chunks() == 2) r.v_shape = true, r.layer_begin2 = place.layer_begin(1), r.layer_end2 = place.layer_end(1);
     r.mtp_blocks = r.last ? g.mtp_depth : 0;
     // The flat buffers' segments in layout order (model/param_store.h), each member's (numel, cols),
     // for ZeRO-1's cut at row boundaries (model/data_parallel.cpp).
@@ -467,31 +492,45 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
     const double written = double(r.dense_trainable) / L.data + double(r.expert_trainable) / L.expert_data;
     r.checkpoint_copy = written * kF32 + (zero ? r.moments : 2 * moment_bytes * written);
 
-    // Activations of one micro-batch on this stage (model/transformer.cpp StageRun::Impl).
+    // Activations of one micro-batch on this stage (model/transformer.cpp StageRun::Impl), per
+    // chunk: its output, its blocks', the first chunk's modules' input embeddings, the last
+    // chunk's head and modules.
     const double N = double(L.tokens()), D = g.d_model, V = m.vocab_size, depth = g.mtp_depth;
-    double saved = N * D * kF32;  // the stage's output
     double work = 0;
-    for (int l = r.layer_begin; l < r.layer_end; ++l) {
-      saved += block_saved_bytes(c, L, l);
-      work = std::max(work, block_workspace(c, L, m, l));
-    }
-    if (r.first && depth > 0) saved += depth * N * D * kF32;              // the modules' input embeddings
-    if (r.last) {
-      saved += N * D * kF32 + N * kF32 + N * V * kF32;                     // hf, rstd, dlogits
-      // the logits; train.hp_gemm bf16: the head's BF16 copy and its input's (or dlogits') for the call
-      const double head16 = c.train.hp_gemm == GemmDtype::bf16 ? V * D * 2 + N * std::max(D, V) * 2 : 0;
-      work = std::max(work, N * V * kF32 + head16);
-      if (depth > 0 && !r.first) saved += depth * N * D * kF32;            // the received embeddings
-      for (int k = 0; k < g.mtp_depth; ++k) {
-        const int l = g.n_layers + k;
-        // rstd_e, rstd_h, cat (N, 2D), out, hf, rstd_f, dlogits; the block (its input x included)
-        saved += 3 * N * kF32 + N * 2 * D * kF32 + 2 * N * D * kF32 + N * V * kF32 + block_saved_bytes(c, L, l);
-        work = std::max(work, std::max(block_workspace(c, L, m, l), N * V * kF32 + 2 * N * D * kF32 + head16));
+    auto chunk_saved = [&](int b, int e, bool first, bool last) {
+      double saved = N * D * kF32;  // the chunk's output
+      for (int l = b; l < e; ++l) {
+        saved += block_saved_bytes(c, L, l);
+        work = std::max(work, block_workspace(c, L, m, l));
       }
+      if (first && depth > 0) saved += depth * N * D * kF32;              // the modules' input embeddings
+      if (last) {
+        saved += N * D * kF32 + N * kF32 + N * V * kF32;                   // hf, rstd, dlogits
+        // the logits; train.hp_gemm bf16: the head's BF16 copy and its input's (or dlogits') for the call
+        const double head16 = c.train.hp_gemm == GemmDtype::bf16 ? V * D * 2 + N * std::max(D, V) * 2 : 0;
+        work = std::max(work, N * V * kF32 + head16);
+        if (depth > 0 && !first) saved += depth * N * D * kF32;          // the received embeddings
+        for (int k = 0; k < g.mtp_depth; ++k) {
+          const int l = g.n_layers + k;
+          // rstd_e, rstd_h, cat (N, 2D), out, hf, rstd_f, dlogits; the block (its input x included)
+          saved += 3 * N * kF32 + N * 2 * D * kF32 + 2 * N * D * kF32 + N * V * kF32 + block_saved_bytes(c, L, l);
+          work = std::max(work, std::max(block_workspace(c, L, m, l), N * V * kF32 + 2 * N * D * kF32 + head16));
+        }
+      }
+      return saved;
+    };
+    if (r.v_shape) {
+      // (The last chunk's run copies the modules' embeddings from the first chunk's, as it would
+      // the received ones.)
+      const double saved[2] = {chunk_saved(r.layer_begin, r.layer_end, place.chunk_first(0), false),
+                               chunk_saved(r.layer_begin2, r.layer_end2, false, place.chunk_last(1))};
+      r.saved_per_micro_batch = saved[0] + saved[1];
+      r.activations = dualpipev_activations(L.pipeline, s, L.micro_batches, saved, &r.in_flight);
+    } else {
+      r.saved_per_micro_batch = chunk_saved(r.layer_begin, r.layer_end, r.first, r.last);
+      r.in_flight = in_flight_micro_batches(L.pipeline, s, L.micro_batches);
+      r.activations = r.saved_per_micro_batch * r.in_flight;
     }
-    r.saved_per_micro_batch = saved;
-    r.in_flight = in_flight_micro_batches(L.pipeline, s, L.micro_batches);
-    r.activations = saved * r.in_flight;
     r.workspace = work;
     out.push_back(r);
   }
@@ -530,10 +569,11 @@ std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L) {
     }
     // The attention core, causal (T / 2 keys per query on average): QK^T and PV, 3x for training.
     const double per_block = N * m.n_heads * double(m.qk_head_dim() + m.v_dim()) * double(L.seq_len);
-    const int main_blocks = place.layer_end() - place.layer_begin();
-    const int blocks = main_blocks + (place.last_stage() ? g.mtp_depth : 0);
-    for (int b = 0; b < blocks; ++b) {
-      const int l = b < main_blocks ? place.layer_begin() + b : g.n_layers + (b - main_blocks);
+    std::vector<int> blocks;  // the rank's chunks' blocks, then with the head the modules'
+    for (int k = 0; k < place.chunks(); ++k)
+      for (int l = place.layer_begin(k); l < place.layer_end(k); ++l) blocks.push_back(l);
+    for (int k = 0; place.last_stage() && k < g.mtp_depth; ++k) blocks.push_back(g.n_layers + k);
+    for (const int l : blocks) {
       f.attention += 3 * per_block + (is_recomputed(c, l) ? per_block : 0);
       if (is_recomputed(c, l)) f.recompute += per_block;
     }

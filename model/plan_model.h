@@ -22,7 +22,8 @@ struct PlanLayout {
   int world = 1, tensor = 1, pipeline = 1, expert = 1, data = 1, expert_data = 1, micro_batches = 1;
   int64_t sequences = 1;  // per replica and micro-batch (StageRunner::sequences())
   int64_t seq_len = 1;
-  std::vector<int> split;  // blocks per pipeline stage (parallel.stage_layers: model/placement.h stage_split)
+  std::vector<int> split;  // blocks per pipeline stage, or chunk under DualPipeV (model/placement.h stage_split)
+  bool v_shape = false;    // parallel.pipeline_schedule dualpipev: two chunks per rank
   int64_t tokens() const { return sequences * seq_len; }  // N of one micro-batch on one rank
 };
 // Assumes a config load_config accepted for `world` ranks.
@@ -126,6 +127,9 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer);
 struct StageMemory {
   int stage = 0, layer_begin = 0, layer_end = 0, mtp_blocks = 0;
   bool first = true, last = true;
+  // DualPipeV: the rank's second chunk [layer_begin2, layer_end2), the V's way back (v_shape).
+  bool v_shape = false;
+  int layer_begin2 = 0, layer_end2 = 0;
   int64_t held = 0, dense_trainable = 0, expert_trainable = 0;  // elements
   int64_t owned_dense = 0, owned_expert = 0;  // trainable elements this rank keeps moments for
   double weights = 0;      // FP32 parameters (the master weights: fp8moe keeps no other copy)
@@ -133,9 +137,11 @@ struct StageMemory {
   double moments = 0;      // AdamW m and v of the owned rows (FP32 or BF16)
   double fp8_weights = 0;  // the step's FP8 weight copies and scales (model/linear.h WeightCache)
   double fp8_state = 0;    // delayed-scaling amax histories and scales (model/linear.h LinearScaling)
-  double saved_per_micro_batch = 0;  // activations kept for backward by one micro-batch
-  int in_flight = 1;                 // micro-batches between forward and backward at once (1F1B)
-  double activations = 0;            // saved_per_micro_batch x in_flight
+  double saved_per_micro_batch = 0;  // activations kept for backward by one micro-batch (both chunks)
+  int in_flight = 1;                 // micro-batches between forward and backward at once (1F1B);
+                                     // DualPipeV: chunk forwards not yet backwarded, at most
+  double activations = 0;            // 1F1B: saved_per_micro_batch x in_flight; DualPipeV: the most
+                                     // of its chunks' activations at once over its schedule
   double workspace = 0;              // the largest set of temporaries alive at once on top
   // Host memory, not in total(): what this rank writes of a checkpoint (its replica's share of the
   // parameters' rows, the moments' rows it writes), which an asynchronous save copies
@@ -144,6 +150,8 @@ struct StageMemory {
   double total() const { return weights + grads + moments + fp8_weights + fp8_state + activations + workspace; }
 };
 std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L);
+// The MoE blocks a rank of the stage runs: its chunks' and, with the head, the modules'.
+int stage_moe_blocks(const ModelConfig& m, const StageMemory& s);
 
 // FLOPs one rank of a stage runs per micro-batch (forward + backward, recomputation included),
 // split by the unit that runs them.
@@ -165,5 +173,9 @@ double bubble_fraction(int stages, int micro_batches);
 double step_budget_seconds(double hours, double tokens, double step_tokens, int world);
 // Micro-batches between their forward and their backward at once on a stage (parallel/pipeline_schedule.h).
 int in_flight_micro_batches(int stages, int stage, int micro_batches);
+// DualPipeV's rank `rank` of `ranks`: the most bytes its chunks' activations hold at once over its
+// schedule (saved[phase]: one micro-batch's of that phase's chunk), and the most chunk forwards
+// not yet backwarded.
+double dualpipev_activations(int ranks, int rank, int micro_batches, const double saved[2], int* most_chunks);
 
 }  // namespace fp8moe

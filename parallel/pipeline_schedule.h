@@ -31,8 +31,8 @@ std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches);
 // (F = B - W, W <= F: test_pipeline_schedule simulates it), against 1F1B's (P - 1)(F + B) per
 // stage of two chunks, 2(P - 1)(F + B). A rank holds at most 2P chunk activations (2P + 1 on rank
 // P - 1): P + 1/2 stages' worth. Needs micro_batches >= 2P. `fp8moe train` runs it with
-// parallel.pipeline_schedule dualpipev (app/stage_runner.cpp): an F&B's forward and backward one
-// after the other, and every backward whole (W = 0: the weight ops have nothing to run).
+// parallel.pipeline_schedule dualpipev (app/stage_runner.cpp): an F&B's backward, then its forward,
+// and every backward whole (W = 0: the weight ops have nothing to run).
 enum class DualOpKind { forward, backward, weight, forward_backward };
 struct DualOp {
   DualOpKind kind;
