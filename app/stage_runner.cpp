@@ -8,6 +8,66 @@
 #include "parallel/trace.h"
 
 namespace fp8moe {
+namespace {
+
+// A step's micro-batch states (StageRun) and the messages built from them (`sent`), each let go as
+// soon as nothing needs it: a state once its backward is over, no other state's backward still
+// reads it (pinned) and its messages have left; a message once its send is complete
+// (Communicator::send_complete, polled before each forward and backward). Not once a step: a
+// stage would hold every micro-batch's output and input gradient until the step's end (M of them,
+// 2 x 117 MB each on the 671B config).
+class Releaser {
+ public:
+  Releaser(Communicator& pipe, std::vector<StageRun>& runs, std::vector<Tensor>& sent)
+      : pipe_(pipe), runs_(runs), sent_(sent), hold_(runs.size()) {}
+  // Send k (the pipeline's, since its last wait_sends) reads run i's memory or sent[slot].
+  void sending(int64_t k, size_t i, size_t slot) {
+    ++hold_[i].sends;
+    pending_.push_back({k, i, slot});
+  }
+  void backward_done(size_t i) {
+    hold_[i].done = true;
+    release(i);
+  }
+  void pin(size_t i) { ++hold_[i].pins; }
+  void unpin(size_t i) {
+    --hold_[i].pins;
+    release(i);
+  }
+  void poll() {
+    for (size_t j = 0; j < pending_.size();) {
+      if (!pipe_.send_complete(pending_[j].k)) {
+        ++j;
+        continue;
+      }
+      const Pending p = pending_[j];
+      pending_.erase(pending_.begin() + std::ptrdiff_t(j));
+      sent_[p.slot] = Tensor{};
+      --hold_[p.run].sends;
+      release(p.run);
+    }
+  }
+
+ private:
+  struct Hold {
+    int sends = 0, pins = 0;
+    bool done = false;
+  };
+  struct Pending {
+    int64_t k;
+    size_t run, slot;
+  };
+  void release(size_t i) {
+    if (hold_[i].done && hold_[i].sends == 0 && hold_[i].pins == 0) runs_[i] = StageRun{};
+  }
+  Communicator& pipe_;
+  std::vector<StageRun>& runs_;
+  std::vector<Tensor>& sent_;
+  std::vector<Hold> hold_;
+  std::vector<Pending> pending_;
+};
+
+}  // namespace
 
 StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGroups& groups)
     : cfg_(cfg), model_(model), be_(model.backend()), g_(groups) {
@@ -97,23 +157,29 @@ void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* loca
   if (local) local->waited_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag) {
-  const int64_t n = act_ + n_extra;
+int64_t StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag) {
+  const int64_t n = act_ + n_extra, k = sends_++;
   if (bf16_wire_) {
     keep = Tensor(be_, DType::bf16, {n});
     be_.to_bf16(a, keep.data<uint16_t>(), act_);
     if (n_extra > 0) be_.to_bf16(extra, keep.data<uint16_t>() + act_, n_extra);
     g_.pipe->isend(static_cast<const float*>(keep.raw()), n / 2, peer, tag);
-    return;
+    return k;
   }
   if (n_extra == 0) {  // the activation itself, no copy
     g_.pipe->isend(a, act_, peer, tag);
-    return;
+    return k;
   }
   keep = Tensor(be_, DType::f32, {n});
   be_.copy(keep.f32(), a, size_t(act_) * sizeof(float));
   be_.copy(keep.f32() + act_, extra, size_t(n_extra) * sizeof(float));
   g_.pipe->isend(keep.f32(), n, peer, tag);
+  return k;
+}
+
+void StageRunner::wait_sends() {
+  g_.pipe->wait_sends();
+  sends_ = 0;
 }
 
 // A forward's expert loads into the step's, and its routed rows off this rank and node.
@@ -159,8 +225,10 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   // stay one per micro-batch and direction, as without the modules: nothing new to match (the
   // NCCL communicator posts a stage's sends together with its next receive).
   const int64_t msg = (1 + depth_) * act_;
-  std::vector<Tensor> sent(2 * size_t(M));  // the messages built here (send()), alive until wait_sends
+  std::vector<Tensor> sent(2 * size_t(M));  // the messages built here (send()), alive until sent
+  Releaser releaser(*g_.pipe, runs, sent);
   auto forward = [&](int mb) {
+    releaser.poll();
     if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * mb, local);
     const trace::Span span("forward", "compute", mb);
     double* slot = losses_.data<double>() + mb * slots();
@@ -177,7 +245,8 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
                                             counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr);
     if (!last_) {
       const float* emb = depth_ == 0 ? nullptr : first_ ? runs[size_t(mb)].mtp_output() : x_in_.f32() + act_;
-      send(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb, depth_ * act_, stage + 1, 2 * mb);
+      releaser.sending(send(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb, depth_ * act_, stage + 1, 2 * mb),
+                       size_t(mb), 2 * size_t(mb));
     }
     count_loads(runs[size_t(mb)].result(), local);
   };
@@ -192,6 +261,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     sync_->progress();
   };
   auto backward = [&](int mb) {
+    releaser.poll();
     if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
     const bool mtp_in = depth_ > 0 && first_ && !last_;
     const bool final = sync_ && mb == last_backward;
@@ -203,11 +273,14 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     if (final) sync_->post_rest(store);
     if (!first_) {
       const float* demb = depth_ == 0 ? nullptr : last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
-      send(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb, depth_ * act_, stage - 1, 2 * mb + 1);
+      releaser.sending(
+          send(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb, depth_ * act_, stage - 1, 2 * mb + 1),
+          size_t(mb), 2 * size_t(mb) + 1);
     }
+    releaser.backward_done(size_t(mb));
   };
   for (const PipelineOp& op : ops) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
-  g_.pipe->wait_sends();
+  wait_sends();
 }
 
 // DualPipeV (parallel/pipeline_schedule.h) on rank r of P: phase 0 runs chunk 0 of the rank (the
@@ -222,18 +295,24 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
 void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   const int M = cfg_.parallel.micro_batches, P = g_.pipe->size(), r = g_.pipe->rank();
   const int64_t R = g_.data_host->size();
-  // runs[phase][mb], alive until the step's sends are done
-  std::vector<StageRun> runs_by_phase[2];
-  for (auto& v : runs_by_phase) v.resize(size_t(M));
-  std::vector<StageRun>* runs = runs_by_phase;
+  // A micro-batch's two states (phase 0's chunk, phase 1's), [phase x M + mb]; phase 1's is kept
+  // until phase 0's backward, which on the turn reads its input gradient and on rank 0 its
+  // modules' embeddings' gradient.
+  std::vector<StageRun> runs(2 * size_t(M));
+  auto run_of = [&](int phase, int mb) -> StageRun& { return runs[size_t(phase * M + mb)]; };
   std::vector<Tensor> sent(4 * size_t(M));
-  // One tag per micro-batch, phase and direction.
+  Releaser releaser(*g_.pipe, runs, sent);
+  // One tag per micro-batch, phase and direction (and one `sent` slot).
   auto tag = [](int mb, int phase, bool back) { return 4 * mb + 2 * phase + (back ? 1 : 0); };
+  auto sending = [&](int64_t k, int phase, int mb, bool back) {
+    releaser.sending(k, size_t(phase * M + mb), size_t(tag(mb, phase, back)));
+  };
   auto forward = [&](int phase, int mb) {
+    releaser.poll();
     const float* x = nullptr;
     if (phase == 0 && r > 0) recv(x_in_.f32(), act_, r - 1, tag(mb, 0, false), local), x = x_in_.f32();
     if (phase == 1) {
-      if (r == P - 1) x = runs[0][size_t(mb)].output();
+      if (r == P - 1) x = run_of(0, mb).output();
       else recv(x_in_.f32(), act_, r + 1, tag(mb, 1, false), local), x = x_in_.f32();
     }
     const trace::Span span("forward", "compute", mb);  // (either phase: scripts/trace.py reads the names)
@@ -243,14 +322,17 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     if (depth_ > 0) {
       mtp.tokens = mtp_tokens_.data<int32_t>() + depth_ * at, mtp.targets = mtp_targets_.data<int32_t>() + depth_ * at;
       mtp.mean_over.assign(mtp_counted_all_.begin() + mb * depth_, mtp_counted_all_.begin() + (mb + 1) * depth_);
-      if (phase == 1 && r == 0) mtp.embeddings = runs[0][size_t(mb)].mtp_output();
+      if (phase == 1 && r == 0) mtp.embeddings = run_of(0, mb).mtp_output();
     }
-    StageRun& run = runs[size_t(phase)][size_t(mb)];
+    StageRun& run = run_of(phase, mb);
+    if (phase == 1) releaser.pin(size_t(M + mb));
     run = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at, counted_[size_t(mb)], mbs_,
                                T_, x, true, {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale,
                                counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr, phase);
-    if (phase == 0 && r < P - 1) send(sent[size_t(tag(mb, 0, false))], run.output(), nullptr, 0, r + 1, tag(mb, 0, false));
-    if (phase == 1 && r > 0) send(sent[size_t(tag(mb, 1, false))], run.output(), nullptr, 0, r - 1, tag(mb, 1, false));
+    if (phase == 0 && r < P - 1)
+      sending(send(sent[size_t(tag(mb, 0, false))], run.output(), nullptr, 0, r + 1, tag(mb, 0, false)), 0, mb, false);
+    if (phase == 1 && r > 0)
+      sending(send(sent[size_t(tag(mb, 1, false))], run.output(), nullptr, 0, r - 1, tag(mb, 1, false)), 1, mb, false);
     count_loads(run.result(), local);
   };
   // The data-parallel reduction: each chunk's layers are final after its phase's last backward
@@ -262,22 +344,27 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   };
   int backwards_left = 2 * M;
   auto backward = [&](int phase, int mb) {
+    releaser.poll();
     const float* dy = nullptr;
     if (phase == 1 && r > 0) recv(dy_in_.f32(), act_, r - 1, tag(mb, 1, true), local), dy = dy_in_.f32();
     if (phase == 0) {
-      if (r == P - 1) dy = runs[1][size_t(mb)].input_grad();
+      if (r == P - 1) dy = run_of(1, mb).input_grad();
       else recv(dy_in_.f32(), act_, r + 1, tag(mb, 0, true), local), dy = dy_in_.f32();
     }
-    const float* d_mtp = phase == 0 && r == 0 && depth_ > 0 ? runs[1][size_t(mb)].mtp_input_grad() : nullptr;
+    const float* d_mtp = phase == 0 && r == 0 && depth_ > 0 ? run_of(1, mb).mtp_input_grad() : nullptr;
     const bool final = sync_ && mb == M - 1;
-    StageRun& run = runs[size_t(phase)][size_t(mb)];
+    StageRun& run = run_of(phase, mb);
     {
       const trace::Span span("backward", "compute", mb);
       model_.stage_backward(run, dy, d_mtp, final ? post_layer : std::function<void(int)>{});
     }
     if (sync_ && --backwards_left == 0) sync_->post_rest(store);
-    if (phase == 1 && r < P - 1) send(sent[size_t(tag(mb, 1, true))], run.input_grad(), nullptr, 0, r + 1, tag(mb, 1, true));
-    if (phase == 0 && r > 0) send(sent[size_t(tag(mb, 0, true))], run.input_grad(), nullptr, 0, r - 1, tag(mb, 0, true));
+    if (phase == 1 && r < P - 1)
+      sending(send(sent[size_t(tag(mb, 1, true))], run.input_grad(), nullptr, 0, r + 1, tag(mb, 1, true)), 1, mb, true);
+    if (phase == 0 && r > 0)
+      sending(send(sent[size_t(tag(mb, 0, true))], run.input_grad(), nullptr, 0, r - 1, tag(mb, 0, true)), 0, mb, true);
+    releaser.backward_done(size_t(phase * M + mb));
+    if (phase == 0) releaser.unpin(size_t(M + mb));
   };
   for (const DualOp& op : dualpipev(P, r, M)) {
     switch (op.kind) {
@@ -289,7 +376,7 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
       case DualOpKind::weight: break;  // (nothing deferred: see above)
     }
   }
-  g_.pipe->wait_sends();
+  wait_sends();
 }
 
 StepTotals StageRunner::finish_step(const double* grad_sq) {
@@ -359,7 +446,7 @@ double StageRunner::validation_loss(DataBlend& data) {
     Tensor keep;
     if (stage < P - 1) {
       send(keep, down.output(), nullptr, 0, stage + 1, 0);
-      g_.pipe->wait_sends();
+      wait_sends();
       recv(x_in_.f32(), act_, stage + 1, 1, nullptr);
     }
     const StageRun back = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
@@ -367,7 +454,7 @@ double StageRunner::validation_loss(DataBlend& data) {
                                                false, slots, 1.0f, 0, 1.0, nullptr, 1);
     if (stage > 0) {
       send(keep, back.output(), nullptr, 0, stage - 1, 1);
-      g_.pipe->wait_sends();
+      wait_sends();
     } else {
       tokens[size_t(b)] = back.result().tokens;
     }
@@ -381,7 +468,7 @@ double StageRunner::validation_loss(DataBlend& data) {
     if (!last_) {
       Tensor keep;
       send(keep, run.output(), nullptr, 0, stage + 1, 0);
-      g_.pipe->wait_sends();
+      wait_sends();
     } else {
       tokens[size_t(b)] = run.result().tokens;
     }

@@ -88,8 +88,10 @@ class StageRunner {
   void recv(float* buf, int64_t n, int peer, int tag, StepLocal* local);
   // The non-blocking send of a (act_ values) and, with multi-token prediction, extra (depth_ x act_)
   // to `peer`, built into `keep` where it is not `a` itself (BF16, or the two parts in one message);
-  // keep stays alive until wait_sends().
-  void send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag);
+  // keep stays alive until the send is complete.
+  // Returns the send's number since the last wait_sends() (Communicator::send_complete's k).
+  int64_t send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag);
+  void wait_sends();  // the pipeline's, and the count of sends since
   // train_step's DualPipeV order (parallel.pipeline_schedule dualpipev), once the batches are up.
   void train_step_v(float loss_scale, StepLocal* local);
   void count_loads(const StepResult& r, StepLocal* local);
@@ -105,6 +107,7 @@ class StageRunner {
   int depth_ = 0;                                        // multi-token prediction modules
   bool first_ = false, last_ = false;                    // holds the embedding / the head
   bool v_shape_ = false;                                 // DualPipeV: two chunks, messages both ways
+  int64_t sends_ = 0;                                    // pipeline sends since the last wait_sends()
   HostBuffer<int32_t> tokens_h_, targets_h_;             // (batches, mbs, T), pinned
   std::vector<int64_t> counted_, counted_all_;           // per micro-batch: this replica's, every replica's
   Tensor tokens_, targets_;                              // the same on the device

@@ -47,9 +47,17 @@ class Communicator {
   virtual void send(const float* data, int64_t n, int peer, int tag) = 0;
   virtual void recv(float* data, int64_t n, int peer, int tag) = 0;
   // Non-blocking send (the pipeline: a stage never waits for its neighbour to take an activation);
-  // `data` must stay unchanged until wait_sends() returns.
+  // `data` must stay unchanged until wait_sends() returns, or until send_complete says so.
   virtual void isend(const float* data, int64_t n, int peer, int tag) = 0;
   virtual void wait_sends() = 0;
+  // Of the isends since the last wait_sends(), numbered from 0 in order: whether send k is complete,
+  // so that its data may change or go (the pipeline frees a micro-batch's state as its messages
+  // leave, not once a step); a test that lets the transport progress. A transport that cannot tell
+  // says false until wait_sends().
+  virtual bool send_complete(int64_t k) {
+    (void)k;
+    return false;
+  }
 
   // Non-blocking collectives (the gradients' reduction behind the backward, optim.overlap_grad_reduce):
   // a post returns a ticket and wait(ticket) returns once the result is in place. Between the two

@@ -52,6 +52,7 @@ class EmulatedCommunicator final : public Communicator {
   void recv(float* d, int64_t n, int peer, int tag) override { counted([&] { mpi_.recv(h(d), n, peer, tag); }); }
   void isend(const float* d, int64_t n, int peer, int tag) override { counted([&] { mpi_.isend(h(d), n, peer, tag); }); }
   void wait_sends() override { mpi_.wait_sends(); }
+  bool send_complete(int64_t k) override { return mpi_.send_complete(k); }
   // Non-blocking as MPI is: the emulated device's ops have run by the time they return, so the
   // memory behind the tags holds what a post reads.
   int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override {
@@ -168,6 +169,8 @@ class StagedCommunicator final : public Communicator {
     mpi_.wait_sends();
     in_flight_ = 0;
   }
+  // The caller's data was copied at the post (the pinned copy stays until wait_sends).
+  bool send_complete(int64_t k) override { return k >= 0 && k < int64_t(in_flight_); }
 
  private:
   template <class Fn>

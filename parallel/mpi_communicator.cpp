@@ -156,8 +156,22 @@ void MpiCommunicator::wait_sends() {
   const WatchScope watch("wait for sends", name_);
   MPI_CHECK(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE));
   pending_.clear();
-  for (int64_t id : pending_ids_) trace::async_end("send", name_, id);
+  for (int64_t id : pending_ids_)
+    if (id >= 0) trace::async_end("send", name_, id);
   pending_ids_.clear();
+}
+
+// A completed request becomes MPI_REQUEST_NULL, which MPI_Test and MPI_Waitall take as complete.
+bool MpiCommunicator::send_complete(int64_t k) {
+  FP8MOE_ASSERT(k >= 0 && k < int64_t(pending_.size()), "send ", k, " of ", pending_.size(), " posted");
+  if (pending_[size_t(k)] == MPI_REQUEST_NULL) return true;
+  int done = 0;
+  MPI_CHECK(MPI_Test(&pending_[size_t(k)], &done, MPI_STATUS_IGNORE));
+  if (done && !pending_ids_.empty()) {
+    trace::async_end("send", name_, pending_ids_[size_t(k)]);
+    pending_ids_[size_t(k)] = -1;
+  }
+  return done != 0;
 }
 
 }  // namespace fp8moe

@@ -39,6 +39,7 @@ class MpiCommunicator final : public Communicator {
   void recv(float* data, int64_t n, int peer, int tag) override;
   void isend(const float* data, int64_t n, int peer, int tag) override;
   void wait_sends() override;
+  bool send_complete(int64_t k) override;  // MPI_Test
   int64_t ireduce_scatterv_sum(const float* in, float* out, const int64_t* counts) override;
   int64_t iallreduce_sum(float* data, int64_t n) override;
   int64_t ialltoallv(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts) override;
