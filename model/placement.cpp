@@ -27,7 +27,69 @@ LayerCosts layer_costs(const ModelConfig& m, int64_t T) {
   return c;
 }
 
-std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T) {
+namespace {
+
+// DualPipeV's balanced split of L blocks into 2P chunks: rank r runs chunk r (the front: blocks
+// [f_r, f_r+1) from the start) and chunk 2P - 1 - r (the back: [g_r+1, g_r) from the end), the two
+// ways meeting on rank P - 1 (f_P = g_P); every chunk holds a block but rank 0's back chunk, which
+// also runs the head and the modules (costs.last) and holds none only where that makes the most
+// expensive rank strictly cheaper. best(r, f, g): the least cost of the most expensive of ranks
+// r.. when they hold blocks [f, g). Then each rank in turn takes the most front blocks, then the
+// fewest back blocks, that leave the rest a split within that cost.
+std::vector<int> v_split(const LayerCosts& c, int L, int P) {
+  constexpr double kInf = 1e300;
+  std::vector<double> prefix(size_t(L) + 1, 0.0);
+  for (int l = 0; l < L; ++l) prefix[size_t(l + 1)] = prefix[size_t(l)] + c.block[size_t(l)];
+  auto cost = [&](int a, int b) { return prefix[size_t(b)] - prefix[size_t(a)]; };
+  const size_t W = size_t(L) + 1;
+  auto solve = [&](int last_least, std::vector<int>* counts) {
+    std::vector<double> best(size_t(P + 1) * W * W, kInf);
+    auto at = [&](int r, int f, int g) -> double& { return best[(size_t(r) * W + size_t(f)) * W + size_t(g)]; };
+    for (int x = 0; x <= L; ++x) at(P, x, x) = 0;
+    // The pairs (f2, g2) rank r may leave to the next: its front [f, f2) and back [g2, g).
+    auto for_pairs = [&](int r, int f, int g, const auto& fn) {
+      const int least = r == 0 ? last_least : 1;
+      for (int f2 = f + 1; f2 <= g - least; ++f2)
+        for (int g2 = f2; g2 <= g - least; ++g2) {
+          if (r == P - 1 && g2 != f2) break;  // the ways meet on the last rank
+          if (!fn(f2, g2, cost(f, f2) + cost(g2, g) + (r == 0 ? c.last : 0))) return;
+        }
+    };
+    for (int r = P - 1; r >= 0; --r)
+      for (int f = 0; f <= L; ++f)
+        for (int g = f; g <= L; ++g) {
+          if (r == 0 && (f != 0 || g != L)) continue;
+          double v = kInf;
+          for_pairs(r, f, g, [&](int f2, int g2, double here) {
+            v = std::min(v, std::max(here, at(r + 1, f2, g2)));
+            return true;
+          });
+          at(r, f, g) = v;
+        }
+    const double worst = at(0, 0, L);
+    if (worst >= kInf) return worst;
+    counts->assign(size_t(2 * P), 0);
+    for (int r = 0, f = 0, g = L; r < P; ++r) {
+      int pick_f = -1, pick_g = -1;
+      for_pairs(r, f, g, [&](int f2, int g2, double here) {
+        if (here <= worst && at(r + 1, f2, g2) <= worst && (f2 > pick_f || (f2 == pick_f && g2 > pick_g)))
+          pick_f = f2, pick_g = g2;
+        return true;
+      });
+      FP8MOE_ASSERT(pick_f >= 0, "DualPipeV's balanced split lost its way at rank ", r);
+      (*counts)[size_t(r)] = pick_f - f, (*counts)[size_t(2 * P - 1 - r)] = g - pick_g;
+      f = pick_f, g = pick_g;
+    }
+    return worst;
+  };
+  std::vector<int> with_blocks, empty_last;
+  const double a = solve(1, &with_blocks), b = solve(0, &empty_last);
+  return b < a ? empty_last : with_blocks;
+}
+
+}  // namespace
+
+std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T, bool v_shape) {
   const int L = m.n_layers, P = stages;
   FP8MOE_ASSERT(P >= 1 && P <= L, L, " blocks over ", P, " pipeline stages");
   std::vector<int> counts(static_cast<size_t>(P));
@@ -42,6 +104,10 @@ std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int sta
       counts[size_t(p)] = e - b;
     }
     return counts;
+  }
+  if (v_shape) {
+    FP8MOE_ASSERT(P % 2 == 0, "DualPipeV's ", P, " chunks");
+    return v_split(layer_costs(m, T), L, P / 2);
   }
   // Balanced. cost(p, l, e): stage p holding blocks [l, e) (the last stage carries costs.last).
   // The last stage may hold no block (the head and the modules only) where that makes the most

@@ -54,7 +54,10 @@ LayerCosts layer_costs(const ModelConfig& m, int64_t T);
 // most blocks on the earlier stages. The last stage holds no block (the head and the multi-token
 // prediction modules only) where that makes the most expensive stage strictly cheaper (Megatron's
 // last-stage layer count of 0). given: every stage at least one block, the last at least 0.
-std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T);
+// v_shape (DualPipeV, stages = 2P chunks): balanced balances the ranks, each chunk r with chunk
+// 2P - 1 - r (the last chunk with the head and the modules), not the chunks; even and given as
+// above, over the chunks.
+std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T, bool v_shape = false);
 
 // Rows [begin, end) of a parameter's (rows, cols) tensor.
 struct RowRange {

@@ -225,7 +225,7 @@ PlanLayout plan_layout(const Config& c, int world) {
   L.sequences = int64_t(c.train.global_batch) / (int64_t(L.data) * L.micro_batches);
   L.seq_len = c.train.seq_len;
   L.v_shape = c.parallel.pipeline_schedule == PipelineSchedule::dualpipev && L.pipeline > 1;
-  L.split = stage_split(c.model, c.parallel.stage_layers, L.v_shape ? 2 * L.pipeline : L.pipeline, L.seq_len);
+  L.split = stage_split(c.model, c.parallel.stage_layers, L.v_shape ? 2 * L.pipeline : L.pipeline, L.seq_len, L.v_shape);
   return L;
 }
 

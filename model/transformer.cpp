@@ -60,7 +60,7 @@ GridPosition position_in(const Config& c, const ModelGroups& g) {
   if (g.expert) at.expert_rank = g.expert->rank(), at.experts = g.expert->size();
   // (A one-rank tool of a pipelined config holds every block, whatever the schedule.)
   at.v_shape = c.parallel.pipeline_schedule == PipelineSchedule::dualpipev && at.stages > 1;
-  at.split = stage_split(c.model, c.parallel.stage_layers, at.chunks(), c.train.seq_len);
+  at.split = stage_split(c.model, c.parallel.stage_layers, at.chunks(), c.train.seq_len, at.v_shape);
   return at;
 }
 

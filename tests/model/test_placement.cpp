@@ -3,7 +3,9 @@
 // states (stages split blocks earlier-heavy, experts in consecutive runs, tp slices in rank order).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
+#include <numeric>
 #include <vector>
 
 #include "model/placement.h"
@@ -114,6 +116,59 @@ TEST(Placement, BalancedSplitIsTheBestOfEveryComposition) {
   // of the head alone, and some are not.
   EXPECT_GT(empty_lasts, 0);
   EXPECT_LT(empty_lasts, 2 * 2 * 2 * 4);
+}
+
+// DualPipeV's balanced split (stage_split with v_shape) balances ranks, chunk r with chunk
+// 2P - 1 - r (the last with the head and the modules): its most expensive rank costs what the best
+// of every composition of the blocks into 2P chunks (each >= 1, the last >= 0) costs, by the
+// block FLOPs written out above; the last chunk is empty only where that is strictly cheaper.
+TEST(Placement, DualPipeVBalancedSplitIsTheBestOfEveryComposition) {
+  int empty_lasts = 0, cases = 0;
+  for (const int64_t V : {int64_t(64), int64_t(4096)})
+    for (const int depth : {0, 1})
+      for (const int L : {6, 9}) {
+        ModelConfig m = model();
+        m.n_layers = L, m.mtp_depth = depth, m.vocab_size = int(V);
+        const int64_t T = 16;
+        std::vector<int64_t> block;
+        for (int l = 0; l < L; ++l) block.push_back(gqa_block_flops(m, l, T));
+        const int64_t last = 2 * V * m.d_model * (1 + depth) +
+                             depth * (2 * 2 * int64_t(m.d_model) * m.d_model + gqa_block_flops(m, L, T));
+        for (int P = 2; 2 * P <= L; ++P) {
+          SCOPED_TRACE("V " + std::to_string(V) + " mtp " + std::to_string(depth) + " L " + std::to_string(L) +
+                       " P " + std::to_string(P));
+          auto worst_rank = [&](const std::vector<int>& counts) {
+            std::vector<int64_t> rank(size_t(P), 0);
+            for (int c = 0, l = 0; c < 2 * P; ++c)
+              for (int i = 0; i < counts[size_t(c)]; ++i) rank[size_t(c < P ? c : 2 * P - 1 - c)] += block[size_t(l++)];
+            rank[0] += last;
+            return *std::max_element(rank.begin(), rank.end());
+          };
+          int64_t best[2] = {-1, -1};  // [last chunk empty]
+          std::vector<int> counts(size_t(2 * P), 0);
+          std::function<void(int, int)> visit = [&](int c, int left) {
+            if (c == 2 * P - 1) {
+              counts[size_t(c)] = left;
+              const int64_t w = worst_rank(counts);
+              int64_t& b = best[left == 0 ? 1 : 0];
+              if (b < 0 || w < b) b = w;
+              return;
+            }
+            for (int n = 1; n <= left - (2 * P - 2 - c); ++n) counts[size_t(c)] = n, visit(c + 1, left - n);
+          };
+          visit(0, L);
+          const std::vector<int> got = stage_split(m, {StageSplit::balanced, {}}, 2 * P, T, true);
+          ASSERT_EQ(got.size(), size_t(2 * P));
+          EXPECT_EQ(std::accumulate(got.begin(), got.end(), 0), L);
+          for (int c = 0; c + 1 < 2 * P; ++c) EXPECT_GE(got[size_t(c)], 1) << "chunk " << c;
+          const bool empty_last = best[1] >= 0 && best[1] < best[0];
+          EXPECT_EQ(worst_rank(got), empty_last ? best[1] : best[0]);
+          EXPECT_EQ(got.back() == 0, empty_last);
+          empty_lasts += empty_last, ++cases;
+        }
+      }
+  EXPECT_GT(empty_lasts, 0);
+  EXPECT_LT(empty_lasts, cases);
 }
 
 // A last stage of the head alone (parallel.stage_layers [.., 0]): it holds the final norm, the
