@@ -182,6 +182,21 @@ void StageRunner::wait_sends() {
   sends_ = 0;
 }
 
+StageRun StageRunner::forward_micro_batch(int mb, const float* x, const float* mtp_embeddings, float loss_scale,
+                                          int chunk) {
+  const int64_t R = g_.data_host->size(), at = int64_t(mb) * mbs_ * T_;
+  double* slot = losses_.data<double>() + mb * slots();
+  MtpBatch mtp;
+  if (depth_ > 0) {
+    mtp.tokens = mtp_tokens_.data<int32_t>() + depth_ * at, mtp.targets = mtp_targets_.data<int32_t>() + depth_ * at;
+    mtp.mean_over.assign(mtp_counted_all_.begin() + mb * depth_, mtp_counted_all_.begin() + (mb + 1) * depth_);
+    mtp.embeddings = mtp_embeddings;
+  }
+  return model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at, counted_[size_t(mb)], mbs_, T_,
+                              x, true, {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale, counted_all_[size_t(mb)],
+                              1.0 / double(R), depth_ > 0 ? &mtp : nullptr, chunk);
+}
+
 // A forward's expert loads into the step's, and its routed rows off this rank and node.
 void StageRunner::count_loads(const StepResult& r, StepLocal* local) {
   const ModelConfig& mc = cfg_.model;
@@ -205,7 +220,6 @@ void StageRunner::count_loads(const StepResult& r, StepLocal* local) {
 void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_scale, StepLocal* local) {
   const ModelConfig& mc = cfg_.model;
   const int M = cfg_.parallel.micro_batches, stage = g_.pipe->rank();
-  const int64_t R = g_.data_host->size();
   model_.begin_step();
   be_.zero(model_.fp8_counts(), 2 * sizeof(uint64_t));
   losses_ = Tensor::zeros(be_, DType::f64, {M, slots()});
@@ -231,18 +245,8 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     releaser.poll();
     if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * mb, local);
     const trace::Span span("forward", "compute", mb);
-    double* slot = losses_.data<double>() + mb * slots();
-    const int64_t at = int64_t(mb) * mbs_ * T_;
-    MtpBatch mtp;
-    if (depth_ > 0) {
-      mtp.tokens = mtp_tokens_.data<int32_t>() + depth_ * at, mtp.targets = mtp_targets_.data<int32_t>() + depth_ * at;
-      mtp.mean_over.assign(mtp_counted_all_.begin() + mb * depth_, mtp_counted_all_.begin() + (mb + 1) * depth_);
-      if (last_ && !first_) mtp.embeddings = x_in_.f32() + act_;
-    }
-    runs[size_t(mb)] = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at,
-                                            counted_[size_t(mb)], mbs_, T_, first_ ? nullptr : x_in_.f32(), true,
-                                            {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale,
-                                            counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr);
+    runs[size_t(mb)] = forward_micro_batch(mb, first_ ? nullptr : x_in_.f32(),
+                                           last_ && !first_ && depth_ > 0 ? x_in_.f32() + act_ : nullptr, loss_scale, 0);
     if (!last_) {
       const float* emb = depth_ == 0 ? nullptr : first_ ? runs[size_t(mb)].mtp_output() : x_in_.f32() + act_;
       releaser.sending(send(sent[2 * size_t(mb)], runs[size_t(mb)].output(), emb, depth_ * act_, stage + 1, 2 * mb),
@@ -294,7 +298,6 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
 // left to do (the bubble of W = 0: (P - 1)(F&B + B) in chunk times).
 void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   const int M = cfg_.parallel.micro_batches, P = g_.pipe->size(), r = g_.pipe->rank();
-  const int64_t R = g_.data_host->size();
   // A micro-batch's two states (phase 0's chunk, phase 1's), [phase x M + mb]; phase 1's is kept
   // until phase 0's backward, which on the turn reads its input gradient and on rank 0 its
   // modules' embeddings' gradient.
@@ -304,35 +307,32 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   Releaser releaser(*g_.pipe, runs, sent);
   // One tag per micro-batch, phase and direction (and one `sent` slot).
   auto tag = [](int mb, int phase, bool back) { return 4 * mb + 2 * phase + (back ? 1 : 0); };
-  auto sending = [&](int64_t k, int phase, int mb, bool back) {
-    releaser.sending(k, size_t(phase * M + mb), size_t(tag(mb, phase, back)));
+  // The V's messages: phase 0's forward and phase 1's backward go up the ranks (from r - 1 to
+  // r + 1), the others down; a peer outside [0, P) is an end of the V (the turn, the embedding,
+  // the loss). take: the op's input from its peer into buf, or `at_end` there; give: its output
+  // to its peer.
+  auto way = [](int phase, bool back) { return (phase == 0) != back ? 1 : -1; };
+  auto take = [&](Tensor& buf, int phase, int mb, bool back, const float* at_end) -> const float* {
+    const int from = r - way(phase, back);
+    if (from < 0 || from >= P) return at_end;
+    recv(buf.f32(), act_, from, tag(mb, phase, back), local);
+    return buf.f32();
+  };
+  auto give = [&](const float* a, int phase, int mb, bool back) {
+    const int to = r + way(phase, back);
+    if (to < 0 || to >= P) return;
+    const size_t slot = size_t(tag(mb, phase, back));
+    releaser.sending(send(sent[slot], a, nullptr, 0, to, tag(mb, phase, back)), size_t(phase * M + mb), slot);
   };
   auto forward = [&](int phase, int mb) {
     releaser.poll();
-    const float* x = nullptr;
-    if (phase == 0 && r > 0) recv(x_in_.f32(), act_, r - 1, tag(mb, 0, false), local), x = x_in_.f32();
-    if (phase == 1) {
-      if (r == P - 1) x = run_of(0, mb).output();
-      else recv(x_in_.f32(), act_, r + 1, tag(mb, 1, false), local), x = x_in_.f32();
-    }
+    const float* x = take(x_in_, phase, mb, false, phase == 1 && r == P - 1 ? run_of(0, mb).output() : nullptr);
     const trace::Span span("forward", "compute", mb);  // (either phase: scripts/trace.py reads the names)
-    double* slot = losses_.data<double>() + mb * slots();
-    const int64_t at = int64_t(mb) * mbs_ * T_;
-    MtpBatch mtp;
-    if (depth_ > 0) {
-      mtp.tokens = mtp_tokens_.data<int32_t>() + depth_ * at, mtp.targets = mtp_targets_.data<int32_t>() + depth_ * at;
-      mtp.mean_over.assign(mtp_counted_all_.begin() + mb * depth_, mtp_counted_all_.begin() + (mb + 1) * depth_);
-      if (phase == 1 && r == 0) mtp.embeddings = run_of(0, mb).mtp_output();
-    }
     StageRun& run = run_of(phase, mb);
     if (phase == 1) releaser.pin(size_t(M + mb));
-    run = model_.stage_forward(tokens_.data<int32_t>() + at, targets_.data<int32_t>() + at, counted_[size_t(mb)], mbs_,
-                               T_, x, true, {slot, slot + 1, slot + 1 + moe_layers_}, loss_scale,
-                               counted_all_[size_t(mb)], 1.0 / double(R), depth_ > 0 ? &mtp : nullptr, phase);
-    if (phase == 0 && r < P - 1)
-      sending(send(sent[size_t(tag(mb, 0, false))], run.output(), nullptr, 0, r + 1, tag(mb, 0, false)), 0, mb, false);
-    if (phase == 1 && r > 0)
-      sending(send(sent[size_t(tag(mb, 1, false))], run.output(), nullptr, 0, r - 1, tag(mb, 1, false)), 1, mb, false);
+    run = forward_micro_batch(mb, x, phase == 1 && r == 0 && depth_ > 0 ? run_of(0, mb).mtp_output() : nullptr,
+                              loss_scale, phase);
+    give(run.output(), phase, mb, false);
     count_loads(run.result(), local);
   };
   // The data-parallel reduction: each chunk's layers are final after its phase's last backward
@@ -345,12 +345,7 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   int backwards_left = 2 * M;
   auto backward = [&](int phase, int mb) {
     releaser.poll();
-    const float* dy = nullptr;
-    if (phase == 1 && r > 0) recv(dy_in_.f32(), act_, r - 1, tag(mb, 1, true), local), dy = dy_in_.f32();
-    if (phase == 0) {
-      if (r == P - 1) dy = run_of(1, mb).input_grad();
-      else recv(dy_in_.f32(), act_, r + 1, tag(mb, 0, true), local), dy = dy_in_.f32();
-    }
+    const float* dy = take(dy_in_, phase, mb, true, phase == 0 && r == P - 1 ? run_of(1, mb).input_grad() : nullptr);
     const float* d_mtp = phase == 0 && r == 0 && depth_ > 0 ? run_of(1, mb).mtp_input_grad() : nullptr;
     const bool final = sync_ && mb == M - 1;
     StageRun& run = run_of(phase, mb);
@@ -359,10 +354,7 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
       model_.stage_backward(run, dy, d_mtp, final ? post_layer : std::function<void(int)>{});
     }
     if (sync_ && --backwards_left == 0) sync_->post_rest(store);
-    if (phase == 1 && r < P - 1)
-      sending(send(sent[size_t(tag(mb, 1, true))], run.input_grad(), nullptr, 0, r + 1, tag(mb, 1, true)), 1, mb, true);
-    if (phase == 0 && r > 0)
-      sending(send(sent[size_t(tag(mb, 0, true))], run.input_grad(), nullptr, 0, r - 1, tag(mb, 0, true)), 0, mb, true);
+    give(run.input_grad(), phase, mb, true);
     releaser.backward_done(size_t(phase * M + mb));
     if (phase == 0) releaser.unpin(size_t(M + mb));
   };

@@ -95,6 +95,10 @@ class StageRunner {
   // train_step's DualPipeV order (parallel.pipeline_schedule dualpipev), once the batches are up.
   void train_step_v(float loss_scale, StepLocal* local);
   void count_loads(const StepResult& r, StepLocal* local);
+  // The training forward of micro-batch mb on this rank's `chunk` (x: its input, nullptr where the
+  // chunk embeds; mtp_embeddings: the modules' embeddings where the chunk ends the model and did
+  // not embed them).
+  StageRun forward_micro_batch(int mb, const float* x, const float* mtp_embeddings, float loss_scale, int chunk);
   // Losses per micro-batch: CE, each MoE layer's aux, each multi-token prediction module's CE.
   int64_t slots() const { return 1 + moe_layers_ + depth_; }
 
