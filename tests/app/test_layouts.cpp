@@ -296,7 +296,8 @@ TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
 // Checkpoints of the MLA + MTP model: a 1-rank save at step 10 resumes bit for bit (delayed
 // scaling: every parameter, moment, router bias and amax history of the module's block included),
 // and a save on tp2 x pp2 x ep2 resumes on 1 rank within the 20-step bound of
-// LatentAttentionIsTheSameOnEveryLayout (recipe off).
+// LatentAttentionIsTheSameOnEveryLayout (recipe off). A save under DualPipeV resumes under it bit
+// for bit, and under 1F1B (2 ranks, 1 rank) within that bound.
 TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
   auto with = [&](std::vector<std::string> sets) {
     sets.insert(sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
@@ -328,6 +329,14 @@ TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
   auto v_sets = with({"fp8.recipe=off", "train.exit_interval=10", "checkpoint.dir=" + dir + "-v"});
   v_sets.insert(v_sets.end(), v.begin(), v.end());
   train(2, v_sets);
+  // Under DualPipeV itself it resumes bit for bit.
+  auto v_all = with({"fp8.recipe=off", "checkpoint.dir=" + dir + "-vall"}), v_again = with(
+      {"fp8.recipe=off", "checkpoint.dir=" + dir + "-vagain", "checkpoint.resume=" + dir + "-v/step_00000010"});
+  v_all.insert(v_all.end(), v.begin(), v.end());
+  v_again.insert(v_again.end(), v.begin(), v.end());
+  const auto uninterrupted_v = train(2, v_all), resumed_v = train(2, v_again);
+  ASSERT_EQ(resumed_v.size(), 10u);
+  for (const auto& [step, loss] : resumed_v) EXPECT_EQ(loss, uninterrupted_v.at(step)) << "DualPipeV step " << step << " (bitwise)";
   for (const auto& [ranks, sets] : std::vector<std::pair<int, std::vector<std::string>>>{
            {2, {"parallel.pipeline=2"}}, {1, {}}}) {
     auto resume = with({"fp8.recipe=off", "checkpoint.dir=" + dir + "-v" + std::to_string(ranks),
