@@ -425,10 +425,12 @@ void print_communication(const PlanReport& rep) {
 void print_bubble(const PlanReport& rep) {
   const PlanLayout& L = rep.p.L;
   if (L.v_shape) {
-    std::printf("\npipeline bubble (DualPipeV as fp8moe runs it: its F&B not overlapped, W = 0): (p - 1)(F + 2B) / "
-                "(2m(F + B) + (p - 1)(F + 2B)) in chunk times; with B = 2F: %d x 5 / (%d x 3 + %d x 5) = %.3f "
-                "(the step time below uses the pace rank's own backward share)\n",
-                L.pipeline - 1, 2 * L.micro_batches, L.pipeline - 1, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2, 0));
+    const DualPipeVSim s = simulate_dualpipev(L.pipeline, L.micro_batches, 1, 2, 0, 0, true);
+    const double idle = *std::max_element(s.idle.begin(), s.idle.end());
+    std::printf("\npipeline bubble (DualPipeV as fp8moe runs it: its F&B's backward, then its forward, W = 0; "
+                "simulated in chunk times with B = 2F): %.0f F idle against 2m(F + B) = %d F busy = %.3f (the "
+                "step time below simulates the pace rank's own forward and backward)\n",
+                idle, 6 * L.micro_batches, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2));
     return;
   }
   const double bubble = bubble_fraction(L.pipeline, L.micro_batches);

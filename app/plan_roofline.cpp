@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
+#include <tuple>
 
 #include "app/plan_parts.h"
+#include "parallel/pipeline_schedule.h"
 
 namespace fp8moe::plan_detail {
 namespace {
@@ -92,6 +95,16 @@ double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, d
   const double routed_fwd = 2 * N * m.moe.top_k * 3 * D * double(m.moe.d_expert) / T / routed_peak;  // = its wgrad
   return moe_layers * ((1 + again) * std::min(fwd_dispatch, shared_fwd) + std::min(grad_dispatch, 2 * shared_fwd) +
                        std::min(grad_combine, routed_fwd));
+}
+
+// DualPipeV's idle time as fp8moe runs it, over a rank's time per micro-batch (its two chunks'
+// forward and backward), the backward taking `backward` of it: simulated once per shape.
+double dualpipev_idle_share(int P, int M, double backward) {
+  static std::map<std::tuple<int, int, double>, double> known;
+  const auto key = std::make_tuple(P, M, backward);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  const DualPipeVSim s = simulate_dualpipev(P, M, (1 - backward) / 2, backward / 2, 0, 0, true);
+  return known[key] = *std::max_element(s.idle.begin(), s.idle.end());
 }
 
 }  // namespace
@@ -217,10 +230,11 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   r.pace_ratio = sum_t > 0 ? slowest / (sum_t / double(p.mem.size())) : 1;
   if (balanced) r.compute_mb = sum_compute / double(p.mem.size()), r.memory_mb = sum_memory / double(p.mem.size());
   const double per_mb = o.overlap ? std::max(r.compute_mb + r.memory_mb, r.comm_mb) : r.compute_mb + r.memory_mb + r.comm_mb;
-  // 1F1B: (P - 1) x a stage's time per micro-batch. DualPipeV as it runs (parallel/pipeline_schedule.h:
-  // F&B not overlapped, W = 0): (P - 1)(F + 2B) in chunk times, a rank's two chunks of a
-  // micro-batch taking per_mb = 2(F + B) with B the backward's share.
-  r.bubble = (L.pipeline - 1) * per_mb * (L.v_shape ? (1 + backward_share) / 2 : 1.0);
+  // 1F1B: (P - 1) x a stage's time per micro-batch. DualPipeV as it runs, simulated
+  // (parallel/pipeline_schedule.h): a rank's two chunks of a micro-batch take per_mb = 2(F + B),
+  // B the backward's share.
+  r.bubble = L.v_shape ? dualpipev_idle_share(L.pipeline, L.micro_batches, backward_share) * per_mb
+                       : (L.pipeline - 1) * per_mb;
   const double busy = L.micro_batches * per_mb;
   if (o.overlap) {
     r.dp_exposed = std::max(0.0, r.dp - busy);

@@ -67,9 +67,84 @@ double one_f_one_b_bubble(int stages, int micro_batches) {
   return double(stages - 1) / double(micro_batches + stages - 1);
 }
 
-double dualpipev_bubble(int ranks, int micro_batches, double f, double b, double w) {
-  const double idle = (ranks - 1) * (f + 2 * b - 3 * w), busy = 2.0 * micro_batches * (f + b);
-  return idle / (busy + idle);
+DualPipeVSim simulate_dualpipev(int ranks, int micro_batches, double f, double b, double w, double fb, bool as_run) {
+  const int P = ranks, M = micro_batches;
+  // The ops each rank runs: an F&B as run becomes its backward, then its forward.
+  std::vector<std::vector<DualOp>> ops(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r)
+    for (const DualOp& op : dualpipev(P, r, M)) {
+      if (!as_run) {
+        ops[size_t(r)].push_back(op);
+      } else if (op.kind == DualOpKind::forward_backward) {
+        ops[size_t(r)].push_back({DualOpKind::backward, 1 - op.phase, op.backward_micro_batch});
+        ops[size_t(r)].push_back({DualOpKind::forward, op.phase, op.micro_batch});
+      } else if (op.kind != DualOpKind::weight) {
+        ops[size_t(r)].push_back({op.kind, op.phase, op.micro_batch});  // (a backward whole)
+      }
+    }
+  // done[kind][phase][rank][mb]: finish time, < 0 until run (kind 0 forward, 1 backward).
+  std::vector<double> done(size_t(2 * 2 * P * M), -1);
+  auto at = [&](int kind, int ph, int r, int mb) -> double& { return done[size_t(((kind * 2 + ph) * P + r) * M + mb)]; };
+  auto forward_ready = [&](int ph, int r, int mb) {
+    if (ph == 0) return r == 0 ? 0.0 : at(0, 0, r - 1, mb);
+    return r == P - 1 ? at(0, 0, r, mb) : at(0, 1, r + 1, mb);
+  };
+  auto backward_ready = [&](int ph, int r, int mb) {
+    if (ph == 1) return r == 0 ? at(0, 1, r, mb) : at(1, 1, r - 1, mb);
+    return r == P - 1 ? at(1, 1, r, mb) : at(1, 0, r + 1, mb);
+  };
+  DualPipeVSim s;
+  s.idle.assign(size_t(P), 0), s.in_flight.assign(size_t(P), 0);
+  std::vector<size_t> pos(size_t(P), 0);
+  std::vector<double> free(size_t(P), 0), busy(size_t(P), 0);
+  std::vector<int> open(size_t(P), 0), deferred(size_t(P), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < P; ++r)
+      while (pos[size_t(r)] < ops[size_t(r)].size()) {
+        const DualOp& op = ops[size_t(r)][pos[size_t(r)]];
+        double ready = 0, dur = 0;
+        if (op.kind == DualOpKind::forward) {
+          ready = forward_ready(op.phase, r, op.micro_batch), dur = f;
+        } else if (op.kind == DualOpKind::backward) {
+          ready = backward_ready(op.phase, r, op.micro_batch), dur = op.defer_weight ? b - w : b;
+        } else if (op.kind == DualOpKind::weight) {
+          if (deferred[size_t(r)] == 0) {  // a weight op with nothing deferred
+            s.complete = false;
+            return s;
+          }
+          --deferred[size_t(r)], dur = w;
+        } else {
+          const double a = forward_ready(op.phase, r, op.micro_batch),
+                       c = backward_ready(1 - op.phase, r, op.backward_micro_batch);
+          ready = a < 0 || c < 0 ? -1 : std::max(a, c), dur = fb;
+        }
+        if (ready < 0) break;  // an input not ready yet: another rank first
+        const double finish = std::max(free[size_t(r)], ready) + dur;
+        free[size_t(r)] = finish, busy[size_t(r)] += dur;
+        if (op.kind == DualOpKind::forward) at(0, op.phase, r, op.micro_batch) = finish, ++open[size_t(r)];
+        if (op.kind == DualOpKind::backward) {
+          at(1, op.phase, r, op.micro_batch) = finish, --open[size_t(r)];
+          if (op.defer_weight) ++deferred[size_t(r)];
+        }
+        if (op.kind == DualOpKind::forward_backward)
+          at(0, op.phase, r, op.micro_batch) = finish, at(1, 1 - op.phase, r, op.backward_micro_batch) = finish;
+        s.in_flight[size_t(r)] = std::max(s.in_flight[size_t(r)], open[size_t(r)]);
+        ++pos[size_t(r)], progress = true;
+      }
+  }
+  for (int r = 0; r < P; ++r)
+    if (pos[size_t(r)] != ops[size_t(r)].size() || deferred[size_t(r)] != 0) s.complete = false;
+  s.makespan = *std::max_element(free.begin(), free.end());
+  for (int r = 0; r < P; ++r) s.idle[size_t(r)] = s.makespan - busy[size_t(r)];
+  return s;
+}
+
+double dualpipev_bubble(int ranks, int micro_batches, double f, double b) {
+  const DualPipeVSim s = simulate_dualpipev(ranks, micro_batches, f, b, 0, 0, true);
+  FP8MOE_ASSERT(s.complete, "DualPipeV's simulation stopped");
+  const double idle = *std::max_element(s.idle.begin(), s.idle.end());
+  return idle / (idle + 2.0 * micro_batches * (f + b));
 }
 
 }  // namespace fp8moe

@@ -44,11 +44,26 @@ struct DualOp {
 };
 std::vector<DualOp> dualpipev(int ranks, int rank, int micro_batches);
 
+// DualPipeV on all P ranks, simulated with the schedule's dependencies: a phase-0 forward needs the
+// previous rank's (rank 0: none), a phase-1 forward the next rank's (rank P - 1: its own phase-0
+// forward, the V's turn); a phase-1 backward the previous rank's (rank 0: its own phase-1 forward,
+// the loss), a phase-0 backward the next rank's (rank P - 1: its own phase-1 backward). Each rank
+// runs its ops in order, an op starting when the rank is free and its inputs are ready. Chunk
+// times: a forward f, a backward b (b - w where it defers its weight part, w for the weight op), an
+// F&B fb, both inputs ready. as_run: as fp8moe runs it (app/stage_runner.cpp): every backward
+// whole and the weight ops empty, an F&B its backward then its forward, each when its own input is
+// ready. in_flight: per rank, the most chunk forwards not yet backwarded.
+struct DualPipeVSim {
+  std::vector<double> idle;   // per rank: the step's makespan less the rank's busy time
+  std::vector<int> in_flight;
+  bool complete = true;       // every op ran (no deadlock) and every deferred weight op too
+  double makespan = 0;
+};
+DualPipeVSim simulate_dualpipev(int ranks, int micro_batches, double f, double b, double w, double fb, bool as_run);
+
 // The bubble's share of the slowest rank's step, idle / (busy + idle): 1F1B's (P - 1) / (M + P - 1);
-// DualPipeV's with its F&B not overlapped (F&B = F + B, as fp8moe runs it) and chunk times F, B,
-// W: (P - 1)(F + 2B - 3W) / (2M(F + B) + (P - 1)(F + 2B - 3W)) (each rank runs 2M chunk forwards
-// and 2M backwards).
+// DualPipeV's as fp8moe runs it, with chunk times f and b, simulated (simulate_dualpipev, as_run).
 double one_f_one_b_bubble(int stages, int micro_batches);
-double dualpipev_bubble(int ranks, int micro_batches, double f, double b, double w);
+double dualpipev_bubble(int ranks, int micro_batches, double f, double b);
 
 }  // namespace fp8moe

@@ -121,8 +121,9 @@ TEST(Plan, DualPipeVHoldsTwoChunksPerRank) {
   const int64_t block_attn = 2 * 32 + 4096, moe = 128 + 6144;
   EXPECT_EQ(mem[0].held, 2048 + block_attn + 6144 + block_attn + moe + kBias + 32 + 2048);
   EXPECT_EQ(mem[1].held, 2 * (block_attn + moe + kBias));
-  // The bubble's share as it runs, B = 2F: (P - 1) 5F / (2M 3F + (P - 1) 5F) = 5 / 29.
-  EXPECT_DOUBLE_EQ(dualpipev_bubble(2, 4, 1, 2, 0), 5.0 / 29.0);
+  // The bubble's share as it runs, B = 2F: the slowest rank idles 2B(P - 1) - F = 3F
+  // (test_pipeline_schedule, tests/parallel/dualpipev_sim.py) of 2M(F + B) = 24F busy: 3 / 27.
+  EXPECT_DOUBLE_EQ(dualpipev_bubble(2, 4, 1, 2), 3.0 / 27.0);
 }
 
 TEST(Plan, Fp8CopyBytesByTiling) {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <vector>
 
@@ -73,83 +74,12 @@ TEST(PipelineSchedule, SimulatedPipelineHasTheOneFOneBBubble) {
 namespace fp8moe {
 namespace {
 
-// DualPipeV (parallel/pipeline_schedule.h), checked by simulating all P ranks with the schedule's
-// dependencies: a phase-0 forward needs the previous rank's (rank 0: none), a phase-1 forward the
-// next rank's (rank P - 1: its own phase-0 forward, the V's turn); a phase-1 backward the previous
-// rank's (rank 0: its own phase-1 forward, the loss), a phase-0 backward the next rank's (rank
-// P - 1: its own phase-1 backward). Each rank runs its ops in order, an op starting when the rank
-// is free and its inputs are ready; times are integers, so every comparison is exact.
-struct Times {
-  int64_t f, b, w, fb;  // forward, whole backward, its weight part, overlapped forward + backward
-};
-
-struct Simulated {
-  std::vector<int64_t> idle;  // per rank: the step's makespan less the rank's busy time
-  std::vector<int> in_flight;  // per rank: the most chunk forwards not yet backwarded
-};
-
-Simulated simulate_dualpipev(int P, int M, const Times& t) {
-  std::vector<std::vector<DualOp>> ops;
-  for (int r = 0; r < P; ++r) ops.push_back(dualpipev(P, r, M));
-  // done[kind][phase][rank][mb]: finish time, -1 until run (kind 0 forward, 1 backward).
-  std::vector<int64_t> done(size_t(2 * 2 * P * M), -1);
-  auto at = [&](int kind, int ph, int r, int mb) -> int64_t& { return done[size_t(((kind * 2 + ph) * P + r) * M + mb)]; };
-  auto forward_ready = [&](int ph, int r, int mb) -> int64_t {
-    if (ph == 0) return r == 0 ? 0 : at(0, 0, r - 1, mb);
-    return r == P - 1 ? at(0, 0, r, mb) : at(0, 1, r + 1, mb);
-  };
-  auto backward_ready = [&](int ph, int r, int mb) -> int64_t {
-    if (ph == 1) return r == 0 ? at(0, 1, r, mb) : at(1, 1, r - 1, mb);
-    return r == P - 1 ? at(1, 1, r, mb) : at(1, 0, r + 1, mb);
-  };
-  Simulated s;
-  s.idle.assign(size_t(P), 0), s.in_flight.assign(size_t(P), 0);
-  std::vector<size_t> pos(size_t(P), 0);
-  std::vector<int64_t> free(size_t(P), 0), busy(size_t(P), 0);
-  std::vector<int> open(size_t(P), 0);
-  std::vector<std::vector<int>> deferred(static_cast<size_t>(P));  // per rank: deferred backwards' ids, in order
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int r = 0; r < P; ++r)
-      while (pos[size_t(r)] < ops[size_t(r)].size()) {
-        const DualOp& op = ops[size_t(r)][pos[size_t(r)]];
-        int64_t ready = 0, dur = 0;
-        if (op.kind == DualOpKind::forward) {
-          ready = forward_ready(op.phase, r, op.micro_batch), dur = t.f;
-        } else if (op.kind == DualOpKind::backward) {
-          ready = backward_ready(op.phase, r, op.micro_batch), dur = op.defer_weight ? t.b - t.w : t.b;
-        } else if (op.kind == DualOpKind::weight) {
-          EXPECT_FALSE(deferred[size_t(r)].empty()) << "rank " << r << ": a weight op with no backward deferred";
-          if (deferred[size_t(r)].empty()) return s;
-          deferred[size_t(r)].erase(deferred[size_t(r)].begin());
-          dur = t.w;
-        } else {
-          const int64_t a = forward_ready(op.phase, r, op.micro_batch), b = backward_ready(1 - op.phase, r, op.backward_micro_batch);
-          ready = a < 0 || b < 0 ? -1 : std::max(a, b), dur = t.fb;
-        }
-        if (ready < 0) break;  // an input not ready yet: another rank first
-        const int64_t finish = std::max(free[size_t(r)], ready) + dur;
-        free[size_t(r)] = finish, busy[size_t(r)] += dur;
-        if (op.kind == DualOpKind::forward) at(0, op.phase, r, op.micro_batch) = finish, ++open[size_t(r)];
-        if (op.kind == DualOpKind::backward) {
-          at(1, op.phase, r, op.micro_batch) = finish, --open[size_t(r)];
-          if (op.defer_weight) deferred[size_t(r)].push_back(op.phase * M + op.micro_batch);
-        }
-        if (op.kind == DualOpKind::forward_backward) {
-          at(0, op.phase, r, op.micro_batch) = finish, at(1, 1 - op.phase, r, op.backward_micro_batch) = finish;
-        }
-        s.in_flight[size_t(r)] = std::max(s.in_flight[size_t(r)], open[size_t(r)]);
-        ++pos[size_t(r)], progress = true;
-      }
-  }
-  for (int r = 0; r < P; ++r) {
-    EXPECT_EQ(pos[size_t(r)], ops[size_t(r)].size()) << "rank " << r << " deadlocked";
-    EXPECT_TRUE(deferred[size_t(r)].empty()) << "rank " << r << ": deferred weight gradients never run";
-  }
-  const int64_t makespan = *std::max_element(free.begin(), free.end());
-  for (int r = 0; r < P; ++r) s.idle[size_t(r)] = makespan - busy[size_t(r)];
-  return s;
-}
+// DualPipeV (parallel/pipeline_schedule.h), checked through simulate_dualpipev: all P ranks, each
+// running its ops in order, an op starting when the rank is free and its inputs are ready; times
+// are integers, so every comparison is exact. Its results against closed forms: DualPipe's
+// README's bubble, and as fp8moe runs it the values of an independent simulation
+// (tests/parallel/dualpipev_sim.py, in Python from the schedule's eight parts).
+double most(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
 
 TEST(PipelineSchedule, DualPipeVRunsEveryMicroBatchOfBothPhasesOnce) {
   for (int P = 1; P <= 8; ++P)
@@ -191,29 +121,43 @@ TEST(PipelineSchedule, DualPipeVSimulatedBubbleIsItsFormula) {
           for (const int64_t fb : {b, (f + 2 * b) / 2, f + b}) {
             SCOPED_TRACE("P " + std::to_string(P) + " M " + std::to_string(M) + " F " + std::to_string(f) + " B " +
                          std::to_string(b) + " W " + std::to_string(w) + " F&B " + std::to_string(fb));
-            const Simulated s = simulate_dualpipev(P, M, {f, b, w, fb});
-            const int64_t idle = *std::max_element(s.idle.begin(), s.idle.end());
-            ASSERT_EQ(idle, (P - 1) * (fb + b - 3 * w));
-            // The share of the step, not overlapped (every rank busy 2M(F + B)).
-            if (fb == f + b)
-              EXPECT_NEAR(dualpipev_bubble(P, M, double(f), double(b), double(w)),
-                          double(idle) / double(idle + 2 * M * (f + b)), 1e-12);
+            const DualPipeVSim s = simulate_dualpipev(P, M, double(f), double(b), double(w), double(fb), false);
+            ASSERT_TRUE(s.complete) << "a rank deadlocked, or ran a weight op with nothing deferred";
+            ASSERT_EQ(most(s.idle), double((P - 1) * (fb + b - 3 * w)));
             for (int r = 0; r < P; ++r) EXPECT_EQ(s.in_flight[size_t(r)], r == P - 1 ? 2 * P + 1 : 2 * P) << "rank " << r;
           }
         }
   // Against 1F1B with F = W = 1, B = 2, F&B = 3 (no overlap): 2 (P - 1) vs 6 (P - 1) per stage of two chunks.
-  const Simulated s = simulate_dualpipev(8, 20, {1, 2, 1, 3});
-  EXPECT_EQ(*std::max_element(s.idle.begin(), s.idle.end()), 14);
+  EXPECT_EQ(most(simulate_dualpipev(8, 20, 1, 2, 1, 3, false).idle), 14);
   // The table of README "Parallelism": chunk times F = W = 1, B = 2; F&B = 3 (no overlap) and 2
   // (fully overlapped); 1F1B on P stages of two chunks idles 2 (P - 1)(F + B).
-  std::printf("  P   M   1F1B (P-1)(2F+2B)   DualPipeV F&B=3 (formula)   F&B=2 (formula)\n");
+  std::printf("  P   M   1F1B (P-1)(2F+2B)   DualPipeV F&B=3 (formula)   F&B=2 (formula)   as run (W=0)\n");
   for (int P : {2, 4, 8, 16}) {
     const int M = 2 * P + 4;
-    const Simulated a = simulate_dualpipev(P, M, {1, 2, 1, 3}), b = simulate_dualpipev(P, M, {1, 2, 1, 2});
-    std::printf("%3d %3d   %17d   %12lld (%lld)   %9lld (%lld)\n", P, M, 6 * (P - 1),
-                (long long)*std::max_element(a.idle.begin(), a.idle.end()), (long long)(2 * (P - 1)),
-                (long long)*std::max_element(b.idle.begin(), b.idle.end()), (long long)(P - 1));
+    const DualPipeVSim a = simulate_dualpipev(P, M, 1, 2, 1, 3, false), b = simulate_dualpipev(P, M, 1, 2, 1, 2, false),
+                       run = simulate_dualpipev(P, M, 1, 2, 0, 0, true);
+    std::printf("%3d %3d   %17d   %12.0f (%d)   %9.0f (%d)   %10.0f\n", P, M, 6 * (P - 1), most(a.idle), 2 * (P - 1),
+                most(b.idle), P - 1, most(run.idle));
   }
+}
+
+// As fp8moe runs it (app/stage_runner.cpp: backwards whole, an F&B its backward then its
+// forward, each when its input is there), the slowest rank idles 2B(P - 1) - F where B = 2F or
+// 3F, 2B(P - 1) where B = F, whatever M >= 2P (the Python simulation's values), and a rank holds
+// at most 2P chunk activations (2P + 1 on rank P - 1); the bubble's share is that idle over idle
+// plus 2M(F + B).
+TEST(PipelineSchedule, DualPipeVAsFp8moeRunsIt) {
+  for (int P = 2; P <= 16; ++P)
+    for (const int M : {2 * P, 2 * P + 3, 3 * P + 2}) {
+      SCOPED_TRACE("P " + std::to_string(P) + " M " + std::to_string(M));
+      for (const auto& [f, b, idle] : std::vector<std::array<int, 3>>{{1, 1, 2 * P - 2}, {1, 2, 4 * P - 5}, {1, 3, 6 * P - 7}}) {
+        const DualPipeVSim s = simulate_dualpipev(P, M, f, b, 0, 0, true);
+        ASSERT_TRUE(s.complete);
+        EXPECT_EQ(most(s.idle), double(idle)) << "F " << f << " B " << b;
+        for (int r = 0; r < P; ++r) EXPECT_EQ(s.in_flight[size_t(r)], r == P - 1 ? 2 * P + 1 : 2 * P) << "rank " << r;
+        EXPECT_NEAR(dualpipev_bubble(P, M, f, b), double(idle) / double(idle + 2 * M * (f + b)), 1e-12);
+      }
+    }
 }
 
 }  // namespace
