@@ -149,7 +149,9 @@ const std::vector<Field>& schema() {
                        "schedule), or dualpipev (DeepSeek's V-shaped DualPipe: the blocks in 2 x pipeline "
                        "chunks, rank s holding chunk s and chunk 2 x pipeline - 1 - s, so that rank 0 holds "
                        "the embedding and the head; needs parallel.pipeline >= 2 and parallel.micro_batches "
-                       ">= 2 x pipeline; parallel.stage_layers then counts chunks)."));
+                       ">= 2 x pipeline; parallel.stage_layers then counts chunks). Not yet DualPipe's "
+                       "overlap: an F&B runs its backward, then its forward, and no backward leaves its "
+                       "weight gradient for the weight ops."));
     v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,
                         "Expert-parallel size; divides the data-parallel size (world / (tensor x pipeline))."));
     v.push_back(integer("parallel.micro_batches", REF(parallel.micro_batches), 1, 1 << 16,
