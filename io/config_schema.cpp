@@ -155,7 +155,7 @@ const std::vector<Field>& schema() {
     v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,
                         "Expert-parallel size; divides the data-parallel size (world / (tensor x pipeline))."));
     v.push_back(integer("parallel.micro_batches", REF(parallel.micro_batches), 1, 1 << 16,
-                        "Micro-batches per step on each data-parallel rank (gradient accumulation, 1F1B)."));
+                        "Micro-batches per step on each data-parallel rank (gradient accumulation; the pipeline's schedule runs them)."));
     // train
     v.push_back(integer("train.seed", REF(train.seed), 0, kNoMax, "Seed of initialisation and data order."));
     v.push_back(integer("train.steps", REF(train.steps), 1, kNoMax, "Optimizer steps."));
