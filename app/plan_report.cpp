@@ -433,7 +433,7 @@ void print_bubble(const PlanReport& rep) {
                 idle, 6 * L.micro_batches, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2));
     return;
   }
-  const double bubble = bubble_fraction(L.pipeline, L.micro_batches);
+  const double bubble = one_f_one_b_bubble(L.pipeline, L.micro_batches);
   std::printf("\npipeline bubble (1F1B): (p - 1) / (m + p - 1) = %d / %d = %.3f\n", L.pipeline - 1,
               L.micro_batches + L.pipeline - 1, bubble);
 }

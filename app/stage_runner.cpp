@@ -90,6 +90,10 @@ StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGrou
     if (bf16_wire_ && !(first_ && last_)) wire_in_ = Tensor(be_, DType::bf16, {(1 + depth_) * act_});
   }
   counts_h_ = HostBuffer<uint64_t>(be_, 2);
+  post_layer_ = [this](int layer) {
+    sync_->post_layer(model_.store(), layer);
+    sync_->progress();
+  };
 }
 
 // Each step's global batch is micro_batches micro-batches; the data-parallel replicas split each
@@ -259,11 +263,6 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   int last_backward = -1;
   for (const PipelineOp& op : ops)
     if (!op.forward) last_backward = op.micro_batch;
-  ParamStore& store = model_.store();
-  const std::function<void(int)> post_layer = [&](int layer) {
-    sync_->post_layer(store, layer);
-    sync_->progress();
-  };
   auto backward = [&](int mb) {
     releaser.poll();
     if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
@@ -272,9 +271,9 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     {
       const trace::Span span("backward", "compute", mb);
       model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? dy_in_.f32() + act_ : nullptr,
-                            final ? post_layer : std::function<void(int)>{});
+                            final ? post_layer_ : std::function<void(int)>{});
     }
-    if (final) sync_->post_rest(store);
+    if (final) sync_->post_rest(model_.store());
     if (!first_) {
       const float* demb = depth_ == 0 ? nullptr : last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
       releaser.sending(
@@ -292,10 +291,8 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
 // r - 1). Rank P - 1 turns the V: its phase-1 forward reads its own phase-0 output, its phase-0
 // backward its own phase-1 input gradient; rank 0 embeds (phase 0) and ends the model (phase 1:
 // the head, the loss and the multi-token prediction modules, whose embeddings stay on the rank).
-// An F&B op runs its backward, then its forward: one after the other, not overlapped (in this order
-// a rank holds at most 2P chunk activations, 2P + 1 on the turn). A backward
-// runs whole: the weight gradient is not split from it, so the schedule's weight ops have nothing
-// left to do (the bubble of W = 0: (P - 1)(F&B + B) in chunk times).
+// The ops are dualpipev_as_run's: an F&B its backward, then its forward (not overlapped), every
+// backward whole (the weight gradient not split from it) and no weight op.
 void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   const int M = cfg_.parallel.micro_batches, P = g_.pipe->size(), r = g_.pipe->rank();
   // A micro-batch's two states (phase 0's chunk, phase 1's), [phase x M + mb]; phase 1's is kept
@@ -337,11 +334,6 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   };
   // The data-parallel reduction: each chunk's layers are final after its phase's last backward
   // (micro-batch M - 1), the rest after the step's last backward.
-  ParamStore& store = model_.store();
-  const std::function<void(int)> post_layer = [&](int layer) {
-    sync_->post_layer(store, layer);
-    sync_->progress();
-  };
   int backwards_left = 2 * M;
   auto backward = [&](int phase, int mb) {
     releaser.poll();
@@ -351,23 +343,15 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     StageRun& run = run_of(phase, mb);
     {
       const trace::Span span("backward", "compute", mb);
-      model_.stage_backward(run, dy, d_mtp, final ? post_layer : std::function<void(int)>{});
+      model_.stage_backward(run, dy, d_mtp, final ? post_layer_ : std::function<void(int)>{});
     }
-    if (sync_ && --backwards_left == 0) sync_->post_rest(store);
+    if (sync_ && --backwards_left == 0) sync_->post_rest(model_.store());
     give(run.input_grad(), phase, mb, true);
     releaser.backward_done(size_t(phase * M + mb));
     if (phase == 0) releaser.unpin(size_t(M + mb));
   };
-  for (const DualOp& op : dualpipev(P, r, M)) {
-    switch (op.kind) {
-      case DualOpKind::forward: forward(op.phase, op.micro_batch); break;
-      case DualOpKind::backward: backward(op.phase, op.micro_batch); break;
-      case DualOpKind::forward_backward:  // the backward first: its chunk's activations go before the forward's come
-        backward(1 - op.phase, op.backward_micro_batch), forward(op.phase, op.micro_batch);
-        break;
-      case DualOpKind::weight: break;  // (nothing deferred: see above)
-    }
-  }
+  for (const DualOp& op : dualpipev_as_run(P, r, M))
+    op.kind == DualOpKind::forward ? forward(op.phase, op.micro_batch) : backward(op.phase, op.micro_batch);
   wait_sends();
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "io/token_data.h"
@@ -105,6 +106,8 @@ class StageRunner {
   const Config& cfg_;
   Transformer& model_;
   ReplicaSync* sync_ = nullptr;
+  // During a step's last backward of a layer: its gradient buckets posted (set_gradient_sync).
+  std::function<void(int)> post_layer_;
   Backend& be_;
   RunnerGroups g_;
   int64_t T_ = 0, mbs_ = 0, act_ = 0, moe_layers_ = 0;  // sequence length, sequences per replica, activation floats

@@ -391,9 +391,6 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer) {
   return N * m.d_model * kept_value_bytes(c) + routing_bytes(c, N, m.moe.n_experts, m.moe.top_k) + gate_rows;
 }
 
-double bubble_fraction(int stages, int micro_batches) {
-  return stages > 1 ? double(stages - 1) / double(micro_batches + stages - 1) : 0.0;
-}
 
 double step_budget_seconds(double hours, double tokens, double step_tokens, int world) {
   return hours * 3600.0 / (tokens / step_tokens) / double(world);
@@ -417,11 +414,8 @@ double dualpipev_activations(int ranks, int rank, int micro_batches, const doubl
     most = std::max(most, open[0] * saved[0] + open[1] * saved[1]);
     *most_chunks = std::max(*most_chunks, open[0] + open[1]);
   };
-  for (const DualOp& op : dualpipev(ranks, rank, micro_batches)) {
-    if (op.kind == DualOpKind::forward) track(op.phase, 1);
-    if (op.kind == DualOpKind::backward) track(op.phase, -1);
-    if (op.kind == DualOpKind::forward_backward) track(1 - op.phase, -1), track(op.phase, 1);  // as the runner: backward first
-  }
+  for (const DualOp& op : dualpipev_as_run(ranks, rank, micro_batches))
+    track(op.phase, op.kind == DualOpKind::forward ? 1 : -1);
   return most;
 }
 

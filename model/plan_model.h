@@ -166,8 +166,6 @@ struct StageFlops {
 };
 std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L);
 
-// The pipeline's bubble under 1F1B: (p - 1) / (m + p - 1) of the step.
-double bubble_fraction(int stages, int micro_batches);
 // The seconds one step may take when `world` devices spend `hours` device-hours on `tokens`
 // tokens at `step_tokens` a step: hours x 3600 / (tokens / step_tokens) / world.
 double step_budget_seconds(double hours, double tokens, double step_tokens, int world);

@@ -67,21 +67,23 @@ double one_f_one_b_bubble(int stages, int micro_batches) {
   return double(stages - 1) / double(micro_batches + stages - 1);
 }
 
+std::vector<DualOp> dualpipev_as_run(int ranks, int rank, int micro_batches) {
+  std::vector<DualOp> ops;
+  for (const DualOp& op : dualpipev(ranks, rank, micro_batches)) {
+    if (op.kind == DualOpKind::forward_backward) {
+      ops.push_back({DualOpKind::backward, 1 - op.phase, op.backward_micro_batch});
+      ops.push_back({DualOpKind::forward, op.phase, op.micro_batch});
+    } else if (op.kind != DualOpKind::weight) {
+      ops.push_back({op.kind, op.phase, op.micro_batch});  // (a backward whole)
+    }
+  }
+  return ops;
+}
+
 DualPipeVSim simulate_dualpipev(int ranks, int micro_batches, double f, double b, double w, double fb, bool as_run) {
   const int P = ranks, M = micro_batches;
-  // The ops each rank runs: an F&B as run becomes its backward, then its forward.
   std::vector<std::vector<DualOp>> ops(static_cast<size_t>(P));
-  for (int r = 0; r < P; ++r)
-    for (const DualOp& op : dualpipev(P, r, M)) {
-      if (!as_run) {
-        ops[size_t(r)].push_back(op);
-      } else if (op.kind == DualOpKind::forward_backward) {
-        ops[size_t(r)].push_back({DualOpKind::backward, 1 - op.phase, op.backward_micro_batch});
-        ops[size_t(r)].push_back({DualOpKind::forward, op.phase, op.micro_batch});
-      } else if (op.kind != DualOpKind::weight) {
-        ops[size_t(r)].push_back({op.kind, op.phase, op.micro_batch});  // (a backward whole)
-      }
-    }
+  for (int r = 0; r < P; ++r) ops[size_t(r)] = as_run ? dualpipev_as_run(P, r, M) : dualpipev(P, r, M);
   // done[kind][phase][rank][mb]: finish time, < 0 until run (kind 0 forward, 1 backward).
   std::vector<double> done(size_t(2 * 2 * P * M), -1);
   auto at = [&](int kind, int ph, int r, int mb) -> double& { return done[size_t(((kind * 2 + ph) * P + r) * M + mb)]; };

@@ -43,6 +43,10 @@ struct DualOp {
   bool operator==(const DualOp&) const = default;
 };
 std::vector<DualOp> dualpipev(int ranks, int rank, int micro_batches);
+// Rank `rank`'s ops as fp8moe runs them (app/stage_runner.cpp), forwards and backwards only: an
+// F&B its backward, then its forward (so that a rank holds at most 2P chunk activations, 2P + 1
+// on the turn), every backward whole, and no weight op (nothing is left to one).
+std::vector<DualOp> dualpipev_as_run(int ranks, int rank, int micro_batches);
 
 // DualPipeV on all P ranks, simulated with the schedule's dependencies: a phase-0 forward needs the
 // previous rank's (rank 0: none), a phase-1 forward the next rank's (rank P - 1: its own phase-0
@@ -50,9 +54,9 @@ std::vector<DualOp> dualpipev(int ranks, int rank, int micro_batches);
 // the loss), a phase-0 backward the next rank's (rank P - 1: its own phase-1 backward). Each rank
 // runs its ops in order, an op starting when the rank is free and its inputs are ready. Chunk
 // times: a forward f, a backward b (b - w where it defers its weight part, w for the weight op), an
-// F&B fb, both inputs ready. as_run: as fp8moe runs it (app/stage_runner.cpp): every backward
-// whole and the weight ops empty, an F&B its backward then its forward, each when its own input is
-// ready. in_flight: per rank, the most chunk forwards not yet backwarded.
+// F&B fb, both inputs ready. as_run: dualpipev_as_run's ops instead (the F&B's backward and
+// forward each when its own input is ready). in_flight: per rank, the most chunk forwards not yet
+// backwarded.
 struct DualPipeVSim {
   std::vector<double> idle;   // per rank: the step's makespan less the rank's busy time
   std::vector<int> in_flight;

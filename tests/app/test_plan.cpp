@@ -81,9 +81,9 @@ TEST(Plan, ZeroOneShardsTheMomentsOverTheReplicas) {
 }
 
 TEST(Plan, BubbleAndMicroBatchesInFlight) {
-  EXPECT_DOUBLE_EQ(bubble_fraction(1, 8), 0.0);
-  EXPECT_DOUBLE_EQ(bubble_fraction(4, 8), 3.0 / 11.0);
-  EXPECT_DOUBLE_EQ(bubble_fraction(16, 60), 15.0 / 75.0);
+  EXPECT_DOUBLE_EQ(one_f_one_b_bubble(1, 8), 0.0);
+  EXPECT_DOUBLE_EQ(one_f_one_b_bubble(4, 8), 3.0 / 11.0);
+  EXPECT_DOUBLE_EQ(one_f_one_b_bubble(16, 60), 15.0 / 75.0);
   // Stage s of p keeps min(p - s, m) micro-batches in flight under 1F1B.
   for (int p : {1, 2, 4, 16})
     for (int m : {1, 3, 60})
