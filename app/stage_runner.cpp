@@ -258,20 +258,25 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     }
     count_loads(runs[size_t(mb)].result(), local);
   };
-  // The step's last backward on this stage makes each layer's gradients final as it passes it.
-  const std::vector<PipelineOp> ops = one_f_one_b(g_.pipe->size(), stage, M);
+  // The step's last backward on this stage makes each layer's gradients final as it passes it; under
+  // ZB1P the last weight op (micro-batch M - 1's: they run in order), the backwards leaving their
+  // weight gradients to them (Transformer::StageWeights, holding copies of what they read: the
+  // micro-batch's state goes at its backward, as in 1F1B).
+  const bool zb = cfg_.parallel.pipeline_schedule == PipelineSchedule::zb1p;
+  const std::vector<PipelineOp> ops = zb ? zb1p(g_.pipe->size(), stage, M) : one_f_one_b(g_.pipe->size(), stage, M);
+  std::vector<StageWeights> weights(zb ? size_t(M) : 0);
   int last_backward = -1;
   for (const PipelineOp& op : ops)
-    if (!op.forward) last_backward = op.micro_batch;
+    if (op.kind == PipeOpKind::backward) last_backward = op.micro_batch;
   auto backward = [&](int mb) {
     releaser.poll();
     if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
     const bool mtp_in = depth_ > 0 && first_ && !last_;
-    const bool final = sync_ && mb == last_backward;
+    const bool final = sync_ && mb == last_backward && !zb;
     {
       const trace::Span span("backward", "compute", mb);
       model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? dy_in_.f32() + act_ : nullptr,
-                            final ? post_layer_ : std::function<void(int)>{});
+                            final ? post_layer_ : std::function<void(int)>{}, zb ? &weights[size_t(mb)] : nullptr);
     }
     if (final) sync_->post_rest(model_.store());
     if (!first_) {
@@ -282,7 +287,20 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     }
     releaser.backward_done(size_t(mb));
   };
-  for (const PipelineOp& op : ops) op.forward ? forward(op.micro_batch) : backward(op.micro_batch);
+  auto weight = [&](int mb) {
+    releaser.poll();
+    const bool final = sync_ && mb == M - 1;
+    {
+      const trace::Span span("weight", "compute", mb);
+      weights[size_t(mb)].run(final ? post_layer_ : std::function<void(int)>{});
+    }
+    if (final) sync_->post_rest(model_.store());
+  };
+  for (const PipelineOp& op : ops) {
+    if (op.kind == PipeOpKind::forward) forward(op.micro_batch);
+    else if (op.kind == PipeOpKind::backward) backward(op.micro_batch);
+    else weight(op.micro_batch);
+  }
   wait_sends();
 }
 

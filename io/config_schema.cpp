@@ -146,7 +146,9 @@ const std::vector<Field>& schema() {
     v.push_back(stage_layers_field());
     v.push_back(choice("parallel.pipeline_schedule", REF(parallel.pipeline_schedule),
                        "The order of the pipeline's forwards and backwards: 1f1b (Megatron's non-interleaved "
-                       "schedule), or dualpipev (DeepSeek's V-shaped DualPipe: the blocks in 2 x pipeline "
+                       "schedule), zb1p (the zero-bubble ZB-H1: 1F1B with each backward split into its input "
+                       "part and its linear layers' weight-gradient GEMMs, stage s keeping up to s of those "
+                       "waiting to fill what was 1F1B's bubble; the same gradients, bit for bit), or dualpipev (DeepSeek's V-shaped DualPipe: the blocks in 2 x pipeline "
                        "chunks, rank s holding chunk s and chunk 2 x pipeline - 1 - s, so that rank 0 holds "
                        "the embedding and the head; needs parallel.pipeline >= 2 and parallel.micro_batches "
                        ">= 2 x pipeline; parallel.stage_layers then counts chunks). Not yet DualPipe's "

@@ -58,7 +58,7 @@ struct QkvTensors {
 // owned by the caller (so that they live as long as the caller's other gradients).
 void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShape& d, const LinearWeight& wo,
                    const LinearFp8& f, const float* dout, Tensor* da, Tensor* dq, Tensor* dk, Tensor* dv,
-                   const QkvTensors* again = nullptr) {
+                   LaterWork* weights, const QkvTensors* again = nullptr) {
   Backend& be = c.be;
   const int64_t N = d.B * d.T;
   *da = Tensor(be, DType::f32, {N, d.H * d.vd});
@@ -69,7 +69,7 @@ void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShap
   const float* attn32 = c.unstash(s.attn, &attn);
   LinearSaved lo_again;  // wo's input copy made again (train.recompute selective)
   if (s.lo_rebuilt) linear_reinput(be, s.lo, attn32, f, &lo_again);
-  linear_backward(be, s.lo_rebuilt ? lo_again : s.lo, wo.w, dout, f, da->f32(), wo.g);
+  linear_backward(be, s.lo_rebuilt ? lo_again : s.lo, wo.w, dout, f, da->f32(), wo.g, weights);
   lo_again = LinearSaved{};
   const QkvTensors none;
   const QkvTensors& a = again ? *again : none;
@@ -118,21 +118,21 @@ class Gqa final : public Attention {
   }
 
   // x_mid = x + Wo(Attention(RoPE(Wq h1), RoPE(Wk h1), Wv h1)).
-  void backward(const AttentionSaved& saved, const float* dout, float* dh1) override {
+  void backward(const AttentionSaved& saved, const float* dout, float* dh1, LaterWork* weights) override {
     const auto& s = static_cast<const GqaSaved&>(saved);
     const ModelConfig& m = c_.local;
     const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, KVH = m.n_kv_heads, hd = m.head_dim;
     Backend& be = c_.be;
     const Pass pass = Pass::backward();
     Tensor da, dq, dk, dv;
-    core_backward(c_, s.core, {B, T, H, KVH, hd, hd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv);
+    core_backward(c_, s.core, {B, T, H, KVH, hd, hd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv, weights);
     be.rope(dq.f32(), B, T, H, hd, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), hd);
     be.rope(dk.f32(), B, T, KVH, hd, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), hd);
     Tensor part(be, DType::f32, {N, D});
-    linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g);
-    linear_backward(be, s.lk, wk_.w, dk.f32(), fp8(wk_, pass), part.f32(), wk_.g);
+    linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g, weights);
+    linear_backward(be, s.lk, wk_.w, dk.f32(), fp8(wk_, pass), part.f32(), wk_.g, weights);
     be.add(dh1, part.f32(), dh1, N * D);
-    linear_backward(be, s.lv, wv_.w, dv.f32(), fp8(wv_, pass), part.f32(), wv_.g);
+    linear_backward(be, s.lv, wv_.w, dv.f32(), fp8(wv_, pass), part.f32(), wv_.g, weights);
     be.add(dh1, part.f32(), dh1, N * D);
     c_.tp_sum(dh1, N * D);  // column-parallel q, k, v
   }
@@ -229,7 +229,7 @@ class Mla final : public Attention {
 
   // dh1 written, summed over tensor parallelism: the head-split up-projections' gradients are
   // summed at the latents (smaller than h1), before the replicated norms and down-projections.
-  void backward(const AttentionSaved& saved, const float* dout, float* dh1) override {
+  void backward(const AttentionSaved& saved, const float* dout, float* dh1, LaterWork* weights) override {
     const auto& s = static_cast<const MlaSaved&>(saved);
     const ModelConfig& m = c_.local;
     const int64_t B = s.B, T = s.T, N = B * T, D = m.d_model, H = m.n_heads, nope = m.qk_nope_head_dim;
@@ -241,7 +241,7 @@ class Mla final : public Attention {
     {
       QkvTensors again;  // train.recompute selective
       if (!s.kpe.empty()) rebuild_qkv(s, &again);
-      core_backward(c_, s.core, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv, &again);
+      core_backward(c_, s.core, {B, T, H, H, qk, vd}, wo_, fp8(wo_, pass), dout, &da, &dq, &dk, &dv, weights, &again);
     }
     be.rope(dq.f32() + nope, B, T, H, rope, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), qk);
     // Keys and values back to the up-projection's output and the shared rotary key (summed over heads).
@@ -249,7 +249,7 @@ class Mla final : public Attention {
     be.mla_expand_kv_backward(dk.f32(), dv.f32(), N, H, nope, rope, vd, dkv.f32(), dkpe.f32());
     be.rope(dkpe.f32(), B, T, 1, rope, c_.rope.cs_inv.f32(), c_.rope.sn_inv.f32(), rope);
     Tensor dckvn(be, DType::f32, {N, kvl});
-    linear_backward(be, s.lkv_b, wkv_b_.w, dkv.f32(), fp8(wkv_b_, pass), dckvn.f32(), wkv_b_.g);
+    linear_backward(be, s.lkv_b, wkv_b_.w, dkv.f32(), fp8(wkv_b_, pass), dckvn.f32(), wkv_b_.g, weights);
     c_.tp_sum(dckvn.f32(), N * kvl);  // partial sums over this rank's heads
     c_.tp_sum(dkpe.f32(), N * rope);
     Tensor dckv(be, DType::f32, {N, kvl}), dckv_pe(be, DType::f32, {N, kvl + rope});
@@ -258,16 +258,16 @@ class Mla final : public Attention {
     be.copy_2d(dckv_pe.f32() + kvl, kvl + rope, dkpe.f32(), rope, N, rope);
     if (ql > 0) {
       Tensor dcqn(be, DType::f32, {N, ql}), dcq(be, DType::f32, {N, ql});
-      linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dcqn.f32(), wq_.g);
+      linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dcqn.f32(), wq_.g, weights);
       c_.tp_sum(dcqn.f32(), N * ql);
       c_.norm_backward(s.cq, q_norm_.w, s.rstd_q.f32(), dcqn.f32(), N, ql, dcq.f32(), q_norm_.g);
-      linear_backward(be, s.lq_a, wq_a_.w, dcq.f32(), fp8(wq_a_, pass), dh1, wq_a_.g);
+      linear_backward(be, s.lq_a, wq_a_.w, dcq.f32(), fp8(wq_a_, pass), dh1, wq_a_.g, weights);
     } else {
-      linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g);
+      linear_backward(be, s.lq, wq_.w, dq.f32(), fp8(wq_, pass), dh1, wq_.g, weights);
       c_.tp_sum(dh1, N * D);  // column-parallel wq
     }
     Tensor part(be, DType::f32, {N, D});
-    linear_backward(be, s.lkv_a, wkv_a_.w, dckv_pe.f32(), fp8(wkv_a_, pass), part.f32(), wkv_a_.g);
+    linear_backward(be, s.lkv_a, wkv_a_.w, dckv_pe.f32(), fp8(wkv_a_, pass), part.f32(), wkv_a_.g, weights);
     be.add(dh1, part.f32(), dh1, N * D);
   }
 

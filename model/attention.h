@@ -37,8 +37,9 @@ class Attention {
   // while needs_h1().
   virtual std::unique_ptr<AttentionSaved> forward(const float* h1, int64_t B, int64_t T, float* o,
                                                   const Pass& pass) = 0;
-  // dh1 (B*T, D) written, summed over tensor parallelism; weight gradients accumulated.
-  virtual void backward(const AttentionSaved& saved, const float* dout, float* dh1) = 0;
+  // dh1 (B*T, D) written, summed over tensor parallelism; weight gradients accumulated, or left to
+  // `weights` (detached; may be nullptr: now).
+  virtual void backward(const AttentionSaved& saved, const float* dout, float* dh1, LaterWork* weights) = 0;
 };
 
 // Block `layer`'s attention of the configured kind (its parameters named block_prefix + "attn.").

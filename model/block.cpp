@@ -110,7 +110,7 @@ void Block::forward(const float* x, int64_t B, int64_t T, float* out, BlockSaved
   }
 }
 
-void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad_scale) {
+void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad_scale, LaterWork* weights) {
   const ModelConfig& m = ctx_.local;
   const int64_t N = s.B * s.T, D = m.d_model;
   Backend& be = ctx_.be;
@@ -118,7 +118,7 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
   // FFN branch: x_out = x_mid + FFN(RMSNorm(x_mid)).
   Tensor dh2(be, DType::f32, {N, D});
   if (!is_moe()) {
-    ffn_backward(be, s.dense, dense_.weights(), dout, dense_.fp8(ctx_.fp8, pass), dh2.f32(), dense_.grads());
+    ffn_backward(be, s.dense, dense_.weights(), dout, dense_.fp8(ctx_.fp8, pass), dh2.f32(), dense_.grads(), weights);
     ctx_.tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
   }
   Tensor x_mid32;  // x_mid in FP32 where it was kept in BF16, widened where first needed
@@ -137,7 +137,7 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
       return h2w->f32();
     };
     moe_backward(be, s.moe, D, m.moe, moe_, dout, aux_grad_scale, moe_fp8(pass), dh2.f32(), moe_grads_,
-                 ctx_.dispatcher, ctx_.tp, ctx_.activations, router_input);
+                 ctx_.dispatcher, ctx_.tp, ctx_.activations, router_input, weights);
   }
   Tensor dx_mid(be, DType::f32, {N, D});
   norm_backward(x_mid, &s.x_mid, ffn_norm_, s.rstd2.f32(), dh2.f32(), N, dx_mid.f32());
@@ -148,7 +148,7 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
 
   // Attention branch: x_mid = x + Attention(h1), h1 = RMSNorm(x).
   Tensor dh1(be, DType::f32, {N, D});
-  attn_->backward(*s.attn, dx_mid.f32(), dh1.f32());
+  attn_->backward(*s.attn, dx_mid.f32(), dh1.f32(), weights);
   norm_backward(s.x, s.x_kept, attn_norm_, s.rstd1.f32(), dh1.f32(), N, dx);
   be.add(dx, dx_mid.f32(), dx, N * D);
 }

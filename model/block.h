@@ -64,10 +64,12 @@ class Block {
   // outlive `s`. When s->moe.routing is filled (a recomputation), it is used instead of routing.
   void forward(const float* x, int64_t B, int64_t T, float* out, BlockSaved* s, const Pass& pass, double* aux);
   // dx (N, D) written (it may be dout: dout is read before dx is written); weight gradients
-  // accumulated. aux_grad_scale: the aux loss's gradient weight.
+  // accumulated. aux_grad_scale: the aux loss's gradient weight. weights (detached; may be
+  // nullptr): the linear layers' weight-gradient GEMMs left to it (the zero-bubble split), with
+  // copies of what they read; the norms' and the router's weight gradients stay here.
   // Frees each part of s once it has been read: the FFN's or MoE layer's, the FFN norm's input and
   // output before the attention's backward (s is done with when this returns).
-  void backward(BlockSaved& s, const float* dout, float* dx, float aux_grad_scale);
+  void backward(BlockSaved& s, const float* dout, float* dx, float aux_grad_scale, LaterWork* weights = nullptr);
   // After a training forward, the state a recomputed block drops (BlockSaved::finish); before its
   // backward, that recomputation: its forward again, with the first pass's scales, FP8 weights and
   // routing, advancing no history.

@@ -35,7 +35,7 @@ enum class GemmDtype { fp32, bf16 };        // train.hp_gemm
 enum class GateSite { combine, expert };    // train.moe_gates
 enum class ReduceDtype { fp32, bf16 };      // optim.grad_reduce
 enum class StageSplit { even, balanced, given };  // parallel.stage_layers
-enum class PipelineSchedule { one_f_one_b, dualpipev };  // parallel.pipeline_schedule
+enum class PipelineSchedule { one_f_one_b, dualpipev, zb1p };  // parallel.pipeline_schedule
 enum class Fp8Recipe { off, delayed, current, blockwise };
 enum class Fp8Format { e4m3, hybrid };  // hybrid: E4M3 forward, E5M2 gradients
 enum class AmaxCompute { max, most_recent };
@@ -121,7 +121,7 @@ struct ParallelConfig {
   int expert = 1;
   int micro_batches = 1;
   StageLayers stage_layers;
-  // 1f1b: stage s runs the s-th of `pipeline` contiguous parts of the blocks. dualpipev: the blocks
+  // 1f1b, zb1p: stage s runs the s-th of `pipeline` contiguous parts of the blocks. dualpipev: the blocks
   // cut into 2 x pipeline chunks (stage_layers counts chunks), rank s holding chunk s and chunk
   // 2 x pipeline - 1 - s (parallel/pipeline_schedule.h).
   PipelineSchedule pipeline_schedule = PipelineSchedule::one_f_one_b;
@@ -320,7 +320,7 @@ FP8MOE_ENUM_NAMES(Gating, "softmax", "sigmoid");
 FP8MOE_ENUM_NAMES(AttentionKind, "gqa", "mla");
 FP8MOE_ENUM_NAMES(NormTopk, "auto", "true", "false");
 FP8MOE_ENUM_NAMES(Schedule, "cosine", "linear", "constant");
-FP8MOE_ENUM_NAMES(PipelineSchedule, "1f1b", "dualpipev");
+FP8MOE_ENUM_NAMES(PipelineSchedule, "1f1b", "dualpipev", "zb1p");
 FP8MOE_ENUM_NAMES(MomentsDtype, "fp32", "bf16");
 FP8MOE_ENUM_NAMES(Recompute, "none", "selective", "moe", "full");
 FP8MOE_ENUM_NAMES(GemmDtype, "fp32", "bf16");

@@ -107,8 +107,8 @@ const float* pre_activation(Backend& be, const Tensor& kept, const QTensor& fp8,
 }  // namespace
 
 void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
-                  const FfnGrads& g) {
-  ffn_backward_grouped(be, {FfnGradGroup{&s, &w, dy, &fp8, dx, &g}});
+                  const FfnGrads& g, LaterWork* wgrad_later) {
+  ffn_backward_grouped(be, {FfnGradGroup{&s, &w, dy, &fp8, dx, &g}}, wgrad_later);
 }
 
 void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, LaterWork* wgrad_later) {
@@ -122,6 +122,8 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, 
     std::vector<LinearSaved> l2_again;  // train.recompute selective: W2's input made again
     std::vector<Tensor> a_again;        // (the SwiGLU output itself while W2 is FP32)
   };
+  // A scoped wgrad_later reads what is made here (kept alive for it); a detached one copies it.
+  const bool scoped = wgrad_later && !wgrad_later->detached;
   auto made = std::make_shared<Made>();
   made->t.resize(groups.size()), made->l2_again.resize(groups.size()), made->a_again.resize(groups.size());
   std::vector<Scratch>& t = made->t;
@@ -149,7 +151,7 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, 
     l2.push_back({s2, f.w->w2, f.dy, &f.fp8->w2, t[i].da.f32(), f.g->w2, f.dyq});
   }
   linear_backward_grouped(be, l2, wgrad_later);
-  if (!wgrad_later) l2_again.clear(), a_again.clear();
+  if (!scoped) l2_again.clear(), a_again.clear();
   // The pre-activations' gradients, made here rather than before W2's backward (which does not
   // need them), and handed to W1's and W3's, which free them once quantized (FP8 layers).
   for (size_t i = 0; i < groups.size(); ++i) {
@@ -203,7 +205,7 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, 
   }
   if (!l13.empty()) linear_backward_grouped(be, l13, wgrad_later);
   if (!l1.empty()) linear_backward_grouped(be, l1, wgrad_later);
-  if (!wgrad_later)
+  if (!scoped)
     for (Scratch& x : t) x.dh1.reset();
   if (!l3.empty()) linear_backward_grouped(be, l3, wgrad_later);
   for (size_t i = 0; i < groups.size(); ++i) {
@@ -211,7 +213,7 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, 
     if (f.dx && !f.saved->fused) be.add(f.dx, t[i].dx3.f32(), f.dx, f.saved->l1.M * f.saved->l1.K);
     if (wgrad_later) t[i].dx3.reset(), t[i].da.reset();
   }
-  if (wgrad_later) wgrad_later->steps.push_back([made] {});  // (what the steps read, freed after them)
+  if (scoped) wgrad_later->steps.push_back([made] {});  // (what the steps read, freed after them)
 }
 
 }  // namespace fp8moe

@@ -77,9 +77,9 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
                          ActivationDtype activations = ActivationDtype::fp32, bool rebuild_a = false);
 
 // dx (M, D) written (may be nullptr); weight gradients accumulated (fused: W3's gradient must follow
-// W1's in memory, as in the parameter store; asserted).
+// W1's in memory, as in the parameter store; asserted); wgrad_later as ffn_backward_grouped's.
 void ffn_backward(Backend& be, const FfnSaved& saved, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
-                  const FfnGrads& g);
+                  const FfnGrads& g, LaterWork* wgrad_later = nullptr);
 
 // ffn_backward of each group (the routed experts), each layer's dgrad and wgrad GEMMs grouped over them.
 struct FfnGradGroup {
@@ -94,7 +94,8 @@ struct FfnGradGroup {
 };
 // wgrad_later: the three layers' wgrad GEMMs left to it (linear_backward_grouped), with what they
 // read that is made here (a recomputation's W2 input, FP32 layers' pre-activation gradients); the
-// groups' saved state and dy the caller keeps until it runs.
+// groups' saved state and dy the caller keeps until it runs (unless it is detached: its steps own
+// copies of what they read).
 void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, LaterWork* wgrad_later = nullptr);
 
 }  // namespace fp8moe

@@ -80,6 +80,14 @@ void retile_cols(Backend& be, const QuantView& rows, const Fp8Config& c, QTensor
   quantize_tiled(be, x.f32(), rows.rows, rows.cols, Tiling::cols_Tx1, c, nullptr, out);
 }
 
+// A copy of an FP8 tensor, its bytes and scales, that the copy owns.
+QTensor copy_quantized(Backend& be, const QuantView& v) {
+  QTensor t(be, v.rows, v.cols, v.dtype, v.tiling, v.tile);
+  if (t.data.bytes() > 0) be.copy(t.data.raw(), v.data, t.data.bytes());
+  if (t.scale_inv.bytes() > 0) be.copy(t.scale_inv.raw(), v.scale_inv, t.scale_inv.bytes());
+  return t;
+}
+
 // The weight's FP8 copy for this call: the step's cached one, or quantized now (into the cache
 // when there is one). Its counts are added when it is quantized, never on reuse.
 const QTensor* quantized_weight(Backend& be, const float* W, int64_t N, int64_t K, const LinearFp8& f,
@@ -171,8 +179,8 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
 }
 
 void linear_backward(Backend& be, const LinearSaved& s, const float* W, const float* dy, const LinearFp8& fp8, float* dx,
-                     float* dW) {
-  linear_backward_grouped(be, {LinearGradGroup{&s, W, dy, &fp8, dx, dW}});
+                     float* dW, LaterWork* wgrad_later) {
+  linear_backward_grouped(be, {LinearGradGroup{&s, W, dy, &fp8, dx, dW}}, wgrad_later);
 }
 
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups, LaterWork* wgrad_later) {
@@ -221,43 +229,88 @@ void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& gr
   // wgrad, dW += dy^T x: per-tensor from the same FP8 gradient and the forward's FP8 input;
   // blockwise from both in T x 1 tiles (the reduction runs over tokens), quantized from FP32 (x
   // with cache_activations from its 1 x T FP8 copy, re-tiled, as DeepSeek-V3 does). FP32 layers:
-  // dy^T x in FP32.
-  auto wgrad = [&be, groups, own] {
-    std::vector<QTensor> xt(groups.size());
-    std::vector<QuantView> A, B;
-    std::vector<float*> C;
-    int64_t ldc = 0;
-    for (size_t g = 0; g < groups.size(); ++g) {
+  // dy^T x in FP32. `operands` picks each group's two; with `copy` (a detached LaterWork) every one
+  // the step does not own already is copied into `keep`, so that the step reads nothing of the
+  // caller's.
+  struct Operands {
+    std::vector<QuantView> dy, x;              // FP8 layers (empty views for FP32 ones)
+    std::vector<const float*> dy32, x32;        // FP32 layers
+    std::vector<QTensor> keep;                  // re-tiled or copied FP8 operands
+    std::vector<Tensor> keep32;                 // copied FP32 operands
+  };
+  auto operands = [&be, groups, own](bool copy) {
+    auto o = std::make_shared<Operands>();
+    const size_t G = groups.size();
+    o->dy.resize(G), o->x.resize(G), o->dy32.assign(G, nullptr), o->x32.assign(G, nullptr);
+    o->keep.reserve(2 * G), o->keep32.reserve(2 * G);
+    auto q_copy = [&](const QuantView& v) {
+      if (!copy) return v;
+      o->keep.push_back(copy_quantized(be, v));
+      return o->keep.back().view();
+    };
+    auto f_copy = [&](const float* x, int64_t n) {
+      if (!copy) return x;
+      o->keep32.emplace_back(be, DType::f32, Shape{n});
+      if (n > 0) be.copy(o->keep32.back().raw(), x, size_t(n) * sizeof(float));
+      return static_cast<const float*>(o->keep32.back().f32());
+    };
+    for (size_t g = 0; g < G; ++g) {
       const LinearGradGroup& l = groups[g];
       const LinearSaved& s = *l.saved;
       const LinearFp8& fp8 = *l.fp8;
       const int64_t M = s.M, K = s.K, N = s.N;
       if (!fp8.enabled()) {
-        be.sgemm(true, false, N, K, M, 1.0f, l.dy, N, s.x, K, 1.0f, l.dW, K);
+        o->dy32[g] = f_copy(l.dy, M * N), o->x32[g] = f_copy(s.x, M * K);
         continue;
       }
-      ldc = K;
       if (fp8.cfg->recipe != Fp8Recipe::blockwise) {
-        A.push_back(l.dyq ? *l.dyq : own->dyq[g].view()), B.push_back(s.has_xq_ext ? s.xq_ext : s.xq.view());
-        C.push_back(l.dW);
+        o->dy[g] = l.dyq ? q_copy(*l.dyq) : own->dyq[g].view();  // (own: the step's already)
+        o->x[g] = q_copy(s.has_xq_ext ? s.xq_ext : s.xq.view());
         continue;
       }
       const Fp8Config& c = *fp8.cfg;
-      const QTensor* x = &s.xt;
+      o->dy[g] = own->dyt[g].view();
       if (!c.cache_activations) {
         FP8MOE_ASSERT(s.xt.rows == M && s.xt.cols == K, "linear_backward: its forward kept no T x 1 input (LinearFp8::backward_follows was false)");
+        o->x[g] = q_copy(s.xt.view());
       } else {
-        retile_cols(be, s.has_xq_ext ? s.xq_ext : s.xq.view(), c, &xt[g]);
-        x = &xt[g];
+        o->keep.emplace_back();
+        retile_cols(be, s.has_xq_ext ? s.xq_ext : s.xq.view(), c, &o->keep.back());
+        o->x[g] = o->keep.back().view();
       }
-      A.push_back(own->dyt[g].view()), B.push_back(x->view()), C.push_back(l.dW);
+    }
+    return o;
+  };
+  // The GEMMs themselves (the gradient pointers and shapes: the caller's weights, alive all step).
+  struct Target {
+    float* dW;
+    int64_t M, K, N;
+    bool fp8;
+  };
+  std::vector<Target> targets;
+  for (const LinearGradGroup& l : groups) targets.push_back({l.dW, l.saved->M, l.saved->K, l.saved->N, l.fp8->enabled()});
+  auto gemms = [&be, targets](const Operands& o) {
+    std::vector<QuantView> A, B;
+    std::vector<float*> C;
+    int64_t ldc = 0;
+    for (size_t g = 0; g < targets.size(); ++g) {
+      const Target& t = targets[g];
+      if (!t.fp8) {
+        be.sgemm(true, false, t.N, t.K, t.M, 1.0f, o.dy32[g], t.N, o.x32[g], t.K, 1.0f, t.dW, t.K);
+        continue;
+      }
+      A.push_back(o.dy[g]), B.push_back(o.x[g]), C.push_back(t.dW), ldc = t.K;
     }
     if (!A.empty()) be.grouped_gemm_fp8_wgrad(A, B, C, ldc);  // dW_g += dy_g^T x_g
   };
-  if (wgrad_later)
-    wgrad_later->steps.push_back(std::move(wgrad));
-  else
-    wgrad();
+  if (wgrad_later && wgrad_later->detached) {  // copied now: the caller's state may be gone when it runs
+    std::shared_ptr<const Operands> o = operands(true);
+    wgrad_later->steps.push_back([gemms, o, own] { gemms(*o); });
+  } else if (wgrad_later) {
+    wgrad_later->steps.push_back([gemms, operands] { gemms(*operands(false)); });
+  } else {
+    gemms(*operands(false));
+  }
 }
 
 void quantize_output_grad(Backend& be, const LinearGradGroup& l, LinearGradQuant* out) {

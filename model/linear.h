@@ -110,9 +110,11 @@ struct LinearGroup {
 };
 void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector<LinearGroup>& groups);
 
-// dx (M, K) written (may be nullptr), dW (N, K) accumulated.
+// dx (M, K) written (may be nullptr), dW (N, K) accumulated (now, or by wgrad_later's step:
+// linear_backward_grouped).
+struct LaterWork;
 void linear_backward(Backend& be, const LinearSaved& saved, const float* W, const float* dy, const LinearFp8& fp8,
-                     float* dx, float* dW);
+                     float* dx, float* dW, LaterWork* wgrad_later = nullptr);
 
 // linear_backward of each group, their dgrad GEMMs in one Backend::grouped_gemm_fp8_dgrad call and
 // their wgrad GEMMs in one grouped_gemm_fp8_wgrad call. Every group's layer has the same K and N.
@@ -138,10 +140,15 @@ struct LinearGradGroup {
   // soon as it has its copies, before the next group's dy exists.
   LinearGradQuant* dy_ahead = nullptr;
 };
-// Work a backward leaves for later: the weight-gradient GEMMs run behind the expert exchange of
-// the experts' input gradients (model/moe.cpp; the zero-bubble split of a backward into its input
-// and weight parts). run() does the steps in the order they were left and frees what they held.
+// Work a backward leaves for later: the weight-gradient GEMMs, run behind the expert exchange of
+// the experts' input gradients (model/moe.cpp), or (detached) by a later pipeline op: the
+// zero-bubble split of a backward into its input part (B) and its weight part (W). run() does the
+// steps in the order they were left and frees what they held.
 struct LaterWork {
+  // false: the steps read the caller's state (saved inputs, gradients), which it keeps until they
+  // have run; true: each step owns copies of what it reads (the FP8 inputs and gradients, or the
+  // FP32 ones of an FP32 layer), made when it is left, and the caller's state may go.
+  bool detached = false;
   std::vector<std::function<void()>> steps;
   void run() {
     for (auto& step : steps) step();
@@ -149,8 +156,8 @@ struct LaterWork {
   }
 };
 // wgrad_later: the wgrad GEMMs (with dy's FP8 copies they read, made here) left to it, the same
-// GEMMs on the same operands; what the groups point at (saved, dy, dyq) the caller keeps until it
-// runs.
+// GEMMs on the same operands (the same bits); what the groups point at (saved, dy, dyq) the caller
+// keeps until it runs, unless it is detached.
 void linear_backward_grouped(Backend& be, const std::vector<LinearGradGroup>& groups, LaterWork* wgrad_later = nullptr);
 // The output gradient's FP8 copies that linear_backward_grouped makes of l.dy (an FP8 layer's):
 // blockwise its 1 x T tiles (dgrad; only where l.dx is wanted) and its T x 1 tiles (wgrad), from

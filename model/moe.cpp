@@ -341,7 +341,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
 void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w,
                   const float* dout, float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g,
                   ExpertDispatcher* ep, Communicator* tp, ActivationDtype activations,
-                  const std::function<const float*(Tensor*)>& router_input) {
+                  const std::function<const float*(Tensor*)>& router_input, LaterWork* weights) {
   const MoeRouting& r = s.routing;
   const RoutingBuffers rb = r.buffers();
   const int64_t N = r.N, E = r.E, k = r.k, R = r.rows;
@@ -350,7 +350,7 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   // before those rows exist.
   auto shared_backward = [&] {
     if (has_shared(w))
-      ffn_backward(be, s.shared, w.shared, dout, fp8.shared, dx, g.shared);
+      ffn_backward(be, s.shared, w.shared, dout, fp8.shared, dx, g.shared, weights);
     else
       be.zero(dx, size_t(N * D) * sizeof(float));
   };
@@ -409,9 +409,9 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     if (gated) groups.back().dgate = dgate_rows.data<double>() + r0;
   }
   // The experts' weight gradients run while their input gradients travel back (the combines
-  // posted, done after them); else in line, as the layers run them.
+  // posted, done after them), or are left to `weights`; else in line, as the layers run them.
   LaterWork wgrad;
-  ffn_backward_grouped(be, groups, later ? &wgrad : nullptr);
+  ffn_backward_grouped(be, groups, weights ? weights : later ? &wgrad : nullptr);
   Tensor back;  // the gates' gradients, back to their (token, slot)
   if (gated && ep) {
     back = Tensor(be, DType::f64, {R});

@@ -399,7 +399,7 @@ double step_budget_seconds(double hours, double tokens, double step_tokens, int 
 int in_flight_micro_batches(int stages, int stage, int micro_batches) {
   int open = 0, most = 0;
   for (const PipelineOp& op : one_f_one_b(stages, stage, micro_batches)) {
-    open += op.forward ? 1 : -1;
+    open += op.forward() ? 1 : -1;
     most = std::max(most, open);
   }
   return most;

@@ -152,7 +152,8 @@ void Transformer::finish_block(const Block& block, BlockSaved* s, StepResult* re
 }
 
 StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T,
-                                         bool backward, float loss_scale, int64_t mean_over, double aux_weight) {
+                                         bool backward, float loss_scale, int64_t mean_over, double aux_weight,
+                                         StageWeights* weights) {
   FP8MOE_ASSERT(placement_.at().stages == 1, "forward_backward on one pipeline stage of several");
   const ModelConfig& m = cfg_.model;
   const int64_t N = B * T, moe_layers = m.moe_layers();
@@ -171,7 +172,7 @@ StepResult Transformer::forward_backward(const int32_t* tokens, const int32_t* t
   StageRun run = stage_forward(ids.data<int32_t>(), tgt.data<int32_t>(), counted, B, T, nullptr, backward,
                                {losses.data<double>(), losses.data<double>() + 1, losses.data<double>() + 1 + moe_layers},
                                loss_scale, mean_over, aux_weight, depth > 0 ? &mtp.batch : nullptr);
-  if (backward) stage_backward(run, nullptr);
+  if (backward) stage_backward(run, nullptr, nullptr, {}, weights);
   // The losses as the training loop combines them (app/stage_runner.cpp).
   StepResult r = run.result();
   const std::vector<double> h = to_host<double>(losses);
@@ -271,8 +272,17 @@ void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int6
                 [&](const Block& block, BlockSaved* s) { finish_block(block, s, &st.result); });
 }
 
+void StageWeights::run(const std::function<void(int)>& after_block) {
+  for (auto& [layer, work] : blocks_) {
+    work.run();
+    if (after_block) after_block(layer);
+  }
+  blocks_.clear();
+}
+
 void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_mtp,
-                                 const std::function<void(int)>& after_block) {
+                                 const std::function<void(int)>& after_block, StageWeights* weights) {
+  FP8MOE_ASSERT(!(weights && after_block), "stage_backward: with its weights left for later, their run() is final");
   StageRun::Impl& st = *run.impl_;
   FP8MOE_ASSERT(st.backward, "stage_backward of a forward without backward");
   const ModelConfig& m = cfg_.model;
@@ -302,7 +312,13 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
       block.recompute_if_dropped(x, &sv);
       sv.x = x;
     }
-    block.backward(sv, dx.f32(), dx.f32(), st.aux_grad_scale);
+    LaterWork* later = nullptr;
+    if (weights) {
+      weights->blocks_.emplace_back(l, LaterWork{});
+      later = &weights->blocks_.back().second;
+      later->detached = true;
+    }
+    block.backward(sv, dx.f32(), dx.f32(), st.aux_grad_scale, later);
     ctx_->round_activation(dx.f32(), N * D);  // the gradient between blocks (and stages)
     sv = BlockSaved{};
     if (after_block) after_block(l);

@@ -103,6 +103,26 @@ class StageRun {
   std::unique_ptr<Impl> impl_;
 };
 
+// A backward's weight part, left for a later pipeline op (the zero-bubble split of a backward
+// into its input part B and its weight part W; parallel.pipeline_schedule zb1p): each block's
+// linear layers' weight-gradient GEMMs, with copies of the FP8 (or FP32) inputs and gradients they
+// read, in the order the backward left them. The micro-batch's StageRun may be gone when they run.
+// The norms', the router's, the head's, the embedding's and the multi-token prediction modules'
+// weight gradients are not among them: B makes them. Running each step once, in the order of the
+// micro-batches, gives the same bits as a whole backward (the same GEMMs on the same bytes, each
+// gradient accumulated in the same order).
+class StageWeights {
+ public:
+  // after_block (optional): called with each block's index once its weight gradients are final
+  // here (the data-parallel reduction posts that layer's buckets after the step's last W).
+  void run(const std::function<void(int)>& after_block = {});
+  bool empty() const { return blocks_.empty(); }
+
+ private:
+  friend class Transformer;
+  std::vector<std::pair<int, LaterWork>> blocks_;
+};
+
 class Transformer {
  public:
   // Parameters initialised from (train.seed, name, element index) in `be`'s memory; with expert
@@ -141,9 +161,10 @@ class Transformer {
   // One rank holding every block, for tests and tools: host tokens and targets, stage_forward and
   // stage_backward, and the losses read back. begin_step() first when `backward`. Targets equal to
   // model.pad_id are not counted. loss_scale multiplies every gradient; mean_over and aux_weight
-  // as in stage_forward.
+  // as in stage_forward. weights: as stage_backward's (the weight part left to it).
   StepResult forward_backward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T, bool backward,
-                              float loss_scale = 1.0f, int64_t mean_over = 0, double aux_weight = 1.0);
+                              float loss_scale = 1.0f, int64_t mean_over = 0, double aux_weight = 1.0,
+                              StageWeights* weights = nullptr);
 
   // The forward of this stage on one micro-batch (tokens on the first stage, x_in (B*T, D) from the
   // previous stage otherwise; targets used on the last stage: device memory, kept alive by the
@@ -167,8 +188,10 @@ class Transformer {
   // the model, the last chunk's run's mtp_input_grad() (with the modules).
   // after_block (optional): called with each block's index once its backward is over (the
   // data-parallel reduction posts that layer's buckets when this is the step's last backward).
+  // weights (may be nullptr): the blocks' weight-gradient GEMMs left to it, not run (after_block
+  // is then its run()'s).
   void stage_backward(StageRun& run, const float* dy, const float* d_mtp = nullptr,
-                      const std::function<void(int)>& after_block = {});
+                      const std::function<void(int)>& after_block = {}, StageWeights* weights = nullptr);
 
   // Logits (V) of the token after tokens[0..T) (one sequence, host ids), for generation. FP8
   // histories are not advanced.

@@ -10,10 +10,69 @@ std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches) {
   const int M = micro_batches, warmup = std::min(stages - stage - 1, M);
   std::vector<PipelineOp> ops;
   ops.reserve(size_t(2 * M));
-  for (int i = 0; i < warmup; ++i) ops.push_back({true, i});
-  for (int i = 0; i < M - warmup; ++i) ops.push_back({true, warmup + i}), ops.push_back({false, i});
-  for (int i = M - warmup; i < M; ++i) ops.push_back({false, i});
+  for (int i = 0; i < warmup; ++i) ops.push_back({PipeOpKind::forward, i});
+  for (int i = 0; i < M - warmup; ++i)
+    ops.push_back({PipeOpKind::forward, warmup + i}), ops.push_back({PipeOpKind::backward, i});
+  for (int i = M - warmup; i < M; ++i) ops.push_back({PipeOpKind::backward, i});
   return ops;
+}
+
+std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches) {
+  std::vector<PipelineOp> ops;
+  ops.reserve(size_t(3 * micro_batches));
+  int waiting = 0, next_w = 0;  // B's whose W has not run; the oldest of them
+  for (const PipelineOp& op : one_f_one_b(stages, stage, micro_batches)) {
+    ops.push_back(op);
+    if (op.forward()) continue;
+    for (++waiting; waiting > stage; --waiting) ops.push_back({PipeOpKind::weight, next_w++});
+  }
+  while (next_w < micro_batches) ops.push_back({PipeOpKind::weight, next_w++});
+  return ops;
+}
+
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w) {
+  const int P = int(orders.size());
+  int M = 0;
+  for (const auto& o : orders)
+    for (const PipelineOp& op : o) M = std::max(M, op.micro_batch + 1);
+  // done[kind][s][m]: when that op finished (< 0: not yet)
+  std::vector<std::vector<std::vector<double>>> done(3, std::vector<std::vector<double>>(size_t(P), std::vector<double>(size_t(M), -1)));
+  std::vector<size_t> next(size_t(P), 0);
+  std::vector<double> free(size_t(P), 0), busy(size_t(P), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < P; ++s)
+      while (next[size_t(s)] < orders[size_t(s)].size()) {
+        const PipelineOp op = orders[size_t(s)][next[size_t(s)]];
+        const size_t m = size_t(op.micro_batch);
+        double ready = 0;
+        if (op.kind == PipeOpKind::forward)
+          ready = s == 0 ? 0 : done[0][size_t(s - 1)][m];
+        else if (op.kind == PipeOpKind::backward)
+          ready = s == P - 1 ? done[0][size_t(s)][m] : done[1][size_t(s + 1)][m];
+        else
+          ready = done[1][size_t(s)][m];
+        if (ready < 0) break;
+        const double t = op.kind == PipeOpKind::forward ? f : op.kind == PipeOpKind::backward ? b : w;
+        const double end = std::max(free[size_t(s)], ready) + t;
+        done[size_t(op.kind)][size_t(s)][m] = end;
+        free[size_t(s)] = end, busy[size_t(s)] += t;
+        ++next[size_t(s)], progress = true;
+      }
+  }
+  PipelineSim r;
+  for (int s = 0; s < P; ++s) r.complete = r.complete && next[size_t(s)] == orders[size_t(s)].size();
+  r.makespan = *std::max_element(free.begin(), free.end());
+  for (int s = 0; s < P; ++s) r.idle.push_back(r.makespan - busy[size_t(s)]);
+  return r;
+}
+
+double zb1p_idle(int stages, int micro_batches, double f, double b, double w) {
+  std::vector<std::vector<PipelineOp>> orders;
+  for (int s = 0; s < stages; ++s) orders.push_back(zb1p(stages, s, micro_batches));
+  const PipelineSim sim = simulate_pipeline(orders, f, b, w);
+  FP8MOE_ASSERT(sim.complete, "ZB1P on ", stages, " stages did not complete");
+  return *std::max_element(sim.idle.begin(), sim.idle.end());
 }
 
 // The eight parts of DualPipeV for rank r of P (each rank's counts differ so that the ranks meet):

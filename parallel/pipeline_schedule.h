@@ -5,9 +5,13 @@
 
 namespace fp8moe {
 
+// backward: a whole backward, or (with weight ops in the order) its input part alone; weight: the
+// weight part of that micro-batch's backward (the zero-bubble split).
+enum class PipeOpKind { forward, backward, weight };
 struct PipelineOp {
-  bool forward;      // else backward
+  PipeOpKind kind;
   int micro_batch;
+  bool forward() const { return kind == PipeOpKind::forward; }
   bool operator==(const PipelineOp&) const = default;
 };
 
@@ -17,6 +21,28 @@ struct PipelineOp {
 // (forwarded, not yet backwarded) on a stage; with equal forward and backward times the bubble is
 // (stages - 1) / (M + stages - 1) of the step. One stage: F0 B0 F1 B1 ...
 std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches);
+
+// ZB1P (ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", 2023; DualPipe's README's ZB1P):
+// 1F1B's order with every backward split into its input part (B, what the previous stage waits
+// for) and its weight part (W); stage s keeps the W's of up to s micro-batches waiting, runs the
+// oldest after each B beyond that, and ends the step with the rest. The last stages, which start
+// the backwards, get their input gradients out sooner, and their W's fill what was 1F1B's
+// cool-down bubble. At most min(P - s, M) micro-batches are forwarded and not yet B'd on a stage,
+// as in 1F1B, and at most min(s, M) wait for their W (holding only what W reads). With F, B (a
+// whole backward) and W the ops' times, the bubble is (P - 1)(F + B - 2W) for M >= P, W <= F and
+// 2W <= B (test_pipeline_schedule simulates it), against 1F1B's (P - 1)(F + B).
+std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches);
+
+// Every stage's ops (orders[s]) run on P stages, simulated: a forward needs the previous stage's,
+// a backward the next stage's (the last stage: its own forward), a weight op its own backward;
+// each stage runs its ops in order, each starting when the stage is free and its input is ready.
+// Times: f a forward, b a backward (its input part where the order has weight ops), w a weight op.
+struct PipelineSim {
+  std::vector<double> idle;  // per stage: the makespan less the stage's busy time
+  bool complete = true;      // every op ran (no deadlock)
+  double makespan = 0;
+};
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w);
 
 // DualPipeV (deepseek-ai/DualPipe's V-shaped form of DualPipe) on P ranks. The model is cut into
 // 2P chunks; rank r holds chunk r, which phase 0 runs from rank 0 to P - 1, and chunk 2P - 1 - r,
@@ -68,6 +94,9 @@ DualPipeVSim simulate_dualpipev(int ranks, int micro_batches, double f, double b
 // The bubble's share of the slowest rank's step, idle / (busy + idle): 1F1B's (P - 1) / (M + P - 1);
 // DualPipeV's as fp8moe runs it, with chunk times f and b, simulated (simulate_dualpipev, as_run).
 double one_f_one_b_bubble(int stages, int micro_batches);
+// ZB1P's idle time of the slowest stage, simulated (simulate_pipeline) with a forward f, a
+// backward's input part b and its weight part w.
+double zb1p_idle(int stages, int micro_batches, double f, double b, double w);
 double dualpipev_bubble(int ranks, int micro_batches, double f, double b);
 
 }  // namespace fp8moe

@@ -8,9 +8,10 @@
                                         exit 1 unless every file is valid trace JSON, every posted
                                         collective's post comes before its wait and its end after
                                         the wait returned, and (--overlap) some
-                                        collective of each GROUP ran while a backward computed
+                                        collective of each GROUP ran while a backward (or a weight op) computed
 
-Events: "X" complete events (cat compute: forward / backward of a micro-batch, optimizer; cat
+Events: "X" complete events (cat compute: forward / backward / weight (ZB1P's weight part) of a
+micro-batch, optimizer; cat
 phase: the gradient reduction's waits after the backward; cat step: the whole step; cat = a group name, tp ep dp edp pp world: a blocking call or
 a wait), and "b"/"e" pairs (cat = the group) from a non-blocking collective's post to the end of its
 wait, and from each pipeline send's post to the end of the wait for it. Standard library only.
@@ -103,7 +104,7 @@ def summary(directory):
         every = [x for x in posted(events) if x[1] != "send"]  # not the pipeline's sends
         pairs = [x for x in every if x[0] != "ep"]  # the gradient reductions
         experts = [x for x in every if x[0] == "ep"]  # the expert exchanges (runtime.overlap_expert_comm)
-        backward = intervals(events, lambda e: e.get("cat") == "compute" and e["name"] == "backward")
+        backward = intervals(events, lambda e: e.get("cat") == "compute" and e["name"] in ("backward", "weight"))
         span = sum(w - p for _, _, p, w in pairs)
         hidden = sum(covered((p, w), backward) for _, _, p, w in pairs)
         waits = sum(e["dur"] for e in comm if e["name"] == "wait" and e.get("cat") != "ep")
@@ -145,7 +146,7 @@ def check(directory, overlap_groups):
         except ValueError as e:
             print(f"{path}: {e}")
             return 1
-        backward = intervals(events, lambda e: e.get("cat") == "compute" and e["name"] == "backward")
+        backward = intervals(events, lambda e: e.get("cat") == "compute" and e["name"] in ("backward", "weight"))
         for cat, _, p, w in pairs:
             if cat in seen and covered((p, w), backward) > 0:
                 seen[cat] = True

@@ -507,8 +507,8 @@ const BadConfig kBadConfigs[] = {
     {"stage_layers_empty_first", "parallel:\n  pipeline: 2\n  stage_layers: [0, 4]\n", "parallel.stage_layers[0]", "3:17", "got '0', expected an integer >= 1"},
     {"stage_layers_negative_last", "parallel:\n  pipeline: 2\n  stage_layers: [4, -1]\n", "parallel.stage_layers[1]", "3:17", "expected an integer >= 0"},
     // DualPipeV: two ranks at least, 2 x pipeline micro-batches and chunks, stage_layers per chunk.
-    {"pipeline_schedule_unknown", "parallel:\n  pipeline_schedule: zb1p\n", "parallel.pipeline_schedule", "2:22",
-     "expected one of 1f1b, dualpipev"},
+    {"pipeline_schedule_unknown", "parallel:\n  pipeline_schedule: zbv\n", "parallel.pipeline_schedule", "2:22",
+     "expected one of 1f1b, dualpipev, zb1p"},
     {"dualpipev_one_stage", "parallel:\n  pipeline_schedule: dualpipev\n", "parallel.pipeline", "",
      "at least 2 with parallel.pipeline_schedule dualpipev"},
     {"dualpipev_few_micro_batches", "parallel:\n  pipeline: 2\n  pipeline_schedule: dualpipev\n", "parallel.micro_batches",

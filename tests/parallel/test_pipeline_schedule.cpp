@@ -25,7 +25,7 @@ TEST(PipelineSchedule, EveryStageRunsEachMicroBatchOnceInOrderWithBoundedMemory)
         ASSERT_EQ(int(ops.size()), 2 * M);
         int next_f = 0, next_b = 0, in_flight = 0, most = 0;
         for (const PipelineOp& op : ops) {
-          if (op.forward) {
+          if (op.forward()) {
             ASSERT_EQ(op.micro_batch, next_f++);
             most = std::max(most, ++in_flight);
           } else {
@@ -54,10 +54,10 @@ TEST(PipelineSchedule, SimulatedPipelineHasTheOneFOneBBubble) {
           if (next[size_t(s)] == ops[size_t(s)].size()) continue;
           const PipelineOp op = ops[size_t(s)][next[size_t(s)]];
           const int m = op.micro_batch;
-          const bool ready = op.forward ? (s == 0 || (done_f[size_t(s - 1)][size_t(m)] >= 0 && done_f[size_t(s - 1)][size_t(m)] < t))
+          const bool ready = op.forward() ? (s == 0 || (done_f[size_t(s - 1)][size_t(m)] >= 0 && done_f[size_t(s - 1)][size_t(m)] < t))
                                         : (s == P - 1 || (done_b[size_t(s + 1)][size_t(m)] >= 0 && done_b[size_t(s + 1)][size_t(m)] < t));
           if (!ready) continue;
-          (op.forward ? done_f : done_b)[size_t(s)][size_t(m)] = t;
+          (op.forward() ? done_f : done_b)[size_t(s)][size_t(m)] = t;
           ++next[size_t(s)], ++finished;
         }
       }
@@ -158,6 +158,71 @@ TEST(PipelineSchedule, DualPipeVAsFp8moeRunsIt) {
         EXPECT_NEAR(dualpipev_bubble(P, M, f, b), double(idle) / double(idle + 2 * M * (f + b)), 1e-12);
       }
     }
+}
+
+}  // namespace
+}  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+
+// ZB1P (parallel/pipeline_schedule.h): each micro-batch's forward, input part (B) and weight part
+// (W) once each, in order, W after its B; 1F1B's bound on the micro-batches forwarded and not yet
+// B'd, and at most `stage` waiting for their W.
+TEST(PipelineSchedule, ZeroBubbleRunsEachPartOnceInOrderWithBoundedMemory) {
+  for (int P = 1; P <= 8; ++P)
+    for (int M = 1; M <= 16; ++M)
+      for (int s = 0; s < P; ++s) {
+        SCOPED_TRACE("P " + std::to_string(P) + " M " + std::to_string(M) + " stage " + std::to_string(s));
+        const std::vector<PipelineOp> ops = zb1p(P, s, M);
+        ASSERT_EQ(int(ops.size()), 3 * M);
+        int next[3] = {0, 0, 0}, in_flight = 0, most = 0, waiting = 0, most_waiting = 0;
+        for (const PipelineOp& op : ops) {
+          ASSERT_EQ(op.micro_batch, next[int(op.kind)]++);
+          if (op.kind == PipeOpKind::forward) {
+            most = std::max(most, ++in_flight);
+          } else if (op.kind == PipeOpKind::backward) {
+            ASSERT_LT(op.micro_batch, next[0]) << "a B before its forward";
+            --in_flight, most_waiting = std::max(most_waiting, ++waiting);
+          } else {
+            ASSERT_LT(op.micro_batch, next[1]) << "a W before its B";
+            --waiting;
+          }
+        }
+        EXPECT_EQ(most, std::min(P - s, M)) << "micro-batches forwarded, not yet B'd";
+        // (a W waits from its B to the end of the B after `stage` more)
+        EXPECT_EQ(most_waiting, std::min(s, M) + (s < M ? 1 : 0)) << "B'd micro-batches whose W has not run";
+      }
+}
+
+// The whole pipeline simulated (simulate_pipeline) against the closed forms, exactly (integer
+// times): ZB1P's bubble (P - 1)(F + B - 2W) of DualPipe's README, B the whole backward (here
+// b + w), for M >= P, W <= F and W <= b; and 1F1B's (P - 1)(F + B) in the same simulator.
+TEST(PipelineSchedule, SimulatedZeroBubbleHasTheZb1pBubble) {
+  struct Times {
+    double f, b, w;
+  };
+  for (int P = 2; P <= 16; ++P)
+    for (const int M : {P, P + 1, 2 * P, 3 * P + 1})
+      for (const Times t : {Times{2, 2, 2}, Times{2, 2, 1}, Times{2, 4, 2}, Times{4, 2, 2}, Times{2, 2, 0},
+                            Times{3, 4, 2}, Times{5, 3, 3}}) {
+        SCOPED_TRACE("P " + std::to_string(P) + " M " + std::to_string(M) + " f " + std::to_string(t.f) + " b " +
+                     std::to_string(t.b) + " w " + std::to_string(t.w));
+        std::vector<std::vector<PipelineOp>> zb, ofob;
+        for (int s = 0; s < P; ++s) zb.push_back(zb1p(P, s, M)), ofob.push_back(one_f_one_b(P, s, M));
+        const PipelineSim z = simulate_pipeline(zb, t.f, t.b, t.w);
+        ASSERT_TRUE(z.complete);
+        const double B = t.b + t.w;
+        EXPECT_EQ(*std::max_element(z.idle.begin(), z.idle.end()), (P - 1) * (t.f + B - 2 * t.w));
+        EXPECT_EQ(zb1p_idle(P, M, t.f, t.b, t.w), (P - 1) * (t.f + B - 2 * t.w));
+        const PipelineSim o = simulate_pipeline(ofob, t.f, B, 0);
+        ASSERT_TRUE(o.complete);
+        EXPECT_EQ(*std::max_element(o.idle.begin(), o.idle.end()), (P - 1) * (t.f + B));
+      }
+  // The table of the closing note: P 16, M 120, F 1, B 2, W 1 (a weight part half the backward).
+  const double z = zb1p_idle(16, 120, 1, 1, 1), o = 15 * 3.0;
+  std::printf("P 16, M 120, F 1, B 2, W 1: bubble 1F1B %.0f (%.4f of the step), ZB1P %.0f (%.4f)\n", o,
+              o / (o + 120 * 3), z, z / (z + 120 * 3));
 }
 
 }  // namespace
