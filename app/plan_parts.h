@@ -83,6 +83,7 @@ struct Roofline {
   double pace_ratio = 1;   // its time per micro-batch over the stages' mean
   double optimizer = 0;    // the step's AdamW and FP8 weight quantization, s
   double bubble = 0;       // s
+  double weight_op_mb = 0; // ZB1P: a weight op's seconds per micro-batch on the slowest stage
   double step = 0;         // s
   std::array<double, 5> comm_s{};  // per group, per step, s (the slowest stage)
   bool measured = false;   // the CPU's probes (compute_mb: a micro-batch; quantize, optimizer: per step)

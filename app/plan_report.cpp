@@ -433,6 +433,14 @@ void print_bubble(const PlanReport& rep) {
                 idle, 6 * L.micro_batches, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2));
     return;
   }
+  if (rep.p.cfg.parallel.pipeline_schedule == PipelineSchedule::zb1p) {
+    const double idle = zb1p_idle(L.pipeline, L.micro_batches, 1, 1, 1);
+    std::printf("\npipeline bubble (ZB1P): (p - 1)(F + B - 2W), B a whole backward, W its weight part: with F = 1, "
+                "B = 2, W = 1, %.0f idle against 3m = %d busy = %.3f (the step time below simulates the pace stage's "
+                "own: its weight op %.3f ms a micro-batch, the blocks' linear layers' weight-gradient GEMMs)\n",
+                idle, 3 * L.micro_batches, idle / (idle + 3.0 * L.micro_batches), rep.r.weight_op_mb * 1e3);
+    return;
+  }
   const double bubble = one_f_one_b_bubble(L.pipeline, L.micro_batches);
   std::printf("\npipeline bubble (1F1B): (p - 1) / (m + p - 1) = %d / %d = %.3f\n", L.pipeline - 1,
               L.micro_batches + L.pipeline - 1, bubble);

@@ -93,6 +93,7 @@ double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, d
   const double routed_peak = eff * (fp8 && c.fp8.layers.experts ? d.fp8 : d.fp32);
   const double shared_fwd = 2 * N * 3 * D * double(m.moe.n_shared_experts) * m.moe.d_expert / T / shared_peak;
   const double routed_fwd = 2 * N * m.moe.top_k * 3 * D * double(m.moe.d_expert) / T / routed_peak;  // = its wgrad
+  // (ZB1P leaves the experts' weight-gradient GEMMs here, behind the exchanges: zb1p_weight_op.)
   return moe_layers * ((1 + again) * std::min(fwd_dispatch, shared_fwd) + std::min(grad_dispatch, 2 * shared_fwd) +
                        std::min(grad_combine, routed_fwd));
 }
@@ -189,7 +190,8 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     r.step = L.micro_batches * r.compute_mb + r.quantize + r.optimizer;
     return r;
   }
-  double slowest = -1, sum_compute = 0, sum_memory = 0, sum_t = 0, backward_share = 0;
+  double slowest = -1, sum_compute = 0, sum_memory = 0, sum_t = 0, backward_share = 0, weight_s = 0;
+  std::vector<double> zf, zb_in, zw;  // ZB1P: each stage's forward, backward input part, weight op
   for (size_t s = 0; s < p.mem.size(); ++s) {
     const StageFlops& f = p.flops[s];
     const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.bf16_gemm / (eff * d.bf16) +
@@ -213,10 +215,16 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
     sum_t += t;
+    {
+      const double bs = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
+      const double w = std::min(f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp), bs * t);
+      zf.push_back((1 - bs) * t), zb_in.push_back(bs * t - w), zw.push_back(w);
+    }
     if (t > slowest) {
       slowest = t, r.pace_stage = int(s);
       // The backward's share of the stage's work: the forward is a third of what is not recomputed.
       backward_share = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
+      weight_s = f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp);  // ZB1P's weight op
       r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group, r.ep_hidden_mb = ep_hidden;
       r.dp = hidden ? 0 : per_group[2] + per_group[3];
       // AdamW on the owned rows: parameter, gradient (read), m and v (read and written), the
@@ -233,8 +241,22 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   // 1F1B: (P - 1) x a stage's time per micro-batch. DualPipeV as it runs, simulated
   // (parallel/pipeline_schedule.h): a rank's two chunks of a micro-batch take per_mb = 2(F + B),
   // B the backward's share.
-  r.bubble = L.v_shape ? dualpipev_idle_share(L.pipeline, L.micro_batches, backward_share) * per_mb
-                       : (L.pipeline - 1) * per_mb;
+  // ZB1P: simulated with each stage's own forward, backward input part and weight op (the
+  // blocks' linear layers' weight-gradient GEMMs: zb1p_weight_op), the pace stage's idle time (on
+  // equal stages (P - 1)(F + B - 2W) for W <= F and 2W <= B); balanced, the pace stage's times on
+  // every stage.
+  const bool zb = c.parallel.pipeline_schedule == PipelineSchedule::zb1p;
+  const double wop = zb ? std::min(weight_s, backward_share * per_mb) : 0;
+  r.weight_op_mb = wop;
+  if (L.v_shape) {
+    r.bubble = dualpipev_idle_share(L.pipeline, L.micro_batches, backward_share) * per_mb;
+  } else if (zb && L.pipeline > 1 && (balanced || o.overlap)) {
+    r.bubble = zb1p_idle(L.pipeline, L.micro_batches, (1 - backward_share) * per_mb, backward_share * per_mb - wop, wop);
+  } else if (zb && L.pipeline > 1) {
+    r.bubble = zb1p_idle(L.micro_batches, zf, zb_in, zw)[size_t(r.pace_stage)];
+  } else {
+    r.bubble = (L.pipeline - 1) * per_mb;
+  }
   const double busy = L.micro_batches * per_mb;
   if (o.overlap) {
     r.dp_exposed = std::max(0.0, r.dp - busy);
@@ -243,8 +265,9 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     // backward has passed it, so it runs behind the rest of that backward, at most one
     // micro-batch's backward; ZeRO-1's all-gather of the weights (half the bytes) follows the
     // optimizer, exposed. Without ZeRO the all-reduce is all of it.
+    // (ZB1P: posted from the last weight op, behind the rest of it.)
     const double behind = c.optim.zero == 1 ? r.dp / 2 : r.dp;
-    r.dp_exposed = r.dp - behind + std::max(0.0, behind - backward_share * r.compute_mb);
+    r.dp_exposed = r.dp - behind + std::max(0.0, behind - (zb ? wop : backward_share * r.compute_mb));
   } else {
     r.dp_exposed = r.dp;
   }

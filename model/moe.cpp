@@ -348,9 +348,11 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   // The shared experts' backward: with expert parallelism and runtime.overlap_expert_comm while the
   // output gradients' rows travel to the experts (posted below, done at `later`); else first,
   // before those rows exist.
+  // The experts' weight gradients go to `weights` only where no exchange is posted for them to hide.
+  LaterWork* left = ep && ep->overlap() ? nullptr : weights;
   auto shared_backward = [&] {
     if (has_shared(w))
-      ffn_backward(be, s.shared, w.shared, dout, fp8.shared, dx, g.shared, weights);
+      ffn_backward(be, s.shared, w.shared, dout, fp8.shared, dx, g.shared, left);
     else
       be.zero(dx, size_t(N * D) * sizeof(float));
   };
@@ -411,7 +413,7 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   // The experts' weight gradients run while their input gradients travel back (the combines
   // posted, done after them), or are left to `weights`; else in line, as the layers run them.
   LaterWork wgrad;
-  ffn_backward_grouped(be, groups, weights ? weights : later ? &wgrad : nullptr);
+  ffn_backward_grouped(be, groups, later ? &wgrad : left);
   Tensor back;  // the gates' gradients, back to their (token, slot)
   if (gated && ep) {
     back = Tensor(be, DType::f64, {R});

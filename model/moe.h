@@ -149,8 +149,9 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
 // With `tp` (tensor parallelism: expert and shared widths split, w1/w3 column- and w2 row-parallel;
 // router replicated), the gates' gradients and the experts' input gradients are summed over it
 // here (collective); the caller sums the forward output over it. weights (detached; may be
-// nullptr): the shared and routed experts' weight gradients left to it (the zero-bubble split),
-// not run behind the combine; the router's (BF16 or FP32) stays here.
+// nullptr): the shared and routed experts' weight gradients left to it (the zero-bubble split)
+// where the exchanges run in line; posted (runtime.overlap_expert_comm with expert parallelism),
+// they stay here, the compute behind the exchanges. The router's stays here.
 void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cfg, const MoeWeights& w, const float* dout,
                   float aux_grad_scale, const MoeFp8& fp8, float* dx, const MoeGrads& g, ExpertDispatcher* ep = nullptr,
                   Communicator* tp = nullptr, ActivationDtype activations = ActivationDtype::fp32,

@@ -142,6 +142,12 @@ struct StageMemory {
                                      // DualPipeV: chunk forwards not yet backwarded, at most
   double activations = 0;            // 1F1B: saved_per_micro_batch x in_flight; DualPipeV: the most
                                      // of its chunks' activations at once over its schedule
+  // ZB1P (parallel.pipeline_schedule zb1p): what one micro-batch's weight op holds (the copies of
+  // its blocks' linear layers' inputs and output gradients, FP8 with their scales or FP32), and
+  // the micro-batches holding it at once, min(stage + 1, M); counted in `activations` on top of the
+  // in-flight ones (an upper bound: a B frees its state as its copies are made).
+  double weight_op_bytes = 0;
+  int weight_ops_waiting = 0;
   double workspace = 0;              // the largest set of temporaries alive at once on top
   // Host memory, not in total(): what this rank writes of a checkpoint (its replica's share of the
   // parameters' rows, the moments' rows it writes), which an asynchronous save copies
@@ -157,6 +163,9 @@ int stage_moe_blocks(const ModelConfig& m, const StageMemory& s);
 // split by the unit that runs them.
 struct StageFlops {
   double fp8_gemm = 0;    // linear layers fp8.recipe and fp8.layers run in FP8
+  // Of fp8_gemm and hp_gemm, the blocks' linear layers' weight-gradient GEMMs (what ZB1P's weight
+  // ops run; the modules' blocks' stay in their backward).
+  double wgrad_fp8 = 0, wgrad_hp = 0;
   double hp_gemm = 0;     // the other GEMMs (FP32 in fp8moe): linear layers FP8 is off for,
                           // router, eh_proj, head (under train.hp_gemm fp32)
   double attention = 0;   // QK^T and PV, causal, forward and backward
@@ -165,6 +174,11 @@ struct StageFlops {
   double total() const { return fp8_gemm + hp_gemm + bf16_gemm + attention; }
 };
 std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L);
+// Whether ZB1P's weight op runs parameter p's weight-gradient GEMM: the blocks' linear layers, but
+// the shared and routed experts' where their exchange is posted (expert parallelism with
+// runtime.overlap_expert_comm: model/moe.cpp keeps their weight gradients behind it).
+struct ParamSpec;
+bool zb1p_weight_op(const Config& c, const PlanLayout& L, const ParamSpec& p);
 
 // The seconds one step may take when `world` devices spend `hours` device-hours on `tokens`
 // tokens at `step_tokens` a step: hours x 3600 / (tokens / step_tokens) / world.

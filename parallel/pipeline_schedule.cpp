@@ -31,6 +31,12 @@ std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches) {
 }
 
 PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w) {
+  const size_t P = orders.size();
+  return simulate_pipeline(orders, std::vector<double>(P, f), std::vector<double>(P, b), std::vector<double>(P, w));
+}
+
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, const std::vector<double>& f,
+                              const std::vector<double>& b, const std::vector<double>& w) {
   const int P = int(orders.size());
   int M = 0;
   for (const auto& o : orders)
@@ -53,7 +59,7 @@ PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders
         else
           ready = done[1][size_t(s)][m];
         if (ready < 0) break;
-        const double t = op.kind == PipeOpKind::forward ? f : op.kind == PipeOpKind::backward ? b : w;
+        const double t = (op.kind == PipeOpKind::forward ? f : op.kind == PipeOpKind::backward ? b : w)[size_t(s)];
         const double end = std::max(free[size_t(s)], ready) + t;
         done[size_t(op.kind)][size_t(s)][m] = end;
         free[size_t(s)] = end, busy[size_t(s)] += t;
@@ -73,6 +79,16 @@ double zb1p_idle(int stages, int micro_batches, double f, double b, double w) {
   const PipelineSim sim = simulate_pipeline(orders, f, b, w);
   FP8MOE_ASSERT(sim.complete, "ZB1P on ", stages, " stages did not complete");
   return *std::max_element(sim.idle.begin(), sim.idle.end());
+}
+
+std::vector<double> zb1p_idle(int micro_batches, const std::vector<double>& f, const std::vector<double>& b,
+                              const std::vector<double>& w) {
+  const int P = int(f.size());
+  std::vector<std::vector<PipelineOp>> orders;
+  for (int s = 0; s < P; ++s) orders.push_back(zb1p(P, s, micro_batches));
+  const PipelineSim sim = simulate_pipeline(orders, f, b, w);
+  FP8MOE_ASSERT(sim.complete, "ZB1P on ", P, " stages did not complete");
+  return sim.idle;
 }
 
 // The eight parts of DualPipeV for rank r of P (each rank's counts differ so that the ranks meet):

@@ -43,6 +43,9 @@ struct PipelineSim {
   double makespan = 0;
 };
 PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w);
+// The same with each stage's own times (f[s], b[s], w[s]).
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, const std::vector<double>& f,
+                              const std::vector<double>& b, const std::vector<double>& w);
 
 // DualPipeV (deepseek-ai/DualPipe's V-shaped form of DualPipe) on P ranks. The model is cut into
 // 2P chunks; rank r holds chunk r, which phase 0 runs from rank 0 to P - 1, and chunk 2P - 1 - r,
@@ -97,6 +100,9 @@ double one_f_one_b_bubble(int stages, int micro_batches);
 // ZB1P's idle time of the slowest stage, simulated (simulate_pipeline) with a forward f, a
 // backward's input part b and its weight part w.
 double zb1p_idle(int stages, int micro_batches, double f, double b, double w);
+// ZB1P simulated with each stage's own times: every stage's idle time.
+std::vector<double> zb1p_idle(int micro_batches, const std::vector<double>& f, const std::vector<double>& b,
+                              const std::vector<double>& w);
 double dualpipev_bubble(int ranks, int micro_batches, double f, double b);
 
 }  // namespace fp8moe
