@@ -289,12 +289,12 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   };
   auto weight = [&](int mb) {
     releaser.poll();
-    const bool final = sync_ && mb == M - 1;
+    const bool last_weight = sync_ && mb == M - 1;
     {
       const trace::Span span("weight", "compute", mb);
-      weights[size_t(mb)].run(final ? post_layer_ : std::function<void(int)>{});
+      weights[size_t(mb)].run(last_weight ? post_layer_ : std::function<void(int)>{});
     }
-    if (final) sync_->post_rest(model_.store());
+    if (last_weight) sync_->post_rest(model_.store());
   };
   for (const PipelineOp& op : ops) {
     if (op.kind == PipeOpKind::forward) forward(op.micro_batch);
