@@ -217,14 +217,14 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     sum_t += t;
     {
       const double bs = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
-      const double w = std::min(f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp), bs * t);
+      const double w = std::min(f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp) + f.wgrad_bf16 / (eff * d.bf16), bs * t);
       zf.push_back((1 - bs) * t), zb_in.push_back(bs * t - w), zw.push_back(w);
     }
     if (t > slowest) {
       slowest = t, r.pace_stage = int(s);
       // The backward's share of the stage's work: the forward is a third of what is not recomputed.
       backward_share = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
-      weight_s = f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp);  // ZB1P's weight op
+      weight_s = f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp) + f.wgrad_bf16 / (eff * d.bf16);  // ZB1P's W
       r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group, r.ep_hidden_mb = ep_hidden;
       r.dp = hidden ? 0 : per_group[2] + per_group[3];
       // AdamW on the owned rows: parameter, gradient (read), m and v (read and written), the

@@ -23,11 +23,11 @@ void head_forward(const ModelContext& ctx, const HeadParams& p, const float* x, 
 }
 
 void head_backward(const ModelContext& ctx, const HeadParams& p, const float* x, int64_t N, HeadSaved* s, float* dx,
-                   const std::function<void(float* dhf)>& more) {
+                   const std::function<void(float* dhf)>& more, LaterWork* weights) {
   Backend& be = ctx.be;
   const int64_t D = ctx.local.d_model, V = ctx.local.vocab_size;
   Tensor dh(be, DType::f32, {N, D});
-  hp_backward(be, ctx.hp_gemm, s->dlogits.f32(), N, V, s->hf.f32(), D, p.head.w, dh.f32(), 0.0f, p.head.g);
+  hp_backward(be, ctx.hp_gemm, s->dlogits.f32(), N, V, s->hf.f32(), D, p.head.w, dh.f32(), 0.0f, p.head.g, weights);
   ctx.tp_sum(dh.f32(), N * D);  // vocabulary-parallel head: each rank's rows' share
   if (more) more(dh.f32());
   be.rmsnorm_backward(x, p.norm.w, s->rstd.f32(), dh.f32(), N, D, dx, p.norm.g);

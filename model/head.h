@@ -39,9 +39,10 @@ void head_forward(const ModelContext& ctx, const HeadParams& p, const float* x, 
 // dx (N, D) written from s's dlogits: the head weight's gradient accumulated, the gradient of hf
 // summed over the group; then `more` (may be empty) adds the gradient of hf from its other
 // readers (the multi-token prediction modules read the main model's hf, module k + 1 module k's)
-// before the norm's backward. Frees s.dlogits and s.hf.
+// before the norm's backward. Frees s.dlogits and s.hf. weights (detached; may be nullptr): the
+// head weight's gradient GEMM left to it (hp_backward).
 void head_backward(const ModelContext& ctx, const HeadParams& p, const float* x, int64_t N, HeadSaved* s, float* dx,
-                   const std::function<void(float* dhf)>& more = {});
+                   const std::function<void(float* dhf)>& more = {}, LaterWork* weights = nullptr);
 
 // The vocabulary-parallel cross-entropy of logits (N, V_local) against targets: the loss sum into
 // *loss_sum, grad_scale x its gradient into dlogits (nullptr: none).

@@ -342,20 +342,37 @@ void hp_forward(Backend& be, GemmDtype t, const float* x, int64_t M, int64_t K, 
 }
 
 void hp_backward(Backend& be, GemmDtype t, const float* dy, int64_t M, int64_t N, const float* x, int64_t K,
-                 const float* W, float* dx, float beta_dx, float* dW) {
+                 const float* W, float* dx, float beta_dx, float* dW, LaterWork* wgrad_later) {
+  FP8MOE_ASSERT(!wgrad_later || wgrad_later->detached, "hp_backward leaves its weight gradient only to a detached step");
   if (t == GemmDtype::fp32) {
-    be.sgemm(true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dW, K);
+    if (!wgrad_later) {
+      be.sgemm(true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dW, K);
+    } else {  // copies of both operands, the GEMM later
+      auto dy32 = std::make_shared<Tensor>(be, DType::f32, Shape{M, N});
+      auto x32 = std::make_shared<Tensor>(be, DType::f32, Shape{M, K});
+      if (M * N > 0) be.copy(dy32->raw(), dy, size_t(M * N) * sizeof(float));
+      if (M * K > 0) be.copy(x32->raw(), x, size_t(M * K) * sizeof(float));
+      wgrad_later->steps.push_back([&be, dy32, x32, M, N, K, dW] {
+        be.sgemm(true, false, N, K, M, 1.0f, dy32->f32(), N, x32->f32(), K, 1.0f, dW, K);
+      });
+    }
     if (dx) be.sgemm(false, false, M, K, N, 1.0f, dy, N, W, K, beta_dx, dx, K);
     return;
   }
-  const Tensor dy16 = bf16_copy(be, dy, M * N);
+  auto dy16 = std::make_shared<const Tensor>(bf16_copy(be, dy, M * N));
   {
-    const Tensor x16 = bf16_copy(be, x, M * K);
-    be.gemm_bf16(true, false, N, K, M, 1.0f, dy16.data<uint16_t>(), N, x16.data<uint16_t>(), K, 1.0f, dW, K);
+    auto x16 = std::make_shared<const Tensor>(bf16_copy(be, x, M * K));
+    auto wgrad = [&be, dy16, x16, M, N, K, dW] {
+      be.gemm_bf16(true, false, N, K, M, 1.0f, dy16->data<uint16_t>(), N, x16->data<uint16_t>(), K, 1.0f, dW, K);
+    };
+    if (wgrad_later)
+      wgrad_later->steps.push_back(std::move(wgrad));  // (the BF16 copies with it)
+    else
+      wgrad();
   }
   if (!dx) return;
   const Tensor w16 = bf16_copy(be, W, N * K);
-  be.gemm_bf16(false, false, M, K, N, 1.0f, dy16.data<uint16_t>(), N, w16.data<uint16_t>(), K, beta_dx, dx, K);
+  be.gemm_bf16(false, false, M, K, N, 1.0f, dy16->data<uint16_t>(), N, w16.data<uint16_t>(), K, beta_dx, dx, K);
 }
 
 Fp8Dtype grad_dtype(const Fp8Config& c) { return c.format == Fp8Format::hybrid ? Fp8Dtype::e5m2 : Fp8Dtype::e4m3; }

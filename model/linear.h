@@ -170,9 +170,10 @@ void quantize_output_grad(Backend& be, const LinearGradGroup& l, LinearGradQuant
 // accumulation and outputs (Backend::gemm_bf16). x (M, K), W (N, K), y and dy (M, N).
 // y = x W^T.
 void hp_forward(Backend& be, GemmDtype t, const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y);
-// dx = dy W + beta_dx dx (dx may be nullptr: none), dW += dy^T x.
+// dx = dy W + beta_dx dx (dx may be nullptr: none), dW += dy^T x (now, or by wgrad_later's step,
+// which must be detached: it keeps the BF16 copies of dy and x the GEMM reads, or FP32 copies).
 void hp_backward(Backend& be, GemmDtype t, const float* dy, int64_t M, int64_t N, const float* x, int64_t K,
-                 const float* W, float* dx, float beta_dx, float* dW);
+                 const float* W, float* dx, float beta_dx, float* dW, LaterWork* wgrad_later = nullptr);
 
 // x (rows, cols) in a blockwise recipe's 1 x T tiles (E4M3, its scale options): the operand a
 // layer's forward GEMM reads as it is (LinearGroup::xq); quantizations counted in `counts` (may be

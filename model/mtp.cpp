@@ -86,7 +86,7 @@ void Mtp::forward(const float* emb, const float* h, int64_t B, int64_t T, const 
 }
 
 void Mtp::backward(std::vector<MtpSaved>* saved, const float* emb, const float* h, int64_t N, float aux_grad_scale,
-                   float* demb, float* dh) {
+                   float* demb, float* dh, LaterWork* weights) {
   Backend& be = ctx_.be;
   const int64_t D = ctx_.model.d_model;
   Tensor dnext;  // the gradient of module k's normed output from module k + 1 (its hnorm's input)
@@ -97,12 +97,13 @@ void Mtp::backward(std::vector<MtpSaved>* saved, const float* emb, const float* 
     // Module k + 1, which read this module's normed output, is done: head_backward frees it.
     head_backward(ctx_, mod.head, s.out.f32(), N, &s.head, dout.f32(), [&](float* dhf) {
       if (!dnext.empty()) be.add(dhf, dnext.f32(), dhf, N * D);
-    });
+    }, weights);
     mod.block->recompute_if_dropped(s.x.f32(), &s.block);
     Tensor dxk(be, DType::f32, {N, D}), dcat(be, DType::f32, {N, 2 * D});
-    mod.block->backward(s.block, dout.f32(), dxk.f32(), aux_grad_scale);
+    mod.block->backward(s.block, dout.f32(), dxk.f32(), aux_grad_scale, weights);
     s.block = BlockSaved{};
-    hp_backward(be, ctx_.hp_gemm, dxk.f32(), N, D, s.cat.f32(), 2 * D, mod.eh_proj.w, dcat.f32(), 0.0f, mod.eh_proj.g);
+    hp_backward(be, ctx_.hp_gemm, dxk.f32(), N, D, s.cat.f32(), 2 * D, mod.eh_proj.w, dcat.f32(), 0.0f, mod.eh_proj.g,
+                weights);
     Tensor den(be, DType::f32, {N, D}), dhn(be, DType::f32, {N, D});
     be.copy_2d(den.f32(), D, dcat.f32(), 2 * D, N, D);
     be.copy_2d(dhn.f32(), D, dcat.f32() + D, 2 * D, N, D);

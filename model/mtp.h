@@ -65,9 +65,10 @@ class Mtp {
                double* mtp_ce, double* aux, std::vector<MtpSaved>* saved,
                const std::function<void(const Block&, BlockSaved*)>& finished);
   // The backward of every module, last first: demb (depth, N, D) written, the gradient of h added
-  // to dh, the module weights' and the head's gradients accumulated. Frees `saved`.
+  // to dh, the module weights' and the head's gradients accumulated (the head's, eh_proj's and the
+  // blocks' linear layers' GEMMs left to `weights` where given, detached). Frees `saved`.
   void backward(std::vector<MtpSaved>* saved, const float* emb, const float* h, int64_t N, float aux_grad_scale,
-                float* demb, float* dh);
+                float* demb, float* dh, LaterWork* weights = nullptr);
 
   // Every module's logits (T, V) of one sequence, teacher-forced as in training (host tokens; h:
   // the main model's normed output of every position). One rank holding the whole model.

@@ -395,7 +395,8 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer) {
 bool zb1p_weight_op(const Config& c, const PlanLayout& L, const ParamSpec& p) {
   const bool posted = L.expert > 1 && c.runtime.overlap_expert_comm;  // model/moe.cpp keeps them behind the exchange
   const bool experts = p.linear == LinearClass::experts || p.linear == LinearClass::shared_experts;
-  return p.linear != LinearClass::none && p.layer >= 0 && p.layer < c.model.n_layers && !(experts && posted);
+  const bool head = p.name == "head.weight", eh = p.name.find("eh_proj") != std::string::npos;
+  return head || eh || (p.linear != LinearClass::none && p.layer >= 0 && !(experts && posted));
 }
 
 double step_budget_seconds(double hours, double tokens, double step_tokens, int world) {
@@ -538,8 +539,13 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
           if (!sh.held() || !zb1p_weight_op(c, L, p)) continue;
           const double rows = p.linear == LinearClass::experts ? double(L.tokens()) * g.moe.top_k * L.expert / g.moe.n_experts
                                                                : double(L.tokens());
-          const double per = !fp8_on(c, p.linear) ? kF32 : c.fp8.recipe == Fp8Recipe::blockwise ? 1 + kF32 / c.fp8.tile : 1;
-          r.weight_op_bytes += rows * double(sh.rows + sh.cols) * per;
+          const bool hp = p.linear == LinearClass::none;  // the head, eh_proj: BF16 or FP32 copies
+          const double per = hp ? (c.train.hp_gemm == GemmDtype::bf16 ? 2 : kF32)
+                             : !fp8_on(c, p.linear)                    ? kF32
+                             : c.fp8.recipe == Fp8Recipe::blockwise    ? 1 + kF32 / c.fp8.tile
+                                                                       : 1;
+          const double uses = p.name == "head.weight" ? 1 + g.mtp_depth : 1;  // the modules' heads too
+          r.weight_op_bytes += uses * rows * double(sh.rows + sh.cols) * per;
         }
         r.weight_ops_waiting = std::min(s + 1, L.micro_batches);
         r.activations += r.weight_op_bytes * r.weight_ops_waiting;
@@ -580,7 +586,7 @@ std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L) {
       const bool bf16 = c.train.hp_gemm == GemmDtype::bf16 && (head || eh || router);
       (fp8_on(c, p.linear) ? f.fp8_gemm : bf16 ? f.bf16_gemm : f.hp_gemm) += flops;
       if (recomputed) f.recompute += fwd;
-      if (zb1p_weight_op(c, L, p)) (fp8_on(c, p.linear) ? f.wgrad_fp8 : f.wgrad_hp) += fwd;
+      if (zb1p_weight_op(c, L, p)) (fp8_on(c, p.linear) ? f.wgrad_fp8 : bf16 ? f.wgrad_bf16 : f.wgrad_hp) += fwd;
     }
     // The attention core, causal (T / 2 keys per query on average): QK^T and PV, 3x for training.
     const double per_block = N * m.n_heads * double(m.qk_head_dim() + m.v_dim()) * double(L.seq_len);

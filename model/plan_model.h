@@ -163,9 +163,9 @@ int stage_moe_blocks(const ModelConfig& m, const StageMemory& s);
 // split by the unit that runs them.
 struct StageFlops {
   double fp8_gemm = 0;    // linear layers fp8.recipe and fp8.layers run in FP8
-  // Of fp8_gemm and hp_gemm, the blocks' linear layers' weight-gradient GEMMs (what ZB1P's weight
-  // ops run; the modules' blocks' stay in their backward).
-  double wgrad_fp8 = 0, wgrad_hp = 0;
+  // Of fp8_gemm, hp_gemm and bf16_gemm, the weight-gradient GEMMs ZB1P's weight ops run
+  // (zb1p_weight_op).
+  double wgrad_fp8 = 0, wgrad_hp = 0, wgrad_bf16 = 0;
   double hp_gemm = 0;     // the other GEMMs (FP32 in fp8moe): linear layers FP8 is off for,
                           // router, eh_proj, head (under train.hp_gemm fp32)
   double attention = 0;   // QK^T and PV, causal, forward and backward
@@ -174,9 +174,10 @@ struct StageFlops {
   double total() const { return fp8_gemm + hp_gemm + bf16_gemm + attention; }
 };
 std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L);
-// Whether ZB1P's weight op runs parameter p's weight-gradient GEMM: the blocks' linear layers, but
-// the shared and routed experts' where their exchange is posted (expert parallelism with
-// runtime.overlap_expert_comm: model/moe.cpp keeps their weight gradients behind it).
+// Whether ZB1P's weight op runs parameter p's weight-gradient GEMM: the blocks' (and the modules'
+// blocks') linear layers, the head and eh_proj, but not the shared and routed experts where their
+// exchange is posted (expert parallelism with runtime.overlap_expert_comm: model/moe.cpp keeps
+// their weight gradients behind it), nor the router.
 struct ParamSpec;
 bool zb1p_weight_op(const Config& c, const PlanLayout& L, const ParamSpec& p);
 

@@ -275,7 +275,7 @@ void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int6
 void StageWeights::run(const std::function<void(int)>& after_block) {
   for (auto& [layer, work] : blocks_) {
     work.run();
-    if (after_block) after_block(layer);
+    if (after_block && layer >= 0) after_block(layer);
   }
   blocks_.clear();
 }
@@ -290,14 +290,22 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
   const int L0 = placement_.layer_begin(st.chunk), L1 = placement_.layer_end(st.chunk), b0 = chunk_block0_[size_t(st.chunk)];
   Tensor dx(be_, DType::f32, {N, D});  // each block's output gradient, then (in place) its input's
   if (st.last) {
+    // The head's and the modules' weight GEMMs, in the order the backward meets them (the head's
+    // gradient is the main head's and every module's): one LaterWork, not a block's (no layer).
+    LaterWork* later = nullptr;
+    if (weights) {
+      weights->blocks_.emplace_back(-1, LaterWork{});
+      later = &weights->blocks_.back().second;
+      later->detached = true;
+    }
     // The modules read the normed output too: their gradient of it joins the head's.
     head_backward(*ctx_, head_, st.xs.back().f32(), N, &st.head, dx.f32(), [&](float* dhf) {
       if (st.mtp_n == 0) return;
       st.mtp_demb = Tensor(be_, DType::f32, {st.mtp_n});
-      mtp_->backward(&st.mtp, st.mtp_emb.f32(), st.head.hf.f32(), N, st.aux_grad_scale, st.mtp_demb.f32(), dhf);
+      mtp_->backward(&st.mtp, st.mtp_emb.f32(), st.head.hf.f32(), N, st.aux_grad_scale, st.mtp_demb.f32(), dhf, later);
       ctx_->round_activation(st.mtp_demb.f32(), st.mtp_n);  // a pipeline message on several stages
       if (!st.first) st.mtp_emb.reset();
-    });
+    }, later);
   } else {
     be_.copy(dx.f32(), dy, size_t(N * D) * sizeof(float));
   }

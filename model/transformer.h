@@ -105,16 +105,19 @@ class StageRun {
 
 // A backward's weight part, left for a later pipeline op (the zero-bubble split of a backward
 // into its input part B and its weight part W; parallel.pipeline_schedule zb1p): each block's
-// linear layers' weight-gradient GEMMs, with copies of the FP8 (or FP32) inputs and gradients they
-// read, in the order the backward left them. The micro-batch's StageRun may be gone when they run.
-// The norms', the router's, the head's, the embedding's and the multi-token prediction modules'
-// weight gradients are not among them: B makes them. Running each step once, in the order of the
+// linear layers' weight-gradient GEMMs, and on the last stage the head's and the multi-token
+// prediction modules' (their blocks' linear layers, eh_proj, their heads), with copies of the FP8,
+// BF16 or FP32 inputs and gradients they read, in the order the backward left them. The
+// micro-batch's StageRun may be gone when they run. The norms', the router's and the embedding's
+// weight gradients are not among them, nor the experts' where their exchange is posted: B makes
+// them. Running each step once, in the order of the
 // micro-batches, gives the same bits as a whole backward (the same GEMMs on the same bytes, each
 // gradient accumulated in the same order).
 class StageWeights {
  public:
   // after_block (optional): called with each block's index once its weight gradients are final
-  // here (the data-parallel reduction posts that layer's buckets after the step's last W).
+  // here (the data-parallel reduction posts that layer's buckets after the step's last W; the
+  // head's and the modules' go with the rest, after run()).
   void run(const std::function<void(int)>& after_block = {});
   bool empty() const { return blocks_.empty(); }
 

@@ -279,7 +279,8 @@ TEST(Model, WeightSplitGivesTheSameGradientsBitwise) {
   // order, against each backward whole. The weight part of micro-batch 0 runs after micro-batch 1's
   // forward and backward have come and gone (its copies of what it reads, not the freed state):
   // every gradient the same bits, with each recipe, GQA and MLA with a multi-token prediction
-  // module, FP32 and BF16 activations, recomputation, and the gates at either site.
+  // module (the head's and the module's weight GEMMs left too), FP32 and BF16 activations,
+  // recomputation, the gates at either site, the head in FP32 and in BF16.
   struct Variant {
     Fp8Recipe recipe;
     bool cache = false;
@@ -293,6 +294,8 @@ TEST(Model, WeightSplitGivesTheSameGradientsBitwise) {
     if (rc == Recompute::selective && var.cache) continue;
     Config c = model_config(var.recipe);
     c.train.activations = act, c.train.moe_gates = site, c.train.recompute = rc;
+    // (the head, the router and eh_proj in BF16 with the gates in the experts, else FP32)
+    c.train.hp_gemm = site == GateSite::expert ? GemmDtype::bf16 : GemmDtype::fp32;
     c.fp8.cache_activations = var.cache;
     c.fp8.power_of_two_scales = false;
     if (v3) {
