@@ -84,6 +84,8 @@ struct Roofline {
   double optimizer = 0;    // the step's AdamW and FP8 weight quantization, s
   double bubble = 0;       // s
   double weight_op_mb = 0; // ZB1P: a weight op's seconds per micro-batch on the slowest stage
+  double pair_hidden = 0;  // parallel.pair_micro_batches: ep seconds each pair hides behind its other pass
+  int pairs = 0;           // the pace stage's pairs (DualPipeV: its F&B ops)
   double step = 0;         // s
   std::array<double, 5> comm_s{};  // per group, per step, s (the slowest stage)
   bool measured = false;   // the CPU's probes (compute_mb: a micro-batch; quantize, optimizer: per step)

@@ -103,8 +103,11 @@ double solve_efficiency(const std::function<double(double)>& step_at, double bud
 }
 
 // The pipeline schedule as the roofline models it.
-const char* schedule_text(const PlanLayout& L) {
-  return L.v_shape ? "DualPipeV (its F&B not overlapped, W = 0)" : "1F1B";
+const char* schedule_text(const Config& c, const PlanLayout& L) {
+  const bool pairs = c.parallel.pair_micro_batches;
+  if (L.v_shape) return pairs ? "DualPipeV (its F&B ops as pairs, W = 0)" : "DualPipeV (its F&B not overlapped, W = 0)";
+  if (c.parallel.pipeline_schedule == PipelineSchedule::zb1p) return pairs ? "ZB1P in pairs" : "ZB1P";
+  return pairs ? "1F1B in pairs" : "1F1B";
 }
 
 const char* verdict(double e) {
@@ -144,7 +147,7 @@ void print_target_communication(const PlanReport& rep, double budget) {
     std::printf("  %s: cannot be reached at any efficiency: at 1.0 the step takes %s; with the compute taking no time "
                 "at all %s (communication %s per micro-batch over %d micro-batches and the bubble of %s, dp/edp %s) %s %s%s\n",
                 what, seconds_text(top.step).c_str(), seconds_text(floor.step).c_str(), seconds_text(floor.comm_mb).c_str(),
-                L.micro_batches, schedule_text(L),
+                L.micro_batches, schedule_text(p.cfg, L),
                 mode == CommMode::overlapped ? "hidden" : seconds_text(floor.dp).c_str(), comm_bound ? ">" : "<=",
                 seconds_text(budget).c_str(),
                 comm_bound ? "" : rep.p.cfg.train.hp_gemm == GemmDtype::bf16
@@ -197,8 +200,9 @@ void print_target_compute(const PlanReport& rep, double budget) {
                   "(%s, as configured) + optimizer %s\n",
                   e, verdict(e), L.micro_batches, seconds_text(at.compute_mb + at.memory_mb).c_str(),
                   seconds_text(at.compute_mb).c_str(), seconds_text(at.memory_mb).c_str(), seconds_text(at.bubble).c_str(),
-                  L.v_shape ? schedule_text(L)
-                            : (std::to_string(L.pipeline - 1) + " / " + std::to_string(L.micro_batches + L.pipeline - 1)).c_str(),
+                  L.v_shape || q.cfg.parallel.pipeline_schedule == PipelineSchedule::zb1p
+                      ? schedule_text(q.cfg, L)
+                      : (std::to_string(L.pipeline - 1) + " / " + std::to_string(L.micro_batches + L.pipeline - 1)).c_str(),
                   seconds_text(at.optimizer).c_str());
     }
   }
@@ -277,8 +281,11 @@ void print_roofline_step(const PlanReport& rep) {
               : r.ep_hidden_mb > 0 ? (" (exposed; ep's " + seconds_text(r.ep_hidden_mb) +
                                       " more behind the MoE layers' shared experts and the experts' weight gradients)").c_str()
                                    : " (exposed)");
-  std::printf("  x %d micro-batches + bubble %s + dp/edp %s%s + optimizer %s = %s per step\n", L.micro_batches,
-              seconds_text(r.bubble).c_str(), seconds_text(r.dp_exposed).c_str(),
+  if (r.pair_hidden > 0)
+    std::printf("  parallel.pair_micro_batches: each of the %d pairs hides %s of ep behind its other pass\n",
+                r.pairs, seconds_text(r.pair_hidden).c_str());
+  std::printf("  x %d micro-batches%s + bubble %s + dp/edp %s%s + optimizer %s = %s per step\n", L.micro_batches,
+              r.pair_hidden > 0 ? " (less the pairs')" : "", seconds_text(r.bubble).c_str(), seconds_text(r.dp_exposed).c_str(),
               o.overlap ? " (the rest overlapped: --overlap)"
               : r.dp_exposed < r.dp ? (" exposed of " + seconds_text(r.dp) + " (optim.overlap_grad_reduce: the reduce-scatter behind the last backward)").c_str()
                                     : "",
@@ -303,7 +310,7 @@ void print_roofline_step(const PlanReport& rep) {
                     : ("NVLink " + bytes_text(d.nvlink) + "/s inside a node of " + std::to_string(o.node_size) +
                        ", InfiniBand " + bytes_text(d.ib) + "/s per GPU across nodes")
                           .c_str(),
-              schedule_text(L), hp16 ? "; the router, eh_proj and head at the BF16 peak (train.hp_gemm bf16)" : "");
+              schedule_text(c, L), hp16 ? "; the router, eh_proj and head at the BF16 peak (train.hp_gemm bf16)" : "");
 }
 
 }  // namespace

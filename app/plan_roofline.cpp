@@ -99,12 +99,16 @@ double ep_hidden_seconds(const Plan& p, size_t s, const Device& d, double eff, d
 }
 
 // DualPipeV's idle time as fp8moe runs it, over a rank's time per micro-batch (its two chunks'
-// forward and backward), the backward taking `backward` of it: simulated once per shape.
-double dualpipev_idle_share(int P, int M, double backward) {
-  static std::map<std::tuple<int, int, double>, double> known;
-  const auto key = std::make_tuple(P, M, backward);
+// forward and backward), the backward taking `backward` of it: simulated once per shape. hidden
+// (parallel.pair_micro_batches): the share of it each F&B op hides, run as a pair (dualpipev()'s
+// ops with W = 0: a deferred backward whole, a weight op empty, as dualpipev_as_run's paired ops).
+double dualpipev_idle_share(int P, int M, double backward, double hidden = -1) {
+  static std::map<std::tuple<int, int, double, double>, double> known;
+  const auto key = std::make_tuple(P, M, backward, hidden);
   if (auto it = known.find(key); it != known.end()) return it->second;
-  const DualPipeVSim s = simulate_dualpipev(P, M, (1 - backward) / 2, backward / 2, 0, 0, true);
+  const double f = (1 - backward) / 2, b = backward / 2;
+  const DualPipeVSim s = hidden < 0 ? simulate_dualpipev(P, M, f, b, 0, 0, true)
+                                    : simulate_dualpipev(P, M, f, b, 0, f + b - hidden, false);
   return known[key] = *std::max_element(s.idle.begin(), s.idle.end());
 }
 
@@ -191,7 +195,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     return r;
   }
   double slowest = -1, sum_compute = 0, sum_memory = 0, sum_t = 0, backward_share = 0, weight_s = 0;
-  std::vector<double> zf, zb_in, zw;  // ZB1P: each stage's forward, backward input part, weight op
+  std::vector<OpTimes> stage_times;  // each stage's ops' times (ZB1P, pairs)
   for (size_t s = 0; s < p.mem.size(); ++s) {
     const StageFlops& f = p.flops[s];
     const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.bf16_gemm / (eff * d.bf16) +
@@ -218,7 +222,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     {
       const double bs = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
       const double w = std::min(f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp) + f.wgrad_bf16 / (eff * d.bf16), bs * t);
-      zf.push_back((1 - bs) * t), zb_in.push_back(bs * t - w), zw.push_back(w);
+      stage_times.push_back({(1 - bs) * t, bs * t - w, w, t - w});
     }
     if (t > slowest) {
       slowest = t, r.pace_stage = int(s);
@@ -248,16 +252,34 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   const bool zb = c.parallel.pipeline_schedule == PipelineSchedule::zb1p;
   const double wop = zb ? std::min(weight_s, backward_share * per_mb) : 0;
   r.weight_op_mb = wop;
-  if (L.v_shape) {
+  // parallel.pair_micro_batches: the exchanges a micro-batch leaves exposed hidden behind the other
+  // pass of a pair, up to its compute (a quarter of them per chunk pass under DualPipeV, half of
+  // a micro-batch's in each F&B). Not on the CPU (MPI progresses a posted exchange only inside
+  // its calls).
+  const bool pairs = c.parallel.pair_micro_batches && !d.cpu && !hidden && !o.overlap;
+  const double ep_exposed = std::max(0.0, r.comm_s[1] / L.micro_batches - r.ep_hidden_mb);
+  if (pairs && L.v_shape) {
+    r.pair_hidden = std::min(ep_exposed / 2, r.compute_mb / 2);
+    r.bubble = dualpipev_idle_share(L.pipeline, L.micro_batches, backward_share, r.pair_hidden / per_mb) * per_mb;
+  } else if (L.v_shape) {
     r.bubble = dualpipev_idle_share(L.pipeline, L.micro_batches, backward_share) * per_mb;
   } else if (zb && L.pipeline > 1 && (balanced || o.overlap)) {
     r.bubble = zb1p_idle(L.pipeline, L.micro_batches, (1 - backward_share) * per_mb, backward_share * per_mb - wop, wop);
   } else if (zb && L.pipeline > 1) {
-    r.bubble = zb1p_idle(L.micro_batches, zf, zb_in, zw)[size_t(r.pace_stage)];
+    r.bubble = pipeline_idle(L.micro_batches, true, false, stage_times)[size_t(r.pace_stage)];
   } else {
     r.bubble = (L.pipeline - 1) * per_mb;
   }
-  const double busy = L.micro_batches * per_mb;
+  // (One stage, 1F1B or ZB1P: each of the M - 1 pairs hides a micro-batch's.)
+  double busy = L.micro_batches * per_mb;
+  if (pairs && !L.v_shape) {
+    r.pair_hidden = std::min(ep_exposed, r.compute_mb);
+    r.pairs = L.micro_batches - 1;
+  } else if (pairs) {
+    for (const DualOp& op : dualpipev(L.pipeline, r.pace_stage, L.micro_batches))
+      r.pairs += op.kind == DualOpKind::forward_backward ? 1 : 0;
+  }
+  busy -= r.pairs * r.pair_hidden;
   if (o.overlap) {
     r.dp_exposed = std::max(0.0, r.dp - busy);
   } else if (c.optim.overlap_grad_reduce && c.optim.grad_reduce == ReduceDtype::fp32) {

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 
+#include "parallel/mpi_session.h"
+#include "parallel/pass_pair.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/trace.h"
 
@@ -71,6 +73,9 @@ class Releaser {
 
 StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGroups& groups)
     : cfg_(cfg), model_(model), be_(model.backend()), g_(groups) {
+  FP8MOE_ASSERT(!cfg.parallel.pair_micro_batches || threads_serialized(),
+                "parallel.pair_micro_batches runs a pair's second pass on another thread: MPI must provide "
+                "MPI_THREAD_SERIALIZED at least");
   T_ = cfg.train.seq_len;
   mbs_ = cfg.train.global_batch / (cfg.parallel.micro_batches * g_.data_host->size());
   act_ = mbs_ * T_ * cfg.model.d_model;
@@ -245,9 +250,10 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   const int64_t msg = (1 + depth_) * act_;
   std::vector<Tensor> sent(2 * size_t(M));  // the messages built here (send()), alive until sent
   Releaser releaser(*g_.pipe, runs, sent);
-  auto forward = [&](int mb) {
+  // received: the op's input is in already (a pair receives both of its inputs first).
+  auto forward = [&](int mb, bool received) {
     releaser.poll();
-    if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * mb, local);
+    if (!first_ && !received) recv(x_in_.f32(), msg, stage - 1, 2 * mb, local);
     const trace::Span span("forward", "compute", mb);
     runs[size_t(mb)] = forward_micro_batch(mb, first_ ? nullptr : x_in_.f32(),
                                            last_ && !first_ && depth_ > 0 ? x_in_.f32() + act_ : nullptr, loss_scale, 0);
@@ -262,15 +268,19 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   // ZB1P the last weight op (micro-batch M - 1's: they run in order), the backwards leaving their
   // weight gradients to them (Transformer::StageWeights, holding copies of what they read: the
   // micro-batch's state goes at its backward, as in 1F1B).
-  const bool zb = cfg_.parallel.pipeline_schedule == PipelineSchedule::zb1p;
-  const std::vector<PipelineOp> ops = zb ? zb1p(g_.pipe->size(), stage, M) : one_f_one_b(g_.pipe->size(), stage, M);
+  const bool zb = cfg_.parallel.pipeline_schedule == PipelineSchedule::zb1p, paired = cfg_.parallel.pair_micro_batches;
+  const int P = g_.pipe->size();
+  const std::vector<PipelineOp> ops = zb       ? zb1p(P, stage, M, paired)
+                                      : paired ? one_f_one_b_paired(P, stage, M)
+                                               : one_f_one_b(P, stage, M);
   std::vector<StageWeights> weights(zb ? size_t(M) : 0);
   int last_backward = -1;
   for (const PipelineOp& op : ops)
-    if (op.kind == PipeOpKind::backward) last_backward = op.micro_batch;
-  auto backward = [&](int mb) {
+    if (op.kind == PipeOpKind::backward || op.kind == PipeOpKind::forward_backward)
+      last_backward = op.kind == PipeOpKind::backward ? op.micro_batch : op.backward_micro_batch;
+  auto backward = [&](int mb, bool received) {
     releaser.poll();
-    if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
+    if (!last_ && !received) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
     const bool mtp_in = depth_ > 0 && first_ && !last_;
     const bool final = sync_ && mb == last_backward && !zb;
     {
@@ -296,10 +306,21 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     }
     if (last_weight) sync_->post_rest(model_.store());
   };
+  // A pair (parallel.pair_micro_batches): both inputs received, then the forward on this thread and
+  // the backward on a second one, switching at the expert exchanges (parallel/pass_pair.h).
+  auto pair = [&](int fmb, int bmb) {
+    releaser.poll();
+    if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * fmb, local);
+    if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * bmb + 1, local);
+    PassPair::run([&] { forward(fmb, true); }, [&] { backward(bmb, true); }, [this] { be_.enter_thread(); });
+  };
   for (const PipelineOp& op : ops) {
-    if (op.kind == PipeOpKind::forward) forward(op.micro_batch);
-    else if (op.kind == PipeOpKind::backward) backward(op.micro_batch);
-    else weight(op.micro_batch);
+    switch (op.kind) {
+      case PipeOpKind::forward: forward(op.micro_batch, false); break;
+      case PipeOpKind::backward: backward(op.micro_batch, false); break;
+      case PipeOpKind::weight: weight(op.micro_batch); break;
+      case PipeOpKind::forward_backward: pair(op.micro_batch, op.backward_micro_batch); break;
+    }
   }
   wait_sends();
 }
@@ -339,9 +360,15 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     const size_t slot = size_t(tag(mb, phase, back));
     releaser.sending(send(sent[slot], a, nullptr, 0, to, tag(mb, phase, back)), size_t(phase * M + mb), slot);
   };
-  auto forward = [&](int phase, int mb) {
+  // An op's input: received from its peer, or this rank's own at the V's ends.
+  auto forward_input = [&](int phase, int mb) {
+    return take(x_in_, phase, mb, false, phase == 1 && r == P - 1 ? run_of(0, mb).output() : nullptr);
+  };
+  auto backward_input = [&](int phase, int mb) {
+    return take(dy_in_, phase, mb, true, phase == 0 && r == P - 1 ? run_of(1, mb).input_grad() : nullptr);
+  };
+  auto forward = [&](int phase, int mb, const float* x) {
     releaser.poll();
-    const float* x = take(x_in_, phase, mb, false, phase == 1 && r == P - 1 ? run_of(0, mb).output() : nullptr);
     const trace::Span span("forward", "compute", mb);  // (either phase: scripts/trace.py reads the names)
     StageRun& run = run_of(phase, mb);
     if (phase == 1) releaser.pin(size_t(M + mb));
@@ -353,9 +380,8 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   // The data-parallel reduction: each chunk's layers are final after its phase's last backward
   // (micro-batch M - 1), the rest after the step's last backward.
   int backwards_left = 2 * M;
-  auto backward = [&](int phase, int mb) {
+  auto backward = [&](int phase, int mb, const float* dy) {
     releaser.poll();
-    const float* dy = take(dy_in_, phase, mb, true, phase == 0 && r == P - 1 ? run_of(1, mb).input_grad() : nullptr);
     const float* d_mtp = phase == 0 && r == 0 && depth_ > 0 ? run_of(1, mb).mtp_input_grad() : nullptr;
     const bool final = sync_ && mb == M - 1;
     StageRun& run = run_of(phase, mb);
@@ -368,8 +394,18 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     releaser.backward_done(size_t(phase * M + mb));
     if (phase == 0) releaser.unpin(size_t(M + mb));
   };
-  for (const DualOp& op : dualpipev_as_run(P, r, M))
-    op.kind == DualOpKind::forward ? forward(op.phase, op.micro_batch) : backward(op.phase, op.micro_batch);
+  for (const DualOp& op : dualpipev_as_run(P, r, M, cfg_.parallel.pair_micro_batches)) {
+    if (op.kind == DualOpKind::forward) {
+      forward(op.phase, op.micro_batch, forward_input(op.phase, op.micro_batch));
+    } else if (op.kind == DualOpKind::backward) {
+      backward(op.phase, op.micro_batch, backward_input(op.phase, op.micro_batch));
+    } else {  // an F&B as a pair (parallel.pair_micro_batches): both inputs first, then the two passes
+      const int fph = op.phase, bph = 1 - op.phase, fmb = op.micro_batch, bmb = op.backward_micro_batch;
+      const float* dy = backward_input(bph, bmb);
+      const float* x = forward_input(fph, fmb);
+      PassPair::run([&] { forward(fph, fmb, x); }, [&] { backward(bph, bmb, dy); }, [this] { be_.enter_thread(); });
+    }
+  }
   wait_sends();
 }
 

@@ -127,6 +127,16 @@ void split_rules(const Rule& rule, const Config& c) {
   rule(m.moe.n_experts % p.expert == 0, "parallel.expert",
        "a divisor of model.moe.n_experts = " + num(m.moe.n_experts) + " (each expert rank owns whole experts)");
   const bool v_shape = p.pipeline_schedule == PipelineSchedule::dualpipev;
+  if (p.pair_micro_batches) {
+    // Across stages a pair waits for the next stage's pair, which waits for this stage's previous
+    // one: neighbouring stages would take turns (test_pipeline_schedule's PairsAcrossStagesTakeTurns)
+    // unless each held twice the micro-batches in flight.
+    rule(v_shape || p.pipeline == 1, "parallel.pipeline",
+         "1 with parallel.pair_micro_batches under 1f1b or zb1p (across 1F1B's stages the pairs of neighbouring "
+         "stages would wait for each other in turn; dualpipev pairs its F&B ops)");
+    rule(c.runtime.overlap_expert_comm, "parallel.pair_micro_batches",
+         "false unless runtime.overlap_expert_comm is true (a pair switches passes at the posted exchanges)");
+  }
   if (v_shape) {
     rule(p.pipeline >= 2, "parallel.pipeline", "at least 2 with parallel.pipeline_schedule dualpipev (a V needs two ranks)");
     rule(p.micro_batches >= 2 * p.pipeline, "parallel.micro_batches",

@@ -152,9 +152,17 @@ const std::vector<Field>& schema() {
                        "exchange is posted; the same gradients, bit for bit), or dualpipev (DeepSeek's V-shaped DualPipe: the blocks in 2 x pipeline "
                        "chunks, rank s holding chunk s and chunk 2 x pipeline - 1 - s, so that rank 0 holds "
                        "the embedding and the head; needs parallel.pipeline >= 2 and parallel.micro_batches "
-                       ">= 2 x pipeline; parallel.stage_layers then counts chunks). Not yet DualPipe's "
-                       "overlap: an F&B runs its backward, then its forward, and no backward leaves its "
-                       "weight gradient for the weight ops."));
+                       ">= 2 x pipeline; parallel.stage_layers then counts chunks). An F&B runs its backward, "
+                       "then its forward (overlapped with parallel.pair_micro_batches), and no backward leaves "
+                       "its weight gradient for the weight ops yet."));
+    v.push_back(boolean("parallel.pair_micro_batches", REF(parallel.pair_micro_batches),
+                        "The forward of one micro-batch and the backward of another as one op, the two passes "
+                        "interleaved at the MoE layers' expert exchanges so that each exchange travels while the "
+                        "other pass computes (DualPipe's F&B; Megatron's --overlap-moe-expert-parallel-comm "
+                        "across micro-batches): under dualpipev its F&B ops; under 1f1b or zb1p on one stage "
+                        "(parallel.pipeline 1: across 1F1B's stages neighbouring pairs would wait for each other "
+                        "in turn) one forward first, then pairs. One more micro-batch (chunk) in flight; the same "
+                        "results. Needs runtime.overlap_expert_comm."));
     v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,
                         "Expert-parallel size; divides the data-parallel size (world / (tensor x pipeline))."));
     v.push_back(integer("parallel.micro_batches", REF(parallel.micro_batches), 1, 1 << 16,

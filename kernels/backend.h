@@ -70,6 +70,9 @@ class Backend {
   // "... head_dim 192 value_head_dim 128: ..." where the value head size differs), or "reference"
   // where that is the only one (the host backends).
   virtual std::string attention_kernels() const { return "reference"; }
+  // A host thread other than the one that made the backend is about to call it (parallel/pass_pair.h's
+  // second pass): CUDA makes the backend's device current there; the host backends need nothing.
+  virtual void enter_thread() {}
 
   // ---- memory -----------------------------------------------------------------------------------
   // Device memory, uninitialised, 256-byte aligned; nullptr for 0 bytes. release() may be called

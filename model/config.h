@@ -127,6 +127,9 @@ struct ParallelConfig {
   PipelineSchedule pipeline_schedule = PipelineSchedule::one_f_one_b;
   // The pipeline's parts of the blocks: one per stage, or two per rank under DualPipeV.
   int pipeline_chunks() const { return pipeline_schedule == PipelineSchedule::dualpipev ? 2 * pipeline : pipeline; }
+  // 1f1b, zb1p: the steady state's forward and backward of two micro-batches as one op,
+  // interleaved at the expert exchanges (parallel/pipeline_schedule.h one_f_one_b_paired).
+  bool pair_micro_batches = false;
   bool operator==(const ParallelConfig&) const = default;
 };
 

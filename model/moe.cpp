@@ -6,6 +6,7 @@
 
 #include "kernels/check.h"
 #include "kernels/moe_ops.h"
+#include "parallel/pass_pair.h"
 
 namespace fp8moe {
 
@@ -291,6 +292,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   }
   if (later) {
     shared_forward();
+    PassPair::yield_point();  // a pair's other pass computes while the rows travel (parallel/pass_pair.h)
     later->finish();
   }
   if (xr_sent) s.xr.reset();  // the experts read xl
@@ -307,9 +309,19 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   }
   ffn_forward_grouped(be, D, F, groups, activations, rebuild_a);
   // Combine; the experts' outputs kept for the gates' gradient where combine applies the gates.
+  // Inside a pair of passes it is posted too, the other pass computing while it travels; else in
+  // line (nothing of this pass is left to compute behind it).
   s.expert_out.reset(), s.expert_out16.reset();
+  ExchangeLater combined;
+  ExchangeLater* back = later && PassPair::active() ? &combined : nullptr;
+  auto arrived = [&] {
+    if (!back) return;
+    PassPair::yield_point();
+    back->finish();
+  };
   if (wire.bf16) {  // combine in BF16
-    Tensor e16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D, gated);
+    Tensor e16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D, gated, back);
+    arrived();
     y.reset();
     const Tensor e32 = widen(be, e16);
     be.unpermute_add(rb, R, e32.f32(), D, !gated, out);
@@ -318,7 +330,8 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
     Tensor e32;
     if (ep) {
       e32 = Tensor(be, DType::f32, {R, D});
-      ep->combine(r.plan, y.f32(), D, e32.f32(), gated);
+      ep->combine(r.plan, y.f32(), D, e32.f32(), gated, back);
+      arrived();
     } else {
       e32 = std::move(y);
     }
@@ -396,6 +409,7 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   }
   if (later) {
     shared_backward();
+    PassPair::yield_point();  // (as in the forward)
     later->finish();
   }
   const int64_t L = int64_t(r.local_rows.size());
@@ -432,7 +446,10 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     dxe = std::move(dxl);
   }
   wgrad.run();
-  if (later) later->finish();
+  if (later) {
+    PassPair::yield_point();
+    later->finish();
+  }
   dyq = QTensor{}, dyl.reset(), dxl.reset();
   if (gated) be.slot_grads(rb, R, back.data<double>(), dgate.data<double>());
   if (wire.bf16) dxe = widen(be, dx16), dx16.reset();

@@ -403,16 +403,20 @@ double step_budget_seconds(double hours, double tokens, double step_tokens, int 
   return hours * 3600.0 / (tokens / step_tokens) / double(world);
 }
 
-int in_flight_micro_batches(int stages, int stage, int micro_batches) {
+int in_flight_micro_batches(int stages, int stage, int micro_batches, bool paired) {
   int open = 0, most = 0;
-  for (const PipelineOp& op : one_f_one_b(stages, stage, micro_batches)) {
-    open += op.forward() ? 1 : -1;
+  for (const PipelineOp& op : paired ? one_f_one_b_paired(stages, stage, micro_batches)
+                                     : one_f_one_b(stages, stage, micro_batches)) {
+    if (op.kind == PipeOpKind::weight) continue;
+    open += op.kind == PipeOpKind::backward ? -1 : 1;  // (a pair: its forward's before its backward frees)
     most = std::max(most, open);
+    if (op.kind == PipeOpKind::forward_backward) --open;
   }
   return most;
 }
 
-double dualpipev_activations(int ranks, int rank, int micro_batches, const double saved[2], int* most_chunks) {
+double dualpipev_activations(int ranks, int rank, int micro_batches, const double saved[2], int* most_chunks,
+                             bool paired) {
   int open[2] = {0, 0};
   double most = 0;
   *most_chunks = 0;
@@ -421,8 +425,13 @@ double dualpipev_activations(int ranks, int rank, int micro_batches, const doubl
     most = std::max(most, open[0] * saved[0] + open[1] * saved[1]);
     *most_chunks = std::max(*most_chunks, open[0] + open[1]);
   };
-  for (const DualOp& op : dualpipev_as_run(ranks, rank, micro_batches))
+  for (const DualOp& op : dualpipev_as_run(ranks, rank, micro_batches, paired)) {
+    if (op.kind == DualOpKind::forward_backward) {  // (its forward's state made before its backward frees)
+      track(op.phase, 1), track(1 - op.phase, -1);
+      continue;
+    }
     track(op.phase, op.kind == DualOpKind::forward ? 1 : -1);
+  }
   return most;
 }
 
@@ -526,10 +535,11 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
       const double saved[2] = {chunk_saved(r.layer_begin, r.layer_end, place.chunk_first(0), false),
                                chunk_saved(r.layer_begin2, r.layer_end2, false, place.chunk_last(1))};
       r.saved_per_micro_batch = saved[0] + saved[1];
-      r.activations = dualpipev_activations(L.pipeline, s, L.micro_batches, saved, &r.in_flight);
+      r.activations = dualpipev_activations(L.pipeline, s, L.micro_batches, saved, &r.in_flight,
+                                            c.parallel.pair_micro_batches);
     } else {
       r.saved_per_micro_batch = chunk_saved(r.layer_begin, r.layer_end, r.first, r.last);
-      r.in_flight = in_flight_micro_batches(L.pipeline, s, L.micro_batches);
+      r.in_flight = in_flight_micro_batches(L.pipeline, s, L.micro_batches, c.parallel.pair_micro_batches);
       r.activations = r.saved_per_micro_batch * r.in_flight;
       if (c.parallel.pipeline_schedule == PipelineSchedule::zb1p) {
         // A weight op's copies: each linear layer's input (K) and output gradient (N) per row.

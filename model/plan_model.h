@@ -184,11 +184,14 @@ bool zb1p_weight_op(const Config& c, const PlanLayout& L, const ParamSpec& p);
 // The seconds one step may take when `world` devices spend `hours` device-hours on `tokens`
 // tokens at `step_tokens` a step: hours x 3600 / (tokens / step_tokens) / world.
 double step_budget_seconds(double hours, double tokens, double step_tokens, int world);
-// Micro-batches between their forward and their backward at once on a stage (parallel/pipeline_schedule.h).
-int in_flight_micro_batches(int stages, int stage, int micro_batches);
+// Micro-batches between their forward and their backward at once on a stage (parallel/pipeline_schedule.h;
+// paired: parallel.pair_micro_batches, a pair's forward made before its backward frees).
+int in_flight_micro_batches(int stages, int stage, int micro_batches, bool paired = false);
 // DualPipeV's rank `rank` of `ranks`: the most bytes its chunks' activations hold at once over its
 // schedule (saved[phase]: one micro-batch's of that phase's chunk), and the most chunk forwards
-// not yet backwarded.
-double dualpipev_activations(int ranks, int rank, int micro_batches, const double saved[2], int* most_chunks);
+// not yet backwarded (paired: parallel.pair_micro_batches, an F&B's forward state made before its
+// backward frees the other's).
+double dualpipev_activations(int ranks, int rank, int micro_batches, const double saved[2], int* most_chunks,
+                             bool paired = false);
 
 }  // namespace fp8moe

@@ -47,6 +47,11 @@ MpiSession::~MpiSession() {
 }
 
 bool threads_multiple() { return thread_level() >= MPI_THREAD_MULTIPLE; }
+bool threads_serialized() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  return !initialized || thread_level() >= MPI_THREAD_SERIALIZED;
+}
 
 void broadcast_string(MPI_Comm comm, std::string& text, int root) {
   const WatchScope watch("broadcast");

@@ -28,6 +28,9 @@ class MpiSession {
 // Whether MPI was started with MPI_THREAD_MULTIPLE (MpiSession asks for it): a second thread may
 // then make MPI calls, on a communicator of its own (the asynchronous checkpoint writer).
 bool threads_multiple();
+// Whether threads may make MPI calls one at a time (MPI_THREAD_SERIALIZED or more: a pair of
+// passes, parallel/pass_pair.h). True without an MPI session (nothing to ask).
+bool threads_serialized();
 
 // Broadcasts `text` from `root` to every rank of `comm` (collective).
 void broadcast_string(MPI_Comm comm, std::string& text, int root);

@@ -17,11 +17,21 @@ std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches) {
   return ops;
 }
 
-std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches) {
+std::vector<PipelineOp> one_f_one_b_paired(int stages, int stage, int micro_batches) {
+  const int M = micro_batches, warmup = std::min(stages - stage, M);
+  std::vector<PipelineOp> ops;
+  for (int i = 0; i < warmup; ++i) ops.push_back({PipeOpKind::forward, i});
+  for (int i = 0; i < M - warmup; ++i) ops.push_back({PipeOpKind::forward_backward, warmup + i, i});
+  for (int i = M - warmup; i < M; ++i) ops.push_back({PipeOpKind::backward, i});
+  return ops;
+}
+
+std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches, bool paired) {
   std::vector<PipelineOp> ops;
   ops.reserve(size_t(3 * micro_batches));
   int waiting = 0, next_w = 0;  // B's whose W has not run; the oldest of them
-  for (const PipelineOp& op : one_f_one_b(stages, stage, micro_batches)) {
+  for (const PipelineOp& op : paired ? one_f_one_b_paired(stages, stage, micro_batches)
+                                     : one_f_one_b(stages, stage, micro_batches)) {
     ops.push_back(op);
     if (op.forward()) continue;
     for (++waiting; waiting > stage; --waiting) ops.push_back({PipeOpKind::weight, next_w++});
@@ -30,17 +40,16 @@ std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches) {
   return ops;
 }
 
-PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w) {
-  const size_t P = orders.size();
-  return simulate_pipeline(orders, std::vector<double>(P, f), std::vector<double>(P, b), std::vector<double>(P, w));
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w,
+                              double fb) {
+  return simulate_pipeline(orders, std::vector<OpTimes>(orders.size(), OpTimes{f, b, w, fb < 0 ? f + b : fb}));
 }
 
-PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, const std::vector<double>& f,
-                              const std::vector<double>& b, const std::vector<double>& w) {
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, const std::vector<OpTimes>& times) {
   const int P = int(orders.size());
   int M = 0;
   for (const auto& o : orders)
-    for (const PipelineOp& op : o) M = std::max(M, op.micro_batch + 1);
+    for (const PipelineOp& op : o) M = std::max({M, op.micro_batch + 1, op.backward_micro_batch + 1});
   // done[kind][s][m]: when that op finished (< 0: not yet)
   std::vector<std::vector<std::vector<double>>> done(3, std::vector<std::vector<double>>(size_t(P), std::vector<double>(size_t(M), -1)));
   std::vector<size_t> next(size_t(P), 0);
@@ -50,18 +59,27 @@ PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders
     for (int s = 0; s < P; ++s)
       while (next[size_t(s)] < orders[size_t(s)].size()) {
         const PipelineOp op = orders[size_t(s)][next[size_t(s)]];
+        auto forward_ready = [&](size_t m) { return s == 0 ? 0.0 : done[0][size_t(s - 1)][m]; };
+        auto backward_ready = [&](size_t m) { return s == P - 1 ? done[0][size_t(s)][m] : done[1][size_t(s + 1)][m]; };
         const size_t m = size_t(op.micro_batch);
-        double ready = 0;
-        if (op.kind == PipeOpKind::forward)
-          ready = s == 0 ? 0 : done[0][size_t(s - 1)][m];
-        else if (op.kind == PipeOpKind::backward)
-          ready = s == P - 1 ? done[0][size_t(s)][m] : done[1][size_t(s + 1)][m];
-        else
-          ready = done[1][size_t(s)][m];
+        const OpTimes& ot = times[size_t(s)];
+        double ready = 0, t = 0;
+        switch (op.kind) {
+          case PipeOpKind::forward: ready = forward_ready(m), t = ot.f; break;
+          case PipeOpKind::backward: ready = backward_ready(m), t = ot.b; break;
+          case PipeOpKind::weight: ready = done[1][size_t(s)][m], t = ot.w; break;
+          case PipeOpKind::forward_backward: {
+            const double a = forward_ready(m), b = backward_ready(size_t(op.backward_micro_batch));
+            ready = a < 0 || b < 0 ? -1 : std::max(a, b), t = ot.fb;
+            break;
+          }
+        }
         if (ready < 0) break;
-        const double t = (op.kind == PipeOpKind::forward ? f : op.kind == PipeOpKind::backward ? b : w)[size_t(s)];
         const double end = std::max(free[size_t(s)], ready) + t;
-        done[size_t(op.kind)][size_t(s)][m] = end;
+        if (op.kind == PipeOpKind::forward_backward)
+          done[0][size_t(s)][m] = end, done[1][size_t(s)][size_t(op.backward_micro_batch)] = end;
+        else
+          done[size_t(op.kind)][size_t(s)][m] = end;
         free[size_t(s)] = end, busy[size_t(s)] += t;
         ++next[size_t(s)], progress = true;
       }
@@ -81,13 +99,14 @@ double zb1p_idle(int stages, int micro_batches, double f, double b, double w) {
   return *std::max_element(sim.idle.begin(), sim.idle.end());
 }
 
-std::vector<double> zb1p_idle(int micro_batches, const std::vector<double>& f, const std::vector<double>& b,
-                              const std::vector<double>& w) {
-  const int P = int(f.size());
+std::vector<double> pipeline_idle(int micro_batches, bool zb, bool paired, const std::vector<OpTimes>& t) {
+  const int P = int(t.size());
   std::vector<std::vector<PipelineOp>> orders;
-  for (int s = 0; s < P; ++s) orders.push_back(zb1p(P, s, micro_batches));
-  const PipelineSim sim = simulate_pipeline(orders, f, b, w);
-  FP8MOE_ASSERT(sim.complete, "ZB1P on ", P, " stages did not complete");
+  for (int s = 0; s < P; ++s)
+    orders.push_back(zb ? zb1p(P, s, micro_batches, paired)
+                        : paired ? one_f_one_b_paired(P, s, micro_batches) : one_f_one_b(P, s, micro_batches));
+  const PipelineSim sim = simulate_pipeline(orders, t);
+  FP8MOE_ASSERT(sim.complete, "the pipeline on ", P, " stages did not complete");
   return sim.idle;
 }
 
@@ -142,10 +161,12 @@ double one_f_one_b_bubble(int stages, int micro_batches) {
   return double(stages - 1) / double(micro_batches + stages - 1);
 }
 
-std::vector<DualOp> dualpipev_as_run(int ranks, int rank, int micro_batches) {
+std::vector<DualOp> dualpipev_as_run(int ranks, int rank, int micro_batches, bool paired) {
   std::vector<DualOp> ops;
   for (const DualOp& op : dualpipev(ranks, rank, micro_batches)) {
-    if (op.kind == DualOpKind::forward_backward) {
+    if (op.kind == DualOpKind::forward_backward && paired) {
+      ops.push_back(op);
+    } else if (op.kind == DualOpKind::forward_backward) {
       ops.push_back({DualOpKind::backward, 1 - op.phase, op.backward_micro_batch});
       ops.push_back({DualOpKind::forward, op.phase, op.micro_batch});
     } else if (op.kind != DualOpKind::weight) {

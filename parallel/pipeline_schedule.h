@@ -6,11 +6,14 @@
 namespace fp8moe {
 
 // backward: a whole backward, or (with weight ops in the order) its input part alone; weight: the
-// weight part of that micro-batch's backward (the zero-bubble split).
-enum class PipeOpKind { forward, backward, weight };
+// weight part of that micro-batch's backward (the zero-bubble split); forward_backward: the
+// forward of micro_batch and the backward of backward_micro_batch as one op, interleaved at their
+// expert exchanges (parallel/pass_pair.h).
+enum class PipeOpKind { forward, backward, weight, forward_backward };
 struct PipelineOp {
   PipeOpKind kind;
   int micro_batch;
+  int backward_micro_batch = -1;  // forward_backward only
   bool forward() const { return kind == PipeOpKind::forward; }
   bool operator==(const PipelineOp&) const = default;
 };
@@ -22,6 +25,13 @@ struct PipelineOp {
 // (stages - 1) / (M + stages - 1) of the step. One stage: F0 B0 F1 B1 ...
 std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches);
 
+// 1F1B with its steady state in pairs (parallel.pair_micro_batches): min(stages - stage, M)
+// forwards first (one more than 1F1B: the last stage's pair cannot be its own forward and
+// backward), then forward_backward ops, the forward of micro-batch warm-up + i with the backward
+// of micro-batch i, then the remaining backwards. At most min(stages - stage + 1, M) micro-batches
+// are in flight on a stage (during a pair).
+std::vector<PipelineOp> one_f_one_b_paired(int stages, int stage, int micro_batches);
+
 // ZB1P (ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", 2023; DualPipe's README's ZB1P):
 // 1F1B's order with every backward split into its input part (B, what the previous stage waits
 // for) and its weight part (W); stage s keeps the W's of up to s micro-batches waiting, runs the
@@ -31,21 +41,27 @@ std::vector<PipelineOp> one_f_one_b(int stages, int stage, int micro_batches);
 // as in 1F1B, and at most min(s, M) wait for their W (holding only what W reads). With F, B (a
 // whole backward) and W the ops' times, the bubble is (P - 1)(F + B - 2W) for M >= P, W <= F and
 // 2W <= B (test_pipeline_schedule simulates it), against 1F1B's (P - 1)(F + B).
-std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches);
+// paired: from one_f_one_b_paired's order (a pair's backward is its B).
+std::vector<PipelineOp> zb1p(int stages, int stage, int micro_batches, bool paired = false);
 
 // Every stage's ops (orders[s]) run on P stages, simulated: a forward needs the previous stage's,
-// a backward the next stage's (the last stage: its own forward), a weight op its own backward;
-// each stage runs its ops in order, each starting when the stage is free and its input is ready.
-// Times: f a forward, b a backward (its input part where the order has weight ops), w a weight op.
+// a backward the next stage's (the last stage: its own forward), a weight op its own backward, a
+// forward_backward both of its parts' inputs; each stage runs its ops in order, each starting when
+// the stage is free and its inputs are ready (a pair's forward and backward both end with it).
+// Times: f a forward, b a backward (its input part where the order has weight ops), w a weight op,
+// fb a pair (default f + b: nothing hidden).
 struct PipelineSim {
   std::vector<double> idle;  // per stage: the makespan less the stage's busy time
   bool complete = true;      // every op ran (no deadlock)
   double makespan = 0;
 };
-PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w);
-// The same with each stage's own times (f[s], b[s], w[s]).
-PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, const std::vector<double>& f,
-                              const std::vector<double>& b, const std::vector<double>& w);
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, double f, double b, double w,
+                              double fb = -1);
+// The same with each stage's own times.
+struct OpTimes {
+  double f = 0, b = 0, w = 0, fb = 0;
+};
+PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders, const std::vector<OpTimes>& t);
 
 // DualPipeV (deepseek-ai/DualPipe's V-shaped form of DualPipe) on P ranks. The model is cut into
 // 2P chunks; rank r holds chunk r, which phase 0 runs from rank 0 to P - 1, and chunk 2P - 1 - r,
@@ -60,8 +76,9 @@ PipelineSim simulate_pipeline(const std::vector<std::vector<PipelineOp>>& orders
 // (F = B - W, W <= F: test_pipeline_schedule simulates it), against 1F1B's (P - 1)(F + B) per
 // stage of two chunks, 2(P - 1)(F + B). A rank holds at most 2P chunk activations (2P + 1 on rank
 // P - 1): P + 1/2 stages' worth. Needs micro_batches >= 2P. `fp8moe train` runs it with
-// parallel.pipeline_schedule dualpipev (app/stage_runner.cpp): an F&B's backward, then its forward,
-// and every backward whole (W = 0: the weight ops have nothing to run).
+// parallel.pipeline_schedule dualpipev (app/stage_runner.cpp): an F&B's backward, then its forward
+// (or with parallel.pair_micro_batches both as a pair of passes, parallel/pass_pair.h), and every
+// backward whole (W = 0: the weight ops have nothing to run).
 enum class DualOpKind { forward, backward, weight, forward_backward };
 struct DualOp {
   DualOpKind kind;
@@ -74,8 +91,10 @@ struct DualOp {
 std::vector<DualOp> dualpipev(int ranks, int rank, int micro_batches);
 // Rank `rank`'s ops as fp8moe runs them (app/stage_runner.cpp), forwards and backwards only: an
 // F&B its backward, then its forward (so that a rank holds at most 2P chunk activations, 2P + 1
-// on the turn), every backward whole, and no weight op (nothing is left to one).
-std::vector<DualOp> dualpipev_as_run(int ranks, int rank, int micro_batches);
+// on the turn), every backward whole, and no weight op (nothing is left to one). paired
+// (parallel.pair_micro_batches): the F&B ops kept, run as a pair of passes (parallel/pass_pair.h),
+// one chunk activation more at their peak.
+std::vector<DualOp> dualpipev_as_run(int ranks, int rank, int micro_batches, bool paired = false);
 
 // DualPipeV on all P ranks, simulated with the schedule's dependencies: a phase-0 forward needs the
 // previous rank's (rank 0: none), a phase-1 forward the next rank's (rank P - 1: its own phase-0
@@ -100,9 +119,8 @@ double one_f_one_b_bubble(int stages, int micro_batches);
 // ZB1P's idle time of the slowest stage, simulated (simulate_pipeline) with a forward f, a
 // backward's input part b and its weight part w.
 double zb1p_idle(int stages, int micro_batches, double f, double b, double w);
-// ZB1P simulated with each stage's own times: every stage's idle time.
-std::vector<double> zb1p_idle(int micro_batches, const std::vector<double>& f, const std::vector<double>& b,
-                              const std::vector<double>& w);
+// 1F1B or ZB1P (zb), paired or not, simulated with each stage's own times: every stage's idle time.
+std::vector<double> pipeline_idle(int micro_batches, bool zb, bool paired, const std::vector<OpTimes>& t);
 double dualpipev_bubble(int ranks, int micro_batches, double f, double b);
 
 }  // namespace fp8moe

@@ -498,6 +498,8 @@ class CudaBackendImpl final : public CudaBackend {
   }
 #endif
 
+  void enter_thread() override { CUDA_CHECK(cudaSetDevice(device_)); }
+
   std::string attention_kernels() const override {
 #if FP8MOE_HAVE_CUDNN
     std::string s;

@@ -509,6 +509,11 @@ const BadConfig kBadConfigs[] = {
     // DualPipeV: two ranks at least, 2 x pipeline micro-batches and chunks, stage_layers per chunk.
     {"pipeline_schedule_unknown", "parallel:\n  pipeline_schedule: zbv\n", "parallel.pipeline_schedule", "2:22",
      "expected one of 1f1b, dualpipev, zb1p"},
+    // Pairs of micro-batches: on one stage, with the exchanges posted.
+    {"pairs_across_stages", "parallel:\n  pipeline: 2\n  pair_micro_batches: true\n", "parallel.pipeline", "2:13",
+     "1 with parallel.pair_micro_batches"},
+    {"pairs_exchanges_in_line", "parallel:\n  pair_micro_batches: true\nruntime:\n  overlap_expert_comm: false\n",
+     "parallel.pair_micro_batches", "2:23", "false unless runtime.overlap_expert_comm is true"},
     {"dualpipev_one_stage", "parallel:\n  pipeline_schedule: dualpipev\n", "parallel.pipeline", "",
      "at least 2 with parallel.pipeline_schedule dualpipev"},
     {"dualpipev_few_micro_batches", "parallel:\n  pipeline: 2\n  pipeline_schedule: dualpipev\n", "parallel.micro_batches",

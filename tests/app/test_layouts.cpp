@@ -248,6 +248,45 @@ TEST_F(Layouts, ZeroBubbleScheduleIsOneFOneBBitwise) {
   }
 }
 
+// Pairs (parallel.pair_micro_batches; one stage, or DualPipeV's F&B ops): a forward of one
+// micro-batch and the backward of another interleaved at the expert exchanges on two threads
+// (parallel/pass_pair.h). The same passes in a fixed interleaving: 20 steps' losses and gradient
+// norms the same bits as without (and under ZB1P), with tensor parallelism, expert-data replicas,
+// the exchanges through the relay across two simulated nodes, BF16 activations and MLA + MTP.
+TEST_F(Layouts, PairedMicroBatchesAreOneFOneBBitwise) {
+  std::vector<Layout> cases = {
+      {"ep2 (dp2)", 2, {"parallel.expert=2", "fp8.recipe=blockwise"}},
+      {"tp2 x ep2 (dp2)", 4, {"parallel.tensor=2", "parallel.expert=2", "fp8.recipe=off"}},
+      {"ep4 on 2 nodes (relay)", 4, {"parallel.expert=4", "runtime.ranks_per_node=2", "fp8.recipe=blockwise"}},
+      {"pp2 x ep2 dualpipev", 4,
+       {"parallel.pipeline=2", "parallel.expert=2", "parallel.pipeline_schedule=dualpipev", "parallel.micro_batches=4",
+        "fp8.recipe=blockwise"}},
+      {"pp2 x ep2 dualpipev MLA+MTP", 4,
+       {"parallel.pipeline=2", "parallel.expert=2", "parallel.pipeline_schedule=dualpipev", "parallel.micro_batches=4",
+        "fp8.recipe=off"}},
+      {"ep2 x edp2 zb1p MLA+MTP bf16", 4,
+       {"parallel.expert=2", "fp8.recipe=blockwise", "train.activations=bf16", "parallel.pipeline_schedule=zb1p"}},
+  };
+  for (const size_t i : {cases.size() - 2, cases.size() - 1})
+    cases[i].sets.insert(cases[i].sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
+  int n = 0;
+  for (const Layout& l : cases) {
+    std::map<int, double> loss[2], norm[2];
+    for (const bool paired : {false, true}) {
+      auto sets = l.sets;
+      const std::string jsonl = dir_->path + "/pairs" + std::to_string(++n) + ".jsonl";
+      sets.push_back(std::string("parallel.pair_micro_batches=") + (paired ? "true" : "false"));
+      sets.push_back("log.jsonl=" + jsonl);
+      loss[paired] = train(l.ranks, sets), norm[paired] = grad_norms(jsonl);
+      ASSERT_EQ(loss[paired].size(), 20u) << l.name;
+    }
+    std::printf("paired against not, %-30s %d ranks: 20 steps, losses %s, gradient norms %s\n", l.name, l.ranks,
+                loss[1] == loss[0] ? "the same bits" : "differ", norm[1] == norm[0] ? "the same bits" : "differ");
+    EXPECT_EQ(loss[1], loss[0]) << l.name;
+    EXPECT_EQ(norm[1], norm[0]) << l.name;
+  }
+}
+
 // DeepSeek-V3's router (8 experts in 4 groups, 2 groups per token, gates x 2.5) under expert,
 // tensor and pipeline parallelism: each rank routes its own tokens over the global experts, so the
 // choice and the loss are those of one rank; the bounds of SameLossOnEveryLayout's recipe off.

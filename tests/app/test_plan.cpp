@@ -369,6 +369,25 @@ TEST(Plan, DeviceMemoryOfATrainingRunWithinFifteenPercent) {
     EXPECT_NEAR(std::stod(m16[1]) * 1e6 / measured, 1.0, 0.02) << "16 micro-batches against 4";
   }
 
+  // parallel.pair_micro_batches: a pair makes its forward's state before its backward frees the
+  // other's, one micro-batch more in flight; the bytes it adds, measured against the plan's.
+  {
+    std::vector<std::string> paired = train;
+    paired.insert(paired.end(), {"--set", "parallel.pair_micro_batches=true"});
+    const RunResult rp = run(paired, 300);
+    ASSERT_EQ(rp.status, 0) << rp.all();
+    std::smatch mp;
+    ASSERT_TRUE(std::regex_search(rp.out, mp, std::regex("step +2/2 .* dmem ([0-9]+) MB"))) << rp.out;
+    const Config cp = load_config(ConfigSource{"tiny.yaml", read_config_file(source_dir() + "/configs/tiny.yaml"),
+                                               {"parallel.tensor=1", "parallel.pipeline=1", "parallel.expert=1",
+                                                "parallel.pair_micro_batches=true"}}, 1);
+    const StageMemory sp = plan_memory(cp, plan_layout(cp, 1))[0];
+    const double added = std::stod(mp[1]) * 1e6 - measured, planned_added = sp.total() - planned;
+    std::printf("pairs: in flight %d, %.1f MB more measured, %.1f MB planned\n", sp.in_flight, added / 1e6, planned_added / 1e6);
+    EXPECT_EQ(sp.in_flight, 2);
+    EXPECT_NEAR(added / planned_added, 1.0, 0.15);
+  }
+
   // checkpoint.async's host copy: the plan's against what the run copies (the router biases,
   // which the plan leaves out, are 96 bytes of 88 MB).
   for (std::string& a : train)

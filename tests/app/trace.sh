@@ -12,7 +12,8 @@
 # inside the traced steps writes what it recorded. runtime.overlap_expert_comm: each expert
 # exchange is posted and waited for inside one forward or backward (the shared expert's and the
 # experts' weight-gradient work behind it), and in line the loss bits are the same (with and
-# without the relay).
+# without the relay). parallel.pair_micro_batches: a forward and a backward interleaved on every
+# rank, an expert exchange of one travelling while the other computes, the same loss bits.
 #
 # usage: trace.sh FP8MOE MPIEXEC PYTHON SOURCE_DIR
 set -uo pipefail
@@ -45,6 +46,12 @@ run edp4 4 --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.micr
 "$python" "$src/scripts/trace.py" check "$tmp/edp4" --overlap dp edp || fail "edp4 trace check"
 
 run inline8 8 --set log.trace="$tmp/inline8" --set optim.overlap_grad_reduce=false --set runtime.overlap_expert_comm=false
+# parallel.pair_micro_batches (one stage: tensor 2 x expert 2 x data 4): a forward and a backward
+# at a time (parallel/pass_pair.h), against the same layout without.
+one_stage=(--set parallel.pipeline=1 --set parallel.micro_batches=2)
+run paired8 8 "${one_stage[@]}" --set log.trace="$tmp/paired8" --set parallel.pair_micro_batches=true
+run single8 8 "${one_stage[@]}" --set log.trace="$tmp/single8"
+"$python" "$src/scripts/trace.py" check "$tmp/paired8" --overlap dp || fail "paired8 trace check"
 
 # A run that ends inside the window (train.exit_interval after step 2 of a window of steps 2-3)
 # writes what it recorded.
@@ -76,7 +83,26 @@ for path in glob.glob(f"{tmp}/tiny8/rank*.json"):
     for kind in ("forward", "backward"):
         assert any(any(a <= t <= b for a, b in [(e["ts"], e["ts"] + e["dur"])] for t in posts.values())
                    for e in ev if e["ph"] == "X" and e["name"] == kind), f"{path}: no ep exchange posted in a {kind}"
-for name in ("tiny8", "inline8", "edp4"):
+# Pairs: on every rank a forward and a backward of two micro-batches interleaved (their spans
+# overlap), and an expert exchange of one posted while the other computed: a compute span of the
+# other kind starts between its post and its end.
+for path in glob.glob(f"{tmp}/paired8/rank*.json"):
+    ev = json.load(open(path))["traceEvents"]
+    span = {k: [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["ph"] == "X" and e["name"] == k] for k in ("forward", "backward")}
+    assert any(a < d and c < b for a, b in span["forward"] for c, d in span["backward"]), f"{path}: no pair interleaved"
+    posts = {e["id"]: e["ts"] for e in ev if e["ph"] == "b" and e["cat"] == "ep"}
+    ends = {e["id"]: e["ts"] for e in ev if e["ph"] == "e" and e["cat"] == "ep"}
+    behind = 0
+    for i in posts:
+        for kind, other in (("forward", "backward"), ("backward", "forward")):
+            inside = any(a <= posts[i] <= ends[i] <= b for a, b in span[kind])
+            if inside and any(posts[i] < a < ends[i] for a, _ in span[other]): behind += 1
+    assert behind > 0, f"{path}: no expert exchange travelled while the other pass computed"
+    # (inside a pair the forward's combine is posted too: more posted exchanges than without pairs)
+    alone = json.load(open(path.replace("paired8", "single8")))["traceEvents"]
+    n_alone = len([e for e in alone if e["ph"] == "b" and e["cat"] == "ep"])
+    assert len(posts) > n_alone, f"{path}: {len(posts)} exchanges posted in pairs, {n_alone} without"
+for name in ("tiny8", "inline8", "edp4", "paired8"):
     rows = [json.loads(l) for l in open(f"{tmp}/{name}.jsonl")]
     for r in rows:
         assert 0 <= r["comm_exposed_s"] < r["step_time_s"], (name, r)
@@ -136,6 +162,7 @@ grep -q "runtime.ranks_per_node.*a divisor of the world size 4" "$tmp/bad.txt" |
 
 bits() { loss_bits <"$tmp/$1.txt"; }
 [[ -n $(bits tiny8) && $(bits tiny8) == "$(bits inline8)" ]] || fail "overlap changed the loss bits: $(bits tiny8) vs $(bits inline8)"
+[[ -n $(bits single8) && $(bits single8) == "$(bits paired8)" ]] || fail "pairs changed the loss bits: $(bits single8) vs $(bits paired8)"
 [[ -n $(bits nodes4) && $(bits nodes4) == "$(bits nodes4i)" ]] || fail "the relay posted changed the loss bits: $(bits nodes4) vs $(bits nodes4i)"
 close() {  # A B STEP1_BOUND: every step's loss of run A within 5e-4 of run B's (relative), step 1's within STEP1_BOUND
   "$python" - "$tmp/$1.txt" "$tmp/$2.txt" "$3" <<'PY'

@@ -227,3 +227,122 @@ TEST(PipelineSchedule, SimulatedZeroBubbleHasTheZb1pBubble) {
 
 }  // namespace
 }  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+
+// 1F1B in pairs (parallel.pair_micro_batches): each micro-batch forwarded and backwarded once, in
+// order; one forward more before the first pair; at most min(P - s + 1, M) in flight; a pair's
+// backward is of a micro-batch forwarded before the pair (never its own forward's); paired ZB1P
+// the same with each W after its B. Simulated, every order completes.
+TEST(PipelineSchedule, PairsRunEachMicroBatchOnceWithOneMoreInFlight) {
+  for (int P = 1; P <= 8; ++P)
+    for (int M = 1; M <= 16; ++M) {
+      std::vector<std::vector<PipelineOp>> all, all_zb;
+      for (int s = 0; s < P; ++s) {
+        SCOPED_TRACE("P " + std::to_string(P) + " M " + std::to_string(M) + " stage " + std::to_string(s));
+        const std::vector<PipelineOp> ops = one_f_one_b_paired(P, s, M);
+        int next_f = 0, next_b = 0, in_flight = 0, most = 0, pairs = 0, warmup = 0;
+        for (const PipelineOp& op : ops) {
+          if (op.kind == PipeOpKind::forward) {
+            ASSERT_EQ(pairs, 0) << "a lone forward after the first pair";
+            ASSERT_EQ(op.micro_batch, next_f++);
+            ++warmup;
+            most = std::max(most, ++in_flight);
+          } else if (op.kind == PipeOpKind::forward_backward) {
+            ++pairs;
+            ASSERT_EQ(op.micro_batch, next_f++);
+            ASSERT_EQ(op.backward_micro_batch, next_b++);
+            ASSERT_LT(op.backward_micro_batch, op.micro_batch);
+            most = std::max(most, ++in_flight);  // (during the pair)
+            --in_flight;
+          } else {
+            ASSERT_EQ(op.kind, PipeOpKind::backward);
+            ASSERT_EQ(op.micro_batch, next_b++);
+            ASSERT_LT(op.micro_batch, next_f);
+            --in_flight;
+          }
+        }
+        ASSERT_EQ(next_f, M);
+        ASSERT_EQ(next_b, M);
+        EXPECT_EQ(warmup, std::min(P - s, M));
+        EXPECT_EQ(pairs, M - std::min(P - s, M));
+        EXPECT_EQ(most, std::min(P - s + 1, M)) << "micro-batches in flight";
+        all.push_back(ops), all_zb.push_back(zb1p(P, s, M, true));
+        int b = 0, w = 0;
+        for (const PipelineOp& op : all_zb.back()) {
+          if (op.kind == PipeOpKind::backward || op.kind == PipeOpKind::forward_backward) ++b;
+          if (op.kind != PipeOpKind::weight) continue;
+          ASSERT_LT(op.micro_batch, b);
+          ASSERT_EQ(op.micro_batch, w++);
+        }
+        ASSERT_EQ(w, M);
+      }
+      EXPECT_TRUE(simulate_pipeline(all, 1, 2, 0).complete) << "P " << P << " M " << M;
+      EXPECT_TRUE(simulate_pipeline(all_zb, 1, 1, 1).complete) << "P " << P << " M " << M;
+    }
+}
+
+// What pairs buy, simulated (integer times, exact; F 2, B 4, F&B 6 - h where the pair hides h).
+// One stage: h off each of the M - 1 pairs. Across stages they cost instead: a pair waits for the
+// next stage's pair (its backward's input), which waits for this stage's previous pair (its
+// forward's input), so neighbouring stages take turns; with nothing hidden the step is longer
+// than 1F1B's (why the config takes pairs on one stage only; DualPipeV's F&B pairs chunks that run
+// in opposite directions instead).
+TEST(PipelineSchedule, PairsAcrossStagesTakeTurns) {
+  for (const int M : {1, 2, 5, 16})
+    for (const double h : {0.0, 1.0, 2.0}) {
+      const PipelineSim p = simulate_pipeline({one_f_one_b_paired(1, 0, M)}, 2, 4, 0, 6 - h);
+      ASSERT_TRUE(p.complete);
+      EXPECT_EQ(p.makespan, 6.0 * M - h * (M - 1)) << "M " << M << " h " << h;
+    }
+  for (int P = 2; P <= 16; ++P)
+    for (const int M : {2 * P, 3 * P + 1}) {
+      std::vector<std::vector<PipelineOp>> ofob, paired;
+      for (int s = 0; s < P; ++s) ofob.push_back(one_f_one_b(P, s, M)), paired.push_back(one_f_one_b_paired(P, s, M));
+      const PipelineSim o = simulate_pipeline(ofob, 2, 4, 0), p = simulate_pipeline(paired, 2, 4, 0, 6);
+      ASSERT_TRUE(p.complete);
+      EXPECT_GT(p.makespan, o.makespan) << "P " << P << " M " << M;
+      if (P == 4 && M == 13) std::printf("P 4, M 13, F 2, B 4: 1F1B %.0f, in pairs (nothing hidden) %.0f\n", o.makespan, p.makespan);
+    }
+}
+
+}  // namespace
+}  // namespace fp8moe
+
+namespace fp8moe {
+namespace {
+
+// DualPipeV as fp8moe runs it in pairs (parallel.pair_micro_batches): DualPipeV's F&B ops kept,
+// each pairing a forward and a backward of the two phases; everything else as the unpaired run;
+// one chunk more in flight at most (the pair's forward made before its backward frees).
+TEST(PipelineSchedule, DualPipeVPairsKeepItsForwardBackwardOps) {
+  for (int P = 1; P <= 8; ++P)
+    for (const int M : {2 * P, 2 * P + 1, 3 * P, 5 * P}) {
+      for (int r = 0; r < P; ++r) {
+        SCOPED_TRACE("P " + std::to_string(P) + " M " + std::to_string(M) + " rank " + std::to_string(r));
+        const std::vector<DualOp> paired = dualpipev_as_run(P, r, M, true), alone = dualpipev_as_run(P, r, M);
+        std::vector<DualOp> split;  // the pairs taken apart as the unpaired run does: backward, then forward
+        int fb = 0, open = 0, most = 0, open_alone = 0, most_alone = 0;
+        for (const DualOp& op : paired) {
+          ASSERT_NE(op.kind, DualOpKind::weight);
+          if (op.kind == DualOpKind::forward_backward) {
+            ++fb;
+            split.push_back({DualOpKind::backward, 1 - op.phase, op.backward_micro_batch});
+            split.push_back({DualOpKind::forward, op.phase, op.micro_batch});
+            most = std::max(most, ++open), --open;
+          } else {
+            split.push_back({op.kind, op.phase, op.micro_batch});
+            open += op.kind == DualOpKind::forward ? 1 : -1, most = std::max(most, open);
+          }
+        }
+        for (const DualOp& op : alone) open_alone += op.kind == DualOpKind::forward ? 1 : -1, most_alone = std::max(most_alone, open_alone);
+        EXPECT_EQ(split, alone);
+        EXPECT_GT(fb, 0);
+        EXPECT_LE(most, most_alone + 1);
+      }
+    }
+}
+
+}  // namespace
+}  // namespace fp8moe
