@@ -100,6 +100,11 @@ class Layouts : public testing::Test {
       if (step >= from) w = std::max(w, got.count(step) ? std::fabs(got.at(step) - loss) / std::fabs(loss) : 1.0);
     return w;
   }
+  // Each case trained twice, `key` set to `off` and then to `on`: 20 steps' losses and gradient
+  // norms the same bits (a schedule that runs the same GEMMs on the same bytes in the same order).
+  static void expect_same_bits(const std::vector<Layout>& cases, const std::string& key, const char* off,
+                               const char* on);
+
   static TempDir* dir_;
   static std::string* cfg_;
 };
@@ -146,6 +151,27 @@ std::map<std::string, std::pair<double, double>> Layouts::last_step_bytes(int ra
   const RunResult out = run(argv, 600);
   EXPECT_EQ(out.status, 0) << out.all();
   return comm_bytes(out.out);
+}
+
+void Layouts::expect_same_bits(const std::vector<Layout>& cases, const std::string& key, const char* off,
+                               const char* on) {
+  static int n = 0;
+  for (const Layout& l : cases) {
+    std::map<int, double> loss[2], norm[2];
+    for (const int i : {0, 1}) {
+      auto sets = l.sets;
+      const std::string jsonl = dir_->path + "/same-bits" + std::to_string(++n) + ".jsonl";
+      sets.push_back(key + "=" + (i ? on : off));
+      sets.push_back("log.jsonl=" + jsonl);
+      loss[i] = train(l.ranks, sets), norm[i] = grad_norms(jsonl);
+      ASSERT_EQ(loss[i].size(), 20u) << l.name;
+    }
+    std::printf("%s=%s against %s, %-30s %d ranks: 20 steps, losses %s, gradient norms %s\n", key.c_str(), on, off,
+                l.name, l.ranks, loss[1] == loss[0] ? "the same bits" : "differ",
+                norm[1] == norm[0] ? "the same bits" : "differ");
+    EXPECT_EQ(loss[1], loss[0]) << l.name;
+    EXPECT_EQ(norm[1], norm[0]) << l.name;
+  }
 }
 
 const std::vector<Layout> kLayouts = {
@@ -230,22 +256,7 @@ TEST_F(Layouts, ZeroBubbleScheduleIsOneFOneBBitwise) {
       {"pp2 x ep2 (dp2) MLA + MTP", 4, {"parallel.pipeline=2", "parallel.expert=2", "fp8.recipe=blockwise"}},
   };
   cases.back().sets.insert(cases.back().sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
-  int n = 0;
-  for (const Layout& l : cases) {
-    std::map<int, double> loss[2], norm[2];
-    for (const bool zb : {false, true}) {
-      auto sets = l.sets;
-      const std::string jsonl = dir_->path + "/zb" + std::to_string(++n) + ".jsonl";
-      sets.push_back(std::string("parallel.pipeline_schedule=") + (zb ? "zb1p" : "1f1b"));
-      sets.push_back("log.jsonl=" + jsonl);
-      loss[zb] = train(l.ranks, sets), norm[zb] = grad_norms(jsonl);
-      ASSERT_EQ(loss[zb].size(), 20u) << l.name;
-    }
-    std::printf("zb1p against 1f1b, %-28s %d ranks: 20 steps, losses %s, gradient norms %s\n", l.name, l.ranks,
-                loss[1] == loss[0] ? "the same bits" : "differ", norm[1] == norm[0] ? "the same bits" : "differ");
-    EXPECT_EQ(loss[1], loss[0]) << l.name;
-    EXPECT_EQ(norm[1], norm[0]) << l.name;
-  }
+  expect_same_bits(cases, "parallel.pipeline_schedule", "1f1b", "zb1p");
 }
 
 // Pairs (parallel.pair_micro_batches; one stage, or DualPipeV's F&B ops): a forward of one
@@ -269,22 +280,7 @@ TEST_F(Layouts, PairedMicroBatchesAreOneFOneBBitwise) {
   };
   for (const size_t i : {cases.size() - 2, cases.size() - 1})
     cases[i].sets.insert(cases[i].sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
-  int n = 0;
-  for (const Layout& l : cases) {
-    std::map<int, double> loss[2], norm[2];
-    for (const bool paired : {false, true}) {
-      auto sets = l.sets;
-      const std::string jsonl = dir_->path + "/pairs" + std::to_string(++n) + ".jsonl";
-      sets.push_back(std::string("parallel.pair_micro_batches=") + (paired ? "true" : "false"));
-      sets.push_back("log.jsonl=" + jsonl);
-      loss[paired] = train(l.ranks, sets), norm[paired] = grad_norms(jsonl);
-      ASSERT_EQ(loss[paired].size(), 20u) << l.name;
-    }
-    std::printf("paired against not, %-30s %d ranks: 20 steps, losses %s, gradient norms %s\n", l.name, l.ranks,
-                loss[1] == loss[0] ? "the same bits" : "differ", norm[1] == norm[0] ? "the same bits" : "differ");
-    EXPECT_EQ(loss[1], loss[0]) << l.name;
-    EXPECT_EQ(norm[1], norm[0]) << l.name;
-  }
+  expect_same_bits(cases, "parallel.pair_micro_batches", "false", "true");
 }
 
 // DeepSeek-V3's router (8 experts in 4 groups, 2 groups per token, gates x 2.5) under expert,

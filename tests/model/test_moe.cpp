@@ -207,6 +207,14 @@ Batch batch(int64_t N, unsigned seed, int V) {
   return b;
 }
 
+// Every recipe, and blockwise with its FP8 inputs cached (fp8.cache_activations).
+struct RecipeVariant {
+  Fp8Recipe recipe;
+  bool cache = false;
+};
+const RecipeVariant kRecipeVariants[] = {{Fp8Recipe::off}, {Fp8Recipe::delayed}, {Fp8Recipe::current},
+                                         {Fp8Recipe::blockwise}, {Fp8Recipe::blockwise, true}};
+
 TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
   // Also with DeepSeek-V3's latent attention and a multi-token prediction module (whose MoE block
   // is recomputed with the others), and with BF16 activations. `selective` makes again inside a
@@ -214,17 +222,12 @@ TEST(Model, RecomputationGivesTheSameGradientsBitwise) {
   // W2's FP8 copy of them), with every recipe but blockwise with cached FP8 inputs: there it keeps
   // the SwiGLU's inputs in FP8 (DeepSeek-V3), which changes the backward (checked against the JAX
   // model instead, ModelReference.SelectiveRecomputationWithFp8SwigluInputsMatchesJax).
-  struct Variant {
-    Fp8Recipe recipe;
-    bool cache = false;
-  };
   // With the gates in the experts (train.moe_gates expert) the gated SwiGLU output is made again
   // with the kept rows' gates, which a recomputed block keeps with its routing.
   for (const GateSite site : {GateSite::combine, GateSite::expert})
   for (const ActivationDtype act : {ActivationDtype::fp32, ActivationDtype::bf16})
   for (const bool v3 : {false, true})
-  for (const Variant var : {Variant{Fp8Recipe::off}, Variant{Fp8Recipe::delayed}, Variant{Fp8Recipe::current},
-                            Variant{Fp8Recipe::blockwise}, Variant{Fp8Recipe::blockwise, true}}) {
+  for (const RecipeVariant var : kRecipeVariants) {
     const Fp8Recipe recipe = var.recipe;
     std::vector<std::vector<float>> reference;
     std::map<Recompute, double> kept;  // saved bytes per token and block, by mode
@@ -281,16 +284,11 @@ TEST(Model, WeightSplitGivesTheSameGradientsBitwise) {
   // every gradient the same bits, with each recipe, GQA and MLA with a multi-token prediction
   // module (the head's and the module's weight GEMMs left too), FP32 and BF16 activations,
   // recomputation, the gates at either site, the head in FP32 and in BF16.
-  struct Variant {
-    Fp8Recipe recipe;
-    bool cache = false;
-  };
   for (const GateSite site : {GateSite::combine, GateSite::expert})
   for (const ActivationDtype act : {ActivationDtype::fp32, ActivationDtype::bf16})
   for (const bool v3 : {false, true})
   for (const Recompute rc : {Recompute::none, Recompute::selective, Recompute::full})
-  for (const Variant var : {Variant{Fp8Recipe::off}, Variant{Fp8Recipe::delayed}, Variant{Fp8Recipe::current},
-                            Variant{Fp8Recipe::blockwise}, Variant{Fp8Recipe::blockwise, true}}) {
+  for (const RecipeVariant var : kRecipeVariants) {
     if (rc == Recompute::selective && var.cache) continue;
     Config c = model_config(var.recipe);
     c.train.activations = act, c.train.moe_gates = site, c.train.recompute = rc;
