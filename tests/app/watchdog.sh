@@ -106,3 +106,18 @@ pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
 report=$(grep -m1 "no progress for" "$tmp/e.err") || fail "no report for the frozen expert exchange: $(tail -3 "$tmp/e.err")"
 [[ $report =~ step\ [0-9]+ ]] || fail "the report does not name the step: $report"
 echo "  frozen in an expert exchange's wait (FP8MOE_WAIT_STOP, its third wait): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
+
+# The same with micro-batches in pairs (parallel.pair_micro_batches): the third wait is the
+# backward's dispatch of the first pair, on the pair's second thread (parallel/pass_pair.h).
+t0=$(date +%s%N)
+timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_WAIT_STOP=$((ranks - 1)):3 "$faults_exe" train "$tmp/cfg.yaml" \
+  --set checkpoint.save=false --set optim.overlap_grad_reduce=false --set parallel.expert=2 \
+  --set parallel.micro_batches=2 --set train.global_batch=$((2 * ranks)) --set parallel.pair_micro_batches=true \
+  >"$tmp/p.txt" 2>"$tmp/p.err"
+status=$?
+ms=$((($(date +%s%N) - t0) / 1000000))
+pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
+[[ $status == 4 ]] || fail "a rank frozen inside a pair: exit $status, not 4: $(tail -3 "$tmp/p.err")"
+((ms <= (limit + 10) * 1000 + 15000)) || fail "the job ended $ms ms after its start, more than the limit + 10 s (+ 15 s to start)"
+report=$(grep -m1 "no progress for" "$tmp/p.err") || fail "no report for the rank frozen inside a pair: $(tail -3 "$tmp/p.err")"
+echo "  frozen inside a pair of micro-batches (FP8MOE_WAIT_STOP, its third wait): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
