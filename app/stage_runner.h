@@ -1,8 +1,9 @@
 // One training step of this rank's pipeline stage, and the validation loss: samples this
-// replica's sequences of each micro-batch, runs the micro-batches in the 1F1B or the DualPipeV
-// order (parallel.pipeline_schedule; parallel/pipeline_schedule.h) with activations sent to the
-// next stage and their gradients to the previous one, and sums what a step reports over the ranks. The model's gradients hold the
-// step's (scaled) sum afterwards; the optimizer is the caller's.
+// replica's sequences of each micro-batch, runs the micro-batches in the 1F1B, ZB1P or DualPipeV
+// order (parallel.pipeline_schedule; parallel/pipeline_schedule.h; with parallel.pair_micro_batches
+// a forward and a backward at a time, parallel/pass_pair.h) with activations sent to the next
+// stage and their gradients to the previous one, and sums what a step reports over the ranks. The
+// model's gradients hold the step's (scaled) sum afterwards; the optimizer is the caller's.
 //
 // The step's data goes to the device once (one upload of every micro-batch's tokens and targets);
 // what the host reads back is read at two kinds of points: each MoE layer's expert loads (in the
