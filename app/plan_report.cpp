@@ -432,12 +432,16 @@ void print_communication(const PlanReport& rep) {
 void print_bubble(const PlanReport& rep) {
   const PlanLayout& L = rep.p.L;
   if (L.v_shape) {
-    const DualPipeVSim s = simulate_dualpipev(L.pipeline, L.micro_batches, 1, 2, 0, 0, true);
+    const bool paired = rep.p.cfg.parallel.pair_micro_batches;
+    const DualPipeVSim s = paired ? simulate_dualpipev(L.pipeline, L.micro_batches, 1, 2, 0, 3, false)
+                                  : simulate_dualpipev(L.pipeline, L.micro_batches, 1, 2, 0, 0, true);
     const double idle = *std::max_element(s.idle.begin(), s.idle.end());
-    std::printf("\npipeline bubble (DualPipeV as fp8moe runs it: its F&B's backward, then its forward, W = 0; "
-                "simulated in chunk times with B = 2F): %.0f F idle against 2m(F + B) = %d F busy = %.3f (the "
-                "step time below simulates the pace rank's own forward and backward)\n",
-                idle, 6 * L.micro_batches, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2));
+    std::printf("\npipeline bubble (DualPipeV as fp8moe runs it: %s, W = 0; simulated in chunk times with B = 2F): "
+                "%.0f F idle against 2m(F + B) = %d F busy = %.3f (the step time below simulates the pace rank's own "
+                "forward and backward%s)\n",
+                paired ? "its F&B ops as pairs, here hiding nothing" : "its F&B's backward, then its forward", idle,
+                6 * L.micro_batches, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2, paired),
+                paired ? ", and what its pairs hide" : "");
     return;
   }
   if (rep.p.cfg.parallel.pipeline_schedule == PipelineSchedule::zb1p) {

@@ -273,12 +273,13 @@ class TrainLoop {
   // The metrics line and record, every log.every steps and at the end; the pipeline bubble beside
   // the schedule's ideal (parallel/pipeline_schedule.h): 1F1B's (P - 1) / (M + P - 1), DualPipeV's
   // as it runs (simulated; its F&B not overlapped, W = 0) with a backward twice a forward, ZB1P's
-  // (simulated) with a forward, a backward's input part and its weight part alike.
+  // (simulated) with a forward, a backward's input part and its weight part alike; DualPipeV's F&B
+  // ops as pairs (parallel.pair_micro_batches) hiding nothing.
   void report(const StepDone& d) {
     if (d.step % cfg_.log.every != 0 && d.step != cfg_.train.steps) return;
     const int P = pipe_h_.size(), M = cfg_.parallel.micro_batches;
     const PipelineSchedule ps = cfg_.parallel.pipeline_schedule;
-    const double ideal = ps == PipelineSchedule::dualpipev ? dualpipev_bubble(P, M, 1, 2)
+    const double ideal = ps == PipelineSchedule::dualpipev ? dualpipev_bubble(P, M, 1, 2, cfg_.parallel.pair_micro_batches)
                          : ps == PipelineSchedule::zb1p  ? zb1p_idle(P, M, 1, 1, 1) / (zb1p_idle(P, M, 1, 1, 1) + 3.0 * M)
                                                          : one_f_one_b_bubble(P, M);
     const StepTotals& totals = d.totals;

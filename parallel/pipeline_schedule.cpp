@@ -238,8 +238,10 @@ DualPipeVSim simulate_dualpipev(int ranks, int micro_batches, double f, double b
   return s;
 }
 
-double dualpipev_bubble(int ranks, int micro_batches, double f, double b) {
-  const DualPipeVSim s = simulate_dualpipev(ranks, micro_batches, f, b, 0, 0, true);
+double dualpipev_bubble(int ranks, int micro_batches, double f, double b, bool paired) {
+  // (paired: dualpipev()'s ops with W = 0, an F&B taking f + b: nothing hidden)
+  const DualPipeVSim s = paired ? simulate_dualpipev(ranks, micro_batches, f, b, 0, f + b, false)
+                                : simulate_dualpipev(ranks, micro_batches, f, b, 0, 0, true);
   FP8MOE_ASSERT(s.complete, "DualPipeV's simulation stopped");
   const double idle = *std::max_element(s.idle.begin(), s.idle.end());
   return idle / (idle + 2.0 * micro_batches * (f + b));

@@ -121,6 +121,7 @@ double one_f_one_b_bubble(int stages, int micro_batches);
 double zb1p_idle(int stages, int micro_batches, double f, double b, double w);
 // 1F1B or ZB1P (zb), paired or not, simulated with each stage's own times: every stage's idle time.
 std::vector<double> pipeline_idle(int micro_batches, bool zb, bool paired, const std::vector<OpTimes>& t);
-double dualpipev_bubble(int ranks, int micro_batches, double f, double b);
+// paired (parallel.pair_micro_batches): its F&B ops as pairs that hide nothing (F&B = f + b).
+double dualpipev_bubble(int ranks, int micro_batches, double f, double b, bool paired = false);
 
 }  // namespace fp8moe
