@@ -219,16 +219,15 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
     sum_t += t;
-    {
-      const double bs = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
-      const double w = std::min(f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp) + f.wgrad_bf16 / (eff * d.bf16), bs * t);
-      stage_times.push_back({(1 - bs) * t, bs * t - w, w, t - w});
-    }
+    // The backward's share of the stage's work (the forward is a third of what is not
+    // recomputed), and ZB1P's weight op: its GEMMs' seconds.
+    const double bs = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
+    const double wsec = f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp) + f.wgrad_bf16 / (eff * d.bf16);
+    const double w = std::min(wsec, bs * t);
+    stage_times.push_back({(1 - bs) * t, bs * t - w, w});
     if (t > slowest) {
       slowest = t, r.pace_stage = int(s);
-      // The backward's share of the stage's work: the forward is a third of what is not recomputed.
-      backward_share = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
-      weight_s = f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp) + f.wgrad_bf16 / (eff * d.bf16);  // ZB1P's W
+      backward_share = bs, weight_s = wsec;
       r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group, r.ep_hidden_mb = ep_hidden;
       r.dp = hidden ? 0 : per_group[2] + per_group[3];
       // AdamW on the owned rows: parameter, gradient (read), m and v (read and written), the

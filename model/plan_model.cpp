@@ -392,6 +392,15 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer) {
 }
 
 
+namespace {
+// Rows through a linear weight per micro-batch: every token, or an expert's share of the routed
+// rows of the expert-parallel group (uniform routing).
+double rows_through(const ModelConfig& g, const PlanLayout& L, const ParamSpec& p) {
+  const double N = double(L.tokens());
+  return p.linear == LinearClass::experts ? N * g.moe.top_k * L.expert / g.moe.n_experts : N;
+}
+}  // namespace
+
 bool zb1p_weight_op(const Config& c, const PlanLayout& L, const ParamSpec& p) {
   const bool posted = L.expert > 1 && c.runtime.overlap_expert_comm;  // model/moe.cpp keeps them behind the exchange
   const bool experts = p.linear == LinearClass::experts || p.linear == LinearClass::shared_experts;
@@ -543,12 +552,10 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
       r.activations = r.saved_per_micro_batch * r.in_flight;
       if (c.parallel.pipeline_schedule == PipelineSchedule::zb1p) {
         // A weight op's copies: each linear layer's input (K) and output gradient (N) per row.
-        const ParamTable table = build_param_table(g);
         for (const ParamSpec& p : table.params) {
           const Shard sh = place.shard(p);
           if (!sh.held() || !zb1p_weight_op(c, L, p)) continue;
-          const double rows = p.linear == LinearClass::experts ? double(L.tokens()) * g.moe.top_k * L.expert / g.moe.n_experts
-                                                               : double(L.tokens());
+          const double rows = rows_through(g, L, p);
           const bool hp = p.linear == LinearClass::none;  // the head, eh_proj: BF16 or FP32 copies
           const double per = hp ? (c.train.hp_gemm == GemmDtype::bf16 ? 2 : kF32)
                              : !fp8_on(c, p.linear)                    ? kF32
@@ -582,9 +589,7 @@ std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L) {
       const bool head = p.name == "head.weight", eh = p.name.find("eh_proj") != std::string::npos;
       const bool router = p.name.size() >= 10 && p.name.compare(p.name.size() - 10, 10, "moe.router") == 0;
       if (p.linear == LinearClass::none && !head && !eh && !router) continue;
-      // Rows through the weight per micro-batch: every token, or an expert's share of the routed
-      // rows of the expert-parallel group (uniform routing).
-      const double rows = p.linear == LinearClass::experts ? N * g.moe.top_k * L.expert / g.moe.n_experts : N;
+      const double rows = rows_through(g, L, p);
       const double fwd = 2 * rows * double(sh.numel()) * (head ? 1 + g.mtp_depth : 1);  // the head serves the modules too
       // A recomputed block runs its linear layers again; not its router (the forward's routing is
       // reused), nor eh_proj and the head (outside the blocks). Selective recomputation runs MLA's

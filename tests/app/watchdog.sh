@@ -73,51 +73,40 @@ report=$(grep -m1 "no progress for" "$tmp/c.err") || fail "no report for the fro
 [[ $report == *"after step 10"* ]] || fail "the report does not place the freeze after step 10: $report"
 echo "  frozen mid-save (FP8MOE_CKPT_STOP, the save of step 10): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
 
+# frozen_wait NAME WHAT ARGS...: the last rank freezes itself before its third wait
+# (FP8MOE_WAIT_STOP); the job exits 4 within the limit + 10 s, with a report naming the step.
+frozen_wait() {
+  local name=$1 what=$2
+  shift 2
+  local t0 status ms report
+  t0=$(date +%s%N)
+  timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_WAIT_STOP=$((ranks - 1)):3 "$faults_exe" train "$tmp/cfg.yaml" \
+    --set checkpoint.save=false "$@" >"$tmp/$name.txt" 2>"$tmp/$name.err"
+  status=$?
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
+  [[ $status == 4 ]] || fail "a rank frozen $what: exit $status, not 4: $(tail -3 "$tmp/$name.err")"
+  ((ms <= (limit + 10) * 1000 + 15000)) || fail "the job ended $ms ms after its start, more than the limit + 10 s (+ 15 s to start)"
+  report=$(grep -m1 "no progress for" "$tmp/$name.err") || fail "no report for the rank frozen $what: $(tail -3 "$tmp/$name.err")"
+  [[ $report =~ step\ [0-9]+ ]] || fail "the report does not name the step: $report"
+  echo "  frozen $what (FP8MOE_WAIT_STOP, its third wait): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
+}
+
 # The last rank freezes itself inside an overlapped collective: before its third wait for the
 # data-parallel gradients' reduce-scatter, which every rank posted during its backward
-# (optim.overlap_grad_reduce, on by default; FP8MOE_WAIT_STOP). Its peers cannot finish that
-# reduction, or the next collective; still exit 4 within the limit + 10 s, with a report.
-t0=$(date +%s%N)
-timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_WAIT_STOP=$((ranks - 1)):3 "$faults_exe" train "$tmp/cfg.yaml" \
-  --set checkpoint.save=false --set optim.overlap_grad_reduce=true >"$tmp/d.txt" 2>"$tmp/d.err"
-status=$?
-ms=$((($(date +%s%N) - t0) / 1000000))
-pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
-[[ $status == 4 ]] || fail "a rank frozen in an overlapped wait: exit $status, not 4: $(tail -3 "$tmp/d.err")"
-((ms <= (limit + 10) * 1000 + 15000)) || fail "the job ended $ms ms after its start, more than the limit + 10 s (+ 15 s to start)"
-report=$(grep -m1 "no progress for" "$tmp/d.err") || fail "no report for the frozen wait: $(tail -3 "$tmp/d.err")"
-[[ $report =~ step\ [0-9]+ ]] || fail "the report does not name the step: $report"
-echo "  frozen in an overlapped wait (FP8MOE_WAIT_STOP, its third reduce-scatter wait): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
+# (optim.overlap_grad_reduce, on by default). Its peers cannot finish that reduction, or the next
+# collective.
+frozen_wait d "in an overlapped reduce-scatter wait" --set optim.overlap_grad_reduce=true
 
 # The same inside a MoE layer: with the 2 experts over the ranks (expert parallelism) and the
 # gradient reduction in line, the last rank's third wait is for an expert exchange it posted
 # (runtime.overlap_expert_comm, on by default; one MoE layer: the forward's dispatch, the
 # backward's, then the backward's combine, posted behind the experts' weight gradients); its peer
 # blocks in the next exchange (on 4 ranks the other expert group's ranks in the data-parallel
-# reduction, which may report first); exit 4 within the limit + 10 s, with a report naming the step.
-t0=$(date +%s%N)
-timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_WAIT_STOP=$((ranks - 1)):3 "$faults_exe" train "$tmp/cfg.yaml" \
-  --set checkpoint.save=false --set optim.overlap_grad_reduce=false --set parallel.expert=2 >"$tmp/e.txt" 2>"$tmp/e.err"
-status=$?
-ms=$((($(date +%s%N) - t0) / 1000000))
-pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
-[[ $status == 4 ]] || fail "a rank frozen in an expert exchange's wait: exit $status, not 4: $(tail -3 "$tmp/e.err")"
-((ms <= (limit + 10) * 1000 + 15000)) || fail "the job ended $ms ms after its start, more than the limit + 10 s (+ 15 s to start)"
-report=$(grep -m1 "no progress for" "$tmp/e.err") || fail "no report for the frozen expert exchange: $(tail -3 "$tmp/e.err")"
-[[ $report =~ step\ [0-9]+ ]] || fail "the report does not name the step: $report"
-echo "  frozen in an expert exchange's wait (FP8MOE_WAIT_STOP, its third wait): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
+# reduction, which may report first).
+frozen_wait e "in an expert exchange's wait" --set optim.overlap_grad_reduce=false --set parallel.expert=2
 
 # The same with micro-batches in pairs (parallel.pair_micro_batches): the third wait is the
 # backward's dispatch of the first pair, on the pair's second thread (parallel/pass_pair.h).
-t0=$(date +%s%N)
-timeout $((limit + 30)) "$mpiexec" -n "$ranks" -x FP8MOE_WAIT_STOP=$((ranks - 1)):3 "$faults_exe" train "$tmp/cfg.yaml" \
-  --set checkpoint.save=false --set optim.overlap_grad_reduce=false --set parallel.expert=2 \
-  --set parallel.micro_batches=2 --set train.global_batch=$((2 * ranks)) --set parallel.pair_micro_batches=true \
-  >"$tmp/p.txt" 2>"$tmp/p.err"
-status=$?
-ms=$((($(date +%s%N) - t0) / 1000000))
-pkill -KILL -f "$tmp/cfg.yaml" 2>/dev/null
-[[ $status == 4 ]] || fail "a rank frozen inside a pair: exit $status, not 4: $(tail -3 "$tmp/p.err")"
-((ms <= (limit + 10) * 1000 + 15000)) || fail "the job ended $ms ms after its start, more than the limit + 10 s (+ 15 s to start)"
-report=$(grep -m1 "no progress for" "$tmp/p.err") || fail "no report for the rank frozen inside a pair: $(tail -3 "$tmp/p.err")"
-echo "  frozen inside a pair of micro-batches (FP8MOE_WAIT_STOP, its third wait): exit 4 after $ms ms in all; report: ${report#fp8moe: error: }"
+frozen_wait p "inside a pair of micro-batches" --set optim.overlap_grad_reduce=false --set parallel.expert=2 \
+  --set parallel.micro_batches=2 --set train.global_batch=$((2 * ranks)) --set parallel.pair_micro_batches=true
