@@ -34,6 +34,10 @@ struct CpuProbe {
   double of(const Part& q, int dense, int moe, int mtp) const {
     return q.a + (dense - dense_in_a) * q.dense + (moe - moe_in_a) * q.moe + mtp * q.mtp;
   }
+  // The same as per-block parts, for a pipeline stage's share (model/plan_model.h stage_seconds).
+  BlockSeconds blocks(const Part& q) const {
+    return {q.a - dense_in_a * q.dense - moe_in_a * q.moe, q.dense, q.moe, q.mtp};
+  }
   Part cached;     // a micro-batch's forward + backward with the step's FP8 weights already quantized
   Part first;      // the first micro-batch of a step: with the FP8 weights' quantization
   Part optimizer;  // zero_grads, the gradient norm and AdamW's step

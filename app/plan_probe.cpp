@@ -199,8 +199,15 @@ CpuProbe probe_cpu(const Config& c, const PlanLayout& L, double ram) {
   CpuProbe p;
   const ModelConfig& m = c.model;
   p.recompute = c.train.recompute, p.tokens = L.tokens();
-  if (L.world != 1) {
-    p.why_not = "more than one rank: the probes time one rank holding every block";
+  // Several ranks: each stage's blocks at the probes' times (model/plan_model.h stage_seconds),
+  // each rank with the threads `train` gives it, while no two ranks share a CPU.
+  if (L.tensor != 1) {
+    p.why_not = "tensor parallelism: the probes time whole blocks, not a tensor-parallel rank's shards";
+    return p;
+  }
+  if (L.world > 1 && L.world > omp_get_num_procs()) {
+    p.why_not = std::to_string(L.world) + " ranks on " + std::to_string(omp_get_num_procs()) +
+                " CPUs: the ranks take turns on them";
     return p;
   }
   const int Ld = std::min(m.first_dense_layers, m.n_layers), Lm = m.n_layers - Ld;
@@ -224,9 +231,11 @@ CpuProbe probe_cpu(const Config& c, const PlanLayout& L, double ram) {
   p.dense_in_a = ad, p.moe_in_a = am;
   std::vector<std::unique_ptr<ProbeModel>> probes;
   probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 0, L.sequences, L.seq_len));
-  const int with_moe = Lm > am ? int(probes.size()) : -1;
+  // (Split into pipeline stages, each kind's time per block places probe A's blocks too.)
+  const bool split = L.pipeline > 1;
+  const int with_moe = Lm > am || (split && am > 0) ? int(probes.size()) : -1;
   if (with_moe >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am + 1, 0, L.sequences, L.seq_len));
-  const int with_dense = Ld > ad ? int(probes.size()) : -1;
+  const int with_dense = Ld > ad || (split && ad > 0) ? int(probes.size()) : -1;
   if (with_dense >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad + 1, am, 0, L.sequences, L.seq_len));
   const int with_mtp = m.mtp_depth > 0 ? int(probes.size()) : -1;
   if (with_mtp >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 1, L.sequences, L.seq_len));

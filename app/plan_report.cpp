@@ -247,17 +247,35 @@ void print_measured_step(const PlanReport& rep) {
   const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;
   std::printf("\nstep time (measured on this CPU: %d probe models of this config's blocks, trained 1 + 7 steps "
               "of two micro-batches each, interleaved, on `train`'s backend; each probe's fastest step):\n", q.probes);
-  std::printf("  per micro-batch (forward + backward, the FP8 weights already quantized): probe A (%d dense + %d MoE "
-              "block%s, embedding, head, loss) %s",
-              q.dense_in_a, q.moe_in_a, q.dense_in_a + q.moe_in_a == 1 ? "" : "s", seconds_text(q.cached.a).c_str());
-  if (Ld > q.dense_in_a) std::printf(" + %d x dense block %s", Ld - q.dense_in_a, seconds_text(q.cached.dense).c_str());
-  if (Lm > q.moe_in_a) std::printf(" + %d x MoE block %s", Lm - q.moe_in_a, seconds_text(q.cached.moe).c_str());
-  if (g.mtp_depth > 0) std::printf(" + %d x MTP module %s", g.mtp_depth, seconds_text(q.cached.mtp).c_str());
-  std::printf(" = %s%s\n", seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "");
-  std::printf("  x %d micro-batches + the FP8 weights' quantization at first use %s + optimizer (zero_grads, norm, "
-              "AdamW) %s = %s per step\n",
-              L.micro_batches, seconds_text(r.quantize).c_str(), seconds_text(r.optimizer).c_str(),
-              seconds_text(r.step).c_str());
+  if (L.world == 1) {
+    std::printf("  per micro-batch (forward + backward, the FP8 weights already quantized): probe A (%d dense + %d MoE "
+                "block%s, embedding, head, loss) %s",
+                q.dense_in_a, q.moe_in_a, q.dense_in_a + q.moe_in_a == 1 ? "" : "s", seconds_text(q.cached.a).c_str());
+    if (Ld > q.dense_in_a) std::printf(" + %d x dense block %s", Ld - q.dense_in_a, seconds_text(q.cached.dense).c_str());
+    if (Lm > q.moe_in_a) std::printf(" + %d x MoE block %s", Lm - q.moe_in_a, seconds_text(q.cached.moe).c_str());
+    if (g.mtp_depth > 0) std::printf(" + %d x MTP module %s", g.mtp_depth, seconds_text(q.cached.mtp).c_str());
+    std::printf(" = %s%s\n", seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "");
+    std::printf("  x %d micro-batches + the FP8 weights' quantization at first use %s + optimizer (zero_grads, norm, "
+                "AdamW) %s = %s per step\n",
+                L.micro_batches, seconds_text(r.quantize).c_str(), seconds_text(r.optimizer).c_str(),
+                seconds_text(r.step).c_str());
+  } else {
+    // Several ranks: the pace stage's blocks at the probes' times, its messages at the memory
+    // bandwidth (ranks of one machine).
+    std::printf("  per micro-batch on %s%d (forward + backward, the FP8 weights already quantized; its blocks at the "
+                "probes' times per block%s): %s%s; communication %s (tp, ep and pp bytes at the memory bandwidth, "
+                "exposed)\n",
+                p.mem.size() > 1 ? "stage " : "every rank, as on stage ", r.pace_stage,
+                p.mem[size_t(r.pace_stage)].last ? ", with probe A's embedding, head, loss and modules" : "",
+                seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "", seconds_text(r.comm_mb).c_str());
+    std::printf("  x %d micro-batches + bubble %s (%s) + dp/edp %s exposed of %s + the FP8 weights' quantization at "
+                "first use %s + optimizer (zero_grads, norm, AdamW; its owned share) %s = %s per step\n",
+                L.micro_batches, seconds_text(r.bubble).c_str(), schedule_text(c, L), seconds_text(r.dp_exposed).c_str(),
+                seconds_text(r.dp).c_str(), seconds_text(r.quantize).c_str(), seconds_text(r.optimizer).c_str(),
+                seconds_text(r.step).c_str());
+    if (p.mem.size() > 1)
+      std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch\n", r.pace_stage, r.pace_ratio);
+  }
   std::printf("  %.0f tokens/s. The probes' tokens: %s. Not in it: the step's data loading, loss and load "
               "read-backs and logging\n",
               step_tokens / r.step, q.real_data ? "the config's data.path (routed as training routes them)"

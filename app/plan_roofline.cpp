@@ -181,28 +181,23 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   const double hp = o.higher_precision == "bf16" ? d.bf16 : d.fp32;
   Roofline r;
   const CpuProbe& q = d.probe;
-  if (d.cpu && q.valid && L.world == 1 && c.train.recompute == q.recompute && c.train.recompute_layers.empty() &&
-      L.tokens() == q.tokens) {
-    // One rank on the CPU: the probes' times (the efficiency scales the micro-batches' work).
-    const ModelConfig& g = c.model;
-    const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;
-    const double cached = q.of(q.cached, Ld, Lm, g.mtp_depth), first = q.of(q.first, Ld, Lm, g.mtp_depth);
-    r.measured = true;
-    r.compute_mb = cached / eff;
-    r.quantize = std::max(0.0, first - cached) / eff;
-    r.optimizer = q.of(q.optimizer, Ld, Lm, g.mtp_depth);
-    r.step = L.micro_batches * r.compute_mb + r.quantize + r.optimizer;
-    return r;
-  }
+  // On the CPU: each stage's micro-batch, quantization and optimizer from the probes' times of its
+  // blocks (the efficiency scales the micro-batches' work); its communication at the memory
+  // bandwidth (comm_seconds).
+  const bool probed = d.cpu && q.valid && c.train.recompute == q.recompute && c.train.recompute_layers.empty() &&
+                      L.tokens() == q.tokens && L.tensor == 1;
+  r.measured = probed;
   double slowest = -1, sum_compute = 0, sum_memory = 0, sum_t = 0, backward_share = 0, weight_s = 0;
   std::vector<OpTimes> stage_times;  // each stage's ops' times (ZB1P, pairs)
   for (size_t s = 0; s < p.mem.size(); ++s) {
     const StageFlops& f = p.flops[s];
-    const double compute = f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.bf16_gemm / (eff * d.bf16) +
-                           f.attention / (eff * d.attention);
     // Memory-bound traffic (an estimate): every activation kept for backward is written in the
-    // forward and read in the backward, and its gradient written and read once each.
-    const double memory = 4 * p.mem[s].saved_per_micro_batch / d.hbm;
+    // forward and read in the backward, and its gradient written and read once each. (The probes'
+    // times hold their own.)
+    const double compute = probed ? stage_seconds(c.model, p.mem[s], q.blocks(q.cached)) / eff
+                                  : f.fp8_gemm / (eff * d.fp8) + f.hp_gemm / (eff * hp) + f.bf16_gemm / (eff * d.bf16) +
+                                        f.attention / (eff * d.attention);
+    const double memory = probed ? 0 : 4 * p.mem[s].saved_per_micro_batch / d.hbm;
     sum_compute += compute, sum_memory += memory;
     double comm = 0;
     std::array<double, 5> per_group{};
@@ -236,6 +231,16 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
       const double mb = c.train.moments_dtype == MomentsDtype::fp32 ? 4 : 2;
       const double owned = double(m.owned_dense + m.owned_expert);
       r.optimizer = (owned * (4 + 4 + 4 + 4 * mb) + m.fp8_weights * 5) / d.hbm;
+      if (probed) {
+        // The probes hold every expert and no ZeRO shard: the optimizer's share of the parameters
+        // this rank owns, the quantization's of those it holds.
+        const double whole = double(m.dense_trainable) + double(m.expert_trainable) * L.expert;
+        const double first = stage_seconds(c.model, m, q.blocks(q.first)),
+                     cached = stage_seconds(c.model, m, q.blocks(q.cached));
+        r.optimizer = stage_seconds(c.model, m, q.blocks(q.optimizer)) * owned / std::max(1.0, whole);
+        r.quantize = std::max(0.0, first - cached) / eff * double(m.dense_trainable + m.expert_trainable) /
+                     std::max(1.0, whole);
+      }
     }
   }
   r.pace_ratio = sum_t > 0 ? slowest / (sum_t / double(p.mem.size())) : 1;
@@ -292,7 +297,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   } else {
     r.dp_exposed = r.dp;
   }
-  r.step = busy + r.bubble + r.dp_exposed + r.optimizer;
+  r.step = busy + r.bubble + r.dp_exposed + r.quantize + r.optimizer;
   return r;
 }
 

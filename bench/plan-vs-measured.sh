@@ -9,7 +9,9 @@
 #   RSS/thr the same run with MALLOC_MMAP_THRESHOLD_=262144 (glibc's dynamic mmap threshold off:
 #           freed tensors go back to the kernel): what the plan models without the heap's retention
 #   s/step  the median of the steps after the first 3 (the plan's probes are timed here too);
-#           spread: the min-max of those steps
+#           spread: the min-max of those steps. One rank, and two ranks each on a CPU of its own
+#           (pipeline, expert and data parallel: the plan places each stage's blocks at the probes'
+#           times); not where ranks take turns on the CPUs
 # Measure on a quiet machine: the step times are wall times on shared cores.
 #   bench/plan-vs-measured.sh [FP8MOE] [MPIEXEC]     (defaults: build/fp8moe, mpirun)
 #   PLAN_BENCH_QUICK=1: fewer steps (no plateau; a smoke test)
@@ -50,7 +52,7 @@ EOT
 baseline=$("$exe" train "$tmp/minimal.yaml" "${common[@]}" --set train.steps=3 | grep -oE ' mem [0-9]+ MB' | tail -1 | grep -oE '[0-9]+')
 echo "process baseline (the minimal model's peak RSS, passed to the plan as --baseline-bytes): $baseline MB"
 uptime
-printf "%-10s %5s %5s | %9s %9s %5s | %9s %9s %5s %9s %5s | %7s %7s %5s %11s\n" run ranks steps "dmem plan" measured \
+printf "%-14s %5s %5s | %9s %9s %5s | %9s %9s %5s %9s %5s | %7s %7s %5s %11s\n" run ranks steps "dmem plan" measured \
   ratio "RSS plan" measured ratio "RSS/thr" ratio "s/step" meas. ratio spread
 run_case() {  # name ranks steps config [--set ...]
   local name=$1 ranks=$2 steps=$3 cfg=$4
@@ -64,7 +66,7 @@ run_case() {  # name ranks steps config [--set ...]
     out=$("$mpi" --oversubscribe -np "$ranks" "$exe" train "$cfg" "${common[@]}" --set train.steps="$steps" "$@")
   fi
   python3 - "$name" "$ranks" "$steps" "$plan" "$out" "$thr" <<'EOP'
-import re, statistics, sys
+import os, re, statistics, sys
 name, ranks, nsteps, plan, out, thr = sys.argv[1:]
 p = dict(zip(plan.split()[1::2], map(float, plan.split()[2::2])))
 def steps(text): return [l for l in text.splitlines() if re.match(r"step +\d+/", l)]
@@ -76,8 +78,10 @@ st = statistics.median(times)
 t = steps(thr)
 def peak_rss(lines): return max(float(re.search(r" mem (\d+) MB", l).group(1)) for l in lines) * 1e6
 rss_thr = f"{peak_rss(t)/1e6:7.1f}MB {peak_rss(t) / p['rss_bytes']:5.2f}" if t else f"{'-':>9s} {'-':>5s}"
-timing = f"{p['step_s']:7.3f} {st:7.3f} {st / p['step_s']:5.2f} {min(times):5.2f}-{max(times):5.2f}" if ranks == "1" else f"{'-':>7s} {'-':>7s} {'-':>5s} {'-':>11s}"
-print(f"{name:10s} {ranks:>5s} {nsteps:>5s} | {p['rank_bytes']/1e6:7.1f}MB {dmem/1e6:7.1f}MB {dmem/p['rank_bytes']:5.2f} | "
+# Step times where every rank has a CPU of its own (more ranks take turns on the CPUs).
+timed = int(ranks) <= len(os.sched_getaffinity(0))
+timing = f"{p['step_s']:7.3f} {st:7.3f} {st / p['step_s']:5.2f} {min(times):5.2f}-{max(times):5.2f}" if timed else f"{'-':>7s} {'-':>7s} {'-':>5s} {'-':>11s}"
+print(f"{name:14s} {ranks:>5s} {nsteps:>5s} | {p['rank_bytes']/1e6:7.1f}MB {dmem/1e6:7.1f}MB {dmem/p['rank_bytes']:5.2f} | "
       f"{p['rss_bytes']/1e6:7.1f}MB {rss/1e6:7.1f}MB {rss/p['rss_bytes']:5.2f} {rss_thr} | {timing}")
 EOP
 }
@@ -86,6 +90,18 @@ if [ "$quick" = 1 ]; then n_small=5 n_mid=4; else n_small=20 n_mid=10; fi
 run_case tiny 1 $n_small "$here/configs/tiny.yaml" "${one[@]}"
 run_case tiny-v3 1 $n_small "$here/configs/tiny-v3.yaml" "${one[@]}"
 run_case mid-200M 1 $n_mid "$tmp/mid.yaml"
+# Two ranks, each on a CPU of its own (mpirun binds them to cores): the plan's stages from the
+# probes' block times, the messages at the memory bandwidth, the 1F1B bubble.
+if [ "$(nproc)" -ge 2 ]; then
+  run_case tiny-pp2 2 $n_small "$here/configs/tiny.yaml" --set parallel.tensor=1 --set parallel.expert=1
+  run_case tiny-ep2 2 $n_small "$here/configs/tiny.yaml" --set parallel.tensor=1 --set parallel.pipeline=1
+  run_case tiny-dp2 2 $n_small "$here/configs/tiny.yaml" "${one[@]}"
+  run_case tiny-v3-pp2 2 $n_small "$here/configs/tiny-v3.yaml" "${one[@]}" --set parallel.pipeline=2
+  for schedule in zb1p dualpipev; do
+    run_case tiny-$schedule 2 $n_small "$here/configs/tiny.yaml" --set parallel.tensor=1 --set parallel.expert=1 \
+      --set parallel.pipeline_schedule=$schedule
+  done
+fi
 if [ "${PLAN_BENCH_RANKS8:-0}" = 1 ]; then
   run_case tiny 8 4 "$here/configs/tiny.yaml"
   run_case tiny-v3 8 4 "$here/configs/tiny-v3.yaml"

@@ -412,43 +412,6 @@ double step_budget_seconds(double hours, double tokens, double step_tokens, int 
   return hours * 3600.0 / (tokens / step_tokens) / double(world);
 }
 
-int in_flight_micro_batches(int stages, int stage, int micro_batches, bool paired) {
-  int open = 0, most = 0;
-  for (const PipelineOp& op : paired ? one_f_one_b_paired(stages, stage, micro_batches)
-                                     : one_f_one_b(stages, stage, micro_batches)) {
-    if (op.kind == PipeOpKind::weight) continue;
-    open += op.kind == PipeOpKind::backward ? -1 : 1;  // (a pair: its forward's before its backward frees)
-    most = std::max(most, open);
-    if (op.kind == PipeOpKind::forward_backward) --open;
-  }
-  return most;
-}
-
-double dualpipev_activations(int ranks, int rank, int micro_batches, const double saved[2], int* most_chunks,
-                             bool paired) {
-  int open[2] = {0, 0};
-  double most = 0;
-  *most_chunks = 0;
-  auto track = [&](int phase, int delta) {
-    open[phase] += delta;
-    most = std::max(most, open[0] * saved[0] + open[1] * saved[1]);
-    *most_chunks = std::max(*most_chunks, open[0] + open[1]);
-  };
-  for (const DualOp& op : dualpipev_as_run(ranks, rank, micro_batches, paired)) {
-    if (op.kind == DualOpKind::forward_backward) {  // (its forward's state made before its backward frees)
-      track(op.phase, 1), track(1 - op.phase, -1);
-      continue;
-    }
-    track(op.phase, op.kind == DualOpKind::forward ? 1 : -1);
-  }
-  return most;
-}
-
-int stage_moe_blocks(const ModelConfig& m, const StageMemory& s) {
-  auto moe = [&](int b, int e) { return std::max(0, e - std::max(b, m.first_dense_layers)); };
-  return moe(s.layer_begin, s.layer_end) + (s.v_shape ? moe(s.layer_begin2, s.layer_end2) : 0) + s.mtp_blocks;
-}
-
 std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
   const ModelConfig& g = c.model;
   const ParamTable table = build_param_table(g);

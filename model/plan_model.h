@@ -158,6 +158,16 @@ struct StageMemory {
 std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L);
 // The MoE blocks a rank of the stage runs: its chunks' and, with the head, the modules'.
 int stage_moe_blocks(const ModelConfig& m, const StageMemory& s);
+// A time measured on one rank holding every block (the CPU's probe models, app/plan_probe.cpp),
+// per micro-batch or per step, in parts: the work outside the blocks (embedding, final norm, head,
+// loss, the fixed work), one dense block's, one MoE block's, one MTP module's.
+struct BlockSeconds {
+  double outside = 0, dense = 0, moe = 0, mtp = 0;
+};
+// A stage's rank's share of it: its dense and MoE blocks (both chunks under DualPipeV), and on the
+// stage with the head the work outside the blocks and the modules. Summed over the stages: the
+// whole model's. (model/plan_stages.cpp, with the two above.)
+double stage_seconds(const ModelConfig& m, const StageMemory& s, const BlockSeconds& t);
 
 // FLOPs one rank of a stage runs per micro-batch (forward + backward, recomputation included),
 // split by the unit that runs them.

@@ -126,6 +126,42 @@ TEST(Plan, DualPipeVHoldsTwoChunksPerRank) {
   EXPECT_DOUBLE_EQ(dualpipev_bubble(2, 4, 1, 2), 3.0 / 27.0);
 }
 
+// The CPU's multi-rank plan places each stage's blocks at the probes' times (model/plan_model.h
+// stage_seconds): by hand, with times that tell the parts apart (outside the blocks 1000, a dense
+// block 100, a MoE block 10, an MTP module 1), 4 blocks (block 0 dense) and one module.
+TEST(Plan, StageSecondsPlaceEveryBlockOnce) {
+  std::string yaml = kSmall;
+  yaml.replace(yaml.find("n_layers: 2"), 11, "n_layers: 4, mtp_depth: 1");
+  const BlockSeconds t{1000, 100, 10, 1};
+  auto stages = [&](const std::string& parallel, int world) {
+    const Config c = config_of(yaml + parallel, world);
+    std::vector<double> out;
+    for (const StageMemory& m : plan_memory(c, plan_layout(c, world))) out.push_back(stage_seconds(c.model, m, t));
+    return out;
+  };
+  EXPECT_EQ(stages("", 1), (std::vector<double>{1131}));
+  // 1F1B, even: blocks 0-1 | 2-3 and the head with the module.
+  EXPECT_EQ(stages("parallel: {pipeline: 2, micro_batches: 4}\n", 2), (std::vector<double>{110, 1021}));
+  // Given: blocks 0-2 | 3.
+  EXPECT_EQ(stages("parallel: {pipeline: 2, micro_batches: 4, stage_layers: [3, 1]}\n", 2),
+            (std::vector<double>{120, 1011}));
+  // The last stage with the head alone.
+  EXPECT_EQ(stages("parallel: {pipeline: 2, micro_batches: 4, stage_layers: [4, 0]}\n", 2),
+            (std::vector<double>{130, 1001}));
+  // DualPipeV: rank 0 blocks 0 and 3 with the head, rank 1 blocks 1 and 2.
+  EXPECT_EQ(stages("parallel: {pipeline: 2, micro_batches: 4, pipeline_schedule: dualpipev}\n", 2),
+            (std::vector<double>{1111, 20}));
+  // The same with blocks 0-2 dense: rank 1's second chunk (block 2) dense.
+  std::string dense3 = yaml;
+  dense3.replace(dense3.find("first_dense_layers: 1"), 21, "first_dense_layers: 3");
+  const Config v = config_of(dense3 + "parallel: {pipeline: 2, micro_batches: 4, pipeline_schedule: dualpipev}\n", 2);
+  const std::vector<StageMemory> vm = plan_memory(v, plan_layout(v, 2));
+  EXPECT_EQ(stage_seconds(v.model, vm[0], t), 1111);
+  EXPECT_EQ(stage_seconds(v.model, vm[1], t), 200);
+  // Expert parallelism leaves a rank every block (its experts' rows are the probes' in expectation).
+  EXPECT_EQ(stages("parallel: {expert: 2, micro_batches: 2}\n", 2), (std::vector<double>{1131}));
+}
+
 TEST(Plan, Fp8CopyBytesByTiling) {
   // 256 x 384 at tile 128: blocks 2 x 3 scales; 1 x T: 256 x 3; T x 1: 2 x 384; per-tensor: one.
   EXPECT_DOUBLE_EQ(fp8_copy_bytes(256, 384, PlanTiling::blocks_TxT, 128), 256 * 384 + 6 * 4);
@@ -324,6 +360,22 @@ TEST(Plan, CpuStepFromProbeModels) {
   const RunResult off = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--no-probe"});
   ASSERT_EQ(off.status, 0) << off.all();
   EXPECT_NE(off.out.find("no probe models (--no-probe)"), std::string::npos) << off.out;
+  // Two pipeline stages: each stage's blocks at the probes' times (a dense and a MoE block probed
+  // apart from probe A, whose blocks the stages split), the pace stage and its bubble.
+  const RunResult pp = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--world", "2",
+                            "--set", "parallel.tensor=1", "--set", "parallel.expert=1"}, 300);
+  ASSERT_EQ(pp.status, 0) << pp.all();
+  EXPECT_NE(pp.out.find("step time (measured on this CPU: 3 probe models"), std::string::npos) << pp.out;
+  EXPECT_TRUE(std::regex_search(pp.out, std::regex("per micro-batch on stage [01] \\(.*\\): ([0-9.]+) ms; "
+                                                   "communication [0-9.]+ ms")))
+      << pp.out;
+  EXPECT_TRUE(std::regex_search(pp.out, std::regex("bubble [0-9.]+ ms \\(1F1B\\)"))) << pp.out;
+  EXPECT_TRUE(std::regex_search(pp.out, std::regex("stage [01] sets the pace"))) << pp.out;
+  // Tensor parallelism: a rank runs shards of the blocks, which the probes do not time.
+  const RunResult tp = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--world", "2",
+                            "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"}, 300);
+  ASSERT_EQ(tp.status, 0) << tp.all();
+  EXPECT_NE(tp.out.find("no probe models (tensor parallelism"), std::string::npos) << tp.out;
 }
 
 // The plan's memory of a rank against a real run's: the emulated device counts every tensor it
