@@ -92,6 +92,11 @@ struct Roofline {
   int pairs = 0;           // the pace stage's pairs (DualPipeV: its F&B ops)
   double step = 0;         // s
   std::array<double, 5> comm_s{};  // per group, per step, s (the slowest stage)
+  // Every stage's micro-batch on one rank, as the slowest stage's above (s): the table of stages.
+  struct StageTime {
+    double compute = 0, memory = 0, comm = 0, ep_hidden = 0, t = 0;
+  };
+  std::vector<StageTime> stages;
   bool measured = false;   // the CPU's probes (compute_mb: a micro-batch; quantize, optimizer: per step)
   double quantize = 0;     // measured: the FP8 weights' quantization at their first use in a step, s
 };

@@ -56,6 +56,17 @@ std::string seconds_text(double s) {
   return b;
 }
 
+// A stage's blocks as the tables name them: "5-8", "57-60+mtp", "head+mtp" (the head and the
+// modules alone); DualPipeV's two chunks "0-0,head+mtp".
+std::string stage_blocks_text(const StageMemory& s) {
+  auto range = [](int b, int e) { return std::to_string(b) + "-" + std::to_string(e - 1); };
+  const std::string mtp = s.mtp_blocks ? "+mtp" : "";
+  if (s.v_shape)  // the V's way down and its way back (possibly empty: the head alone)
+    return range(s.layer_begin, s.layer_end) + "," + (s.layer_end2 > s.layer_begin2 ? range(s.layer_begin2, s.layer_end2) : "head") + mtp;
+  if (s.layer_end > s.layer_begin) return range(s.layer_begin, s.layer_end) + mtp;
+  return "head" + mtp;  // (a last stage of the head and the modules only)
+}
+
 void print_memory_table(const Plan& p, const Device& d, double baseline) {
   std::printf("memory per rank, by pipeline stage (every tensor/expert rank of a stage alike; bytes, 1 GB = 1e9):\n");
   // (DualPipeV: a rank's most activations at once over its schedule, as the mean of a chunk's
@@ -63,18 +74,8 @@ void print_memory_table(const Plan& p, const Device& d, double baseline) {
   std::printf("  stage  layers    weights     grads    moments  fp8 copies  %s  workspace      total%s\n",
               p.L.v_shape ? "act/chunk  x chunks in flight" : "act/micro-batch x in flight", d.cpu ? "   RSS (+ process, heap)" : "");
   for (const StageMemory& s : p.mem) {
-    char layers[32];
-    if (s.v_shape)  // DualPipeV: the V's way down and its way back (possibly empty: the head alone)
-      std::snprintf(layers, sizeof layers, "%d-%d,%s%s", s.layer_begin, s.layer_end - 1,
-                    s.layer_end2 > s.layer_begin2
-                        ? (std::to_string(s.layer_begin2) + "-" + std::to_string(s.layer_end2 - 1)).c_str()
-                        : "head",
-                    s.mtp_blocks ? "+mtp" : "");
-    else if (s.layer_end > s.layer_begin)
-      std::snprintf(layers, sizeof layers, "%d-%d%s", s.layer_begin, s.layer_end - 1, s.mtp_blocks ? "+mtp" : "");
-    else  // (a last stage of the head and the modules only)
-      std::snprintf(layers, sizeof layers, "head%s", s.mtp_blocks ? "+mtp" : "");
-    std::printf("  %5d  %-8s %9s %9s %10s %11s %14s x %-3d %9s %9s %10s", s.stage, layers, bytes_text(s.weights).c_str(),
+    const std::string layers = stage_blocks_text(s);
+    std::printf("  %5d  %-8s %9s %9s %10s %11s %14s x %-3d %9s %9s %10s", s.stage, layers.c_str(), bytes_text(s.weights).c_str(),
                 bytes_text(s.grads).c_str(), bytes_text(s.moments).c_str(), bytes_text(s.fp8_weights + s.fp8_state).c_str(),
                 bytes_text(s.v_shape ? s.activations / std::max(1, s.in_flight) : s.saved_per_micro_batch).c_str(),
                 s.in_flight, "", bytes_text(s.workspace).c_str(),
@@ -234,6 +235,24 @@ void print_target(const PlanReport& rep) {
               to_string(p.cfg.train.recompute).data());
 }
 
+// Every stage's time per micro-batch on one rank, beside the stages' mean: which stage sets the
+// pace, and what the others would need to lose or could take on.
+void print_stage_times(const PlanReport& rep) {
+  const Plan& p = rep.p;
+  const Roofline& r = rep.r;
+  if (p.mem.size() < 2 || r.stages.size() != p.mem.size()) return;
+  double mean = 0;
+  for (const Roofline::StageTime& t : r.stages) mean += t.t / double(r.stages.size());
+  std::printf("  per stage, a micro-batch on one rank (ms; communication exposed, ep's hidden part apart):\n");
+  std::printf("    stage  blocks          compute   memory    comm   ep hidden     total  / mean\n");
+  for (size_t s = 0; s < r.stages.size(); ++s) {
+    const Roofline::StageTime& t = r.stages[s];
+    std::printf("    %5zu  %-14s %8.3f %8.3f %7.3f %11.3f %9.3f  %5.2f%s\n", s, stage_blocks_text(p.mem[s]).c_str(),
+                t.compute * 1e3, t.memory * 1e3, t.comm * 1e3, t.ep_hidden * 1e3, t.t * 1e3, mean > 0 ? t.t / mean : 1.0,
+                int(s) == r.pace_stage ? "  the pace" : "");
+  }
+}
+
 // The step as the CPU's probe models measured it.
 void print_measured_step(const PlanReport& rep) {
   const Plan& p = rep.p;
@@ -275,6 +294,7 @@ void print_measured_step(const PlanReport& rep) {
                 seconds_text(r.step).c_str());
     if (p.mem.size() > 1)
       std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch\n", r.pace_stage, r.pace_ratio);
+    print_stage_times(rep);
   }
   std::printf("  %.0f tokens/s. The probes' tokens: %s. Not in it: the step's data loading, loss and load "
               "read-backs and logging\n",
@@ -312,6 +332,7 @@ void print_roofline_step(const PlanReport& rep) {
     std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch (parallel.stage_layers %s)\n",
                 r.pace_stage, r.pace_ratio,
                 c.parallel.stage_layers.split == StageSplit::even ? "even" : c.parallel.stage_layers.split == StageSplit::balanced ? "balanced" : "given");
+  print_stage_times(rep);
   const double tps = step_tokens / r.step;
   std::printf("  %.0f tokens/s, MFU %.3f of the %s peak\n", tps, tps * model_flops / (world * (c.fp8.recipe != Fp8Recipe::off ? d.fp8 : d.fp32)),
               c.fp8.recipe != Fp8Recipe::off ? "FP8" : "FP32");

@@ -214,6 +214,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
     sum_t += t;
+    r.stages.push_back({compute, memory, comm, ep_hidden, t});
     // The backward's share of the stage's work (the forward is a third of what is not
     // recomputed), and ZB1P's weight op: its GEMMs' seconds.
     const double bs = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;

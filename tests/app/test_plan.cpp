@@ -310,6 +310,33 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   // the even split gives it 3 blocks.
   EXPECT_NE(r.out.find("     15  head+mtp"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("stage 15 sets the pace: 1.02x the stages' mean"), std::string::npos) << r.out;
+  {
+    // The table of stages: 16 rows, the middle stages' (4 MoE blocks each) alike, each total its
+    // parts' sum, the pace row stage 15's with the slowest-stage line's numbers and 1.02x the mean.
+    const size_t at = r.out.find("per stage, a micro-batch on one rank");
+    ASSERT_NE(at, std::string::npos) << r.out;
+    const std::string table = r.out.substr(at);
+    const std::regex row(R"(\n +(\d+)  (\S+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)(  the pace)?)");
+    std::vector<std::vector<double>> rows;
+    int pace = -1;
+    for (auto it = std::sregex_iterator(table.begin(), table.end(), row); it != std::sregex_iterator(); ++it) {
+      const std::smatch& m = *it;
+      if (m[9].matched) pace = std::stoi(m[1]);
+      rows.push_back({std::stod(m[3]), std::stod(m[4]), std::stod(m[5]), std::stod(m[6]), std::stod(m[7]), std::stod(m[8])});
+    }
+    ASSERT_EQ(rows.size(), 16u) << table;
+    EXPECT_EQ(pace, 15) << table;
+    for (size_t s = 2; s < 15; ++s) EXPECT_EQ(rows[s], rows[1]) << s;
+    double mean = 0;
+    for (const auto& v : rows) {
+      EXPECT_NEAR(v[4], v[0] + v[1] + v[2], 0.002) << table;
+      mean += v[4] / 16;
+    }
+    EXPECT_NE(r.out.find("compute " + std::to_string(rows[15][0]).substr(0, 7) + " ms, memory-bound"), std::string::npos)
+        << r.out;
+    EXPECT_NEAR(rows[15][4] / mean, 1.02, 0.005);
+    EXPECT_NEAR(rows[15][5], 1.02, 1e-9);
+  }
   const RunResult bal = plan_v3({"--set", "parallel.stage_layers=balanced", "--set", "train.recompute_layers=[]"});
   ASSERT_EQ(bal.status, 0) << bal.all();
   EXPECT_NE(bal.out.find("     15  60-60+mtp"), std::string::npos) << bal.out;
@@ -371,6 +398,8 @@ TEST(Plan, CpuStepFromProbeModels) {
       << pp.out;
   EXPECT_TRUE(std::regex_search(pp.out, std::regex("bubble [0-9.]+ ms \\(1F1B\\)"))) << pp.out;
   EXPECT_TRUE(std::regex_search(pp.out, std::regex("stage [01] sets the pace"))) << pp.out;
+  EXPECT_TRUE(std::regex_search(pp.out, std::regex("\\n +0  0-1 +[0-9.]+ +0.000 .*\\n +1  2-3 +[0-9.]+ +0.000 ")))
+      << pp.out;  // the table of stages: the probes' times hold the memory traffic
   // Tensor parallelism: a rank runs shards of the blocks, which the probes do not time.
   const RunResult tp = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--world", "2",
                             "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"}, 300);
