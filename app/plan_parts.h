@@ -30,13 +30,14 @@ struct CpuProbe {
   // A's one dense and one MoE block) + each further block's.
   struct Part { double a = 0, dense = 0, moe = 0, mtp = 0; };
   int dense_in_a = 0, moe_in_a = 0;
+  bool per_block = false;  // each kind of block the model has probed apart from A (a split's stages)
   // A part for a model of `dense` + `moe` blocks and `mtp` modules on one rank.
   double of(const Part& q, int dense, int moe, int mtp) const {
     return q.a + (dense - dense_in_a) * q.dense + (moe - moe_in_a) * q.moe + mtp * q.mtp;
   }
   // The same as per-block parts, for a pipeline stage's share (model/plan_model.h stage_seconds).
   BlockSeconds blocks(const Part& q) const {
-    return {q.a - dense_in_a * q.dense - moe_in_a * q.moe, q.dense, q.moe, q.mtp};
+    return {std::max(0.0, q.a - dense_in_a * q.dense - moe_in_a * q.moe), q.dense, q.moe, q.mtp};
   }
   Part cached;     // a micro-batch's forward + backward with the step's FP8 weights already quantized
   Part first;      // the first micro-batch of a step: with the FP8 weights' quantization

@@ -218,6 +218,7 @@ CpuProbe probe_cpu(const Config& c, const PlanLayout& L, double ram) {
     Config big = c;
     big.parallel.tensor = big.parallel.pipeline = big.parallel.expert = 1;
     big.model.n_layers = ad + am + 1, big.model.first_dense_layers = ad + 1;
+    big.train.global_batch = int(L.sequences) * big.parallel.micro_batches;  // the probes' micro-batch
     const double need = plan_memory(big, plan_layout(big, 1))[0].total();
     if (4 * need > ram / 2) {
       p.why_not = "its probe models would need " + std::to_string(int64_t(4 * need / 1e9)) + " GB";
@@ -231,12 +232,14 @@ CpuProbe probe_cpu(const Config& c, const PlanLayout& L, double ram) {
   p.dense_in_a = ad, p.moe_in_a = am;
   std::vector<std::unique_ptr<ProbeModel>> probes;
   probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 0, L.sequences, L.seq_len));
-  // (Split into pipeline stages, each kind's time per block places probe A's blocks too.)
-  const bool split = L.pipeline > 1;
+  // (Split into pipeline stages, each kind's time per block places probe A's blocks too; several
+  // ranks may be split so by the layout search's candidates.)
+  const bool split = L.world > 1;
   const int with_moe = Lm > am || (split && am > 0) ? int(probes.size()) : -1;
   if (with_moe >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am + 1, 0, L.sequences, L.seq_len));
   const int with_dense = Ld > ad || (split && ad > 0) ? int(probes.size()) : -1;
   if (with_dense >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad + 1, am, 0, L.sequences, L.seq_len));
+  p.per_block = (ad == 0 || with_dense >= 0) && (am == 0 || with_moe >= 0);
   const int with_mtp = m.mtp_depth > 0 ? int(probes.size()) : -1;
   if (with_mtp >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 1, L.sequences, L.seq_len));
   p.probes = int(probes.size());

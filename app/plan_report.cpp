@@ -243,7 +243,8 @@ void print_stage_times(const PlanReport& rep) {
   if (p.mem.size() < 2 || r.stages.size() != p.mem.size()) return;
   double mean = 0;
   for (const Roofline::StageTime& t : r.stages) mean += t.t / double(r.stages.size());
-  std::printf("  per stage, a micro-batch on one rank (ms; communication exposed, ep's hidden part apart):\n");
+  std::printf("  per stage, a micro-batch on one rank (ms; communication %s, ep's hidden part apart):\n",
+              rep.o.overlap ? "all of it, the total its larger of compute + memory and it (--overlap)" : "exposed");
   std::printf("    stage  blocks          compute   memory    comm   ep hidden     total  / mean\n");
   for (size_t s = 0; s < r.stages.size(); ++s) {
     const Roofline::StageTime& t = r.stages[s];
@@ -282,11 +283,15 @@ void print_measured_step(const PlanReport& rep) {
     // Several ranks: the pace stage's blocks at the probes' times, its messages at the memory
     // bandwidth (ranks of one machine).
     std::printf("  per micro-batch on %s%d (forward + backward, the FP8 weights already quantized; its blocks at the "
-                "probes' times per block%s): %s%s; communication %s (tp, ep and pp bytes at the memory bandwidth, "
-                "exposed)\n",
+                "probes' times per block%s): %s%s; communication %s (ep and pp bytes at the memory bandwidth%s)\n",
                 p.mem.size() > 1 ? "stage " : "every rank, as on stage ", r.pace_stage,
-                p.mem[size_t(r.pace_stage)].last ? ", with probe A's embedding, head, loss and modules" : "",
-                seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "", seconds_text(r.comm_mb).c_str());
+                !p.mem[size_t(r.pace_stage)].last ? ""
+                : c.model.mtp_depth > 0          ? ", with the work outside the blocks (embedding, head, loss: all of "
+                                                   "it on the head's stage) and the modules"
+                                                 : ", with the work outside the blocks (embedding, head, loss: all of "
+                                                   "it on the head's stage)",
+                seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "", seconds_text(r.comm_mb).c_str(),
+                rep.o.overlap ? ", behind compute: --overlap" : ", exposed");
     std::printf("  x %d micro-batches + bubble %s (%s) + dp/edp %s exposed of %s + the FP8 weights' quantization at "
                 "first use %s + optimizer (zero_grads, norm, AdamW; its owned share) %s = %s per step\n",
                 L.micro_batches, seconds_text(r.bubble).c_str(), schedule_text(c, L), seconds_text(r.dp_exposed).c_str(),

@@ -185,8 +185,11 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   // blocks (the efficiency scales the micro-batches' work); its communication at the memory
   // bandwidth (comm_seconds).
   const bool probed = d.cpu && q.valid && c.train.recompute == q.recompute && c.train.recompute_layers.empty() &&
-                      L.tokens() == q.tokens && L.tensor == 1;
+                      L.tokens() == q.tokens && L.tensor == 1 && (L.pipeline == 1 || q.per_block);
   r.measured = probed;
+  // (The probes' optimizer and quantization: the whole model's, shared out by parameters.)
+  double all_params = 0;
+  for (const StageMemory& m : p.mem) all_params += double(m.dense_trainable) + double(m.expert_trainable) * L.expert;
   double slowest = -1, sum_compute = 0, sum_memory = 0, sum_t = 0, backward_share = 0, weight_s = 0;
   std::vector<OpTimes> stage_times;  // each stage's ops' times (ZB1P, pairs)
   for (size_t s = 0; s < p.mem.size(); ++s) {
@@ -233,14 +236,15 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
       const double owned = double(m.owned_dense + m.owned_expert);
       r.optimizer = (owned * (4 + 4 + 4 + 4 * mb) + m.fp8_weights * 5) / d.hbm;
       if (probed) {
-        // The probes hold every expert and no ZeRO shard: the optimizer's share of the parameters
-        // this rank owns, the quantization's of those it holds.
-        const double whole = double(m.dense_trainable) + double(m.expert_trainable) * L.expert;
-        const double first = stage_seconds(c.model, m, q.blocks(q.first)),
-                     cached = stage_seconds(c.model, m, q.blocks(q.cached));
-        r.optimizer = stage_seconds(c.model, m, q.blocks(q.optimizer)) * owned / std::max(1.0, whole);
-        r.quantize = std::max(0.0, first - cached) / eff * double(m.dense_trainable + m.expert_trainable) /
-                     std::max(1.0, whole);
+        // The probes' whole model (every expert, no ZeRO shard, no stage split): the optimizer's
+        // share of the parameters this rank owns (zero_grads and the norm run over those it holds:
+        // under ZeRO-1 this is low), the quantization's of those it holds.
+        const ModelConfig& g = c.model;
+        const int Ld = std::min(g.first_dense_layers, g.n_layers), Lm = g.n_layers - Ld;
+        const double whole = std::max(1.0, all_params);
+        r.optimizer = q.of(q.optimizer, Ld, Lm, g.mtp_depth) * owned / whole;
+        r.quantize = std::max(0.0, q.of(q.first, Ld, Lm, g.mtp_depth) - q.of(q.cached, Ld, Lm, g.mtp_depth)) / eff *
+                     double(m.dense_trainable + m.expert_trainable) / whole;
       }
     }
   }

@@ -166,7 +166,8 @@ struct BlockSeconds {
 };
 // A stage's rank's share of it: its dense and MoE blocks (both chunks under DualPipeV), and on the
 // stage with the head the work outside the blocks and the modules. Summed over the stages: the
-// whole model's. (model/plan_stages.cpp, with the two above.)
+// whole model's. (model/plan_stages.cpp, with stage_moe_blocks, in_flight_micro_batches and
+// dualpipev_activations.)
 double stage_seconds(const ModelConfig& m, const StageMemory& s, const BlockSeconds& t);
 
 // FLOPs one rank of a stage runs per micro-batch (forward + backward, recomputation included),
