@@ -235,12 +235,16 @@ void print_target(const PlanReport& rep) {
               to_string(p.cfg.train.recompute).data());
 }
 
-// Every stage's time per micro-batch on one rank, beside the stages' mean: which stage sets the
-// pace, and what the others would need to lose or could take on.
+// Which stage sets the pace, and every stage's time per micro-batch on one rank beside the stages'
+// mean: what the others would need to lose or could take on.
 void print_stage_times(const PlanReport& rep) {
   const Plan& p = rep.p;
   const Roofline& r = rep.r;
+  const StageSplit split = p.cfg.parallel.stage_layers.split;
   if (p.mem.size() < 2 || r.stages.size() != p.mem.size()) return;
+  std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch (parallel.stage_layers %s)\n",
+              r.pace_stage, r.pace_ratio,
+              split == StageSplit::even ? "even" : split == StageSplit::balanced ? "balanced" : "given");
   double mean = 0;
   for (const Roofline::StageTime& t : r.stages) mean += t.t / double(r.stages.size());
   std::printf("  per stage, a micro-batch on one rank (ms; communication %s, ep's hidden part apart):\n",
@@ -282,14 +286,15 @@ void print_measured_step(const PlanReport& rep) {
   } else {
     // Several ranks: the pace stage's blocks at the probes' times, its messages at the memory
     // bandwidth (ranks of one machine).
+    const std::string head =
+        p.mem[size_t(r.pace_stage)].last
+            ? std::string(", with the work outside the blocks (embedding, head, loss: all of it on the head's stage)") +
+                  (c.model.mtp_depth > 0 ? " and the modules" : "")
+            : "";
     std::printf("  per micro-batch on %s%d (forward + backward, the FP8 weights already quantized; its blocks at the "
                 "probes' times per block%s): %s%s; communication %s (ep and pp bytes at the memory bandwidth%s)\n",
                 p.mem.size() > 1 ? "stage " : "every rank, as on stage ", r.pace_stage,
-                !p.mem[size_t(r.pace_stage)].last ? ""
-                : c.model.mtp_depth > 0          ? ", with the work outside the blocks (embedding, head, loss: all of "
-                                                   "it on the head's stage) and the modules"
-                                                 : ", with the work outside the blocks (embedding, head, loss: all of "
-                                                   "it on the head's stage)",
+                head.c_str(),
                 seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "", seconds_text(r.comm_mb).c_str(),
                 rep.o.overlap ? ", behind compute: --overlap" : ", exposed");
     std::printf("  x %d micro-batches + bubble %s (%s) + dp/edp %s exposed of %s + the FP8 weights' quantization at "
@@ -297,8 +302,6 @@ void print_measured_step(const PlanReport& rep) {
                 L.micro_batches, seconds_text(r.bubble).c_str(), schedule_text(c, L), seconds_text(r.dp_exposed).c_str(),
                 seconds_text(r.dp).c_str(), seconds_text(r.quantize).c_str(), seconds_text(r.optimizer).c_str(),
                 seconds_text(r.step).c_str());
-    if (p.mem.size() > 1)
-      std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch\n", r.pace_stage, r.pace_ratio);
     print_stage_times(rep);
   }
   std::printf("  %.0f tokens/s. The probes' tokens: %s. Not in it: the step's data loading, loss and load "
@@ -333,10 +336,6 @@ void print_roofline_step(const PlanReport& rep) {
               : r.dp_exposed < r.dp ? (" exposed of " + seconds_text(r.dp) + " (optim.overlap_grad_reduce: the reduce-scatter behind the last backward)").c_str()
                                     : "",
               seconds_text(r.optimizer).c_str(), seconds_text(r.step).c_str());
-  if (p.mem.size() > 1)
-    std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch (parallel.stage_layers %s)\n",
-                r.pace_stage, r.pace_ratio,
-                c.parallel.stage_layers.split == StageSplit::even ? "even" : c.parallel.stage_layers.split == StageSplit::balanced ? "balanced" : "given");
   print_stage_times(rep);
   const double tps = step_tokens / r.step;
   std::printf("  %.0f tokens/s, MFU %.3f of the %s peak\n", tps, tps * model_flops / (world * (c.fp8.recipe != Fp8Recipe::off ? d.fp8 : d.fp32)),
@@ -477,14 +476,12 @@ void print_bubble(const PlanReport& rep) {
   const PlanLayout& L = rep.p.L;
   if (L.v_shape) {
     const bool paired = rep.p.cfg.parallel.pair_micro_batches;
-    const DualPipeVSim s = paired ? simulate_dualpipev(L.pipeline, L.micro_batches, 1, 2, 0, 3, false)
-                                  : simulate_dualpipev(L.pipeline, L.micro_batches, 1, 2, 0, 0, true);
-    const double idle = *std::max_element(s.idle.begin(), s.idle.end());
+    const double idle = dualpipev_idle(L.pipeline, L.micro_batches, 1, 2, paired);
     std::printf("\npipeline bubble (DualPipeV as fp8moe runs it: %s, W = 0; simulated in chunk times with B = 2F): "
                 "%.0f F idle against 2m(F + B) = %d F busy = %.3f (the step time below simulates the pace rank's own "
                 "forward and backward%s)\n",
                 paired ? "its F&B ops as pairs, here hiding nothing" : "its F&B's backward, then its forward", idle,
-                6 * L.micro_batches, dualpipev_bubble(L.pipeline, L.micro_batches, 1, 2, paired),
+                6 * L.micro_batches, idle / (idle + 6.0 * L.micro_batches),
                 paired ? ", and what its pairs hide" : "");
     return;
   }

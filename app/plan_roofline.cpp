@@ -107,9 +107,7 @@ double dualpipev_idle_share(int P, int M, double backward, double hidden = -1) {
   const auto key = std::make_tuple(P, M, backward, hidden);
   if (auto it = known.find(key); it != known.end()) return it->second;
   const double f = (1 - backward) / 2, b = backward / 2;
-  const DualPipeVSim s = hidden < 0 ? simulate_dualpipev(P, M, f, b, 0, 0, true)
-                                    : simulate_dualpipev(P, M, f, b, 0, f + b - hidden, false);
-  return known[key] = *std::max_element(s.idle.begin(), s.idle.end());
+  return known[key] = dualpipev_idle(P, M, f, b, hidden >= 0, std::max(0.0, hidden));
 }
 
 }  // namespace

@@ -238,12 +238,15 @@ DualPipeVSim simulate_dualpipev(int ranks, int micro_batches, double f, double b
   return s;
 }
 
-double dualpipev_bubble(int ranks, int micro_batches, double f, double b, bool paired) {
-  // (paired: dualpipev()'s ops with W = 0, an F&B taking f + b: nothing hidden)
-  const DualPipeVSim s = paired ? simulate_dualpipev(ranks, micro_batches, f, b, 0, f + b, false)
+double dualpipev_idle(int ranks, int micro_batches, double f, double b, bool paired, double hidden) {
+  const DualPipeVSim s = paired ? simulate_dualpipev(ranks, micro_batches, f, b, 0, f + b - hidden, false)
                                 : simulate_dualpipev(ranks, micro_batches, f, b, 0, 0, true);
   FP8MOE_ASSERT(s.complete, "DualPipeV's simulation stopped");
-  const double idle = *std::max_element(s.idle.begin(), s.idle.end());
+  return *std::max_element(s.idle.begin(), s.idle.end());
+}
+
+double dualpipev_bubble(int ranks, int micro_batches, double f, double b, bool paired) {
+  const double idle = dualpipev_idle(ranks, micro_batches, f, b, paired);
   return idle / (idle + 2.0 * micro_batches * (f + b));
 }
 

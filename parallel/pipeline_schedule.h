@@ -121,7 +121,11 @@ double one_f_one_b_bubble(int stages, int micro_batches);
 double zb1p_idle(int stages, int micro_batches, double f, double b, double w);
 // 1F1B or ZB1P (zb), paired or not, simulated with each stage's own times: every stage's idle time.
 std::vector<double> pipeline_idle(int micro_batches, bool zb, bool paired, const std::vector<OpTimes>& t);
-// paired (parallel.pair_micro_batches): its F&B ops as pairs that hide nothing (F&B = f + b).
+// DualPipeV as fp8moe runs it, with chunk times f and b, simulated: the slowest rank's idle time.
+// paired (parallel.pair_micro_batches): its F&B ops as pairs (dualpipev()'s ops with W = 0), each
+// hiding `hidden` of its f + b.
+double dualpipev_idle(int ranks, int micro_batches, double f, double b, bool paired = false, double hidden = 0);
+// paired: its F&B ops as pairs that hide nothing (F&B = f + b).
 double dualpipev_bubble(int ranks, int micro_batches, double f, double b, bool paired = false);
 
 }  // namespace fp8moe
