@@ -26,6 +26,7 @@ struct CpuProbe {
   std::string why_not;             // when not valid
   Recompute recompute = Recompute::none;
   int64_t tokens = 0;              // the micro-batch the probes ran
+  int tensor = 1;                  // the tensor parallelism whose rank's shards they ran
   // Each as probe A's time (`a`: embedding, final norm, head, cross-entropy, the fixed work, and
   // A's one dense and one MoE block) + each further block's.
   struct Part { double a = 0, dense = 0, moe = 0, mtp = 0; };

@@ -108,20 +108,22 @@ double ram_bytes() {
   return NAN;
 }
 
-// One probe model of `dense` dense blocks then `moe` MoE blocks and `mtp` modules, at the config's
-// widths on one rank, on its own backend. step() times one training step of it: its first
+// One probe model of `dense` dense blocks then `moe` MoE blocks and `mtp` modules, at the widths
+// one rank of the config's `tp`-way tensor parallelism holds (model/plan_model.h
+// tensor_rank_model), on its own backend. step() times one training step of it: its first
 // micro-batch (the step's FP8 weights quantized at first use), a second micro-batch (reusing them)
 // and the optimizer.
 struct ProbeTimes { double first = 0, cached = 0, optimizer = 0; };
 class ProbeModel {
  public:
-  ProbeModel(const Config& c, int dense, int moe, int mtp, int64_t B, int64_t T) : B_(B), T_(T), depth_(mtp) {
+  ProbeModel(const Config& c, int tp, int dense, int moe, int mtp, int64_t B, int64_t T) : B_(B), T_(T), depth_(mtp) {
     pc_ = c;
     pc_.parallel.tensor = pc_.parallel.pipeline = pc_.parallel.expert = 1;
     pc_.parallel.micro_batches = 1;
     pc_.model.n_layers = dense + moe;
     pc_.model.first_dense_layers = dense;
     pc_.model.mtp_depth = mtp;
+    pc_.model = tensor_rank_model(pc_.model, tp);
     const DeviceKind kind = c.runtime.device == DeviceChoice::emulated ? DeviceKind::emulated : DeviceKind::cpu;
     BackendOptions bo;
     bo.grouped_gemm = c.runtime.grouped_gemm;
@@ -134,13 +136,18 @@ class ProbeModel {
     // The config's own training data where it can be read (its tokens route as training's do),
     // else uniformly random tokens.
     try {
-      DataBlend data(c.data.path, TokenCheck{m.vocab_size, 0, 1});
+      DataBlend data(c.data.path, TokenCheck{c.model.vocab_size, 0, 1});
       for (int64_t b = 0; b < B; ++b) data.sample(c.train.seed, b, T, tok.data() + b * T, tgt.data() + b * T);
       real_data_ = true;
     } catch (const std::exception&) {
       uint32_t seed = 777;
       for (int64_t i = 0; i < N; ++i) seed = seed * 1664525u + 1013904223u, tok[size_t(i)] = int32_t((seed >> 8) % uint32_t(m.vocab_size));
       for (int64_t i = 0; i < N; ++i) tgt[size_t(i)] = (i + 1) % T ? tok[size_t(i + 1)] : tok[size_t(i)];
+    }
+    // (A tensor-parallel rank's vocabulary slice: the tokens folded into it.)
+    if (tp > 1) {
+      for (int32_t* t : {tok.data(), tgt.data()})
+        for (int64_t i = 0; i < N; ++i) t[i] %= m.vocab_size;
     }
     ids_ = tensor_from(*be_, tok, {N}), targets_ = tensor_from(*be_, tgt, {N});
     losses_ = Tensor::zeros(*be_, DType::f64, {1 + m.moe_layers() + mtp});
@@ -200,11 +207,10 @@ CpuProbe probe_cpu(const Config& c, const PlanLayout& L, double ram) {
   const ModelConfig& m = c.model;
   p.recompute = c.train.recompute, p.tokens = L.tokens();
   // Several ranks: each stage's blocks at the probes' times (model/plan_model.h stage_seconds),
-  // each rank with the threads `train` gives it, while no two ranks share a CPU.
-  if (L.tensor != 1) {
-    p.why_not = "tensor parallelism: the probes time whole blocks, not a tensor-parallel rank's shards";
-    return p;
-  }
+  // each rank with the threads `train` gives it, while no two ranks share a CPU. Under tensor
+  // parallelism the probes are a tensor-parallel rank's shards of the blocks (ProbeModel), and the
+  // group's all-reduces are the plan's communication.
+  p.tensor = L.tensor;
   if (L.world > 1 && L.world > omp_get_num_procs()) {
     p.why_not = std::to_string(L.world) + " ranks on " + std::to_string(omp_get_num_procs()) +
                 " CPUs: the ranks take turns on them";
@@ -231,17 +237,17 @@ CpuProbe probe_cpu(const Config& c, const PlanLayout& L, double ram) {
   const auto t0 = std::chrono::steady_clock::now();
   p.dense_in_a = ad, p.moe_in_a = am;
   std::vector<std::unique_ptr<ProbeModel>> probes;
-  probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 0, L.sequences, L.seq_len));
+  probes.push_back(std::make_unique<ProbeModel>(c, L.tensor, ad, am, 0, L.sequences, L.seq_len));
   // (Split into pipeline stages, each kind's time per block places probe A's blocks too; several
   // ranks may be split so by the layout search's candidates.)
   const bool split = L.world > 1;
   const int with_moe = Lm > am || (split && am > 0) ? int(probes.size()) : -1;
-  if (with_moe >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am + 1, 0, L.sequences, L.seq_len));
+  if (with_moe >= 0) probes.push_back(std::make_unique<ProbeModel>(c, L.tensor, ad, am + 1, 0, L.sequences, L.seq_len));
   const int with_dense = Ld > ad || (split && ad > 0) ? int(probes.size()) : -1;
-  if (with_dense >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad + 1, am, 0, L.sequences, L.seq_len));
+  if (with_dense >= 0) probes.push_back(std::make_unique<ProbeModel>(c, L.tensor, ad + 1, am, 0, L.sequences, L.seq_len));
   p.per_block = (ad == 0 || with_dense >= 0) && (am == 0 || with_moe >= 0);
   const int with_mtp = m.mtp_depth > 0 ? int(probes.size()) : -1;
-  if (with_mtp >= 0) probes.push_back(std::make_unique<ProbeModel>(c, ad, am, 1, L.sequences, L.seq_len));
+  if (with_mtp >= 0) probes.push_back(std::make_unique<ProbeModel>(c, L.tensor, ad, am, 1, L.sequences, L.seq_len));
   p.probes = int(probes.size());
   p.real_data = probes[0]->real_data();
   const double inf = 1e30;

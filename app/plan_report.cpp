@@ -291,9 +291,13 @@ void print_measured_step(const PlanReport& rep) {
             ? std::string(", with the work outside the blocks (embedding, head, loss: all of it on the head's stage)") +
                   (c.model.mtp_depth > 0 ? " and the modules" : "")
             : "";
+    const std::string shards =
+        L.tensor > 1 ? ", a tensor-parallel rank's shards: 1/" + std::to_string(L.tensor) +
+                           " of the heads, the MLP and expert widths and the vocabulary"
+                     : "";
     std::printf("  per micro-batch on %s%d (forward + backward, the FP8 weights already quantized; its blocks at the "
-                "probes' times per block%s): %s%s; communication %s (ep and pp bytes at the memory bandwidth%s)\n",
-                p.mem.size() > 1 ? "stage " : "every rank, as on stage ", r.pace_stage,
+                "probes' times per block%s%s): %s%s; communication %s (tp, ep and pp bytes at the memory bandwidth%s)\n",
+                p.mem.size() > 1 ? "stage " : "every rank, as on stage ", r.pace_stage, shards.c_str(),
                 head.c_str(),
                 seconds_text(r.compute_mb).c_str(), eff != 1 ? " (/ --efficiency)" : "", seconds_text(r.comm_mb).c_str(),
                 rep.o.overlap ? ", behind compute: --overlap" : ", exposed");

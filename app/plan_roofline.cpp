@@ -183,7 +183,7 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   // blocks (the efficiency scales the micro-batches' work); its communication at the memory
   // bandwidth (comm_seconds).
   const bool probed = d.cpu && q.valid && c.train.recompute == q.recompute && c.train.recompute_layers.empty() &&
-                      L.tokens() == q.tokens && L.tensor == 1 && (L.pipeline == 1 || q.per_block);
+                      L.tokens() == q.tokens && L.tensor == q.tensor && (L.pipeline == 1 || q.per_block);
   r.measured = probed;
   // (The probes' optimizer and quantization: the whole model's, shared out by parameters.)
   double all_params = 0;

@@ -11,13 +11,13 @@
 #   s/step  the median of the steps after the first 3 (the plan's probes are timed here too);
 #           spread: the min-max of those steps. One rank, and two ranks each on a CPU of its own
 #           (pipeline, expert and data parallel: the plan places each stage's blocks at the probes'
-#           times); not where ranks take turns on the CPUs
+#           times; tensor parallel: the probes train a tensor-parallel rank's shards of them); not
+#           where ranks take turns on the CPUs
 # Measure on a quiet machine: the step times are wall times on shared cores.
 #   bench/plan-vs-measured.sh [FP8MOE] [MPIEXEC]     (defaults: build/fp8moe, mpirun)
 #   PLAN_BENCH_QUICK=1: fewer steps (no plateau; a smoke test)
-#   PLAN_BENCH_RANKS8=1: also tiny and tiny-v3 on their 8-rank layouts (their tensor parallelism
-#           leaves the plan's step to the roofline; its time is compared only where the ranks fit
-#           the CPUs)
+#   PLAN_BENCH_RANKS8=1: also tiny and tiny-v3 on their 8-rank layouts (where the ranks outnumber
+#           the CPUs the plan's step is the roofline's, and its time is not compared)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 exe=${1:-$here/build/fp8moe}
@@ -93,13 +93,16 @@ run_case tiny 1 $n_small "$here/configs/tiny.yaml" "${one[@]}"
 run_case tiny-v3 1 $n_small "$here/configs/tiny-v3.yaml" "${one[@]}"
 run_case mid-200M 1 $n_mid "$tmp/mid.yaml"
 # Two ranks, each on a CPU of its own (mpirun binds them to cores) with 1 thread, as the plan's
-# probes run (OMP_NUM_THREADS=1 for both): the plan's stages from the probes' block times, the
-# messages at the memory bandwidth, the schedule's bubble (1F1B, ZB1P, DualPipeV).
+# probes run (OMP_NUM_THREADS=1 for both): the plan's stages from the probes' block times (under
+# tensor parallelism a rank's shards of them), the messages at the memory bandwidth, the
+# schedule's bubble (1F1B, ZB1P, DualPipeV).
 if [ "$(nproc)" -ge 2 ]; then
   run_case tiny-pp2 2 $n_small "$here/configs/tiny.yaml" --set parallel.tensor=1 --set parallel.expert=1
   run_case tiny-ep2 2 $n_small "$here/configs/tiny.yaml" --set parallel.tensor=1 --set parallel.pipeline=1
   run_case tiny-dp2 2 $n_small "$here/configs/tiny.yaml" "${one[@]}"
   run_case tiny-v3-pp2 2 $n_small "$here/configs/tiny-v3.yaml" "${one[@]}" --set parallel.pipeline=2
+  run_case tiny-tp2 2 $n_small "$here/configs/tiny.yaml" --set parallel.pipeline=1 --set parallel.expert=1
+  run_case tiny-v3-tp2 2 $n_small "$here/configs/tiny-v3.yaml" --set parallel.pipeline=1 --set parallel.expert=1
   for schedule in zb1p dualpipev; do
     run_case tiny-$schedule 2 $n_small "$here/configs/tiny.yaml" --set parallel.tensor=1 --set parallel.expert=1 \
       --set parallel.pipeline_schedule=$schedule

@@ -169,6 +169,11 @@ struct BlockSeconds {
 // whole model's. (model/plan_stages.cpp, with stage_moe_blocks, in_flight_micro_batches and
 // dualpipev_activations.)
 double stage_seconds(const ModelConfig& m, const StageMemory& s, const BlockSeconds& t);
+// The model one rank of `tp`-way tensor parallelism computes, as a model of its own: the heads (and
+// GQA's kv heads), the dense MLP's and every expert's width and the vocabulary over `tp`; the
+// norms, the router, MLA's latents and the MTP modules' eh_proj whole (io/config_rules.cpp
+// split_rules). The CPU's probe models time it (app/plan_probe.cpp); its parameters are a rank's.
+ModelConfig tensor_rank_model(const ModelConfig& m, int tp);
 
 // FLOPs one rank of a stage runs per micro-batch (forward + backward, recomputation included),
 // split by the unit that runs them.

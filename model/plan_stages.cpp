@@ -1,5 +1,6 @@
 // The pipeline stages of `fp8moe plan` (model/plan_model.h): what a stage's rank holds in flight
-// and runs per micro-batch, over the schedules of parallel/pipeline_schedule.h.
+// and runs per micro-batch, over the schedules of parallel/pipeline_schedule.h; the model a
+// tensor-parallel rank runs.
 #include <algorithm>
 
 #include "model/plan_model.h"
@@ -51,6 +52,14 @@ double stage_seconds(const ModelConfig& m, const StageMemory& s, const BlockSeco
   double seconds = nd * t.dense + nm * t.moe;
   if (s.last) seconds += t.outside + s.mtp_blocks * t.mtp;
   return seconds;
+}
+
+ModelConfig tensor_rank_model(const ModelConfig& m, int tp) {
+  ModelConfig n = m;
+  n.n_heads /= tp, n.d_ff_dense /= tp, n.moe.d_expert /= tp, n.vocab_size /= tp;
+  if (!n.mla()) n.n_kv_heads /= tp;
+  if (n.pad_id >= 0) n.pad_id %= n.vocab_size;  // (a rank's tokens folded into its slice)
+  return n;
 }
 
 }  // namespace fp8moe

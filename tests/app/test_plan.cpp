@@ -10,6 +10,7 @@
 #include <string>
 
 #include "io/config.h"
+#include "model/param_table.h"
 #include "model/plan_model.h"
 #include "parallel/pipeline_schedule.h"
 #include "tests/test_util.h"
@@ -379,6 +380,27 @@ TEST(Plan, BadInputExitsTwo) {
   }
 }
 
+// The CPU's probe of a tensor-parallel layout trains the model one of its ranks computes
+// (tensor_rank_model): its parameters, counted from its own table, are what the placement gives a
+// tensor-parallel rank of the layout (Placement::shard, which training runs), parameter by
+// parameter kind: MHA, MLA with q_lora and MTP, and GQA at tensor 4.
+TEST(Plan, TensorRankModelHoldsATensorParallelRanksParameters) {
+  struct Case { std::string config; std::vector<std::string> sets; int tp; };
+  for (const Case& k : std::vector<Case>{
+           {"tiny.yaml", {"parallel.tensor=2", "parallel.pipeline=1", "parallel.expert=1"}, 2},
+           {"tiny-v3.yaml", {"parallel.tensor=2", "parallel.pipeline=1", "parallel.expert=1"}, 2},
+           {"tiny.yaml", {"parallel.tensor=4", "parallel.pipeline=1", "parallel.expert=1", "model.n_kv_heads=4", "fp8.recipe=off"}, 4}}) {
+    const Config c = load_config(ConfigSource{k.config, read_config_file(source_dir() + "/configs/" + k.config), k.sets}, k.tp);
+    ASSERT_EQ(c.parallel.tensor, k.tp);
+    const StageMemory rank = plan_memory(c, plan_layout(c, k.tp))[0];
+    int64_t narrowed = 0, whole = 0;
+    for (const ParamSpec& p : build_param_table(tensor_rank_model(c.model, k.tp)).params) narrowed += p.numel();
+    for (const ParamSpec& p : build_param_table(c.model).params) whole += p.numel();
+    EXPECT_EQ(narrowed, rank.held) << k.config << " tensor " << k.tp;
+    EXPECT_LT(narrowed, whole) << k.config;
+  }
+}
+
 // The CPU's step time comes from probe models of the config's blocks trained on `train`'s backend
 // (their times are not checked here: bench/plan-vs-measured.sh compares them with `train`).
 TEST(Plan, CpuStepFromProbeModels) {
@@ -391,11 +413,6 @@ TEST(Plan, CpuStepFromProbeModels) {
   const RunResult off = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--no-probe"});
   ASSERT_EQ(off.status, 0) << off.all();
   EXPECT_NE(off.out.find("no probe models (--no-probe)"), std::string::npos) << off.out;
-  // Tensor parallelism: a rank runs shards of the blocks, which the probes do not time.
-  const RunResult tp = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--world", "2",
-                            "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"}, 300);
-  ASSERT_EQ(tp.status, 0) << tp.all();
-  EXPECT_NE(tp.out.find("no probe models (tensor parallelism"), std::string::npos) << tp.out;
   // Two pipeline stages: each stage's blocks at the probes' times (a dense and a MoE block probed
   // apart from probe A, whose blocks the stages split), the pace stage and its bubble.
   const RunResult pp = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--world", "2",
@@ -415,6 +432,16 @@ TEST(Plan, CpuStepFromProbeModels) {
   EXPECT_TRUE(std::regex_search(pp.out, std::regex("stage [01] sets the pace"))) << pp.out;
   EXPECT_TRUE(std::regex_search(pp.out, std::regex("\\n +0  0-1 +[0-9.]+ +0.000 .*\\n +1  2-3 +[0-9.]+ +0.000 ")))
       << pp.out;  // the table of stages: the probes' times hold the memory traffic
+  // Tensor parallelism: the probes train a tensor-parallel rank's shards of the blocks (above), and
+  // the group's all-reduces are communication.
+  const RunResult tp = run({exe(), "plan", source_dir() + "/configs/tiny.yaml", "--device", "cpu", "--world", "2",
+                            "--set", "parallel.pipeline=1", "--set", "parallel.expert=1"}, 300);
+  ASSERT_EQ(tp.status, 0) << tp.all();
+  EXPECT_NE(tp.out.find("step time (measured on this CPU: 3 probe models"), std::string::npos) << tp.out;
+  EXPECT_NE(tp.out.find("a tensor-parallel rank's shards: 1/2 of the heads"), std::string::npos) << tp.out;
+  std::smatch comm;
+  ASSERT_TRUE(std::regex_search(tp.out, comm, std::regex("; communication ([0-9.]+) ms \\(tp, ep and pp bytes"))) << tp.out;
+  EXPECT_GT(std::stod(comm[1]), 0.0) << tp.out;
 }
 
 // The plan's memory of a rank against a real run's: the emulated device counts every tensor it
