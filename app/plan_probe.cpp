@@ -20,6 +20,7 @@
 #include "io/token_data.h"
 #include "kernels/attention.h"
 #include "kernels/backend.h"
+#include "kernels/elementwise.h"
 #include "kernels/gemm_fp8.h"
 #include "kernels/quantize.h"
 #include "model/mtp.h"
@@ -76,15 +77,26 @@ double measure_sgemm(int64_t M, int64_t K, int64_t N) {
   return 2.0 * double(M) * double(N) * double(K) / s;
 }
 
-// The CPU attention kernels (kernels/cpu/attention.cpp) forward and backward on one micro-batch's
-// shape, as FLOP/s of the causal count the plan uses (3 x forward).
-double measure_attention(const ModelConfig& m, int64_t B, int64_t T, int64_t H) {
+// The CPU attention kernels (kernels/cpu/attention.cpp; their BF16 forms under train.activations
+// bf16) forward and backward on one micro-batch's shape, as FLOP/s of the causal count the plan
+// uses (3 x forward).
+double measure_attention(const ModelConfig& m, bool bf16, int64_t B, int64_t T, int64_t H) {
   const int64_t qk = m.qk_head_dim(), vd = m.v_dim(), KVH = m.mla() ? H : std::max<int64_t>(1, m.n_kv_heads * H / m.n_heads);
   const int64_t N = B * T;
   const std::vector<float> q = filled(N * H * qk, 1.0f), k = filled(N * KVH * qk, 1.0f), v = filled(N * KVH * vd, 1.0f),
                            dout = filled(N * H * vd, 1.0f);
+  std::vector<uint16_t> q16(q.size()), k16(k.size()), v16(v.size());
+  cpu::to_bf16(q.data(), q16.data(), int64_t(q.size()));
+  cpu::to_bf16(k.data(), k16.data(), int64_t(k.size()));
+  cpu::to_bf16(v.data(), v16.data(), int64_t(v.size()));
   std::vector<float> out(size_t(N * H * vd)), lse(size_t(N * H)), dq(q.size()), dk(k.size()), dv(v.size());
   const double s = seconds_of([&] {
+    if (bf16) {
+      cpu::attention_forward_bf16(q16.data(), k16.data(), v16.data(), B, T, H, KVH, qk, vd, out.data(), lse.data());
+      cpu::attention_backward_bf16(q16.data(), k16.data(), v16.data(), out.data(), lse.data(), dout.data(), B, T, H,
+                                   KVH, qk, vd, dq.data(), dk.data(), dv.data());
+      return;
+    }
     cpu::attention_forward(q.data(), k.data(), v.data(), B, T, H, KVH, qk, vd, out.data(), lse.data());
     cpu::attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), B, T, H, KVH, qk, vd,
                             dq.data(), dk.data(), dv.data());
@@ -292,7 +304,8 @@ Device cpu_device(const Config& c, const PlanLayout& L, bool probe) {
   d.fp32 = measure_sgemm(N, D, F);
   if (c.fp8.recipe == Fp8Recipe::off) d.fp8 = d.fp32;  // no FP8 GEMM runs: every linear layer is an SGEMM
   d.bf16 = d.fp32;
-  d.attention = measure_attention(m, std::max<int64_t>(1, N / L.seq_len), std::min<int64_t>(L.seq_len, N), m.n_heads / L.tensor);
+  d.attention = measure_attention(m, c.train.activations == ActivationDtype::bf16, std::max<int64_t>(1, N / L.seq_len),
+                                  std::min<int64_t>(L.seq_len, N), m.n_heads / L.tensor);
   d.hbm = measure_bandwidth();
   d.memory = ram_bytes();
   char b[400];

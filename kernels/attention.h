@@ -21,4 +21,16 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
                         const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
                         float* dq, float* dk, float* dv);
 
+// The same on BF16 operands (train.activations bf16), as a fused flash-attention kernel computes
+// them (cuDNN's SDPA on the GPU, kernels/cuda/attention_cudnn.h): q, k and v in BF16; the scores
+// from BF16 products with FP32 sums (kernels/gemm_fp8.h gemm_bf16), the softmax as above; the
+// probabilities rounded to BF16 before they weight the values. The backward rounds dout to BF16
+// (a fused kernel's input), takes sum_j P_ij dP_ij as the rounded dout's row times out's, and
+// rounds dS = P (dP - that) and P to BF16 for the GEMMs of dq, dk and dv; sums in FP32 throughout.
+void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T, int64_t H,
+                            int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse);
+void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
+                             const float* lse, const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, int64_t hdv, float* dq, float* dk, float* dv);
+
 }  // namespace fp8moe::cpu

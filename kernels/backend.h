@@ -172,6 +172,14 @@ class Backend {
   virtual void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                                   const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd,
                                   int64_t hdv, float* dq, float* dk, float* dv) = 0;
+  // The same with q, k and v in BF16 (train.activations bf16; kernels/attention.h's _bf16 forms:
+  // the probabilities, dout and dS rounded to BF16 as a fused kernel rounds them). CUDA: cuDNN's
+  // SDPA on the operands as they are, or its reference kernel on them widened.
+  virtual void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T,
+                                      int64_t H, int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) = 0;
+  virtual void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
+                                       const float* lse, const float* dout, int64_t B, int64_t T, int64_t H,
+                                       int64_t KVH, int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) = 0;
   // MLA's keys and values from the kv projection and the shared rotary key (kernels/mla.h).
   virtual void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope,
                              int64_t vd, float* k, float* v) = 0;

@@ -60,8 +60,10 @@ std::string cpu_isa_name();
 // with the CPU and the thread count; a rerun with the same threads on the same CPU repeats them.
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
-// The same on BF16 operands (bits), FP32 accumulation and C: the operands widened to FP32 (exact)
-// and sgemm, so each product is the exact product of the BF16 values and the sums are sgemm's.
+// The same on BF16 operands (bits), FP32 accumulation and C: oneDNN's BF16 matmul where the CPU has
+// BF16 hardware (AVX-512 BF16 or AMX: each product exact, sums in FP32 in its order; a
+// denormal product or sum may flush to zero, as the BF16 dot-product instructions do), else the
+// operands widened to FP32 (exact) and sgemm. Strided operands (lda, ldb, ldc) are read in place.
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
                int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

@@ -330,6 +330,17 @@ void HostBackend::attention_backward(const float* q, const float* k, const float
   cpu::attention_backward(h(q), h(k), h(v), h(out), h(lse), h(dout), B, T, H, KVH, hd, hdv, h(dq), h(dk), h(dv));
 }
 
+void HostBackend::attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T,
+                                         int64_t H, int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) {
+  cpu::attention_forward_bf16(h(q), h(k), h(v), B, T, H, KVH, hd, hdv, h(out), h(lse));
+}
+
+void HostBackend::attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
+                                          const float* lse, const float* dout, int64_t B, int64_t T, int64_t H,
+                                          int64_t KVH, int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) {
+  cpu::attention_backward_bf16(h(q), h(k), h(v), h(out), h(lse), h(dout), B, T, H, KVH, hd, hdv, h(dq), h(dk), h(dv));
+}
+
 void HostBackend::mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope,
                                 int64_t vd, float* k, float* v) {
   cpu::mla_expand_kv(h(kv), h(kpe), N, H, nope, rope, vd, h(k), h(v));

@@ -81,6 +81,11 @@ class HostBackend final : public Backend {
   void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                           const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
                           float* dq, float* dk, float* dv) override;
+  void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T, int64_t H,
+                              int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) override;
+  void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
+                               const float* lse, const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                               int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) override;
   void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t vd,
                      float* k, float* v) override;
   void mla_expand_kv_backward(const float* dk, const float* dv, int64_t N, int64_t H, int64_t nope, int64_t rope,

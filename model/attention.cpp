@@ -32,13 +32,20 @@ void core_forward(const ModelContext& c, AttentionCore* s, const CoreShape& d, c
   const int64_t N = d.B * d.T;
   s->attn = Tensor(be, DType::f32, {N, d.H * d.vd});
   s->lse = Tensor(be, DType::f32, {d.B * d.H * d.T});
-  be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, s->attn.f32(),
-                       s->lse.f32());
+  if (c.bf16_activations()) {
+    // q, k and v as kept, in BF16, are the kernel's operands (a fused kernel's: the probabilities
+    // rounded to BF16 too, kernels/attention.h).
+    c.stash(&s->q), c.stash(&s->k), c.stash(&s->v);
+    be.attention_forward_bf16(s->q.data<uint16_t>(), s->k.data<uint16_t>(), s->v.data<uint16_t>(), d.B, d.T, d.H,
+                              d.KVH, d.qk, d.vd, s->attn.f32(), s->lse.f32());
+  } else {
+    be.attention_forward(s->q.f32(), s->k.f32(), s->v.f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, s->attn.f32(),
+                         s->lse.f32());
+  }
   c.round_activation(s->attn);
   linear_forward(be, s->attn.f32(), N, d.H * d.vd, wo.w, c.local.d_model, f, o, &s->lo);
   s->lo_rebuilt = false;
   if (!saving) return;
-  c.stash(&s->q), c.stash(&s->k), c.stash(&s->v);
   if (!s->lo.needs_fp32_input()) c.stash(&s->attn);  // (an FP32 wo holds a pointer to it)
   // train.recompute selective: an FP8 wo does not keep its FP8 copy of the attention output beside
   // the output itself, which the core's backward keeps anyway: the copy is made again from it
@@ -65,7 +72,7 @@ void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShap
   *dq = Tensor(be, DType::f32, {N, d.H * d.qk});
   *dk = Tensor(be, DType::f32, {N, d.KVH * d.qk});
   *dv = Tensor(be, DType::f32, {N, d.KVH * d.vd});
-  Tensor q, k, v, attn;  // FP32 copies of what was kept in BF16
+  Tensor q, k, v, attn;  // copies: FP32 of what was kept in BF16 (BF16 of what was made again in FP32)
   const float* attn32 = c.unstash(s.attn, &attn);
   LinearSaved lo_again;  // wo's input copy made again (train.recompute selective)
   if (s.lo_rebuilt) linear_reinput(be, s.lo, attn32, f, &lo_again);
@@ -73,6 +80,19 @@ void core_backward(const ModelContext& c, const AttentionCore& s, const CoreShap
   lo_again = LinearSaved{};
   const QkvTensors none;
   const QkvTensors& a = again ? *again : none;
+  if (c.bf16_activations()) {
+    // The BF16 kernel on q, k and v as kept, or as made again (rounded: their BF16 copies exact).
+    auto pick16 = [&](const Tensor& made, const Tensor& kept, Tensor* tmp) -> const uint16_t* {
+      const Tensor& t = made.empty() ? kept : made;
+      if (t.dtype() == DType::bf16) return t.data<uint16_t>();
+      *tmp = Tensor(be, DType::bf16, t.shape());
+      be.to_bf16(t.f32(), tmp->data<uint16_t>(), t.numel());
+      return tmp->data<uint16_t>();
+    };
+    be.attention_backward_bf16(pick16(a.q, s.q, &q), pick16(a.k, s.k, &k), pick16(a.v, s.v, &v), attn32, s.lse.f32(),
+                               da->f32(), d.B, d.T, d.H, d.KVH, d.qk, d.vd, dq->f32(), dk->f32(), dv->f32());
+    return;
+  }
   auto pick = [&](const Tensor& made, const Tensor& kept, Tensor* tmp) {
     return made.empty() ? c.unstash(kept, tmp) : made.f32();
   };

@@ -6,7 +6,8 @@
 
 #include "kernels/check.h"
 #include "kernels/cpu/vmath.h"
-#include "kernels/gemm_fp8.h"  // sgemm
+#include "kernels/cpu/fp8_simd.h"  // the BF16 conversions of one row, on the calling thread
+#include "kernels/gemm_fp8.h"  // sgemm, gemm_bf16
 
 namespace fp8moe::cpu {
 
@@ -54,14 +55,26 @@ FP8MOE_SIMD_CLONES void score_grad_row(const float* p, float* dp, double di, int
   for (int64_t j = 0; j < len; ++j) dp[j] = float(p[j] * (dp[j] - di));
   for (int64_t j = len; j < n; ++j) dp[j] = 0.0f;
 }
+// Row strides: q (H hd), k (KVH hd), v (KVH hdv), out (H hdv); query heads per kv head.
+struct Strides {
+  int64_t group, qs, ks, vs, os;
+};
+Strides strides(int64_t H, int64_t KVH, int64_t hd, int64_t hdv) {
+  FP8MOE_ASSERT(KVH > 0 && H % KVH == 0, "attention: ", H, " heads over ", KVH, " kv heads");
+  FP8MOE_ASSERT(hd >= 1 && hdv >= 1, "attention: head sizes ", hd, " (query/key) and ", hdv, " (value)");
+  return {H / KVH, H * hd, KVH * hd, KVH * hdv, H * hdv};
+}
+
+// width elements of each of T rows, stride apart, set to 0.
+void zero_rows(float* x, int64_t T, int64_t stride, int64_t width) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < width; ++d) x[t * stride + d] = 0.0f;
+}
 }  // namespace
 
 void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
                        int64_t hd, int64_t hdv, float* out, float* lse) {
-  FP8MOE_ASSERT(KVH > 0 && H % KVH == 0, "attention: ", H, " heads over ", KVH, " kv heads");
-  FP8MOE_ASSERT(hd >= 1 && hdv >= 1, "attention: head sizes ", hd, " (query/key) and ", hdv, " (value)");
-  // Row strides: q (H hd), k (KVH hd), v (KVH hdv), out (H hdv).
-  const int64_t group = H / KVH, qs = H * hd, ks = KVH * hd, vs = KVH * hdv, os = H * hdv;
+  const auto [group, qs, ks, vs, os] = strides(H, KVH, hd, hdv);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -86,9 +99,7 @@ void attention_forward(const float* q, const float* k, const float* v, int64_t B
 void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                         const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
                         float* dq, float* dk, float* dv) {
-  FP8MOE_ASSERT(KVH > 0 && H % KVH == 0, "attention: ", H, " heads over ", KVH, " kv heads");
-  FP8MOE_ASSERT(hd >= 1 && hdv >= 1, "attention: head sizes ", hd, " (query/key) and ", hdv, " (value)");
-  const int64_t group = H / KVH, qs = H * hd, ks = KVH * hd, vs = KVH * hdv, os = H * hdv;
+  const auto [group, qs, ks, vs, os] = strides(H, KVH, hd, hdv);
   const float scale = float(1.0 / std::sqrt(double(hd)));
   // Parallel over (sequence, kv head): the query heads of one group add into the same dk, dv.
 #pragma omp parallel for collapse(2) schedule(static)
@@ -99,10 +110,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
       const float* vb = v + b * T * vs + g * hdv;
       float* dkb = dk + b * T * ks + g * hd;
       float* dvb = dv + b * T * vs + g * hdv;
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t d = 0; d < hd; ++d) dkb[t * ks + d] = 0.0f;
-        for (int64_t d = 0; d < hdv; ++d) dvb[t * vs + d] = 0.0f;
-      }
+      zero_rows(dkb, T, ks, hd), zero_rows(dvb, T, vs, hdv);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         const float* qb = q + b * T * qs + h * hd;
         const float* ob = out + b * T * os + h * hdv;
@@ -132,6 +140,95 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
           sgemm(true, false, n, hdv, rows, 1.0f, p.data() + c0 * T + c0, T, dob + c0 * os, os, 1.0f, dvb + c0 * vs, vs);
           sgemm(true, false, n, hd, rows, scale, dp.data() + c0 * T + c0, T, qb + c0 * qs, qs, 1.0f, dkb + c0 * ks,
                 ks);
+        }
+      }
+    }
+}
+
+void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T, int64_t H,
+                            int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) {
+  const auto [group, qs, ks, vs, os] = strides(H, KVH, hd, hdv);
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  const SimdLevel level = cpu_simd_level();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      // (The calling thread's buffers, kept between calls: every entry read is written first.)
+      const int64_t rows = std::min(T, kCausalBlock);
+      thread_local std::vector<float> s;
+      thread_local std::vector<uint16_t> p16;
+      if (s.size() < size_t(rows * T)) s.resize(size_t(rows * T)), p16.resize(size_t(rows * T));
+      const uint16_t* qb = q + b * T * qs + h * hd;
+      const uint16_t* kb = k + b * T * ks + (h / group) * hd;
+      const uint16_t* vb = v + b * T * vs + (h / group) * hdv;
+      float* ob = out + b * T * os + h * hdv;
+      for (int64_t r0 = 0; r0 < T; r0 += kCausalBlock) {
+        const int64_t r1 = std::min(T, r0 + kCausalBlock), m = r1 - r0;
+        gemm_bf16(false, true, m, r1, hd, scale, qb + r0 * qs, qs, kb, ks, 0.0f, s.data(), T);
+        for (int64_t i = r0; i < r1; ++i) {
+          float* row = &s[size_t((i - r0) * T)];
+          lse[(b * H + h) * T + i] = float(softmax_row(row, i + 1, r1));
+          f32_to_bf16_span(level, row, &p16[size_t((i - r0) * T)], r1);
+        }
+        gemm_bf16(false, false, m, hdv, r1, 1.0f, p16.data(), T, vb, vs, 0.0f, ob + r0 * os, os);
+      }
+    }
+}
+
+void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
+                             const float* lse, const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                             int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) {
+  const auto [group, qs, ks, vs, os] = strides(H, KVH, hd, hdv);
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  const SimdLevel level = cpu_simd_level();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < KVH; ++g) {
+      // (The calling thread's buffers, kept between calls: every entry read is written first.)
+      thread_local std::vector<float> p, dp, do32;
+      thread_local std::vector<uint16_t> p16, ds16, do16;
+      for (auto* x : {&p, &dp}) x->resize(std::max(x->size(), size_t(T * T)));
+      for (auto* x : {&p16, &ds16}) x->resize(std::max(x->size(), size_t(T * T)));
+      do32.resize(std::max(do32.size(), size_t(hdv)));
+      do16.resize(std::max(do16.size(), size_t(T * hdv)));
+      const uint16_t* kb = k + b * T * ks + g * hd;
+      const uint16_t* vb = v + b * T * vs + g * hdv;
+      float* dkb = dk + b * T * ks + g * hd;
+      float* dvb = dv + b * T * vs + g * hdv;
+      zero_rows(dkb, T, ks, hd), zero_rows(dvb, T, vs, hdv);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const uint16_t* qb = q + b * T * qs + h * hd;
+        const float* ob = out + b * T * os + h * hdv;
+        const float* dob = dout + b * T * os + h * hdv;
+        float* dqb = dq + b * T * qs + h * hd;
+        for (int64_t t = 0; t < T; ++t)  // dO of this head in BF16, (T, hdv)
+          f32_to_bf16_span(level, dob + t * os, &do16[size_t(t * hdv)], hdv);
+        // By row block, as attention_backward: P from the log-sum-exp, dP = dO V^T, dS, and
+        // dQ = scale dS K; P and dS rounded to BF16 by row for the GEMMs.
+        for (int64_t r0 = 0; r0 < T; r0 += kCausalBlock) {
+          const int64_t r1 = std::min(T, r0 + kCausalBlock), m = r1 - r0;
+          float* pb = p.data() + r0 * T;
+          float* dpb = dp.data() + r0 * T;
+          gemm_bf16(false, true, m, r1, hd, scale, qb + r0 * qs, qs, kb, ks, 0.0f, pb, T);
+          for (int64_t i = r0; i < r1; ++i) probabilities_row(&p[size_t(i * T)], lse[(b * H + h) * T + i], i + 1, r1);
+          gemm_bf16(false, true, m, r1, hdv, 1.0f, &do16[size_t(r0 * hdv)], hdv, vb, vs, 0.0f, dpb, T);
+          for (int64_t i = r0; i < r1; ++i) {
+            bf16_to_f32_span(level, &do16[size_t(i * hdv)], do32.data(), hdv);
+            double di = 0;
+            for (int64_t d = 0; d < hdv; ++d) di += double(do32[size_t(d)]) * ob[i * os + d];
+            score_grad_row(&p[size_t(i * T)], &dp[size_t(i * T)], di, i + 1, r1);
+            f32_to_bf16_span(level, &p[size_t(i * T)], &p16[size_t(i * T)], r1);
+            f32_to_bf16_span(level, &dp[size_t(i * T)], &ds16[size_t(i * T)], r1);
+          }
+          gemm_bf16(false, false, m, hd, r1, scale, &ds16[size_t(r0 * T)], T, kb, ks, 0.0f, dqb + r0 * qs, qs);
+        }
+        // By column block: dV += P^T dO, dK += scale dS^T Q.
+        for (int64_t c0 = 0; c0 < T; c0 += kCausalBlock) {
+          const int64_t c1 = std::min(T, c0 + kCausalBlock), n = c1 - c0, rows = T - c0;
+          gemm_bf16(true, false, n, hdv, rows, 1.0f, &p16[size_t(c0 * T + c0)], T, &do16[size_t(c0 * hdv)], hdv, 1.0f,
+                    dvb + c0 * vs, vs);
+          gemm_bf16(true, false, n, hd, rows, scale, &ds16[size_t(c0 * T + c0)], T, qb + c0 * qs, qs, 1.0f,
+                    dkb + c0 * ks, ks);
         }
       }
     }

@@ -36,21 +36,6 @@ void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float al
                 " x ", K, ", lda ", lda, ", ldb ", ldb, ", ldc ", ldc);
 }
 
-void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
-               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  // The stored matrices: A (M, K) or, transposed, (K, M); B (K, N) or (N, K); rows of ld elements,
-  // the last one only as long as its columns.
-  auto widen = [](const uint16_t* x, int64_t rows, int64_t cols, int64_t ld) {
-    std::vector<float> w(rows > 0 ? size_t((rows - 1) * ld + cols) : 0);
-    if (!w.empty()) cpu::from_bf16(x, w.data(), int64_t(w.size()));
-    return w;
-  };
-  if (M == 0 || N == 0) return;
-  const std::vector<float> a = widen(A, trans_a ? K : M, trans_a ? M : K, lda);
-  const std::vector<float> b = widen(B, trans_b ? N : K, trans_b ? K : N, ldb);
-  sgemm(trans_a, trans_b, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, C, ldc);
-}
-
 namespace {
 
 constexpr int kMinExp = -100, kMaxExp = 100;  // scale_inv range that keeps dequantized values normal
@@ -133,7 +118,6 @@ void dequant_bf16(const QuantView& q, std::vector<uint16_t>& out, int64_t rows_p
 
 struct Dnnl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
-  dnnl::stream stream{engine};
 };
 Dnnl& dnnl_ctx() {
   static Dnnl ctx;
@@ -156,7 +140,7 @@ int64_t pad_dim(int64_t n) { return (n + kBf16Pad - 1) / kBf16Pad * kBf16Pad; }
 
 // A BF16 matmul primitive of one (padded) shape, built once.
 struct MatmulKey {
-  int64_t M, N, K, ldc;
+  int64_t M, N, K, lda, ldb, ldc;
   bool trans_a, trans_b;
   uint32_t alpha, beta;  // bit patterns
   auto operator<=>(const MatmulKey&) const = default;
@@ -164,6 +148,7 @@ struct MatmulKey {
 struct Matmul {
   dnnl::matmul prim;
   std::string impl;
+  dnnl::memory::desc scratchpad;  // the caller's (user-managed: threads may run a primitive at once)
 };
 // A copy (the primitive is a shared handle), so that a clear() by another thread cannot pull it away.
 Matmul bf16_matmul_primitive(const MatmulKey& k) {
@@ -173,10 +158,13 @@ Matmul bf16_matmul_primitive(const MatmulKey& k) {
   if (auto it = cache.find(k); it != cache.end()) return it->second;
   if (cache.size() >= 4096) cache.clear();  // bounded
   using dnnl::memory;
-  const memory::desc a_md = matrix_desc(k.M, k.K, k.trans_a, memory::data_type::bf16, k.trans_a ? k.M : k.K);
-  const memory::desc b_md = matrix_desc(k.K, k.N, k.trans_b, memory::data_type::bf16, k.trans_b ? k.K : k.N);
+  const memory::desc a_md = matrix_desc(k.M, k.K, k.trans_a, memory::data_type::bf16, k.lda);
+  const memory::desc b_md = matrix_desc(k.K, k.N, k.trans_b, memory::data_type::bf16, k.ldb);
   const memory::desc c_md = matrix_desc(k.M, k.N, false, memory::data_type::f32, k.ldc);
   dnnl::primitive_attr attr;
+  // oneDNN's own scratchpad is one for all primitives, not safe from several threads at once; the
+  // BF16 GEMMs run inside OpenMP loops (kernels/cpu/attention.cpp), so each call brings its own.
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (k.alpha != float_bits(1.0f)) attr.set_output_scales(0, {bits_float(k.alpha)});
   if (k.beta != 0) {
     dnnl::post_ops po;
@@ -184,24 +172,48 @@ Matmul bf16_matmul_primitive(const MatmulKey& k) {
     attr.set_post_ops(po);
   }
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, dnnl_ctx().engine);
-  return cache.emplace(k, Matmul{dnnl::matmul(pd), pd.impl_info_str()}).first->second;
+  return cache.emplace(k, Matmul{dnnl::matmul(pd), pd.impl_info_str(), pd.scratchpad_desc()}).first->second;
 }
 
 // C (M,N) = alpha op(A) op(B) + beta C with BF16 operands stored as given (strides express the
 // transposes; dimensions already padded) and FP32 accumulation and output. Returns oneDNN's
 // implementation name.
 std::string bf16_matmul(const uint16_t* A, bool trans_a, const uint16_t* B, bool trans_b, int64_t M, int64_t N,
-                        int64_t K, float alpha, float beta, float* C, int64_t ldc) {
+                        int64_t K, float alpha, float beta, float* C, int64_t ldc, int64_t lda = 0, int64_t ldb = 0) {
   using dnnl::memory;
-  Dnnl& ctx = dnnl_ctx();
-  const Matmul mm = bf16_matmul_primitive({M, N, K, ldc, trans_a, trans_b, float_bits(alpha),
-                                           beta == 0.0f ? 0u : float_bits(beta)});
-  memory a(matrix_desc(M, K, trans_a, memory::data_type::bf16, trans_a ? M : K), ctx.engine, const_cast<uint16_t*>(A));
-  memory b(matrix_desc(K, N, trans_b, memory::data_type::bf16, trans_b ? K : N), ctx.engine, const_cast<uint16_t*>(B));
-  memory c(matrix_desc(M, N, false, memory::data_type::f32, ldc), ctx.engine, C);
-  mm.prim.execute(ctx.stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
-  ctx.stream.wait();
-  return mm.impl;
+  if (lda == 0) lda = trans_a ? M : K;
+  if (ldb == 0) ldb = trans_b ? K : N;
+  const MatmulKey key{M, N, K, lda, ldb, ldc, trans_a, trans_b, float_bits(alpha),
+                      beta == 0.0f ? 0u : float_bits(beta)};
+  // The calling thread's primitive, memory objects (their pointers set per call), scratchpad and
+  // stream, made once per shape: the BF16 GEMMs run inside OpenMP loops too, many small ones
+  // (kernels/cpu/attention.cpp), where making them per call cost more than the products.
+  struct Bound {
+    Matmul mm;
+    memory a, b, c, sp;
+    std::vector<uint8_t> scratch;
+  };
+  thread_local std::map<MatmulKey, Bound> bound;
+  thread_local dnnl::stream stream{dnnl_ctx().engine};
+  auto it = bound.find(key);
+  if (it == bound.end()) {
+    if (bound.size() >= 1024) bound.clear();  // bounded
+    const dnnl::engine& e = dnnl_ctx().engine;
+    Bound nb{bf16_matmul_primitive(key), memory(matrix_desc(M, K, trans_a, memory::data_type::bf16, lda), e, nullptr),
+             memory(matrix_desc(K, N, trans_b, memory::data_type::bf16, ldb), e, nullptr),
+             memory(matrix_desc(M, N, false, memory::data_type::f32, ldc), e, nullptr), memory(), {}};
+    nb.scratch.resize(nb.mm.scratchpad.get_size());
+    nb.sp = memory(nb.mm.scratchpad, e, nb.scratch.data());
+    it = bound.emplace(key, std::move(nb)).first;
+  }
+  Bound& m = it->second;
+  m.a.set_data_handle(const_cast<uint16_t*>(A));
+  m.b.set_data_handle(const_cast<uint16_t*>(B));
+  m.c.set_data_handle(C);
+  m.mm.prim.execute(stream,
+                    {{DNNL_ARG_SRC, m.a}, {DNNL_ARG_WEIGHTS, m.b}, {DNNL_ARG_DST, m.c}, {DNNL_ARG_SCRATCHPAD, m.sp}});
+  stream.wait();
+  return m.mm.impl;
 }
 
 // Scale of operand X at reduction index k (a multiple of the block) and output index i.
@@ -342,6 +354,26 @@ void gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, bool trans_b
       block_scaled(a, b, M, N, K, alpha, beta, C, ldc);
       if (info) info->impl = "oneDNN sgemm per K block";
   }
+}
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
+               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K > 0 && cpu_has_bf16_gemm()) {
+    bf16_matmul(A, trans_a, B, trans_b, M, N, K, alpha, beta, C, ldc, lda, ldb);
+    return;
+  }
+  // No BF16 hardware (or an empty product, C = beta C): the operands widened (exactly) and sgemm.
+  // The stored matrices: A (M, K) or, transposed, (K, M); B (K, N) or (N, K); rows of ld elements,
+  // the last one only as long as its columns.
+  auto widen = [](const uint16_t* x, int64_t rows, int64_t cols, int64_t ld) {
+    std::vector<float> w(rows > 0 ? size_t((rows - 1) * ld + cols) : 0);
+    if (!w.empty()) cpu::from_bf16(x, w.data(), int64_t(w.size()));
+    return w;
+  };
+  const std::vector<float> a = widen(A, trans_a ? K : M, trans_a ? M : K, lda);
+  const std::vector<float> b = widen(B, trans_b ? N : K, trans_b ? K : N, ldb);
+  sgemm(trans_a, trans_b, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, C, ldc);
 }
 
 }  // namespace fp8moe

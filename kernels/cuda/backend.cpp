@@ -295,6 +295,52 @@ class CudaBackendImpl final : public CudaBackend {
     Tensor delta(*this, DType::f32, {B * H * T});
     cuda::attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv, delta.f32(), compute_);
   }
+  // n BF16 values widened to FP32 on the compute stream.
+  Tensor widened(const uint16_t* x, int64_t n) {
+    Tensor t(*this, DType::f32, {n});
+    cuda::from_bf16(x, t.f32(), n, compute_);
+    return t;
+  }
+  // train.activations bf16: q, k and v as kept, cuDNN's operands without a copy; the reference
+  // kernel (no cuDNN, or runtime.attention reference) on them widened, with its FP32 softmax and
+  // products (not the fused kernel's BF16 roundings inside).
+  void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T,
+                              int64_t H, int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) override {
+    const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
+#if FP8MOE_HAVE_CUDNN
+    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
+      Tensor o16(*this, DType::bf16, {no}), ws(*this, DType::u8, {cudnn_->forward_workspace(d)});
+      cudnn_->forward(d, q, k, v, o16.raw(), lse, ws.raw());
+      cuda::from_bf16(o16.data<uint16_t>(), out, no, compute_);
+      return;
+    }
+#endif
+    const Tensor q32 = widened(q, nq), k32 = widened(k, nk), v32 = widened(v, nv);
+    cuda::attention_forward(q32.f32(), k32.f32(), v32.f32(), B, T, H, KVH, hd, hdv, out, lse, compute_);
+  }
+  void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
+                               const float* lse, const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                               int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) override {
+    const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
+#if FP8MOE_HAVE_CUDNN
+    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
+      Tensor o16(*this, DType::bf16, {no}), do16(*this, DType::bf16, {no});
+      cuda::to_bf16(out, o16.data<uint16_t>(), no, compute_);
+      cuda::to_bf16(dout, do16.data<uint16_t>(), no, compute_);
+      Tensor dq16(*this, DType::bf16, {nq}), dk16(*this, DType::bf16, {nk}), dv16(*this, DType::bf16, {nv});
+      Tensor ws(*this, DType::u8, {cudnn_->backward_workspace(d)});
+      cudnn_->backward(d, q, k, v, o16.raw(), do16.raw(), lse, dq16.raw(), dk16.raw(), dv16.raw(), ws.raw());
+      cuda::from_bf16(dq16.data<uint16_t>(), dq, nq, compute_);
+      cuda::from_bf16(dk16.data<uint16_t>(), dk, nk, compute_);
+      cuda::from_bf16(dv16.data<uint16_t>(), dv, nv, compute_);
+      return;
+    }
+#endif
+    const Tensor q32 = widened(q, nq), k32 = widened(k, nk), v32 = widened(v, nv);
+    Tensor delta(*this, DType::f32, {B * H * T});
+    cuda::attention_backward(q32.f32(), k32.f32(), v32.f32(), out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv,
+                             delta.f32(), compute_);
+  }
   void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t vd,
                      float* k, float* v) override {
     cuda::mla_expand_kv(kv, kpe, N, H, nope, rope, vd, k, v, compute_);

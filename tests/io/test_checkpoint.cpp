@@ -516,6 +516,15 @@ class WatchedDevice final : public Backend {
                           float* dq, float* dk, float* dv) override {
     d_->attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv);
   }
+  void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T, int64_t H,
+                              int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) override {
+    d_->attention_forward_bf16(q, k, v, B, T, H, KVH, hd, hdv, out, lse);
+  }
+  void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
+                               const float* lse, const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                               int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) override {
+    d_->attention_backward_bf16(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv);
+  }
   void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t vd,
                      float* k, float* v) override {
     d_->mla_expand_kv(kv, kpe, N, H, nope, rope, vd, k, v);

@@ -144,7 +144,9 @@ Comparison compare_with_reference(const Config& cfg, float w3_scale = 1.0f, cons
   std::ifstream(dir.path + "/loss.txt") >> c.ref_loss;
   int routing_mismatches = -1;
   std::ifstream(dir.path + "/routing_check.txt") >> routing_mismatches;
-  EXPECT_EQ(routing_mismatches, 0) << "tokens the reference's own top-k routes elsewhere (outside near-ties)";
+  // (Where the reference is told to differ, its own routing may differ too.)
+  if (!ref_activations && !ref_recompute && !ref_hp_gemm && !ref_moe_gates)
+    EXPECT_EQ(routing_mismatches, 0) << "tokens the reference's own top-k routes elsewhere (outside near-ties)";
   for (size_t i = 0; i < t.params.size(); ++i) {
     if (!t.params[i].trainable) continue;
     const std::vector<float> ref = read_floats(dir.path + "/grad." + t.params[i].name + ".bin");
@@ -244,12 +246,17 @@ TEST(ModelReference, Bf16ActivationsMatchJaxRoundingAtTheSamePoints) {
   // reads the kept output, as the reference's does); the routed experts' rows on the wire (recipe
   // off: BF16 both ways; blockwise: their inputs and output gradients quantized once in 1 x T
   // tiles, the weight gradients re-tiling what was sent) and combine both ways in BF16. MLA with
-  // a module (recipe off, blockwise) and GQA (blockwise). Bounds of the FP8 tests, for the same
-  // reason: a value within FP32 rounding of a BF16 boundary (spacing 2^-8) may round the other way
-  // in FP64. Measured (2-core VM, 2026-12-05): worst gradient error 5.4e-5 (MLA, off: 39 elements
-  // past 1e-5, none past 1e-3), 3.3e-7 (MLA, blockwise). The FP32-activation run (recipe off)
+  // a module (recipe off, blockwise) and GQA (blockwise); attention as a fused BF16 kernel runs it
+  // (its probabilities, dO and dS rounded too: model_ref.py attention_bf16, the kernel's own check
+  // in test_attention.cpp). Bounds of the FP8 tests, for the same reason: a value within FP32
+  // rounding of a BF16 boundary (spacing 2^-8) may round the other way in FP64. Recipe off gets 3%
+  // of the elements past 1e-3 instead of 0.1%: there such a flip inside attention (most often of
+  // a dS, where dP - D cancels) reaches every gradient before it through FP32 GEMMs, where FP8's
+  // tiles absorb it. Measured (2-core VM, 2026-12-07): MLA off worst 5.8e-3, 906 of 66,352
+  // elements past 1e-3 (1.4%; 2026-12-05, before the attention's own roundings, 5.4e-5 and none);
+  // MLA blockwise 6.7e-6, none past 1e-5; GQA blockwise 2.4e-7. The FP32-activation run (recipe off)
   // against the BF16 reference must be off by more than the bound, so that the comparison sees
-  // the rounding points: measured 2.4e-2, 25,192 of 66,352 elements past 1e-3.
+  // the rounding points: measured 2.9e-2, 27,169 of 66,352 elements past 1e-3 (41%).
   struct Case {
     Fp8Recipe recipe;
     bool mla;
@@ -262,11 +269,14 @@ TEST(ModelReference, Bf16ActivationsMatchJaxRoundingAtTheSamePoints) {
     const Comparison c = compare_with_reference(cfg);
     EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << to_string(recipe);
     EXPECT_LE(c.worst, 1e-2) << c.worst_name << " " << to_string(recipe);
-    EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements, " << to_string(recipe);
+    const int64_t per_mille = recipe == Fp8Recipe::off ? 30 : 1;
+    EXPECT_LE(c.off * 1000, per_mille * c.elements)
+        << c.off << " of " << c.elements << " elements, " << to_string(recipe);
     if (recipe != Fp8Recipe::off) continue;
     cfg.train.activations = ActivationDtype::fp32;
     const Comparison unrounded = compare_with_reference(cfg, 1.0f, "bf16");
     EXPECT_GT(unrounded.worst, 1e-3) << "FP32 activations against the BF16 reference";
+    EXPECT_GT(unrounded.off * 1000, per_mille * unrounded.elements) << "FP32 activations against the BF16 reference";
   }
 }
 
@@ -359,7 +369,10 @@ TEST(ModelReference, Bf16RouterHeadAndEhProjMatchJax) {
   // train.hp_gemm bf16: the router, the head (the MTP module's pass too) and eh_proj with BF16
   // operands (x, W, and the output gradient in backward) and FP32 accumulation; the reference
   // rounds the same operands (model_ref.py bf16_linear) and accumulates in FP64. MLA with a module:
-  // recipe off with BF16 activations, and blockwise with FP32 activations, at those tests' bounds.
+  // recipe off with BF16 activations, and blockwise with FP32 activations, at those tests' bounds
+  // (recipe off with BF16 activations: 3% past 1e-3, as Bf16ActivationsMatchJaxRoundingAtTheSamePoints
+  // says why; measured 2026-12-07: 439 of 66,352, 0.7%, worst 8.2e-3; the FP32 GEMMs' run against
+  // the BF16 reference 14,022, 21%).
   // (Blockwise with BF16 activations is not compared: there one BF16 flip of the residual stream,
   // FP32 against FP64 sums of the router landing on either side of a rounding boundary, moves a
   // token's FP8 tiles and everything after it.) The run with FP32 GEMMs against the BF16
@@ -376,12 +389,14 @@ TEST(ModelReference, Bf16RouterHeadAndEhProjMatchJax) {
     const Comparison c = compare_with_reference(cfg);
     EXPECT_NEAR(c.loss, c.ref_loss, 1e-4 * std::abs(c.ref_loss)) << to_string(k.recipe);
     EXPECT_LE(c.worst, 1e-2) << c.worst_name << " " << to_string(k.recipe);
-    EXPECT_LE(c.off * 1000, c.elements) << c.off << " of " << c.elements << " elements, " << to_string(k.recipe);
+    const int64_t per_mille = k.activations == ActivationDtype::bf16 && k.recipe == Fp8Recipe::off ? 30 : 1;
+    EXPECT_LE(c.off * 1000, per_mille * c.elements)
+        << c.off << " of " << c.elements << " elements, " << to_string(k.recipe);
     if (k.recipe != Fp8Recipe::off) continue;
     cfg.train.hp_gemm = GemmDtype::fp32;
     const Comparison fp32 = compare_with_reference(cfg, 1.0f, nullptr, nullptr, "bf16");
-    EXPECT_GT(fp32.off * 1000, fp32.elements) << "FP32 router, head and eh_proj against the BF16 reference: " << fp32.off
-                                              << " of " << fp32.elements << " elements off by > 1e-3";
+    EXPECT_GT(fp32.off * 1000, per_mille * fp32.elements) << "FP32 router, head and eh_proj against the BF16 reference: "
+                                                          << fp32.off << " of " << fp32.elements << " elements off by > 1e-3";
   }
 }
 

@@ -18,7 +18,8 @@ routing_check.txt how many tokens it would route differently where the choice is
 (gap between the k-th and the next key above 1e-6): the C++ test requires 0.
 
 BF16 activations ("activations": "bf16", fp8moe's train.activations): values and gradients rounded
-to BF16 (ml_dtypes, from FP64) at fp8moe's rounding points, in custom VJPs; see forward().
+to BF16 (ml_dtypes, from FP64) at fp8moe's rounding points, in custom VJPs, and attention as a
+fused BF16 kernel computes it (attention_bf16); see forward().
 """
 import json
 import math
@@ -312,15 +313,29 @@ bf16_linear.defvjp(_bf16_linear_fwd, _bf16_linear_bwd)
 
 @jax.custom_vjp
 def attention_bf16(q, k, v):
-    """attention() with its output rounded to BF16, and the backward a fused kernel runs from what
-    it keeps (fp8moe's, FlashAttention's): the probabilities recomputed, and D = rowsum(dO * O) from
-    the KEPT (rounded) output O, where autograd through the rounding would use the exact one."""
+    """Attention as a fused BF16 kernel runs it (fp8moe's attention_forward_bf16 and its backward,
+    FlashAttention's, cuDNN's): q, k, v as given (rounded by the caller), the probabilities rounded
+    to BF16 before they weight the values, the output rounded. The backward recomputes the
+    probabilities, rounds dO, takes D = rowsum(dO * O) from the rounded dO and the KEPT (rounded)
+    output, and rounds dS = P (dP - D) and P before the products that make dq, dk and dv."""
     return _attention_bf16_fwd(q, k, v)[0]
 
 
+def _bf16(a):
+    return jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
+
+
+def _probabilities(q, k):
+    B, T, H, hd = q.shape
+    kr = jnp.repeat(k, H // k.shape[2], axis=2)
+    s = jnp.einsum("bihd,bjhd->bhij", q, kr) / np.sqrt(hd)
+    s = jnp.where(np.tril(np.ones((T, T), dtype=bool))[None, None], s, -jnp.inf)
+    return jax.nn.softmax(s, axis=-1)
+
+
 def _attention_bf16_fwd(q, k, v):
-    o = jax.pure_callback(to_bf16, jax.ShapeDtypeStruct((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), jnp.float64),
-                          attention(q, k, v))
+    vr = jnp.repeat(v, q.shape[2] // v.shape[2], axis=2)
+    o = _bf16(jnp.einsum("bhij,bjhd->bihd", _bf16(_probabilities(q, k)), vr))
     return o, (q, k, v, o)
 
 
@@ -329,16 +344,15 @@ def _attention_bf16_bwd(res, do):
     B, T, H, hd = q.shape
     KVH, group = k.shape[2], H // k.shape[2]
     kr, vr = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    s = jnp.einsum("bihd,bjhd->bhij", q, kr) / np.sqrt(hd)
-    s = jnp.where(np.tril(np.ones((T, T), dtype=bool))[None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    p = _probabilities(q, k)
+    do = _bf16(do)
     dp = jnp.einsum("bihd,bjhd->bhij", do, vr)
     d = jnp.einsum("bihd,bihd->bhi", do, o)
-    ds = p * (dp - d[..., None]) / np.sqrt(hd)
+    ds = _bf16(p * (dp - d[..., None])) / np.sqrt(hd)
     dq = jnp.einsum("bhij,bjhd->bihd", ds, kr)
     # jnp.repeat puts query head h on key head h // group: sum each key head's group.
     dk = jnp.einsum("bhij,bihd->bjhd", ds, q).reshape(B, T, KVH, group, hd).sum(axis=3)
-    dv = jnp.einsum("bhij,bihd->bjhd", p, do).reshape(B, T, KVH, group, v.shape[3]).sum(axis=3)
+    dv = jnp.einsum("bhij,bihd->bjhd", _bf16(p), do).reshape(B, T, KVH, group, v.shape[3]).sum(axis=3)
     return dq, dk, dv
 
 
