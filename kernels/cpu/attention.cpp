@@ -65,6 +65,14 @@ Strides strides(int64_t H, int64_t KVH, int64_t hd, int64_t hdv) {
   return {H / KVH, H * hd, KVH * hd, KVH * hdv, H * hdv};
 }
 
+// The BF16 kernels' per-thread buffers stay allocated between calls for sequences up to this
+// long (4 T^2 entries: 12 MB a thread at 1024), and go at the end of a longer one's call.
+constexpr int64_t kKeptSequence = 1024;
+template <class V>
+void release(V& v) {
+  V().swap(v);
+}
+
 // width elements of each of T rows, stride apart, set to 0.
 void zero_rows(float* x, int64_t T, int64_t stride, int64_t width) {
   for (int64_t t = 0; t < T; ++t)
@@ -150,14 +158,18 @@ void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t
   const auto [group, qs, ks, vs, os] = strides(H, KVH, hd, hdv);
   const float scale = float(1.0 / std::sqrt(double(hd)));
   const SimdLevel level = cpu_simd_level();
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel
+  {
+    // Each thread's buffers (every entry read is written first), kept for its next call up to
+    // kKeptSequence: made per (sequence, head), their zeroing and allocation were a tenth of the
+    // kernels' time at tiny's shape.
+    const int64_t rows = std::min(T, kCausalBlock);
+    thread_local std::vector<float> s;
+    thread_local std::vector<uint16_t> p16;
+    s.resize(std::max(s.size(), size_t(rows * T))), p16.resize(std::max(p16.size(), size_t(rows * T)));
+#pragma omp for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      // (The calling thread's buffers, kept between calls: every entry read is written first.)
-      const int64_t rows = std::min(T, kCausalBlock);
-      thread_local std::vector<float> s;
-      thread_local std::vector<uint16_t> p16;
-      if (s.size() < size_t(rows * T)) s.resize(size_t(rows * T)), p16.resize(size_t(rows * T));
       const uint16_t* qb = q + b * T * qs + h * hd;
       const uint16_t* kb = k + b * T * ks + (h / group) * hd;
       const uint16_t* vb = v + b * T * vs + (h / group) * hdv;
@@ -173,6 +185,8 @@ void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t
         gemm_bf16(false, false, m, hdv, r1, 1.0f, p16.data(), T, vb, vs, 0.0f, ob + r0 * os, os);
       }
     }
+    if (T > kKeptSequence) release(s), release(p16);
+  }
 }
 
 void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
@@ -181,16 +195,17 @@ void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_
   const auto [group, qs, ks, vs, os] = strides(H, KVH, hd, hdv);
   const float scale = float(1.0 / std::sqrt(double(hd)));
   const SimdLevel level = cpu_simd_level();
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel
+  {
+    // Each thread's buffers, as the forward's.
+    thread_local std::vector<float> p, dp, do32;
+    thread_local std::vector<uint16_t> p16, ds16, do16;
+    for (auto* x : {&p, &dp}) x->resize(std::max(x->size(), size_t(T * T)));
+    for (auto* x : {&p16, &ds16}) x->resize(std::max(x->size(), size_t(T * T)));
+    do32.resize(std::max(do32.size(), size_t(hdv))), do16.resize(std::max(do16.size(), size_t(T * hdv)));
+#pragma omp for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < KVH; ++g) {
-      // (The calling thread's buffers, kept between calls: every entry read is written first.)
-      thread_local std::vector<float> p, dp, do32;
-      thread_local std::vector<uint16_t> p16, ds16, do16;
-      for (auto* x : {&p, &dp}) x->resize(std::max(x->size(), size_t(T * T)));
-      for (auto* x : {&p16, &ds16}) x->resize(std::max(x->size(), size_t(T * T)));
-      do32.resize(std::max(do32.size(), size_t(hdv)));
-      do16.resize(std::max(do16.size(), size_t(T * hdv)));
       const uint16_t* kb = k + b * T * ks + g * hd;
       const uint16_t* vb = v + b * T * vs + g * hdv;
       float* dkb = dk + b * T * ks + g * hd;
@@ -232,6 +247,8 @@ void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_
         }
       }
     }
+    if (T > kKeptSequence) release(p), release(dp), release(p16), release(ds16), release(do16);
+  }
 }
 
 }  // namespace fp8moe::cpu

@@ -359,7 +359,8 @@ void gemm_fp8(const QuantView& A, bool trans_a, const QuantView& B, bool trans_b
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t* A,
                int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  if (K > 0 && cpu_has_bf16_gemm()) {
+  static const bool bf16_hardware = cpu_has_bf16_gemm();
+  if (K > 0 && bf16_hardware) {
     bf16_matmul(A, trans_a, B, trans_b, M, N, K, alpha, beta, C, ldc, lda, ldb);
     return;
   }

@@ -230,7 +230,8 @@ TEST_P(AttentionBf16Test, MatchesFp64WithAFusedKernelsRoundings) {
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBf16Test,
                          testing::Values(AttnShape{2, 7, 4, 2, 6, 6}, AttnShape{1, 12, 4, 1, 8, 8},
                                          AttnShape{2, 5, 4, 2, 24, 16}, AttnShape{1, 4, 2, 2, 192, 128},
-                                         AttnShape{1, 150, 2, 1, 32, 32}));
+                                         AttnShape{1, 150, 2, 1, 32, 32},
+                                         AttnShape{1, 1030, 1, 1, 8, 8}));  // past kKeptSequence
 
 // The softmax rows' exponentials (kernels/cpu/vmath.h) on every vector width this CPU has: rows of
 // 1 to 37 scores, partial chunks of 16 included.
