@@ -710,10 +710,18 @@ TEST_F(Layouts, RelayAcrossNodesAgreesAndMatchesItsFormulas) {
 // on ep2 (dp2) and tp2 x pp2 x ep2 against 1 rank; the last step's bytes on tp2 x pp2 x ep2 within
 // 1.01 of the formulas (the amax all-reduces counted in ep); the expert all-to-all on ep2 at most
 // 0.40 of the FP32-activation run's (per routed row 64 bytes dispatched both ways and 128
-// combined both ways against 256 x 4: 384 / 1024 = 0.375). Measured (2-core VM, 2026-12-06), step
-// 1 and 20 steps relative to 1 rank: current ep2 1.6e-16 and 1.7e-4, tp2 x pp2 x ep2 1.8e-6 and
-// 1.1e-3; delayed 3.2e-16 and 6.5e-3, 7.7e-7 and 3.5e-3; ep measured / analytical 1.0000; the
-// expert all-to-all 0.383 (current) and 0.386 (delayed) of the FP32-activation run's.
+// combined both ways against 256 x 4: 384 / 1024 = 0.375). Step 1 equal to 1e-8 where the
+// design makes it so: delayed scaling's amax is reduced over the data replicas too. Current
+// scaling's other layers take each replica's own amax (docs/ARCHITECTURE.md, "Determinism"): a
+// replica whose amax lies in another binade than the whole batch's quantizes with another
+// power-of-two scale, FP8 noise, so ep2 (dp2) gets tensor parallelism's BF16/FP8-noise bound.
+// Measured (2-core VM, 2026-12-06), step 1 and 20 steps relative to 1 rank: current ep2 1.6e-16
+// and 1.7e-4, tp2 x pp2 x ep2 1.8e-6 and 1.1e-3; delayed 3.2e-16 and 6.5e-3, 7.7e-7 and 3.5e-3.
+// On 2026-12-07, with attention's BF16 roundings (probabilities, dO, dS): current ep2 4.8e-7
+// (the replicas' own scales: blockwise, whose tiles do not depend on the layout, keeps ep2 at
+// 1e-8 with the same attention, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) and 2.8e-3, tp2 x pp2 x ep2 7.3e-6 and 5.5e-4; delayed
+// 3.2e-16 and 2.3e-5, 1.3e-5 and 2.0e-2. ep measured / analytical 1.0000; the expert all-to-all
+// 0.376 (current) and 0.388 (delayed) of the FP32-activation run's.
 TEST_F(Layouts, PerTensorFp8DispatchAgreesAndSendsLess) {
   for (const char* recipe : {"current", "delayed"}) {
     const std::string r = std::string("fp8.recipe=") + recipe, a = "train.activations=bf16";
@@ -726,8 +734,9 @@ TEST_F(Layouts, PerTensorFp8DispatchAgreesAndSendsLess) {
       std::printf("per-tensor FP8 dispatch, recipe %-8s %-22s %d ranks: step 1 loss %.2e, 20 steps %.2e (relative to "
                   "1 rank)\n", recipe, l.name, l.ranks, w1, w);
       const bool tp = std::string(l.name).find("tp2") != std::string::npos;
-      EXPECT_LE(w1, tp ? 1e-5 : 1e-8) << recipe << " " << l.name;
-      EXPECT_LE(w, 2e-2) << recipe << " " << l.name;
+      const bool replica_scales = std::string(recipe) == "current";
+      EXPECT_LE(w1, tp ? 5e-5 : replica_scales ? 1e-5 : 1e-8) << recipe << " " << l.name;
+      EXPECT_LE(w, 4e-2) << recipe << " " << l.name;
     }
     const auto bytes = last_step_bytes(8, {r, a, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"},
                                        std::string("pt-comm-") + recipe);
