@@ -252,16 +252,12 @@ class CudaBackendImpl final : public CudaBackend {
   void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
                          int64_t hd, int64_t hdv, float* out, float* lse) override {
 #if FP8MOE_HAVE_CUDNN
-    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
-      // BF16 copies in, BF16 out (kept only for the call): cuDNN's operands.
-      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
-      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nv});
-      Tensor o16(*this, DType::bf16, {no}), ws(*this, DType::u8, {cudnn_->forward_workspace(d)});
-      cuda::to_bf16(q, q16.data<uint16_t>(), nq, compute_);
-      cuda::to_bf16(k, k16.data<uint16_t>(), nk, compute_);
-      cuda::to_bf16(v, v16.data<uint16_t>(), nv, compute_);
-      cudnn_->forward(d, q16.raw(), k16.raw(), v16.raw(), o16.raw(), lse, ws.raw());
-      cuda::from_bf16(o16.data<uint16_t>(), out, no, compute_);
+    if (fused_attention({B, T, H, KVH, hd, hdv})) {
+      // BF16 copies in (kept only for the call): cuDNN's operands, through the BF16 form.
+      const Tensor q16 = narrowed(q, B * T * H * hd), k16 = narrowed(k, B * T * KVH * hd),
+                   v16 = narrowed(v, B * T * KVH * hdv);
+      attention_forward_bf16(q16.data<uint16_t>(), k16.data<uint16_t>(), v16.data<uint16_t>(), B, T, H, KVH, hd, hdv,
+                             out, lse);
       return;
     }
 #endif
@@ -273,27 +269,22 @@ class CudaBackendImpl final : public CudaBackend {
 #if FP8MOE_HAVE_CUDNN
     // The forward of this shape ran fused (the decision is made once per shape): so does backward,
     // from the same BF16 operands (out is exactly the BF16 output, widened).
-    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
-      const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
-      Tensor q16(*this, DType::bf16, {nq}), k16(*this, DType::bf16, {nk}), v16(*this, DType::bf16, {nv});
-      Tensor o16(*this, DType::bf16, {no}), do16(*this, DType::bf16, {no});
-      cuda::to_bf16(q, q16.data<uint16_t>(), nq, compute_);
-      cuda::to_bf16(k, k16.data<uint16_t>(), nk, compute_);
-      cuda::to_bf16(v, v16.data<uint16_t>(), nv, compute_);
-      cuda::to_bf16(out, o16.data<uint16_t>(), no, compute_);
-      cuda::to_bf16(dout, do16.data<uint16_t>(), no, compute_);
-      Tensor dq16(*this, DType::bf16, {nq}), dk16(*this, DType::bf16, {nk}), dv16(*this, DType::bf16, {nv});
-      Tensor ws(*this, DType::u8, {cudnn_->backward_workspace(d)});
-      cudnn_->backward(d, q16.raw(), k16.raw(), v16.raw(), o16.raw(), do16.raw(), lse, dq16.raw(), dk16.raw(),
-                       dv16.raw(), ws.raw());
-      cuda::from_bf16(dq16.data<uint16_t>(), dq, nq, compute_);
-      cuda::from_bf16(dk16.data<uint16_t>(), dk, nk, compute_);
-      cuda::from_bf16(dv16.data<uint16_t>(), dv, nv, compute_);
+    if (fused_attention({B, T, H, KVH, hd, hdv})) {
+      const Tensor q16 = narrowed(q, B * T * H * hd), k16 = narrowed(k, B * T * KVH * hd),
+                   v16 = narrowed(v, B * T * KVH * hdv);
+      attention_backward_bf16(q16.data<uint16_t>(), k16.data<uint16_t>(), v16.data<uint16_t>(), out, lse, dout, B, T,
+                              H, KVH, hd, hdv, dq, dk, dv);
       return;
     }
 #endif
     Tensor delta(*this, DType::f32, {B * H * T});
     cuda::attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv, delta.f32(), compute_);
+  }
+  // n FP32 values rounded to BF16 on the compute stream.
+  Tensor narrowed(const float* x, int64_t n) {
+    Tensor t(*this, DType::bf16, {n});
+    cuda::to_bf16(x, t.data<uint16_t>(), n, compute_);
+    return t;
   }
   // n BF16 values widened to FP32 on the compute stream.
   Tensor widened(const uint16_t* x, int64_t n) {
