@@ -85,10 +85,13 @@ double measure_attention(const ModelConfig& m, bool bf16, int64_t B, int64_t T, 
   const int64_t N = B * T;
   const std::vector<float> q = filled(N * H * qk, 1.0f), k = filled(N * KVH * qk, 1.0f), v = filled(N * KVH * vd, 1.0f),
                            dout = filled(N * H * vd, 1.0f);
-  std::vector<uint16_t> q16(q.size()), k16(k.size()), v16(v.size());
-  cpu::to_bf16(q.data(), q16.data(), int64_t(q.size()));
-  cpu::to_bf16(k.data(), k16.data(), int64_t(k.size()));
-  cpu::to_bf16(v.data(), v16.data(), int64_t(v.size()));
+  std::vector<uint16_t> q16, k16, v16;  // the BF16 form's operands (only when it is the one timed)
+  if (bf16) {
+    q16.resize(q.size()), k16.resize(k.size()), v16.resize(v.size());
+    cpu::to_bf16(q.data(), q16.data(), int64_t(q.size()));
+    cpu::to_bf16(k.data(), k16.data(), int64_t(k.size()));
+    cpu::to_bf16(v.data(), v16.data(), int64_t(v.size()));
+  }
   std::vector<float> out(size_t(N * H * vd)), lse(size_t(N * H)), dq(q.size()), dk(k.size()), dv(v.size());
   const double s = seconds_of([&] {
     if (bf16) {

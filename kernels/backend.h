@@ -159,8 +159,11 @@ class Backend {
                                float* rstd) = 0;
   virtual void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N,
                                 int64_t D, float* dx, float* dw) = 0;
-  // rmsnorm_backward with x kept in BF16 (train.activations bf16): the same bits as widening it to
-  // FP32 first (exact), without the FP32 copy.
+  // rmsnorm_forward and rmsnorm_backward with x kept in BF16 (train.activations bf16; the forward: a
+  // norm output made again from its kept input): the same bits as widening it to FP32 first
+  // (exact), without the FP32 copy.
+  virtual void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y,
+                                    float* rstd) = 0;
   virtual void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
                                      int64_t D, float* dx, float* dw) = 0;
   // hd elements of each head rotated, heads head_stride apart (head_stride = hd: contiguous heads).
@@ -208,9 +211,11 @@ class Backend {
                                     int64_t rows, int64_t cols) = 0;
   virtual void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy,
                                      float* da, float* db, double* dgate, int64_t rows, int64_t cols) = 0;
-  // The backward forms reading a and b as kept in BF16 (train.activations bf16): the same bits as
-  // widening them to FP32 first (exact), without the FP32 copy. gate may be nullptr: ungated, and
-  // dgate is not written.
+  // The forms reading a and b as kept in BF16 (train.activations bf16; the forward: a recomputed
+  // SwiGLU output): the same bits as widening them to FP32 first (exact), without the FP32 copy.
+  // gate may be nullptr: ungated (and dgate is not written).
+  virtual void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y,
+                                   int64_t rows, int64_t cols) = 0;
   virtual void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate,
                                     const float* dy, float* da, float* db, double* dgate, int64_t rows,
                                     int64_t cols) = 0;
@@ -228,6 +233,13 @@ class Backend {
                              float* out) = 0;
   virtual void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D,
                          float* dye, double* dgate) = 0;
+  // Their BF16 forms (kernels/moe_ops.h): the rows rounded as they are gathered, and BF16 rows read
+  // as they travelled (the FP32 forms' bits on the widened rows, without an FP32 copy of them).
+  virtual void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows) = 0;
+  virtual void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated,
+                                  float* out) = 0;
+  virtual void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out,
+                              int64_t D, float* dye, double* dgate) = 0;
   virtual void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) = 0;
   virtual void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,
                         float* out) = 0;

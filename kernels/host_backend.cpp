@@ -306,6 +306,11 @@ void HostBackend::rmsnorm_backward(const float* x, const float* w, const float* 
   cpu::rmsnorm_backward(h(x), h(w), h(rstd), h(dy), N, D, h(dx), h(dw));
 }
 
+void HostBackend::rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y,
+                                       float* rstd) {
+  cpu::rmsnorm_forward_bf16(h(x), h(w), N, D, eps, h(y), h(rstd));
+}
+
 void HostBackend::rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
                                         int64_t D, float* dx, float* dw) {
   cpu::rmsnorm_backward_bf16(h(x), h(w), h(rstd), h(dy), N, D, h(dx), h(dw));
@@ -403,6 +408,11 @@ void HostBackend::swiglu_gated_backward(const float* a, const float* b, int64_t 
 
 void HostBackend::add(const float* a, const float* b, float* out, int64_t n) { cpu::add(h(a), h(b), h(out), n); }
 void HostBackend::to_bf16(const float* x, uint16_t* y, int64_t n) { cpu::to_bf16(h(x), h(y), n); }
+void HostBackend::swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y,
+                                      int64_t rows, int64_t cols) {
+  cpu::swiglu_forward_bf16(h(a), h(b), ld, h(gate), h(y), rows, cols);
+}
+
 void HostBackend::swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate,
                                        const float* dy, float* da, float* db, double* dgate, int64_t rows,
                                        int64_t cols) {
@@ -446,6 +456,20 @@ void HostBackend::slot_grads(const RoutingBuffers& r, int64_t R, const double* r
 void HostBackend::gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D,
                             float* dye, double* dgate) {
   cpu::gate_grad(h(r), R, h(dout), h(expert_out), D, h(dye), h(dgate));
+}
+
+void HostBackend::permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows) {
+  cpu::permute_bf16(h(x), h(row_token), R, D, h(rows));
+}
+
+void HostBackend::unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated,
+                                     float* out) {
+  cpu::unpermute_add_bf16(h(r), R, h(rows), D, gated, h(out));
+}
+
+void HostBackend::gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out,
+                                 int64_t D, float* dye, double* dgate) {
+  cpu::gate_grad_bf16(h(r), R, h(dout), h(expert_out), D, h(dye), h(dgate));
 }
 
 void HostBackend::router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) {

@@ -72,6 +72,8 @@ class HostBackend final : public Backend {
   void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd) override;
   void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                         float* dx, float* dw) override;
+  void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y,
+                            float* rstd) override;
   void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
                              int64_t D, float* dx, float* dw) override;
   void rope(float* x, int64_t B, int64_t T, int64_t heads, int64_t hd, const float* cs, const float* sn,
@@ -109,6 +111,8 @@ class HostBackend final : public Backend {
                              float* db, double* dgate, int64_t rows, int64_t cols) override;
   void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy, float* da, float* db, int64_t rows,
                        int64_t cols) override;
+  void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                           int64_t cols) override;
   void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
                             float* da, float* db, double* dgate, int64_t rows, int64_t cols) override;
   void add(const float* a, const float* b, float* out, int64_t n) override;
@@ -126,6 +130,11 @@ class HostBackend final : public Backend {
   void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate) override;
   void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                  double* dgate) override;
+  void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows) override;
+  void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated,
+                          float* out) override;
+  void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out, int64_t D,
+                      float* dye, double* dgate) override;
   void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz) override;
   void aux_loss(const RoutingBuffers& r, double coef, bool sigmoid, double* out) override;
   void bias_update(float* bias, const int64_t* load, int64_t E, double rate) override;

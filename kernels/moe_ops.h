@@ -8,6 +8,10 @@
 //   gate_grad      per row i of token n and slot j: dye[i] = gate[n, j] dout[n] (the expert's
 //                  output gradient) and dgate[n, j] = dout[n] . expert_out[i] (double); dgate is
 //                  written for every slot, 0 for dropped ones
+//   their BF16 forms (train.activations bf16: the rows as they travel): permute_bf16 writes the
+//                  rows rounded to nearest even (bf16_encode); unpermute_add_bf16 and
+//                  gate_grad_bf16 read BF16 rows, each value widened exactly where it is used, so
+//                  they give the FP32 forms' bits on the widened rows without an FP32 copy of them
 //   row_gates      gate_rows[i] = gate[n, j] of row i's token n and slot j (train.moe_gates expert:
 //                  the gates travel with the rows to the experts)
 //   slot_grads     dgate[n, j] = row_grads[i] for row i of token n and slot j, 0 for dropped slots
@@ -47,6 +51,10 @@ void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, flo
 void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out);
 void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                double* dgate);
+void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows);
+void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated, float* out);
+void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out, int64_t D,
+                    float* dye, double* dgate);
 void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows);
 void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, double* dgate);
 void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D, float* out);

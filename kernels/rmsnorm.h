@@ -21,7 +21,9 @@ void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float
 // dx: (N, D) written; dw: (D) ACCUMULATED (micro-batches add up), in the chunked order above.
 void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                       float* dx, float* dw);
-// The same with x in BF16 (each row widened as it is read): rmsnorm_backward's bits on the widened x.
+// The same with x in BF16 (each row widened as it is read): rmsnorm_forward's and
+// rmsnorm_backward's bits on the widened x.
+void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd);
 void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                            float* dx, float* dw);
 

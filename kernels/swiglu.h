@@ -51,8 +51,10 @@ void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const floa
                           int64_t cols);
 void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
                            float* db, double* dgate, int64_t rows, int64_t cols);
-// a, b in BF16 (gate nullptr: swiglu_backward, dgate not written): the FP32 forms' bits on the
-// widened values, a span at a time.
+// a, b in BF16 (gate nullptr: swiglu_forward, swiglu_backward, dgate not written): the FP32 forms'
+// bits on the widened values, a span at a time.
+void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                         int64_t cols);
 void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
                           float* da, float* db, double* dgate, int64_t rows, int64_t cols);
 }  // namespace cpu

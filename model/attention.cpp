@@ -214,7 +214,7 @@ class Mla final : public Attention {
       linear_forward(be, h1, N, D, wq_a_.w, ql, fp8(wq_a_, pass), s->cq.f32(), &s->lq_a);
       c_.round_activation(s->cq);
       s->rstd_q = Tensor(be, DType::f32, {N});
-      norm_latent(s->cq.f32(), q_norm_, N, ql, &s->cqn, &s->rstd_q);
+      norm_latent(s->cq, q_norm_, N, ql, &s->cqn, &s->rstd_q);
       queries(s->cqn.f32(), B, T, ql, pass, &s->lq, &a.q);
       if (!s->lq.needs_fp32_input()) s->cqn.reset();
       if (pass.saving) c_.stash(&s->cq);
@@ -233,7 +233,7 @@ class Mla final : public Attention {
     c_.round_activation(kpe);  // (k's copies of it are rounded anyway: the same k)
     // Keys and values from the normed key-value latent.
     s->rstd_kv = Tensor(be, DType::f32, {N});
-    norm_latent(s->ckv.f32(), kv_norm_, N, kvl, &s->ckvn, &s->rstd_kv);
+    norm_latent(s->ckv, kv_norm_, N, kvl, &s->ckvn, &s->rstd_kv);
     keys_values(s->ckvn.f32(), kpe.f32(), N, pass, &s->lkv_b, &a.k, &a.v);
     if (!s->lkv_b.needs_fp32_input()) s->ckvn.reset();
     if (pass.saving) c_.stash(&s->ckv);
@@ -293,9 +293,9 @@ class Mla final : public Attention {
 
  private:
   // A latent's RMSNorm (N, width) into *out, rounded where activations are BF16; *rstd (N) given.
-  void norm_latent(const float* latent, const Weight& norm, int64_t N, int64_t width, Tensor* out, Tensor* rstd) const {
+  void norm_latent(const Tensor& latent, const Weight& norm, int64_t N, int64_t width, Tensor* out, Tensor* rstd) const {
     *out = Tensor(c_.be, DType::f32, {N, width});
-    c_.be.rmsnorm_forward(latent, norm.w, N, width, float(c_.local.norm_eps), out->f32(), rstd->f32());
+    c_.norm_forward(latent, norm.w, N, width, float(c_.local.norm_eps), out->f32(), rstd->f32());  // (BF16 as kept)
     c_.round_activation(*out);
   }
   // The per-head queries (N, H, qk) from x (N, K): the query latent's normed copy, or h1 without
@@ -332,8 +332,8 @@ class Mla final : public Attention {
     // A latent's normed copy: the one an FP32 up-projection keeps, else the forward's norm again.
     auto normed = [&](const Tensor& kept_normed, const Tensor& latent, const Weight& norm, int64_t width, Tensor* out) {
       if (!kept_normed.empty()) return kept_normed.f32();
-      Tensor lat32, rstd(c_.be, DType::f32, {N});
-      norm_latent(c_.unstash(latent, &lat32), norm, N, width, out, &rstd);
+      Tensor rstd(c_.be, DType::f32, {N});
+      norm_latent(latent, norm, N, width, out, &rstd);
       return static_cast<const float*>(out->f32());
     };
     if (m.q_lora_rank > 0) {

@@ -121,18 +121,15 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
     ffn_backward(be, s.dense, dense_.weights(), dout, dense_.fp8(ctx_.fp8, pass), dh2.f32(), dense_.grads(), weights);
     ctx_.tp_sum(dh2.f32(), N * D);  // column-parallel W1, W3: partial input gradients
   }
-  Tensor x_mid32;  // x_mid in FP32 where it was kept in BF16, widened where first needed
-  const float* x_mid = nullptr;
   if (is_moe()) {
     // The router's input (the FFN norm's output) in FP32, made for the router's backward, the
     // layer's last op: widened from its BF16 copy, or (train.recompute selective dropped it) the
-    // forward's norm again, the same bits.
+    // forward's norm again on x_mid as kept, the same bits.
     auto router_input = [&](Tensor* h2w) -> const float* {
       if (!s.h2.empty()) return ctx_.unstash(s.h2, h2w);
-      x_mid = ctx_.unstash(s.x_mid, &x_mid32);
       Tensor rstd(be, DType::f32, {N});
       *h2w = Tensor(be, DType::f32, {N, D});
-      be.rmsnorm_forward(x_mid, ffn_norm_.w, N, D, float(m.norm_eps), h2w->f32(), rstd.f32());
+      ctx_.norm_forward(s.x_mid, ffn_norm_.w, N, D, float(m.norm_eps), h2w->f32(), rstd.f32());  // (x_mid as kept)
       ctx_.round_activation(*h2w);
       return h2w->f32();
     };
@@ -140,8 +137,7 @@ void Block::backward(BlockSaved& s, const float* dout, float* dx, float aux_grad
                  ctx_.dispatcher, ctx_.tp, ctx_.activations, router_input, weights);
   }
   Tensor dx_mid(be, DType::f32, {N, D});
-  norm_backward(x_mid, &s.x_mid, ffn_norm_, s.rstd2.f32(), dh2.f32(), N, dx_mid.f32());
-  x_mid32.reset();
+  ctx_.norm_backward(s.x_mid, ffn_norm_.w, s.rstd2.f32(), dh2.f32(), N, D, dx_mid.f32(), ffn_norm_.g);
   // The FFN branch's state is read: freed before the attention's backward (the block's peak).
   s.moe = MoeSaved{}, s.dense = FfnSaved{}, s.x_mid.reset(), s.h2.reset(), s.rstd2.reset(), dh2.reset();
   be.add(dx_mid.f32(), dout, dx_mid.f32(), N * D);

@@ -61,6 +61,14 @@ struct ModelContext {
   }
   // The FP32 values of a kept tensor: its own (FP32), or its BF16 copy widened into *tmp.
   const float* unstash(const Tensor& t, Tensor* tmp) const { return fp8moe::unstash(be, t, tmp); }
+  // RMSNorm's forward of a kept input x (N, D): FP32, or BF16 read as it is (the same bits as
+  // widened first, without the FP32 copy): a norm output made again in backward.
+  void norm_forward(const Tensor& x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd) const {
+    if (x.dtype() == DType::bf16)
+      be.rmsnorm_forward_bf16(x.data<uint16_t>(), w, N, D, eps, y, rstd);
+    else
+      be.rmsnorm_forward(x.f32(), w, N, D, eps, y, rstd);
+  }
   // RMSNorm's backward of a kept input x (N, D): FP32, or BF16 read as it is (the same bits as
   // widened first, without the FP32 copy).
   void norm_backward(const Tensor& x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,

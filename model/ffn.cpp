@@ -104,6 +104,11 @@ const float* pre_activation(Backend& be, const Tensor& kept, const QTensor& fp8,
   if (fp8.rows * fp8.cols > 0) be.dequantize(fp8.view(), tmp->f32());
   return tmp->f32();
 }
+
+// The pre-activations are kept in BF16 (train.activations bf16, not in FP8).
+bool kept_bf16(const FfnSaved& s) {
+  return s.h1q.empty() && s.h1.dtype() == DType::bf16 && (s.fused || s.h3.dtype() == DType::bf16);
+}
 }  // namespace
 
 void ffn_backward(Backend& be, const FfnSaved& s, const FfnWeights& w, const float* dy, const FfnFp8& fp8, float* dx,
@@ -136,13 +141,18 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, 
     const int64_t M = s.l1.M, F = s.l2.K;
     const LinearSaved* s2 = &s.l2;
     if (s.a_rebuilt) {  // the forward's SwiGLU of the kept h1, h3 (the same bits, unless kept in FP8)
-      Tensor h1_32, h3_32;
-      const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
       a_again[i] = Tensor(be, DType::f32, {M, F});
-      if (s.fused) {
-        if (M > 0) swiglu(be, h1, h1 + F, 2 * F, s.gate, a_again[i].f32(), M, F);
-      } else
-        swiglu(be, h1, h3, F, s.gate, a_again[i].f32(), M, F);
+      const int64_t ld = s.fused ? 2 * F : F;
+      if (M == 0) {
+        // (no rows: no memory, and no pointer into it)
+      } else if (kept_bf16(s)) {  // read as kept (the same bits as widened first)
+        const uint16_t* h1 = s.h1.data<uint16_t>();
+        be.swiglu_forward_bf16(h1, s.fused ? h1 + F : s.h3.data<uint16_t>(), ld, s.gate, a_again[i].f32(), M, F);
+      } else {
+        Tensor h1_32, h3_32;
+        const float *h1 = pre_activation(be, s.h1, s.h1q, &h1_32), *h3 = pre_activation(be, s.h3, s.h3q, &h3_32);
+        swiglu(be, h1, s.fused ? h1 + F : h3, ld, s.gate, a_again[i].f32(), M, F);
+      }
       linear_reinput(be, s.l2, a_again[i].f32(), f.fp8->w2, &l2_again[i]);
       if (!l2_again[i].needs_fp32_input()) a_again[i].reset();
       s2 = &l2_again[i];
@@ -174,7 +184,7 @@ void ffn_backward_grouped(Backend& be, const std::vector<FfnGradGroup>& groups, 
       const int64_t ld = s.fused ? 2 * F : F;  // fused: [gate | up] per row
       float *dh_a = t[i].dh1.f32(), *dh_b = s.fused ? t[i].dh1.f32() + F : t[i].dh3.f32();
       FP8MOE_ASSERT(!s.gate || groups[i].dgate, "ffn_backward: a gated FFN needs somewhere for its gates' gradient");
-      if (s.h1q.empty() && s.h1.dtype() == DType::bf16 && (s.fused || s.h3.dtype() == DType::bf16)) {
+      if (kept_bf16(s)) {
         // Kept in BF16: read as they are (the same bits as widened first).
         const uint16_t* h1 = s.h1.data<uint16_t>();
         const uint16_t* up = s.fused ? h1 + F : s.h3.data<uint16_t>();

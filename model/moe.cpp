@@ -129,20 +129,13 @@ QuantView row_slice(const QTensor& q, int64_t r0, int64_t rows) {
   return v;
 }
 
-// rows (R, D) rounded to BF16 where they stay on this rank, or sent as BF16 to the experts' ranks
-// and widened there into *out (plan.received rows). Returns the FP32 rows the experts read.
-// per_token: the rows are the same for each of a token's experts (ExpertDispatcher::dispatch).
-// later: posted; *out holds the rows once later->finish() has run.
-const float* bf16_dispatch(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan, float* rows, int64_t R,
-                           int64_t D, Tensor* out, bool per_token, ExchangeLater* later = nullptr) {
-  if (!ep) {
-    be.round_bf16(rows, rows, R * D);
-    return rows;
-  }
-  auto r16 = std::make_shared<Tensor>(be, DType::bf16, Shape{R, D});
+// BF16 rows (R, D) sent to the experts' ranks and widened there into *out (plan.received rows), the
+// FP32 rows the experts read. per_token: the rows are the same for each of a token's experts
+// (ExpertDispatcher::dispatch). later: posted; *out holds the rows once later->finish() has run.
+void bf16_dispatch(Backend& be, ExpertDispatcher& ep, const DispatchPlan& plan, std::shared_ptr<Tensor> r16, int64_t D,
+                   Tensor* out, bool per_token, ExchangeLater* later = nullptr) {
   auto l16 = std::make_shared<Tensor>();
-  be.to_bf16(rows, r16->data<uint16_t>(), R * D);
-  ep->dispatch(plan, r16->data<uint16_t>(), D, l16.get(), per_token, later);
+  ep.dispatch(plan, r16->data<uint16_t>(), D, l16.get(), per_token, later);
   *out = Tensor(be, DType::f32, {plan.received, D});
   auto widen_rows = [&be, l16, out, n = plan.received * D] {
     be.from_bf16(l16->data<uint16_t>(), out->f32(), n);
@@ -152,7 +145,6 @@ const float* bf16_dispatch(Backend& be, ExpertDispatcher* ep, const DispatchPlan
     later->keep(r16), later->then(widen_rows);
   else
     widen_rows();
-  return out->f32();
 }
 
 // The experts' rows (rows_in, D) FP32 -> BF16, brought back to their senders (R rows) in BF16.
@@ -166,12 +158,6 @@ Tensor bf16_combine(Backend& be, ExpertDispatcher* ep, const DispatchPlan& plan,
   Tensor out(be, DType::bf16, {R, D});
   ep->combine(plan, r16->data<uint16_t>(), D, out.data<uint16_t>(), summed, later);
   if (later) later->keep(r16);
-  return out;
-}
-
-Tensor widen(Backend& be, const Tensor& t16) {
-  Tensor out(be, DType::f32, t16.shape());
-  be.from_bf16(t16.data<uint16_t>(), out.f32(), t16.numel());
   return out;
 }
 
@@ -250,11 +236,20 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
   const int64_t L = int64_t(r.local_rows.size());
   FP8MOE_ASSERT(int64_t(w.experts.size()) == L && int64_t(fp8.experts.size()) == L, "MoE: ", w.experts.size(),
                 " expert weights for ", L, " experts");
-  s.xr = Tensor(be, DType::f32, {R, D});
-  be.permute(x, r.row_token.data<int64_t>(), R, D, s.xr.f32());
-  const float* xin = s.xr.f32();
   s.xq = QTensor{};
+  s.xr.reset();
   bool xr_sent = false;  // the experts read what was sent: xr is done with once it is
+  const float* xin = nullptr;
+  if (wire.bf16 && !wire.fp8_in && ep) {  // gathered into BF16 rows as they are sent, no FP32 copy
+    auto r16 = std::make_shared<Tensor>(be, DType::bf16, Shape{R, D});
+    be.permute_bf16(x, r.row_token.data<int64_t>(), R, D, r16->data<uint16_t>());
+    bf16_dispatch(be, *ep, r.plan, r16, D, &s.xl, true, later);
+    xin = s.xl.f32();
+  } else {
+    s.xr = Tensor(be, DType::f32, {R, D});
+    be.permute(x, r.row_token.data<int64_t>(), R, D, s.xr.f32());
+    xin = s.xr.f32();
+  }
   if (wire.fp8_in) {  // quantized once, here; the experts' first GEMM reads these bytes
     QTensor q = quantize_wire(be, s.xr.f32(), R, D, fp8.experts.front().w1, Fp8Dtype::e4m3, ep, &s.routing.wire_scale);
     s.xr.reset();
@@ -267,8 +262,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
     }
     xin = nullptr;
   } else if (wire.bf16) {
-    xin = bf16_dispatch(be, ep, r.plan, s.xr.f32(), R, D, &s.xl, true, later);
-    xr_sent = ep != nullptr;
+    if (!ep) be.round_bf16(xin, s.xr.f32(), R * D);  // (the rows stay here: rounded as if sent)
   } else if (ep) {
     ep->dispatch(r.plan, s.xr.f32(), D, &s.xl, true, later);
     xr_sent = true;
@@ -323,8 +317,7 @@ void moe_forward(Backend& be, const float* x, int64_t N, int64_t D, const MoeCon
     Tensor e16 = bf16_combine(be, ep, r.plan, y.f32(), rows_in, R, D, gated, back);
     arrived();
     y.reset();
-    const Tensor e32 = widen(be, e16);
-    be.unpermute_add(rb, R, e32.f32(), D, !gated, out);
+    be.unpermute_add_bf16(rb, R, e16.data<uint16_t>(), D, !gated, out);  // read as they came
     if (!gated) s.expert_out16 = std::move(e16);
   } else {
     Tensor e32;
@@ -380,9 +373,10 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   Tensor dgate(be, DType::f64, {N, k}), dye(be, DType::f32, {R, D});
   if (gated) {
     be.permute(dout, r.row_token.data<int64_t>(), R, D, dye.f32());
+  } else if (wire.bf16) {  // the experts' outputs read as kept, in BF16
+    be.gate_grad_bf16(rb, R, dout, s.expert_out16.data<uint16_t>(), D, dye.f32(), dgate.data<double>());
   } else {
-    const Tensor e32 = wire.bf16 ? widen(be, s.expert_out16) : Tensor{};
-    be.gate_grad(rb, R, dout, wire.bf16 ? e32.f32() : s.expert_out.f32(), D, dye.f32(), dgate.data<double>());
+    be.gate_grad(rb, R, dout, s.expert_out.f32(), D, dye.f32(), dgate.data<double>());
   }
   // (Expert parallelism: to the experts' ranks and back.)
   Tensor dyl;
@@ -402,7 +396,15 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     }
     dyin = nullptr;
   } else if (wire.bf16) {
-    dyin = bf16_dispatch(be, ep, r.plan, dye.f32(), R, D, &dyl, gated, later);
+    if (ep) {
+      auto r16 = std::make_shared<Tensor>(be, DType::bf16, Shape{R, D});
+      be.to_bf16(dye.f32(), r16->data<uint16_t>(), R * D);
+      dye.reset();
+      bf16_dispatch(be, *ep, r.plan, r16, D, &dyl, gated, later);
+      dyin = dyl.f32();
+    } else {
+      be.round_bf16(dye.f32(), dye.f32(), R * D);  // (as if sent)
+    }
   } else if (ep) {
     ep->dispatch(r.plan, dye.f32(), D, &dyl, gated, later);
     dyin = dyl.f32();
@@ -452,8 +454,11 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   }
   dyq = QTensor{}, dyl.reset(), dxl.reset();
   if (gated) be.slot_grads(rb, R, back.data<double>(), dgate.data<double>());
-  if (wire.bf16) dxe = widen(be, dx16), dx16.reset();
-  be.unpermute_add(rb, R, dxe.f32(), D, false, dx);  // a token's k rows add into one row, in row order
+  // a token's k rows add into one row, in row order (BF16 rows read as they came)
+  if (wire.bf16)
+    be.unpermute_add_bf16(rb, R, dx16.data<uint16_t>(), D, false, dx), dx16.reset();
+  else
+    be.unpermute_add(rb, R, dxe.f32(), D, false, dx);
   if (tp) {  // each rank holds a slice of every expert's width: partial sums so far
     tp->allreduce_sum(dx, N * D);
     tp->allreduce_sum(dgate.data<double>(), N * k);

@@ -199,11 +199,9 @@ double block_workspace(const Config& c, const PlanLayout& L, const ModelConfig& 
       const PlanTiling t = c.fp8.recipe == Fp8Recipe::blockwise ? PlanTiling::cols_Tx1 : PlanTiling::per_tensor;
       ffn_bwd += fp8_copy_bytes(int64_t(R), int64_t(D), t, c.fp8.tile) + fp8_copy_bytes(int64_t(R), int64_t(2 * F), t, c.fp8.tile);
     }
-    // selective: the router's input made again (from x_mid, widened from BF16 first where kept so);
-    // the SwiGLU outputs' copies W2 reads
-    if (selective(c))
-      ffn_bwd += N * D * kF32 * (kept_value_bytes(c) < kF32 ? 2 : 1) +
-                 R * F * (fp8_on(c, LinearClass::experts) ? 1 : kF32);
+    // selective: the router's input made again (from x_mid as kept); the SwiGLU outputs' copies W2
+    // reads
+    if (selective(c)) ffn_bwd += N * D * kF32 + R * F * (fp8_on(c, LinearClass::experts) ? 1 : kF32);
     ffn_fwd = N * E * kF32 + R * D * kF32 * (ep ? 2 : 1);  // logits; y (and the rows before the exchange)
   }
   const double fwd = 2 * N * D * kF32 + std::max(attn_fwd, ffn_fwd);        // o, f

@@ -1,5 +1,6 @@
 #include "kernels/moe_ops.h"
 
+#include "kernels/cpu/fp8_simd.h"
 #include "kernels/fp8.h"
 
 #include <algorithm>
@@ -13,34 +14,71 @@ void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, flo
   for (int64_t i = 0; i < R; ++i) std::copy_n(x + row_token[i] * D, D, rows + i * D);
 }
 
-void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out) {
+namespace {
+
+// A row's value as FP32: itself, or a BF16 row's widened (exactly).
+inline float row_value(const float* rows, int64_t i) { return rows[i]; }
+inline float row_value(const uint16_t* rows, int64_t i) { return bf16_decode(rows[i]); }
+
+template <class Row>
+void unpermute_add_rows(const RoutingBuffers& r, int64_t R, const Row* rows, int64_t D, bool gated, float* out) {
   // Serial over rows: a token's k rows add into the same output row (deterministic order).
   for (int64_t i = 0; i < R; ++i) {
     const int64_t n = r.row_token[i];
+    const Row* row = rows + i * D;
+    float* o = out + n * D;
     if (gated) {
       const float g = r.gate[n * r.k + r.row_slot[i]];
-      for (int64_t d = 0; d < D; ++d) out[n * D + d] += g * rows[i * D + d];
+      for (int64_t d = 0; d < D; ++d) o[d] += g * row_value(row, d);
     } else {
-      for (int64_t d = 0; d < D; ++d) out[n * D + d] += rows[i * D + d];
+      for (int64_t d = 0; d < D; ++d) o[d] += row_value(row, d);
     }
   }
 }
 
-void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
-               double* dgate) {
+template <class Row>
+void gate_grad_rows(const RoutingBuffers& r, int64_t R, const float* dout, const Row* expert_out, int64_t D, float* dye,
+                    double* dgate) {
   const int64_t k = r.k;
   std::fill_n(dgate, r.N * k, 0.0);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < R; ++i) {
     const int64_t n = r.row_token[i];
     const int64_t slot = n * k + r.row_slot[i];
+    const Row* eo = expert_out + i * D;
     double dg = 0;
     for (int64_t d = 0; d < D; ++d) {
       dye[i * D + d] = r.gate[slot] * dout[n * D + d];
-      dg += double(dout[n * D + d]) * expert_out[i * D + d];
+      dg += double(dout[n * D + d]) * double(row_value(eo, d));
     }
     dgate[slot] = dg;
   }
+}
+
+}  // namespace
+
+void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out) {
+  unpermute_add_rows(r, R, rows, D, gated, out);
+}
+
+void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated, float* out) {
+  unpermute_add_rows(r, R, rows, D, gated, out);
+}
+
+void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
+               double* dgate) {
+  gate_grad_rows(r, R, dout, expert_out, D, dye, dgate);
+}
+
+void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out, int64_t D,
+                    float* dye, double* dgate) {
+  gate_grad_rows(r, R, dout, expert_out, D, dye, dgate);
+}
+
+void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows) {
+  const SimdLevel level = cpu_simd_level();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < R; ++i) f32_to_bf16_span(level, x + row_token[i] * D, rows + i * D, D);
 }
 
 void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) {

@@ -41,6 +41,19 @@ void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float
   for (int64_t n = 0; n < N; ++n) forward_row(x + n * D, w, D, eps, y + n * D, rstd + n);
 }
 
+void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd) {
+  const SimdLevel level = cpu_simd_level();
+#pragma omp parallel
+  {
+    std::vector<float> buf(static_cast<size_t>(D));  // the thread's row, widened
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      bf16_to_f32_span(level, x + n * D, buf.data(), D);
+      forward_row(buf.data(), w, D, eps, y + n * D, rstd + n);
+    }
+  }
+}
+
 namespace {
 // rmsnorm_backward over rows that row_x(n, buffer) gives in FP32 (x itself, or a row widened into
 // the thread's buffer).

@@ -46,6 +46,11 @@ double gated_backward_span(const float* a, const float* b, float g, const float*
   return dg;
 }
 
+// a's and b's n BF16 values from element `at` widened into a32, b32 (exact).
+void widen_pair(SimdLevel level, const uint16_t* a, const uint16_t* b, int64_t at, float* a32, float* b32, int64_t n) {
+  bf16_to_f32_span(level, a + at, a32, n), bf16_to_f32_span(level, b + at, b32, n);
+}
+
 }  // namespace
 
 void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const float* gate, float* y, int64_t rows,
@@ -68,6 +73,24 @@ void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const flo
   }
 }
 
+void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                         int64_t cols) {
+  // As swiglu_backward_bf16: row by row in spans, a and b widened into buffers on the stack.
+  const SimdLevel level = cpu_simd_level();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float a32[kSpan], b32[kSpan];
+    for (int64_t c = 0; c < cols; c += kSpan) {
+      const int64_t n = std::min(kSpan, cols - c);
+      widen_pair(level, a, b, r * ld + c, a32, b32, n);
+      if (gate)
+        gated_forward_span(a32, b32, gate[r], y + r * cols + c, n);
+      else
+        forward_span(a32, b32, y + r * cols + c, n);
+    }
+  }
+}
+
 void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
                           float* da, float* db, double* dgate, int64_t rows, int64_t cols) {
   // Row by row in spans (the FP32 forms' element functions, whose results do not depend on where a
@@ -79,7 +102,7 @@ void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, cons
     double dg = 0;
     for (int64_t c = 0; c < cols; c += kSpan) {
       const int64_t n = std::min(kSpan, cols - c);
-      bf16_to_f32_span(level, a + r * ld + c, a32, n), bf16_to_f32_span(level, b + r * ld + c, b32, n);
+      widen_pair(level, a, b, r * ld + c, a32, b32, n);
       if (gate)
         dg = gated_backward_span(a32, b32, gate[r], dy + r * cols + c, da + r * ld + c, db + r * ld + c, n, dg);
       else

@@ -20,10 +20,7 @@
 #include "kernels/check.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/arena.h"
-#include "kernels/cuda/attention.h"
-#if FP8MOE_HAVE_CUDNN
-#include "kernels/cuda/attention_cudnn.h"
-#endif
+#include "kernels/cuda/attention_runner.h"
 #if FP8MOE_HAVE_CUTLASS
 #include "kernels/cuda/grouped_gemm.h"
 #endif
@@ -74,6 +71,7 @@ class CudaBackendImpl final : public CudaBackend {
     CUBLAS_CHECK(cublasLtCreate(&lt_));
     arena_ = std::make_unique<cuda::Arena>(compute_);
     workspace_ = arena_->allocate(kLtWorkspaceBytes);
+    attention_ = std::make_unique<cuda::AttentionRunner>(*this, compute_, options_);
   }
 
   ~CudaBackendImpl() override {
@@ -82,9 +80,7 @@ class CudaBackendImpl final : public CudaBackend {
     (void)cudaStreamSynchronize(comm_);
     (void)cudaStreamSynchronize(compute_);
     bounce_.reset();
-#if FP8MOE_HAVE_CUDNN
-    cudnn_.reset();
-#endif
+    attention_.reset();
     arena_.reset();
     if (lt_) (void)cublasLtDestroy(lt_);
     if (comm_done_) (void)cudaEventDestroy(comm_done_);
@@ -239,6 +235,10 @@ class CudaBackendImpl final : public CudaBackend {
     Tensor partials(*this, DType::f32, {rmsnorm_dw_chunks(N) * D});
     cuda::rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw, partials.f32(), compute_);
   }
+  void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y,
+                            float* rstd) override {
+    cuda::rmsnorm_forward_bf16(x, w, N, D, eps, y, rstd, compute_);
+  }
   void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
                              int64_t D, float* dx, float* dw) override {
     if (N == 0 || D == 0) return;
@@ -251,86 +251,21 @@ class CudaBackendImpl final : public CudaBackend {
   }
   void attention_forward(const float* q, const float* k, const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
                          int64_t hd, int64_t hdv, float* out, float* lse) override {
-#if FP8MOE_HAVE_CUDNN
-    if (fused_attention({B, T, H, KVH, hd, hdv})) {
-      // BF16 copies in (kept only for the call): cuDNN's operands, through the BF16 form.
-      const Tensor q16 = narrowed(q, B * T * H * hd), k16 = narrowed(k, B * T * KVH * hd),
-                   v16 = narrowed(v, B * T * KVH * hdv);
-      attention_forward_bf16(q16.data<uint16_t>(), k16.data<uint16_t>(), v16.data<uint16_t>(), B, T, H, KVH, hd, hdv,
-                             out, lse);
-      return;
-    }
-#endif
-    cuda::attention_forward(q, k, v, B, T, H, KVH, hd, hdv, out, lse, compute_);
+    attention_->forward(q, k, v, B, T, H, KVH, hd, hdv, out, lse);
   }
   void attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                           const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hdv,
                           float* dq, float* dk, float* dv) override {
-#if FP8MOE_HAVE_CUDNN
-    // The forward of this shape ran fused (the decision is made once per shape): so does backward,
-    // from the same BF16 operands (out is exactly the BF16 output, widened).
-    if (fused_attention({B, T, H, KVH, hd, hdv})) {
-      const Tensor q16 = narrowed(q, B * T * H * hd), k16 = narrowed(k, B * T * KVH * hd),
-                   v16 = narrowed(v, B * T * KVH * hdv);
-      attention_backward_bf16(q16.data<uint16_t>(), k16.data<uint16_t>(), v16.data<uint16_t>(), out, lse, dout, B, T,
-                              H, KVH, hd, hdv, dq, dk, dv);
-      return;
-    }
-#endif
-    Tensor delta(*this, DType::f32, {B * H * T});
-    cuda::attention_backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv, delta.f32(), compute_);
+    attention_->backward(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv);
   }
-  // n FP32 values rounded to BF16 on the compute stream.
-  Tensor narrowed(const float* x, int64_t n) {
-    Tensor t(*this, DType::bf16, {n});
-    cuda::to_bf16(x, t.data<uint16_t>(), n, compute_);
-    return t;
-  }
-  // n BF16 values widened to FP32 on the compute stream.
-  Tensor widened(const uint16_t* x, int64_t n) {
-    Tensor t(*this, DType::f32, {n});
-    cuda::from_bf16(x, t.f32(), n, compute_);
-    return t;
-  }
-  // train.activations bf16: q, k and v as kept, cuDNN's operands without a copy; the reference
-  // kernel (no cuDNN, or runtime.attention reference) on them widened, with its FP32 softmax and
-  // products (not the fused kernel's BF16 roundings inside).
   void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t T,
                               int64_t H, int64_t KVH, int64_t hd, int64_t hdv, float* out, float* lse) override {
-    const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
-#if FP8MOE_HAVE_CUDNN
-    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
-      Tensor o16(*this, DType::bf16, {no}), ws(*this, DType::u8, {cudnn_->forward_workspace(d)});
-      cudnn_->forward(d, q, k, v, o16.raw(), lse, ws.raw());
-      cuda::from_bf16(o16.data<uint16_t>(), out, no, compute_);
-      return;
-    }
-#endif
-    const Tensor q32 = widened(q, nq), k32 = widened(k, nk), v32 = widened(v, nv);
-    cuda::attention_forward(q32.f32(), k32.f32(), v32.f32(), B, T, H, KVH, hd, hdv, out, lse, compute_);
+    attention_->forward_bf16(q, k, v, B, T, H, KVH, hd, hdv, out, lse);
   }
   void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* out,
                                const float* lse, const float* dout, int64_t B, int64_t T, int64_t H, int64_t KVH,
                                int64_t hd, int64_t hdv, float* dq, float* dk, float* dv) override {
-    const int64_t nq = B * T * H * hd, nk = B * T * KVH * hd, nv = B * T * KVH * hdv, no = B * T * H * hdv;
-#if FP8MOE_HAVE_CUDNN
-    if (const cuda::AttnDims d{B, T, H, KVH, hd, hdv}; fused_attention(d)) {
-      Tensor o16(*this, DType::bf16, {no}), do16(*this, DType::bf16, {no});
-      cuda::to_bf16(out, o16.data<uint16_t>(), no, compute_);
-      cuda::to_bf16(dout, do16.data<uint16_t>(), no, compute_);
-      Tensor dq16(*this, DType::bf16, {nq}), dk16(*this, DType::bf16, {nk}), dv16(*this, DType::bf16, {nv});
-      Tensor ws(*this, DType::u8, {cudnn_->backward_workspace(d)});
-      cudnn_->backward(d, q, k, v, o16.raw(), do16.raw(), lse, dq16.raw(), dk16.raw(), dv16.raw(), ws.raw());
-      cuda::from_bf16(dq16.data<uint16_t>(), dq, nq, compute_);
-      cuda::from_bf16(dk16.data<uint16_t>(), dk, nk, compute_);
-      cuda::from_bf16(dv16.data<uint16_t>(), dv, nv, compute_);
-      return;
-    }
-#endif
-    const Tensor q32 = widened(q, nq), k32 = widened(k, nk), v32 = widened(v, nv);
-    Tensor delta(*this, DType::f32, {B * H * T});
-    cuda::attention_backward(q32.f32(), k32.f32(), v32.f32(), out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv,
-                             delta.f32(), compute_);
+    attention_->backward_bf16(q, k, v, out, lse, dout, B, T, H, KVH, hd, hdv, dq, dk, dv);
   }
   void mla_expand_kv(const float* kv, const float* kpe, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t vd,
                      float* k, float* v) override {
@@ -385,6 +320,10 @@ class CudaBackendImpl final : public CudaBackend {
                              float* db, double* dgate, int64_t rows, int64_t cols) override {
     cuda::swiglu_gated_backward(a, b, ld, gate, dy, da, db, dgate, rows, cols, compute_);
   }
+  void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                           int64_t cols) override {
+    cuda::swiglu_forward_bf16(a, b, ld, gate, y, rows, cols, compute_);
+  }
   void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
                             float* da, float* db, double* dgate, int64_t rows, int64_t cols) override {
     cuda::swiglu_backward_bf16(a, b, ld, gate, dy, da, db, dgate, rows, cols, compute_);
@@ -405,6 +344,17 @@ class CudaBackendImpl final : public CudaBackend {
   void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated,
                      float* out) override {
     cuda::unpermute_add(r, R, rows, D, gated, out, compute_);
+  }
+  void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows) override {
+    cuda::permute_bf16(x, row_token, R, D, rows, compute_);
+  }
+  void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated,
+                          float* out) override {
+    cuda::unpermute_add_bf16(r, R, rows, D, gated, out, compute_);
+  }
+  void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out, int64_t D,
+                      float* dye, double* dgate) override {
+    cuda::gate_grad_bf16(r, R, dout, expert_out, D, dye, dgate, compute_);
   }
   void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override {
     cuda::row_gates(r, R, gate_rows, compute_);
@@ -538,14 +488,8 @@ class CudaBackendImpl final : public CudaBackend {
   void enter_thread() override { CUDA_CHECK(cudaSetDevice(device_)); }
 
   std::string attention_kernels() const override {
-#if FP8MOE_HAVE_CUDNN
-    std::string s;
-    for (const auto& [d, fused] : fused_)
-      s += detail::concat(s.empty() ? "" : "; ", cuda::to_string(d), ": ", fused ? "cudnn" : "reference");
+    const std::string s = attention_->kernels();
     return s.empty() ? Backend::attention_kernels() : s;
-#else
-    return Backend::attention_kernels();
-#endif
   }
 
  private:
@@ -554,33 +498,6 @@ class CudaBackendImpl final : public CudaBackend {
 #endif
   GroupedGemmFallbacks fallbacks_;
   std::set<std::string> grouped_reasons_;  // entry point + reason, of the fallbacks named so far
-#if FP8MOE_HAVE_CUDNN
-  // Whether attention of this shape runs fused: decided at its first call and kept, so that
-  // forward and backward of a shape always use the same kernel.
-  bool fused_attention(const cuda::AttnDims& d) {
-    if (options_.attention == AttentionKernel::reference || d.B * d.T * d.H == 0) return false;
-    if (const auto it = fused_.find(d); it != fused_.end()) return it->second;
-    std::string why;
-    if (!cudnn_ && cudnn_error_.empty()) {
-      cudnn_ = cuda::CudnnAttention::create(compute_, &why);
-      if (!cudnn_) cudnn_error_ = why;
-    }
-    const bool ok = cudnn_ ? cudnn_->prepare(d, &why) : (why = cudnn_error_, false);
-    const std::string shape = cuda::to_string(d);
-    if (!ok && options_.attention == AttentionKernel::cudnn)
-      fatal_error(__FILE__, __LINE__, "runtime.attention cudnn: cuDNN's fused attention cannot run " + shape + ": " + why);
-    if (!ok)
-      std::fprintf(stderr, "fp8moe: warning: attention of %s runs on the reference kernel: %s\n", shape.c_str(), why.c_str());
-    else if (options_.verbose)
-      std::printf("attention of %s: %s fused SDPA (BF16 operands, FP32 statistics)\n", shape.c_str(),
-                  cudnn_->version().c_str());
-    fused_.emplace(d, ok);
-    return ok;
-  }
-  std::unique_ptr<cuda::CudnnAttention> cudnn_;
-  std::string cudnn_error_;                 // why cuDNN could not be opened (then it is not tried again)
-  std::map<cuda::AttnDims, bool> fused_;    // per shape: cuDNN (true) or the reference kernel
-#endif
   cuda::LtContext lt() const { return {lt_, workspace_, kLtWorkspaceBytes, device_}; }
 
   int device_;
@@ -590,6 +507,7 @@ class CudaBackendImpl final : public CudaBackend {
   cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   std::unique_ptr<cuda::Arena> arena_;
+  std::unique_ptr<cuda::AttentionRunner> attention_;  // cuDNN's fused SDPA or the reference kernel, per shape
   void* workspace_ = nullptr;  // cuBLASLt's, from the arena (so in memory_stats)
   static constexpr size_t kBounceBytes = size_t(64) << 20;
   HostBuffer<unsigned char> bounce_;  // pinned, kBounceBytes: uploads from pageable memory

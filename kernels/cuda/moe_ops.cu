@@ -11,7 +11,10 @@
 //            row_gates, slot_grads (copies); sum_rows, FP32 and BF16 (each output element adds its
 //            rows in the CPU's order from +0, in FP32; BF16 rounded once by kernels/fp8.h's
 //            bf16_encode)
-//   close    gate_grad's dgate: each row's dot product (double) is a warp tree here, serial there
+//            their BF16 forms likewise (permute_bf16 rounds by kernels/fp8.h's bf16_encode, the
+//            CPU's span's bits; unpermute_add_bf16 and gate_grad_bf16 widen each value as it is read)
+//   close    gate_grad's dgate (and gate_grad_bf16's): each row's dot product (double) is a warp
+//            tree here, serial there
 #include "kernels/cuda/block_reduce.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/serial_sum.cuh"
@@ -30,9 +33,19 @@ __global__ void permute_kernel(const float* __restrict__ x, const int64_t* __res
   FP8MOE_GRID_STRIDE(e, R * D) rows[e] = x[row_token[e / D] * D + e % D];
 }
 
+__global__ void permute_bf16_kernel(const float* __restrict__ x, const int64_t* __restrict__ row_token, int64_t R,
+                                    int64_t D, uint16_t* __restrict__ rows) {
+  FP8MOE_GRID_STRIDE(e, R * D) rows[e] = bf16_encode(x[row_token[e / D] * D + e % D]);
+}
+
+// A row's value as FP32: itself, or a BF16 row's widened (exactly).
+__device__ inline float row_value(const float* rows, int64_t i) { return rows[i]; }
+__device__ inline float row_value(const uint16_t* rows, int64_t i) { return bf16_decode(rows[i]); }
+
 // One thread per output element: the token's kept slots in increasing row order (k passes, each
 // taking the smallest row above the last one).
-__global__ void unpermute_kernel(const float* __restrict__ rows, const int32_t* __restrict__ slot_row,
+template <class Row>
+__global__ void unpermute_kernel(const Row* __restrict__ rows, const int32_t* __restrict__ slot_row,
                                  const float* __restrict__ gate, int64_t N, int64_t k, int64_t R, int64_t D,
                                  bool gated, float* __restrict__ out) {
   FP8MOE_GRID_STRIDE(e, N * D) {
@@ -46,7 +59,7 @@ __global__ void unpermute_kernel(const float* __restrict__ rows, const int32_t* 
         if (r > last && r < next) next = r, slot = j;
       }
       if (slot < 0) break;
-      const float v = rows[next * D + d];
+      const float v = row_value(rows, next * D + d);
       acc = add_rn(acc, gated ? mul_rn(gate[n * k + slot], v) : v);
       last = next;
     }
@@ -55,9 +68,10 @@ __global__ void unpermute_kernel(const float* __restrict__ rows, const int32_t* 
 }
 
 // One warp per permuted row.
+template <class Row>
 __global__ void gate_grad_kernel(const int64_t* __restrict__ row_token, const int32_t* __restrict__ row_slot,
                                  const float* __restrict__ gate, int64_t R, int64_t k, int64_t D,
-                                 const float* __restrict__ dout, const float* __restrict__ expert_out,
+                                 const float* __restrict__ dout, const Row* __restrict__ expert_out,
                                  float* __restrict__ dye, double* __restrict__ dgate) {
   const int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarpThreads;
   const int lane = threadIdx.x % kWarpThreads;
@@ -68,7 +82,7 @@ __global__ void gate_grad_kernel(const int64_t* __restrict__ row_token, const in
   for (int64_t d = lane; d < D; d += kWarpThreads) {
     const float o = dout[n * D + d];
     dye[i * D + d] = mul_rn(g, o);
-    dg = __dadd_rn(dg, __dmul_rn(double(o), double(expert_out[i * D + d])));
+    dg = __dadd_rn(dg, __dmul_rn(double(o), double(row_value(expert_out, i * D + d))));
   }
   dg = warp_reduce(dg, SumOp{});
   if (lane == 0) dgate[slot] = dg;
@@ -221,11 +235,44 @@ void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, flo
   check_launch();
 }
 
-void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out,
-                   cudaStream_t stream) {
+namespace {
+
+template <class Row>
+void unpermute_rows(const RoutingBuffers& r, int64_t R, const Row* rows, int64_t D, bool gated, float* out,
+                    cudaStream_t stream) {
   if (r.N * D == 0 || R == 0) return;
   unpermute_kernel<<<grid_for(r.N * D), kBlockThreads, 0, stream>>>(rows, r.slot_row, r.gate, r.N, r.k, R, D, gated,
                                                                     out);
+  check_launch();
+}
+
+template <class Row>
+void gate_grad_rows(const RoutingBuffers& r, int64_t R, const float* dout, const Row* expert_out, int64_t D,
+                    float* dye, double* dgate, cudaStream_t stream) {
+  if (r.N * r.k == 0) return;
+  CUDA_CHECK(cudaMemsetAsync(dgate, 0, size_t(r.N * r.k) * sizeof(double), stream));  // +0.0 for every slot
+  if (R == 0) return;
+  gate_grad_kernel<<<warps_grid(R, "gate_grad"), kBlockThreads, 0, stream>>>(r.row_token, r.row_slot, r.gate, R, r.k,
+                                                                            D, dout, expert_out, dye, dgate);
+  check_launch();
+}
+
+}  // namespace
+
+void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_t D, bool gated, float* out,
+                   cudaStream_t stream) {
+  unpermute_rows(r, R, rows, D, gated, out, stream);
+}
+
+void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated, float* out,
+                        cudaStream_t stream) {
+  unpermute_rows(r, R, rows, D, gated, out, stream);
+}
+
+void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows,
+                  cudaStream_t stream) {
+  if (R * D == 0) return;
+  permute_bf16_kernel<<<grid_for(R * D), kBlockThreads, 0, stream>>>(x, row_token, R, D, rows);
   check_launch();
 }
 
@@ -259,12 +306,12 @@ void slot_grads(const RoutingBuffers& r, int64_t R, const double* row_grads, dou
 
 void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                double* dgate, cudaStream_t stream) {
-  if (r.N * r.k == 0) return;
-  CUDA_CHECK(cudaMemsetAsync(dgate, 0, size_t(r.N * r.k) * sizeof(double), stream));  // +0.0 for every slot
-  if (R == 0) return;
-  gate_grad_kernel<<<warps_grid(R, "gate_grad"), kBlockThreads, 0, stream>>>(r.row_token, r.row_slot, r.gate, R, r.k,
-                                                                            D, dout, expert_out, dye, dgate);
-  check_launch();
+  gate_grad_rows(r, R, dout, expert_out, D, dye, dgate, stream);
+}
+
+void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out, int64_t D,
+                    float* dye, double* dgate, cudaStream_t stream) {
+  gate_grad_rows(r, R, dout, expert_out, D, dye, dgate, stream);
 }
 
 void router_grad(const RoutingBuffers& r, const double* dgate, const RouterGradRule& rule, float* dz,

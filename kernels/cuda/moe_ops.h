@@ -22,6 +22,14 @@ void unpermute_add(const RoutingBuffers& r, int64_t R, const float* rows, int64_
 // dropped slots).
 void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                double* dgate, cudaStream_t stream);
+// Their BF16 forms (kernels/moe_ops.h): rows rounded to BF16 as they are gathered; BF16 rows
+// widened where they are read (the FP32 forms' bits on the widened rows).
+void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows,
+                  cudaStream_t stream);
+void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated, float* out,
+                        cudaStream_t stream);
+void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out, int64_t D,
+                    float* dye, double* dgate, cudaStream_t stream);
 // gate_rows: (R) = gate of each row's token and slot (kernels/moe_ops.h).
 void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows, cudaStream_t stream);
 // row_grads: (R) -> dgate: (N, k) at each row's token and slot, 0 for dropped slots.

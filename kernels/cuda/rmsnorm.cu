@@ -17,22 +17,26 @@
 namespace fp8moe::cuda {
 namespace {
 
-__global__ void rmsnorm_fwd_kernel(const float* __restrict__ x, const float* __restrict__ w, int64_t D, float eps,
+// T: float, or uint16_t (BF16 bits, widened exactly: kernels/fp8.h bf16_decode).
+__device__ __forceinline__ float load(float x) { return x; }
+__device__ __forceinline__ float load(uint16_t x) { return bf16_decode(x); }
+
+template <class T>
+__global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w, int64_t D, float eps,
                                    float* __restrict__ y, float* __restrict__ rstd) {
   const int64_t n = blockIdx.x;
-  const float* xr = x + n * D;
+  const T* xr = x + n * D;
   double ss = 0;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) ss = dadd_rn(ss, dmul_rn(double(xr[d]), double(xr[d])));
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    const double v = load(xr[d]);
+    ss = dadd_rn(ss, dmul_rn(v, v));
+  }
   ss = block_reduce(ss, SumOp{}, 0.0);
   // NOTE: double division and square root are IEEE round-to-nearest on the device, as on the host.
   const float r = float(1.0 / sqrt(ss / double(D) + double(eps)));
   if (threadIdx.x == 0) rstd[n] = r;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) y[n * D + d] = mul_rn(mul_rn(xr[d], r), w[d]);
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) y[n * D + d] = mul_rn(mul_rn(load(xr[d]), r), w[d]);
 }
-
-// T: float, or uint16_t (BF16 bits, widened exactly: kernels/fp8.h bf16_decode).
-__device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ float load(uint16_t x) { return bf16_decode(x); }
 
 // dx = r (w dy) - x r^3 / D * sum(w dy x), in double as the CPU.
 template <class T>
@@ -81,7 +85,14 @@ __global__ void rmsnorm_dw_sum_kernel(const float* __restrict__ part, int64_t ch
 void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd,
                      cudaStream_t stream) {
   if (N == 0) return;
-  rmsnorm_fwd_kernel<<<grid_of(N, "rmsnorm_forward"), kBlockThreads, 0, stream>>>(x, w, D, eps, y, rstd);
+  rmsnorm_fwd_kernel<float><<<grid_of(N, "rmsnorm_forward"), kBlockThreads, 0, stream>>>(x, w, D, eps, y, rstd);
+  check_launch();
+}
+
+void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd,
+                          cudaStream_t stream) {
+  if (N == 0) return;
+  rmsnorm_fwd_kernel<uint16_t><<<grid_of(N, "rmsnorm_forward_bf16"), kBlockThreads, 0, stream>>>(x, w, D, eps, y, rstd);
   check_launch();
 }
 

@@ -16,6 +16,8 @@ void rmsnorm_forward(const float* x, const float* w, int64_t N, int64_t D, float
 void rmsnorm_backward(const float* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                       float* dx, float* dw, float* dw_partials, cudaStream_t stream);
 // The same with x in BF16, widened in registers.
+void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y, float* rstd,
+                          cudaStream_t stream);
 void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N, int64_t D,
                            float* dx, float* dw, float* dw_partials, cudaStream_t stream);
 

@@ -13,18 +13,19 @@
 namespace fp8moe::cuda {
 namespace {
 
-// Element i of the contiguous (rows, cols) y / dy is (i / cols, i % cols) of the strided a, b.
-__global__ void swiglu_forward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
-                                      float* __restrict__ y, int64_t n, int64_t cols) {
-  FP8MOE_GRID_STRIDE(i, n) {
-    const int64_t j = (i / cols) * ld + i % cols;
-    y[i] = swiglu_forward_elem(a[j], b[j]);
-  }
-}
-
 // T: float, or uint16_t (BF16 bits, widened exactly: kernels/fp8.h bf16_decode).
 __device__ __forceinline__ float load(float x) { return x; }
 __device__ __forceinline__ float load(uint16_t x) { return bf16_decode(x); }
+
+// Element i of the contiguous (rows, cols) y / dy is (i / cols, i % cols) of the strided a, b.
+template <class T>
+__global__ void swiglu_forward_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t ld,
+                                      float* __restrict__ y, int64_t n, int64_t cols) {
+  FP8MOE_GRID_STRIDE(i, n) {
+    const int64_t j = (i / cols) * ld + i % cols;
+    y[i] = swiglu_forward_elem(load(a[j]), load(b[j]));
+  }
+}
 
 template <class T>
 __global__ void swiglu_backward_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t ld,
@@ -36,12 +37,14 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ a, const T* __restr
   }
 }
 
-__global__ void swiglu_gated_forward_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t ld,
+template <class T>
+__global__ void swiglu_gated_forward_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t ld,
                                             const float* __restrict__ gate, float* __restrict__ y, int64_t n,
                                             int64_t cols) {
   FP8MOE_GRID_STRIDE(i, n) {
     const int64_t r = i / cols, j = r * ld + i % cols;
-    y[i] = swiglu_gated_forward_elem(a[j], b[j], sigmoidf_(a[j]), gate[r]);
+    const float x = load(a[j]);
+    y[i] = swiglu_gated_forward_elem(x, load(b[j]), sigmoidf_(x), gate[r]);
   }
 }
 
@@ -73,7 +76,7 @@ void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const floa
                           int64_t cols, cudaStream_t stream) {
   const int64_t n = rows * cols;
   if (n == 0) return;
-  swiglu_gated_forward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, gate, y, n, cols);
+  swiglu_gated_forward_kernel<float><<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, gate, y, n, cols);
   check_launch();
 }
 
@@ -89,7 +92,7 @@ void swiglu_forward(const float* a, const float* b, int64_t ld, float* y, int64_
                     cudaStream_t stream) {
   const int64_t n = rows * cols;
   if (n == 0) return;
-  swiglu_forward_kernel<<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, y, n, cols);
+  swiglu_forward_kernel<float><<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, y, n, cols);
   check_launch();
 }
 
@@ -98,6 +101,17 @@ void swiglu_backward(const float* a, const float* b, int64_t ld, const float* dy
   const int64_t n = rows * cols;
   if (n == 0) return;
   swiglu_backward_kernel<float><<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, dy, da, db, n, cols);
+  check_launch();
+}
+
+void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                         int64_t cols, cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n == 0) return;
+  if (gate)
+    swiglu_gated_forward_kernel<uint16_t><<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, gate, y, n, cols);
+  else
+    swiglu_forward_kernel<uint16_t><<<grid_for(n), kBlockThreads, 0, stream>>>(a, b, ld, y, n, cols);
   check_launch();
 }
 

@@ -17,6 +17,8 @@ void swiglu_gated_forward(const float* a, const float* b, int64_t ld, const floa
 void swiglu_gated_backward(const float* a, const float* b, int64_t ld, const float* gate, const float* dy, float* da,
                            float* db, double* dgate, int64_t rows, int64_t cols, cudaStream_t stream);
 // a, b in BF16, widened in registers (gate nullptr: ungated, dgate not written).
+void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                         int64_t cols, cudaStream_t stream);
 void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
                           float* da, float* db, double* dgate, int64_t rows, int64_t cols, cudaStream_t stream);
 }  // namespace fp8moe::cuda

@@ -499,6 +499,10 @@ class WatchedDevice final : public Backend {
                         float* dx, float* dw) override {
     d_->rmsnorm_backward(x, w, rstd, dy, N, D, dx, dw);
   }
+  void rmsnorm_forward_bf16(const uint16_t* x, const float* w, int64_t N, int64_t D, float eps, float* y,
+                            float* rstd) override {
+    d_->rmsnorm_forward_bf16(x, w, N, D, eps, y, rstd);
+  }
   void rmsnorm_backward_bf16(const uint16_t* x, const float* w, const float* rstd, const float* dy, int64_t N,
                              int64_t D, float* dx, float* dw) override {
     d_->rmsnorm_backward_bf16(x, w, rstd, dy, N, D, dx, dw);
@@ -570,6 +574,10 @@ class WatchedDevice final : public Backend {
                              float* db, double* dgate, int64_t rows, int64_t cols) override {
     d_->swiglu_gated_backward(a, b, ld, gate, dy, da, db, dgate, rows, cols);
   }
+  void swiglu_forward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, float* y, int64_t rows,
+                           int64_t cols) override {
+    d_->swiglu_forward_bf16(a, b, ld, gate, y, rows, cols);
+  }
   void swiglu_backward_bf16(const uint16_t* a, const uint16_t* b, int64_t ld, const float* gate, const float* dy,
                             float* da, float* db, double* dgate, int64_t rows, int64_t cols) override {
     d_->swiglu_backward_bf16(a, b, ld, gate, dy, da, db, dgate, rows, cols);
@@ -590,6 +598,17 @@ class WatchedDevice final : public Backend {
   void gate_grad(const RoutingBuffers& r, int64_t R, const float* dout, const float* expert_out, int64_t D, float* dye,
                  double* dgate) override {
     d_->gate_grad(r, R, dout, expert_out, D, dye, dgate);
+  }
+  void permute_bf16(const float* x, const int64_t* row_token, int64_t R, int64_t D, uint16_t* rows) override {
+    d_->permute_bf16(x, row_token, R, D, rows);
+  }
+  void unpermute_add_bf16(const RoutingBuffers& r, int64_t R, const uint16_t* rows, int64_t D, bool gated,
+                          float* out) override {
+    d_->unpermute_add_bf16(r, R, rows, D, gated, out);
+  }
+  void gate_grad_bf16(const RoutingBuffers& r, int64_t R, const float* dout, const uint16_t* expert_out, int64_t D,
+                      float* dye, double* dgate) override {
+    d_->gate_grad_bf16(r, R, dout, expert_out, D, dye, dgate);
   }
   void row_gates(const RoutingBuffers& r, int64_t R, float* gate_rows) override { d_->row_gates(r, R, gate_rows); }
   void sum_rows(const float* rows, const int64_t* offsets, const int64_t* index, int64_t n, int64_t D,

@@ -1,5 +1,5 @@
 // The MoE ops (kernels/moe_ops.h): permute, unpermute_add (gated and not), gate_grad, row_gates,
-// slot_grads, sum_rows (FP32 and BF16),
+// slot_grads, sum_rows (FP32 and BF16), the BF16 forms of the gathers (against loops written here),
 // router_grad (with and without the aux loss), aux_loss and the router bias update, through each
 // device backend against the CPU backend (backend_cases.h) on the routings of routing_cases.h:
 // capacity drops, every assignment dropped, one token and none. Their finite-difference checks run
@@ -11,6 +11,7 @@
 
 #include "kernels/moe_ops.h"
 #include "tests/kernels/backend_cases.h"
+#include "tests/kernels/bf16_reference.h"
 #include "tests/kernels/routing_cases.h"
 #include "tests/test_random.h"
 
@@ -64,6 +65,80 @@ TEST_P(DeviceOps, PermuteUnpermuteMatchCpu) {
     expect_bitwise(g.perm, c.perm, "permute");
     expect_bitwise(g.gated, c.gated, "unpermute_add gated");
     expect_bitwise(g.ungated, c.ungated, "unpermute_add ungated");
+  }
+}
+
+TEST_P(DeviceOps, Bf16GathersMatchLoopsOnTheWidenedRows) {
+  // train.activations bf16's gathers: permute_bf16 writes each row rounded to the nearest BF16
+  // (tests/kernels/bf16_reference.h); unpermute_add_bf16 and gate_grad_bf16 read BF16 rows. Against
+  // loops written here on the rows widened (exactly): a token's rows added into its output in row
+  // order in FP32 (gated: the gate times the value, rounded, then added); dye = gate x dout;
+  // dgate = dout . row summed in FP64 in order, 0 for dropped slots. Bitwise on every backend, but
+  // CUDA's dgate (a warp tree: 1e-12).
+  for (const RouterCase& s : kRouterCases) {
+    SCOPED_TRACE(testing::Message() << "N" << s.N << " E" << s.E << " k" << s.k << " cap " << s.capacity);
+    HostRouting h = cpu_routing(cpu(), s, 80 + s.N + s.E, true);
+    const int64_t D = 72, R = h.R, N = s.N, k = s.k;
+    auto x = normal_vector(N * D, 81);
+    if (N * D >= 3) x[0] = 1.00390625f, x[1] = 1.01171875f, x[2] = -1.00390625f;  // ties: 1 + 2^-8, 1 + 3 2^-8
+    const auto out0 = normal_vector(N * D, 83), dout = normal_vector(N * D, 84), rows32 = normal_vector(R * D, 82);
+    std::vector<uint16_t> rows(static_cast<size_t>(R * D));
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = nearest_bf16(rows32[i]);
+    struct Out {
+      std::vector<uint16_t> perm;
+      std::vector<float> gated, ungated, dye;
+      std::vector<double> dgate;
+    };
+    auto [c, g] = both([&](Backend& be) {
+      Routing r = copy_routing(h, be);
+      const RoutingBuffers rb = r.buffers();
+      Tensor gx = up(be, x), gdo = up(be, dout), gated = up(be, out0), ungated = up(be, out0);
+      Tensor g16(be, DType::bf16, {R * D}), perm = poisoned(be, DType::bf16, R * D),
+             dye = poisoned(be, DType::f32, R * D), dgate = poisoned(be, DType::f64, N * k);
+      if (R > 0) be.upload(g16.raw(), rows.data(), rows.size() * 2);
+      be.permute_bf16(gx.f32(), rb.row_token, R, D, perm.data<uint16_t>());
+      be.unpermute_add_bf16(rb, R, g16.data<uint16_t>(), D, true, gated.f32());
+      be.unpermute_add_bf16(rb, R, g16.data<uint16_t>(), D, false, ungated.f32());
+      be.gate_grad_bf16(rb, R, gdo.f32(), g16.data<uint16_t>(), D, dye.f32(), dgate.data<double>());
+      expect_unchanged(gx, x, "x");
+      expect_unchanged(g16, rows, "rows");
+      return Out{down<uint16_t>(perm), down<float>(gated), down<float>(ungated), down<float>(dye),
+                 down<double>(dgate)};
+    });
+    Out want{std::vector<uint16_t>(size_t(R * D)), out0, out0, std::vector<float>(size_t(R * D)),
+             std::vector<double>(size_t(N * k), 0.0)};
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t n = h.row_token[size_t(i)], slot = n * k + h.row_slot[size_t(i)];
+      const float gate = h.gate[size_t(slot)];
+      double dg = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = bf16_value(rows[size_t(i * D + d)]);
+        want.perm[size_t(i * D + d)] = nearest_bf16(x[size_t(n * D + d)]);
+        const float gv = gate * v;
+        want.gated[size_t(n * D + d)] += gv;
+        want.ungated[size_t(n * D + d)] += v;
+        want.dye[size_t(i * D + d)] = gate * dout[size_t(n * D + d)];
+        dg += double(dout[size_t(n * D + d)]) * double(v);
+      }
+      want.dgate[size_t(slot)] = dg;
+    }
+    if (N * D >= 3 && R > 0 && h.row_token[0] == 0) {
+      EXPECT_EQ(want.perm[0], 0x3F80) << "1 + 2^-8: a tie, to even (1)";
+      EXPECT_EQ(want.perm[1], 0x3F82) << "1 + 3 2^-8: a tie, to even (1 + 2^-6)";
+    }
+    expect_bitwise(c.perm, want.perm, "cpu permute_bf16 vs the nearest BF16");
+    expect_bitwise(c.gated, want.gated, "cpu unpermute_add_bf16 gated vs the loop");
+    expect_bitwise(c.ungated, want.ungated, "cpu unpermute_add_bf16 ungated vs the loop");
+    expect_bitwise(c.dye, want.dye, "cpu gate_grad_bf16 dye vs the loop");
+    expect_bitwise(c.dgate, want.dgate, "cpu gate_grad_bf16 dgate vs the loop");
+    if (R > 0) {
+      EXPECT_NE(c.ungated, out0) << "the kept rows were added";
+    }
+    expect_bitwise(g.perm, c.perm, "permute_bf16");
+    expect_bitwise(g.gated, c.gated, "unpermute_add_bf16 gated");
+    expect_bitwise(g.ungated, c.ungated, "unpermute_add_bf16 ungated");
+    expect_bitwise(g.dye, c.dye, "gate_grad_bf16 dye");
+    expect_match(g.dgate, c.dgate, 1e-12, "gate_grad_bf16 dgate");
   }
 }
 

@@ -113,10 +113,10 @@ TEST_P(DeviceOps, RmsNormMatchesCpu) {
   }
 }
 
-TEST_P(DeviceOps, RmsNormBackwardReadsBf16AsWidened) {
-  // rmsnorm_backward_bf16 (x kept in BF16, train.activations bf16) against the same backend's FP32
-  // backward of the widened x (BF16 -> FP32 is exact): dx and the accumulated dw bitwise, over
-  // several dw chunks.
+TEST_P(DeviceOps, RmsNormReadsBf16AsWidened) {
+  // rmsnorm_forward_bf16 and rmsnorm_backward_bf16 (x kept in BF16, train.activations bf16) against
+  // the same backend's FP32 forms on the widened x (BF16 -> FP32 is exact): y, rstd, dx and the
+  // accumulated dw bitwise, over several dw chunks. The FP32 forms are checked against FP64 above.
   for (auto [N, D] : {std::pair<int64_t, int64_t>{0, 64}, {1, 1}, {37, 300}, {600, 256}}) {
     SCOPED_TRACE(testing::Message() << N << "x" << D);
     const auto xf = normal_vector(N * D, 5 + N), w = normal_vector(D, 6 + D), dy = normal_vector(N * D, 7 + N);
@@ -131,7 +131,13 @@ TEST_P(DeviceOps, RmsNormBackwardReadsBf16AsWidened) {
       Tensor dx16 = poisoned(be, DType::f32, N * D), dx32 = poisoned(be, DType::f32, N * D);
       be.rmsnorm_backward_bf16(g16.data<uint16_t>(), gw.f32(), gr.f32(), gdy.f32(), N, D, dx16.f32(), dw16.f32());
       be.rmsnorm_backward(g32.f32(), gw.f32(), gr.f32(), gdy.f32(), N, D, dx32.f32(), dw32.f32());
+      Tensor y16 = poisoned(be, DType::f32, N * D), y32 = poisoned(be, DType::f32, N * D);
+      Tensor r16 = poisoned(be, DType::f32, N), r32 = poisoned(be, DType::f32, N);
+      be.rmsnorm_forward_bf16(g16.data<uint16_t>(), gw.f32(), N, D, 1e-6f, y16.f32(), r16.f32());
+      be.rmsnorm_forward(g32.f32(), gw.f32(), N, D, 1e-6f, y32.f32(), r32.f32());
       expect_unchanged(g16, x16, "x");
+      expect_bitwise(down<float>(y16), down<float>(y32), "y from BF16 vs from the widened x");
+      expect_bitwise(down<float>(r16), down<float>(r32), "rstd from BF16 vs from the widened x");
       expect_bitwise(down<float>(dx16), down<float>(dx32), "dx from BF16 vs from the widened x");
       expect_bitwise(down<float>(dw16), down<float>(dw32), "dw from BF16 vs from the widened x");
       return 0;

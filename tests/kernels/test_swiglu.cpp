@@ -259,6 +259,49 @@ TEST_P(DeviceOps, SwigluBackwardReadsBf16AsWidened) {
       }
 }
 
+TEST_P(DeviceOps, SwigluForwardReadsBf16AsWidened) {
+  // swiglu_forward_bf16 (a SwiGLU output made again from pre-activations kept in BF16, train.
+  // recompute selective) against the same backend's FP32 forward of the widened values (exact):
+  // bitwise, gated and not, the fused and the separate layouts, rows longer than a CPU span. The
+  // FP32 forward is checked against FP64 above.
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{0, 8}, {1, 1}, {33, 100}, {5, 4100}})
+    for (bool fused : {false, true})
+      for (bool gated : {false, true}) {
+        SCOPED_TRACE(testing::Message() << rows << " x " << cols << (fused ? " fused" : " separate")
+                                        << (gated ? " gated" : ""));
+        const int64_t n = rows * cols, ld = fused ? 2 * cols : cols;
+        std::mt19937_64 rng(21 + n + 2 * fused + gated);
+        std::normal_distribution<float> normal(0.0f, 3.0f);
+        std::uniform_real_distribution<float> unit(0.0f, 2.5f);
+        std::vector<uint16_t> ab16(size_t(2 * n));
+        std::vector<float> ab32(size_t(2 * n)), gate(rows);
+        for (size_t i = 0; i < ab16.size(); ++i) {
+          ab16[i] = uint16_t(std::bit_cast<uint32_t>(normal(rng)) >> 16);  // any BF16 value
+          ab32[i] = std::bit_cast<float>(uint32_t(ab16[i]) << 16);
+        }
+        for (float& v : gate) v = unit(rng);
+        auto [c, g] = both([&](Backend& be) {
+          Tensor g16 = up(be, ab16), g32 = up(be, ab32), gg = up(be, gate);
+          Tensor y16 = poisoned(be, DType::f32, n), y32 = poisoned(be, DType::f32, n);
+          const int64_t off = fused ? cols : n;
+          const uint16_t* a16 = g16.data<uint16_t>();
+          const float* a32 = g32.f32();
+          be.swiglu_forward_bf16(a16, n ? a16 + off : nullptr, ld, gated ? gg.f32() : nullptr, y16.f32(), rows, cols);
+          if (gated)
+            be.swiglu_gated_forward(a32, n ? a32 + off : nullptr, ld, gg.f32(), y32.f32(), rows, cols);
+          else
+            be.swiglu_forward(a32, n ? a32 + off : nullptr, ld, y32.f32(), rows, cols);
+          expect_unchanged(g16, ab16, "a, b");
+          expect_bitwise(down<float>(y16), down<float>(y32), "y from BF16 vs from the widened values");
+          return down<float>(y16);
+        });
+        if (n > 0) {
+          EXPECT_NE(c, std::vector<float>(size_t(n), 0.0f)) << "something was written";
+        }
+        (void)g;
+      }
+}
+
 TEST_P(DeviceOps, SwigluGatedMatchesCpu) {
   // The gated forms on the fused layout (ld = 2 cols) and a separate one, against the CPU backend
   // (emulated: bitwise; CUDA: the ungated test's bounds, dgate within 1e-5 of the row's terms).

@@ -243,16 +243,20 @@ def to_bf16(a):
     return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
+def _bf16(a):
+    """to_bf16 inside a traced function (a host callback)."""
+    return jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
+
+
 def make_rounding(forward, backward):
     """The identity with BF16 rounding of its value (forward) and of its gradient (backward):
     train.activations bf16's rounding points."""
-    cb = lambda a: jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
 
     @jax.custom_vjp
     def r(x):
-        return cb(x) if forward else x
+        return _bf16(x) if forward else x
 
-    r.defvjp(lambda x: (r(x), None), lambda _, g: (cb(g) if backward else g,))
+    r.defvjp(lambda x: (r(x), None), lambda _, g: (_bf16(g) if backward else g,))
     return r
 
 
@@ -297,14 +301,13 @@ def bf16_linear(x, w):
 
 
 def _bf16_linear_fwd(x, w):
-    cb = lambda a: jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
-    x16, w16 = cb(x), cb(w)
+    x16, w16 = _bf16(x), _bf16(w)
     return x16 @ w16.T, (x16, w16)
 
 
 def _bf16_linear_bwd(res, dy):
     x16, w16 = res
-    dy16 = jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(dy.shape, jnp.float64), dy)
+    dy16 = _bf16(dy)
     return dy16 @ w16, dy16.T @ x16
 
 
@@ -319,10 +322,6 @@ def attention_bf16(q, k, v):
     probabilities, rounds dO, takes D = rowsum(dO * O) from the rounded dO and the KEPT (rounded)
     output, and rounds dS = P (dP - D) and P before the products that make dq, dk and dv."""
     return _attention_bf16_fwd(q, k, v)[0]
-
-
-def _bf16(a):
-    return jax.pure_callback(to_bf16, jax.ShapeDtypeStruct(a.shape, jnp.float64), a)
 
 
 def _probabilities(q, k):
