@@ -70,6 +70,11 @@ void ffn_forward_grouped(Backend& be, int64_t D, int64_t F, const std::vector<Ff
     } else
       swiglu(be, s.h1.f32(), s.h3.f32(), F, f.gate, s.a.f32(), f.M, F);
     l2.push_back({s.a.f32(), f.M, f.w->w2, &f.fp8->w2, f.y, &s.l2});
+    if (f.fp8->w2.enabled()) {  // W2's FP8 input made now: one expert's FP32 SwiGLU output at a time
+      linear_quantize_input(be, F, l2.back());
+      l2.back().x_quantized = true, l2.back().x = nullptr;
+      s.a.reset();
+    }
     // The pre-activations as the backward keeps them, made now: no expert's FP32 copy is held
     // through W2's forward.
     kept[g] = f.saved && f.fp8->w2.backward_follows;

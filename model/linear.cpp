@@ -121,6 +121,29 @@ void linear_forward(Backend& be, const float* x, int64_t M, int64_t K, const flo
   linear_forward_grouped(be, K, N, {LinearGroup{x, M, W, &fp8, y, saved}});
 }
 
+namespace {
+// An FP8 group's input quantized into s: its 1 x T (or per-tensor) copy, and blockwise's T x 1
+// copy from the same read of x when a backward will read it (so that the FP32 x is not kept).
+void quantize_group_input(Backend& be, const LinearGroup& l, int64_t K, LinearSaved& s) {
+  const LinearFp8& fp8 = *l.fp8;
+  const Fp8Config& c = *fp8.cfg;
+  uint64_t* counts = fp8.reuse_last_scale ? nullptr : fp8.counts;  // a recomputation counted already
+  if (c.recipe == Fp8Recipe::blockwise && !c.cache_activations && fp8.backward_follows)
+    quantize_tiled_pair(be, l.x, l.M, K, c, counts, &s.xq, &s.xt);
+  else if (c.recipe == Fp8Recipe::blockwise)
+    quantize_tiled(be, l.x, l.M, K, Tiling::rows_1xT, c, counts, &s.xq);
+  else
+    quantize_per_tensor(be, l.x, l.M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, counts, &s.xq);
+}
+}  // namespace
+
+void linear_quantize_input(Backend& be, int64_t K, const LinearGroup& l) {
+  FP8MOE_ASSERT(l.saved && l.fp8->enabled() && !l.xq, "linear_quantize_input: an FP8 layer's own input, with saved");
+  LinearSaved& s = *l.saved;
+  s.M = l.M, s.K = K, s.x = nullptr, s.xt = QTensor{}, s.has_xq_ext = false;
+  quantize_group_input(be, l, K, s);
+}
+
 void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector<LinearGroup>& groups) {
   std::vector<LinearSaved> local(groups.size());  // for the groups without a saved (no backward)
   std::vector<LinearSaved*> saved(groups.size());
@@ -131,6 +154,13 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
     const LinearGroup& l = groups[g];
     const LinearFp8& fp8 = *l.fp8;
     LinearSaved& s = *saved[g];
+    if (l.x_quantized) {  // linear_quantize_input made the copies
+      FP8MOE_ASSERT(l.saved && fp8.enabled() && s.M == l.M && s.K == K, "a pre-quantized linear group's copies");
+      s.N = N;
+      s.wq = quantized_weight(be, l.W, N, K, fp8, fp8.reuse_last_scale ? nullptr : fp8.counts, &s.own_wq);
+      A.push_back(s.xq.view()), B.push_back(s.wq->view()), C.push_back(l.y);
+      continue;
+    }
     s.M = l.M, s.K = K, s.N = N;
     s.x = l.x;
     s.xt = QTensor{};
@@ -152,18 +182,8 @@ void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector
       be.sgemm(false, true, l.M, N, K, 1.0f, l.x, K, l.W, K, 0.0f, l.y, N);
       continue;
     }
-    const Fp8Config& c = *fp8.cfg;
-    // A recomputation quantizes again what its forward counted already.
-    uint64_t* counts = fp8.reuse_last_scale ? nullptr : fp8.counts;
-    // Blockwise wgrad's T x 1 copy of x is made now, from the same read of x, when a backward
-    // will read it, so that the FP32 x is not kept.
-    if (c.recipe == Fp8Recipe::blockwise && !c.cache_activations && fp8.backward_follows) {
-      quantize_tiled_pair(be, l.x, l.M, K, c, counts, &s.xq, &s.xt);
-    } else if (c.recipe == Fp8Recipe::blockwise)
-      quantize_tiled(be, l.x, l.M, K, Tiling::rows_1xT, c, counts, &s.xq);
-    else
-      quantize_per_tensor(be, l.x, l.M, K, Fp8Dtype::e4m3, fp8, fp8.state ? &fp8.state->x : nullptr, counts, &s.xq);
-    s.wq = quantized_weight(be, l.W, N, K, fp8, counts, &s.own_wq);
+    quantize_group_input(be, l, K, s);
+    s.wq = quantized_weight(be, l.W, N, K, fp8, fp8.reuse_last_scale ? nullptr : fp8.counts, &s.own_wq);
     A.push_back(s.xq.view()), B.push_back(s.wq->view()), C.push_back(l.y);
   }
   if (!A.empty()) be.grouped_gemm_fp8_forward(A, B, C, N);  // y_g = x_g W_g^T

@@ -107,8 +107,16 @@ struct LinearGroup {
   // (per-tensor) or its T x 1 copy re-tiled from it (blockwise). The layer's own input scaling (a
   // delayed-scaling x history) is not used.
   const QuantView* xq = nullptr;
+  // x quantized already by linear_quantize_input into *saved (an FP8 layer's): read from there, x
+  // is not read (the caller may have freed it).
+  bool x_quantized = false;
 };
 void linear_forward_grouped(Backend& be, int64_t K, int64_t N, const std::vector<LinearGroup>& groups);
+// The FP8 copies of an FP8 group's input that linear_forward_grouped would make of l.x (the same
+// bits), made now into *l.saved (required); then the group, with x_quantized set, reads them and
+// the caller may free x first (ffn_forward_grouped: each expert's SwiGLU output quantized as it is
+// made, so that no grouped call holds every expert's FP32 output at once).
+void linear_quantize_input(Backend& be, int64_t K, const LinearGroup& l);
 
 // dx (M, K) written (may be nullptr), dW (N, K) accumulated (now, or by wgrad_later's step:
 // linear_backward_grouped).

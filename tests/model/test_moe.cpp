@@ -365,7 +365,11 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
   // same run with FP32 activations. The target, <= 0.6x, holds for what is kept: measured
   // (2-core VM, 2026-12-05) 10,252 against 17,804 bytes per token and block, 0.576x. The peak also
   // holds the backward's FP32 temporaries (gradients, the widened copies of one block), about
-  // 4.3 MB in both: 0.658x; 0.618x on 2026-12-07 (see below). Bound 0.65.
+  // 4.3 MB in both: 0.658x; 0.618x on 2026-12-07 (see below); 0.613x with the BF16 gathers
+  // (combine reading the BF16 rows as they came), and 0.607x (12.68 against 20.87 MB) once each
+  // expert's SwiGLU output is quantized for W2 as it is made (linear_quantize_input): the peak
+  // moved from the last MoE block's forward to its backward (the experts' W2 input gradients, FP32
+  // GEMM outputs). The emulated device's allocations are deterministic. Bound 0.61.
   Config c = tiny_model_config(Fp8Recipe::blockwise);
   const ModelConfig& m = c.model;
   struct Measured {
@@ -389,7 +393,7 @@ TEST(Model, Bf16ActivationsHalveWhatTinyKeeps) {
               "peak above the step's start FP32 %.0f B, BF16 %.0f B (%.3fx)\n", f32.saved, b16.saved,
               b16.saved / f32.saved, f32.peak, b16.peak, b16.peak / f32.peak);
   EXPECT_LE(b16.saved, 0.6 * f32.saved);
-  EXPECT_LE(b16.peak, 0.65 * f32.peak);
+  EXPECT_LE(b16.peak, 0.61 * f32.peak);
   // With the gates in the experts (train.moe_gates expert) the experts' outputs are not kept; the
   // same against FP32 activations with the gates at combine, without and with selective
   // recomputation: the target, <= 0.6x. Measured (2-core VM): kept 0.533x and 0.509x
