@@ -214,92 +214,91 @@ TEST_P(DeviceOps, SwigluMatchesCpu) {
     }
 }
 
-TEST_P(DeviceOps, SwigluBackwardReadsBf16AsWidened) {
-  // swiglu_backward_bf16 (the pre-activations kept in BF16, train.activations bf16) against the
-  // same backend's FP32 backward of the widened values (BF16 -> FP32 is exact): bitwise, gated and
-  // not, the fused and the separate layouts, rows longer than the CPU's 2,048-element spans.
+// The BF16-input forms' cases: gated and not, the fused and the separate layouts, rows longer than
+// the CPU's 2,048-element spans; a and b any BF16 values (ab16) and the same widened (ab32, exact),
+// b at off; dy and the rows' gates random. fn(Bf16Case) runs each under its SCOPED_TRACE.
+struct Bf16Case {
+  int64_t rows, cols, n, ld, off;
+  bool gated;
+  std::vector<uint16_t> ab16;
+  std::vector<float> ab32, dy, gate;
+};
+template <class Fn>
+void for_each_bf16_case(uint64_t seed, Fn&& fn) {
   for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{0, 8}, {1, 1}, {33, 100}, {5, 4100}})
     for (bool fused : {false, true})
       for (bool gated : {false, true}) {
         SCOPED_TRACE(testing::Message() << rows << " x " << cols << (fused ? " fused" : " separate")
                                         << (gated ? " gated" : ""));
-        const int64_t n = rows * cols, ld = fused ? 2 * cols : cols;
-        std::mt19937_64 rng(11 + n + 2 * fused + gated);
+        const int64_t n = rows * cols;
+        Bf16Case k{rows, cols, n, fused ? 2 * cols : cols, fused ? cols : n, gated, std::vector<uint16_t>(size_t(2 * n)),
+                   std::vector<float>(size_t(2 * n)), std::vector<float>(size_t(n)), std::vector<float>(size_t(rows))};
+        std::mt19937_64 rng(seed + n + 2 * fused + gated);
         std::normal_distribution<float> normal(0.0f, 3.0f);
         std::uniform_real_distribution<float> unit(0.0f, 2.5f);
-        std::vector<uint16_t> ab16(size_t(2 * n));
-        std::vector<float> ab32(size_t(2 * n)), dy(n), gate(rows);
-        for (size_t i = 0; i < ab16.size(); ++i) {
-          ab16[i] = uint16_t(std::bit_cast<uint32_t>(normal(rng)) >> 16);  // any BF16 value
-          ab32[i] = std::bit_cast<float>(uint32_t(ab16[i]) << 16);
+        for (size_t i = 0; i < k.ab16.size(); ++i) {
+          k.ab16[i] = uint16_t(std::bit_cast<uint32_t>(normal(rng)) >> 16);  // any BF16 value
+          k.ab32[i] = std::bit_cast<float>(uint32_t(k.ab16[i]) << 16);
         }
-        for (float& v : dy) v = normal(rng);
-        for (float& v : gate) v = unit(rng);
-        auto [c, g] = both([&](Backend& be) {
-          Tensor g16 = up(be, ab16), g32 = up(be, ab32), gdy = up(be, dy), gg = up(be, gate);
-          Tensor d16 = poisoned(be, DType::f32, 2 * n), d32 = poisoned(be, DType::f32, 2 * n);
-          Tensor dg16 = poisoned(be, DType::f64, rows), dg32 = poisoned(be, DType::f64, rows);
-          const int64_t off = fused ? cols : n;
-          const uint16_t* a16 = g16.data<uint16_t>();
-          const float* a32 = g32.f32();
-          float *p16 = d16.f32(), *p32 = d32.f32();
-          be.swiglu_backward_bf16(a16, n ? a16 + off : nullptr, ld, gated ? gg.f32() : nullptr, gdy.f32(), p16,
-                                  n ? p16 + off : nullptr, gated ? dg16.data<double>() : nullptr, rows, cols);
-          if (gated)
-            be.swiglu_gated_backward(a32, n ? a32 + off : nullptr, ld, gg.f32(), gdy.f32(), p32, n ? p32 + off : nullptr,
-                                     dg32.data<double>(), rows, cols);
-          else
-            be.swiglu_backward(a32, n ? a32 + off : nullptr, ld, gdy.f32(), p32, n ? p32 + off : nullptr, rows, cols);
-          expect_unchanged(g16, ab16, "a, b");
-          expect_bitwise(down<float>(d16), down<float>(d32), "da, db from BF16 vs from the widened values");
-          if (gated) expect_bitwise(down<double>(dg16), down<double>(dg32), "dgate from BF16 vs from the widened values");
-          return down<float>(d16);
-        });
-        (void)c, (void)g;
+        for (float& v : k.dy) v = normal(rng);
+        for (float& v : k.gate) v = unit(rng);
+        fn(k);
       }
+}
+
+TEST_P(DeviceOps, SwigluBackwardReadsBf16AsWidened) {
+  // swiglu_backward_bf16 (the pre-activations kept in BF16, train.activations bf16) against the
+  // same backend's FP32 backward of the widened values (BF16 -> FP32 is exact): bitwise.
+  for_each_bf16_case(11, [&](const Bf16Case& k) {
+    const int64_t n = k.n, off = k.off, rows = k.rows, cols = k.cols, ld = k.ld;
+    const bool gated = k.gated;
+    both([&](Backend& be) {
+      Tensor g16 = up(be, k.ab16), g32 = up(be, k.ab32), gdy = up(be, k.dy), gg = up(be, k.gate);
+      Tensor d16 = poisoned(be, DType::f32, 2 * n), d32 = poisoned(be, DType::f32, 2 * n);
+      Tensor dg16 = poisoned(be, DType::f64, rows), dg32 = poisoned(be, DType::f64, rows);
+      const uint16_t* a16 = g16.data<uint16_t>();
+      const float* a32 = g32.f32();
+      float *p16 = d16.f32(), *p32 = d32.f32();
+      be.swiglu_backward_bf16(a16, n ? a16 + off : nullptr, ld, gated ? gg.f32() : nullptr, gdy.f32(), p16,
+                              n ? p16 + off : nullptr, gated ? dg16.data<double>() : nullptr, rows, cols);
+      if (gated)
+        be.swiglu_gated_backward(a32, n ? a32 + off : nullptr, ld, gg.f32(), gdy.f32(), p32, n ? p32 + off : nullptr,
+                                 dg32.data<double>(), rows, cols);
+      else
+        be.swiglu_backward(a32, n ? a32 + off : nullptr, ld, gdy.f32(), p32, n ? p32 + off : nullptr, rows, cols);
+      expect_unchanged(g16, k.ab16, "a, b");
+      expect_bitwise(down<float>(d16), down<float>(d32), "da, db from BF16 vs from the widened values");
+      if (gated) expect_bitwise(down<double>(dg16), down<double>(dg32), "dgate from BF16 vs from the widened values");
+      return 0;
+    });
+  });
 }
 
 TEST_P(DeviceOps, SwigluForwardReadsBf16AsWidened) {
   // swiglu_forward_bf16 (a SwiGLU output made again from pre-activations kept in BF16, train.
   // recompute selective) against the same backend's FP32 forward of the widened values (exact):
-  // bitwise, gated and not, the fused and the separate layouts, rows longer than a CPU span. The
-  // FP32 forward is checked against FP64 above.
-  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{0, 8}, {1, 1}, {33, 100}, {5, 4100}})
-    for (bool fused : {false, true})
-      for (bool gated : {false, true}) {
-        SCOPED_TRACE(testing::Message() << rows << " x " << cols << (fused ? " fused" : " separate")
-                                        << (gated ? " gated" : ""));
-        const int64_t n = rows * cols, ld = fused ? 2 * cols : cols;
-        std::mt19937_64 rng(21 + n + 2 * fused + gated);
-        std::normal_distribution<float> normal(0.0f, 3.0f);
-        std::uniform_real_distribution<float> unit(0.0f, 2.5f);
-        std::vector<uint16_t> ab16(size_t(2 * n));
-        std::vector<float> ab32(size_t(2 * n)), gate(rows);
-        for (size_t i = 0; i < ab16.size(); ++i) {
-          ab16[i] = uint16_t(std::bit_cast<uint32_t>(normal(rng)) >> 16);  // any BF16 value
-          ab32[i] = std::bit_cast<float>(uint32_t(ab16[i]) << 16);
-        }
-        for (float& v : gate) v = unit(rng);
-        auto [c, g] = both([&](Backend& be) {
-          Tensor g16 = up(be, ab16), g32 = up(be, ab32), gg = up(be, gate);
-          Tensor y16 = poisoned(be, DType::f32, n), y32 = poisoned(be, DType::f32, n);
-          const int64_t off = fused ? cols : n;
-          const uint16_t* a16 = g16.data<uint16_t>();
-          const float* a32 = g32.f32();
-          be.swiglu_forward_bf16(a16, n ? a16 + off : nullptr, ld, gated ? gg.f32() : nullptr, y16.f32(), rows, cols);
-          if (gated)
-            be.swiglu_gated_forward(a32, n ? a32 + off : nullptr, ld, gg.f32(), y32.f32(), rows, cols);
-          else
-            be.swiglu_forward(a32, n ? a32 + off : nullptr, ld, y32.f32(), rows, cols);
-          expect_unchanged(g16, ab16, "a, b");
-          expect_bitwise(down<float>(y16), down<float>(y32), "y from BF16 vs from the widened values");
-          return down<float>(y16);
-        });
-        if (n > 0) {
-          EXPECT_NE(c, std::vector<float>(size_t(n), 0.0f)) << "something was written";
-        }
-        (void)g;
-      }
+  // bitwise. The FP32 forward is checked against FP64 above.
+  for_each_bf16_case(21, [&](const Bf16Case& k) {
+    const int64_t n = k.n, off = k.off, rows = k.rows, cols = k.cols, ld = k.ld;
+    auto [c, g] = both([&](Backend& be) {
+      Tensor g16 = up(be, k.ab16), g32 = up(be, k.ab32), gg = up(be, k.gate);
+      Tensor y16 = poisoned(be, DType::f32, n), y32 = poisoned(be, DType::f32, n);
+      const uint16_t* a16 = g16.data<uint16_t>();
+      const float* a32 = g32.f32();
+      be.swiglu_forward_bf16(a16, n ? a16 + off : nullptr, ld, k.gated ? gg.f32() : nullptr, y16.f32(), rows, cols);
+      if (k.gated)
+        be.swiglu_gated_forward(a32, n ? a32 + off : nullptr, ld, gg.f32(), y32.f32(), rows, cols);
+      else
+        be.swiglu_forward(a32, n ? a32 + off : nullptr, ld, y32.f32(), rows, cols);
+      expect_unchanged(g16, k.ab16, "a, b");
+      expect_bitwise(down<float>(y16), down<float>(y32), "y from BF16 vs from the widened values");
+      return down<float>(y16);
+    });
+    if (n > 0) {
+      EXPECT_NE(c, std::vector<float>(size_t(n), 0.0f)) << "something was written";
+    }
+    (void)g;
+  });
 }
 
 TEST_P(DeviceOps, SwigluGatedMatchesCpu) {
