@@ -370,8 +370,15 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
   // gates in the experts (train.moe_gates expert), dout's rows, the gates' gradient made there.
   const MoeWire wire = moe_wire(fp8, activations);
   const bool gated = w.gates == GateSite::expert;
-  Tensor dgate(be, DType::f64, {N, k}), dye(be, DType::f32, {R, D});
-  if (gated) {
+  // With the gates in the experts, BF16 rows (not FP8) sent to other ranks are gathered straight
+  // into BF16, with no FP32 copy of them (as the forward's).
+  const bool gather16 = gated && wire.bf16 && !wire.fp8_grad && ep;
+  Tensor dgate(be, DType::f64, {N, k}), dye(be, DType::f32, {gather16 ? 0 : R, D});
+  std::shared_ptr<Tensor> dye16;
+  if (gather16) {
+    dye16 = std::make_shared<Tensor>(be, DType::bf16, Shape{R, D});
+    be.permute_bf16(dout, r.row_token.data<int64_t>(), R, D, dye16->data<uint16_t>());
+  } else if (gated) {
     be.permute(dout, r.row_token.data<int64_t>(), R, D, dye.f32());
   } else if (wire.bf16) {  // the experts' outputs read as kept, in BF16
     be.gate_grad_bf16(rb, R, dout, s.expert_out16.data<uint16_t>(), D, dye.f32(), dgate.data<double>());
@@ -397,10 +404,13 @@ void moe_backward(Backend& be, const MoeSaved& s, int64_t D, const MoeConfig& cf
     dyin = nullptr;
   } else if (wire.bf16) {
     if (ep) {
-      auto r16 = std::make_shared<Tensor>(be, DType::bf16, Shape{R, D});
-      be.to_bf16(dye.f32(), r16->data<uint16_t>(), R * D);
-      dye.reset();
-      bf16_dispatch(be, *ep, r.plan, r16, D, &dyl, gated, later);
+      if (!dye16) {
+        dye16 = std::make_shared<Tensor>(be, DType::bf16, Shape{R, D});
+        be.to_bf16(dye.f32(), dye16->data<uint16_t>(), R * D);
+        dye.reset();
+      }
+      bf16_dispatch(be, *ep, r.plan, dye16, D, &dyl, gated, later);
+      dye16.reset();  // (a posted exchange keeps its own reference)
       dyin = dyl.f32();
     } else {
       be.round_bf16(dye.f32(), dye.f32(), R * D);  // (as if sent)

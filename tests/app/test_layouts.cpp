@@ -537,7 +537,8 @@ TEST_F(Layouts, CommunicationOfTheLastStepMatchesTheFormulas) {
 //    Measured (2-core VM, 2026-12-05): pp2 0 and 0 (bitwise); ep2 3.2e-16 and 1.3e-5; tp2 x pp2 x
 //    ep2 2.2e-6 and 2.8e-3. The FP32-activation run differs from the BF16 one by 8.9e-4. Recipe
 //    off on ep2, whose rows are gathered straight into BF16 and sent so (Backend::permute_bf16):
-//    1.6e-16 and 5.6e-5 (2026-12-07), bounds 1e-8 and 2e-3.
+//    1.6e-16 and 5.6e-5 with the gates at combine, 0 and 1.7e-4 with them in the experts (the
+//    output gradient's rows gathered so too) (2026-12-07), bounds 1e-8 and 2e-3.
 //  - the bytes: every group's measured count within 1.01 of the analytical one on tp 2 x pp 2 x
 //    ep 2, pp's written out (BF16: 2 bytes a value); and on ep 2 (dp 2) the expert all-to-all's
 //    measured bytes at most 0.40 of the FP32-activation run's: per routed row FP8 dispatch 64 + 2 x
@@ -560,15 +561,17 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
     EXPECT_LE(w1, tp ? 1e-5 : 1e-8) << l.name;
     EXPECT_LE(w, tp ? 1e-2 : 2e-3) << l.name;
   }
-  {  // Recipe off: the experts' rows gathered straight into BF16 and sent so (permute_bf16), where
-     // one rank rounds its FP32 rows in place; the same values.
-    const std::string off = "fp8.recipe=off";
-    const auto ref_off = train(1, {off, a});
-    const auto [w1, w] = against_one_rank(ref_off, Layout{"ep2 (dp2)", 2, {"parallel.expert=2"}}, {off, a});
-    std::printf("BF16 activations, recipe off, ep2 (dp2): step 1 loss %.2e, 20 steps %.2e (relative to 1 rank)\n", w1,
-                w);
-    EXPECT_LE(w1, 1e-8);
-    EXPECT_LE(w, 2e-3);
+  // Recipe off: the experts' rows gathered straight into BF16 and sent so (permute_bf16; with the
+  // gates in the experts the output gradient's rows too), where one rank rounds its FP32 rows in
+  // place; the same values.
+  for (const std::string gates : {"train.moe_gates=combine", "train.moe_gates=expert"}) {
+    const std::vector<std::string> off = {"fp8.recipe=off", a, gates};
+    const auto ref_off = train(1, off);
+    const auto [w1, w] = against_one_rank(ref_off, Layout{"ep2 (dp2)", 2, {"parallel.expert=2"}}, off);
+    std::printf("BF16 activations, recipe off, %s, ep2 (dp2): step 1 loss %.2e, 20 steps %.2e (relative to 1 "
+                "rank)\n", gates.c_str(), w1, w);
+    EXPECT_LE(w1, 1e-8) << gates;
+    EXPECT_LE(w, 2e-3) << gates;
   }
 
   auto bytes = last_step_bytes(8, {r, a, "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2"}, "bf16-comm");
