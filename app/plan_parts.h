@@ -97,6 +97,7 @@ struct Roofline {
   // Every stage's micro-batch on one rank, as the slowest stage's above (s): the table of stages.
   struct StageTime {
     double compute = 0, memory = 0, comm = 0, ep_hidden = 0, t = 0;
+    double paired = 0;  // parallel.pair_micro_batches: of t, what the stage's pairs hide, per micro-batch
   };
   std::vector<StageTime> stages;
   bool measured = false;   // the CPU's probes (compute_mb: a micro-batch; quantize, optimizer: per step)

@@ -245,16 +245,21 @@ void print_stage_times(const PlanReport& rep) {
   std::printf("  stage %d sets the pace: %.2fx the stages' mean time per micro-batch (parallel.stage_layers %s)\n",
               r.pace_stage, r.pace_ratio,
               split == StageSplit::even ? "even" : split == StageSplit::balanced ? "balanced" : "given");
+  // (parallel.pair_micro_batches: each stage's total less what its pairs hide, per micro-batch.)
+  bool paired = false;
   double mean = 0;
-  for (const Roofline::StageTime& t : r.stages) mean += t.t / double(r.stages.size());
-  std::printf("  per stage, a micro-batch on one rank (ms; communication %s, ep's hidden part apart):\n",
-              rep.o.overlap ? "all of it, the total its larger of compute + memory and it (--overlap)" : "exposed");
-  std::printf("    stage  blocks          compute   memory    comm   ep hidden     total  / mean\n");
+  for (const Roofline::StageTime& t : r.stages) mean += (t.t - t.paired) / double(r.stages.size()), paired |= t.paired > 0;
+  std::printf("  per stage, a micro-batch on one rank (ms; communication %s, ep's hidden part apart%s):\n",
+              rep.o.overlap ? "all of it, the total its larger of compute + memory and it (--overlap)" : "exposed",
+              paired ? "; pairs: what the stage's pairs hide of it, on average" : "");
+  std::printf("    stage  blocks          compute   memory    comm   ep hidden%s     total  / mean\n", paired ? "    pairs" : "");
   for (size_t s = 0; s < r.stages.size(); ++s) {
     const Roofline::StageTime& t = r.stages[s];
-    std::printf("    %5zu  %-14s %8.3f %8.3f %7.3f %11.3f %9.3f  %5.2f%s\n", s, stage_blocks_text(p.mem[s]).c_str(),
-                t.compute * 1e3, t.memory * 1e3, t.comm * 1e3, t.ep_hidden * 1e3, t.t * 1e3, mean > 0 ? t.t / mean : 1.0,
-                int(s) == r.pace_stage ? "  the pace" : "");
+    char pairs_col[32] = "";
+    if (paired) std::snprintf(pairs_col, sizeof pairs_col, " %8.3f", -t.paired * 1e3);
+    std::printf("    %5zu  %-14s %8.3f %8.3f %7.3f %11.3f%s %9.3f  %5.2f%s\n", s, stage_blocks_text(p.mem[s]).c_str(),
+                t.compute * 1e3, t.memory * 1e3, t.comm * 1e3, t.ep_hidden * 1e3, pairs_col,
+                (t.t - t.paired) * 1e3, mean > 0 ? (t.t - t.paired) / mean : 1.0, int(s) == r.pace_stage ? "  the pace" : "");
   }
 }
 

@@ -126,6 +126,7 @@ Plan make_plan(const Config& c, int world, int node_size) {
     sh.pipeline = p.L.pipeline;
     sh.tokens = double(p.L.tokens()), sh.micro_batches = p.L.micro_batches;
     sh.first = s.first, sh.last = s.last, sh.layer_begin = s.layer_begin, sh.layer_end = s.layer_end;
+    sh.mtp_alone = p.L.mtp_alone, sh.head = s.head;
     sh.v_shape = s.v_shape, sh.turn = s.v_shape && s.stage == p.L.pipeline - 1;
     sh.layer_begin2 = s.layer_begin2, sh.layer_end2 = s.layer_end2;
     sh.local_experts = m.moe.n_experts / p.L.expert;
@@ -190,6 +191,22 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   for (const StageMemory& m : p.mem) all_params += double(m.dense_trainable) + double(m.expert_trainable) * L.expert;
   double slowest = -1, sum_compute = 0, sum_memory = 0, sum_t = 0, backward_share = 0, weight_s = 0;
   std::vector<OpTimes> stage_times;  // each stage's ops' times (ZB1P, pairs)
+  // parallel.pair_micro_batches: the exchanges a micro-batch leaves exposed hidden behind the other
+  // pass of a pair, up to its compute (a quarter of them per chunk pass under DualPipeV, half of
+  // a micro-batch's in each F&B). Not on the CPU (MPI progresses a posted exchange only inside
+  // its calls). Each stage's own pairs: the pace is the slowest stage after them.
+  const bool pairs = c.parallel.pair_micro_batches && !d.cpu && !hidden && !o.overlap;
+  auto pairs_of = [&](int s) {
+    int n = 0;
+    if (!L.v_shape) return L.micro_batches - 1;
+    for (const DualOp& op : dualpipev(L.pipeline, s, L.micro_batches)) n += op.kind == DualOpKind::forward_backward ? 1 : 0;
+    return n;
+  };
+  auto pair_hides = [&](double ep_exposed, double compute) {
+    return L.v_shape ? std::min(ep_exposed / 2, compute / 2) : std::min(ep_exposed, compute);
+  };
+  double pace_pair_hidden = 0;
+  int pace_pairs = 0;
   for (size_t s = 0; s < p.mem.size(); ++s) {
     const StageFlops& f = p.flops[s];
     // Memory-bound traffic (an estimate): every activation kept for backward is written in the
@@ -214,16 +231,25 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
     comm -= ep_hidden;
     if (hidden) comm = 0;
     const double t = o.overlap ? std::max(compute + memory, comm) : compute + memory + comm;
-    sum_t += t;
-    r.stages.push_back({compute, memory, comm, ep_hidden, t});
+    // Its pairs' share of a micro-batch's time (each pair hides up to pair_hides).
+    double hide = 0, paired = 0;
+    int n_pairs = 0;
+    if (pairs) {
+      hide = pair_hides(std::max(0.0, per_group[1] / L.micro_batches - ep_hidden), compute);
+      n_pairs = pairs_of(int(s));
+      paired = n_pairs * hide / L.micro_batches;
+    }
+    sum_t += t - paired;
+    r.stages.push_back({compute, memory, comm, ep_hidden, t, paired});
     // The backward's share of the stage's work (the forward is a third of what is not
     // recomputed), and ZB1P's weight op: its GEMMs' seconds.
     const double bs = f.total() > 0 ? 1 - (f.total() - f.recompute) / (3 * f.total()) : 0;
     const double wsec = f.wgrad_fp8 / (eff * d.fp8) + f.wgrad_hp / (eff * hp) + f.wgrad_bf16 / (eff * d.bf16);
     const double w = std::min(wsec, bs * t);
     stage_times.push_back({(1 - bs) * t, bs * t - w, w});
-    if (t > slowest) {
-      slowest = t, r.pace_stage = int(s);
+    if (t - paired > slowest) {
+      slowest = t - paired, r.pace_stage = int(s);
+      pace_pair_hidden = hide, pace_pairs = n_pairs;
       backward_share = bs, weight_s = wsec;
       r.compute_mb = compute, r.memory_mb = memory, r.comm_mb = comm, r.comm_s = per_group, r.ep_hidden_mb = ep_hidden;
       r.dp = hidden ? 0 : per_group[2] + per_group[3];
@@ -259,14 +285,9 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   const bool zb = c.parallel.pipeline_schedule == PipelineSchedule::zb1p;
   const double wop = zb ? std::min(weight_s, backward_share * per_mb) : 0;
   r.weight_op_mb = wop;
-  // parallel.pair_micro_batches: the exchanges a micro-batch leaves exposed hidden behind the other
-  // pass of a pair, up to its compute (a quarter of them per chunk pass under DualPipeV, half of
-  // a micro-batch's in each F&B). Not on the CPU (MPI progresses a posted exchange only inside
-  // its calls).
-  const bool pairs = c.parallel.pair_micro_batches && !d.cpu && !hidden && !o.overlap;
-  const double ep_exposed = std::max(0.0, r.comm_s[1] / L.micro_batches - r.ep_hidden_mb);
+  // (The pace stage's pairs, from the loop above.)
+  if (pairs) r.pair_hidden = pace_pair_hidden, r.pairs = pace_pairs;
   if (pairs && L.v_shape) {
-    r.pair_hidden = std::min(ep_exposed / 2, r.compute_mb / 2);
     r.bubble = dualpipev_idle_share(L.pipeline, L.micro_batches, backward_share, r.pair_hidden / per_mb) * per_mb;
   } else if (L.v_shape) {
     r.bubble = dualpipev_idle_share(L.pipeline, L.micro_batches, backward_share) * per_mb;
@@ -279,13 +300,6 @@ Roofline roofline(const Plan& p, const Device& d, const PlanOptions& opts, doubl
   }
   // (One stage, 1F1B or ZB1P: each of the M - 1 pairs hides a micro-batch's.)
   double busy = L.micro_batches * per_mb;
-  if (pairs && !L.v_shape) {
-    r.pair_hidden = std::min(ep_exposed, r.compute_mb);
-    r.pairs = L.micro_batches - 1;
-  } else if (pairs) {
-    for (const DualOp& op : dualpipev(L.pipeline, r.pace_stage, L.micro_batches))
-      r.pairs += op.kind == DualOpKind::forward_backward ? 1 : 0;
-  }
   busy -= r.pairs * r.pair_hidden;
   if (o.overlap) {
     r.dp_exposed = std::max(0.0, r.dp - busy);

@@ -81,7 +81,9 @@ StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGrou
   act_ = mbs_ * T_ * cfg.model.d_model;
   moe_layers_ = cfg.model.moe_layers();
   depth_ = cfg.model.mtp_depth;
-  first_ = model.placement().first_stage(), last_ = model.placement().last_stage();
+  const Placement& place = model.placement();
+  first_ = place.first_stage(), last_ = place.last_stage(), head_ = place.head_stage();
+  tied_ = place.mtp_alone() && (place.at().stage == place.head_rank() || place.at().stage == place.last_rank());
   v_shape_ = model.placement().chunks() == 2;
   bf16_wire_ = cfg.train.activations == ActivationDtype::bf16;
   if (v_shape_) {  // every rank receives both ways; the modules' embeddings stay on rank 0
@@ -145,7 +147,7 @@ void StageRunner::upload_batches(int64_t batches, bool with_mtp) {
   const int64_t n = batches * mbs_ * T_;
   if (tokens_.numel() < n) tokens_ = Tensor(be_, DType::i32, {n}), targets_ = Tensor(be_, DType::i32, {n});
   if (first_) be_.upload(tokens_.raw(), tokens_h_.data(), size_t(n) * sizeof(int32_t));
-  if (last_) be_.upload(targets_.raw(), targets_h_.data(), size_t(n) * sizeof(int32_t));
+  if (head_) be_.upload(targets_.raw(), targets_h_.data(), size_t(n) * sizeof(int32_t));
   if (!with_mtp || depth_ == 0) return;
   if (mtp_tokens_.numel() < depth_ * n)
     mtp_tokens_ = Tensor(be_, DType::i32, {depth_ * n}), mtp_targets_ = Tensor(be_, DType::i32, {depth_ * n});
@@ -288,7 +290,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
       model_.stage_backward(runs[size_t(mb)], last_ ? nullptr : dy_in_.f32(), mtp_in ? dy_in_.f32() + act_ : nullptr,
                             final ? post_layer_ : std::function<void(int)>{}, zb ? &weights[size_t(mb)] : nullptr);
     }
-    if (final) sync_->post_rest(model_.store());
+    if (final && !tied_) sync_->post_rest(model_.store());
     if (!first_) {
       const float* demb = depth_ == 0 ? nullptr : last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
       releaser.sending(
@@ -304,7 +306,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
       const trace::Span span("weight", "compute", mb);
       weights[size_t(mb)].run(last_weight ? post_layer_ : std::function<void(int)>{});
     }
-    if (last_weight) sync_->post_rest(model_.store());
+    if (last_weight && !tied_) sync_->post_rest(model_.store());
   };
   // A pair (parallel.pair_micro_batches): both inputs received, then the forward on this thread and
   // the backward on a second one, switching at the expert exchanges (parallel/pass_pair.h).
@@ -323,6 +325,15 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     }
   }
   wait_sends();
+  tie_head();
+}
+
+// parallel.mtp_own_stage: the head's two tied copies' gradients summed, once both are final (the
+// pipeline's messages all delivered), then the data-parallel reduction of the rest posted.
+void StageRunner::tie_head() {
+  if (!tied_) return;
+  model_.tie_head_gradient();  // (the pipeline group's send and receive, traced as its others)
+  if (sync_) sync_->post_rest(model_.store());
 }
 
 // DualPipeV (parallel/pipeline_schedule.h) on rank r of P: phase 0 runs chunk 0 of the rank (the
@@ -389,7 +400,7 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
       const trace::Span span("backward", "compute", mb);
       model_.stage_backward(run, dy, d_mtp, final ? post_layer_ : std::function<void(int)>{});
     }
-    if (sync_ && --backwards_left == 0) sync_->post_rest(model_.store());
+    if (sync_ && --backwards_left == 0 && !tied_) sync_->post_rest(model_.store());
     give(run.input_grad(), phase, mb, true);
     releaser.backward_done(size_t(phase * M + mb));
     if (phase == 0) releaser.unpin(size_t(M + mb));
@@ -407,6 +418,7 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     }
   }
   wait_sends();
+  tie_head();
 }
 
 StepTotals StageRunner::finish_step(const double* grad_sq) {
@@ -428,7 +440,7 @@ StepTotals StageRunner::finish_step(const double* grad_sq) {
   for (int mb = 0; mb < M; ++mb) {
     const double* s = losses + mb * slots();
     const int64_t denom = counted_all_[size_t(mb)];
-    const double ce = last_ && denom > 0 ? s[0] / double(denom) : 0.0;
+    const double ce = head_ && denom > 0 ? s[0] / double(denom) : 0.0;
     double aux = 0;
     for (int64_t l = 0; l < moe_layers_; ++l) aux += s[1 + l];
     aux *= aux_weight;
@@ -485,9 +497,8 @@ double StageRunner::validation_loss(DataBlend& data) {
     if (stage > 0) {
       send(keep, back.output(), nullptr, 0, stage - 1, 1);
       wait_sends();
-    } else {
-      tokens[size_t(b)] = back.result().tokens;
     }
+    if (head_) tokens[size_t(b)] = back.result().tokens;
   }
   for (int64_t b = 0; !v_shape_ && b < B; ++b) {
     if (!first_) recv(x_in_.f32(), act_, stage - 1, 0, nullptr);
@@ -499,12 +510,11 @@ double StageRunner::validation_loss(DataBlend& data) {
       Tensor keep;
       send(keep, run.output(), nullptr, 0, stage + 1, 0);
       wait_sends();
-    } else {
-      tokens[size_t(b)] = run.result().tokens;
     }
+    if (head_) tokens[size_t(b)] = run.result().tokens;
   }
-  double sums[2] = {0, 0};  // sum of CE over tokens, tokens (the last stage's)
-  if (last_) {
+  double sums[2] = {0, 0};  // sum of CE over tokens, tokens (the head stage's)
+  if (head_) {
     const std::vector<double> h = to_host<double>(ce);  // the evaluation's one synchronisation
     for (int64_t b = 0; b < B; ++b) {
       const double mean = tokens[size_t(b)] > 0 ? h[size_t(b)] / double(tokens[size_t(b)]) : 0.0;

@@ -93,7 +93,8 @@ class StageRunner {
   // keep stays alive until the send is complete.
   // Returns the send's number since the last wait_sends() (Communicator::send_complete's k).
   int64_t send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag);
-  void wait_sends();  // the pipeline's, and the count of sends since
+  void wait_sends();
+  void tie_head();  // the pipeline's, and the count of sends since
   // train_step's DualPipeV order (parallel.pipeline_schedule dualpipev), once the batches are up.
   void train_step_v(float loss_scale, StepLocal* local);
   void count_loads(const StepResult& r, StepLocal* local);
@@ -113,7 +114,10 @@ class StageRunner {
   RunnerGroups g_;
   int64_t T_ = 0, mbs_ = 0, act_ = 0, moe_layers_ = 0;  // sequence length, sequences per replica, activation floats
   int depth_ = 0;                                        // multi-token prediction modules
-  bool first_ = false, last_ = false;                    // holds the embedding / the head
+  bool first_ = false, last_ = false;                    // holds the embedding / the last chunk
+  // Holds the main head and its loss (the last chunk's rank, or with parallel.mtp_own_stage the
+  // one before it); holds the head's weight tied with another rank (Transformer::tie_head_gradient).
+  bool head_ = false, tied_ = false;
   bool v_shape_ = false;                                 // DualPipeV: two chunks, messages both ways
   int64_t sends_ = 0;                                    // pipeline sends since the last wait_sends()
   HostBuffer<int32_t> tokens_h_, targets_h_;             // (batches, mbs, T), pinned

@@ -51,7 +51,7 @@ Trainer::Trainer(const Config& cfg, Backend& be, const TrainComms& comms, std::s
     : model(be, cfg, comms.model()),
       sync(model.store(), *comms.groups().data.device, *comms.groups().expert_data.device,
            model.placement().at().tensor_rank, cfg.optim.zero == 1, cfg.optim.grad_reduce,
-           cfg.optim.overlap_grad_reduce),
+           cfg.optim.overlap_grad_reduce, model.tied_copies()),
       opt(be, sync.local_table(), cfg.train, sync.owned()),
       scaler(cfg.train),
       state{&cfg, &model, &opt, &scaler, &progress, std::move(layout), sync.write_rows(), sync.moment_write_rows()} {

@@ -159,6 +159,15 @@ void split_rules(const Rule& rule, const Config& c) {
     rule(std::accumulate(g.begin(), g.end(), int64_t(0)) == m.n_layers, "parallel.stage_layers",
          "counts that add up to model.n_layers = " + num(m.n_layers));
   }
+  // (On one stage it changes nothing: a one-rank tool of the config holds everything.)
+  if (p.mtp_own_stage) rule(m.mtp_depth >= 1, "parallel.mtp_own_stage", "false without multi-token prediction (model.mtp_depth 0)");
+  if (p.mtp_own_stage && p.pipeline > 1) {
+    rule(p.stage_layers.split != StageSplit::even, "parallel.stage_layers",
+         "balanced or a list ending in 0 with parallel.mtp_own_stage (the last stage holds the modules alone)");
+    rule(p.stage_layers.split != StageSplit::given || p.stage_layers.given.empty() || p.stage_layers.given.back() == 0,
+         "parallel.stage_layers", "a list ending in 0 with parallel.mtp_own_stage (the last stage holds the modules "
+         "alone)");
+  }
   for (int l : c.train.recompute_layers)
     rule(l < m.n_layers, "train.recompute_layers", "block indices below model.n_layers = " + num(m.n_layers) + ", got " + num(l));
   rule(c.train.recompute_layers.empty() || c.fp8.recipe != Fp8Recipe::delayed || p.pipeline == 1,

@@ -163,6 +163,15 @@ const std::vector<Field>& schema() {
                         "(parallel.pipeline 1: across 1F1B's stages neighbouring pairs would wait for each other "
                         "in turn) one forward first, then pairs. One more micro-batch (chunk) in flight; the same "
                         "results. Needs runtime.overlap_expert_comm."));
+    v.push_back(boolean("parallel.mtp_own_stage", REF(parallel.mtp_own_stage),
+                        "The multi-token prediction modules on the last pipeline stage alone (dualpipev: the last "
+                        "chunk, on rank 0), which then holds no block; the main model's final norm, head and loss "
+                        "run on the stage (chunk) of the last block, so that the two heads' GEMMs are on two "
+                        "ranks. Both hold the head's weight, tied: their gradients are summed between the two "
+                        "before the data-parallel reduction (as Megatron ties the embedding of its first and "
+                        "last stages). Needs model.mtp_depth >= 1 and, on several stages, the last stage (chunk) "
+                        "holding no block (parallel.stage_layers: balanced, or a list ending in 0); on one stage "
+                        "it changes nothing."));
     v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,
                         "Expert-parallel size; divides the data-parallel size (world / (tensor x pipeline))."));
     v.push_back(integer("parallel.micro_batches", REF(parallel.micro_batches), 1, 1 << 16,

@@ -130,6 +130,10 @@ struct ParallelConfig {
   // 1f1b, zb1p: the steady state's forward and backward of two micro-batches as one op,
   // interleaved at the expert exchanges (parallel/pipeline_schedule.h one_f_one_b_paired).
   bool pair_micro_batches = false;
+  // The multi-token prediction modules on the last stage (DualPipeV: the last chunk, rank 0's)
+  // alone, which then holds no block and a tied copy of the head's weight; the main model's final
+  // norm, head and loss on the stage (chunk) of the last block (model/placement.h).
+  bool mtp_own_stage = false;
   bool operator==(const ParallelConfig&) const = default;
 };
 

@@ -185,14 +185,16 @@ ParamTable localise(ParamTable t, const ParamStore& s) {
 }  // namespace
 
 ReplicaSync::ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank,
-                         bool zero, ReduceDtype reduce, bool overlap)
+                         bool zero, ReduceDtype reduce, bool overlap, std::vector<bool> copies)
     : table_(store.table()),
       local_(localise(store.table(), store)),
       tensor_rank_(tensor_rank),
+      copies_(std::move(copies)),
       dense_(store, store.dense(), store.dense_members(), data, zero, reduce, DataParallel::kRoundValues, overlap),
       experts_(store, store.experts(), store.expert_members(), expert_data, zero, reduce, DataParallel::kRoundValues,
                overlap) {
   for (size_t i = 0; i < table_.params.size(); ++i) shards_.push_back(store.shard(i));
+  copies_.resize(table_.params.size(), false);
 }
 
 std::vector<RowRange> ReplicaSync::owned() const {
@@ -218,7 +220,7 @@ std::vector<RowRange> ReplicaSync::write_rows() const {
 
 bool ReplicaSync::writes(size_t i) const {
   // The tensor group holds identical copies of a parameter it does not split: rank 0 writes it.
-  return shards_[i].held() && (table_.params[i].tp != TpSplit::none || tensor_rank_ == 0);
+  return shards_[i].held() && !copies_[i] && (table_.params[i].tp != TpSplit::none || tensor_rank_ == 0);
 }
 
 std::vector<RowRange> ReplicaSync::moment_write_rows() const {
@@ -242,7 +244,7 @@ void ReplicaSync::gather_weights(ParamStore& store) {
 std::vector<bool> ReplicaSync::norm_mask() const {
   std::vector<bool> m(table_.params.size());
   for (size_t i = 0; i < m.size(); ++i)
-    m[i] = (dense_.counts_in_norm(i) || experts_.counts_in_norm(i)) &&
+    m[i] = (dense_.counts_in_norm(i) || experts_.counts_in_norm(i)) && !copies_[i] &&
            (table_.params[i].tp != TpSplit::none || tensor_rank_ == 0);  // tp-replicated: counted once
   return m;
 }

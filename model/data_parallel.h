@@ -107,8 +107,11 @@ class ReplicaSync {
  public:
   // data, expert_data: on the store's backend memory. tensor_rank: replicated parameters
   // (TpSplit::none) count in the norm on tensor rank 0 only. Collective-free.
+  // copies (empty: none): per parameter, whether this rank holds it as a tied copy of another
+  // rank's (model/placement.h holds_tied_copy): updated here as there, neither written nor
+  // counted in the norm here.
   ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank, bool zero,
-              ReduceDtype reduce, bool overlap = false);
+              ReduceDtype reduce, bool overlap = false, std::vector<bool> copies = {});
   bool zero() const { return dense_.zero(); }
   // The table with each parameter's shape replaced by this rank's block (what AdamW works on).
   const ParamTable& local_table() const { return local_; }
@@ -136,6 +139,7 @@ class ReplicaSync {
   std::vector<Shard> shards_;
   ParamTable local_;
   int tensor_rank_;
+  std::vector<bool> copies_;
   DataParallel dense_, experts_;
 };
 

@@ -20,6 +20,7 @@ LayerCosts layer_costs(const ModelConfig& m, int64_t T) {
     if (p.cols == 1 || p.rows == 1 || !p.trainable || p.name == "embed.weight") continue;  // norms, lookups
     const double fwd = 2 * double(p.numel()) * (p.expert >= 0 ? routed : 1.0) * (p.name == "head.weight" ? 1 + m.mtp_depth : 1);
     (p.layer >= 0 && p.layer < m.n_layers ? c.block[size_t(p.layer)] : c.last) += fwd;
+    if (p.name == "head.weight") c.head += 2 * double(p.numel());
   }
   const double core = double(m.n_heads) * double(m.qk_head_dim() + m.v_dim()) * double(T);
   for (double& b : c.block) b += core;
@@ -36,12 +37,15 @@ namespace {
 // expensive rank strictly cheaper. best(r, f, g): the least cost of the most expensive of ranks
 // r.. when they hold blocks [f, g). Then each rank in turn takes the most front blocks, then the
 // fewest back blocks, that leave the rest a split within that cost.
-std::vector<int> v_split(const LayerCosts& c, int L, int P) {
+std::vector<int> v_split(const LayerCosts& c, int L, int P, bool mtp_alone) {
   constexpr double kInf = 1e300;
   std::vector<double> prefix(size_t(L) + 1, 0.0);
   for (int l = 0; l < L; ++l) prefix[size_t(l + 1)] = prefix[size_t(l)] + c.block[size_t(l)];
   auto cost = [&](int a, int b) { return prefix[size_t(b)] - prefix[size_t(a)]; };
   const size_t W = size_t(L) + 1;
+  // What rank 0 (the last chunk) and rank 1 carry besides their blocks: with mtp_alone the main
+  // head goes with the last block, on rank 1's back chunk.
+  const double rank0 = mtp_alone ? c.last - c.head : c.last, rank1 = mtp_alone ? c.head : 0;
   auto solve = [&](int last_least, std::vector<int>* counts) {
     std::vector<double> best(size_t(P + 1) * W * W, kInf);
     auto at = [&](int r, int f, int g) -> double& { return best[(size_t(r) * W + size_t(f)) * W + size_t(g)]; };
@@ -52,7 +56,8 @@ std::vector<int> v_split(const LayerCosts& c, int L, int P) {
       for (int f2 = f + 1; f2 <= g - least; ++f2)
         for (int g2 = f2; g2 <= g - least; ++g2) {
           if (r == P - 1 && g2 != f2) break;  // the ways meet on the last rank
-          if (!fn(f2, g2, cost(f, f2) + cost(g2, g) + (r == 0 ? c.last : 0))) return;
+          if (r == 0 && mtp_alone && g2 != g) continue;  // the last chunk holds the modules alone
+          if (!fn(f2, g2, cost(f, f2) + cost(g2, g) + (r == 0 ? rank0 : r == 1 ? rank1 : 0))) return;
         }
     };
     for (int r = P - 1; r >= 0; --r)
@@ -83,13 +88,16 @@ std::vector<int> v_split(const LayerCosts& c, int L, int P) {
     return worst;
   };
   std::vector<int> with_blocks, empty_last;
-  const double a = solve(1, &with_blocks), b = solve(0, &empty_last);
+  const double b = solve(0, &empty_last);
+  if (mtp_alone) return empty_last;
+  const double a = solve(1, &with_blocks);
   return b < a ? empty_last : with_blocks;
 }
 
 }  // namespace
 
-std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T, bool v_shape) {
+std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T, bool v_shape,
+                             bool mtp_alone) {
   const int L = m.n_layers, P = stages;
   FP8MOE_ASSERT(P >= 1 && P <= L, L, " blocks over ", P, " pipeline stages");
   std::vector<int> counts(static_cast<size_t>(P));
@@ -107,7 +115,7 @@ std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int sta
   }
   if (v_shape) {
     FP8MOE_ASSERT(P % 2 == 0, "DualPipeV's ", P, " chunks");
-    return v_split(layer_costs(m, T), L, P / 2);
+    return v_split(layer_costs(m, T), L, P / 2, mtp_alone);
   }
   // Balanced. cost(p, l, e): stage p holding blocks [l, e) (the last stage carries costs.last).
   // The last stage may hold no block (the head and the modules only) where that makes the most
@@ -115,27 +123,31 @@ std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int sta
   const LayerCosts c = layer_costs(m, T);
   std::vector<double> prefix(size_t(L) + 1, 0.0);
   for (int l = 0; l < L; ++l) prefix[size_t(l + 1)] = prefix[size_t(l)] + c.block[size_t(l)];
-  auto cost = [&](int p, int l, int e) { return prefix[size_t(e)] - prefix[size_t(l)] + (p == P - 1 ? c.last : 0); };
+  // mtp_alone: the last stage holds no block and carries the modules alone: the blocks go over the
+  // stages before it, of which the last carries the main head.
+  const int Pb = mtp_alone ? P - 1 : P;
+  const double tail = mtp_alone ? c.head : c.last;
+  auto cost = [&](int p, int l, int e) { return prefix[size_t(e)] - prefix[size_t(l)] + (p == Pb - 1 ? tail : 0); };
   constexpr double kInf = 1e300;
   // best[p][l]: the least cost of the most expensive stage when stages 0..p hold blocks [0, l).
-  auto split = [&](bool empty_last, std::vector<int>* counts) {
-    auto least = [&](int p) { return p == P - 1 && empty_last ? 0 : 1; };  // a stage's fewest blocks
-    std::vector<std::vector<double>> best(size_t(P), std::vector<double>(size_t(L) + 1, kInf));
+  auto split = [&](int parts, bool empty_last, std::vector<int>* counts) {
+    auto least = [&](int p) { return p == parts - 1 && empty_last ? 0 : 1; };  // a stage's fewest blocks
+    std::vector<std::vector<double>> best(size_t(parts), std::vector<double>(size_t(L) + 1, kInf));
     for (int l = 1; l <= L; ++l) best[0][size_t(l)] = cost(0, 0, l);
-    for (int p = 1; p < P; ++p)
+    for (int p = 1; p < parts; ++p)
       for (int l = p; l <= L; ++l)
         for (int j = p; j <= l - least(p); ++j)
           best[size_t(p)][size_t(l)] = std::min(best[size_t(p)][size_t(l)], std::max(best[size_t(p - 1)][size_t(j)], cost(p, j, l)));
-    const double worst = best[size_t(P - 1)][size_t(L)];
+    const double worst = best[size_t(parts - 1)][size_t(L)];
     // fits[p][l]: stages p.. can hold blocks [l, L), each at least its fewest, none costing more
     // than worst. Then each stage in turn takes the most blocks that leave the rest a split that fits.
-    std::vector<std::vector<char>> fits(size_t(P) + 1, std::vector<char>(size_t(L) + 1, 0));
-    fits[size_t(P)][size_t(L)] = 1;
-    for (int p = P - 1; p >= 0; --p)
+    std::vector<std::vector<char>> fits(size_t(parts) + 1, std::vector<char>(size_t(L) + 1, 0));
+    fits[size_t(parts)][size_t(L)] = 1;
+    for (int p = parts - 1; p >= 0; --p)
       for (int l = 0; l <= L; ++l)
         for (int e = l + least(p); e <= L && !fits[size_t(p)][size_t(l)]; ++e)
           fits[size_t(p)][size_t(l)] = fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst;
-    for (int p = 0, l = 0; p < P; ++p) {
+    for (int p = 0, l = 0; p < parts; ++p) {
       int e = L;
       while (!(fits[size_t(p + 1)][size_t(e)] && cost(p, l, e) <= worst)) --e;
       (*counts)[size_t(p)] = e - l, l = e;
@@ -143,7 +155,12 @@ std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int sta
     return worst;
   };
   std::vector<int> empty_last(static_cast<size_t>(P));
-  const double with_blocks = split(false, &counts), without = split(true, &empty_last);
+  if (mtp_alone) {
+    split(Pb, false, &empty_last);
+    empty_last.back() = 0;
+    return empty_last;
+  }
+  const double with_blocks = split(P, false, &counts), without = split(P, true, &empty_last);
   return without < with_blocks ? empty_last : counts;
 }
 
@@ -194,9 +211,12 @@ bool Placement::holds_layer(int layer) const {
 
 Shard Placement::shard(const ParamSpec& p) const {
   if (p.expert >= 0 && (p.expert < first_expert() || p.expert >= first_expert() + local_experts())) return {};
+  // (The modules' parameters count their layers on from n_layers too.)
+  const bool head = p.name == "final_norm.weight" || p.name == "head.weight";
   const bool on_stage = p.layer < 0            ? first_stage()
-                        : p.layer >= n_layers_ ? last_stage()
-                                               : holds_layer(p.layer);
+                        : p.layer < n_layers_  ? holds_layer(p.layer)
+                        : head                 ? head_stage() || holds_tied_copy(p)
+                                               : last_stage();
   if (!on_stage) return {};
   Shard s{0, p.rows, 0, p.cols};
   const int t = at_.tensor;

@@ -29,6 +29,9 @@ struct GridPosition {
   int expert_rank = 0, experts = 1;
   std::vector<int> split;
   bool v_shape = false;
+  // parallel.mtp_own_stage (with several stages): the multi-token prediction modules alone on the
+  // last chunk, the main model's head on the chunk before it.
+  bool mtp_alone = false;
   int chunks() const { return v_shape ? 2 * stages : stages; }  // the pipeline's parts of the blocks
 };
 
@@ -45,6 +48,7 @@ std::pair<int, int> stage_layers(int n_layers, int stage, int stages);
 struct LayerCosts {
   std::vector<double> block;
   double last = 0;
+  double head = 0;  // of `last`, the main model's head (parallel.mtp_own_stage puts it with the last block)
 };
 LayerCosts layer_costs(const ModelConfig& m, int64_t T);
 
@@ -57,7 +61,11 @@ LayerCosts layer_costs(const ModelConfig& m, int64_t T);
 // v_shape (DualPipeV, stages = 2P chunks): balanced balances the ranks, each chunk r with chunk
 // 2P - 1 - r (the last chunk with the head and the modules), not the chunks; even and given as
 // above, over the chunks.
-std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T, bool v_shape = false);
+// mtp_alone (parallel.mtp_own_stage): balanced leaves the last stage (DualPipeV: rank 0's back
+// chunk) no block and only the modules' cost, and puts the main head's on the stage before it
+// (rank 1).
+std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T, bool v_shape = false,
+                             bool mtp_alone = false);
 
 // Rows [begin, end) of a parameter's (rows, cols) tensor.
 struct RowRange {
@@ -83,14 +91,30 @@ class Placement {
   int layer_begin(int c = 0) const { return ranges_[size_t(c)].first; }
   int layer_end(int c = 0) const { return ranges_[size_t(c)].second; }
   bool holds_layer(int layer) const;
-  // Whether chunk c starts the model (the embedding) or ends it (the head, the loss and the
-  // multi-token prediction modules). (The last chunk may hold no block: parallel.stage_layers.
-  // The first holds at least one.)
+  // Whether chunk c starts the model (the embedding) or ends it (the multi-token prediction
+  // modules, and the head and the loss unless mtp_alone). (The last chunk may hold no block:
+  // parallel.stage_layers. The first holds at least one.) chunk_head: whether chunk c runs the
+  // main model's final norm, head and loss: the last chunk, or with mtp_alone the one before it
+  // (it holds the last block; its output to the last chunk is the final norm's, hf).
   bool chunk_first(int c) const { return at_.stage == 0 && c == 0; }
   bool chunk_last(int c) const { return at_.v_shape ? at_.stage == 0 && c == 1 : at_.stage == at_.stages - 1; }
-  // Whether this rank holds the embedding / the head (DualPipeV: rank 0 holds both).
+  bool chunk_head(int c) const {
+    if (!at_.mtp_alone) return chunk_last(c);
+    return at_.v_shape ? at_.stage == 1 && c == 1 : at_.stage == at_.stages - 2;
+  }
+  // Whether this rank holds the embedding / the last chunk (DualPipeV: rank 0 holds both) / the
+  // main model's head.
   bool first_stage() const { return at_.stage == 0; }
   bool last_stage() const { return at_.v_shape ? at_.stage == 0 : at_.stage == at_.stages - 1; }
+  bool head_stage() const { return chunk_head(0) || chunk_head(chunks() - 1); }
+  // mtp_alone: the last stage holds a copy of the head's weight for the modules' heads, tied to the
+  // head stage's (their gradients summed between the two: Transformer::tie_head_gradient). The
+  // copy is not written to checkpoints nor counted in the gradient norm: the head stage's is.
+  bool mtp_alone() const { return at_.mtp_alone; }
+  // The pipeline ranks of the last chunk and of the head's chunk (the same one without mtp_alone).
+  int last_rank() const { return at_.v_shape ? 0 : at_.stages - 1; }
+  int head_rank() const { return !at_.mtp_alone ? last_rank() : at_.v_shape ? 1 : at_.stages - 2; }
+  bool holds_tied_copy(const ParamSpec& p) const { return at_.mtp_alone && last_stage() && p.name == "head.weight"; }
 
   // Expert parallelism: this rank's routed experts [first_expert, first_expert + local_experts)
   // of every MoE layer, and the expert-parallel rank holding expert e.
@@ -102,7 +126,8 @@ class Placement {
   // The block of a parameter's GLOBAL (rows, cols) tensor this rank holds: tensor parallelism
   // splits dim 0 (TpSplit::rows) or dim 1 (TpSplit::cols) evenly; expert parallelism holds whole
   // experts or none; a pipeline stage holds its blocks' parameters (layer -1, the embedding, on the
-  // first stage; layer n_layers, the final norm and the head, on the last). Empty where not held.
+  // first stage; the final norm and the head on the head stage, the head on the last stage too;
+  // the modules' on the last). Empty where not held.
   Shard shard(const ParamSpec& p) const;
 
   // The model's dims on this tensor-parallel rank: heads, FFN and expert widths and the vocabulary

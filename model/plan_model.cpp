@@ -85,10 +85,16 @@ bool is_recomputed(const Config& c, int layer) {
   return recomputes_layer(c.train.recompute, c.train.recompute_layers, c.model.first_dense_layers, layer);
 }
 
+// The head's runs per micro-batch on a stage that holds it: the main model's on the head stage,
+// the modules' on the last (one stage, or two under parallel.mtp_own_stage).
+double head_uses(const Placement& place, const ModelConfig& g) {
+  return (place.head_stage() ? 1 : 0) + (place.last_stage() ? g.mtp_depth : 0);
+}
+
 GridPosition position(const PlanLayout& L, int stage) {
   GridPosition at;
   at.tensor = L.tensor, at.stages = L.pipeline, at.stage = stage, at.experts = L.expert, at.split = L.split;
-  at.v_shape = L.v_shape;
+  at.v_shape = L.v_shape, at.mtp_alone = L.mtp_alone;
   return at;
 }
 
@@ -223,7 +229,9 @@ PlanLayout plan_layout(const Config& c, int world) {
   L.sequences = int64_t(c.train.global_batch) / (int64_t(L.data) * L.micro_batches);
   L.seq_len = c.train.seq_len;
   L.v_shape = c.parallel.pipeline_schedule == PipelineSchedule::dualpipev && L.pipeline > 1;
-  L.split = stage_split(c.model, c.parallel.stage_layers, L.v_shape ? 2 * L.pipeline : L.pipeline, L.seq_len, L.v_shape);
+  L.mtp_alone = c.parallel.mtp_own_stage && L.pipeline > 1;
+  L.split = stage_split(c.model, c.parallel.stage_layers, L.v_shape ? 2 * L.pipeline : L.pipeline, L.seq_len, L.v_shape,
+                        L.mtp_alone);
   return L;
 }
 
@@ -245,9 +253,12 @@ PlanLayout plan_layout(const Config& c, int world) {
 // pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one (not
 //     the first); with mtp_depth modules every message also carries their depth x N x D
 //     embeddings (forward) or gradient (backward), from the first stage to the last and back.
+//     parallel.mtp_own_stage: once a step the head stage and the last stage send each other their
+//     head weight's gradient, V / T x D floats.
 // mtp the modules' blocks count in L_s and the MoE layers of the last stage; tp adds per module an
 //     all-reduce of N x D on the first stage (its embedding) and N x D plus 20 N bytes on the last
-//     (its head's input gradient, its cross-entropy).
+//     (its head's input gradient, its cross-entropy); the main head's (N x D and 20 N) are the head
+//     stage's (the last, or the one before it under parallel.mtp_own_stage).
 ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype activations, GateSite gates) {
   const double d = double(D), g = gates == GateSite::expert ? 4 + 8 : 0;
   if (activations == ActivationDtype::fp32) return {4 * d, 4 * d, 4 * d, 4 * d, g};
@@ -323,9 +334,11 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   const std::array<double, 2> rc = recomputed_blocks(s);
   const double again = rc[0] + rc[1];
   const AgainRows a = again_rows(s);  // a MoE block run again sends its forward's two exchanges again
+  const bool main_head = s.mtp_alone ? s.head : s.last;
+  const double heads = (main_head ? 1 : 0) + mtp_blocks;  // the head's runs here: the main model's, the modules'
   b[0] = ring(s.tensor) * Mb *
-         (((3 * Ls + 2 * again + (s.first ? 1 + depth : 0) + (s.last ? 1 + depth : 0)) * D + Ls * attn_grad) * N * 4 +
-          Lm * N * m.moe.top_k * 8 + (s.last ? N * 20 * (1 + depth) : 0));
+         (((3 * Ls + 2 * again + (s.first ? 1 + depth : 0) + heads) * D + Ls * attn_grad) * N * 4 +
+          Lm * N * m.moe.top_k * 8 + N * 20 * heads);
   const ExpertRowBytes rb = expert_row_bytes(m.d_model, s.fp8, s.activations, s.moe_gates);
   const double row = rb.per_step(0), row_again = rb.per_step(1) - row;
   b[1] = s.expert > 1 ? s.rows_off_rank * row + a.off_rank * row_again + Mb * Lm * (s.expert - 1) * s.local_experts * 8 +
@@ -354,6 +367,7 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   // (app/stage_runner.cpp finish_step), an all-reduce over the pipeline group.
   const double all_moe_layers = std::max(0, m.n_layers - m.first_dense_layers) + depth;
   b[4] += ring(s.pipeline) * (2 * 8 + all_moe_layers * m.moe.n_experts * 8);
+  if (s.mtp_alone && (s.head || s.last)) b[4] += 4 * double(m.vocab_size) / s.tensor * D;
   return b;
 }
 
@@ -421,7 +435,7 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
     const ModelConfig& m = place.local();
     StageMemory r;
     r.stage = s, r.layer_begin = place.layer_begin(), r.layer_end = place.layer_end();
-    r.first = place.first_stage(), r.last = place.last_stage();
+    r.first = place.first_stage(), r.last = place.last_stage(), r.head = place.head_stage();
     if (place.chunks() == 2) r.v_shape = true, r.layer_begin2 = place.layer_begin(1), r.layer_end2 = place.layer_end(1);
     r.mtp_blocks = r.last ? g.mtp_depth : 0;
     // The flat buffers' segments in layout order (model/param_store.h), each member's (numel, cols),
@@ -469,26 +483,32 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
     r.moments = 2 * moment_bytes * double(r.owned_dense + r.owned_expert);
     // A checkpoint's rows are split over a block's replicas (dp for dense, edp for experts); with
     // ZeRO-1 each writes the moments it owns.
-    const double written = double(r.dense_trainable) / L.data + double(r.expert_trainable) / L.expert_data;
+    // (parallel.mtp_own_stage: the last stage's copy of the head is not written.)
+    double copies = 0;
+    for (const ParamSpec& p : table.params)
+      if (place.holds_tied_copy(p)) copies += double(place.shard(p).numel());
+    const double written = (double(r.dense_trainable) - copies) / L.data + double(r.expert_trainable) / L.expert_data;
     r.checkpoint_copy = written * kF32 + (zero ? r.moments : 2 * moment_bytes * written);
 
     // Activations of one micro-batch on this stage (model/transformer.cpp StageRun::Impl), per
-    // chunk: its output, its blocks', the first chunk's modules' input embeddings, the last
-    // chunk's head and modules.
+    // chunk: its output, its blocks', the first chunk's modules' input embeddings, the head's
+    // chunk's head, the last chunk's modules (one chunk but under parallel.mtp_own_stage).
     const double N = double(L.tokens()), D = g.d_model, V = m.vocab_size, depth = g.mtp_depth;
     double work = 0;
-    auto chunk_saved = [&](int b, int e, bool first, bool last) {
+    // train.hp_gemm bf16: the head's BF16 copy and its input's (or dlogits') for the call
+    const double head16 = c.train.hp_gemm == GemmDtype::bf16 ? V * D * 2 + N * std::max(D, V) * 2 : 0;
+    auto chunk_saved = [&](int b, int e, bool first, bool head, bool last) {
       double saved = N * D * kF32;  // the chunk's output
       for (int l = b; l < e; ++l) {
         saved += block_saved_bytes(c, L, l);
         work = std::max(work, block_workspace(c, L, m, l));
       }
       if (first && depth > 0) saved += depth * N * D * kF32;              // the modules' input embeddings
-      if (last) {
+      if (head) {
         saved += N * D * kF32 + N * kF32 + N * V * kF32;                   // hf, rstd, dlogits
-        // the logits; train.hp_gemm bf16: the head's BF16 copy and its input's (or dlogits') for the call
-        const double head16 = c.train.hp_gemm == GemmDtype::bf16 ? V * D * 2 + N * std::max(D, V) * 2 : 0;
-        work = std::max(work, N * V * kF32 + head16);
+        work = std::max(work, N * V * kF32 + head16);                      // the logits
+      }
+      if (last) {
         if (depth > 0 && !first) saved += depth * N * D * kF32;          // the received embeddings
         for (int k = 0; k < g.mtp_depth; ++k) {
           const int l = g.n_layers + k;
@@ -502,13 +522,13 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
     if (r.v_shape) {
       // (The last chunk's run copies the modules' embeddings from the first chunk's, as it would
       // the received ones.)
-      const double saved[2] = {chunk_saved(r.layer_begin, r.layer_end, place.chunk_first(0), false),
-                               chunk_saved(r.layer_begin2, r.layer_end2, false, place.chunk_last(1))};
+      const double saved[2] = {chunk_saved(r.layer_begin, r.layer_end, place.chunk_first(0), false, false),
+                               chunk_saved(r.layer_begin2, r.layer_end2, false, place.chunk_head(1), place.chunk_last(1))};
       r.saved_per_micro_batch = saved[0] + saved[1];
       r.activations = dualpipev_activations(L.pipeline, s, L.micro_batches, saved, &r.in_flight,
                                             c.parallel.pair_micro_batches);
     } else {
-      r.saved_per_micro_batch = chunk_saved(r.layer_begin, r.layer_end, r.first, r.last);
+      r.saved_per_micro_batch = chunk_saved(r.layer_begin, r.layer_end, r.first, r.head, r.last);
       r.in_flight = in_flight_micro_batches(L.pipeline, s, L.micro_batches, c.parallel.pair_micro_batches);
       r.activations = r.saved_per_micro_batch * r.in_flight;
       if (c.parallel.pipeline_schedule == PipelineSchedule::zb1p) {
@@ -522,7 +542,7 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
                              : !fp8_on(c, p.linear)                    ? kF32
                              : c.fp8.recipe == Fp8Recipe::blockwise    ? 1 + kF32 / c.fp8.tile
                                                                        : 1;
-          const double uses = p.name == "head.weight" ? 1 + g.mtp_depth : 1;  // the modules' heads too
+          const double uses = p.name == "head.weight" ? head_uses(place, g) : 1;  // the modules' heads too
           r.weight_op_bytes += uses * rows * double(sh.rows + sh.cols) * per;
         }
         r.weight_ops_waiting = std::min(s + 1, L.micro_batches);
@@ -551,7 +571,7 @@ std::vector<StageFlops> plan_flops(const Config& c, const PlanLayout& L) {
       const bool router = p.name.size() >= 10 && p.name.compare(p.name.size() - 10, 10, "moe.router") == 0;
       if (p.linear == LinearClass::none && !head && !eh && !router) continue;
       const double rows = rows_through(g, L, p);
-      const double fwd = 2 * rows * double(sh.numel()) * (head ? 1 + g.mtp_depth : 1);  // the head serves the modules too
+      const double fwd = 2 * rows * double(sh.numel()) * (head ? head_uses(place, g) : 1);  // the head serves the modules too
       // A recomputed block runs its linear layers again; not its router (the forward's routing is
       // reused), nor eh_proj and the head (outside the blocks). Selective recomputation runs MLA's
       // up-projections of the keys and values (and of the queries from their latent) again.

@@ -24,6 +24,7 @@ struct PlanLayout {
   int64_t seq_len = 1;
   std::vector<int> split;  // blocks per pipeline stage, or chunk under DualPipeV (model/placement.h stage_split)
   bool v_shape = false;    // parallel.pipeline_schedule dualpipev: two chunks per rank
+  bool mtp_alone = false;  // parallel.mtp_own_stage (with several stages)
   int64_t tokens() const { return sequences * seq_len; }  // N of one micro-batch on one rank
 };
 // Assumes a config load_config accepted for `world` ranks.
@@ -37,6 +38,10 @@ struct CommShape {
   double tokens = 0;          // N: per micro-batch on this rank
   double micro_batches = 1;
   bool first = true, last = true;  // this rank's stage: the embedding, the head
+  // parallel.mtp_own_stage: the head (final norm, head, loss) on the stage before the last (`head`:
+  // this rank's), the modules alone on the last; both send their head weight's gradient to the
+  // other once a step (V_local x D floats).
+  bool mtp_alone = false, head = false;
   int layer_begin = 0, layer_end = 0;
   // DualPipeV (parallel.pipeline_schedule): the rank's second chunk [layer_begin2, layer_end2) (the
   // V's way back), and whether it is the V's turn (the last rank); its messages go both ways.
@@ -127,6 +132,7 @@ double block_saved_bytes(const Config& c, const PlanLayout& L, int layer);
 struct StageMemory {
   int stage = 0, layer_begin = 0, layer_end = 0, mtp_blocks = 0;
   bool first = true, last = true;
+  bool head = true;  // the main head's final norm, head and loss (parallel.mtp_own_stage: not the last)
   // DualPipeV: the rank's second chunk [layer_begin2, layer_end2), the V's way back (v_shape).
   bool v_shape = false;
   int layer_begin2 = 0, layer_end2 = 0;

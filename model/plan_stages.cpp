@@ -50,7 +50,8 @@ double stage_seconds(const ModelConfig& m, const StageMemory& s, const BlockSeco
   const int nd = dense(s.layer_begin, s.layer_end) + (s.v_shape ? dense(s.layer_begin2, s.layer_end2) : 0);
   const int nm = stage_moe_blocks(m, s) - s.mtp_blocks;
   double seconds = nd * t.dense + nm * t.moe;
-  if (s.last) seconds += t.outside + s.mtp_blocks * t.mtp;
+  if (s.head) seconds += t.outside;  // (parallel.mtp_own_stage: the head's stage, the one before the modules')
+  if (s.last) seconds += s.mtp_blocks * t.mtp;
   return seconds;
 }
 

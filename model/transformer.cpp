@@ -20,13 +20,14 @@ struct StageRun::Impl {
   int64_t mtp_n = 0;                 // depth x N x D while the modules run, else 0
   std::vector<Tensor> xs;            // block inputs of this stage, then its output
   std::vector<BlockSaved> saved;
-  HeadSaved head;                    // last stage
+  HeadSaved head;                    // the head's chunk
   Tensor dx;                         // after backward: the gradient of this stage's input
   StepResult result;
   bool backward = false;
   float aux_grad_scale = 1.0f;
   int chunk = 0;                     // which of the rank's chunks (model/placement.h)
-  bool first = false, last = false;  // whether it starts the model (embedding) / ends it (head)
+  bool first = false, last = false;  // whether it starts the model (embedding) / ends it (head, modules)
+  bool runs_head = false;            // whether it runs the main head (the last chunk, or the one before: mtp_alone)
 };
 
 StageRun::StageRun() = default;
@@ -34,7 +35,8 @@ StageRun::~StageRun() = default;
 StageRun::StageRun(StageRun&&) noexcept = default;
 StageRun& StageRun::operator=(StageRun&&) noexcept = default;
 const StepResult& StageRun::result() const { return impl_->result; }
-const float* StageRun::output() const { return impl_->xs.back().f32(); }
+// (The head's chunk before the modules' (mtp_alone) sends them the final norm's output, hf.)
+const float* StageRun::output() const { return impl_->runs_head && !impl_->last ? impl_->head.hf.f32() : impl_->xs.back().f32(); }
 const float* StageRun::input_grad() const { return impl_->dx.f32(); }
 int64_t StageRun::activation_size() const { return impl_->xs.back().numel(); }
 const float* StageRun::mtp_output() const { return impl_->mtp_n > 0 ? impl_->mtp_emb.f32() : nullptr; }
@@ -60,7 +62,8 @@ GridPosition position_in(const Config& c, const ModelGroups& g) {
   if (g.expert) at.expert_rank = g.expert->rank(), at.experts = g.expert->size();
   // (A one-rank tool of a pipelined config holds every block, whatever the schedule.)
   at.v_shape = c.parallel.pipeline_schedule == PipelineSchedule::dualpipev && at.stages > 1;
-  at.split = stage_split(c.model, c.parallel.stage_layers, at.chunks(), c.train.seq_len, at.v_shape);
+  at.mtp_alone = c.parallel.mtp_own_stage && at.stages > 1;
+  at.split = stage_split(c.model, c.parallel.stage_layers, at.chunks(), c.train.seq_len, at.v_shape, at.mtp_alone);
   return at;
 }
 
@@ -101,8 +104,11 @@ Transformer::Transformer(Backend& be, const Config& cfg, ModelGroups groups)
   if (placement_.last_stage())
     for (int l = m.n_layers; l < m.n_layers + m.mtp_depth; ++l) add_block(l);
   if (placement_.first_stage()) embed_ = fp8_->weight("embed.weight");
+  // The head stage's final norm and head; with mtp_alone the last stage holds the head's weight
+  // alone (its tied copy, for the modules' heads).
+  if (placement_.head_stage()) head_.norm = fp8_->weight("final_norm.weight");
+  if (placement_.head_stage() || placement_.last_stage()) head_.head = fp8_->weight("head.weight");
   if (placement_.last_stage()) {
-    head_ = {fp8_->weight("final_norm.weight"), fp8_->weight("head.weight")};
     std::vector<Block*> modules;
     for (auto it = blocks_.end() - m.mtp_depth; it != blocks_.end(); ++it) modules.push_back(it->get());
     if (m.mtp_depth > 0) mtp_ = std::make_unique<Mtp>(*ctx_, modules, head_.head, embed_);
@@ -202,6 +208,7 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
   StageRun::Impl& st = *run.impl_;
   st.B = B, st.T = T, st.N = N, st.backward = backward;
   st.chunk = chunk, st.first = placement_.chunk_first(chunk), st.last = placement_.chunk_last(chunk);
+  st.runs_head = placement_.chunk_head(chunk);
   st.aux_grad_scale = float(loss_scale * aux_weight);
   training_forward_ = backward;
   if (dispatcher_) relay_mark_ = dispatcher_->relay_rows();
@@ -242,34 +249,63 @@ StageRun Transformer::stage_forward(const int32_t* tokens, const int32_t* target
     saved_bytes += sv.kept ? sv.bytes(D, xb) : N * D * xb + sv.moe.routing.bytes() + int64_t(sv.moe.gate_rows.bytes());
   }
   saved_bytes_per_token_ = N > 0 && L1 > L0 ? double(saved_bytes) / double(N) / double(L1 - L0) : 0.0;
-  if (st.last) stage_head_forward(run, targets, counted, slots, loss_scale, mean_over, with_mtp ? mtp : nullptr);
+  if (st.runs_head || st.last) stage_head_forward(run, targets, counted, slots, loss_scale, mean_over, with_mtp ? mtp : nullptr);
   if (!backward) st.saved.clear(), st.xs.erase(st.xs.begin(), st.xs.end() - 1);
   return run;
 }
 
-// The last stage's head after its blocks, and the multi-token prediction modules after it.
+// The head after the chunk's blocks, and the multi-token prediction modules after it; with
+// mtp_alone one or the other: the head on the chunk of the last block, the modules on the last
+// chunk (no blocks), which reads the head's chunk's hf as its input.
 void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int64_t counted, const LossSlots& slots,
                                      float loss_scale, int64_t mean_over, const MtpBatch* mtp) {
   StageRun::Impl& st = *run.impl_;
   const ModelConfig& m = cfg_.model;
-  const int64_t denom = mean_over > 0 ? mean_over : counted;
-  HeadLoss loss;
-  loss.targets = targets;
-  loss.grad_scale = denom > 0 ? loss_scale / float(denom) : 0.0f;  // d (scaled mean) / d logits
-  loss.loss_sum = slots.ce_sum;
-  loss.backward = st.backward;
-  head_forward(*ctx_, head_, st.xs.back().f32(), st.N, &loss, &st.head);
-  st.result.tokens = counted;
-  if (!mtp) return;
+  if (st.runs_head) {
+    const int64_t denom = mean_over > 0 ? mean_over : counted;
+    HeadLoss loss;
+    loss.targets = targets;
+    loss.grad_scale = denom > 0 ? loss_scale / float(denom) : 0.0f;  // d (scaled mean) / d logits
+    loss.loss_sum = slots.ce_sum;
+    loss.backward = st.backward;
+    head_forward(*ctx_, head_, st.xs.back().f32(), st.N, &loss, &st.head);
+    st.result.tokens = counted;
+  }
+  if (!mtp || !st.last) return;
   if (!st.first) {  // the first chunk's embeddings (another stage's, or this rank's other run's), kept until backward
     FP8MOE_ASSERT(mtp->embeddings, "the last stage needs the first stage's multi-token prediction embeddings");
     st.mtp_emb = Tensor(be_, DType::f32, {st.mtp_n});
     be_.copy(st.mtp_emb.f32(), mtp->embeddings, size_t(st.mtp_n) * sizeof(float));
   }
   const int first_module_moe = m.n_layers - m.first_dense_layers;
-  mtp_->forward(st.mtp_emb.f32(), st.head.hf.f32(), st.B, st.T, *mtp, loss_scale, slots.mtp,
+  const float* hf = st.runs_head ? st.head.hf.f32() : st.xs.back().f32();  // (mtp_alone: received)
+  mtp_->forward(st.mtp_emb.f32(), hf, st.B, st.T, *mtp, loss_scale, slots.mtp,
                 slots.aux ? slots.aux + first_module_moe : nullptr, &st.mtp,
                 [&](const Block& block, BlockSaved* s) { finish_block(block, s, &st.result); });
+}
+
+int64_t Transformer::tie_head_gradient() {
+  const Placement& pl = placement_;
+  if (!pl.mtp_alone() || !groups_.pipeline) return 0;
+  const int me = pl.at().stage;
+  if (me != pl.head_rank() && me != pl.last_rank()) return 0;
+  const size_t i = slot("head.weight");
+  const int64_t n = store_->shard(i).numel();
+  const int peer = me == pl.head_rank() ? pl.last_rank() : pl.head_rank();
+  constexpr int kTag = 32767;  // MPI's least MPI_TAG_UB: above the step's tags (model/placement.h)
+  Tensor theirs(be_, DType::f32, {n});
+  float* g = store_->grad(i);
+  groups_.pipeline->isend(g, n, peer, kTag);
+  groups_.pipeline->recv(theirs.f32(), n, peer, kTag);
+  groups_.pipeline->wait_sends();
+  be_.add(g, theirs.f32(), g, n);
+  return n;
+}
+
+std::vector<bool> Transformer::tied_copies() const {
+  std::vector<bool> c;
+  for (const ParamSpec& p : table_.params) c.push_back(placement_.holds_tied_copy(p));
+  return c;
 }
 
 void StageWeights::run(const std::function<void(int)>& after_block) {
@@ -289,7 +325,7 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
   const int64_t N = st.N, D = m.d_model;
   const int L0 = placement_.layer_begin(st.chunk), L1 = placement_.layer_end(st.chunk), b0 = chunk_block0_[size_t(st.chunk)];
   Tensor dx(be_, DType::f32, {N, D});  // each block's output gradient, then (in place) its input's
-  if (st.last) {
+  if (st.runs_head || st.last) {
     // The head's and the modules' weight GEMMs, in the order the backward meets them (the head's
     // gradient is the main head's and every module's): one LaterWork, not a block's (no layer).
     LaterWork* later = nullptr;
@@ -298,14 +334,26 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
       later = &weights->blocks_.back().second;
       later->detached = true;
     }
-    // The modules read the normed output too: their gradient of it joins the head's.
-    head_backward(*ctx_, head_, st.xs.back().f32(), N, &st.head, dx.f32(), [&](float* dhf) {
+    // The modules read the normed output too: their gradient of it joins the head's (with
+    // mtp_alone: received from the last chunk, as dy; there, it is the chunk's input gradient).
+    auto modules_backward = [&](float* dhf) {
       if (st.mtp_n == 0) return;
       st.mtp_demb = Tensor(be_, DType::f32, {st.mtp_n});
-      mtp_->backward(&st.mtp, st.mtp_emb.f32(), st.head.hf.f32(), N, st.aux_grad_scale, st.mtp_demb.f32(), dhf, later);
+      const float* hf = st.runs_head ? st.head.hf.f32() : st.xs.back().f32();
+      mtp_->backward(&st.mtp, st.mtp_emb.f32(), hf, N, st.aux_grad_scale, st.mtp_demb.f32(), dhf, later);
       ctx_->round_activation(st.mtp_demb.f32(), st.mtp_n);  // a pipeline message on several stages
       if (!st.first) st.mtp_emb.reset();
-    }, later);
+    };
+    if (!st.runs_head) {
+      be_.zero(dx.f32(), size_t(N * D) * sizeof(float));
+      modules_backward(dx.f32());
+      ctx_->round_activation(dx.f32(), N * D);  // the gradient of hf to the head's chunk
+    } else {
+      head_backward(*ctx_, head_, st.xs.back().f32(), N, &st.head, dx.f32(), [&](float* dhf) {
+        if (st.last) modules_backward(dhf);
+        else be_.add(dhf, dy, dhf, N * D);
+      }, later);
+    }
   } else {
     be_.copy(dx.f32(), dy, size_t(N * D) * sizeof(float));
   }

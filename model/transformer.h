@@ -196,6 +196,15 @@ class Transformer {
   void stage_backward(StageRun& run, const float* dy, const float* d_mtp = nullptr,
                       const std::function<void(int)>& after_block = {}, StageWeights* weights = nullptr);
 
+  // parallel.mtp_own_stage: on the head stage and the last stage (which hold the head's weight,
+  // tied), each one's gradient of it summed with the other's over the pipeline group (both then
+  // hold the same bits: a + b = b + a). Once a step, after the stage's last backward or weight op,
+  // before the data-parallel reduction of the head (post_rest, reduce_gradients). Elsewhere,
+  // nothing. Returns the FP32 values sent (the communication accounting's).
+  int64_t tie_head_gradient();
+  // Per parameter: whether this rank holds it as a tied copy (model/placement.h holds_tied_copy).
+  std::vector<bool> tied_copies() const;
+
   // Logits (V) of the token after tokens[0..T) (one sequence, host ids), for generation. FP8
   // histories are not advanced.
   std::vector<float> next_token_logits(const int32_t* tokens, int64_t T);

@@ -523,6 +523,14 @@ const BadConfig kBadConfigs[] = {
     {"dualpipev_stage_layers_per_stage",
      "parallel:\n  pipeline: 2\n  micro_batches: 4\n  pipeline_schedule: dualpipev\n  stage_layers: [2, 2]\n",
      "parallel.stage_layers", "5:17", "one count per chunk with parallel.pipeline_schedule dualpipev: 2 x parallel.pipeline = 4 counts, got 2"},
+    // The modules alone on the last stage: with modules, several stages, and a last stage of no block.
+    {"mtp_own_stage_without_modules", "parallel:\n  pipeline: 2\n  stage_layers: [4, 0]\n  mtp_own_stage: true\n",
+     "parallel.mtp_own_stage", "", "false without multi-token prediction (model.mtp_depth 0)"},
+    {"mtp_own_stage_even_split", "model:\n  mtp_depth: 1\nparallel:\n  pipeline: 2\n  mtp_own_stage: true\n",
+     "parallel.stage_layers", "", "balanced or a list ending in 0 with parallel.mtp_own_stage"},
+    {"mtp_own_stage_last_stage_blocks",
+     "model:\n  mtp_depth: 1\nparallel:\n  pipeline: 2\n  stage_layers: [3, 1]\n  mtp_own_stage: true\n",
+     "parallel.stage_layers", "", "a list ending in 0 with parallel.mtp_own_stage"},
     {"recompute_delayed_pipeline", "train:\n  recompute: moe\nfp8:\n  recipe: delayed\nparallel:\n  pipeline: 2\n",
      "train.recompute", "2:14", "none with fp8.recipe delayed and parallel.pipeline > 1"},
     // selective rebuilds layers' inputs with the forward's delayed scale too

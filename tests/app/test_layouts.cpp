@@ -344,7 +344,15 @@ TEST_F(Layouts, LatentAttentionIsTheSameOnEveryLayout) {
              // DualPipeV: rank 0 runs the embedding and the head; the module's embeddings stay there
              {"pp2 x ep2 dualpipev", 4,
               {"parallel.pipeline=2", "parallel.expert=2", "parallel.pipeline_schedule=dualpipev",
-               "parallel.micro_batches=4"}}}) {
+               "parallel.micro_batches=4"}},
+             // parallel.mtp_own_stage: the module alone on the last stage (chunk), the head on the
+             // one before it, the head's weight tied between the two (its gradient summed there)
+             {"pp2 [4, 0], module alone", 2,
+              {"parallel.pipeline=2", "parallel.stage_layers=[4,0]", "parallel.mtp_own_stage=true"}},
+             {"pp2 x ep2 dualpipev, module alone, pairs", 4,
+              {"parallel.pipeline=2", "parallel.expert=2", "parallel.pipeline_schedule=dualpipev",
+               "parallel.micro_batches=4", "parallel.stage_layers=[1,2,1,0]", "parallel.mtp_own_stage=true",
+               "parallel.pair_micro_batches=true"}}}) {
       auto sets = l.sets;
       sets.insert(sets.end(), base.begin(), base.end());
       const auto got = train(l.ranks, sets);
@@ -414,6 +422,33 @@ TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
                 "%.2e of the uninterrupted 1-rank run\n", ranks, wv);
     EXPECT_LE(wv, 5e-5);
   }
+
+  // Saved with the module alone on rank 0's last chunk and the head on rank 1's
+  // (parallel.mtp_own_stage; both hold the head's weight, rank 1's copy written): it resumes under
+  // it bit for bit, which it would not if the copy not written had drifted from the one written,
+  // and on 1 rank within the bound.
+  const std::vector<std::string> own = {"parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev",
+                                        "parallel.micro_batches=4", "parallel.stage_layers=[1,2,1,0]",
+                                        "parallel.mtp_own_stage=true"};
+  auto with_own = [&](std::vector<std::string> sets) {
+    sets = with(sets);
+    sets.insert(sets.end(), own.begin(), own.end());
+    return sets;
+  };
+  train(2, with_own({"fp8.recipe=off", "train.exit_interval=10", "checkpoint.dir=" + dir + "-own"}));
+  const auto uninterrupted_own = train(2, with_own({"fp8.recipe=off", "checkpoint.dir=" + dir + "-ownall"}));
+  const auto resumed_own = train(2, with_own({"fp8.recipe=off", "checkpoint.dir=" + dir + "-ownagain",
+                                              "checkpoint.resume=" + dir + "-own/step_00000010"}));
+  ASSERT_EQ(resumed_own.size(), 10u);
+  for (const auto& [step, loss] : resumed_own)
+    EXPECT_EQ(loss, uninterrupted_own.at(step)) << "module alone, step " << step << " (bitwise)";
+  const auto own_on_one = train(1, with({"fp8.recipe=off", "checkpoint.dir=" + dir + "-own1",
+                                         "checkpoint.resume=" + dir + "-own/step_00000010"}));
+  ASSERT_EQ(own_on_one.size(), 10u);
+  const double wo = worst(ref_off, own_on_one, 11);
+  std::printf("MLA + MTP saved at step 10 on pp2 dualpipev with the module alone, resumed on 1 rank: steps 11-20 "
+              "within %.2e of the uninterrupted 1-rank run\n", wo);
+  EXPECT_LE(wo, 5e-5);
 }
 
 // The per-tensor recipes under tensor, pipeline and expert parallelism. Their amax is reduced over
@@ -525,6 +560,22 @@ TEST_F(Layouts, CommunicationOfTheLastStepMatchesTheFormulas) {
   const double v0 = 3 * blkv + 4 * Nv * D * 4 + 2 * Nv * k * 8 + 2 * 20 * Nv;  // blocks 0, 3, the module's
   const double v1 = 2 * blkv + 2 * Nv * k * 8;                                  // blocks 1, 2
   EXPECT_EQ(bytes["tp"].second, 4 * Mv * (v0 + v1));
+
+  // The module alone on rank 0's last chunk (parallel.mtp_own_stage, chunks [1, 2, 1, 0]): the
+  // head's final norm, head and loss move to rank 1 (with block 3), and every rank sends its copy
+  // of the head's gradient (V / 2 x D floats: vocabulary 256) to the other once a step.
+  for (const std::string& s : {std::string("parallel.stage_layers=[1,2,1,0]"), std::string("parallel.mtp_own_stage=true"),
+                               "checkpoint.dir=" + dir_->path + "/comm-own"})
+    argv.push_back("--set"), argv.push_back(s);
+  const RunResult r4 = run(argv, 600);
+  ASSERT_EQ(r4.status, 0) << r4.all();
+  bytes = comm_bytes(r4.out);
+  ASSERT_EQ(bytes.size(), 4u) << r4.out;
+  expect_formulas(bytes, "MLA + MTP, DualPipeV, the module alone");
+  EXPECT_EQ(bytes["pp"].second, 4 * Mv * 2 * 2 * Nv * D * 4 + 8 * (2 + 4 * 8) * 8.0 + 8 * 128 * D * 4);
+  const double o0 = 2 * blkv + 3 * Nv * D * 4 + Nv * k * 8 + 20 * Nv;       // block 0, the module's block and head
+  const double o1 = 3 * blkv + Nv * D * 4 + 3 * Nv * k * 8 + 20 * Nv;       // blocks 1-3, the head
+  EXPECT_EQ(bytes["tp"].second, 4 * Mv * (o0 + o1));
 }
 
 // train.activations bf16 (model/moe.h MoeWire; model/transformer.cpp's rounding points), blockwise

@@ -366,6 +366,52 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
   EXPECT_NE(g.out.find("  edp       2.11 GB"), std::string::npos) << g.out;
 }
 
+// The 180K H800-hour target with what fp8moe runs, on the config's model and world: DualPipeV
+// (DeepSeek-V3's schedule, on 16 ranks of 2 chunks) with its F&B ops as pairs, so that each
+// micro-batch's expert exchanges travel behind another's compute; the MTP module alone on rank 0's
+// last chunk and the main head on rank 1's (parallel.mtp_own_stage), so that the two heads' GEMMs
+// (57.6 ms each a micro-batch at 0.40 of the BF16 peak) are not one rank's; and the blocks split so
+// that no rank paces much above the others: ranks 0 and 1 one dense block each (rank 1 also blocks
+// 59 and 60), the V's turn (rank 15) 5 MoE blocks with block 28 recomputed in full to fit, every
+// other rank 4. Every rank fits (the worst, rank 15, 84.15 GB of the H800's 85.47 GB), and the step
+// needs 0.394 of the peaks to meet 180K with fp8moe's communication as it runs: 1.779e5 H800-hours
+// at 0.40. Without the pairs (the exchanges exposed) 2.601e5; without the module alone (rank 0
+// then runs both heads and sets the pace) 2.220e5.
+TEST(Plan, DeepSeekV3UnderDualPipeVWithPairsAndTheModuleAlone) {
+  auto plan_v = [](const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {
+        exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device", "h800",
+        "--tokens", "1e12", "--set", "parallel.pipeline_schedule=dualpipev", "--set",
+        "parallel.stage_layers=[1,1,2,2,2,2,2,2,2,2,2,2,2,2,2,3,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,0]", "--set",
+        "train.recompute_layers=[28]"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return run(argv);
+  };
+  const RunResult r = plan_v({"--set", "parallel.pair_micro_batches=true", "--set", "parallel.mtp_own_stage=true",
+                              "--target-gpu-hours", "180000"});
+  ASSERT_EQ(r.status, 0) << r.all();
+  EXPECT_EQ(r.out.find("WARNING"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("DOES NOT FIT"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("      0  0-0,head+mtp"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("     15  28-30,31-32   8.18 GB   8.18 GB    3.60 GB     2.04 GB        1.70 GB x 33       "
+                       "       6.13 GB   84.15 GB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1.779e+05 h800-hours"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(a) fp8moe's communication exposed (as it runs): efficiency 0.394"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("stage 1 sets the pace: 1.23x"), std::string::npos) << r.out;
+  // The head's two copies: rank 1's gradient to rank 0 and back once a step, 926.68M x 4 bytes, in
+  // pp's bytes beside the V's messages (28.19 GB without it).
+  EXPECT_NE(r.out.find("  pp       31.89 GB"), std::string::npos) << r.out;
+  // The table's pairs column: each stage's total less what its pairs hide.
+  EXPECT_NE(r.out.find("pairs: what the stage's pairs hide of it"), std::string::npos) << r.out;
+  const RunResult exposed = plan_v({"--set", "parallel.mtp_own_stage=true"});
+  ASSERT_EQ(exposed.status, 0) << exposed.all();
+  EXPECT_NE(exposed.out.find("2.601e+05 h800-hours"), std::string::npos) << exposed.out;
+  const RunResult both_heads = plan_v({"--set", "parallel.pair_micro_batches=true"});
+  ASSERT_EQ(both_heads.status, 0) << both_heads.all();
+  EXPECT_NE(both_heads.out.find("2.22e+05 h800-hours"), std::string::npos) << both_heads.out;
+  EXPECT_NE(both_heads.out.find("stage 0 sets the pace"), std::string::npos) << both_heads.out;
+}
+
 TEST(Plan, BadInputExitsTwo) {
   const std::string tiny = source_dir() + "/configs/tiny.yaml";
   for (const std::vector<std::string>& argv : std::vector<std::vector<std::string>>{

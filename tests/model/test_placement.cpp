@@ -192,6 +192,93 @@ TEST(Placement, ALastStageOfTheHeadAlone) {
   }
 }
 
+// parallel.mtp_own_stage (GridPosition::mtp_alone): the modules alone on the last chunk (no block),
+// the main head on the chunk of the last block. The head stage holds the final norm and the head;
+// the last stage the modules and a tied copy of the head (not the final norm). Under 1F1B the
+// stages P - 2 and P - 1; under DualPipeV rank 1's back chunk and rank 0's.
+TEST(Placement, TheModulesAloneOnTheLastChunkTheHeadBeforeIt) {
+  ModelConfig m = model();
+  m.mtp_depth = 1;
+  const ParamTable table = build_param_table(m);
+  struct Case {
+    bool v;
+    int stages;
+    std::vector<int> split;
+    int head, last;  // the ranks
+  };
+  for (const Case& k : {Case{false, 3, {2, m.n_layers - 2, 0}, 1, 2}, Case{true, 2, {1, 1, m.n_layers - 2, 0}, 1, 0}}) {
+    for (int s = 0; s < k.stages; ++s) {
+      const Placement pl(m, {.stage = s, .stages = k.stages, .split = k.split, .v_shape = k.v, .mtp_alone = true});
+      SCOPED_TRACE((k.v ? "dualpipev rank " : "1f1b stage ") + std::to_string(s));
+      EXPECT_EQ(pl.head_rank(), k.head);
+      EXPECT_EQ(pl.last_rank(), k.last);
+      EXPECT_EQ(pl.head_stage(), s == k.head);
+      EXPECT_EQ(pl.last_stage(), s == k.last);
+      const int back = pl.chunks() - 1;
+      EXPECT_EQ(pl.chunk_head(back), s == k.head);
+      EXPECT_FALSE(pl.chunk_head(back) && pl.chunk_last(back));
+      if (s == k.head) EXPECT_EQ(pl.layer_end(back), m.n_layers);  // the last block's chunk
+      for (const ParamSpec& p : table.params) {
+        const bool head = p.name == "head.weight", norm = p.name == "final_norm.weight";
+        const bool module = p.layer >= m.n_layers && !head && !norm;
+        if (head) EXPECT_EQ(pl.shard(p).held(), s == k.head || s == k.last);
+        if (head) EXPECT_EQ(pl.holds_tied_copy(p), s == k.last);
+        if (norm) EXPECT_EQ(pl.shard(p).held(), s == k.head);
+        if (module) EXPECT_EQ(pl.shard(p).held(), s == k.last) << p.name;
+        if (!head) EXPECT_FALSE(pl.holds_tied_copy(p)) << p.name;
+      }
+    }
+  }
+  // Without it the last chunk runs the head too, and nothing is a copy.
+  const Placement one(m, {.stage = 2, .stages = 3, .split = {2, m.n_layers - 2, 0}});
+  EXPECT_TRUE(one.chunk_head(0) && one.chunk_last(0));
+  for (const ParamSpec& p : table.params) EXPECT_FALSE(one.holds_tied_copy(p)) << p.name;
+}
+
+// The balanced split with the modules alone: the last stage (chunk) holds no block and carries the
+// modules' cost only, the stage before it (DualPipeV: rank 1) the main head's; the split's most
+// expensive stage (rank) costs what the best of every composition with an empty last part costs.
+TEST(Placement, BalancedSplitWithTheModulesAlone) {
+  ModelConfig m = model();
+  m.n_layers = 7, m.mtp_depth = 1, m.vocab_size = 4096;
+  const int64_t T = 16;
+  const LayerCosts c = layer_costs(m, T);
+  EXPECT_EQ(c.head, 2.0 * m.vocab_size * m.d_model);
+  const double mods = c.last - c.head;
+  for (const bool v : {false, true})
+    for (int P = 2; P <= (v ? 3 : 5); ++P) {
+      SCOPED_TRACE(std::string(v ? "dualpipev" : "1f1b") + " P " + std::to_string(P));
+      const int parts = v ? 2 * P : P;
+      auto worst = [&](const std::vector<int>& counts) {
+        std::vector<double> rank(size_t(P), 0);
+        for (int q = 0, l = 0; q < parts; ++q) {
+          const size_t r = size_t(v ? (q < P ? q : 2 * P - 1 - q) : q);
+          for (int i = 0; i < counts[size_t(q)]; ++i) rank[r] += c.block[size_t(l++)];
+        }
+        rank[size_t(v ? 0 : P - 1)] += mods, rank[size_t(v ? 1 : P - 2)] += c.head;
+        return *std::max_element(rank.begin(), rank.end());
+      };
+      double best = -1;
+      std::vector<int> counts(size_t(parts), 0);
+      std::function<void(int, int)> visit = [&](int q, int left) {
+        if (q == parts - 1) {
+          if (left != 0) return;
+          counts[size_t(q)] = 0;
+          const double w = worst(counts);
+          if (best < 0 || w < best) best = w;
+          return;
+        }
+        for (int n = 1; n <= left - (parts - 2 - q); ++n) counts[size_t(q)] = n, visit(q + 1, left - n);
+      };
+      visit(0, m.n_layers);
+      const std::vector<int> got = stage_split(m, {StageSplit::balanced, {}}, parts, T, v, true);
+      ASSERT_EQ(got.size(), size_t(parts));
+      EXPECT_EQ(got.back(), 0);
+      EXPECT_EQ(std::accumulate(got.begin(), got.end(), 0), m.n_layers);
+      EXPECT_EQ(worst(got), best);
+    }
+}
+
 TEST(Placement, ExpertsAreConsecutiveRunsOfEOverPAndTheOwnerAgrees) {
   const ModelConfig m = model();
   for (int P : {1, 2, 4, 8})
