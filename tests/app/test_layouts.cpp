@@ -254,8 +254,12 @@ TEST_F(Layouts, ZeroBubbleScheduleIsOneFOneBBitwise) {
       {"tp2 x pp2 x ep2 (dp2)", 8,
        {"parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2", "fp8.recipe=blockwise"}},
       {"pp2 x ep2 (dp2) MLA + MTP", 4, {"parallel.pipeline=2", "parallel.expert=2", "fp8.recipe=blockwise"}},
+      // the module alone on stage 1 (parallel.mtp_own_stage): its W and the head's on two stages
+      {"pp2 [4, 0] MLA + MTP, module alone", 2,
+       {"parallel.pipeline=2", "parallel.stage_layers=[4,0]", "parallel.mtp_own_stage=true", "fp8.recipe=blockwise"}},
   };
-  cases.back().sets.insert(cases.back().sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
+  for (const size_t i : {cases.size() - 2, cases.size() - 1})
+    cases[i].sets.insert(cases[i].sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
   expect_same_bits(cases, "parallel.pipeline_schedule", "1f1b", "zb1p");
 }
 
@@ -277,8 +281,11 @@ TEST_F(Layouts, PairedMicroBatchesAreOneFOneBBitwise) {
         "fp8.recipe=off"}},
       {"ep2 x edp2 zb1p MLA+MTP bf16", 4,
        {"parallel.expert=2", "fp8.recipe=blockwise", "train.activations=bf16", "parallel.pipeline_schedule=zb1p"}},
+      {"pp2 x ep2 dualpipev MLA+MTP, module alone", 4,
+       {"parallel.pipeline=2", "parallel.expert=2", "parallel.pipeline_schedule=dualpipev", "parallel.micro_batches=4",
+        "parallel.stage_layers=[1,2,1,0]", "parallel.mtp_own_stage=true", "fp8.recipe=blockwise"}},
   };
-  for (const size_t i : {cases.size() - 2, cases.size() - 1})
+  for (const size_t i : {cases.size() - 3, cases.size() - 2, cases.size() - 1})
     cases[i].sets.insert(cases[i].sets.end(), kLatentAttentionAndMtp.begin(), kLatentAttentionAndMtp.end());
   expect_same_bits(cases, "parallel.pair_micro_batches", "false", "true");
 }
