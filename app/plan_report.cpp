@@ -57,14 +57,17 @@ std::string seconds_text(double s) {
 }
 
 // A stage's blocks as the tables name them: "5-8", "57-60+mtp", "head+mtp" (the head and the
-// modules alone); DualPipeV's two chunks "0-0,head+mtp".
+// modules alone); DualPipeV's two chunks "0-0,head+mtp". parallel.mtp_own_stage: "56-59+head" (the
+// head with the last block), "mtp" (the modules alone), "1-1,59-60+head" and "0-0,mtp".
 std::string stage_blocks_text(const StageMemory& s) {
   auto range = [](int b, int e) { return std::to_string(b) + "-" + std::to_string(e - 1); };
-  const std::string mtp = s.mtp_blocks ? "+mtp" : "";
-  if (s.v_shape)  // the V's way down and its way back (possibly empty: the head alone)
-    return range(s.layer_begin, s.layer_end) + "," + (s.layer_end2 > s.layer_begin2 ? range(s.layer_begin2, s.layer_end2) : "head") + mtp;
-  if (s.layer_end > s.layer_begin) return range(s.layer_begin, s.layer_end) + mtp;
-  return "head" + mtp;  // (a last stage of the head and the modules only)
+  const std::string mtp = s.mtp_blocks ? "+mtp" : "", head = s.head && !s.last ? "+head" : "";
+  const std::string alone = s.head ? "head" + mtp : "mtp";  // a last chunk of no block
+  if (s.v_shape)  // the V's way down and its way back (possibly empty)
+    return range(s.layer_begin, s.layer_end) + "," +
+           (s.layer_end2 > s.layer_begin2 ? range(s.layer_begin2, s.layer_end2) + head + mtp : alone);
+  if (s.layer_end > s.layer_begin) return range(s.layer_begin, s.layer_end) + head + mtp;
+  return alone;
 }
 
 void print_memory_table(const Plan& p, const Device& d, double baseline) {
@@ -292,9 +295,9 @@ void print_measured_step(const PlanReport& rep) {
     // Several ranks: the pace stage's blocks at the probes' times, its messages at the memory
     // bandwidth (ranks of one machine).
     const std::string head =
-        p.mem[size_t(r.pace_stage)].last
+        p.mem[size_t(r.pace_stage)].head
             ? std::string(", with the work outside the blocks (embedding, head, loss: all of it on the head's stage)") +
-                  (c.model.mtp_depth > 0 ? " and the modules" : "")
+                  (c.model.mtp_depth > 0 && p.mem[size_t(r.pace_stage)].last ? " and the modules" : "")
             : "";
     const std::string shards =
         L.tensor > 1 ? ", a tensor-parallel rank's shards: 1/" + std::to_string(L.tensor) +

@@ -168,7 +168,8 @@ void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* loca
   if (local) local->waited_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-int64_t StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag) {
+int64_t StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag,
+                          bool copy) {
   const int64_t n = act_ + n_extra, k = sends_++;
   if (bf16_wire_) {
     keep = Tensor(be_, DType::bf16, {n});
@@ -177,13 +178,13 @@ int64_t StageRunner::send(Tensor& keep, const float* a, const float* extra, int6
     g_.pipe->isend(static_cast<const float*>(keep.raw()), n / 2, peer, tag);
     return k;
   }
-  if (n_extra == 0) {  // the activation itself, no copy
+  if (n_extra == 0 && !copy) {  // the activation itself, no copy
     g_.pipe->isend(a, act_, peer, tag);
     return k;
   }
   keep = Tensor(be_, DType::f32, {n});
   be_.copy(keep.f32(), a, size_t(act_) * sizeof(float));
-  be_.copy(keep.f32() + act_, extra, size_t(n_extra) * sizeof(float));
+  if (n_extra > 0) be_.copy(keep.f32() + act_, extra, size_t(n_extra) * sizeof(float));
   g_.pipe->isend(keep.f32(), n, peer, tag);
   return k;
 }
@@ -328,8 +329,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   tie_head();
 }
 
-// parallel.mtp_own_stage: the head's two tied copies' gradients summed, once both are final (the
-// pipeline's messages all delivered), then the data-parallel reduction of the rest posted.
+// Once both gradients of the tied head are final (the pipeline's messages all delivered).
 void StageRunner::tie_head() {
   if (!tied_) return;
   model_.tie_head_gradient();  // (the pipeline group's send and receive, traced as its others)
@@ -340,7 +340,8 @@ void StageRunner::tie_head() {
 // V's way down: from rank r - 1 to r + 1), phase 1 its chunk 1 (the way back: from r + 1 to
 // r - 1). Rank P - 1 turns the V: its phase-1 forward reads its own phase-0 output, its phase-0
 // backward its own phase-1 input gradient; rank 0 embeds (phase 0) and ends the model (phase 1:
-// the head, the loss and the multi-token prediction modules, whose embeddings stay on the rank).
+// the head, the loss and the multi-token prediction modules, whose embeddings stay on the rank;
+// with parallel.mtp_own_stage the modules alone, the head and the loss on rank 1's phase 1).
 // The ops are dualpipev_as_run's: an F&B its backward, then its forward (not overlapped), every
 // backward whole (the weight gradient not split from it) and no weight op.
 void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
@@ -365,11 +366,13 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     recv(buf.f32(), act_, from, tag(mb, phase, back), local);
     return buf.f32();
   };
+  // (The head's chunk before the modules' sends its hf, which its backward frees: a copy.)
   auto give = [&](const float* a, int phase, int mb, bool back) {
     const int to = r + way(phase, back);
     if (to < 0 || to >= P) return;
     const size_t slot = size_t(tag(mb, phase, back));
-    releaser.sending(send(sent[slot], a, nullptr, 0, to, tag(mb, phase, back)), size_t(phase * M + mb), slot);
+    const bool hf = !back && model_.placement().chunk_head(phase) && !model_.placement().chunk_last(phase);
+    releaser.sending(send(sent[slot], a, nullptr, 0, to, tag(mb, phase, back), hf), size_t(phase * M + mb), slot);
   };
   // An op's input: received from its peer, or this rank's own at the V's ends.
   auto forward_input = [&](int phase, int mb) {
@@ -434,7 +437,7 @@ StepTotals StageRunner::finish_step(const double* grad_sq) {
   be_.download(sq, grad_sq, sizeof(double));
   be_.sync();  // the step's one synchronisation
 
-  // Each micro-batch's loss as the model defines it (model/transformer.h, StepResult): the last
+  // Each micro-batch's loss as the model defines it (model/transformer.h, StepResult): the head
   // stage's mean cross-entropy plus the weighted aux losses of this stage's MoE layers.
   double loss_sum = 0, mtp_sum = 0, fp8[2] = {double(counts[0]), double(counts[1])};
   for (int mb = 0; mb < M; ++mb) {
@@ -452,7 +455,7 @@ StepTotals StageRunner::finish_step(const double* grad_sq) {
   }
   g_.data_host->allreduce_sum(&mtp_sum, 1);
   g_.pipe_host->allreduce_sum(&mtp_sum, 1);
-  // The loss (last stage; aux losses from every stage) and expert loads: summed over the replicas
+  // The loss (the head stage's; aux losses from every stage) and expert loads: summed over the replicas
   // and the stages; FP8 counts and the gradient norm over every rank.
   StepTotals t;
   g_.data_host->allreduce_sum(&loss_sum, 1);

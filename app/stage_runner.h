@@ -90,11 +90,14 @@ class StageRunner {
   void recv(float* buf, int64_t n, int peer, int tag, StepLocal* local);
   // The non-blocking send of a (act_ values) and, with multi-token prediction, extra (depth_ x act_)
   // to `peer`, built into `keep` where it is not `a` itself (BF16, or the two parts in one message);
-  // keep stays alive until the send is complete.
+  // keep stays alive until the send is complete. copy: into keep even where it could be `a` (a
+  // that the sender frees before the send may be complete: the head chunk's hf).
   // Returns the send's number since the last wait_sends() (Communicator::send_complete's k).
-  int64_t send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag);
-  void wait_sends();
-  void tie_head();  // the pipeline's, and the count of sends since
+  int64_t send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag, bool copy = false);
+  void wait_sends();  // the pipeline's, and the count of sends since
+  // parallel.mtp_own_stage: the tied head's gradient to the head stage (Transformer::
+  // tie_head_gradient), then the data-parallel reduction of the rest posted.
+  void tie_head();
   // train_step's DualPipeV order (parallel.pipeline_schedule dualpipev), once the batches are up.
   void train_step_v(float loss_scale, StepLocal* local);
   void count_loads(const StepResult& r, StepLocal* local);

@@ -241,7 +241,10 @@ class TrainLoop {
       t_.opt.grad_sq(model.store(), unscale, norm_mask_, grad_sq_.data<double>());
       d.totals = runner_.finish_step(grad_sq_.data<double>());  // the step's host synchronisation
       d.opt = t_.opt.step(model.store(), step, d.totals.grad_sq, unscale);
-      if (!d.opt.skipped) t_.sync.gather_weights(model.store());
+      if (!d.opt.skipped) {
+        t_.sync.gather_weights(model.store());
+        model.share_tied_head();  // parallel.mtp_own_stage: the head stage's weight to the modules' copy
+      }
     }
     // Communication the step's compute did not hide: this rank's time blocked in collectives and
     // waits, less its pipeline receives (the bubble, reported apart).

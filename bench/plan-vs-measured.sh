@@ -101,6 +101,9 @@ if [ "$(nproc)" -ge 2 ]; then
   run_case tiny-ep2 2 $n_small "$here/configs/tiny.yaml" --set parallel.tensor=1 --set parallel.pipeline=1
   run_case tiny-dp2 2 $n_small "$here/configs/tiny.yaml" "${one[@]}"
   run_case tiny-v3-pp2 2 $n_small "$here/configs/tiny-v3.yaml" "${one[@]}" --set parallel.pipeline=2
+  # the MTP module alone on stage 1, the head with the blocks on stage 0 (parallel.mtp_own_stage)
+  run_case tiny-v3-own 2 $n_small "$here/configs/tiny-v3.yaml" "${one[@]}" --set parallel.pipeline=2 \
+    --set "parallel.stage_layers=[4,0]" --set parallel.mtp_own_stage=true
   run_case tiny-tp2 2 $n_small "$here/configs/tiny.yaml" --set parallel.pipeline=1 --set parallel.expert=1
   run_case tiny-v3-tp2 2 $n_small "$here/configs/tiny-v3.yaml" --set parallel.pipeline=1 --set parallel.expert=1
   for schedule in zb1p dualpipev; do

@@ -167,9 +167,9 @@ const std::vector<Field>& schema() {
                         "The multi-token prediction modules on the last pipeline stage alone (dualpipev: the last "
                         "chunk, on rank 0), which then holds no block; the main model's final norm, head and loss "
                         "run on the stage (chunk) of the last block, so that the two heads' GEMMs are on two "
-                        "ranks. Both hold the head's weight, tied: their gradients are summed between the two "
-                        "before the data-parallel reduction (as Megatron ties the embedding of its first and "
-                        "last stages). Needs model.mtp_depth >= 1 and, on several stages, the last stage (chunk) "
+                        "ranks. Both hold the head's weight, tied: the modules' stage sends its gradient to the "
+                        "head's stage, which adds it before the data-parallel reduction, and after the "
+                        "optimizer's step the head's stage sends its weight back to replace the copy. Needs model.mtp_depth >= 1 and, on several stages, the last stage (chunk) "
                         "holding no block (parallel.stage_layers: balanced, or a list ending in 0); on one stage "
                         "it changes nothing."));
     v.push_back(integer("parallel.expert", REF(parallel.expert), 1, 1 << 16,

@@ -146,6 +146,10 @@ FP8MOE_HD inline uint16_t bf16_encode(float x) {
   return uint16_t(u >> 16);
 }
 FP8MOE_HD inline float bf16_decode(uint16_t b) { return bits_float(uint32_t(b) << 16); }
+// An activation element as kept (train.activations): FP32 itself, or BF16 bits widened (exact). The
+// ops that read either form are written once over both.
+FP8MOE_HD inline float kept_value(float x) { return x; }
+FP8MOE_HD inline float kept_value(uint16_t bf16) { return bf16_decode(bf16); }
 
 // BF16 (raw bits) -> FP8: a BF16 value is exactly the FP32 value with the low 16 bits zero.
 FP8MOE_HD inline uint8_t fp8_encode_bf16(uint16_t bf16, Fp8Dtype f, bool saturate) {

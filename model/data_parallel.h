@@ -108,8 +108,8 @@ class ReplicaSync {
   // data, expert_data: on the store's backend memory. tensor_rank: replicated parameters
   // (TpSplit::none) count in the norm on tensor rank 0 only. Collective-free.
   // copies (empty: none): per parameter, whether this rank holds it as a tied copy of another
-  // rank's (model/placement.h holds_tied_copy): updated here as there, neither written nor
-  // counted in the norm here.
+  // rank's (model/placement.h holds_tied_copy; the holder's weight replaces it after each step):
+  // neither written nor counted in the norm here.
   ReplicaSync(const ParamStore& store, Communicator& data, Communicator& expert_data, int tensor_rank, bool zero,
               ReduceDtype reduce, bool overlap = false, std::vector<bool> copies = {});
   bool zero() const { return dense_.zero(); }

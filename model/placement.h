@@ -1,6 +1,7 @@
 // Where the model's pieces live on the process grid, answered in one place (docs/ARCHITECTURE.md,
 // "Placement"). From a rank's position in its model-parallel groups and the model config:
-//   pipeline   which blocks a stage runs (the embedding on the first stage, the head on the last);
+//   pipeline   which blocks a stage runs (the embedding on the first stage, the head on the last,
+//              or with parallel.mtp_own_stage on the one before it);
 //   experts    which routed experts an expert-parallel rank holds, and who holds a given one;
 //   tensor     which block of every parameter a tensor-parallel rank holds, and the model's widths
 //              on that rank;
@@ -44,7 +45,8 @@ std::pair<int, int> stage_layers(int n_layers, int stage, int stages);
 // block's GEMMs (the routed experts at top_k of n_experts, the router included) and attention core
 // at sequence length T (causal: T / 2 keys a query on average); `last`: what the last stage runs
 // besides its blocks (the head, for the model and each multi-token prediction module, and the
-// modules themselves, eh_proj and block). The embedding is a lookup: no work counted.
+// modules themselves, eh_proj and block; `head`: of it, the main model's head). The embedding is
+// a lookup: no work counted.
 struct LayerCosts {
   std::vector<double> block;
   double last = 0;
@@ -108,8 +110,9 @@ class Placement {
   bool last_stage() const { return at_.v_shape ? at_.stage == 0 : at_.stage == at_.stages - 1; }
   bool head_stage() const { return chunk_head(0) || chunk_head(chunks() - 1); }
   // mtp_alone: the last stage holds a copy of the head's weight for the modules' heads, tied to the
-  // head stage's (their gradients summed between the two: Transformer::tie_head_gradient). The
-  // copy is not written to checkpoints nor counted in the gradient norm: the head stage's is.
+  // head stage's (its gradient added to the head stage's, the head stage's weight replacing it
+  // after each step: Transformer::tie_head_gradient, share_tied_head). The copy is not written to
+  // checkpoints nor counted in the gradient norm: the head stage's is.
   bool mtp_alone() const { return at_.mtp_alone; }
   // The pipeline ranks of the last chunk and of the head's chunk (the same one without mtp_alone).
   int last_rank() const { return at_.v_shape ? 0 : at_.stages - 1; }

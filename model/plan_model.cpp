@@ -253,8 +253,8 @@ PlanLayout plan_layout(const Config& c, int world) {
 // pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one (not
 //     the first); with mtp_depth modules every message also carries their depth x N x D
 //     embeddings (forward) or gradient (backward), from the first stage to the last and back.
-//     parallel.mtp_own_stage: once a step the head stage and the last stage send each other their
-//     head weight's gradient, V / T x D floats.
+//     parallel.mtp_own_stage: once a step the last stage sends the head stage its gradient of the
+//     head's weight and the head stage its updated weight back, V / T x D floats each.
 // mtp the modules' blocks count in L_s and the MoE layers of the last stage; tp adds per module an
 //     all-reduce of N x D on the first stage (its embedding) and N x D plus 20 N bytes on the last
 //     (its head's input gradient, its cross-entropy); the main head's (N x D and 20 N) are the head
@@ -510,6 +510,7 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
       }
       if (last) {
         if (depth > 0 && !first) saved += depth * N * D * kF32;          // the received embeddings
+        if (depth > 0 && head && c.train.activations == ActivationDtype::bf16) saved += N * D * kF32;  // hf rounded
         for (int k = 0; k < g.mtp_depth; ++k) {
           const int l = g.n_layers + k;
           // rstd_e, rstd_h, cat (N, 2D), out, hf, rstd_f, dlogits; the block (its input x included)

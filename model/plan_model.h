@@ -39,8 +39,9 @@ struct CommShape {
   double micro_batches = 1;
   bool first = true, last = true;  // this rank's stage: the embedding, the head
   // parallel.mtp_own_stage: the head (final norm, head, loss) on the stage before the last (`head`:
-  // this rank's), the modules alone on the last; both send their head weight's gradient to the
-  // other once a step (V_local x D floats).
+  // this rank's), the modules alone on the last; once a step the last sends its gradient of the
+  // head's weight to the head stage and the head stage its updated weight back (V_local x D floats
+  // each).
   bool mtp_alone = false, head = false;
   int layer_begin = 0, layer_end = 0;
   // DualPipeV (parallel.pipeline_schedule): the rank's second chunk [layer_begin2, layer_end2) (the

@@ -196,12 +196,17 @@ class Transformer {
   void stage_backward(StageRun& run, const float* dy, const float* d_mtp = nullptr,
                       const std::function<void(int)>& after_block = {}, StageWeights* weights = nullptr);
 
-  // parallel.mtp_own_stage: on the head stage and the last stage (which hold the head's weight,
-  // tied), each one's gradient of it summed with the other's over the pipeline group (both then
-  // hold the same bits: a + b = b + a). Once a step, after the stage's last backward or weight op,
-  // before the data-parallel reduction of the head (post_rest, reduce_gradients). Elsewhere,
-  // nothing. Returns the FP32 values sent (the communication accounting's).
+  // parallel.mtp_own_stage: the head stage and the last stage hold the head's weight, tied. Once
+  // a step, after the stage's last backward or weight op and before the data-parallel reduction
+  // of the head (post_rest, reduce_gradients), the last stage sends its gradient of it (the
+  // modules' heads') to the head stage, which adds it to its own (the main head's): the head
+  // stage's is the whole gradient, which its replicas reduce and its optimizer applies. After the
+  // optimizer's step (and ZeRO-1's gather), share_tied_head sends the head stage's updated weight
+  // to the last stage, whose copy it replaces: the two stay the same bits whatever their
+  // data-parallel reductions' orders (the copy's own update is discarded). Elsewhere, nothing.
+  // Each returns the FP32 values this rank sent (the communication accounting's).
   int64_t tie_head_gradient();
+  int64_t share_tied_head();
   // Per parameter: whether this rank holds it as a tied copy (model/placement.h holds_tied_copy).
   std::vector<bool> tied_copies() const;
 

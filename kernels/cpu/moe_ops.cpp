@@ -16,10 +16,6 @@ void permute(const float* x, const int64_t* row_token, int64_t R, int64_t D, flo
 
 namespace {
 
-// A row's value as FP32: itself, or a BF16 row's widened (exactly).
-inline float row_value(const float* rows, int64_t i) { return rows[i]; }
-inline float row_value(const uint16_t* rows, int64_t i) { return bf16_decode(rows[i]); }
-
 template <class Row>
 void unpermute_add_rows(const RoutingBuffers& r, int64_t R, const Row* rows, int64_t D, bool gated, float* out) {
   // Serial over rows: a token's k rows add into the same output row (deterministic order).
@@ -29,9 +25,9 @@ void unpermute_add_rows(const RoutingBuffers& r, int64_t R, const Row* rows, int
     float* o = out + n * D;
     if (gated) {
       const float g = r.gate[n * r.k + r.row_slot[i]];
-      for (int64_t d = 0; d < D; ++d) o[d] += g * row_value(row, d);
+      for (int64_t d = 0; d < D; ++d) o[d] += g * kept_value(row[d]);
     } else {
-      for (int64_t d = 0; d < D; ++d) o[d] += row_value(row, d);
+      for (int64_t d = 0; d < D; ++d) o[d] += kept_value(row[d]);
     }
   }
 }
@@ -49,7 +45,7 @@ void gate_grad_rows(const RoutingBuffers& r, int64_t R, const float* dout, const
     double dg = 0;
     for (int64_t d = 0; d < D; ++d) {
       dye[i * D + d] = r.gate[slot] * dout[n * D + d];
-      dg += double(dout[n * D + d]) * double(row_value(eo, d));
+      dg += double(dout[n * D + d]) * double(kept_value(eo[d]));
     }
     dgate[slot] = dg;
   }

@@ -38,10 +38,6 @@ __global__ void permute_bf16_kernel(const float* __restrict__ x, const int64_t* 
   FP8MOE_GRID_STRIDE(e, R * D) rows[e] = bf16_encode(x[row_token[e / D] * D + e % D]);
 }
 
-// A row's value as FP32: itself, or a BF16 row's widened (exactly).
-__device__ inline float row_value(const float* rows, int64_t i) { return rows[i]; }
-__device__ inline float row_value(const uint16_t* rows, int64_t i) { return bf16_decode(rows[i]); }
-
 // One thread per output element: the token's kept slots in increasing row order (k passes, each
 // taking the smallest row above the last one).
 template <class Row>
@@ -59,7 +55,7 @@ __global__ void unpermute_kernel(const Row* __restrict__ rows, const int32_t* __
         if (r > last && r < next) next = r, slot = j;
       }
       if (slot < 0) break;
-      const float v = row_value(rows, next * D + d);
+      const float v = kept_value(rows[next * D + d]);
       acc = add_rn(acc, gated ? mul_rn(gate[n * k + slot], v) : v);
       last = next;
     }
@@ -82,7 +78,7 @@ __global__ void gate_grad_kernel(const int64_t* __restrict__ row_token, const in
   for (int64_t d = lane; d < D; d += kWarpThreads) {
     const float o = dout[n * D + d];
     dye[i * D + d] = mul_rn(g, o);
-    dg = __dadd_rn(dg, __dmul_rn(double(o), double(row_value(expert_out, i * D + d))));
+    dg = __dadd_rn(dg, __dmul_rn(double(o), double(kept_value(expert_out[i * D + d]))));
   }
   dg = warp_reduce(dg, SumOp{});
   if (lane == 0) dgate[slot] = dg;

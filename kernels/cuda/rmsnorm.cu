@@ -17,9 +17,7 @@
 namespace fp8moe::cuda {
 namespace {
 
-// T: float, or uint16_t (BF16 bits, widened exactly: kernels/fp8.h bf16_decode).
-__device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ float load(uint16_t x) { return bf16_decode(x); }
+// T: float, or uint16_t (BF16 bits), read as kernels/fp8.h kept_value widens them.
 
 template <class T>
 __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w, int64_t D, float eps,
@@ -28,14 +26,14 @@ __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restr
   const T* xr = x + n * D;
   double ss = 0;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    const double v = load(xr[d]);
+    const double v = kept_value(xr[d]);
     ss = dadd_rn(ss, dmul_rn(v, v));
   }
   ss = block_reduce(ss, SumOp{}, 0.0);
   // NOTE: double division and square root are IEEE round-to-nearest on the device, as on the host.
   const float r = float(1.0 / sqrt(ss / double(D) + double(eps)));
   if (threadIdx.x == 0) rstd[n] = r;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) y[n * D + d] = mul_rn(mul_rn(load(xr[d]), r), w[d]);
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) y[n * D + d] = mul_rn(mul_rn(kept_value(xr[d]), r), w[d]);
 }
 
 // dx = r (w dy) - x r^3 / D * sum(w dy x), in double as the CPU.
@@ -49,11 +47,11 @@ __global__ void rmsnorm_bwd_dx_kernel(const T* __restrict__ x, const float* __re
   const double r = rstd[n];
   double dot = 0;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
-    dot = dadd_rn(dot, dmul_rn(dmul_rn(double(w[d]), double(g[d])), double(load(xr[d]))));
+    dot = dadd_rn(dot, dmul_rn(dmul_rn(double(w[d]), double(g[d])), double(kept_value(xr[d]))));
   dot = block_reduce(dot, SumOp{}, 0.0);
   const double c = dmul_rn(dmul_rn(dmul_rn(dot, r), r), r) / double(D);
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
-    dx[n * D + d] = float(__dsub_rn(dmul_rn(dmul_rn(r, double(w[d])), double(g[d])), dmul_rn(c, double(load(xr[d])))));
+    dx[n * D + d] = float(__dsub_rn(dmul_rn(dmul_rn(r, double(w[d])), double(g[d])), dmul_rn(c, double(kept_value(xr[d])))));
 }
 
 // part[c D + d] = the chunk c's tokens in order, from 0 (grid: column blocks x chunks).
@@ -66,7 +64,7 @@ __global__ void rmsnorm_dw_partial_kernel(const T* __restrict__ x, const float* 
   const int64_t end = (c + 1) * kRmsNormDwChunk < N ? (c + 1) * kRmsNormDwChunk : N;
   float acc = 0.0f;
   for (int64_t n = c * kRmsNormDwChunk; n < end; ++n)
-    acc = add_rn(acc, mul_rn(mul_rn(dy[n * D + d], load(x[n * D + d])), rstd[n]));
+    acc = add_rn(acc, mul_rn(mul_rn(dy[n * D + d], kept_value(x[n * D + d])), rstd[n]));
   part[c * D + d] = acc;
 }
 

@@ -13,9 +13,7 @@
 namespace fp8moe::cuda {
 namespace {
 
-// T: float, or uint16_t (BF16 bits, widened exactly: kernels/fp8.h bf16_decode).
-__device__ __forceinline__ float load(float x) { return x; }
-__device__ __forceinline__ float load(uint16_t x) { return bf16_decode(x); }
+// T: float, or uint16_t (BF16 bits), read as kernels/fp8.h kept_value widens them.
 
 // Element i of the contiguous (rows, cols) y / dy is (i / cols, i % cols) of the strided a, b.
 template <class T>
@@ -23,7 +21,7 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ a, const T* __restri
                                       float* __restrict__ y, int64_t n, int64_t cols) {
   FP8MOE_GRID_STRIDE(i, n) {
     const int64_t j = (i / cols) * ld + i % cols;
-    y[i] = swiglu_forward_elem(load(a[j]), load(b[j]));
+    y[i] = swiglu_forward_elem(kept_value(a[j]), kept_value(b[j]));
   }
 }
 
@@ -33,7 +31,7 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ a, const T* __restr
                                        float* __restrict__ db, int64_t n, int64_t cols) {
   FP8MOE_GRID_STRIDE(i, n) {
     const int64_t j = (i / cols) * ld + i % cols;
-    swiglu_backward_elem(load(a[j]), load(b[j]), dy[i], &da[j], &db[j]);
+    swiglu_backward_elem(kept_value(a[j]), kept_value(b[j]), dy[i], &da[j], &db[j]);
   }
 }
 
@@ -43,8 +41,8 @@ __global__ void swiglu_gated_forward_kernel(const T* __restrict__ a, const T* __
                                             int64_t cols) {
   FP8MOE_GRID_STRIDE(i, n) {
     const int64_t r = i / cols, j = r * ld + i % cols;
-    const float x = load(a[j]);
-    y[i] = swiglu_gated_forward_elem(x, load(b[j]), sigmoidf_(x), gate[r]);
+    const float x = kept_value(a[j]);
+    y[i] = swiglu_gated_forward_elem(x, kept_value(b[j]), sigmoidf_(x), gate[r]);
   }
 }
 
@@ -61,7 +59,7 @@ __global__ void swiglu_gated_backward_kernel(const T* __restrict__ a, const T* _
   double dg = 0;
   for (int64_t c = lane; c < cols; c += kWarpThreads) {
     const int64_t j = r * ld + c;
-    const float x = load(a[j]), y = load(b[j]);
+    const float x = kept_value(a[j]), y = kept_value(b[j]);
     const float s = sigmoidf_(x), d = dy[r * cols + c];
     dg += double(d) * double(swiglu_forward_elem(x, y, s));
     swiglu_backward_elem(x, y, g * d, s, &da[j], &db[j]);

@@ -528,7 +528,9 @@ def forward(p, m, lin_for, tokens, B, T, routing=None):
         pre = f"mtp.{d}."
         ahead = shift(tokens.reshape(B, T), d + 1, 0).reshape(N)
         e = rmsnorm(stream(p["embed.weight"][ahead]), p[pre + "enorm.weight"][0], m["norm_eps"])
-        hn = rmsnorm(h, p[pre + "hnorm.weight"][0], m["norm_eps"])
+        # (The first module reads the head's hf rounded under BF16 activations, and its gradient
+        # of it is rounded: as a stage of its own receives and sends them, parallel.mtp_own_stage.)
+        hn = rmsnorm(stream(h) if d == 0 else h, p[pre + "hnorm.weight"][0], m["norm_eps"])
         h = rmsnorm(block(lin_for.hp(jnp.concatenate([e, hn], axis=-1), p[pre + "eh_proj"]), pre, False),
                     p[pre + "norm.weight"][0], m["norm_eps"])
         mtp_logits.append(lin_for.hp(h, p["head.weight"]))
