@@ -510,7 +510,6 @@ std::vector<StageMemory> plan_memory(const Config& c, const PlanLayout& L) {
       }
       if (last) {
         if (depth > 0 && !first) saved += depth * N * D * kF32;          // the received embeddings
-        if (depth > 0 && head && c.train.activations == ActivationDtype::bf16) saved += N * D * kF32;  // hf rounded
         for (int k = 0; k < g.mtp_depth; ++k) {
           const int l = g.n_layers + k;
           // rstd_e, rstd_h, cat (N, 2D), out, hf, rstd_f, dlogits; the block (its input x included)

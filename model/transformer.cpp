@@ -16,10 +16,6 @@ struct StageRun::Impl {
   // stage), and the modules' state (last stage).
   const int32_t* mtp_tokens = nullptr;
   Tensor mtp_emb, mtp_demb;
-  // The head's hf as the modules read it under BF16 activations where they run with the head:
-  // rounded, as another chunk would receive it (parallel.mtp_own_stage), so that every layout's
-  // modules read the same values and return the same gradient.
-  Tensor mtp_hf;
   std::vector<MtpSaved> mtp;
   int64_t mtp_n = 0;                 // depth x N x D while the modules run, else 0
   std::vector<Tensor> xs;            // block inputs of this stage, then its output
@@ -283,12 +279,8 @@ void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int6
   }
   const int first_module_moe = m.n_layers - m.first_dense_layers;
   const float* hf = st.runs_head ? st.head.hf.f32() : st.xs.back().f32();  // (mtp_alone: received)
-  if (st.runs_head && ctx_->bf16_activations()) {
-    st.mtp_hf = Tensor(be_, DType::f32, {st.N, m.d_model});
-    be_.copy(st.mtp_hf.f32(), hf, size_t(st.N * m.d_model) * sizeof(float));
-    ctx_->round_activation(st.mtp_hf.f32(), st.N * m.d_model);
-    hf = st.mtp_hf.f32();
-  }
+  const Tensor rounded = modules_hf(st);
+  if (!rounded.empty()) hf = rounded.f32();
   mtp_->forward(st.mtp_emb.f32(), hf, st.B, st.T, *mtp, loss_scale, slots.mtp,
                 slots.aux ? slots.aux + first_module_moe : nullptr, &st.mtp,
                 [&](const Block& block, BlockSaved* s) { finish_block(block, s, &st.result); });
@@ -298,19 +290,24 @@ void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int6
 // next step's: they cannot meet another message.)
 constexpr int kTiedHeadTag = 32767;  // MPI's least MPI_TAG_UB
 
-int64_t Transformer::tie_head_gradient() {
+std::pair<size_t, int64_t> Transformer::tied_head() const {
   const Placement& pl = placement_;
-  if (!pl.mtp_alone() || !groups_.pipeline) return 0;
   const int me = pl.at().stage;
+  if (!pl.mtp_alone() || !groups_.pipeline || (me != pl.head_rank() && me != pl.last_rank())) return {0, 0};
   const size_t i = slot("head.weight");
-  const int64_t n = store_->shard(i).numel();
+  return {i, store_->shard(i).numel()};
+}
+
+int64_t Transformer::tie_head_gradient() {
+  const auto [i, n] = tied_head();
+  if (n == 0) return 0;
+  const Placement& pl = placement_;
   float* g = store_->grad(i);
-  if (me == pl.last_rank()) {
+  if (pl.at().stage == pl.last_rank()) {
     groups_.pipeline->isend(g, n, pl.head_rank(), kTiedHeadTag);
     groups_.pipeline->wait_sends();
     return n;
   }
-  if (me != pl.head_rank()) return 0;
   Tensor theirs(be_, DType::f32, {n});
   groups_.pipeline->recv(theirs.f32(), n, pl.last_rank(), kTiedHeadTag);
   be_.add(g, theirs.f32(), g, n);
@@ -318,17 +315,15 @@ int64_t Transformer::tie_head_gradient() {
 }
 
 int64_t Transformer::share_tied_head() {
+  const auto [i, n] = tied_head();
+  if (n == 0) return 0;
   const Placement& pl = placement_;
-  if (!pl.mtp_alone() || !groups_.pipeline) return 0;
-  const int me = pl.at().stage;
-  const size_t i = slot("head.weight");
-  const int64_t n = store_->shard(i).numel();
-  if (me == pl.head_rank()) {
+  if (pl.at().stage == pl.head_rank()) {
     groups_.pipeline->isend(store_->param(i), n, pl.last_rank(), kTiedHeadTag);
     groups_.pipeline->wait_sends();
     return n;
   }
-  if (me == pl.last_rank()) groups_.pipeline->recv(store_->param(i), n, pl.head_rank(), kTiedHeadTag);
+  groups_.pipeline->recv(store_->param(i), n, pl.head_rank(), kTiedHeadTag);
   return 0;
 }
 
@@ -336,6 +331,19 @@ std::vector<bool> Transformer::tied_copies() const {
   std::vector<bool> c;
   for (const ParamSpec& p : table_.params) c.push_back(placement_.holds_tied_copy(p));
   return c;
+}
+
+// Under BF16 activations, where the modules run with the head: the head's hf rounded to BF16, as
+// the modules would receive it on a stage of their own (parallel.mtp_own_stage), so that they read
+// the same values on every layout (and, in the backward, return their gradient of it rounded).
+// Empty otherwise. A temporary: the forward and the backward each make it from the head's hf.
+Tensor Transformer::modules_hf(const StageRun::Impl& st) const {
+  if (!st.runs_head || !ctx_->bf16_activations()) return {};
+  const int64_t n = st.N * cfg_.model.d_model;
+  Tensor r(be_, DType::f32, {n});
+  be_.copy(r.f32(), st.head.hf.f32(), size_t(n) * sizeof(float));
+  ctx_->round_activation(r.f32(), n);
+  return r;
 }
 
 void StageWeights::run(const std::function<void(int)>& after_block) {
@@ -369,8 +377,9 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
     auto modules_backward = [&](float* dhf) {
       if (st.mtp_n == 0) return;
       st.mtp_demb = Tensor(be_, DType::f32, {st.mtp_n});
-      const float* hf = !st.mtp_hf.empty() ? st.mtp_hf.f32() : st.runs_head ? st.head.hf.f32() : st.xs.back().f32();
-      if (st.mtp_hf.empty()) {
+      const Tensor rounded = modules_hf(st);  // (made again from the head's hf, alive until its backward ends)
+      const float* hf = !rounded.empty() ? rounded.f32() : st.runs_head ? st.head.hf.f32() : st.xs.back().f32();
+      if (rounded.empty()) {
         mtp_->backward(&st.mtp, st.mtp_emb.f32(), hf, N, st.aux_grad_scale, st.mtp_demb.f32(), dhf, later);
       } else {  // their gradient of hf rounded, as another chunk would send it, then the head's
         Tensor d(be_, DType::f32, {N, D});
@@ -378,7 +387,6 @@ void Transformer::stage_backward(StageRun& run, const float* dy, const float* d_
         mtp_->backward(&st.mtp, st.mtp_emb.f32(), hf, N, st.aux_grad_scale, st.mtp_demb.f32(), d.f32(), later);
         ctx_->round_activation(d.f32(), N * D);
         be_.add(dhf, d.f32(), dhf, N * D);
-        st.mtp_hf.reset();
       }
       ctx_->round_activation(st.mtp_demb.f32(), st.mtp_n);  // a pipeline message on several stages
       if (!st.first) st.mtp_emb.reset();

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/block.h"
@@ -241,7 +242,11 @@ class Transformer {
   const ExpertDispatcher::RelayRows& relay_rows_again() const { return relay_again_; }
 
  private:
-  size_t slot(const std::string& name) const;  // the table index of a parameter; asserts it exists
+  size_t slot(const std::string& name) const;
+  // parallel.mtp_own_stage: the head's weight's parameter and its size on this rank where it is one
+  // of the tie's two (the head stage, the last), else {0, 0}.
+  std::pair<size_t, int64_t> tied_head() const;
+  Tensor modules_hf(const StageRun::Impl& st) const;  // the table index of a parameter; asserts it exists
   const ModelConfig& local() const { return placement_.local(); }  // this tensor-parallel rank's dims
   // Which blocks train.recompute drops after a training forward (and runs again before backward).
   bool recomputed(int layer) const;

@@ -249,14 +249,15 @@ TEST(Plan, StepBudgetByHand) {
 // needs 0.536 of the peaks (it could not be met at any efficiency before the relay, the precisions
 // and the split by work); compute alone (communication hidden, the head in BF16, stages of equal
 // work) matches at 0.25-0.30 of the FP8 peak with the config's selective recomputation.
+// The 671B config on its 2,048 H800s for 1e12 tokens, with `extra` arguments.
+RunResult plan_v3(const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048",
+                                   "--device", "h800", "--tokens", "1e12"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return run(argv);
+}
+
 TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
-  // The 671B config on its 2,048 H800s for 1e12 tokens, with `extra` arguments.
-  auto plan_v3 = [](const std::vector<std::string>& extra) {
-    std::vector<std::string> argv = {exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048",
-                                     "--device", "h800", "--tokens", "1e12"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return run(argv);
-  };
   const RunResult r = plan_v3({"--target-gpu-hours", "180000"});
   ASSERT_EQ(r.status, 0) << r.all();
   EXPECT_NE(r.out.find("leave 19.907 s per step"), std::string::npos) << r.out;
@@ -378,14 +379,11 @@ TEST(Plan, DeepSeekV3AgainstItsPublishedGpuHours) {
 // at 0.40. Without the pairs (the exchanges exposed) 2.601e5; without the module alone (rank 0
 // then runs both heads and sets the pace) 2.220e5.
 TEST(Plan, DeepSeekV3UnderDualPipeVWithPairsAndTheModuleAlone) {
-  auto plan_v = [](const std::vector<std::string>& extra) {
-    std::vector<std::string> argv = {
-        exe(), "plan", source_dir() + "/configs/deepseek-v3-671b.yaml", "--world", "2048", "--device", "h800",
-        "--tokens", "1e12", "--set", "parallel.pipeline_schedule=dualpipev", "--set",
-        "parallel.stage_layers=[1,1,2,2,2,2,2,2,2,2,2,2,2,2,2,3,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,0]", "--set",
-        "train.recompute_layers=[28]"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return run(argv);
+  auto plan_v = [](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), {"--set", "parallel.pipeline_schedule=dualpipev", "--set",
+                                 "parallel.stage_layers=[1,1,2,2,2,2,2,2,2,2,2,2,2,2,2,3,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,0]",
+                                 "--set", "train.recompute_layers=[28]"});
+    return plan_v3(extra);
   };
   const RunResult r = plan_v({"--set", "parallel.pair_micro_batches=true", "--set", "parallel.mtp_own_stage=true",
                               "--target-gpu-hours", "180000"});
