@@ -392,15 +392,19 @@ TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
   for (const auto& [step, loss] : again) EXPECT_EQ(loss, ref.at(step)) << "step " << step << " (bitwise)";
 
   const auto ref_off = train(1, with({"fp8.recipe=off"}));
+  // The save in checkpoint.dir `saved` at step 10 resumed on 1 rank: steps 11-20 against ref_off.
+  auto on_one_rank = [&](const std::string& saved, const char* what) {
+    const auto got = train(1, with({"fp8.recipe=off", "checkpoint.dir=" + saved + "-on1",
+                                    "checkpoint.resume=" + saved + "/step_00000010"}));
+    ASSERT_EQ(got.size(), 10u) << what;
+    const double w = worst(ref_off, got, 11);
+    std::printf("MLA + MTP saved at step 10 on %s, resumed on 1 rank: steps 11-20 within %.2e of the "
+                "uninterrupted 1-rank run\n", what, w);
+    EXPECT_LE(w, 5e-5) << what;
+  };
   train(8, with({"fp8.recipe=off", "parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2",
                  "train.exit_interval=10", "checkpoint.dir=" + dir + "-8"}));
-  const auto got = train(1, with({"fp8.recipe=off", "checkpoint.dir=" + dir + "-8b",
-                                  "checkpoint.resume=" + dir + "-8/step_00000010"}));
-  ASSERT_EQ(got.size(), 10u);
-  const double w = worst(ref_off, got, 11);
-  std::printf("MLA + MTP saved at step 10 on tp2 x pp2 x ep2, resumed on 1 rank: steps 11-20 within %.2e of the "
-              "uninterrupted 1-rank run\n", w);
-  EXPECT_LE(w, 5e-5);
+  on_one_rank(dir + "-8", "tp2 x pp2 x ep2");
 
   // Saved under DualPipeV (rank 0 holding blocks 0 and 3, the embedding, the head and the module),
   // resumed under 1F1B on the same two ranks (stage 0 holding blocks 0 and 1) and on 1 rank.
@@ -449,13 +453,7 @@ TEST_F(Layouts, LatentAttentionAndMultiTokenPredictionResume) {
   ASSERT_EQ(resumed_own.size(), 10u);
   for (const auto& [step, loss] : resumed_own)
     EXPECT_EQ(loss, uninterrupted_own.at(step)) << "module alone, step " << step << " (bitwise)";
-  const auto own_on_one = train(1, with({"fp8.recipe=off", "checkpoint.dir=" + dir + "-own1",
-                                         "checkpoint.resume=" + dir + "-own/step_00000010"}));
-  ASSERT_EQ(own_on_one.size(), 10u);
-  const double wo = worst(ref_off, own_on_one, 11);
-  std::printf("MLA + MTP saved at step 10 on pp2 dualpipev with the module alone, resumed on 1 rank: steps 11-20 "
-              "within %.2e of the uninterrupted 1-rank run\n", wo);
-  EXPECT_LE(wo, 5e-5);
+  on_one_rank(dir + "-own", "pp2 dualpipev with the module alone");
 }
 
 // The per-tensor recipes under tensor, pipeline and expert parallelism. Their amax is reduced over
