@@ -1,10 +1,12 @@
 // fp8moe: the one executable. Subcommands are added as they become real.
 #include <CLI/CLI.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <thread>
 
 #include "app/ckpt.h"
 #include "app/exit_codes.h"
@@ -215,8 +217,15 @@ int main(int argc, char** argv) {
       if (launcher_rank() == 0) app.exit(e);
       return kExitOk;
     }
-    // A bad command line: fp8moe's one line, like every other usage error (rank 0 only).
-    if (launcher_rank() == 0) usage_error(std::string(e.what()) + " (see fp8moe --help)");
+    // A bad command line: fp8moe's one line, like every other usage error (rank 0 only). The other
+    // ranks wait a moment before they exit: the launcher aborts the job at the first non-zero exit,
+    // which could otherwise come before rank 0 has printed the message (MPI has not started: no
+    // barrier to wait at).
+    if (launcher_rank() == 0) {
+      usage_error(std::string(e.what()) + " (see fp8moe --help)");
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+    }
     return kExitUsage;
   }
   return run(c, &argc, &argv);
