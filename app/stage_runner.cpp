@@ -83,7 +83,7 @@ StageRunner::StageRunner(const Config& cfg, Transformer& model, const RunnerGrou
   depth_ = cfg.model.mtp_depth;
   const Placement& place = model.placement();
   first_ = place.first_stage(), last_ = place.last_stage(), head_ = place.head_stage();
-  tied_ = place.mtp_alone() && (place.at().stage == place.head_rank() || place.at().stage == place.last_rank());
+  tied_ = place.in_head_tie();
   v_shape_ = model.placement().chunks() == 2;
   bf16_wire_ = cfg.train.activations == ActivationDtype::bf16;
   if (v_shape_) {  // every rank receives both ways; the modules' embeddings stay on rank 0

@@ -117,6 +117,8 @@ class Placement {
   // The pipeline ranks of the last chunk and of the head's chunk (the same one without mtp_alone).
   int last_rank() const { return at_.v_shape ? 0 : at_.stages - 1; }
   int head_rank() const { return !at_.mtp_alone ? last_rank() : at_.v_shape ? 1 : at_.stages - 2; }
+  // Whether this rank is one of the two that hold the head's weight tied (mtp_alone).
+  bool in_head_tie() const { return at_.mtp_alone && (at_.stage == head_rank() || at_.stage == last_rank()); }
   bool holds_tied_copy(const ParamSpec& p) const { return at_.mtp_alone && last_stage() && p.name == "head.weight"; }
 
   // Expert parallelism: this rank's routed experts [first_expert, first_expert + local_experts)

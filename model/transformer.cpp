@@ -291,9 +291,7 @@ void Transformer::stage_head_forward(StageRun& run, const int32_t* targets, int6
 constexpr int kTiedHeadTag = 32767;  // MPI's least MPI_TAG_UB
 
 std::pair<size_t, int64_t> Transformer::tied_head() const {
-  const Placement& pl = placement_;
-  const int me = pl.at().stage;
-  if (!pl.mtp_alone() || !groups_.pipeline || (me != pl.head_rank() && me != pl.last_rank())) return {0, 0};
+  if (!placement_.in_head_tie() || !groups_.pipeline) return {0, 0};
   const size_t i = slot("head.weight");
   return {i, store_->shard(i).numel()};
 }

@@ -214,6 +214,7 @@ TEST(Placement, TheModulesAloneOnTheLastChunkTheHeadBeforeIt) {
       EXPECT_EQ(pl.last_rank(), k.last);
       EXPECT_EQ(pl.head_stage(), s == k.head);
       EXPECT_EQ(pl.last_stage(), s == k.last);
+      EXPECT_EQ(pl.in_head_tie(), s == k.head || s == k.last);
       const int back = pl.chunks() - 1;
       EXPECT_EQ(pl.chunk_head(back), s == k.head);
       EXPECT_FALSE(pl.chunk_head(back) && pl.chunk_last(back));
