@@ -31,7 +31,7 @@ void CommAccounting::end_step(const StepLocal& step) {
   shape.expert_data = g_.expert_data.size(), shape.pipeline = g_.pipeline.size();
   shape.tokens = double(sequences_ * cfg_.train.seq_len), shape.micro_batches = cfg_.parallel.micro_batches;
   shape.first = place.first_stage(), shape.last = place.last_stage();
-  shape.mtp_alone = place.mtp_alone(), shape.head = place.head_stage();
+  shape.mtp_alone = place.mtp_alone(), shape.head = place.head_stage(), shape.head_alone = place.head_alone();
   shape.layer_begin = place.layer_begin(), shape.layer_end = place.layer_end();
   if (place.chunks() == 2) {
     shape.v_shape = true, shape.turn = place.at().stage == place.at().stages - 1;

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "app/plan_parts.h"
+#include "model/placement.h"
 #include "parallel/pipeline_schedule.h"
 
 namespace fp8moe::plan_detail {
@@ -126,7 +127,7 @@ Plan make_plan(const Config& c, int world, int node_size) {
     sh.pipeline = p.L.pipeline;
     sh.tokens = double(p.L.tokens()), sh.micro_batches = p.L.micro_batches;
     sh.first = s.first, sh.last = s.last, sh.layer_begin = s.layer_begin, sh.layer_end = s.layer_end;
-    sh.mtp_alone = p.L.mtp_alone, sh.head = s.head;
+    sh.mtp_alone = p.L.mtp_alone, sh.head = s.head, sh.head_alone = last_chunk_head_alone(p.L.split, p.L.mtp_alone);
     sh.v_shape = s.v_shape, sh.turn = s.v_shape && s.stage == p.L.pipeline - 1;
     sh.layer_begin2 = s.layer_begin2, sh.layer_end2 = s.layer_end2;
     sh.local_experts = m.moe.n_experts / p.L.expert;

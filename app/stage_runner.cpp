@@ -157,9 +157,9 @@ void StageRunner::upload_batches(int64_t batches, bool with_mtp) {
 
 // Receives block; the time they block is the stage's share of the pipeline bubble. Sends are
 // non-blocking, collected once a step.
-void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* local) {
+void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* local, bool full) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (bf16_wire_) {  // n BF16 values are n / 2 words (d_model is a multiple of 4: io/config_rules.cpp)
+  if (bf16_wire_ && !full) {  // n BF16 values are n / 2 words (d_model is a multiple of 4: io/config_rules.cpp)
     g_.pipe->recv(static_cast<float*>(wire_in_.raw()), n / 2, peer, tag);
     be_.from_bf16(wire_in_.data<uint16_t>(), buf, n);
   } else {
@@ -169,9 +169,9 @@ void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* loca
 }
 
 int64_t StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag,
-                          bool copy) {
+                          bool copy, bool full) {
   const int64_t n = act_ + n_extra, k = sends_++;
-  if (bf16_wire_) {
+  if (bf16_wire_ && !full) {
     keep = Tensor(be_, DType::bf16, {n});
     be_.to_bf16(a, keep.data<uint16_t>(), act_);
     if (n_extra > 0) be_.to_bf16(extra, keep.data<uint16_t>() + act_, n_extra);
@@ -277,13 +277,15 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
                                       : paired ? one_f_one_b_paired(P, stage, M)
                                                : one_f_one_b(P, stage, M);
   std::vector<StageWeights> weights(zb ? size_t(M) : 0);
+  // The head's input gradient from a last stage of no block travels in FP32 (Placement::head_alone).
+  const bool head_alone = model_.placement().head_alone(), full_in = head_alone && stage + 1 == P - 1;
   int last_backward = -1;
   for (const PipelineOp& op : ops)
     if (op.kind == PipeOpKind::backward || op.kind == PipeOpKind::forward_backward)
       last_backward = op.kind == PipeOpKind::backward ? op.micro_batch : op.backward_micro_batch;
   auto backward = [&](int mb, bool received) {
     releaser.poll();
-    if (!last_ && !received) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local);
+    if (!last_ && !received) recv(dy_in_.f32(), msg, stage + 1, 2 * mb + 1, local, full_in);
     const bool mtp_in = depth_ > 0 && first_ && !last_;
     const bool final = sync_ && mb == last_backward && !zb;
     {
@@ -295,7 +297,8 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
     if (!first_) {
       const float* demb = depth_ == 0 ? nullptr : last_ ? runs[size_t(mb)].mtp_input_grad() : dy_in_.f32() + act_;
       releaser.sending(
-          send(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb, depth_ * act_, stage - 1, 2 * mb + 1),
+          send(sent[2 * size_t(mb) + 1], runs[size_t(mb)].input_grad(), demb, depth_ * act_, stage - 1, 2 * mb + 1,
+               false, last_ && head_alone),
           size_t(mb), 2 * size_t(mb) + 1);
     }
     releaser.backward_done(size_t(mb));
@@ -314,7 +317,7 @@ void StageRunner::train_step(DataBlend& data, int64_t first_sample, float loss_s
   auto pair = [&](int fmb, int bmb) {
     releaser.poll();
     if (!first_) recv(x_in_.f32(), msg, stage - 1, 2 * fmb, local);
-    if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * bmb + 1, local);
+    if (!last_) recv(dy_in_.f32(), msg, stage + 1, 2 * bmb + 1, local, full_in);
     PassPair::run([&] { forward(fmb, true); }, [&] { backward(bmb, true); }, [this] { be_.enter_thread(); });
   };
   for (const PipelineOp& op : ops) {
@@ -360,10 +363,12 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
   // the loss). take: the op's input from its peer into buf, or `at_end` there; give: its output
   // to its peer.
   auto way = [](int phase, bool back) { return (phase == 0) != back ? 1 : -1; };
+  // The last chunk's input gradient where it holds no block: FP32 (Placement::head_alone).
+  const bool head_alone = model_.placement().head_alone();
   auto take = [&](Tensor& buf, int phase, int mb, bool back, const float* at_end) -> const float* {
     const int from = r - way(phase, back);
     if (from < 0 || from >= P) return at_end;
-    recv(buf.f32(), act_, from, tag(mb, phase, back), local);
+    recv(buf.f32(), act_, from, tag(mb, phase, back), local, back && phase == 1 && from == 0 && head_alone);
     return buf.f32();
   };
   // (The head's chunk before the modules' sends its hf, which its backward frees: a copy.)
@@ -372,7 +377,8 @@ void StageRunner::train_step_v(float loss_scale, StepLocal* local) {
     if (to < 0 || to >= P) return;
     const size_t slot = size_t(tag(mb, phase, back));
     const bool hf = !back && model_.placement().chunk_head(phase) && !model_.placement().chunk_last(phase);
-    releaser.sending(send(sent[slot], a, nullptr, 0, to, tag(mb, phase, back), hf), size_t(phase * M + mb), slot);
+    const bool full = back && phase == 1 && r == 0 && head_alone;  // (rank 0's phase 1: the last chunk)
+    releaser.sending(send(sent[slot], a, nullptr, 0, to, tag(mb, phase, back), hf, full), size_t(phase * M + mb), slot);
   };
   // An op's input: received from its peer, or this rank's own at the V's ends.
   auto forward_input = [&](int phase, int mb) {

@@ -86,14 +86,17 @@ class StageRunner {
   void upload_batches(int64_t batches, bool with_mtp);
   // A message of n values from `peer` into buf (FP32); with train.activations bf16 it travels as
   // BF16 (n / 2 words) and is widened here, exactly: what was sent is already BF16
-  // (model/context.h's rounding points).
-  void recv(float* buf, int64_t n, int peer, int tag, StepLocal* local);
+  // (model/context.h's rounding points). full: FP32 whatever the activations (the head's input
+  // gradient from a last chunk of no block: Placement::head_alone).
+  void recv(float* buf, int64_t n, int peer, int tag, StepLocal* local, bool full = false);
   // The non-blocking send of a (act_ values) and, with multi-token prediction, extra (depth_ x act_)
   // to `peer`, built into `keep` where it is not `a` itself (BF16, or the two parts in one message);
   // keep stays alive until the send is complete. copy: into keep even where it could be `a` (a
   // that the sender frees before the send may be complete: the head chunk's hf).
   // Returns the send's number since the last wait_sends() (Communicator::send_complete's k).
-  int64_t send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag, bool copy = false);
+  // full: as recv's.
+  int64_t send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag, bool copy = false,
+               bool full = false);
   void wait_sends();  // the pipeline's, and the count of sends since
   // parallel.mtp_own_stage: the tied head's gradient to the head stage (Transformer::
   // tie_head_gradient), then the data-parallel reduction of the rest posted.

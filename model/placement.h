@@ -69,6 +69,12 @@ LayerCosts layer_costs(const ModelConfig& m, int64_t T);
 std::vector<int> stage_split(const ModelConfig& m, const StageLayers& s, int stages, int64_t T, bool v_shape = false,
                              bool mtp_alone = false);
 
+// Whether a split's last chunk holds no block and runs the head (not parallel.mtp_own_stage's
+// modules alone): Placement::head_alone.
+inline bool last_chunk_head_alone(const std::vector<int>& split, bool mtp_alone) {
+  return !mtp_alone && !split.empty() && split.back() == 0;
+}
+
 // Rows [begin, end) of a parameter's (rows, cols) tensor.
 struct RowRange {
   int64_t begin = 0, end = 0;
@@ -104,6 +110,10 @@ class Placement {
     if (!at_.mtp_alone) return chunk_last(c);
     return at_.v_shape ? at_.stage == 1 && c == 1 : at_.stage == at_.stages - 2;
   }
+  // Whether the last chunk runs the head with no block (parallel.stage_layers [.., 0] without
+  // mtp_alone): its input gradient is the head's, which is not a rounding point of BF16
+  // activations (model/context.h), so that pipeline message travels in FP32 on every wire.
+  bool head_alone() const { return last_chunk_head_alone(at_.split, at_.mtp_alone); }
   // Whether this rank holds the embedding / the last chunk (DualPipeV: rank 0 holds both) / the
   // main model's head.
   bool first_stage() const { return at_.stage == 0; }

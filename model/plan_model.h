@@ -43,6 +43,9 @@ struct CommShape {
   // head's weight to the head stage and the head stage its updated weight back (V_local x D floats
   // each).
   bool mtp_alone = false, head = false;
+  // The last stage (chunk) runs the head with no block (model/placement.h head_alone): its input
+  // gradient travels in FP32 under train.activations bf16.
+  bool head_alone = false;
   int layer_begin = 0, layer_end = 0;
   // DualPipeV (parallel.pipeline_schedule): the rank's second chunk [layer_begin2, layer_end2) (the
   // V's way back), and whether it is the V's turn (the last rank); its messages go both ways.
@@ -113,6 +116,9 @@ ExpertRowBytes expert_row_bytes(int64_t D, const Fp8Config* fp8, ActivationDtype
 // scale under a per-tensor recipe (train.activations bf16): two 4-byte amax all-reduces (dispatch,
 // and the gradients' dispatch); else 0.
 double expert_wire_scale_bytes(int P, const Fp8Config* fp8, ActivationDtype activations);
+// model/moe.h MoeWire: the routed experts' rows travel in FP8 at one scale per exchange (the
+// per-tensor recipes under train.activations bf16).
+bool tensor_scaled_wire(const Fp8Config* fp8, ActivationDtype activations);
 // The bytes of one value of the pipeline's messages (activations and their gradients): 4 or 2.
 double pipeline_value_bytes(ActivationDtype activations);
 inline constexpr const char* kCommGroupNames[5] = {"tp", "ep", "dp", "edp", "pp"};
