@@ -159,7 +159,13 @@ void StageRunner::upload_batches(int64_t batches, bool with_mtp) {
 // non-blocking, collected once a step.
 void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* local, bool full) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (bf16_wire_ && !full) {  // n BF16 values are n / 2 words (d_model is a multiple of 4: io/config_rules.cpp)
+  if (bf16_wire_ && full) {  // act_ FP32 values, then n - act_ BF16 ones (send's `full`)
+    g_.pipe->recv(buf, act_ + (n - act_) / 2, peer, tag);
+    if (n > act_) {  // the BF16 part out of the way, then widened into place
+      be_.copy(wire_in_.raw(), buf + act_, size_t(n - act_) * sizeof(uint16_t));
+      be_.from_bf16(wire_in_.data<uint16_t>(), buf + act_, n - act_);
+    }
+  } else if (bf16_wire_) {  // n BF16 values are n / 2 words (d_model is a multiple of 4: io/config_rules.cpp)
     g_.pipe->recv(static_cast<float*>(wire_in_.raw()), n / 2, peer, tag);
     be_.from_bf16(wire_in_.data<uint16_t>(), buf, n);
   } else {
@@ -171,7 +177,14 @@ void StageRunner::recv(float* buf, int64_t n, int peer, int tag, StepLocal* loca
 int64_t StageRunner::send(Tensor& keep, const float* a, const float* extra, int64_t n_extra, int peer, int tag,
                           bool copy, bool full) {
   const int64_t n = act_ + n_extra, k = sends_++;
-  if (bf16_wire_ && !full) {
+  if (bf16_wire_ && full) {  // a in FP32, extra (rounded already) in BF16 after it: act_ + n_extra / 2 words
+    keep = Tensor(be_, DType::f32, {act_ + n_extra / 2});
+    be_.copy(keep.f32(), a, size_t(act_) * sizeof(float));
+    if (n_extra > 0) be_.to_bf16(extra, static_cast<uint16_t*>(keep.raw()) + 2 * act_, n_extra);
+    g_.pipe->isend(keep.f32(), act_ + n_extra / 2, peer, tag);
+    return k;
+  }
+  if (bf16_wire_) {
     keep = Tensor(be_, DType::bf16, {n});
     be_.to_bf16(a, keep.data<uint16_t>(), act_);
     if (n_extra > 0) be_.to_bf16(extra, keep.data<uint16_t>() + act_, n_extra);

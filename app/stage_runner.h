@@ -86,8 +86,9 @@ class StageRunner {
   void upload_batches(int64_t batches, bool with_mtp);
   // A message of n values from `peer` into buf (FP32); with train.activations bf16 it travels as
   // BF16 (n / 2 words) and is widened here, exactly: what was sent is already BF16
-  // (model/context.h's rounding points). full: FP32 whatever the activations (the head's input
-  // gradient from a last chunk of no block: Placement::head_alone).
+  // (model/context.h's rounding points). full: its first act_ values in FP32 whatever the
+  // activations (the head's input gradient from a last chunk of no block: Placement::head_alone),
+  // the rest (the modules' embeddings' gradient, rounded) as the activations.
   void recv(float* buf, int64_t n, int peer, int tag, StepLocal* local, bool full = false);
   // The non-blocking send of a (act_ values) and, with multi-token prediction, extra (depth_ x act_)
   // to `peer`, built into `keep` where it is not `a` itself (BF16, or the two parts in one message);

@@ -31,7 +31,8 @@ bool tensor_scaled_wire(const Fp8Config* fp8, ActivationDtype activations) {
 // pp  per micro-batch: N x D floats to the next stage (not the last) and to the previous one (not
 //     the first); with mtp_depth modules every message also carries their depth x N x D
 //     embeddings (forward) or gradient (backward), from the first stage to the last and back;
-//     the head's input gradient from a last stage of no block is FP32 (Placement::head_alone).
+//     the head's input gradient from a last stage of no block is FP32 (Placement::head_alone;
+//     the modules' embeddings' gradient after it as the activations).
 //     parallel.mtp_own_stage: once a step the last stage sends the head stage its gradient of the
 //     head's weight and the head stage its updated weight back, V / T x D floats each.
 // mtp the modules' blocks count in L_s and the MoE layers of the last stage; tp adds per module an
@@ -142,10 +143,10 @@ std::array<double, 5> analytic_comm_bytes(const CommShape& s) {
   const double pp_row = Mb * N * D * pipeline_value_bytes(s.activations);
   b[4] = s.v_shape ? pp_row * ((s.turn ? 0 : 2) + (s.first ? 0 : 2))
                    : pp_row * (1 + depth) * ((s.last ? 0 : 1) + (s.first ? 0 : 1));
-  // A last chunk of no block sends the head's input gradient (and the modules' embeddings'
-  // gradient with it under 1F1B) in FP32 whatever train.activations.
+  // A last chunk of no block sends the head's input gradient in FP32 whatever train.activations
+  // (the modules' embeddings' gradient with it as the activations).
   if (s.head_alone && s.last && !(s.first && !s.v_shape))
-    b[4] += Mb * N * D * (4 - pipeline_value_bytes(s.activations)) * (s.v_shape ? 1 : 1 + depth);
+    b[4] += Mb * N * D * (4 - pipeline_value_bytes(s.activations));
   // Once a step the stages sum the loss, the modules' loss and every MoE layer's expert loads
   // (app/stage_runner.cpp finish_step), an all-reduce over the pipeline group.
   const double all_moe_layers = std::max(0, m.n_layers - m.first_dense_layers) + depth;

@@ -663,34 +663,51 @@ TEST_F(Layouts, Bf16ActivationsAgreeAcrossLayoutsAndSendLess) {
         EXPECT_LE(w2, std::string(l.name).find("module alone") != std::string::npos ? 1e-8 : 1e-6) << l.name;
         EXPECT_LE(w, 3e-2) << l.name;
       }
-      // Without the key a last chunk of no block runs the head and the module (pp2 [4, 0]; with 4
-      // micro-batches DualPipeV [1, 2, 1, 0], rank 0's back chunk). The head's input gradient is
-      // not a rounding point, so its message back travels in FP32 (Placement::head_alone): the
-      // same values as one rank's. Steps 1 and 2 of 3 (the warm-up's, whose learning rates do not
-      // depend on train.steps). Measured (2-core VM, 2026-12-08): 0 and 0 on both; pp2 [4, 0]'s
-      // step 2 was 4.9e-5 when it travelled in BF16 (stop 63). Then pp's bytes of a step written
-      // out (N tokens a micro-batch, D = 64; the stages' sums once a step): pp2 2 micro-batches of
-      // stage 0's activation and the module's embeddings in BF16 and stage 1's gradients of both
-      // in FP32; DualPipeV 4 of 3 messages in BF16 and rank 0's back chunk's gradient in FP32.
-      {
-        const bool v = mbs == 4;
-        const std::vector<std::string> alone =
-            with(v ? std::vector<std::string>{"parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev",
-                                              "parallel.stage_layers=[1,2,1,0]"}
-                   : std::vector<std::string>{"parallel.pipeline=2", "parallel.stage_layers=[4,0]"});
+      // Without the key a last chunk of no block runs the head and the module: pp2 [4, 0]; with 4
+      // micro-batches DualPipeV [1, 2, 1, 0] in pairs (rank 0's back chunk) and pp3 [2, 2, 0]
+      // under ZB1P (stage 1 passes the modules' embeddings' gradient on). The head's input
+      // gradient is not a rounding point, so it travels back in FP32 (Placement::head_alone; the
+      // embeddings' gradient, rounded, in BF16 after it): the same values as one rank's. Steps 1
+      // and 2 of 3 (the warm-up's, whose learning rates do not depend on train.steps). Measured
+      // (2-core VM, 2026-12-08): 0 and 0 on all three; pp2 [4, 0]'s step 2 was 4.9e-5 when it
+      // travelled in BF16 (stop 63). Then pp's bytes of a step written out, per micro-batch in
+      // units of N x D (N tokens a micro-batch, D = 64), and the stages' sums once a step: pp2
+      // stage 0's activation and embeddings (2 x 2 bytes), stage 1's gradients of both (4 + 2);
+      // DualPipeV 3 messages in BF16 and rank 0's back chunk's gradient in FP32 (3 x 2 + 4); pp3
+      // 2 x 2 forward from stages 0 and 1, 2 x 2 back from stage 1, 4 + 2 back from stage 2.
+      struct HeadAlone {
+        const char* name;
+        int ranks, mbs;
+        std::vector<std::string> sets;
+        double per_micro_batch;  // bytes / (N x D)
+      };
+      for (const HeadAlone& h :
+           {HeadAlone{"pp2 [4, 0]", 2, 2, {"parallel.pipeline=2", "parallel.stage_layers=[4,0]"}, 2 * 2 + 4 + 2},
+            HeadAlone{"DualPipeV [1, 2, 1, 0] pairs", 2, 4,
+                      {"parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev", "parallel.stage_layers=[1,2,1,0]",
+                       "parallel.pair_micro_batches=true"},
+                      3 * 2 + 4},
+            HeadAlone{"pp3 [2, 2, 0] zb1p", 3, 4,
+                      {"parallel.pipeline=3", "parallel.pipeline_schedule=zb1p", "parallel.stage_layers=[2,2,0]"},
+                      2 * 2 + 2 * 2 + 2 * 2 + 4 + 2}}) {
+        if (h.mbs != mbs) continue;
+        const std::vector<std::string> alone = with(h.sets);
         auto three = alone;
         three.push_back("train.steps=3");
-        const auto got = train(2, three);
+        const auto got = train(h.ranks, three);
         const double w1 = worst({{1, ref.at(1)}}, got), w2 = worst({{2, ref.at(2)}}, got);
-        std::printf("BF16 activations, MLA + MTP, recipe off, %s head and module on the last chunk: step 1 %.2e, "
-                    "step 2 %.2e\n", v ? "DualPipeV [1, 2, 1, 0]" : "pp2 [4, 0]", w1, w2);
-        EXPECT_LE(w1, 1e-8) << mbs;
-        EXPECT_LE(w2, 1e-8) << mbs;
-        auto bytes = last_step_bytes(2, alone, v ? "bf16-head-alone-v" : "bf16-head-alone");
-        const double Nh = 8 / mbs * 32, Dh = 64, sums = 2 * (2 + 4 * 8) * 8.0;
-        EXPECT_EQ(bytes["pp"].first, v ? 4 * Nh * Dh * (3 * 2 + 4) + sums : 2 * (2 * Nh * Dh * 2 + 2 * Nh * Dh * 4) + sums)
-            << mbs;
-        EXPECT_EQ(bytes["pp"].second, bytes["pp"].first) << mbs;
+        std::printf("BF16 activations, MLA + MTP, recipe off, %s, head and module on the last chunk: step 1 %.2e, "
+                    "step 2 %.2e\n", h.name, w1, w2);
+        EXPECT_LE(w1, 1e-8) << h.name;
+        EXPECT_LE(w2, 1e-8) << h.name;
+        auto bytes = last_step_bytes(h.ranks, alone, std::string("bf16-head-alone-") + std::to_string(h.ranks) +
+                                                         std::to_string(mbs));
+        const double N = 8 / mbs * 32, D = 64;
+        const double written = mbs * N * D * h.per_micro_batch + 2 * (h.ranks - 1) * (2 + 4 * 8) * 8.0;
+        EXPECT_EQ(bytes["pp"].second, written) << h.name;
+        // (On 3 ranks the ring all-reduce of the sums' 34 doubles sends chunks of 12, 11 and 11,
+        // not the formula's 34 / 3 each: 5 bytes fewer in all.)
+        EXPECT_NEAR(bytes["pp"].first, written, h.ranks == 2 ? 0 : 8) << h.name;
       }
     }
   }
