@@ -112,7 +112,7 @@ class Placement {
   }
   // Whether the last chunk runs the head with no block (parallel.stage_layers [.., 0] without
   // mtp_alone): its input gradient is the head's, which is not a rounding point of BF16
-  // activations (model/context.h), so that pipeline message travels in FP32 on every wire.
+  // activations (model/context.h), so that pipeline message carries it in FP32 on every wire.
   bool head_alone() const { return last_chunk_head_alone(at_.split, at_.mtp_alone); }
   // Whether this rank holds the embedding / the last chunk (DualPipeV: rank 0 holds both) / the
   // main model's head.
