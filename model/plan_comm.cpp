@@ -1,8 +1,8 @@
 // The plan's communication: the analytical bytes of each group (the formulas the runs' measured
-// counts are checked against, app/comm_report), and the expert rows' sizes on the wire.
+// counts are checked against, app/comm_accounting.cpp), and the expert rows' sizes on the wire.
 #include <algorithm>
 
-#include "model/placement.h"
+#include "model/config.h"
 #include "model/plan_model.h"
 #include "parallel/communicator.h"
 
